@@ -1,0 +1,44 @@
+# Set-up and everyday commands. `make serve` and `make test` work from a fresh clone.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONFIG ?= configs/tiny-1p1d.yaml
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint proto chaos bench clean system-deps
+
+# apt packages the transfer backends and the Slurm tests need (skipped when present or not root).
+system-deps:
+	@bash deploy/install-system-deps.sh
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0   # first: a CPU build; a bare `torch` would pull a CUDA build
+	$(PIP) install -q -e '.[test,transfer,nixl,ray]'
+	$(PIP) install -q --no-deps nixl==1.5.1   # the meta package's own deps do not resolve; its API is in nixl-cu13
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve --config $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 1; fi; exit $$rc
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protocol/*.proto
+
+chaos: $(STAMP)
+	$(PY) -m pytest -q -m chaos tests/e2e/chaos
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

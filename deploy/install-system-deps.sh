@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# System packages the project needs beyond PyPI: libibverbs1 for Mooncake (without its
+# recommended ibverbs-providers, which makes every NIXL/UCX process segfault at exit), and
+# Slurm + munge for the local two-node Slurm tests. Idempotent; a no-op when all are present.
+set -euo pipefail
+need=()
+[[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 || -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ]] || need+=(libibverbs1)
+for b in slurmctld slurmd srun munged; do command -v "$b" >/dev/null || { need+=(slurmctld slurmd slurm-client munge); break; }; done
+command -v ip >/dev/null || need+=(iproute2)
+((${#need[@]})) || exit 0
+if [[ $(id -u) != 0 ]]; then
+  echo "missing system packages (${need[*]}); install them as root: apt-get install --no-install-recommends ${need[*]}" >&2
+  exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get -o DPkg::Lock::Timeout=600 update -qq
+apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+# ibverbs-providers breaks NIXL (two libibverbs copies): make sure it is absent.
+if dpkg -s ibverbs-providers >/dev/null 2>&1; then apt-get remove -y -qq ibverbs-providers >/dev/null; fi

@@ -1,0 +1,36 @@
+"""What one forward pass needs to know about the batch (built by the runner from a plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of every request scheduled this step, and where their KV lives.
+
+    Requests are laid out one after another: request i owns tokens
+    `query_start[i]:query_start[i+1]` of `input_ids`.
+    """
+
+    input_ids: torch.Tensor  # [T] int64: new tokens of all requests, concatenated
+    positions: torch.Tensor  # [T] int64: absolute position of each new token in its sequence
+    query_start: torch.Tensor  # [B+1] int64: offsets of each request's tokens in input_ids
+    seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new tokens)
+    page_table: torch.Tensor  # [B, max_pages] int64: each request's pages, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset where each new token's KV goes
+    logits_indices: torch.Tensor  # [B] int64: index in input_ids of each request's last new token
+
+    # Host copies, so CPU attention can loop without device syncs.
+    query_start_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,108 @@
+"""Configuration of one worker process: model, KV cache, scheduler, parallelism.
+
+Frozen dataclasses, composed (never inherited). The orchestrator's cluster config embeds
+these; a worker receives only its own `WorkerConfig`. Validation errors name the field and
+the fix (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transfer.config import TransferConfig
+
+Role = Literal["both", "prefill", "decode"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "dummy"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "models/tandem-arith"  # HF-format directory (config.json, *.safetensors, tokenizer)
+    served_model_name: str = ""  # "" = the directory's name
+    dtype: DType = "auto"  # auto = the checkpoint's torch_dtype (float32 on CPU if it is float16)
+    load_format: LoadFormat = "auto"  # dummy = random weights at the checkpoint's real shapes
+    max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
+    seed: int = 0  # seed for dummy weights
+
+    def validate(self, prefix: str = "model") -> None:
+        if self.max_model_len < 0:
+            raise ConfigError(f"{prefix}.max_model_len must be >= 0 (0 = from the checkpoint), got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # 0 = derive from max_total_tokens
+    max_total_tokens: int = 65536  # KV capacity in tokens when num_pages is 0
+    enable_prefix_cache: bool = True
+
+    def validate(self, prefix: str = "cache") -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"{prefix}.page_size must be a positive power of two, got {self.page_size}")
+        if self.num_pages < 0:
+            raise ConfigError(f"{prefix}.num_pages must be >= 0 (0 = from max_total_tokens), got {self.num_pages}")
+        if self.num_pages == 0 and self.max_total_tokens < self.page_size:
+            raise ConfigError(f"{prefix}.max_total_tokens must hold at least one page ({self.page_size} tokens), got {self.max_total_tokens}")
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages or self.max_total_tokens // self.page_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # most requests in one running batch
+    chunked_prefill_size: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_waiting: int = 4096  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
+
+    def validate(self, prefix: str = "scheduler") -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"{prefix}.max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.chunked_prefill_size < self.max_num_seqs:
+            raise ConfigError(
+                f"{prefix}.chunked_prefill_size ({self.chunked_prefill_size}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1
+    tp_rank: int = 0
+    device: str = "cpu"  # cpu | cuda | cuda:N
+
+    def validate(self, prefix: str = "parallel") -> None:
+        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: Role = "both"
+    host: str = "127.0.0.1"
+    port: int = 50051  # gRPC Worker + health service
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # used by prefill/decode roles
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+    def validate(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"worker.role must be one of both|prefill|decode, got {self.role!r}")
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        self.parallel.validate()
+        self.transfer.validate()
+
+    def replace(self, **changes: object) -> WorkerConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
