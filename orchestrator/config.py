@@ -1,0 +1,387 @@
+"""The cluster config tree: one YAML file describes a whole deployment.
+
+    ClusterConfig
+      model      ModelConfig        (worker/config.py) which checkpoint, dtype, served name
+      cache      CacheConfig        (worker/config.py) KV pages; a role may override fields
+      scheduler  SchedulerConfig    (worker/config.py) batch limits; a role may override fields
+      transfer   TransferConfig     (transfer/config.py) KV transfer backend and deadlines
+      gateway    GatewaySettings    HTTP host/port, routing policies, api key, health thresholds
+      roles      RolesConfig        prefill + decode (PD) or a single `both` (monolithic)
+      launcher   LauncherConfig     local | slurm | ray, log dir, readiness deadline
+      eval       EvalGate           the accuracy gate `tandem eval` applies by default
+
+Frozen dataclasses, composed. `load_config` reads YAML, applies `--set a.b=c` overrides, and
+validates every part plus the cross-field rules. `worker_config` and `gateway_config` derive
+the per-process configs the workers and the gateway receive. This module imports only the
+config types of the other packages, never their internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gateway.config import GatewayConfig, GatewayConfigError, Policy
+from orchestrator.schema import SchemaError, apply_override, build, parse_override, to_plain
+from transfer.config import TransferConfig, TransferConfigError
+from worker.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny-1p1d.yaml"
+
+RoleName = Literal["prefill", "decode", "both"]
+ROLE_NAMES: tuple[RoleName, ...] = ("prefill", "decode", "both")
+LauncherKind = Literal["local", "slurm", "ray"]
+# Hosts a listening socket binds to that a client must not dial as such.
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class ClusterConfigError(ValueError):
+    """The cluster config is wrong; the message names the field (and the file) and the fix."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway's own settings; worker addresses and the model come from the rest of the tree."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""  # "" = no auth
+    prefill_policy: Policy = "cache_aware"
+    decode_policy: Policy = "least_load"  # also the policy of `both` workers
+    health_interval_s: float = 1.0
+    health_fail_threshold: int = 2  # consecutive failed checks before a worker is unhealthy
+    health_ok_threshold: int = 1  # consecutive good checks before it takes requests again
+    request_timeout_s: float = 600.0
+    first_token_timeout_s: float = 60.0
+    max_request_bytes: int = 4 * 1024 * 1024
+    retry_before_first_token: bool = True
+    load_interval_s: float = 0.5  # GetLoad refresh period (routing and GET /workers)
+    startup_wait_s: float = 30.0  # the gateway's own wait for a healthy worker per pool
+    cache_aware_load_threshold: float = 8.0
+    cache_aware_max_pages: int = 200_000
+    log_level: str = "info"
+
+
+# GatewayConfig fields that the orchestrator fills from the rest of the tree, not from YAML.
+GATEWAY_DERIVED_FIELDS = ("model_path", "served_model_name", "workers", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RoleParallel:
+    """Parallelism of every replica of one role (the TP rank is per process, not configured)."""
+
+    tp_size: int = 1
+    device: str = "cpu"  # cpu | cuda (GPUs handed out in plan order) | cuda:N (fixed)
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One pool of identical workers. Replica i listens on base_port + i * port_stride."""
+
+    count: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 50051
+    port_stride: int = 10  # > 1 leaves room for a worker's side ports (e.g. bootstrap)
+    parallel: RoleParallel = field(default_factory=RoleParallel)
+    num_threads: int = 0  # torch intra-op threads per worker; 0 = torch's default
+    # Per-role overrides: the YAML gives only the fields that differ; load_config merges them
+    # over the cluster's section, so a non-None value here is complete. None = the cluster's.
+    cache: CacheConfig | None = None
+    scheduler: SchedulerConfig | None = None
+
+    def port(self, replica: int) -> int:
+        return self.base_port + replica * self.port_stride
+
+
+@dataclass(frozen=True)
+class RolesConfig:
+    """PD serving names `prefill` and `decode`; monolithic serving names only `both`."""
+
+    prefill: RoleConfig | None = None
+    decode: RoleConfig | None = None
+    both: RoleConfig | None = None
+
+    def present(self) -> list[tuple[RoleName, RoleConfig]]:
+        """The configured roles in launch order."""
+        return [(name, rc) for name in ROLE_NAMES if (rc := getattr(self, name)) is not None]
+
+    @property
+    def is_pd(self) -> bool:
+        return self.both is None
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    kind: LauncherKind = "local"
+    log_dir: str = "logs"  # one log per process: prefill-0.log, decode-0.log, lb.log
+    ready_timeout_s: float = 300.0  # from start until every worker's gRPC health says SERVING
+    stop_grace_s: float = 10.0  # SIGTERM → SIGKILL
+    log_tail_lines: int = 40  # lines of a failed process's log printed on failure
+
+
+@dataclass(frozen=True)
+class EvalGate:
+    """Defaults of `tandem eval` when a config is given (the CI gate's bar)."""
+
+    task: str = "arith"
+    samples: int = 200
+    concurrency: int = 8
+    min_accuracy: float = 0.9
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    roles: RolesConfig = field(default_factory=RolesConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    eval: EvalGate = field(default_factory=EvalGate)
+
+    def role(self, name: str) -> RoleConfig:
+        rc = getattr(self.roles, name, None) if name in ROLE_NAMES else None
+        if rc is None:
+            have = ", ".join(n for n, _ in self.roles.present())
+            raise ClusterConfigError(f"role '{name}' is not in this config's roles (it has: {have})")
+        return rc
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or Path(self.model.path).name
+
+    def validate(self) -> None:
+        """Every part's own validate(), then the cross-field rules."""
+        try:
+            self.model.validate("model")
+            self.cache.validate("cache")
+            self.scheduler.validate("scheduler")
+            self.transfer.validate("transfer")
+            _validate_roles(self)
+            for name, rc in self.roles.present():
+                if rc.cache is not None:
+                    rc.cache.validate(f"roles.{name}.cache")
+                if rc.scheduler is not None:
+                    rc.scheduler.validate(f"roles.{name}.scheduler")
+            gateway_config(self).validate("gateway")
+        except (ConfigError, TransferConfigError, GatewayConfigError) as exc:
+            raise ClusterConfigError(str(exc)) from None
+        _validate_launcher_and_eval(self)
+        _validate_ports(self)
+
+
+def _validate_roles(cluster: ClusterConfig) -> None:
+    roles = cluster.roles
+    if roles.both is not None and (roles.prefill is not None or roles.decode is not None):
+        raise ClusterConfigError(
+            "roles: give either `both` (monolithic) or `prefill` and `decode` (disaggregated), not both kinds"
+        )
+    if roles.both is None and (roles.prefill is None or roles.decode is None):
+        missing = "prefill" if roles.prefill is None else "decode"
+        raise ClusterConfigError(
+            f"roles: disaggregated serving needs both `prefill` and `decode`; `{missing}` is missing. "
+            f"Add roles.{missing}, or use a single roles.both for monolithic serving"
+        )
+    for name, rc in roles.present():
+        where = f"roles.{name}"
+        if rc.count < 1:
+            raise ClusterConfigError(f"{where}.count must be >= 1, got {rc.count} (remove the role instead)")
+        if rc.port_stride < 1:
+            raise ClusterConfigError(f"{where}.port_stride must be >= 1, got {rc.port_stride}")
+        if rc.base_port < 1 or rc.port(rc.count - 1) > 65535:
+            raise ClusterConfigError(
+                f"{where}: ports {rc.base_port}..{rc.port(rc.count - 1)} leave 1..65535; lower base_port or port_stride"
+            )
+        if rc.parallel.tp_size < 1:
+            raise ClusterConfigError(f"{where}.parallel.tp_size must be >= 1, got {rc.parallel.tp_size}")
+        dev = rc.parallel.device
+        if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ClusterConfigError(f"{where}.parallel.device must be cpu, cuda or cuda:N, got {dev!r}")
+        if rc.num_threads < 0:
+            raise ClusterConfigError(f"{where}.num_threads must be >= 0 (0 = torch's default), got {rc.num_threads}")
+
+
+def _validate_launcher_and_eval(cluster: ClusterConfig) -> None:
+    if cluster.launcher.ready_timeout_s <= 0:
+        raise ClusterConfigError(f"launcher.ready_timeout_s must be > 0, got {cluster.launcher.ready_timeout_s}")
+    if cluster.launcher.stop_grace_s < 0:
+        raise ClusterConfigError(f"launcher.stop_grace_s must be >= 0, got {cluster.launcher.stop_grace_s}")
+    ev = cluster.eval
+    if ev.samples < 1 or ev.concurrency < 1:
+        raise ClusterConfigError(f"eval.samples and eval.concurrency must be >= 1, got {ev.samples} and {ev.concurrency}")
+    if not 0.0 <= ev.min_accuracy <= 1.0:
+        raise ClusterConfigError(f"eval.min_accuracy must be within 0..1, got {ev.min_accuracy}")
+    if not 1 <= cluster.gateway.port <= 65535:
+        raise ClusterConfigError(f"gateway.port must be within 1..65535, got {cluster.gateway.port}")
+
+
+def _same_host(a: str, b: str) -> bool:
+    norm = {"localhost": "127.0.0.1"}
+    a, b = norm.get(a, a), norm.get(b, b)
+    return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
+
+
+def _validate_ports(cluster: ClusterConfig) -> None:
+    """No two listeners (gateway, every worker replica) on the same host:port."""
+    taken: list[tuple[str, int, str]] = [(cluster.gateway.host, cluster.gateway.port, "gateway.port")]
+    for name, rc in cluster.roles.present():
+        for i in range(rc.count):
+            taken.append((rc.host, rc.port(i), f"roles.{name} replica {i}"))
+    for j, (host, port, who) in enumerate(taken):
+        for host2, port2, who2 in taken[:j]:
+            if port == port2 and _same_host(host, host2):
+                raise ClusterConfigError(
+                    f"port collision: {who} and {who2} both use {host}:{port}. "
+                    "Change a role's base_port / port_stride or gateway.port"
+                )
+
+
+def _merge_role_sections(data: dict[str, Any]) -> None:
+    """Per-role cache/scheduler sections are partial: complete them from the cluster's section."""
+    roles = data.get("roles")
+    if not isinstance(roles, dict):
+        return
+    for role in roles.values():
+        if not isinstance(role, dict):
+            continue
+        for section in ("cache", "scheduler"):
+            base = data.get(section) or {}
+            if isinstance(role.get(section), dict) and isinstance(base, dict):
+                role[section] = {**base, **role[section]}
+
+
+def _resolve_model_path(path: str) -> str:
+    """A relative model path means the current directory, else the repository (embedded model)."""
+    p = Path(path)
+    if p.is_absolute():
+        return path
+    for root in (Path.cwd(), REPO_ROOT):
+        if (root / p).exists():
+            return str((root / p).resolve())
+    return path
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "") -> ClusterConfig:
+    """Build and validate a ClusterConfig from a YAML-shaped mapping plus `a.b=c` overrides."""
+    data = _deep_copy(data)
+    try:
+        for text in overrides:
+            keys, value = parse_override(text, ClusterConfig)
+            apply_override(data, keys, value)
+        _merge_role_sections(data)
+        cluster: ClusterConfig = build(ClusterConfig, data)
+    except SchemaError as exc:
+        raise ClusterConfigError(f"{source}: {exc}" if source else str(exc)) from None
+    model = dataclasses.replace(cluster.model, path=_resolve_model_path(cluster.model.path))
+    cluster = dataclasses.replace(cluster, model=model)
+    try:
+        cluster.validate()
+    except ClusterConfigError as exc:
+        raise ClusterConfigError(f"{source}: {exc}" if source else str(exc)) from None
+    return cluster
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ClusterConfig:
+    """Load a cluster YAML file, apply `--set` overrides (`a.b=c`), validate, return the tree."""
+    p = Path(path)
+    if not p.is_file():
+        raise ClusterConfigError(f"config file {str(p)!r} not found; pass --config PATH (e.g. {DEFAULT_CONFIG})")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ClusterConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ClusterConfigError(f"{p}: the top level must be a mapping of sections (model, roles, ...)")
+    return config_from_dict(data, overrides, source=str(p))
+
+
+def dump_config(cluster: ClusterConfig) -> str:
+    """The resolved tree as YAML that `load_config` reads back to an equal ClusterConfig."""
+    return yaml.safe_dump(to_plain(cluster), sort_keys=False)
+
+
+def device_for(cluster: ClusterConfig, role: str, replica: int) -> str:
+    """The device of a replica's rank 0: `cuda` hands out GPUs per host in launch order."""
+    rc = cluster.role(role)
+    if rc.parallel.device != "cuda":
+        return rc.parallel.device
+    nxt = 0
+    for name, other in cluster.roles.present():
+        if other.parallel.device != "cuda" or not _same_host(other.host, rc.host):
+            continue
+        for i in range(other.count):
+            if name == role and i == replica:
+                return f"cuda:{nxt}"
+            nxt += other.parallel.tp_size
+    raise ClusterConfigError(f"roles.{role}: replica {replica} is out of range (count {rc.count})")
+
+
+def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> WorkerConfig:
+    """The WorkerConfig of one replica of `role` (its rank 0; a TP worker spawns the others)."""
+    rc = cluster.role(role)
+    if not 0 <= replica < rc.count:
+        raise ClusterConfigError(f"--replica {replica} is out of range: roles.{role}.count is {rc.count} (0..{rc.count - 1})")
+    return WorkerConfig(
+        role=role,  # type: ignore[arg-type]
+        host=rc.host,
+        port=rc.port(replica),
+        model=dataclasses.replace(cluster.model, served_model_name=cluster.served_model_name),
+        cache=rc.cache or cluster.cache,
+        scheduler=rc.scheduler or cluster.scheduler,
+        parallel=ParallelConfig(tp_size=rc.parallel.tp_size, tp_rank=0, device=device_for(cluster, role, replica)),
+        transfer=cluster.transfer,
+        num_threads=rc.num_threads,
+    )
+
+
+def dial_address(host: str, port: int) -> str:
+    """host:port a client dials; a wildcard bind address is reached over loopback."""
+    return f"{'127.0.0.1' if host in _WILDCARD_HOSTS else host}:{port}"
+
+
+def worker_addresses(cluster: ClusterConfig, role: str) -> tuple[str, ...]:
+    rc = getattr(cluster.roles, role)
+    if rc is None:
+        return ()
+    return tuple(dial_address(rc.host, rc.port(i)) for i in range(rc.count))
+
+
+def gateway_config(cluster: ClusterConfig) -> GatewayConfig:
+    """The GatewayConfig: the gateway section plus model and worker addresses from the roles."""
+    # Only the fields GatewayConfig has: a setting the gateway dropped must not break loading.
+    accepted = {f.name for f in dataclasses.fields(GatewayConfig)}
+    settings = {
+        f.name: getattr(cluster.gateway, f.name)
+        for f in dataclasses.fields(GatewaySettings)
+        if f.name in accepted
+    }
+    return GatewayConfig(
+        **settings,
+        model_path=cluster.model.path,
+        served_model_name=cluster.served_model_name,
+        workers=worker_addresses(cluster, "both"),
+        prefill=worker_addresses(cluster, "prefill"),
+        decode=worker_addresses(cluster, "decode"),
+    )
