@@ -1,0 +1,106 @@
+"""Paged attention: store this step's K/V into the page pool, then attend over each
+request's whole context.
+
+The seam: model code calls an `AttentionBackend`; `TorchSDPABackend` is the CPU reference
+(a loop over requests, torch SDPA inside), and a GPU backend (Triton paged kernels) can
+replace it without touching the model. Backends receive the per-layer cache views of
+`KVCache.layer(l)`: k_cache, v_cache [num_pages, num_kv_heads, page_size, head_dim].
+
+Causality with chunked prefill: a request with `seq_len` tokens of context after this step
+and `n` new tokens has its new tokens at positions seq_len-n .. seq_len-1; new token j sees
+every cached token and new tokens 0..j. Decode is the case n = 1 (no mask needed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from worker.batch import ForwardBatch
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache."""
+    page_size = k_cache.shape[2]
+    pages = slot_mapping // page_size  # [T]
+    offsets = slot_mapping % page_size  # [T]
+    # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
+    k_cache[pages, :, offsets] = k.to(k_cache.dtype)
+    v_cache[pages, :, offsets] = v.to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One request's K or V from its pages: cache [P, Hkv, S, D], pages [n] → [Hkv, seq_len, D]."""
+    picked = cache.index_select(0, pages)  # [n, Hkv, S, D]
+    n, hkv, s, d = picked.shape
+    return picked.transpose(0, 1).reshape(hkv, n * s, d)[:, :seq_len]
+
+
+def context_mask(
+    seq_len: int, num_new: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [num_new, seq_len], True = may attend; None when every key is visible."""
+    if num_new == 1 and (sliding_window is None or seq_len <= sliding_window):
+        return None
+    q_pos = torch.arange(seq_len - num_new, seq_len, device=device)[:, None]  # [n, 1]
+    k_pos = torch.arange(seq_len, device=device)[None, :]  # [1, seq_len]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+class AttentionBackend(ABC):
+    """What a layer needs from attention; one instance is shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]."""
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Reference backend: per request, gather its pages and call torch SDPA (GQA native)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        page_size = k_cache.shape[2]
+        out = torch.empty_like(q)  # [T, Hq, D]
+        qs = batch.query_start_list
+        for i, seq_len in enumerate(batch.seq_lens_list):
+            start, end = qs[i], qs[i + 1]
+            if end == start:
+                continue
+            num_pages = -(-seq_len // page_size)
+            pages = batch.page_table[i, :num_pages]
+            ctx_k = gather_context(k_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
+            ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
+            qi = q[start:end].transpose(0, 1)  # [Hq, n, D]
+            mask = context_mask(seq_len, end - start, sliding_window, q.device)
+            oi = F.scaled_dot_product_attention(
+                qi[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )  # [1, Hq, n, D]
+            out[start:end] = oi[0].transpose(0, 1)
+        return out
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
+    return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window)
+
+
+def get_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """The backend for a device. GPU kernels plug in here; today every device gets SDPA."""
+    return TorchSDPABackend()

@@ -1,0 +1,60 @@
+"""The model-side contract the engine relies on: `ModelSpec` and the `CausalLM` interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from worker.batch import ForwardBatch
+from worker.kv_cache import KVCache
+from worker.model.layers import TensorSource
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine and the transfer layout contract need to know, from config.json."""
+
+    architecture: str  # e.g. "Qwen3ForCausalLM"
+    num_layers: int
+    hidden_size: int
+    num_heads: int  # attention heads in the whole model (divide by tp_size for one rank)
+    num_kv_heads: int  # KV heads in the whole model
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's (deduplicated)
+    dtype: torch.dtype  # the dtype the weights were loaded in (also the KV cache's)
+    fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
+    sliding_window: int | None  # largest window of any sliding layer; None = all full attention
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes: a module with `load(param, source, shard_id)`."""
+
+    module: nn.Module
+    param: str  # "weight" or "bias"
+    shard_id: object = None  # which piece of a fused parameter ("q"/"k"/"v", 0/1); None = whole
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only LM over the paged KV cache."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Run this step's tokens; write their K/V at slot_mapping. Returns hidden [T, hidden]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (the rows the engine samples from) → logits [N, vocab] float32."""
+
+    @abstractmethod
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Checkpoint tensor name → where it loads. The loader requires every name listed."""
+
+    def load_weight(self, name: str, source: TensorSource) -> None:
+        slot = self.weight_slots()[name]
+        slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]

@@ -1,0 +1,194 @@
+"""Read an HF `config.json` into the typed description our model code builds from.
+
+Everything the Llama / Qwen2 / Qwen3 / Mistral family varies on is named here once, so the
+model code never reads raw dicts: head_dim (explicit or hidden / heads), biases, Qwen3's q/k
+norm, tied embeddings, per-layer sliding windows and the RoPE variant. Both spellings of
+the RoPE settings are accepted: transformers >= 5 writes `rope_parameters` with `rope_theta`
+inside; older checkpoints write top-level `rope_theta` plus an optional `rope_scaling`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be loaded; the message names the file or field and the fix."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str  # one of ROPE_TYPES
+    theta: float  # base wavelength
+    factor: float = 1.0  # linear / dynamic / yarn / llama3 scaling factor
+    original_max_position_embeddings: int = 0  # yarn / llama3: pre-extension context length
+    max_position_embeddings: int = 0  # dynamic NTK: context length beyond which it scales
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: cos/sin multiplier (None = from factor)
+    mscale: float | None = None  # yarn (DeepSeek-style attention_factor inputs)
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: floor/ceil the correction range
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The architecture knobs of one decoder-only checkpoint, from config.json."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2 always; others per attention_bias)
+    o_bias: bool  # o_proj carries a bias (attention_bias on Llama / Qwen3)
+    mlp_bias: bool  # Llama's mlp_bias
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full
+    torch_dtype: torch.dtype  # the checkpoint's declared dtype
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def sliding_window(self) -> int | None:
+        windows = {w for w in self.layer_windows if w is not None}
+        return max(windows) if windows else None
+
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+    "half": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ModelLoadError(f"{source}: required field {key!r} is missing; is this a decoder-only HF checkpoint?")
+    return cfg[key]
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
+    """Both spellings: `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    # Old configs say "type", newer "rope_type"; "su"/"longrope" and others are not ours.
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    max_pos = int(cfg.get("max_position_embeddings", 0) or 0)
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (1, 1.0, None):
+        raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
+    factor = float(params.get("factor") or 1.0)
+    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
+        raise ModelLoadError(f"{source}: rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling")
+    orig = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos)
+    if rope_type == "yarn" and params.get("factor") is None:
+        factor = max_pos / orig  # transformers' fallback: the implied extension ratio
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=theta,
+        factor=factor,
+        original_max_position_embeddings=orig,
+        max_position_embeddings=max_pos,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Which layers attend through a sliding window, following transformers' rules per family."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window value that is off unless use_sliding_window
+    if window is None:
+        return (None,) * num_layers
+    if layer_types:
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(cfg.get("max_window_layers", num_layers))
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    return (int(window),) * num_layers
+
+
+def parse_arch_config(
+    cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None, source: str = "config.json"
+) -> ArchConfig:
+    """Validate and type one config.json (plus generation_config.json for eos ids)."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{source}: architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = int(_require(cfg, "hidden_size", source))
+    heads = int(_require(cfg, "num_attention_heads", source))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    num_layers = int(_require(cfg, "num_hidden_layers", source))
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
+    dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
+    if dtype_name not in _DTYPES:
+        raise ModelLoadError(f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    eos = _as_id_tuple((generation_cfg or {}).get("eos_token_id")) + _as_id_tuple(cfg.get("eos_token_id"))
+    return ArchConfig(
+        architecture=arch,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=int(_require(cfg, "intermediate_size", source)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(_require(cfg, "vocab_size", source)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope=parse_rope(cfg, source),
+        layer_windows=_layer_windows(cfg, arch, num_layers),
+        torch_dtype=_DTYPES[dtype_name],
+        eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
+    )

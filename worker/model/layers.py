@@ -1,0 +1,190 @@
+"""Building blocks of the dense decoder: norms, tensor-parallel-ready linears, embeddings.
+
+Weight loading is owned by the layers, not by the loader: each layer knows which slice of a
+checkpoint tensor belongs to its rank. A checkpoint tensor arrives as a `TensorSource`, which
+reads lazily (safetensors `get_slice`), so a tensor-parallel rank reads only its rows or
+columns. Fused projections (q|k|v, gate|up) take one checkpoint tensor per `shard_id`;
+fusing them makes one matmul instead of three (or two), which matters on CPU.
+
+Tensor parallelism: column-parallel layers split the output features across ranks,
+row-parallel layers split the input features and all-reduce their output. With tp_size 1
+(all the engine wires today) the slices are the whole tensors and no collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class TensorSource(Protocol):
+    """A checkpoint tensor that can be read whole or as a slice along one dimension."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
+
+class InMemorySource:
+    """A `TensorSource` over a tensor already in memory (tests, dummy weights, conversions)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.tensor.narrow(dim, start, (self.shape[dim] if stop is None else stop) - start)
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None  # None = the default group (when size > 1)
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not have the shape the config implies."""
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise WeightShapeError(
+            f"{name}: checkpoint slice has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}; "
+            "does config.json match the weights?"
+        )
+    dst.copy_(src)
+
+
+def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32, weight applied in the model dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
+        _copy_checked(getattr(self, param).data, source.read(), f"RMSNorm.{param}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's rows (output features) split across TP ranks.
+
+    `output_sizes` lists the fused pieces (one per shard_id, in order); each piece is split
+    across ranks separately so every rank holds its own rows of every piece.
+    """
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        for size in output_sizes:
+            if size % tp.size:
+                raise WeightShapeError(f"output size {size} is not divisible by tp_size {tp.size}")
+        self.tp = tp
+        self.local_sizes = [s // tp.size for s in output_sizes]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        out_local = sum(self.local_sizes)
+        self.weight = _param(out_local, in_features, dtype=dtype)  # [out_local, in]
+        self.bias = _param(out_local, dtype=dtype) if bias else None  # [out_local]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] → [T, out_local]
+        return F.linear(x, self.weight, self.bias)
+
+    def _shard_index(self, shard_id: object) -> int:
+        return 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
+
+    def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
+        i = self._shard_index(shard_id)
+        local = self.local_sizes[i]
+        start = self.tp.rank * local
+        dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
+        _copy_checked(dst, source.read(0, start, start + local), f"{type(self).__name__}.{param}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused: shard_id is "q", "k" or "v"; heads split across ranks."""
+
+    SHARDS = ("q", "k", "v")
+
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if num_heads % tp.size or num_kv_heads % tp.size:
+            raise WeightShapeError(
+                f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp.size})"
+            )
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, bias, tp, dtype)
+
+    def _shard_index(self, shard_id: object) -> int:
+        return self.SHARDS.index(str(shard_id))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's columns (input features) split across ranks; output all-reduced."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        if in_features % tp.size:
+            raise WeightShapeError(f"input size {in_features} is not divisible by tp_size {tp.size}")
+        self.tp = tp
+        self.in_local = in_features // tp.size
+        self.weight = _param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
+        self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
+        y = F.linear(x, self.weight)
+        if self.tp.size > 1:
+            dist.all_reduce(y, group=self.tp.group)
+        return y if self.bias is None else y + self.bias
+
+    def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
+        if param == "bias":
+            _copy_checked(self.bias.data, source.read(), "RowParallelLinear.bias")  # type: ignore[union-attr]
+            return
+        start = self.tp.rank * self.in_local
+        _copy_checked(self.weight.data, source.read(1, start, start + self.in_local), "RowParallelLinear.weight")
+
+
+class Embedding(nn.Module):
+    """Token embedding, replicated on every rank (vocab-parallel sharding is future work)."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden, dtype=dtype)  # [V, hidden]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] → [T, hidden]
+        return F.embedding(ids, self.weight)
+
+    def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
+        _copy_checked(self.weight.data, source.read(), "Embedding.weight")
+
+
+class LMHead(Embedding):
+    """Output projection [V, hidden], replicated; logits in float32."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, V]
+        return F.linear(hidden, self.weight).float()

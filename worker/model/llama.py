@@ -1,0 +1,162 @@
+"""The Llama family of dense decoders: Llama, Mistral, Qwen2, Qwen3.
+
+They differ only in knobs that `ArchConfig` carries: Qwen2's q/k/v bias, Qwen3's per-head
+q/k RMSNorm, `attention_bias`, `mlp_bias`, tied embeddings, sliding-window layers and the
+RoPE variant. Module names follow the HF checkpoints (model.layers.N.self_attn...), with
+q/k/v and gate/up fused; `weight_slots` maps the checkpoint names onto the fused pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.batch import ForwardBatch
+from worker.kv_cache import KVCache
+from worker.model.attention import AttentionBackend
+from worker.model.base import CausalLM, WeightSlot
+from worker.model.hf_config import ArchConfig
+from worker.model.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    LMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    TPInfo,
+)
+from worker.model.rope import RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: ArchConfig, layer: int, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.backend = backend
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // tp.size  # on this rank
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.layer_windows[layer]
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)  # [T, *]
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
+        o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ArchConfig, tp: TPInfo, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter_local] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ArchConfig, layer: int, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, tp, backend, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, backend, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 / Qwen3 dense, over the paged KV cache."""
+
+    def __init__(
+        self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype,
+        rope_device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, tp, backend, dtype)
+        # Tied: the output projection is the embedding matrix itself (one tensor, not a copy).
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)  # plain tensors, not a buffer
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        token_seq_lens = None
+        if self.cfg.rope.rope_type == "dynamic":
+            counts = batch.query_start[1:] - batch.query_start[:-1]  # [B]
+            token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
+        cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)  # [T, D] each, shared by layers
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, kv)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()  # [N, V]
+        return self.lm_head(hidden)  # [N, V] float32
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        slots: dict[str, WeightSlot] = {"model.embed_tokens.weight": WeightSlot(self.model.embed_tokens, "weight")}
+        slots["model.norm.weight"] = WeightSlot(self.model.norm, "weight")
+        if self.lm_head is not None:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head, "weight")
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            attn, mlp = layer.self_attn, layer.mlp
+            params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
+            for shard in ("q", "k", "v"):
+                for param in params:
+                    slots[f"{p}.self_attn.{shard}_proj.{param}"] = WeightSlot(attn.qkv_proj, param, shard)
+            for param in ["weight", "bias"] if attn.o_proj.bias is not None else ["weight"]:
+                slots[f"{p}.self_attn.o_proj.{param}"] = WeightSlot(attn.o_proj, param)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                slots[f"{p}.self_attn.q_norm.weight"] = WeightSlot(attn.q_norm, "weight")
+                slots[f"{p}.self_attn.k_norm.weight"] = WeightSlot(attn.k_norm, "weight")
+            mlp_params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
+            for shard, name in enumerate(("gate_proj", "up_proj")):
+                for param in mlp_params:
+                    slots[f"{p}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, shard)
+            for param in mlp_params:
+                slots[f"{p}.mlp.down_proj.{param}"] = WeightSlot(mlp.down_proj, param)
+            slots[f"{p}.input_layernorm.weight"] = WeightSlot(layer.input_layernorm, "weight")
+            slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(layer.post_attention_layernorm, "weight")
+        return slots

@@ -1,0 +1,213 @@
+"""Load an HF-format checkpoint directory (or dummy weights at its shapes) into our model.
+
+1. Read config.json (+ generation_config.json) into an `ArchConfig`; refuse what we cannot run.
+2. Build the model on the meta device (no memory), then materialize it once on the target
+   device with `to_empty` — an 8B config never allocates twice.
+3. Fill it: real weights stream tensor by tensor from `model.safetensors` or the shards in
+   `model.safetensors.index.json`, read lazily with `safe_open` so each layer reads only its
+   slice (tensor parallelism); or dummy weights (norms 1, the rest small normal, seeded).
+4. Compute the fingerprint: sha256 over config.json bytes and each safetensors file's name,
+   size and header — cheap, and it changes whenever weights or config change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.config import ModelConfig, ParallelConfig
+from worker.model.attention import get_attention_backend
+from worker.model.base import CausalLM, ModelSpec
+from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
+from worker.model.layers import RMSNorm, TPInfo
+from worker.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
+_DUMMY_BLOCK = 1 << 24  # elements drawn per randn call (64 MiB of float32)
+
+
+class SafetensorsSource:
+    """A `TensorSource` over one tensor of an open safetensors file; reads only what is asked."""
+
+    def __init__(self, handle: object, name: str) -> None:
+        self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.shape[dim] if stop is None else stop
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._slice[index]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} does not exist; model.path must be an HF-format directory") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_arch_config(path: Path) -> ArchConfig:
+    if not path.is_dir():
+        raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
+    gen_path = path / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.exists() else None
+    return parse_arch_config(read_json(path / "config.json"), gen, source=str(path / "config.json"))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, single-file or sharded."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are absent: {missing[:3]}; re-download the checkpoint")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    if found:
+        return [path / n for n in found]
+    raise ModelLoadError(
+        f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors checkpoints are "
+        "supported (convert .bin with transformers' save_pretrained), or use load_format: dummy"
+    )
+
+
+def fingerprint(path: Path, files: list[Path]) -> str:
+    """sha256 over config.json and each safetensors file's name, size and JSON header."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in files:
+        with open(f, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            h.update(f.name.encode())
+            h.update(str(f.stat().st_size).encode())
+            h.update(fh.read(header_len))
+    return h.hexdigest()
+
+
+def resolve_dtype(model: ModelConfig, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    if model.dtype != "auto":
+        if model.dtype not in _DTYPE_NAMES:
+            raise ModelLoadError(f"model.dtype {model.dtype!r} is not one of auto|float32|bfloat16|float16")
+        return _DTYPE_NAMES[model.dtype]
+    if arch.torch_dtype == torch.float16 and device.type == "cpu":
+        # fp16 matmul on CPU runs at a few GFLOP/s; float32 is exact for fp16 weights.
+        log.info("checkpoint is float16; loading as float32 on CPU (set model.dtype to override)")
+        return torch.float32
+    return arch.torch_dtype
+
+
+def iter_checkpoint(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, SafetensorsSource]]:
+    for f in files:
+        handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+        for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            yield name, SafetensorsSource(handle, name)
+
+
+def load_checkpoint(model: CausalLM, files: list[Path]) -> None:
+    """Stream every tensor into its slot; every slot must be filled exactly once."""
+    slots = model.weight_slots()
+    loaded: set[str] = set()
+    ignored: list[str] = []
+    with ExitStack() as stack:
+        for name, source in iter_checkpoint(files, stack):
+            slot = slots.get(name)
+            if slot is None:
+                ignored.append(name)  # e.g. rotary inv_freq buffers, a tied lm_head copy
+                continue
+            slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
+            loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        raise ModelLoadError(
+            f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
+            "does config.json (architectures, tie_word_embeddings, attention_bias) match the weights?"
+        )
+    if ignored:
+        log.info("ignored %d checkpoint tensors not used by the model, e.g. %s", len(ignored), ignored[:3])
+
+
+@torch.no_grad()
+def init_dummy(model: CausalLM, seed: int) -> None:
+    """Random weights at the real shapes: norms 1 (so activations keep their scale), rest N(0, 0.02)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for _, p in model.named_parameters():
+        if id(p) in norm_weights:
+            p.fill_(1.0)
+        else:
+            # Drawn on CPU in float32 then cast, so the same seed gives the same weights on any
+            # device; in row blocks so the float32 staging copy stays small for big matrices.
+            flat = p.view(p.shape[0], -1) if p.dim() > 1 else p.view(1, -1)  # [rows, cols]
+            step = max(1, _DUMMY_BLOCK // flat.shape[1])
+            for r in range(0, flat.shape[0], step):
+                block = flat[r : r + step]
+                block.copy_(torch.randn(block.shape, generator=gen) * _DUMMY_STD)
+
+
+def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, ModelSpec]:
+    """Build and fill the model described by `model.path` for this rank."""
+    path = Path(model.path)
+    arch = load_arch_config(path)
+    device = torch.device(parallel.device)
+    dtype = resolve_dtype(model, arch, device)
+    if parallel.tp_size > 1:
+        # The layers and weight loaders shard already; the engine does not set up TP groups yet.
+        raise ModelLoadError(
+            f"parallel.tp_size={parallel.tp_size}: tensor parallelism is not wired into the engine yet; use tp_size 1"
+        )
+    tp = TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
+    cls = _MODEL_CLASSES[arch.architecture]
+    with torch.device("meta"):
+        lm = cls(arch, tp, get_attention_backend(device), dtype, rope_device=device)
+    lm = lm.to_empty(device=device)
+    if model.load_format == "dummy":
+        init_dummy(lm, model.seed)
+        fp = f"dummy:{model.seed}"
+    elif model.load_format == "auto":
+        files = weight_files(path)
+        load_checkpoint(lm, files)
+        fp = fingerprint(path, files)
+    else:
+        raise ModelLoadError(f"model.load_format {model.load_format!r} is not one of auto|dummy")
+    lm.eval()
+    spec = ModelSpec(
+        architecture=arch.architecture,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        eos_token_ids=arch.eos_token_ids,
+        dtype=dtype,
+        fingerprint=fp,
+        sliding_window=arch.sliding_window,
+    )
+    return lm, spec
