@@ -1,0 +1,133 @@
+"""The decode role: reserve pages, let prefill fill them, decode in the running batch.
+
+Lifecycle of one request on a decode worker:
+1. `Generate(room, bootstrap_addr)` arrives: pages for the prompt (+ the first token) are
+   reserved; when the pool is short the request waits here, holding nothing, until pages free up.
+2. A receiver registers the room with the prefill worker's bootstrap service: destination
+   pages, this worker's transfer agent, the layout contract and this incarnation's epoch.
+   The request is WAITING_FOR_REMOTE_KV.
+3. Prefill writes the pages and then reports the first token. `poll` sees the room succeed:
+   the request joins the running batch with its prompt marked computed and the first token
+   appended, and streams from there. Decode never runs the prompt through the model.
+4. If the room fails (deadline, peer gone, corrupt pages, contract mismatch) the request fails
+   with that reason; it is never silently recomputed. Pages are freed exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from transfer.manager import KVReceiver, KVTransferManager
+from transfer.room import RoomState
+from worker.engine import Engine
+from worker.page_pool import OutOfPages
+from worker.request import Request, RequestStatus, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    request: Request
+    receiver: KVReceiver
+
+
+class DecodeRole:
+    def __init__(self, engine: Engine, manager: KVTransferManager) -> None:
+        self.engine = engine
+        self.manager = manager
+        self.page_size = engine.kv.shape.page_size
+        self._pending: deque[Request] = deque()  # no pages yet
+        self._rooms: dict[str, _Room] = {}  # pages reserved, KV in flight
+        self._landed: deque[Request] = deque()  # KV here, waiting for a seat in the batch
+
+    # ---- engine hooks ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._pending.append(request)
+        self._reserve()
+
+    def on_prompt_done(self, request: Request) -> bool:
+        return False  # decode requests arrive with their prompt done; recomputes after preemption keep decoding
+
+    def poll(self) -> None:
+        self._reserve()
+        for room in list(self._rooms.values()):
+            state = room.receiver.poll()
+            if state.is_finished:
+                del self._rooms[room.request.request_id]
+                self._land(room, state)
+        self._seat()
+
+    def _reserve(self) -> None:
+        sched = self.engine.scheduler
+        while self._pending:
+            req = self._pending[0]
+            need = -(-(req.num_prompt_tokens + 1) // self.page_size)
+            if need > sched.pool.num_pages:
+                self._pending.popleft()
+                sched.finish(req, RequestStatus.FINISHED_ERROR,
+                             f"prompt needs {need} KV pages, this decode worker has {sched.pool.num_pages}", "invalid")
+                continue
+            try:
+                pages = sched.pool.allocate(need, req.request_id)
+            except OutOfPages:
+                return  # retry next step, in arrival order
+            self._pending.popleft()
+            req.page_table = pages
+            receiver = self.manager.create_receiver(
+                req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens
+            )
+            self._rooms[req.request_id] = _Room(req, receiver)
+
+    def _land(self, room: _Room, state: RoomState) -> None:
+        req, rx = room.request, room.receiver
+        req.transfer_stats = rx.stats.as_dict()
+        sched = self.engine.scheduler
+        if state is not RoomState.SUCCESS or rx.first_token is None:
+            error = rx.error or f"room ended in state {state.name}"
+            status = RequestStatus.FINISHED_ABORTED if state is RoomState.ABORTED else RequestStatus.FINISHED_ERROR
+            code = "deadline" if "deadline" in error or "timed out" in error else "unavailable"
+            sched.finish(req, status, f"KV transfer failed: {error}", code)
+            return
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(rx.first_token)
+        if rx.first_logprob is not None and (req.sampling.logprobs or req.sampling.top_logprobs):
+            req.output_logprobs.append(TokenLogprob(rx.first_token, *rx.first_logprob))
+        self.engine.emit(req)
+        status = sched.stop_status(req)
+        if status is not None:
+            sched.finish(req, status)
+            return
+        self._landed.append(req)
+
+    def _seat(self) -> None:
+        sched = self.engine.scheduler
+        while self._landed and len(sched.running) < sched.config.max_num_seqs:
+            req = self._landed.popleft()
+            req.status = RequestStatus.RUNNING
+            sched.running.append(req)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        sched = self.engine.scheduler
+        for req in list(self._pending) + list(self._landed):
+            if req.request_id == request_id:
+                (self._pending if req in self._pending else self._landed).remove(req)
+                sched.finish(req, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
+                return
+        room = self._rooms.pop(request_id, None)
+        if room is not None:
+            room.receiver.abort(reason)
+            sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._rooms or self._landed)
+
+    def load_stats(self) -> tuple[dict[str, int], int, int, int]:
+        totals = self.manager.totals()
+        return self.manager.room_counts(), totals.bytes, totals.pages, len(self._pending) + len(self._landed)
+
+    def close(self) -> None:
+        self.manager.close()

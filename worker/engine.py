@@ -1,0 +1,241 @@
+"""The engine: one loop thread that owns the scheduler, the runner and the KV cache.
+
+Other threads (the gRPC server) talk to it only through `submit` and `abort`, which post to an
+inbox drained at the top of every step; outputs leave through each request's sink, called on
+the loop thread (the server's sink hops them onto its event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.config import WorkerConfig
+from worker.kv_cache import KVCache, KVShape
+from worker.model import ModelSpec, load_model
+from worker.request import Request, RequestStatus, TokenLogprob
+from worker.runner import ModelRunner
+from worker.scheduler import RoleHooks, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced since its previous output (the server turns it into a message)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""  # "" while running; stop | length | abort | error
+    error: str = ""
+    error_code: str = ""  # invalid | unavailable | deadline | internal (see worker/server.py)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    transfer: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of the room
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    sink: OutputSink
+    num_emitted: int = 0  # output tokens already sent
+
+
+class Engine:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.parallel.device)
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.model, self.spec = load_model(config.model, config.parallel)
+        self.max_model_len = min(
+            config.model.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
+        )
+        num_pages = config.cache.total_pages
+        self.kv = KVCache(kv_shape(self.spec, config, num_pages), self.device)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_pages=num_pages,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.spec.eos_token_ids,
+            on_finish=self._on_finish,
+        )
+        self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
+        self._inbox: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._touched: dict[str, _Tracked] = {}  # requests with something to emit after this step
+        self.num_steps = 0
+
+    def set_hooks(self, hooks: RoleHooks) -> None:
+        self.scheduler.hooks = hooks
+
+    # ---- called from any thread -------------------------------------------------------------
+    def submit(self, request: Request, sink: OutputSink) -> None:
+        self._inbox.put(("add", request, sink))
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._inbox.put(("abort", request_id, reason))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread before the next step (role managers use this)."""
+        self._inbox.put(("call", fn, None))
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run_forever(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        while not stop.is_set():
+            if not self.step():
+                self._drain_inbox(block_s=idle_wait_s if not self.has_pending_work() else 0.001)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self) -> bool:
+        """One schedule → run → update. Returns False when there was nothing to run."""
+        self._drain_inbox(block_s=0.0)
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            self._flush()
+            return False
+        try:
+            out = self.runner.run(plan)
+        except Exception as exc:  # a bug or a device error: fail this step's requests, keep serving
+            log.error("step failed, failing %d requests:\n%s", len(plan.chunks), traceback.format_exc())
+            for chunk in plan.chunks:
+                req = chunk.request
+                if req.status is RequestStatus.RUNNING:
+                    self.scheduler.running.remove(req)
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+            self._flush()
+            return True
+        self.scheduler.update(plan, out)
+        for chunk in plan.chunks:
+            tracked = self._tracked.get(chunk.request.request_id)
+            if tracked is not None and chunk.sample:
+                self._touched[chunk.request.request_id] = tracked
+        self.num_steps += 1
+        self._flush()
+        return True
+
+    def _drain_inbox(self, block_s: float) -> None:
+        try:
+            item = self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple[str, object, object]) -> None:
+        kind, a, b = item
+        if kind == "add":
+            assert isinstance(a, Request)
+            self._tracked[a.request_id] = _Tracked(a, b)  # type: ignore[arg-type]
+            if a.sampling.seed is not None:
+                a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
+            self.add_request(a)
+        elif kind == "abort":
+            self.abort_now(str(a), str(b))
+        elif kind == "call":
+            a()  # type: ignore[operator]
+
+    def add_request(self, request: Request) -> None:
+        """Loop thread: hand a new request to its role (or straight to the scheduler)."""
+        if self.scheduler.hooks is not None:
+            self.scheduler.hooks.add_request(request)
+        else:
+            self.scheduler.add(request)
+
+    def abort_now(self, request_id: str, reason: str) -> None:
+        """Loop thread: end a request wherever it is (queues, running batch, role queues)."""
+        if request_id in self._tracked:
+            self.scheduler.abort(request_id, reason)
+            if self.scheduler.hooks is not None:
+                self.scheduler.hooks.abort(request_id, reason)  # closes its room too
+
+    def _on_finish(self, req: Request) -> None:
+        tracked = self._tracked.get(req.request_id)
+        if tracked is not None:
+            self._touched[req.request_id] = tracked
+
+    def emit(self, req: Request) -> None:
+        """Role managers call this when a request has news outside a step (first token landed)."""
+        tracked = self._tracked.get(req.request_id)
+        if tracked is not None:
+            self._touched[req.request_id] = tracked
+
+    def _flush(self) -> None:
+        for rid, tracked in self._touched.items():
+            req = tracked.request
+            first = tracked.num_emitted == 0
+            new = req.output_token_ids[tracked.num_emitted :]
+            new_lp = req.output_logprobs[tracked.num_emitted :] if req.output_logprobs else []
+            tracked.num_emitted = len(req.output_token_ids)
+            done = req.status.is_finished
+            if not new and not done:
+                continue
+            tracked.sink(
+                RequestOutput(
+                    request_id=rid,
+                    token_ids=list(new),
+                    logprobs=list(new_lp),
+                    finish_reason=req.finish_reason if done else "",
+                    error=req.error,
+                    error_code=req.error_code,
+                    num_prompt_tokens=req.num_prompt_tokens if first else 0,
+                    num_cached_tokens=req.num_cached_tokens if first else 0,
+                    transfer=req.transfer_stats if done else None,
+                )
+            )
+            if done:
+                del self._tracked[rid]
+        self._touched.clear()
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warm_up(self, timeout_s: float = 120.0) -> None:
+        """Run one tiny request through the real path before reporting SERVING."""
+        from worker.sampling import SamplingParams
+
+        done = threading.Event()
+        req = Request("warmup", [0] * min(8, self.max_model_len - 1), SamplingParams(max_tokens=2, ignore_eos=True))
+        self._tracked[req.request_id] = _Tracked(req, lambda out: done.set() if out.finished else None)
+        self.scheduler.add(req)  # straight to the scheduler: no room, whatever the role
+        deadline = time.monotonic() + timeout_s
+        while not done.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError("warm-up step did not finish")
+            self.step()
+        if req.status is RequestStatus.FINISHED_ERROR:
+            raise RuntimeError(f"warm-up failed: {req.error}")
+
+
+def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int) -> KVShape:
+    tp = config.parallel.tp_size
+    # With TP > kv heads each rank keeps a replica of one kv head.
+    kv_heads = max(1, spec.num_kv_heads // tp)
+    return KVShape(
+        num_pages=num_pages,
+        num_layers=spec.num_layers,
+        num_kv_heads=kv_heads,
+        page_size=config.cache.page_size,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+    )

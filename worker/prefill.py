@@ -1,0 +1,132 @@
+"""The prefill role: compute prompts, ship their KV to the decode worker that reserved pages.
+
+Lifecycle of one request on a prefill worker:
+1. `Generate(room, bootstrap_addr)` arrives: a sender is opened for the room (state
+   BOOTSTRAPPING until the decode worker registers its destination pages) and the request
+   joins the waiting queue like any other.
+2. The scheduler computes the prompt in chunks; the prefix cache may skip cached pages.
+   With `transfer.layerwise_interval = N > 0`, every N chunks the pages the prompt has filled
+   so far are shipped while the next chunks compute.
+3. The last chunk samples the first token. The request leaves the running batch (TRANSFERRING)
+   and its remaining pages, the first token and its logprobs are shipped; the room completes
+   once every write is confirmed.
+4. `poll` (every step) sees the room end: success → the request finishes and its pages go back
+   to the pool through the prefix cache; failure or abort → the request fails with the room's
+   reason. Pages are freed exactly once, here or by an abort.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transfer.manager import KVSender, KVTransferManager
+from transfer.room import RoomState
+from worker.engine import Engine
+from worker.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    request: Request
+    sender: KVSender
+    pages_sent: int = 0  # leading pages of page_table already handed to the sender
+    chunks_since_send: int = 0
+
+
+class PrefillRole:
+    def __init__(self, engine: Engine, manager: KVTransferManager) -> None:
+        self.engine = engine
+        self.manager = manager
+        self.page_size = engine.kv.shape.page_size
+        self.layerwise_interval = engine.config.transfer.layerwise_interval
+        self._rooms: dict[str, _Room] = {}  # by request id: every request here has a room
+        self._shipping: list[_Room] = []  # prompt done, waiting for the room to end
+
+    # ---- engine hooks ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        sender = self.manager.create_sender(request.room)
+        self._rooms[request.request_id] = _Room(request, sender)
+        self.engine.scheduler.add(request)
+
+    def on_prompt_done(self, request: Request) -> bool:
+        room = self._rooms[request.request_id]
+        request.status = RequestStatus.TRANSFERRING
+        first = request.output_logprobs[0] if request.output_logprobs else None
+        room.sender.send(
+            request.page_table[room.pages_sent :],
+            start_page=room.pages_sent,
+            last=True,
+            first_token=request.output_token_ids[0],
+            first_logprob=first,
+        )
+        room.pages_sent = len(request.page_table)
+        self._shipping.append(room)
+        return True
+
+    def after_step(self) -> None:
+        """Layer-wise overlap: ship the full pages finished so far, every N chunks."""
+        if self.layerwise_interval <= 0:
+            return
+        for room in self._rooms.values():
+            req = room.request
+            if req.status is not RequestStatus.RUNNING or req.output_token_ids:
+                continue
+            room.chunks_since_send += 1
+            full = req.num_computed_tokens // self.page_size
+            if room.chunks_since_send >= self.layerwise_interval and full > room.pages_sent:
+                room.sender.send(req.page_table[room.pages_sent : full], start_page=room.pages_sent, last=False)
+                room.pages_sent = full
+                room.chunks_since_send = 0
+
+    def poll(self) -> None:
+        self.after_step()
+        for room in list(self._rooms.values()):
+            state = room.sender.poll()
+            if not state.is_finished:
+                continue
+            req = room.request
+            del self._rooms[req.request_id]
+            if room in self._shipping:
+                self._shipping.remove(room)
+            req.transfer_stats = room.sender.stats.as_dict()
+            if req.status is RequestStatus.TRANSFERRING:
+                self._end(req, state, room.sender.error or "")
+            else:  # the room died before the prompt was done
+                error = room.sender.error or f"room ended ({state.name}) before the prompt finished"
+                self.engine.scheduler.end(req.request_id, RequestStatus.FINISHED_ERROR, error, _error_code(error))
+
+    def _end(self, req: Request, state: RoomState, error: str) -> None:
+        sched = self.engine.scheduler
+        if state is RoomState.SUCCESS:
+            sched.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif state is RoomState.ABORTED:
+            sched.finish(req, RequestStatus.FINISHED_ABORTED, error or "aborted by the decode side", "unavailable")
+        else:
+            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}", _error_code(error))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        room = self._rooms.pop(request_id, None)
+        if room is None:
+            return
+        room.sender.abort(reason)
+        if room in self._shipping:
+            self._shipping.remove(room)
+        if not room.request.status.is_finished:
+            self.engine.scheduler.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
+
+    def has_work(self) -> bool:
+        return bool(self._rooms)
+
+    def load_stats(self) -> tuple[dict[str, int], int, int, int]:
+        totals = self.manager.totals()
+        return self.manager.room_counts(), totals.bytes, totals.pages, 0
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _error_code(error: str) -> str:
+    return "deadline" if "deadline" in error or "timed out" in error else "unavailable"

@@ -1,0 +1,109 @@
+"""A page-granular radix prefix cache with LRU eviction.
+
+Each node of the tree stands for one full page of tokens: its key is that page's token ids,
+its value the page id holding their KV. A prompt's longest cached prefix is a walk from the
+root. Only full pages enter the tree, so a cached page is never written again (the request
+that made it has moved past it) and may be shared read-only by any number of requests.
+
+Eviction drops least-recently-used leaves whose page no live request holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from worker.page_pool import PagePool
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]  # this page's token ids (page_size of them); () for the root
+    page: int  # -1 for the root
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    last_used: int = 0
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, page_size: int) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self._root = _Node(key=(), page=-1, parent=None)
+        self._clock = itertools.count(1)  # logical time for LRU
+        self._num_nodes = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_nodes
+
+    def match(self, token_ids: Sequence[int]) -> list[int]:
+        """Pages holding the longest cached prefix of `token_ids`, in order (full pages only)."""
+        node, pages = self._root, []
+        now = next(self._clock)
+        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
+            child = node.children.get(tuple(token_ids[start : start + self.page_size]))
+            if child is None:
+                break
+            child.last_used = now
+            pages.append(child.page)
+            node = child
+        return pages
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> None:
+        """Record that `pages` hold the KV of `token_ids` (its full pages are cached).
+
+        Where the tree already has a page for the same tokens (another request computed them
+        too), the existing one is kept and the caller's duplicate stays private to it.
+        """
+        node = self._root
+        now = next(self._clock)
+        num_full = min(len(token_ids) // self.page_size, len(pages))
+        for i in range(num_full):
+            key = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key=key, page=pages[i], parent=node)
+                node.children[key] = child
+                self.pool.mark_cached(pages[i])
+                self._num_nodes += 1
+            child.last_used = now
+            node = child
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` pages no request holds, least recently used leaves first."""
+        freed = 0
+        while freed < num_pages:
+            leaves = [n for n in self._leaves() if not self.pool.is_held(n.page)]
+            if not leaves:
+                break
+            leaves.sort(key=lambda n: n.last_used)
+            for leaf in leaves[: num_pages - freed]:
+                self._remove(leaf)
+                freed += 1
+        return freed
+
+    def clear(self) -> None:
+        """Drop every entry (pages still held by requests stay with them)."""
+        for node in list(self._walk()):
+            self.pool.uncache(node.page)
+        self._root.children.clear()
+        self._num_nodes = 0
+
+    def _remove(self, leaf: _Node) -> None:
+        assert leaf.parent is not None and not leaf.children
+        del leaf.parent.children[leaf.key]
+        self.pool.uncache(leaf.page)
+        self._num_nodes -= 1
+
+    def _walk(self) -> list[_Node]:
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _leaves(self) -> list[_Node]:
+        return [n for n in self._walk() if not n.children]

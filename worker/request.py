@@ -1,0 +1,80 @@
+"""A request inside the engine, and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is. Finished states last (`is_finished`)."""
+
+    WAITING = enum.auto()  # queued for (re)computation of its tokens
+    WAITING_FOR_REMOTE_KV = enum.auto()  # decode role: pages reserved, KV in flight from prefill
+    RUNNING = enum.auto()  # in the running batch (prefill chunks or decoding)
+    TRANSFERRING = enum.auto()  # prefill role: prompt done, pages being shipped to decode
+    FINISHED_STOPPED = enum.auto()  # eos or a stop token id
+    FINISHED_LENGTH = enum.auto()  # max_tokens or the context limit
+    FINISHED_ABORTED = enum.auto()  # the client or the gateway aborted it
+    FINISHED_ERROR = enum.auto()  # failed; `error` says why (reaches the client)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value >= RequestStatus.FINISHED_STOPPED.value
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    room: int = 0  # PD rendezvous id (0 in monolithic mode)
+    bootstrap_addr: str = ""  # PD: the prefill worker's bootstrap service
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's pages
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    page_table: list[int] = field(default_factory=list)  # pages holding this request's KV, in order
+    num_preemptions: int = 0
+    error: str = ""
+    error_code: str = ""  # how the error maps to a status: invalid | unavailable | deadline | internal
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None  # per-request seeded sampling
+    transfer_stats: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of its room
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what must be in the KV cache to sample the next one."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return FINISH_REASONS.get(self.status, "")
