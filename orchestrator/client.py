@@ -1,0 +1,47 @@
+"""The small OpenAI-API client shared by `tandem eval` and `tandem bench` (httpx, asyncio).
+
+Speaks to any OpenAI-compatible server, ours or not: one shared `httpx.AsyncClient` per run
+(connection reuse), bearer auth when an api key is given, the model name taken from
+`GET /v1/models` when the user did not name one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ServerError(RuntimeError):
+    """The server is unreachable or answered something that is not the OpenAI API."""
+
+
+def make_client(url: str, api_key: str = "", timeout_s: float = 600.0, concurrency: int = 64) -> httpx.AsyncClient:
+    """One AsyncClient for the whole run; the pool is sized so `concurrency` requests can fly."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1))
+    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
+
+
+def error_text(resp: httpx.Response) -> str:
+    """`HTTP 503: message` from an OpenAI-shaped error body, or the raw body's start."""
+    try:
+        body: Any = resp.json()
+        message = body["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:200]
+    return f"HTTP {resp.status_code}: {message}"
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    """The id of the first model `GET /v1/models` lists (the default `--model`)."""
+    try:
+        resp = await client.get("/v1/models", timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}. Is the server running?") from None
+    if resp.status_code != 200:
+        raise ServerError(f"GET {client.base_url}/v1/models failed: {error_text(resp)}")
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerError(f"GET {client.base_url}/v1/models returned no model; pass --model NAME") from None

@@ -1,0 +1,135 @@
+"""The eval gate: a task's problems through `/v1/completions`, scored, against a bar.
+
+Greedy (temperature 0), `max_tokens = task.ANSWER_MAX_TOKENS`, `stop = task.STOP`, at most
+`concurrency` requests in flight over one shared client. A request that fails counts as a
+wrong answer and is reported (the gate must not pass by skipping what it cannot reach).
+`tandem eval` prints `accuracy: X (k/N)` and exits non-zero below `--min-accuracy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Any, Protocol
+
+import httpx
+
+from orchestrator.client import ServerError, error_text, first_model, make_client
+
+
+class Problem(Protocol):
+    prompt: str
+    answer: str
+
+
+class Task(Protocol):
+    """What orchestrator.tasks.<name> modules provide."""
+
+    ANSWER_MAX_TOKENS: int
+    STOP: str | None
+
+    def make_problems(self, n: int, seed: int) -> list[Any]: ...
+
+    def score(self, problem: Any, completion: str) -> bool: ...
+
+
+@dataclass
+class EvalResult:
+    total: int
+    correct: int = 0
+    failed: int = 0  # requests that got no completion (counted as wrong)
+    errors: list[str] = field(default_factory=list)  # the first few failure messages
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+
+class Progress:
+    """A plain `\\r` progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, stream: IO[str], width: int = 30) -> None:
+        self.total, self.stream, self.width, self.done = total, stream, width, 0
+        self.enabled = stream.isatty()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = self.width * self.done // max(self.total, 1)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+async def _complete(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    """One completion's text; ServerError with the reason if there is none."""
+    try:
+        resp = await client.post("/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        raise ServerError(f"{type(exc).__name__}: {exc}") from None
+    if resp.status_code != 200:
+        raise ServerError(error_text(resp))
+    try:
+        return str(resp.json()["choices"][0]["text"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerError(f"malformed completion body: {resp.text[:200]}") from None
+
+
+async def run_eval(
+    url: str,
+    task: Task,
+    samples: int,
+    concurrency: int,
+    seed: int,
+    model: str = "",
+    api_key: str = "",
+    progress_stream: IO[str] | None = None,
+    timeout_s: float = 600.0,
+) -> EvalResult:
+    """Send `samples` problems of `task` to `url`, `concurrency` at a time; score them."""
+    problems = task.make_problems(samples, seed)
+    result = EvalResult(total=len(problems))
+    progress = Progress(len(problems), progress_stream or sys.stderr)
+    sem = asyncio.Semaphore(concurrency)
+    async with make_client(url, api_key, timeout_s, concurrency) as client:
+        name = model or await first_model(client)  # ServerError if unreachable: nothing to score
+
+        async def one(problem: Any) -> None:
+            body: dict[str, Any] = {"model": name, "prompt": problem.prompt, "max_tokens": task.ANSWER_MAX_TOKENS,
+                                    "temperature": 0.0}
+            if task.STOP is not None:
+                body["stop"] = [task.STOP]
+            async with sem:
+                try:
+                    text = await _complete(client, body)
+                except ServerError as exc:
+                    result.failed += 1
+                    if len(result.errors) < 5:
+                        result.errors.append(str(exc))
+                else:
+                    result.correct += bool(task.score(problem, text))
+                progress.step()
+
+        try:
+            await asyncio.gather(*(one(p) for p in problems))
+        finally:
+            progress.close()
+    return result
+
+
+def report(result: EvalResult, min_accuracy: float, out: IO[str], err: IO[str]) -> int:
+    """Print the verdict; 0 if accuracy >= min_accuracy and nothing failed badly, else 1."""
+    print(f"accuracy: {result.accuracy:.3f} ({result.correct}/{result.total})", file=out)
+    if result.failed:
+        print(f"failed requests: {result.failed}/{result.total} (counted as wrong); first errors:", file=err)
+        for e in result.errors:
+            print(f"  {e}", file=err)
+    if result.accuracy < min_accuracy:
+        print(f"FAIL: accuracy {result.accuracy:.3f} is below --min-accuracy {min_accuracy:.3f}", file=err)
+        return 1
+    return 0
