@@ -21,7 +21,7 @@ from protocol import tandem_pb2, tandem_pb2_grpc
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestOutput
 from worker.request import Request
-from worker.sampling import SamplingError, SamplingParams
+from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks
 
 log = logging.getLogger("tandem.worker")
@@ -58,7 +58,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             return
         try:
             req = self._make_request(engine, request)
-        except (InvalidRequest, SamplingError) as exc:
+        except (InvalidRequest, SamplingParamsError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         if len(engine.scheduler.waiting) >= self.config.scheduler.max_waiting:
@@ -187,22 +187,7 @@ def served_name(path: str, served_model_name: str) -> str:
 
 
 def sampling_from_message(m: tandem_pb2.SamplingParams) -> SamplingParams:
-    params = SamplingParams(
-        temperature=m.temperature,
-        top_k=m.top_k,
-        top_p=m.top_p if m.top_p > 0 else 1.0,
-        min_p=m.min_p,
-        seed=m.seed if m.HasField("seed") else None,
-        max_tokens=m.max_tokens,
-        min_tokens=m.min_tokens,
-        stop_token_ids=tuple(m.stop_token_ids),
-        ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs,
-        top_logprobs=m.top_logprobs,
-        repetition_penalty=m.repetition_penalty or 1.0,
-        presence_penalty=m.presence_penalty,
-        frequency_penalty=m.frequency_penalty,
-    )
+    params = SamplingParams.from_proto(m)
     params.validate()
     return params
 

@@ -1,0 +1,133 @@
+"""The engine end to end on CPU (no server): it serves what transformers computes, and a
+request's greedy output does not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.engine import Engine, RequestOutput
+from worker.request import Request
+from worker.sampling import SamplingParams
+
+
+def make_engine(path: Path, *, page_size: int = 4, chunk: int = 32, num_pages: int = 256,
+                max_num_seqs: int = 16, prefix_cache: bool = True) -> Engine:
+    config = WorkerConfig(
+        model=ModelConfig(path=str(path), dtype="float32"),
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_cache=prefix_cache),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunk),
+    )
+    return Engine(config)
+
+
+def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampling: object) -> list[list[int]]:
+    outputs: dict[str, list[int]] = {}
+    done: set[str] = set()
+
+    def sink_for(rid: str) -> Callable[[RequestOutput], None]:
+        def sink(out: RequestOutput) -> None:
+            assert out.finish_reason != "error", out.error
+            outputs[rid].extend(out.token_ids)
+            if out.finished:
+                done.add(rid)
+        return sink
+
+    rids = []
+    for i, prompt in enumerate(prompts):
+        rid = f"g{i}-{random.random()}"
+        outputs[rid] = []
+        rids.append(rid)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+        engine.submit(Request(rid, prompt, params), sink_for(rid))
+    for _ in range(10_000):
+        if len(done) == len(rids):
+            break
+        engine.step()
+    assert len(done) == len(rids)
+    return [outputs[r] for r in rids]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    from tests.worker.conftest import build_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3")
+    model = build_tiny_checkpoint(path, "qwen3", max_position_embeddings=256)
+    return path, model
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_engine_greedy_equals_transformers(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
+    path, hf = qwen3_dir
+    engine = make_engine(path, chunk=16)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 97) for _ in range(n)] for n in (5, 23, 40)]
+    ours = generate(engine, prompts, max_tokens=12)
+    for prompt, got in zip(prompts, ours, strict=True):
+        assert got == hf_greedy(hf, prompt, 12)
+    engine.scheduler.assert_drained()
+
+
+def test_batch_invariance_with_chunked_prefill_and_prefix_hits(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = qwen3_dir
+    rng = random.Random(1)
+    shared = [rng.randrange(1, 97) for _ in range(20)]
+    prompts = [
+        (shared if i % 3 == 0 else []) + [rng.randrange(1, 97) for _ in range(rng.randrange(1, 60))]
+        for i in range(16)
+    ]
+    alone_engine = make_engine(path, chunk=64, prefix_cache=False)
+    alone = [generate(alone_engine, [p], max_tokens=10)[0] for p in prompts]
+    batched_engine = make_engine(path, chunk=24)  # forces chunked prefill across steps
+    generate(batched_engine, [prompts[0]], max_tokens=2)  # warms the prefix cache with the shared prefix
+    batched = generate(batched_engine, prompts, max_tokens=10)
+    assert batched == alone
+    assert batched_engine.scheduler.pool.num_cached > 0
+    alone_engine.scheduler.assert_drained()
+    batched_engine.scheduler.assert_drained()
+
+
+def test_preemption_keeps_outputs_exact(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = qwen3_dir
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 97) for _ in range(12)] for _ in range(6)]
+    roomy = generate(make_engine(path), prompts, max_tokens=20)
+    tight = make_engine(path, num_pages=24, chunk=64)  # 6 x 32 tokens need 48 pages: preemption
+    assert generate(tight, prompts, max_tokens=20) == roomy
+    assert tight.scheduler.num_preemptions > 0
+    tight.scheduler.assert_drained()
+
+
+def test_seeded_sampling_is_reproducible(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = qwen3_dir
+    engine = make_engine(path)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    params: dict[str, object] = dict(temperature=1.0, seed=7)
+    assert _sample(engine, prompt, params) == _sample(engine, prompt, params)
+    assert _sample(engine, prompt, {**params, "seed": 8}) != _sample(engine, prompt, params)
+
+
+def _sample(engine: Engine, prompt: list[int], params: dict[str, object]) -> list[int]:
+    tokens: list[int] = []
+    finished: list[bool] = []
+
+    def sink(out: RequestOutput) -> None:
+        tokens.extend(out.token_ids)
+        finished.append(out.finished)
+
+    engine.submit(Request(f"s{random.random()}", prompt, SamplingParams(max_tokens=15, ignore_eos=True, **params)), sink)  # type: ignore[arg-type]
+    while not any(finished):
+        engine.step()
+    return tokens
