@@ -1,0 +1,197 @@
+"""The layout contract: everything a prefill rank and a decode rank must agree on.
+
+Both sides describe their KV pool with plain numbers (`KVLayout`; transfer never imports the
+worker). The contract adds the model identity and the backend and is exchanged at bootstrap:
+a mismatch is refused with an error that names every differing field, so a wrong pairing is
+loud at registration time instead of garbage tokens later.
+
+Heterogeneous TP is allowed: prefill and decode may differ in `tp_size` (and so in heads per
+rank); "compatible" means model, layers, page size, head dim, dtype, total kv heads, cache
+groups and backend agree. The hash is sha256 over a canonical JSON encoding (stable across
+processes and Python versions, unlike `hash()`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+# Bytes per element of the dtype names the engine uses (torch names without the "torch." prefix).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+}
+
+
+class ContractError(ValueError):
+    """A layout description is invalid or two contracts cannot exchange KV; names the fields."""
+
+
+class CacheKind(str, enum.Enum):
+    """How a cache group keeps its state, which decides what transfer ships for it."""
+
+    FULL_ATTENTION = "full_attention"  # one page per page_size tokens, all retained: ship pages
+    SLIDING_WINDOW = "sliding_window"  # a ring of the last `window` tokens: ship the replay tail
+    RECURRENT = "recurrent"  # a fixed-size state per request (mamba/linear attn): ship the state
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """A set of layers that share one cache kind (e.g. the window layers of a hybrid model)."""
+
+    kind: CacheKind
+    layers: tuple[int, ...]  # layer indices of this group, ascending
+    window: int = 0  # tokens kept, for SLIDING_WINDOW; 0 otherwise
+
+    def __post_init__(self) -> None:
+        if self.kind is CacheKind.SLIDING_WINDOW and self.window <= 0:
+            raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
+
+
+def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """Global kv-head ids held by `tp_rank`.
+
+    tp_size <= total_heads: an even split, rank r holds a contiguous block. tp_size > total_heads
+    (GQA with more ranks than kv heads): each rank holds a replica of one head, ranks
+    [h*rep, (h+1)*rep) all hold head h.
+    """
+    if tp_size <= total_heads:
+        if total_heads % tp_size:
+            raise ContractError(f"num_kv_heads_total={total_heads} must be divisible by tp_size={tp_size}")
+        per = total_heads // tp_size
+        return list(range(tp_rank * per, (tp_rank + 1) * per))
+    if tp_size % total_heads:
+        raise ContractError(f"tp_size={tp_size} must be a multiple of num_kv_heads_total={total_heads} when larger")
+    return [tp_rank // (tp_size // total_heads)]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's KV pool: `data[num_pages, num_layers, 2, num_kv_heads_local, page_size, head_dim]`.
+
+    Built by the worker from plain numbers; the transfer layer computes byte offsets from it.
+    """
+
+    num_pages: int
+    num_layers: int
+    page_size: int  # tokens per page
+    head_dim: int
+    dtype: str  # "bfloat16", "float32", ...
+    num_kv_heads_total: int  # kv heads of the model
+    tp_rank: int = 0
+    tp_size: int = 1
+    groups: tuple[CacheGroup, ...] = ()  # () = every layer is full attention
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ContractError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ContractError(f"KVLayout.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ContractError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        heads_of_rank(self.num_kv_heads_total, self.tp_size, self.tp_rank)  # divisibility check
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def heads(self) -> list[int]:
+        """Global kv-head ids on this rank, in the order they sit in a page."""
+        return heads_of_rank(self.num_kv_heads_total, self.tp_size, self.tp_rank)
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return len(self.heads)
+
+    @property
+    def head_bytes(self) -> int:
+        """One head's K (or V) of one layer in one page: page_size * head_dim elements."""
+        return self.page_size * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads_local * self.head_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def offset(self, page: int, layer: int = 0, kv: int = 0, local_head: int = 0) -> int:
+        """Byte offset of (page, layer, K|V, head) from the pool's base pointer."""
+        return page * self.page_bytes + ((layer * 2 + kv) * self.num_kv_heads_local + local_head) * self.head_bytes
+
+
+# Fields that must be equal between prefill and decode (tp_rank/tp_size/heads per rank may differ).
+COMPATIBLE_FIELDS = (
+    "model_name", "model_fingerprint", "num_layers", "page_size", "head_dim", "dtype",
+    "num_kv_heads_total", "groups", "backend",
+)
+
+
+@dataclass(frozen=True)
+class LayoutContract:
+    """What a rank promises its peer about its KV memory; exchanged (and hashed) at bootstrap."""
+
+    model_name: str
+    model_fingerprint: str  # given by the caller (e.g. a hash of config.json + weight names)
+    num_layers: int
+    page_size: int
+    num_kv_heads_total: int
+    num_kv_heads_local: int
+    head_dim: int
+    dtype: str
+    tp_rank: int
+    tp_size: int
+    backend: str
+    groups: tuple[CacheGroup, ...] = field(default=())
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:
+        groups = layout.groups or (CacheGroup(CacheKind.FULL_ATTENTION, tuple(range(layout.num_layers))),)
+        return cls(
+            model_name=model_name, model_fingerprint=model_fingerprint, num_layers=layout.num_layers,
+            page_size=layout.page_size, num_kv_heads_total=layout.num_kv_heads_total,
+            num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim, dtype=layout.dtype,
+            tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
+        )
+
+    def layout(self, num_pages: int = 1) -> KVLayout:
+        """The peer's layout (for offset arithmetic); num_pages is unknown to the contract."""
+        return KVLayout(
+            num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
+            dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, groups=self.groups,
+        )
+
+    def canonical(self) -> str:
+        """Canonical JSON: sorted keys, enums as values, tuples as lists."""
+        d = asdict(self)
+        d["groups"] = [{"kind": g.kind.value, "layers": list(g.layers), "window": g.window} for g in self.groups]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()
+
+    def compat_hash(self) -> str:
+        """Hash over the fields both sides must share (equal across TP ranks and TP sizes)."""
+        d = json.loads(self.canonical())
+        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS}, sort_keys=True).encode()).hexdigest()
+
+    def mismatches(self, other: LayoutContract) -> list[str]:
+        """`field: ours != theirs` for every field that must match and does not."""
+        return [
+            f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in COMPATIBLE_FIELDS if getattr(self, name) != getattr(other, name)
+        ]
+
+    def check_compatible(self, other: LayoutContract) -> None:
+        """Raise ContractError naming every differing field (ours first, the peer's second)."""
+        diffs = self.mismatches(other)
+        if diffs:
+            raise ContractError(
+                "KV layout contracts differ: " + "; ".join(diffs)
+                + " (prefill and decode must serve the same model with the same kv dtype, page size and groups)"
+            )

@@ -1,0 +1,276 @@
+"""KVTransferManager: one per worker rank; owns the backend, the rooms and the transfer thread.
+
+The engine's thread only calls non-blocking methods (create_*, send, poll, abort,
+take_finished). Blocking work runs elsewhere: backend writes on this manager's transfer
+thread (a queue of WriteJobs), bootstrap streams on the gRPC server's threads (prefill) or on
+one thread per open stream (decode).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import random
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+
+import grpc
+
+from protocol import bootstrap_pb2 as pb
+from protocol import bootstrap_pb2_grpc as pb_grpc
+from transfer.backend import BackendError, TransferBackend, TransferFaults, make_backend
+from transfer.bootstrap import BootstrapService
+from transfer.config import TransferConfig, TransferConfigError
+from transfer.contract import ContractError, KVLayout, LayoutContract
+from transfer.receiver import KVReceiver, crc_of
+from transfer.room import Room, RoomState, TransferTotals
+from transfer.sender import KVSender, Peer, WriteJob
+from transfer.wire import contract_from_pb, contract_to_pb
+
+
+class KVTransferManager:
+    """Moves KV pages of one rank to (prefill) or from (decode) peer ranks, room by room."""
+
+    def __init__(
+        self, config: TransferConfig, layout: KVLayout, *, role: str, kv_ptr: int, kv_nbytes: int,
+        host: str, model_fingerprint: str, model_name: str = "", peer_id: str = "",
+        faults: TransferFaults | None = None, backend: TransferBackend | None = None,
+    ) -> None:
+        config.validate()
+        if role not in ("prefill", "decode"):
+            raise TransferConfigError(f"KVTransferManager role must be 'prefill' or 'decode', got {role!r}")
+        if kv_nbytes < layout.pool_bytes:
+            raise ContractError(f"kv_nbytes={kv_nbytes} is smaller than the layout's pool "
+                                f"({layout.num_pages} pages x {layout.page_bytes} B); describe the tensor you register")
+        self.config = config
+        self.layout = layout
+        self.role = role
+        self.epoch: int = secrets.randbits(64) or 1  # a new incarnation at every start
+        self.kv_ptr, self.kv_nbytes = kv_ptr, kv_nbytes
+        self.contract = LayoutContract.from_layout(layout, model_name=model_name, model_fingerprint=model_fingerprint,
+                                                   backend=config.backend)
+        self.faults = faults if faults is not None else TransferFaults.from_env()
+        adv = config.advertise_host or host
+        label = f"tandem-{role}-{adv}-tp{layout.tp_rank}-{self.epoch:016x}"
+        self.backend = backend or make_backend(config, adv, label)
+        self.backend.register(kv_ptr, kv_nbytes)
+        # peer_id names this rank across restarts (the worker passes its gRPC address).
+        self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
+        self._scratch = ctypes.create_string_buffer(64)  # source of the corrupt= fault's flipped byte
+        if role == "prefill" and self.faults.corrupt:
+            self.backend.register(ctypes.addressof(self._scratch), 64)
+        self._lock = threading.RLock()
+        self._room_added = threading.Condition(self._lock)
+        self._rooms: dict[int, Room] = {}
+        self._finished: deque[Room] = deque()
+        self._totals = TransferTotals()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._agent_epoch: dict[str, tuple[str, int]] = {}  # decode agent -> (peer_id, epoch)
+        self._rng = random.Random()
+        self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run_jobs, daemon=True, name=f"kv-transfer-{role}")
+        self._thread.start()
+        self._closed = False
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        """Serve the bootstrap service on the worker's gRPC server (prefill ranks)."""
+        if self.role != "prefill":
+            raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
+        service = BootstrapService(self.config, self.contract, self._lock, wait_sender=self._wait_sender,
+                                   connect_peer=self._connect_peer, peer_restarted=self._peer_restarted)
+        pb_grpc.add_BootstrapServicer_to_server(service, server)
+
+    def create_sender(self, room: int) -> KVSender:
+        with self._lock:
+            self._check_new(room, "prefill")
+            sender = KVSender(room, self.config, self._lock, self._room_finished, self.layout, self._jobs.put)
+            self._rooms[room] = sender
+            self._room_added.notify_all()
+            return sender
+
+    def _wait_sender(self, room: int, timeout_s: float) -> KVSender | None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                r = self._rooms.get(room)
+                if isinstance(r, KVSender):
+                    return r
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._room_added.wait(left)
+
+    def _connect_peer(self, reg: pb.RoomRegistration) -> Peer:
+        """Turn a registration into a Peer (checks its pages against its pool); connects the backend."""
+        theirs = contract_from_pb(reg.contract)
+        page_bytes = theirs.layout().page_bytes
+        num_pages = reg.kv_nbytes // page_bytes
+        bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
+        if bad:
+            raise ValueError(f"room {reg.room:#x}: dst_pages {bad[:4]} outside decode's pool of {num_pages} pages")
+        with self._lock:
+            self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
+        self.backend.connect(reg.agent_name, reg.agent_metadata)
+        return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id, epoch=reg.epoch,
+                    agent_name=reg.agent_name, kv_base=reg.kv_base, layout=theirs.layout(num_pages),
+                    dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages)
+
+    def _peer_restarted(self, peer_id: str, old_epoch: int) -> None:
+        """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
+        with self._lock:
+            for r in list(self._rooms.values()):
+                if isinstance(r, KVSender) and any(p.peer_id == peer_id and p.epoch == old_epoch for p in r.peers.values()):
+                    r.fail(f"decode peer {peer_id} restarted (epoch {old_epoch:#x} replaced); its pages are gone")
+            stale = [a for a, (pid, ep) in self._agent_epoch.items() if pid == peer_id and ep == old_epoch]
+            for agent in stale:
+                del self._agent_epoch[agent]
+        for agent in stale:
+            self.backend.forget(agent)
+
+    # ---- decode -------------------------------------------------------------------------
+
+    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int], num_tokens: int,
+                        skip_pages: int = 0) -> KVReceiver:
+        """Register `dst_pages` (decode's page for each request page position) for `room`.
+
+        `bootstrap_addr` is the prefill worker's gRPC address; with prefill TP > 1, the addresses
+        of its ranks' bootstrap services, comma-separated in rank order.
+        """
+        addrs = [a.strip() for a in bootstrap_addr.split(",") if a.strip()]
+        if not addrs:
+            raise TransferConfigError(f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port")
+        bad = [p for p in dst_pages if not 0 <= p < self.layout.num_pages]
+        if bad:
+            raise ValueError(f"room {room:#x}: dst_pages {bad[:4]} outside this pool of {self.layout.num_pages} pages")
+        reg = pb.RoomRegistration(
+            room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
+            agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr, kv_nbytes=self.kv_nbytes,
+            dst_pages=dst_pages, skip_pages=skip_pages, num_tokens=num_tokens, contract=contract_to_pb(self.contract),
+        )
+        with self._lock:
+            self._check_new(room, "decode")
+            receiver = KVReceiver(room, self.config, self._lock, self._room_finished, contract=self.contract,
+                                  layout=self.layout, kv_base=self.kv_ptr, addrs=addrs, registration=reg,
+                                  channel_of=self._channel)
+            self._rooms[room] = receiver
+            return receiver
+
+    def _channel(self, addr: str) -> grpc.Channel:
+        with self._lock:
+            if addr not in self._channels:
+                self._channels[addr] = grpc.insecure_channel(addr)
+            return self._channels[addr]
+
+    # ---- both ---------------------------------------------------------------------------
+
+    def _check_new(self, room: int, role: str) -> None:
+        if self._closed:
+            raise RuntimeError("KVTransferManager is closed")
+        if self.role != role:
+            raise TransferConfigError(f"this manager's role is {self.role}; rooms of role {role} need a {role} manager")
+        if room in self._rooms:
+            raise ValueError(f"room {room:#x} already exists on this rank (room ids must be unique per request)")
+
+    def get(self, room: int) -> Room | None:
+        with self._lock:
+            return self._rooms.get(room)
+
+    def abort(self, room: int, reason: str) -> None:
+        """Abort a room by id; unknown or finished rooms are fine (idempotent)."""
+        r = self.get(room)
+        if r is not None:
+            r.abort(reason)
+
+    def poll_all(self) -> None:
+        """Advance every live room's deadline."""
+        with self._lock:
+            rooms = list(self._rooms.values())
+        for r in rooms:
+            r.poll()
+
+    def take_finished(self) -> list[Room]:
+        """Rooms that ended since the last call, each returned exactly once (then forgotten)."""
+        self.poll_all()
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+            for r in out:
+                self._rooms.pop(r.room, None)
+            return out
+
+    def room_counts(self) -> dict[str, int]:
+        """Rooms not yet taken, by state name."""
+        with self._lock:
+            counts = {s.name: 0 for s in RoomState}
+            for r in self._rooms.values():
+                counts[r.state.name] += 1
+            return counts
+
+    def totals(self) -> TransferTotals:
+        with self._lock:
+            return self._totals
+
+    def _room_finished(self, room: Room) -> None:
+        """Called once per room, under the lock, when it enters a terminal state."""
+        self._finished.append(room)
+        t = self._totals
+        self._totals = replace(
+            t, rooms_succeeded=t.rooms_succeeded + (room.state is RoomState.SUCCESS),
+            rooms_failed=t.rooms_failed + (room.state is RoomState.FAILED),
+            rooms_aborted=t.rooms_aborted + (room.state is RoomState.ABORTED),
+            pages=t.pages + room.stats.pages, bytes=t.bytes + room.stats.bytes, writes=t.writes + room.stats.writes,
+        )
+
+    def close(self) -> None:
+        """Abort live rooms, stop the transfer thread, close channels, free the backend."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._room_added.notify_all()
+            for r in list(self._rooms.values()):
+                r.abort("transfer manager closing")
+        self._jobs.put(None)
+        self._thread.join(timeout=self.config.transfer_timeout_s + 1)
+        for ch in self._channels.values():
+            ch.close()
+        self.backend.close()
+
+    # ---- transfer thread ----------------------------------------------------------------
+
+    def _run_jobs(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.sender.state.finished:  # aborted while queued: do not touch decode memory
+                job.sender.write_done(job, "room ended before the write", 0, None)
+                continue
+            error, nbytes, crc = self._write(job)
+            job.sender.write_done(job, error, nbytes, crc)
+
+    def _write(self, job: WriteJob) -> tuple[str | None, int, int | None]:
+        """Run one job (with faults); returns (error, bytes, crc of the source bytes)."""
+        fail, corrupt = self.faults.draw(self._rng) if self.faults.active else (False, False)
+        if self.faults.delay_ms:
+            time.sleep(self.faults.delay_ms / 1e3)
+        if fail:
+            return f"injected fault ({self.faults})", 0, None
+        crc = crc_of(self.kv_ptr, [(r.src, r.length) for r in job.ranges]) if self.config.checksum else None
+        spans = [(self.kv_ptr + r.src, job.peer.kv_base + r.dst, r.length) for r in job.ranges]
+        try:
+            self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)
+            if corrupt:
+                self._flip_byte(job)
+        except BackendError as e:
+            return str(e), 0, None
+        return None, sum(r.length for r in job.ranges), crc
+
+    def _flip_byte(self, job: WriteJob) -> None:
+        """corrupt= fault: overwrite the first landed byte with its complement, for real."""
+        first = job.ranges[0]
+        self._scratch[0] = ctypes.string_at(self.kv_ptr + first.src, 1)[0] ^ 0xFF
+        self.backend.write(job.peer.agent_name, [(ctypes.addressof(self._scratch), job.peer.kv_base + first.dst, 1)],
+                           self.config.transfer_timeout_s)

@@ -1,0 +1,148 @@
+"""Decode side of a room: register pages with every prefill rank, wait for DONE, verify.
+
+Lifecycle (one decode rank):
+1. The engine reserved pages for the prompt (+1 for the first token) and creates the receiver
+   (BOOTSTRAPPING); it opens one Register stream per prefill TP rank (bootstrap addresses).
+2. Every prefill rank answers ACCEPTED with its contract (checked here too): WAITING_FOR_INPUT.
+3. A TRANSFERRING event (prefill issued its last writes) moves to TRANSFERRING.
+4. DONE from every prefill rank: checksums (if sent) are verified over the landed pages, then
+   SUCCESS with the first token. FAILED/ABORTED from a prefill rank, a broken stream, a
+   mismatch or a deadline ends the room; cancelling the streams tells prefill.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+import grpc
+
+from protocol import bootstrap_pb2 as pb
+from protocol import bootstrap_pb2_grpc as pb_grpc
+from transfer.config import TransferConfig
+from transfer.contract import ContractError, KVLayout, LayoutContract
+from transfer.plan import plan_pages
+from transfer.room import Room, RoomState
+from transfer.wire import contract_from_pb
+
+
+def crc_of(base: int, ranges: list[tuple[int, int]]) -> int:
+    """zlib.crc32 over (offset, length) runs of memory at `base`, in order, without copies."""
+    crc = 0
+    for off, n in ranges:
+        crc = zlib.crc32(memoryview((ctypes.c_char * n).from_address(base + off)), crc)
+    return crc
+
+
+class KVReceiver(Room):
+    """Decode's half of one room. Created by `KVTransferManager.create_receiver`."""
+
+    def __init__(
+        self, room: int, config: TransferConfig, lock: threading.RLock, on_finish: Callable[[Room], None],
+        *, contract: LayoutContract, layout: KVLayout, kv_base: int, addrs: list[str],
+        registration: pb.RoomRegistration, channel_of: Callable[[str], grpc.Channel],
+    ) -> None:
+        super().__init__(room, config, lock, on_finish)
+        self._contract = contract
+        self._layout = layout
+        self._kv_base = kv_base
+        self._reg = registration
+        self._addrs = addrs
+        self._accepted: dict[int, LayoutContract] = {}  # stream index -> prefill contract
+        self._done: dict[int, pb.RoomEvent] = {}
+        self._calls: list[grpc.Future | None] = [None] * len(addrs)
+        self._t0 = time.monotonic()
+        self.first_token: int | None = None
+        self.first_logprob: float | None = None
+        self.top_logprobs: list[tuple[int, float]] = []
+        for i, addr in enumerate(addrs):
+            stub = pb_grpc.BootstrapStub(channel_of(addr))
+            threading.Thread(target=self._listen, args=(i, addr, stub), daemon=True,
+                             name=f"kv-recv-{room:x}-{i}").start()
+
+    def _listen(self, i: int, addr: str, stub: pb_grpc.BootstrapStub) -> None:
+        """Read one prefill rank's events (runs on its own thread)."""
+        call = stub.Register(self._reg)
+        with self._lock:
+            self._calls[i] = call
+            if self._state.finished:
+                call.cancel()
+        try:
+            for ev in call:
+                self._on_event(i, addr, ev)
+        except grpc.RpcError as e:
+            with self._lock:
+                if not self._state.finished:
+                    self._finish(RoomState.FAILED, f"bootstrap stream to prefill {addr} ended: "
+                                 f"{e.code().name}: {e.details()}")  # type: ignore[attr-defined]
+            return
+        with self._lock:
+            if not self._state.finished and i not in self._done:
+                self._finish(RoomState.FAILED, f"bootstrap stream to prefill {addr} closed without DONE")
+
+    def _on_event(self, i: int, addr: str, ev: pb.RoomEvent) -> None:
+        with self._lock:
+            if self._state.finished:
+                return
+            if ev.kind == pb.RoomEvent.ACCEPTED:
+                theirs = contract_from_pb(ev.contract)
+                diffs = self._contract.mismatches(theirs)
+                if diffs:
+                    self._finish(RoomState.FAILED, f"prefill {addr} contract differs: " + "; ".join(diffs))
+                    return
+                self._accepted[i] = theirs
+                if len(self._accepted) == len(self._addrs) and self._state is RoomState.BOOTSTRAPPING:
+                    self._enter(RoomState.WAITING_FOR_INPUT)
+            elif ev.kind == pb.RoomEvent.TRANSFERRING:
+                if self._state is not RoomState.TRANSFERRING:
+                    self._enter(RoomState.TRANSFERRING)
+            elif ev.kind == pb.RoomEvent.DONE:
+                self._done[i] = ev
+                if len(self._done) == len(self._addrs):
+                    self._complete()
+            elif ev.kind == pb.RoomEvent.ABORTED:
+                self._finish(RoomState.ABORTED, f"prefill {addr} aborted the room: {ev.reason}")
+            else:
+                self._finish(RoomState.FAILED, f"prefill {addr} failed the room: {ev.reason}")
+
+    def _complete(self) -> None:
+        """Every prefill rank confirmed: verify checksums, take the first token (lock held)."""
+        for i, ev in sorted(self._done.items()):
+            err = self._verify(self._accepted[i], ev)
+            if err:
+                self._finish(RoomState.FAILED, f"room {self.room:#x}: KV checksum mismatch from prefill {self._addrs[i]}: {err}")
+                return
+            self.stats.pages += ev.pages
+            self.stats.bytes += ev.bytes
+        first = self._done[min(self._done)]  # TP ranks sample the same token; rank order is stable
+        self.first_token = first.first_token if first.first_token >= 0 else None
+        self.first_logprob = first.first_logprob
+        self.top_logprobs = [(t.token_id, t.logprob) for t in first.top_logprobs]
+        self.stats.duration_ms = (time.monotonic() - self._t0) * 1e3
+        self._finish(RoomState.SUCCESS, None)
+
+    def _verify(self, theirs: LayoutContract, ev: pb.RoomEvent) -> str | None:
+        """Recompute each page group's crc over our landed bytes, in the sender's plan order."""
+        src = theirs.layout(num_pages=1 << 40)  # page ids index the peer's pool; only offsets matter
+        dst_pages = list(self._reg.dst_pages)
+        for g in ev.checksums:
+            dummy_src = list(range(g.num_pages))  # src offsets are irrelevant on this side
+            ranges = plan_pages(src, self._layout, dummy_src, dst_pages, start_page=g.start_page,
+                                skip_pages=self._reg.skip_pages)
+            got = crc_of(self._kv_base, [(r.dst, r.length) for r in ranges])
+            if got != g.crc32:
+                return f"pages [{g.start_page}, {g.start_page + g.num_pages}) crc {got:#010x} != sent {g.crc32:#010x}"
+        return None
+
+    def _on_terminal(self, state: RoomState, reason: str | None) -> None:
+        if state is RoomState.SUCCESS:
+            return
+        for call in self._calls:
+            if call is not None:
+                call.cancel()  # prefill sees the stream end and aborts its side
+
+
+__all__ = ["KVReceiver", "ContractError", "crc_of"]

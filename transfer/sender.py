@@ -1,0 +1,207 @@
+"""Prefill side of a room: pages in, writes out, a DONE event per decode rank at the end.
+
+Lifecycle (one prefill rank):
+1. The engine creates the sender when its Generate arrives (BOOTSTRAPPING). Decode's
+   registration may already be waiting in the bootstrap service, or arrive later.
+2. Every decode rank of the room registers (decode TP may differ from ours); once all have,
+   the room is WAITING_FOR_INPUT and queued pages are planned and handed to the transfer thread.
+3. `send(..., last=False)` ships prompt chunks as they complete; `send(..., last=True)` carries
+   the first token and moves to TRANSFERRING.
+4. When every write is confirmed the room is SUCCESS and each decode rank gets DONE (first
+   token, counters, checksums). Any failure, abort or deadline sends FAILED/ABORTED instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol import bootstrap_pb2 as pb
+from transfer.config import TransferConfig
+from transfer.contract import KVLayout
+from transfer.plan import Range, plan_pages
+from transfer.room import Room, RoomState
+
+
+@dataclass
+class Peer:
+    """One decode rank registered for this room; its bootstrap stream drains `events`."""
+
+    tp_rank: int
+    tp_size: int
+    peer_id: str
+    epoch: int
+    agent_name: str
+    kv_base: int
+    layout: KVLayout  # the decode rank's layout (num_pages from its registered size)
+    dst_pages: list[int]
+    skip_pages: int
+    events: queue.Queue[pb.RoomEvent] = field(default_factory=queue.Queue)
+    pages: int = 0
+    bytes: int = 0
+    checksums: list[pb.PageGroupChecksum] = field(default_factory=list)
+
+
+@dataclass
+class WriteJob:
+    """One backend batch for the transfer thread: this sender's chunk to one peer."""
+
+    sender: KVSender
+    peer: Peer
+    ranges: list[Range]  # offsets from our base (src) and the peer's base (dst)
+    start_page: int  # request page position of the chunk's first page (for checksums)
+    num_pages: int  # page positions the chunk writes to this peer
+
+
+@dataclass
+class _Chunk:
+    src_pages: list[int]
+    start_page: int
+
+
+class KVSender(Room):
+    """Prefill's half of one room. Created by `KVTransferManager.create_sender`."""
+
+    def __init__(
+        self, room: int, config: TransferConfig, lock: threading.RLock,
+        on_finish: Callable[[Room], None], layout: KVLayout, submit: Callable[[WriteJob], None],
+    ) -> None:
+        super().__init__(room, config, lock, on_finish)
+        self._layout = layout
+        self._submit = submit
+        self.peers: dict[int, Peer] = {}
+        self._expected_peers = 0  # decode tp_size, known at the first registration
+        self._chunks: list[_Chunk] = []  # pages sent before every decode rank registered
+        self._last = False
+        self._in_flight = 0
+        self._first_write_t = 0.0
+        self.first_token: int | None = None
+        self.first_logprob: float | None = None
+        self.top_logprobs: list[tuple[int, float]] = []
+
+    # ---- engine-facing ----------------------------------------------------------------
+
+    def send(
+        self, src_pages: list[int], *, start_page: int, last: bool, first_token: int | None = None,
+        first_logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """Ship `src_pages` (request positions start_page...) to decode; never blocks.
+
+        A no-op on a finished room (its terminal state is what `poll` reports).
+        """
+        with self._lock:
+            if self._state.finished:
+                return
+            if self._last:
+                raise RuntimeError(f"room {self.room:#x}: send() after send(last=True)")
+            if last:
+                self._last = True
+                self.first_token, self.first_logprob = first_token, first_logprob
+                self.top_logprobs = list(top_logprobs or [])
+            if src_pages:
+                self._chunks.append(_Chunk(list(src_pages), start_page))
+            if self._paired():
+                self._flush()
+                if last:
+                    self._enter(RoomState.TRANSFERRING)
+                    for peer in self.peers.values():
+                        peer.events.put(pb.RoomEvent(kind=pb.RoomEvent.TRANSFERRING))
+                    self._maybe_done()
+
+    # ---- bootstrap-facing (gRPC threads) ------------------------------------------------
+
+    def attach(self, peer: Peer) -> None:
+        """Add a decode rank's registration; raises ValueError if it does not fit the room."""
+        with self._lock:
+            if self._state.finished:
+                raise ValueError(f"room {self.room:#x} already ended ({self._state.value}: {self.error})")
+            if self._expected_peers and peer.tp_size != self._expected_peers:
+                raise ValueError(f"room {self.room:#x}: decode tp_size {peer.tp_size} != {self._expected_peers} of earlier ranks")
+            if peer.tp_rank in self.peers:
+                raise ValueError(f"room {self.room:#x}: decode tp_rank {peer.tp_rank} registered twice")
+            self._expected_peers = peer.tp_size
+            self.peers[peer.tp_rank] = peer
+            if not self._paired():
+                return
+            self._flush()
+            if self._last:
+                self._enter(RoomState.TRANSFERRING)
+                for p in self.peers.values():
+                    p.events.put(pb.RoomEvent(kind=pb.RoomEvent.TRANSFERRING))
+                self._maybe_done()
+            else:
+                self._enter(RoomState.WAITING_FOR_INPUT)
+
+    def peer_gone(self, peer: Peer, why: str) -> None:
+        """The decode rank's stream ended before the room did: abort (decode cancelled or died)."""
+        with self._lock:
+            if self.peers.get(peer.tp_rank) is peer:
+                self._finish(RoomState.ABORTED, f"decode rank {peer.tp_rank} ({peer.peer_id}) {why}")
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            self._finish(RoomState.FAILED, reason)
+
+    # ---- transfer-thread-facing ---------------------------------------------------------
+
+    def write_done(self, job: WriteJob, error: str | None, nbytes: int, crc: int | None) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._state.finished:
+                return
+            if error is not None:
+                self._finish(RoomState.FAILED, f"room {self.room:#x}: write to decode rank {job.peer.tp_rank} failed: {error}")
+                return
+            job.peer.pages += job.num_pages
+            job.peer.bytes += nbytes
+            self.stats.pages += job.num_pages
+            self.stats.bytes += nbytes
+            self.stats.writes += 1
+            if crc is not None:
+                job.peer.checksums.append(pb.PageGroupChecksum(start_page=job.start_page, num_pages=job.num_pages, crc32=crc))
+            self._maybe_done()
+
+    # ---- internals (lock held) ----------------------------------------------------------
+
+    def _paired(self) -> bool:
+        return self._expected_peers > 0 and len(self.peers) == self._expected_peers
+
+    def _flush(self) -> None:
+        """Plan queued chunks for every decode rank and hand them to the transfer thread."""
+        for chunk in self._chunks:
+            for peer in self.peers.values():
+                ranges = plan_pages(self._layout, peer.layout, chunk.src_pages, peer.dst_pages,
+                                    start_page=chunk.start_page, skip_pages=peer.skip_pages)
+                if not ranges:
+                    continue  # decode already has these pages, or no head of ours goes to this rank
+                covered = chunk.start_page + len(chunk.src_pages) - max(chunk.start_page, peer.skip_pages)
+                if not self._first_write_t:
+                    self._first_write_t = time.monotonic()
+                self._in_flight += 1
+                self._submit(WriteJob(self, peer, ranges, max(chunk.start_page, peer.skip_pages), covered))
+        self._chunks.clear()
+
+    def _maybe_done(self) -> None:
+        if not (self._last and self._paired() and self._in_flight == 0 and not self._chunks):
+            return
+        if self._first_write_t:
+            self.stats.duration_ms = (time.monotonic() - self._first_write_t) * 1e3
+        for peer in self.peers.values():
+            peer.events.put(pb.RoomEvent(
+                kind=pb.RoomEvent.DONE,
+                first_token=-1 if self.first_token is None else self.first_token,
+                first_logprob=self.first_logprob or 0.0,
+                top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top_logprobs],
+                checksums=peer.checksums, pages=peer.pages, bytes=peer.bytes, duration_ms=self.stats.duration_ms,
+            ))
+        self._finish(RoomState.SUCCESS, None)
+
+    def _on_terminal(self, state: RoomState, reason: str | None) -> None:
+        if state is RoomState.SUCCESS:
+            return
+        kind = pb.RoomEvent.ABORTED if state is RoomState.ABORTED else pb.RoomEvent.FAILED
+        for peer in self.peers.values():
+            peer.events.put(pb.RoomEvent(kind=kind, reason=reason or ""))
