@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import signal
 import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,7 +47,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         self.config = config
         self.engine: Engine | None = None  # set once weights are loaded
         self.role_info: dict[str, str] = {}  # bootstrap_addr, transfer_backend (PD roles)
-        self.epoch = 0
+        self.epoch = secrets.randbits(64) or 1  # this incarnation; PD roles use the transfer manager's
         self._ids = itertools.count()
         self._by_external: dict[str, set[str]] = defaultdict(set)  # gateway request id -> ours
         self._by_room: dict[int, str] = {}
@@ -174,7 +176,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             eos_token_ids=list(engine.spec.eos_token_ids),
             bootstrap_addr=self.role_info.get("bootstrap_addr", ""),
             tp_size=self.config.parallel.tp_size,
-            epoch=self.epoch,
+            epoch=int(self.role_info.get("epoch", self.epoch)),
             transfer_backend=self.role_info.get("transfer_backend", ""),
         )
 
@@ -216,6 +218,9 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     """Serve until `stop` is set. Health turns SERVING after load + warm-up."""
     config.validate()
     server = grpc.aio.server(
+        # The prefill bootstrap service has blocking handlers (a registration stream lives as
+        # long as its room): they run on this pool, one thread per live registration.
+        migration_thread_pool=ThreadPoolExecutor(max_workers=512, thread_name_prefix="bootstrap"),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -265,7 +270,7 @@ def attach_role(engine: Engine, config: WorkerConfig, server: grpc.aio.Server, s
         return None
     from worker.roles import attach
 
-    return attach(engine, config, server, service)
+    return attach(engine, config, server, service.role_info)
 
 
 def run_worker(config: WorkerConfig) -> None:

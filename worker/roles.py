@@ -1,0 +1,61 @@
+"""Wiring of the PD roles: the worker's KV memory described to the transfer layer.
+
+`attach` builds the rank's `KVLayout` from the engine's KV cache, opens the transfer manager
+(which registers that memory with the backend once), serves the bootstrap service on prefill
+workers, and returns the role's hooks for the scheduler.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from transfer.contract import KVLayout
+from transfer.manager import KVTransferManager
+from worker.config import WorkerConfig
+from worker.decode import DecodeRole
+from worker.engine import Engine
+from worker.prefill import PrefillRole
+from worker.scheduler import RoleHooks
+
+
+def kv_layout(engine: Engine, config: WorkerConfig) -> KVLayout:
+    shape = engine.kv.shape
+    return KVLayout(
+        num_pages=shape.num_pages,
+        num_layers=shape.num_layers,
+        page_size=shape.page_size,
+        head_dim=shape.head_dim,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        num_kv_heads_total=engine.spec.num_kv_heads,
+        tp_rank=config.parallel.tp_rank,
+        tp_size=config.parallel.tp_size,
+    )
+
+
+def attach(engine: Engine, config: WorkerConfig, server: grpc.aio.Server, info: dict[str, str]) -> RoleHooks:
+    """Open the transfer manager for `config.role` and return the role's hooks.
+
+    `info` receives what GetInfo reports: bootstrap_addr (prefill), transfer_backend, epoch.
+    """
+    address = f"{config.host}:{config.port}"
+    manager = KVTransferManager(
+        config.transfer,
+        kv_layout(engine, config),
+        role=config.role,
+        kv_ptr=engine.kv.data_ptr(),
+        kv_nbytes=engine.kv.nbytes(),
+        host=config.host,
+        model_fingerprint=engine.spec.fingerprint,
+        model_name=engine.spec.architecture,
+        peer_id=address,
+    )
+    info["transfer_backend"] = config.transfer.backend
+    info["epoch"] = str(manager.epoch)
+    role: RoleHooks
+    if config.role == "prefill":
+        manager.add_to_server(server)  # type: ignore[arg-type]  # sync handlers run on the migration pool
+        info["bootstrap_addr"] = address
+        role = PrefillRole(engine, manager)
+    else:
+        role = DecodeRole(engine, manager)
+    return role
