@@ -1,0 +1,146 @@
+"""The batched sampler: logits of the step's last tokens → one new token per request.
+
+Order of processing, per request:
+1. penalties over the tokens it has generated so far (repetition, presence, frequency);
+2. min_tokens: eos (unless ignore_eos) and stop ids are banned until min_tokens are out;
+3. logprobs are read here — from the penalized, masked distribution, before temperature
+   and truncation (so they describe the model's distribution, not the sampler's knobs);
+4. greedy (temperature 0): argmax, exactly. Otherwise temperature, top_k, top_p, min_p,
+   then one draw from the request's own generator.
+
+Each seeded request draws from its own `torch.Generator` with row-wise operations only, so
+its samples do not depend on which requests share the batch or in what order. The all-greedy
+batch with no penalties and no logprobs is one argmax over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.sampling import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]  # one sampled token per request, in batch order
+    logprobs: list[float] | None  # the sampled token's logprob per request; None if nobody asked
+    top_logprobs: list[list[tuple[int, float]]] | None  # per request, most likely first; [] if not asked
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator the engine keeps for a request's whole life (None = global RNG)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _apply_penalties(row: torch.Tensor, generated: Sequence[int], p: SamplingParams) -> None:
+    """In place on one row of logits [V]; penalties count the tokens generated so far."""
+    if not generated:
+        return
+    vocab = row.shape[0]
+    tokens = torch.tensor([t for t in generated if 0 <= t < vocab], dtype=torch.long, device=row.device)
+    counts = torch.bincount(tokens, minlength=vocab).to(row.dtype)  # [V]
+    present = counts > 0
+    if p.repetition_penalty != 1.0:
+        # CTRL-style: shrink positive logits, push negative ones further down.
+        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(present, penalized, row))
+    row -= p.frequency_penalty * counts + p.presence_penalty * present.to(row.dtype)
+
+
+def _banned_ids(p: SamplingParams, generated: int, eos_token_ids: Sequence[int]) -> list[int]:
+    if generated >= p.min_tokens:
+        return []
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+
+
+def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask tokens outside top_k / top_p / min_p to -inf, row by row. x: [R, V] (tempered)."""
+    r, vocab = x.shape
+    device = x.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)  # [R]
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=x.dtype)  # [R]
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=x.dtype)  # [R]
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(vocab, device=device)[None, :]  # [1, V]
+    remove = rank >= top_k[:, None]
+    probs = sorted_x.masked_fill(remove, float("-inf")).softmax(dim=-1)  # [R, V]
+    mass_before = probs.cumsum(dim=-1) - probs
+    # top_p = 1 is off: rounding in the cumsum must not cut the tail.
+    remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    remove |= probs < min_p[:, None] * probs[:, :1]  # the top token always survives
+    remove[:, 0] = False
+    return x.scatter(1, order, sorted_x.masked_fill(remove, float("-inf")))
+
+
+class Sampler:
+    """Stateless; the engine owns generators and the generated-token history."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        output_token_ids: list[list[int]],
+        num_generated: list[int],
+        eos_token_ids: Sequence[int],
+    ) -> SampleOutput:
+        """logits [B, V] float32 → one token per row (see the module doc for the order)."""
+        b = logits.shape[0]
+        assert len(params) == len(generators) == len(output_token_ids) == len(num_generated) == b
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        banned = [_banned_ids(p, n, eos_token_ids) for p, n in zip(params, num_generated, strict=True)]
+        touched = any(p.has_penalties for p in params) or any(banned)
+        if not touched and not want_logprobs and all(p.greedy for p in params):
+            return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)  # the common fast path
+
+        if touched:
+            logits = logits.clone()
+            vocab = logits.shape[1]
+            for i, p in enumerate(params):
+                if p.has_penalties:
+                    _apply_penalties(logits[i], output_token_ids[i], p)
+                ids = [t for t in banned[i] if 0 <= t < vocab]
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+        tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            tokens[sampled] = self._draw(logits[sampled], [params[i] for i in sampled], [generators[i] for i in sampled])
+
+        token_list = tokens.tolist()
+        if not want_logprobs:
+            return SampleOutput(token_list, None, None)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        top: list[list[tuple[int, float]]] = []
+        for i, p in enumerate(params):
+            if p.top_logprobs:
+                values, ids = logprobs[i].topk(p.top_logprobs)  # sorted, most likely first
+                top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
+            else:
+                top.append([])
+        return SampleOutput(token_list, chosen, top)
+
+    @staticmethod
+    def _draw(
+        logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """logits [R, V] of the sampled rows → tokens [R]; each row uses its own generator."""
+        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+        x = logits / temps[:, None]  # [R, V]
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            x = _truncate(x, params)
+        probs = x.softmax(dim=-1)  # [R, V]
+        out = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        for j, gen in enumerate(generators):
+            out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        return out

@@ -1,0 +1,91 @@
+"""Per-request sampling parameters, mirroring protocol/tandem.proto's SamplingParams.
+
+The dataclass holds normalized values (the proto's "0 means off/default" conventions are
+resolved in `from_proto`), and `validate()` raises `SamplingParamsError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"sampling.{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax, exactly)
+    top_k: int = 0  # 0 = off; keep the k most likely tokens
+    top_p: float = 1.0  # 1 = off; keep the smallest set whose probability reaches top_p
+    min_p: float = 0.0  # 0 = off; drop tokens below min_p * the top token's probability
+    seed: int | None = None  # per-request generator seed; None = the worker's global RNG
+    max_tokens: int = 16  # new tokens at most (>= 1)
+    min_tokens: int = 0  # eos and stop ids are masked until this many tokens are generated
+    stop_token_ids: tuple[int, ...] = ()  # generation stops after any of these
+    ignore_eos: bool = False  # eos is an ordinary token (neither stops nor is masked)
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # also return the n most likely alternatives (0 = none)
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already generated
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(field, message)
+
+        check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+              f"must be >= 0 (0 = greedy), got {self.temperature}")
+        check(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
+        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
+        check(self.seed is None or 0 <= self.seed < 2**64, "seed", f"must fit in 64 unsigned bits, got {self.seed}")
+        check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              f"token ids must be >= 0, got {list(self.stop_token_ids)}")
+        check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+              f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+              f"must be in [-2, 2], got {self.frequency_penalty}")
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> SamplingParams:
+        """From a `tandem_pb2.SamplingParams`, resolving the wire's zero-means-default fields."""
+        return cls(
+            temperature=float(msg.temperature),
+            top_k=max(int(msg.top_k), 0),  # <= 0 = off on the wire
+            top_p=float(msg.top_p) or 1.0,  # 0 (unset) = off
+            min_p=float(msg.min_p),
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_tokens=int(msg.max_tokens),
+            min_tokens=int(msg.min_tokens),
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+            ignore_eos=bool(msg.ignore_eos),
+            logprobs=bool(msg.logprobs),
+            top_logprobs=int(msg.top_logprobs),
+            repetition_penalty=float(msg.repetition_penalty) or 1.0,  # 0 (unset) = off
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+        )
