@@ -32,6 +32,17 @@ class GatewayConfig:
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024
     retry_before_first_token: bool = True
+    # GetLoad refresh period: feeds least_load / cache_aware and GET /workers.
+    load_interval_s: float = 0.5
+    # Start-up waits (a readiness signal with a deadline) until every pool has a healthy
+    # worker; past the deadline the gateway serves anyway and /health says 503.
+    startup_wait_s: float = 30.0
+    # cache_aware: take the best-prefix worker unless its load exceeds the least-loaded
+    # worker's by more than this (load = running + waiting + in-flight + KV fraction).
+    cache_aware_load_threshold: float = 8.0
+    # cache_aware: page hashes remembered (LRU); bounds the gateway's memory.
+    cache_aware_max_pages: int = 200_000
+    log_level: str = "info"
 
     def validate(self, prefix: str = "gateway") -> None:
         if not (self.workers or (self.prefill and self.decode)):
@@ -45,3 +56,16 @@ class GatewayConfig:
                 raise GatewayConfigError(
                     f"{prefix}.{name} must be round_robin | least_load | cache_aware, got {getattr(self, name)!r}"
                 )
+        for name in ("health_interval_s", "load_interval_s", "request_timeout_s", "first_token_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise GatewayConfigError(f"{prefix}.{name} must be > 0 seconds, got {getattr(self, name)}")
+        for name in ("health_fail_threshold", "health_ok_threshold", "max_request_bytes", "cache_aware_max_pages"):
+            if getattr(self, name) < 1:
+                raise GatewayConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.startup_wait_s < 0:
+            raise GatewayConfigError(f"{prefix}.startup_wait_s must be >= 0 (0 = do not wait), got {self.startup_wait_s}")
+
+    @property
+    def pd(self) -> bool:
+        """True when prefill and decode are separate pools."""
+        return not self.workers

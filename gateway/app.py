@@ -1,0 +1,210 @@
+"""The gateway's HTTP app: `create_app(config)`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+GET /health (200 when every pool has a healthy worker, else 503), GET /metrics (Prometheus),
+GET /workers (per-worker health and load). A lifespan owns the worker pool (gRPC channels,
+health and load tasks). Every error leaves as `{"error": {...}}` with a real status code.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.config import GatewayConfig, GatewayConfigError
+from gateway.dispatch import Dispatcher
+from gateway.errors import ApiError, NoHealthyWorker, Unauthorized
+from gateway.metrics import Metrics
+from gateway.openai_types import ModelCard, ModelList
+from gateway.pool import Worker, WorkerPool
+from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
+from gateway.serving import GenerationHandler, validation_error
+from gateway.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_JSON = "application/json"
+
+
+def make_policy(name: str, config: GatewayConfig, page_size: int) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    return CacheAware(page_size=page_size, max_pages=config.cache_aware_max_pages,
+                      load_threshold=config.cache_aware_load_threshold)
+
+
+class Gateway:
+    """What the routes need; built by `create_app`, filled in by the lifespan."""
+
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = Metrics()
+        self.pool: WorkerPool | None = None
+        self._handler: GenerationHandler | None = None
+        self._dispatcher: Dispatcher | None = None
+        self.created = int(time.time())
+        self._key = config.api_key.encode()
+
+    async def start(self) -> None:
+        cfg = self.config
+        pool = self.pool = WorkerPool(cfg)
+        pool.on_load(self._on_load)
+        await pool.start()
+        if cfg.startup_wait_s > 0 and not await pool.wait_ready(cfg.startup_wait_s):
+            log.warning("gateway: not every pool has a healthy worker after %.0f s; serving anyway "
+                        "(/health answers 503 until one is)", cfg.startup_wait_s)
+        policies: dict[str, Policy] = {}
+        for name in pool.pools:
+            policy_name = cfg.prefill_policy if name == "prefill" else cfg.decode_policy
+            if name == "workers":  # mono: the prefill policy decides, it sees the prompt
+                policy_name = cfg.prefill_policy
+            policies[name] = make_policy(policy_name, cfg, self._page_size())
+        self._dispatcher = Dispatcher(cfg, pool, policies, self.metrics)
+
+    async def stop(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    def _page_size(self) -> int:
+        assert self.pool is not None
+        return next((i.page_size for i in self.pool.infos() if i.page_size > 0), 16)
+
+    def handler(self) -> GenerationHandler:
+        """The generation handler; built once the workers' info (name, limits) is known."""
+        if self._handler is not None:
+            return self._handler
+        if self.pool is None or self._dispatcher is None:
+            raise NoHealthyWorker("the gateway is starting; retry shortly")
+        infos = self.pool.infos()
+        if len(infos) < len(self.pool.all()):
+            # Limits are the minimum over all workers; until each answered GetInfo use what is
+            # known, but do not cache it.
+            if not infos:
+                raise NoHealthyWorker("no worker has answered yet; retry shortly", code="no_healthy_worker")
+            return self._build_handler(infos)
+        self._handler = self._build_handler(infos)
+        return self._handler
+
+    def _build_handler(self, infos: list[Any]) -> GenerationHandler:
+        assert self._dispatcher is not None
+        lens = [i.max_model_len for i in infos if i.max_model_len > 0]
+        vocab = [i.vocab_size for i in infos if i.vocab_size > 0]
+        return GenerationHandler(self.tokenizer, self._dispatcher, self.metrics, self.model_name(),
+                                 max_model_len=min(lens, default=0),
+                                 vocab_size=min(vocab, default=self.tokenizer.vocab_size),
+                                 max_request_bytes=self.config.max_request_bytes)
+
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        if self.pool is not None:
+            for info in self.pool.infos():
+                if info.model:
+                    return info.model
+        return os.path.basename(os.path.normpath(self.config.model_path))
+
+    def check_auth(self, request: Request) -> None:
+        if not self._key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            raise Unauthorized("missing or wrong API key; send `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
+
+    def _on_load(self, w: Worker) -> None:
+        self.metrics.observe_load(w.pool, w.url, w.load, w.healthy)
+
+
+def _error_response(err: ApiError) -> Response:
+    return Response(err.json_bytes(), status_code=err.status, media_type=_JSON)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """Build the gateway app. The tokenizer loads now (fail fast); workers connect in the lifespan."""
+    config.validate()
+    if not config.model_path:
+        raise GatewayConfigError("gateway.model_path: set it to the model directory that holds tokenizer.json")
+    gw = Gateway(config, Tokenizer.from_dir(config.model_path))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(validation_error(exc.errors()))  # OpenAI says 400, not FastAPI's 422
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> Response:
+        etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(ApiError(str(exc.detail), status=exc.status_code, type=etype))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gw.check_auth(request)
+        return await gw.handler().handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        gw.check_auth(request)
+        return await gw.handler().handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gw.check_auth(request)
+        lens = [i.max_model_len for i in (gw.pool.infos() if gw.pool else []) if i.max_model_len > 0]
+        body = ModelList(data=[ModelCard(id=gw.model_name(), created=gw.created, max_model_len=min(lens, default=0))])
+        return Response(body.model_dump_json().encode(), media_type=_JSON)
+
+    @app.get("/health")
+    async def health() -> Response:
+        pool = gw.pool
+        ready = pool is not None and pool.ready()
+        pools = {name: sum(w.healthy for w in ws) for name, ws in pool.pools.items()} if pool else {}
+        body = {"status": "ok" if ready else "unavailable", "healthy_workers": pools}
+        return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type=_JSON)
+
+    @app.get("/workers")
+    async def workers() -> Response:
+        ws = gw.pool.all() if gw.pool else []
+        return Response(json.dumps([w.as_json() for w in ws]).encode(), media_type=_JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        m = gw.metrics
+        if gw.pool is not None:
+            for name, ws in gw.pool.pools.items():
+                m.pool_running.labels(name).set(sum(w.load.running for w in ws))
+                m.pool_waiting.labels(name).set(sum(w.load.waiting for w in ws))
+                for w in ws:
+                    m.worker_healthy.labels(w.pool, w.url).set(1 if w.healthy else 0)
+        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,251 @@
+"""Dispatch of one request to the workers, with retry before the first token.
+
+Monolithic: one `Generate` stream on a `workers` worker; it streams every output token.
+
+Disaggregated (PD), for one attempt:
+ 1. Pick a prefill worker (its policy sees the prompt) and a decode worker; draw a random
+    64-bit `room`; take the prefill worker's `bootstrap_addr` from its GetInfo.
+ 2. Send `Generate(disagg={room, bootstrap_addr})` to both at once.
+ 3. The prefill leg yields one message (the first token, `num_cached_tokens`) and ends; it is
+    read by a task that keeps `num_cached_tokens` for usage and watches for errors.
+ 4. The decode leg streams all output tokens; its first message carries the token prefill
+    sampled, and its last one the KV transfer stats.
+ 5. If either leg fails before the first token reaches the client, both calls are cancelled,
+    `Abort(request_id, room)` goes to both workers, and — when the failure is the worker's
+    fault (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL) — one retry runs on a new pair without
+    the failed worker. After the first token there is no retry: the error goes to the client.
+
+`RequestRun.abort()` (client gone, stop string) cancels the streams and sends Abort to every
+worker involved. A worker's UNAVAILABLE marks it suspect in the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.errors import NoHealthyWorker, WorkerCallError
+from gateway.metrics import Metrics
+from gateway.pool import Worker, WorkerPool
+from gateway.routing import Policy
+from protocol import tandem_pb2
+
+log = logging.getLogger(__name__)
+
+_EOF = grpc.aio.EOF
+_random = random.SystemRandom()  # rooms must not collide across gateway processes
+
+
+def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
+    return WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
+
+
+class Dispatcher:
+    """Builds a `RequestRun` per request; shares the pool, policies and metrics."""
+
+    def __init__(self, config: GatewayConfig, pool: WorkerPool, policies: dict[str, Policy],
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.policies = policies
+        self.metrics = metrics
+
+    def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
+        cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]
+        if not cands:
+            which = "" if pool == "workers" else f"{pool} "
+            raise NoHealthyWorker(f"no healthy {which}worker is available; retry later", code="no_healthy_worker")
+        return self.policies[pool].pick(cands, prompt_ids)
+
+    def start(self, request_id: str, prompt_ids: list[int], sampling: tandem_pb2.SamplingParams) -> RequestRun:
+        return RequestRun(self, request_id, prompt_ids, sampling)
+
+
+class RequestRun:
+    """One request's streams. `first()` (with retry), then `next()` until None; `close()` always."""
+
+    def __init__(self, d: Dispatcher, request_id: str, prompt_ids: list[int],
+                 sampling: tandem_pb2.SamplingParams) -> None:
+        self._d = d
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.room = 0
+        self.num_cached_tokens = 0
+        self.retried = False
+        self._legs: list[tuple[Worker, Any]] = []  # (worker, grpc call) of the live attempt
+        self._stream: Any = None  # the call that streams output tokens (mono or decode leg)
+        self._stream_worker: Worker | None = None
+        self._prefill_task: asyncio.Task[None] | None = None
+        self._aborted = False
+
+    # ---- first token, with one retry ----
+
+    async def first(self) -> tandem_pb2.GenerateResponse:
+        cfg = self._d.config
+        exclude: set[str] = set()
+        attempts = 2 if cfg.retry_before_first_token else 1
+        for attempt in range(attempts):
+            try:
+                if cfg.pd:
+                    return await self._attempt_pd(exclude)
+                return await self._attempt_mono(exclude)
+            except WorkerCallError as err:
+                self._end_attempt(abort=True)
+                if attempt + 1 >= attempts or not err.worker_fault:
+                    raise
+                exclude.add(err.worker_url)
+                log.debug("request %s: retrying after %s", self.request_id, err.message)
+                self._d.metrics.retries.inc()
+                self.retried = True
+                try:  # a new pair must exist; otherwise the original error is the better answer
+                    for pool in self._d.pool.pools:
+                        self._d.pick(pool, self.prompt_ids, exclude)
+                except NoHealthyWorker:
+                    raise err from None
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _open(self, w: Worker, req: tandem_pb2.GenerateRequest) -> Any:
+        call = w.stub.Generate(req, timeout=self._d.config.request_timeout_s)
+        w.inflight += 1
+        self._legs.append((w, call))
+        return call
+
+    async def _read_first(self, call: Any, w: Worker, leg: str) -> tandem_pb2.GenerateResponse:
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._fail(exc, w, leg) from None
+        if msg is _EOF:
+            raise WorkerCallError(grpc.StatusCode.INTERNAL, "stream ended before any message", w.url, leg)
+        return msg
+
+    def _fail(self, exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._d.pool.mark_suspect(w)
+        err = _call_error(exc, w, leg)
+        if "bootstrap" in err.details.lower():
+            self._d.metrics.bootstrap_failures.inc()
+        return err
+
+    def _first_token_timeout(self, w: Worker, leg: str) -> WorkerCallError:
+        s = self._d.config.first_token_timeout_s
+        return WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no first token within {s} s "
+                               "(gateway.first_token_timeout_s)", w.url, leg)
+
+    async def _attempt_mono(self, exclude: set[str]) -> tandem_pb2.GenerateResponse:
+        w = self._d.pick("workers", self.prompt_ids, exclude)
+        req = tandem_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+                                         sampling=self.sampling)
+        call = self._open(w, req)
+        try:
+            first = await asyncio.wait_for(self._read_first(call, w, "mono"), self._d.config.first_token_timeout_s)
+        except asyncio.TimeoutError:
+            raise self._first_token_timeout(w, "mono") from None
+        self.num_cached_tokens = first.num_cached_tokens
+        self._stream, self._stream_worker = call, w
+        return first
+
+    async def _attempt_pd(self, exclude: set[str]) -> tandem_pb2.GenerateResponse:
+        p = self._d.pick("prefill", self.prompt_ids, exclude)
+        d = self._d.pick("decode", self.prompt_ids, exclude)
+        assert p.info is not None  # healthy implies GetInfo answered
+        self.room = _random.getrandbits(64) or 1  # 0 means "no room" on the wire
+        req = tandem_pb2.GenerateRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
+            disagg=tandem_pb2.DisaggParams(room=self.room, bootstrap_addr=p.info.bootstrap_addr))
+        call_p = self._open(p, req)
+        call_d = self._open(d, req)
+        loop = asyncio.get_running_loop()
+        prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p))
+        first_d = loop.create_task(self._read_first(call_d, d, "decode"))
+        deadline = loop.time() + self._d.config.first_token_timeout_s
+        try:
+            while not first_d.done():
+                waiting = {first_d} if prefill.done() else {first_d, prefill}
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise self._first_token_timeout(d, "decode")
+                await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and prefill.exception() is not None:
+                    raise prefill.exception()  # type: ignore[misc]
+            try:
+                first = first_d.result()
+            except WorkerCallError:
+                self._d.metrics.kv_transfer_failures.inc()  # the KV never landed on decode
+                raise
+        finally:
+            if not first_d.done():
+                first_d.cancel()
+        self._stream, self._stream_worker = call_d, d
+        return first
+
+    async def _prefill_leg(self, call: Any, w: Worker) -> None:
+        first = await self._read_first(call, w, "prefill")
+        self.num_cached_tokens = first.num_cached_tokens
+        try:
+            while await call.read() is not _EOF:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            raise self._fail(exc, w, "prefill") from None
+
+    # ---- after the first token ----
+
+    async def next(self) -> tandem_pb2.GenerateResponse | None:
+        """The next message of the output stream; None at its end. Errors are not retried."""
+        try:
+            msg = await self._stream.read()
+        except grpc.aio.AioRpcError as exc:
+            assert self._stream_worker is not None
+            raise self._fail(exc, self._stream_worker, "decode" if self.room else "mono") from None
+        return None if msg is _EOF else msg
+
+    async def settle(self) -> None:
+        """Wait briefly for the prefill leg's first message (its num_cached_tokens feeds usage)."""
+        task = self._prefill_task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=1.0)
+
+    def abort(self) -> None:
+        """Client gone or stop string: cancel the streams and Abort on every worker. Idempotent."""
+        if self._aborted:
+            return
+        self._aborted = True
+        self._end_attempt(abort=True)
+
+    def close(self) -> None:
+        """Release the request's in-flight slots; always called once the response is done."""
+        self._end_attempt(abort=False)
+
+    def _end_attempt(self, abort: bool) -> None:
+        task = self._prefill_task
+        if task is not None:
+            if not task.done():
+                task.cancel()
+            else:
+                exc = None if task.cancelled() else task.exception()  # also marks it retrieved
+                if exc is not None and not abort:
+                    log.debug("request %s: prefill leg ended with %s", self.request_id, exc)
+            self._prefill_task = None
+        req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room) if abort else None
+        for w, call in self._legs:
+            w.inflight -= 1
+            if not call.done():
+                call.cancel()
+            if req is not None:
+                self._d.pool.spawn(_send_abort(w, req))
+        self._legs.clear()
+        self._stream = None
+
+
+async def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
+    try:
+        await w.stub.Abort(req, timeout=2.0)
+    except grpc.aio.AioRpcError as exc:  # best effort: the room's own deadline frees it anyway
+        log.debug("Abort(%s) on %s failed: %s", req.request_id, w.url, exc.code().name)

@@ -1,0 +1,71 @@
+"""Prometheus metrics of one gateway app (its own registry; nothing at module level).
+
+Latency histograms (TTFT, inter-token, end-to-end), request outcomes, token counters, KV
+transfer figures (per request from the decode leg's last message; cluster totals from each
+worker's GetLoad counters), bootstrap failures, and per-worker queue gauges.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from protocol import tandem_pb2
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+
+
+class Metrics:
+    """All gateway metrics, registered in `self.registry`."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Request arrival to first token sent",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between output tokens",
+                             registry=r, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last byte",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("tandem_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        for outcome in ("success", "client_error", "server_error", "aborted"):
+            self.requests.labels(outcome)
+        self.retries = Counter("tandem_retries", "Requests retried on a new worker before the first token",
+                               registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("tandem_cached_tokens", "Prompt tokens served from a prefix cache", registry=r)
+        self.kv_transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved for PD requests", registry=r)
+        self.kv_transfer_pages = Counter("tandem_kv_transfer_pages", "KV pages moved for PD requests", registry=r)
+        self.kv_transfer_duration = Histogram("tandem_kv_transfer_duration_seconds", "KV transfer time per request",
+                                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_transfer_failures = Counter(
+            "tandem_kv_transfer_failures", "PD requests whose decode leg failed before its first token", registry=r)
+        self.bootstrap_failures = Counter(
+            "tandem_bootstrap_failures", "PD legs that failed with a bootstrap error", registry=r)
+        labels = ["pool", "worker"]
+        self.worker_running = Gauge("tandem_worker_running", "Running requests (GetLoad)", labels, registry=r)
+        self.worker_waiting = Gauge("tandem_worker_waiting", "Queued requests (GetLoad)", labels, registry=r)
+        self.worker_kv_used = Gauge("tandem_worker_kv_used_pages", "KV pages in use (GetLoad)", labels, registry=r)
+        self.worker_kv_total = Gauge("tandem_worker_kv_total_pages", "KV pages in the pool (GetLoad)", labels,
+                                     registry=r)
+        self.worker_transfer_bytes = Gauge("tandem_worker_transfer_bytes", "KV bytes the worker sent or received "
+                                           "since it started (GetLoad)", labels, registry=r)
+        self.worker_healthy = Gauge("tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r)
+        self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
+        self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
+
+    def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
+        self.worker_running.labels(pool, url).set(load.running)
+        self.worker_waiting.labels(pool, url).set(load.waiting)
+        self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)
+        self.worker_kv_total.labels(pool, url).set(load.kv_total_pages)
+        self.worker_transfer_bytes.labels(pool, url).set(load.transfer_bytes)
+        self.worker_healthy.labels(pool, url).set(1 if healthy else 0)
+
+    def observe_transfer(self, stats: tandem_pb2.TransferStats) -> None:
+        self.kv_transfer_bytes.inc(stats.bytes)
+        self.kv_transfer_pages.inc(stats.pages)
+        self.kv_transfer_duration.observe(stats.duration_ms / 1000.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

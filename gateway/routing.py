@@ -1,0 +1,108 @@
+"""Routing policies: pick one worker of a pool for a request.
+
+- `RoundRobin`: the next healthy worker in turn.
+- `LeastLoad`: the lowest `Worker.load_score()` (running + waiting + the gateway's in-flight
+  count + KV fraction); ties go round-robin so equal workers share a burst.
+- `CacheAware` (prefill): the worker that most recently saw the longest prefix of this prompt,
+  unless it is busier than the least-loaded worker by more than a threshold. Prefixes are
+  remembered as a chain of page hashes (hash of the previous page's hash and this page's
+  tokens), so a lookup walks the prompt once and memory is bounded by an LRU of page hashes.
+
+Policies see only candidate lists; they hold no reference to the pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+
+class Routable(Protocol):
+    url: str
+
+    def load_score(self) -> float: ...
+
+
+W = TypeVar("W", bound=Routable)
+
+
+class Policy(Protocol):
+    def pick(self, candidates: Sequence[W], prompt_ids: Sequence[int]) -> W: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, candidates: Sequence[W], prompt_ids: Sequence[int]) -> W:
+        w = candidates[self._next % len(candidates)]
+        self._next += 1
+        return w
+
+
+class LeastLoad:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, candidates: Sequence[W], prompt_ids: Sequence[int]) -> W:
+        n = len(candidates)
+        start = self._next % n
+        self._next += 1
+        best = candidates[start]
+        best_score = best.load_score()
+        for i in range(1, n):
+            w = candidates[(start + i) % n]
+            s = w.load_score()
+            if s < best_score:
+                best, best_score = w, s
+        return best
+
+
+def page_hashes(prompt_ids: Sequence[int], page_size: int) -> list[int]:
+    """Chained hashes of the prompt's full pages: equal hash at i = equal prefix up to page i."""
+    out: list[int] = []
+    h = 0
+    for i in range(0, len(prompt_ids) - page_size + 1, page_size):
+        h = hash((h, *prompt_ids[i:i + page_size]))
+        out.append(h)
+    return out
+
+
+class CacheAware:
+    """Longest remembered prefix wins, balanced against load."""
+
+    def __init__(self, page_size: int = 16, max_pages: int = 200_000, load_threshold: float = 8.0) -> None:
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.load_threshold = load_threshold
+        self._owner: OrderedDict[int, str] = OrderedDict()  # page hash -> url of the last worker sent it
+        self._least = LeastLoad()
+
+    def pick(self, candidates: Sequence[W], prompt_ids: Sequence[int]) -> W:
+        hashes = page_hashes(prompt_ids, self.page_size)
+        by_url = {w.url: w for w in candidates}
+        best: W | None = None
+        for h in hashes:  # walk down the chain; the deepest page owned by a candidate wins
+            url = self._owner.get(h)
+            if url is None:
+                break
+            w = by_url.get(url)
+            if w is not None:
+                best = w
+        least = self._least.pick(candidates, prompt_ids)
+        if best is None or best.load_score() - least.load_score() > self.load_threshold:
+            best = least
+        self._remember(hashes, best.url)
+        return best
+
+    def _remember(self, hashes: list[int], url: str) -> None:
+        owner = self._owner
+        for h in hashes:
+            owner[h] = url
+            owner.move_to_end(h)
+        while len(owner) > self.max_pages:
+            owner.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._owner)

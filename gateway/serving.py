@@ -1,0 +1,293 @@
+"""Serving one OpenAI generation request: parse, validate, dispatch, respond.
+
+`GenerationHandler.handle(request, chat)` is the whole path for /v1/completions and
+/v1/chat/completions: read the body (size-capped), validate it into the pydantic request,
+build the prompt ids (chat template or tokenizer), check lengths against the workers'
+max_model_len, build SamplingParams, dispatch, and answer as JSON or SSE. Errors before the
+first token become an OpenAI-shaped error with its real status code; after it (streaming)
+an SSE `error` event followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.dispatch import Dispatcher, RequestRun
+from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge
+from gateway.metrics import Metrics
+from gateway.openai_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    check_sampling,
+)
+from gateway.output import OutputAssembler
+from gateway.tokenizer import Tokenizer
+from protocol import tandem_pb2
+
+log = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+_JSON = "application/json"
+
+
+def _sse(model: BaseModel) -> bytes:
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (checked while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} (gateway.max_request_bytes)")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes (gateway.max_request_bytes)")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
+    """JSON → pydantic request; malformed JSON and wrong types are 400s naming the field."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+def validation_error(errors: Any) -> BadRequest:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or "body"
+    return BadRequest(f"{where}: {first.get('msg', 'invalid value')}", param=loc[0] if loc else None,
+                      code="invalid_value")
+
+
+class GenerationHandler:
+    """Shared state for the two generation endpoints (no per-request state kept here)."""
+
+    def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics, model_name: str,
+                 max_model_len: int, vocab_size: int, max_request_bytes: int) -> None:
+        self.tok = tokenizer
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_model_len = max_model_len  # min over workers (a prompt must fit on both legs); 0 = unknown
+        self.vocab_size = vocab_size
+        self.max_request_bytes = max_request_bytes
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        t0 = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"x-request-id": request_id}
+        try:
+            body = await read_body(request, self.max_request_bytes)
+            req = parse_request(body, ChatCompletionRequest if chat else CompletionRequest)
+            check_sampling(req)
+            if req.model is not None and req.model != self.model_name:
+                raise NotFound(f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
+                               code="model_not_found", param="model")
+            prompt_ids = self._prompt_ids(req, chat)
+            sampling = self._sampling(req, len(prompt_ids))
+            run = self.dispatcher.start(request_id, prompt_ids, sampling)
+            try:
+                first = await run.first()
+            except BaseException:
+                run.close()
+                raise
+        except ApiError as err:
+            self.metrics.requests.labels("client_error" if err.status < 500 else "server_error").inc()
+            log.debug("request %s failed: %s", request_id, err.message)
+            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+        out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
+                              req.num_top_logprobs(), self.metrics)
+        if req.stream:
+            gen = self._stream(run, first, out, chat, req.include_usage(), request_id, t0)
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+        return await self._complete(run, first, out, chat, request_id, t0, headers)
+
+    # ---- request → prompt ids and sampling ----
+
+    def _prompt_ids(self, req: Any, chat: bool) -> list[int]:
+        if chat:
+            if not req.messages:
+                raise BadRequest("messages must hold at least one message", param="messages")
+            return self.tok.encode_chat([m.as_template_dict() for m in req.messages])
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise BadRequest("batched prompts are not supported; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tok.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="prompt")
+        if not ids:
+            raise BadRequest("prompt is empty", param="prompt")
+        return ids
+
+    def _sampling(self, req: Any, num_prompt_tokens: int) -> tandem_pb2.SamplingParams:
+        max_tokens = req.requested_max_tokens()
+        limit = self.max_model_len
+        if limit:
+            if num_prompt_tokens >= limit:
+                raise BadRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limit}, which leaves "
+                                 "no room for output; shorten the prompt", param="prompt", code="context_length_exceeded")
+            if max_tokens is None:
+                max_tokens = limit - num_prompt_tokens  # cap to what fits
+            elif num_prompt_tokens + max_tokens > limit:
+                raise BadRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                                 f"max_model_len ({limit}); lower max_tokens or shorten the prompt",
+                                 param="max_tokens", code="context_length_exceeded")
+        elif max_tokens is None:
+            max_tokens = 16
+        if req.seed is not None and not 0 <= req.seed < 2**64:
+            raise BadRequest(f"seed must be in [0, 2**64), got {req.seed}", param="seed")
+        top = req.num_top_logprobs()
+        return tandem_pb2.SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=max(req.top_k, 0), top_p=1.0 if req.top_p is None else req.top_p, min_p=req.min_p,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+            top_logprobs=max(top, 0), logprobs=top >= 0, repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+
+    # ---- responses ----
+
+    def _account(self, outcome: str, out: OutputAssembler, run: RequestRun, t0: float) -> None:
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        m.e2e.observe(time.perf_counter() - t0)
+        m.prompt_tokens.inc(out.num_prompt_tokens)
+        m.generation_tokens.inc(out.completion_tokens)
+        m.cached_tokens.inc(run.num_cached_tokens)
+
+    async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
+                        chat: bool, request_id: str, t0: float, headers: dict[str, str]) -> Response:
+        parts: list[str] = []
+        outcome = "server_error"
+        try:
+            msg: tandem_pb2.GenerateResponse | None = first
+            last = time.perf_counter()
+            while msg is not None:
+                parts.append(out.add(msg))
+                if out.finished:
+                    break
+                msg = await run.next()
+                now = time.perf_counter()
+                if msg is not None and msg.token_ids:
+                    self.metrics.itl.observe((now - last) / len(msg.token_ids))
+                last = now
+            if not out.finished:
+                raise ApiError("the worker's stream ended without a finish_reason", status=502)
+            await run.settle()
+            outcome = "success"
+        except ApiError as err:
+            outcome = "client_error" if err.status < 500 else "server_error"
+            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+        finally:
+            if out.stopped_by_string or outcome != "success":
+                run.abort()
+            run.close()
+            self._account(outcome, out, run, t0)
+        text = "".join(parts)
+        created = int(time.time())
+        usage = out.usage(run.num_cached_tokens)
+        resp: BaseModel
+        if chat:
+            resp = ChatCompletionResponse(
+                id=f"chatcmpl-{request_id}", created=created, model=self.model_name, usage=usage,
+                choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=out.finish_reason,
+                                    logprobs=out.chat_logprobs(out.logprobs) if out.want_logprobs else None)])
+        else:
+            resp = CompletionResponse(
+                id=f"cmpl-{request_id}", created=created, model=self.model_name, usage=usage,
+                choices=[CompletionChoice(text=text, finish_reason=out.finish_reason,
+                                          logprobs=out.completion_logprobs(out.logprobs) if out.want_logprobs else None)])
+        return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)
+
+    async def _stream(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
+                      chat: bool, include_usage: bool, request_id: str, t0: float) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        rid = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}"
+        model = self.model_name
+        outcome = "aborted"  # what is left if the client goes away mid-stream
+        text_pos = 0
+        try:
+            if chat:
+                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
+            msg: tandem_pb2.GenerateResponse | None = first
+            last = time.perf_counter()
+            while msg is not None:
+                text = out.add(msg)
+                lp_entries = msg.logprobs if out.want_logprobs else None
+                if text or out.finished or lp_entries:
+                    finish = out.finish_reason
+                    if chat:
+                        chunk: BaseModel = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                            ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish,
+                                            logprobs=out.chat_logprobs(lp_entries) if lp_entries else None)])
+                    else:
+                        chunk = CompletionChunk(id=rid, created=created, model=model, choices=[
+                            CompletionChoice(text=text, finish_reason=finish, logprobs=(
+                                out.completion_logprobs(lp_entries, text_pos) if lp_entries else None))])
+                    text_pos += len(text)
+                    yield _sse(chunk)
+                if out.finished:
+                    break
+                msg = await run.next()
+                now = time.perf_counter()
+                if msg is not None and msg.token_ids:
+                    self.metrics.itl.observe((now - last) / len(msg.token_ids))
+                last = now
+            if not out.finished:
+                raise ApiError("the worker's stream ended without a finish_reason", status=502)
+            if include_usage:
+                await run.settle()
+                usage = out.usage(run.num_cached_tokens)
+                cls = ChatCompletionChunk if chat else CompletionChunk
+                yield _sse(cls(id=rid, created=created, model=model, choices=[], usage=usage))
+            outcome = "success"
+            yield _DONE
+        except ApiError as err:
+            outcome = "client_error" if err.status < 500 else "server_error"
+            log.debug("request %s failed mid-stream: %s", request_id, err.message)
+            yield b"data: " + err.json_bytes() + b"\n\n"
+            yield _DONE
+        finally:
+            if out.stopped_by_string or outcome != "success":
+                run.abort()
+            run.close()
+            self._account(outcome, out, run, t0)

@@ -1,0 +1,192 @@
+"""Test doubles for the gateway: a tokenizer built offline and scripted gRPC workers.
+
+`ScriptedWorker` is a real grpc.aio server implementing the Worker service and grpc.health.v1;
+it yields scripted tokens instead of running a model (the real workers are tested end to end
+elsewhere). Roles: "both" streams every token; "prefill" yields one message (first token +
+num_cached_tokens) for a PD request; "decode" streams every token, the last message with
+transfer stats. Faults are scripted per instance and recorded calls are kept for assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from protocol import tandem_pb2, tandem_pb2_grpc
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog", "hello world, hello gateway",
+    "héllo wörld ünïcode", "日本語のテキスト", "emoji 🙂 and 🚀 rockets", "a+b=c; k3=41; answer: 42",
+    "STOP here and END there", "one two three four five six seven eight nine ten",
+]
+
+
+def build_tokenizer(path: Path, with_template: bool = True) -> Path:
+    """A byte-level BPE tokenizer (multi-byte characters span tokens) saved HF-style."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    cfg: dict[str, object] = {"eos_token": "<|im_end|>", "bos_token": None}
+    if with_template:
+        cfg["chat_template"] = CHATML
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@dataclass
+class Script:
+    """What a ScriptedWorker does on Generate."""
+
+    tokens: list[int] = field(default_factory=list)  # output token ids, one per message
+    finish_reason: str = "length"
+    cached_tokens: int = 0
+    delay_s: float = 0.0  # between messages
+    fail_code: grpc.StatusCode | None = None  # abort the stream with this code ...
+    fail_after: int = 0  # ... after this many messages (0 = before the first)
+    fail_times: int = 1_000_000  # how many Generate calls fail (then it behaves)
+    hang_first: bool = False  # never send the first message (first-token timeout)
+    transfer: tandem_pb2.TransferStats | None = None
+
+
+class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
+    def __init__(self, role: str = "both", model: str = "tiny", max_model_len: int = 64,
+                 vocab_size: int = 300, script: Script | None = None) -> None:
+        self.role = role
+        self.model = model
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.script = script or Script()
+        self.requests: list[tandem_pb2.GenerateRequest] = []
+        self.aborts: list[tandem_pb2.AbortRequest] = []
+        self.cancelled = 0
+        self.load = tandem_pb2.Load(kv_total_pages=100)
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.abort_event = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, serving: bool = True) -> ScriptedWorker:
+        self.server = grpc.aio.server()
+        tandem_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        await self.set_serving(serving)
+        return self
+
+    async def set_serving(self, serving: bool) -> None:
+        st = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", st)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+
+    async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
+        return tandem_pb2.WorkerInfo(model=self.model, role=self.role, max_model_len=self.max_model_len,
+                                     page_size=4, vocab_size=self.vocab_size, eos_token_ids=[2],
+                                     bootstrap_addr=f"127.0.0.1:{self.port + 1}" if self.role == "prefill" else "")
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return self.load
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.aborts.append(request)
+        self.abort_event.set()
+        return tandem_pb2.AbortResponse(found=True)
+
+    async def Generate(self, request, context):  # noqa: N802
+        self.requests.append(request)
+        s = self.script
+        failing = s.fail_code is not None and s.fail_times > 0
+        if failing:
+            s.fail_times -= 1
+        try:
+            if s.hang_first:
+                await asyncio.sleep(3600)
+            if failing and s.fail_after == 0:
+                await context.abort(s.fail_code, f"scripted {s.fail_code.name}")
+            n_prompt = len(request.prompt_token_ids)
+            if self.role == "prefill":
+                yield tandem_pb2.GenerateResponse(token_ids=s.tokens[:1], num_prompt_tokens=n_prompt,
+                                                  num_cached_tokens=s.cached_tokens)
+                return
+            n = min(len(s.tokens), request.sampling.max_tokens or len(s.tokens))
+            for i in range(n):
+                if failing and i == s.fail_after:
+                    await context.abort(s.fail_code, f"scripted {s.fail_code.name}")
+                last = i == n - 1
+                msg = tandem_pb2.GenerateResponse(token_ids=[s.tokens[i]])
+                if request.sampling.logprobs:
+                    msg.logprobs.append(tandem_pb2.TokenLogprob(
+                        token_id=s.tokens[i], logprob=-0.5,
+                        top=[tandem_pb2.TopLogprob(token_id=s.tokens[i], logprob=-0.5)]
+                        [:request.sampling.top_logprobs]))
+                if i == 0:
+                    msg.num_prompt_tokens = n_prompt
+                    msg.num_cached_tokens = 0 if self.role == "decode" else s.cached_tokens
+                if last:
+                    limit_hit = n < len(s.tokens)
+                    msg.finish_reason = "length" if limit_hit else s.finish_reason
+                    if s.transfer is not None:
+                        msg.transfer.CopyFrom(s.transfer)
+                yield msg
+                if s.delay_s and not last:
+                    await asyncio.sleep(s.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def fast_config(tok_dir: Path, **kw: object) -> GatewayConfig:
+    base = GatewayConfig(model_path=str(tok_dir), health_interval_s=0.05, load_interval_s=0.05,
+                         startup_wait_s=5.0, first_token_timeout_s=5.0, request_timeout_s=20.0)
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def running_app(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with its lifespan running, and a client bound to it in-process."""
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=20) as client:
+            yield client
+
+
+@contextlib.asynccontextmanager
+async def workers(*ws: ScriptedWorker) -> AsyncIterator[tuple[ScriptedWorker, ...]]:
+    for w in ws:
+        await w.start()
+    try:
+        yield ws
+    finally:
+        for w in ws:
+            await w.stop()
