@@ -116,19 +116,19 @@ class Sampler:
         if sampled:
             tokens[sampled] = self._draw(logits[sampled], [params[i] for i in sampled], [generators[i] for i in sampled])
 
-        token_list = tokens.tolist()
+        token_ids: list[int] = tokens.tolist()
         if not want_logprobs:
-            return SampleOutput(token_list, None, None)
+            return SampleOutput(token_ids, None, None)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         top: list[list[tuple[int, float]]] = []
         for i, p in enumerate(params):
             if p.top_logprobs:
-                values, ids = logprobs[i].topk(p.top_logprobs)  # sorted, most likely first
-                top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
+                values, top_ids = logprobs[i].topk(p.top_logprobs)  # sorted, most likely first
+                top.append(list(zip(top_ids.tolist(), values.tolist(), strict=True)))
             else:
                 top.append([])
-        return SampleOutput(token_list, chosen, top)
+        return SampleOutput(token_ids, chosen, top)
 
     @staticmethod
     def _draw(

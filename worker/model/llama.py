@@ -8,6 +8,8 @@ q/k/v and gate/up fused; `weight_slots` maps the checkpoint names onto the fused
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,7 +141,8 @@ class LlamaForCausalLM(CausalLM):
         slots["model.norm.weight"] = WeightSlot(self.model.norm, "weight")
         if self.lm_head is not None:
             slots["lm_head.weight"] = WeightSlot(self.lm_head, "weight")
-        for i, layer in enumerate(self.model.layers):
+        for i, module in enumerate(self.model.layers):
+            layer = cast(DecoderLayer, module)
             p = f"model.layers.{i}"
             attn, mlp = layer.self_attn, layer.mlp
             params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
@@ -152,9 +155,9 @@ class LlamaForCausalLM(CausalLM):
                 slots[f"{p}.self_attn.q_norm.weight"] = WeightSlot(attn.q_norm, "weight")
                 slots[f"{p}.self_attn.k_norm.weight"] = WeightSlot(attn.k_norm, "weight")
             mlp_params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
-            for shard, name in enumerate(("gate_proj", "up_proj")):
+            for index, name in enumerate(("gate_proj", "up_proj")):
                 for param in mlp_params:
-                    slots[f"{p}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, shard)
+                    slots[f"{p}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, index)
             for param in mlp_params:
                 slots[f"{p}.mlp.down_proj.{param}"] = WeightSlot(mlp.down_proj, param)
             slots[f"{p}.input_layernorm.weight"] = WeightSlot(layer.input_layernorm, "weight")
