@@ -111,13 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, extra: list[str] | None = None) -> ClusterConfig:
     """The config of args.config with the named flags' overrides (`extra`), then --set ones."""
-    overrides = [*(extra or []), *args.overrides]
-    if extra and "launcher.kind=local" in extra:
-        overrides.append("launcher.kind=local")  # after --set: serve is always local
-    return load_config(resolve_config_path(args.config), overrides)
+    return load_config(resolve_config_path(args.config), [*(extra or []), *args.overrides])
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config `tandem serve` runs: the file, then --model/--dtype/--port, then --set."""
     extra: list[str] = []
     if args.model:
         model_dir = Path(args.model).expanduser()
@@ -129,11 +127,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra.append(f"model.dtype={args.dtype}")
     if args.port is not None:
         extra.append(f"gateway.port={args.port}")
-    # `serve` is the local launcher by definition, whatever the file says.
-    cluster = _load(args, [*extra, "launcher.kind=local"])
+    # `serve` is the local launcher by definition, whatever the file or --set says.
+    overrides = [*extra, *args.overrides, "launcher.kind=local"]
+    return load_config(resolve_config_path(args.config), overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.launch import launch
 
-    return launch(cluster)
+    return launch(serve_config(args))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
