@@ -8,8 +8,8 @@ the new tokens, and the delta is the difference — held back while it ends in U
 of an incomplete UTF-8 sequence.
 
 `StopStringMatcher` truncates text before the first stop string. A stop string can arrive split
-across deltas, so it holds back the last `len(longest stop) - 1` characters until more text (or
-the end) shows they are not the start of a stop string.
+across deltas, so it holds back at most the last `len(longest stop) - 1` characters — only the
+suffix that could begin a stop string — until more text (or the end) settles it.
 """
 
 from __future__ import annotations
@@ -89,8 +89,14 @@ class StopStringMatcher:
             self.stopped = True
             self._buf = ""
             return buf[:cut]
-        # Everything but a possible stop-string prefix at the end can go out.
-        keep = min(self._hold, len(buf))
+        # Everything but a possible stop-string start at the end can go out: hold back the
+        # longest suffix (at most len(longest stop) - 1 chars) that begins some stop string.
+        keep = 0
+        for k in range(min(self._hold, len(buf)), 0, -1):
+            tail = buf[len(buf) - k:]
+            if any(s.startswith(tail) for s in self._stops):
+                keep = k
+                break
         self._buf = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]
 

@@ -92,11 +92,11 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self, serving: bool = True) -> ScriptedWorker:
+    async def start(self, serving: bool = True, port: int = 0) -> ScriptedWorker:
         self.server = grpc.aio.server()
         tandem_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         await self.set_serving(serving)
         return self
@@ -190,3 +190,14 @@ async def workers(*ws: ScriptedWorker) -> AsyncIterator[tuple[ScriptedWorker, ..
     finally:
         for w in ws:
             await w.stop()
+
+
+async def wait_workers(client: httpx.AsyncClient, healthy: bool = True, timeout: float = 5.0) -> list[dict]:
+    """Poll GET /workers until every worker's `healthy` equals `healthy` (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        ws = (await client.get("/workers")).json()
+        if all(w["healthy"] is healthy for w in ws) or loop.time() > deadline:
+            return ws
+        await asyncio.sleep(0.02)

@@ -1,0 +1,92 @@
+"""Worker health: thresholds (state machine), NOT_SERVING → excluded → back, /health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gw_doubles import Script, ScriptedWorker, fast_config, running_app, wait_workers, workers
+
+from gateway.pool import WorkerPool
+from protocol import tandem_pb2
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_thresholds_state_machine(tok_dir):
+    pool = WorkerPool(fast_config(tok_dir, workers=("127.0.0.1:1",), health_fail_threshold=3,
+                                  health_ok_threshold=2))
+    try:
+        (w,) = pool.all()
+        pool._record_check(w, True)
+        assert not w.healthy  # no GetInfo yet: never healthy
+        w.info = tandem_pb2.WorkerInfo(role="both")
+        pool._record_check(w, True)
+        assert w.healthy  # two good checks in a row (ok threshold 2)
+        for expected in (True, True, False):  # the third consecutive failure takes it out
+            pool._record_check(w, False)
+            assert w.healthy is expected
+        pool._record_check(w, True)
+        pool._record_check(w, False)
+        pool._record_check(w, True)
+        assert not w.healthy  # good checks must be consecutive
+        pool._record_check(w, True)
+        assert w.healthy
+        pool.mark_suspect(w)  # a request saw UNAVAILABLE
+        assert not w.healthy
+    finally:
+        await pool.close()
+
+
+async def test_not_serving_worker_is_excluded_then_returns(tok_dir):
+    a = ScriptedWorker(script=Script(tokens=[70, 71], finish_reason="stop"))
+    b = ScriptedWorker(script=Script(tokens=[70, 71], finish_reason="stop"))
+    cfg = dict(health_fail_threshold=2, health_ok_threshold=2, prefill_policy="round_robin")
+    async with workers(a, b), running_app(fast_config(tok_dir, workers=(a.url, b.url), **cfg)) as c:
+        await wait_workers(c)
+        await a.set_serving(False)
+        ws = {}
+        for _ in range(200):
+            ws = {w["url"]: w["healthy"] for w in (await c.get("/workers")).json()}
+            if not ws[a.url]:
+                break
+            await asyncio.sleep(0.02)
+        assert ws == {a.url: False, b.url: True}
+        n_a = len(a.requests)
+        for _ in range(4):
+            assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+        assert len(a.requests) == n_a and len(b.requests) >= 4  # excluded worker takes no requests
+        assert (await c.get("/health")).status_code == 200  # one healthy worker is enough
+        await b.set_serving(False)
+        await wait_workers(c, healthy=False)
+        assert (await c.get("/health")).status_code == 503
+        await a.set_serving(True)
+        for _ in range(200):
+            if (await c.get("/health")).status_code == 200:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+        assert len(a.requests) == n_a + 1  # it takes requests again
+
+
+async def test_worker_reachable_later(tok_dir):
+    # The gateway starts before the worker: /health is 503, then 200 once GetInfo succeeds.
+    w = ScriptedWorker(script=Script(tokens=[70], finish_reason="stop"))
+    await w.start()
+    port = w.port
+    await w.stop()
+    async with running_app(fast_config(tok_dir, workers=(f"127.0.0.1:{port}",), startup_wait_s=0)) as c:
+        assert (await c.get("/health")).status_code == 503
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503
+        late = await ScriptedWorker(script=Script(tokens=[70], finish_reason="stop")).start(port=port)
+        try:
+            for _ in range(250):
+                if (await c.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await c.get("/health")).status_code == 200
+            assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+        finally:
+            await late.stop()

@@ -1,0 +1,118 @@
+"""PD dispatch against scripted prefill and decode workers: room, legs, retry, aborts."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from gw_doubles import Script, ScriptedWorker, fast_config, running_app, wait_workers, workers
+
+from protocol import tandem_pb2
+
+pytestmark = pytest.mark.anyio
+
+TOKENS = [70, 71, 72, 73, 74]
+
+
+def prefill(**kw) -> ScriptedWorker:
+    return ScriptedWorker(role="prefill", script=Script(tokens=TOKENS[:1], cached_tokens=4, **kw))
+
+
+def decode(**kw) -> ScriptedWorker:
+    kw.setdefault("transfer", tandem_pb2.TransferStats(pages=3, bytes=12288, duration_ms=2.5))
+    return ScriptedWorker(role="decode", script=Script(tokens=TOKENS, finish_reason="stop", **kw))
+
+
+def pd_config(tok_dir, ps, ds, **kw):
+    kw.setdefault("decode_policy", "round_robin")
+    kw.setdefault("prefill_policy", "round_robin")
+    return fast_config(tok_dir, prefill=tuple(p.url for p in ps), decode=tuple(d.url for d in ds), **kw)
+
+
+async def test_pd_both_legs_share_room(tok_dir):
+    p, d = prefill(), decode()
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d])) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 5},
+                         headers={"X-Request-Id": "pd-1"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4  # from the prefill leg
+        assert body["usage"]["completion_tokens"] == len(TOKENS)
+        (rp,), (rd,) = p.requests, d.requests
+        assert rp.disagg.room == rd.disagg.room != 0
+        assert rp.disagg.bootstrap_addr == rd.disagg.bootstrap_addr == f"127.0.0.1:{p.port + 1}"
+        assert rp.request_id == rd.request_id == "pd-1"
+        assert list(rp.prompt_token_ids) == list(rd.prompt_token_ids)
+        assert p.aborts == [] and d.aborts == []  # a finished request is not aborted
+        m = (await c.get("/metrics")).text
+        assert "tandem_kv_transfer_bytes_total 12288.0" in m and "tandem_cached_tokens_total 4.0" in m
+        assert "tandem_kv_transfer_duration_seconds_count 1.0" in m
+        ws = (await c.get("/workers")).json()
+        assert sorted(w["role"] for w in ws) == ["decode", "prefill"]
+        assert all(w["inflight"] == 0 for w in ws)
+
+
+async def test_retry_once_on_new_decode_before_first_token(tok_dir):
+    p = prefill()
+    bad, good = decode(fail_code=grpc.StatusCode.UNAVAILABLE), decode()
+    async with workers(p, bad, good), running_app(pd_config(tok_dir, [p], [bad, good])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True})
+        assert r.status_code == 200
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        assert len(bad.requests) == 1 and len(good.requests) == 1 and len(p.requests) == 2
+        first_room, second_room = (q.disagg.room for q in p.requests)
+        assert first_room != second_room and good.requests[0].disagg.room == second_room
+        await p.abort_event.wait()
+        await bad.abort_event.wait()
+        assert p.aborts[0].room == first_room and bad.aborts[0].room == first_room
+        m = (await c.get("/metrics")).text
+        assert "tandem_retries_total 1.0" in m and "tandem_kv_transfer_failures_total 1.0" in m
+        ws = {w["url"]: w for w in (await c.get("/workers")).json()}
+        assert ws[bad.url]["healthy"] is False  # UNAVAILABLE: suspect at once
+
+
+async def test_retry_on_new_prefill_when_prefill_fails(tok_dir):
+    bad, good, d = prefill(fail_code=grpc.StatusCode.INTERNAL), prefill(), decode()
+    d.script.delay_s = 0.01
+    async with workers(bad, good, d), running_app(pd_config(tok_dir, [bad, good], [d])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert len(bad.requests) == 1 and len(good.requests) == 1 and len(d.requests) == 2
+        # INTERNAL is the worker's fault but not a sign it is down: it stays healthy
+        ws = {w["url"]: w for w in (await c.get("/workers")).json()}
+        assert ws[bad.url]["healthy"] is True
+
+
+async def test_client_error_is_not_retried(tok_dir):
+    p = prefill()
+    bad, good = decode(fail_code=grpc.StatusCode.INVALID_ARGUMENT), decode()
+    async with workers(p, bad, good), running_app(pd_config(tok_dir, [p], [bad, good])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument"
+        assert len(bad.requests) == 1 and good.requests == []
+        assert all(w["healthy"] for w in (await c.get("/workers")).json())
+
+
+async def test_no_retry_after_first_token(tok_dir):
+    p = prefill()
+    bad, good = decode(fail_code=grpc.StatusCode.UNAVAILABLE, fail_after=2), decode()
+    async with workers(p, bad, good), running_app(pd_config(tok_dir, [p], [bad, good])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True})
+        events = [e[len("data: "):] for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "unavailable"
+        assert json.loads(events[0])["choices"][0]["text"]  # the first tokens did reach the client
+        assert len(bad.requests) == 1 and good.requests == [] and len(p.requests) == 1
+
+
+async def test_first_token_timeout_without_alternative(tok_dir):
+    p, d = prefill(), decode(hang_first=True)
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d], first_token_timeout_s=0.3)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        await d.abort_event.wait()
+        assert d.aborts[0].room == d.requests[0].disagg.room != 0

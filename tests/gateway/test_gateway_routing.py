@@ -1,0 +1,84 @@
+"""Routing policies as pure functions of candidates and prompt (no gRPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.routing import CacheAware, LeastLoad, RoundRobin, page_hashes
+
+
+@dataclass(eq=False)
+class W:
+    url: str
+    load: float = 0.0
+
+    def load_score(self) -> float:
+        return self.load
+
+
+def test_round_robin_cycles():
+    ws = [W("a"), W("b"), W("c")]
+    rr = RoundRobin()
+    assert [rr.pick(ws, []).url for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    assert rr.pick(ws[:1], []).url == "a"
+
+
+def test_least_load_picks_lowest_and_spreads_ties():
+    ws = [W("a", 3), W("b", 1), W("c", 2)]
+    ll = LeastLoad()
+    assert {ll.pick(ws, []).url for _ in range(5)} == {"b"}
+    ties = [W("a", 1), W("b", 1)]
+    assert {ll.pick(ties, []).url for _ in range(4)} == {"a", "b"}
+
+
+def test_page_hashes_are_prefix_chained():
+    a = page_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = page_hashes([1, 2, 3, 4, 5, 6, 7, 0], 4)
+    c = page_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert c[0] != a[0] and c[1] != a[1]  # same second page, different prefix: different hash
+
+
+def test_cache_aware_follows_longest_prefix():
+    ws = [W("a"), W("b"), W("c")]
+    ca = CacheAware(page_size=4, load_threshold=5)
+    sys_a, sys_b = list(range(100, 116)), list(range(200, 216))
+    first_a = ca.pick(ws, sys_a + [1, 2]).url
+    ws_by = {w.url: w for w in ws}
+    ws_by[first_a].load = 1  # it now has a request; least-load would go elsewhere
+    first_b = ca.pick(ws, sys_b + [3]).url
+    assert first_b != first_a
+    for i in range(5):  # same prefixes return to the same workers
+        assert ca.pick(ws, sys_a + [i, i, i, i]).url == first_a
+        assert ca.pick(ws, sys_b + [i]).url == first_b
+    # a longer shared prefix wins over a shorter one
+    ca.pick([ws_by["c"]], sys_a + [7, 7, 7, 7, 8, 8, 8, 8])
+    assert ca.pick(ws, sys_a + [7, 7, 7, 7, 8, 8, 8, 8, 9]).url == "c"
+
+
+def test_cache_aware_balances_against_load():
+    a, b = W("a"), W("b")
+    ca = CacheAware(page_size=4, load_threshold=5)
+    prompt = list(range(32))
+    assert ca.pick([a], prompt).url == "a"
+    a.load = 5
+    assert ca.pick([a, b], prompt).url == "a"  # within threshold: keep the cache hit
+    a.load = 6
+    assert ca.pick([a, b], prompt).url == "b"  # too busy: least-loaded wins
+    assert ca.pick([a, b], prompt).url == "b"  # and now b owns the prefix
+
+
+def test_cache_aware_memory_is_bounded():
+    ca = CacheAware(page_size=2, max_pages=50)
+    ws = [W("a"), W("b")]
+    for i in range(100):
+        ca.pick(ws, [i] * 20)
+    assert len(ca) == 50
+
+
+def test_cache_aware_ignores_unhealthy_owner():
+    a, b = W("a"), W("b")
+    ca = CacheAware(page_size=4)
+    prompt = list(range(16))
+    ca.pick([a], prompt)
+    assert ca.pick([b], prompt).url == "b"  # a is not a candidate (unhealthy or excluded)
