@@ -1,14 +1,39 @@
-"""Run the gateway: `run_gateway(config)` serves until SIGINT/SIGTERM (uvicorn handles both)."""
+"""Run the gateway: `run_gateway(config)` serves until SIGINT/SIGTERM, then returns."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a stop signal ends `run()` normally.
+
+    uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die
+    with status 143/130; a gateway asked to stop has done nothing wrong, and launchers read a
+    non-zero status as a crash.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def run_gateway(config: GatewayConfig) -> None:
@@ -17,5 +42,6 @@ def run_gateway(config: GatewayConfig) -> None:
     app = create_app(config)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     # Access logs are off: a log line per request costs about half the throughput.
-    uvicorn.run(app, host=config.host, port=config.port, loop=loop, access_log=False,
-                log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop=loop, access_log=False,
+                                   log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    _Server(server_config).run()

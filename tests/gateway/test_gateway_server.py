@@ -1,0 +1,117 @@
+"""The gateway as a real process: uvicorn (run_gateway), the openai client, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from gw_doubles import Script, ScriptedWorker, workers
+
+from gateway.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(tok_dir: Path, worker_url: str) -> AsyncIterator[str]:
+    port = free_port()
+    code = (
+        "from gateway.config import GatewayConfig; from gateway.server import run_gateway; "
+        f"run_gateway(GatewayConfig(port={port}, workers=({worker_url!r},), model_path={str(tok_dir)!r}, "
+        "health_interval_s=0.05, load_interval_s=0.05, log_level='warning'))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as client:
+            for _ in range(300):  # readiness: /health says 200 (bounded: 15 s)
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        break
+                assert proc.poll() is None, "gateway process exited during start-up"
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("gateway did not become healthy within 15 s")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = await asyncio.to_thread(proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0  # SIGTERM is a clean shutdown
+
+
+async def test_openai_client_against_real_server(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
+    w = ScriptedWorker(script=Script(tokens=tok.encode("héllo 🙂 wörld", add_special_tokens=False),
+                                     finish_reason="stop", delay_s=0.02))
+    async with workers(w), gateway_process(tok_dir, w.url) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        comp = await client.completions.create(model="tiny", prompt="hello", max_tokens=30)
+        assert comp.choices[0].text == "héllo 🙂 wörld" and comp.choices[0].finish_reason == "stop"
+        assert comp.usage is not None and comp.usage.completion_tokens == len(w.script.tokens)
+        chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert chat.choices[0].message.content == "héllo 🙂 wörld"
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert "".join(parts) == "héllo 🙂 wörld"
+        assert usage is not None and usage.prompt_tokens_details.cached_tokens == 0
+        with pytest.raises(openai.BadRequestError, match="n>1 is not supported"):
+            await client.completions.create(model="tiny", prompt="x", n=2)
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="other", prompt="x")
+        await client.close()
+
+
+async def test_client_disconnect_aborts_worker(tok_dir):
+    w = ScriptedWorker(max_model_len=1024, script=Script(tokens=[70 + i % 50 for i in range(500)], delay_s=0.02))
+    async with workers(w), gateway_process(tok_dir, w.url) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(model="tiny", prompt="x", max_tokens=500, stream=True)
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.close()
+        await asyncio.wait_for(w.abort_event.wait(), 5)
+        assert w.aborts[0].request_id == w.requests[0].request_id
+        await client.close()
+
+
+def test_gateway_never_imports_torch(tok_dir):
+    code = (
+        "import sys; from gateway.config import GatewayConfig; from gateway.app import create_app; "
+        "import gateway.server; "
+        f"create_app(GatewayConfig(workers=('127.0.0.1:1',), model_path={str(tok_dir)!r})); "
+        "bad = [m for m in ('torch', 'transformers', 'worker', 'transfer') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
