@@ -68,9 +68,12 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module
 class PagedHarness:
     """Drives a CausalLM over a KVCache the way the engine would, one step at a time."""
 
-    def __init__(self, model: CausalLM, spec: ModelSpec, page_size: int = 4, num_pages: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, spec: ModelSpec, page_size: int = 4, num_pages: int = 64, seed: int = 0, tp_size: int = 1
+    ) -> None:
         self.model, self.page_size = model, page_size
-        self.kv = KVCache(KVShape(num_pages, spec.num_layers, spec.num_kv_heads, page_size, spec.head_dim, spec.dtype))
+        kv_heads = spec.num_kv_heads // tp_size  # this rank's heads
+        self.kv = KVCache(KVShape(num_pages, spec.num_layers, kv_heads, page_size, spec.head_dim, spec.dtype))
         self.free = list(range(1, num_pages))  # page 0 stays unused: it is the page_table padding
         random.Random(seed).shuffle(self.free)  # non-contiguous, out-of-order page ids
         self.pages: dict[str, list[int]] = {}

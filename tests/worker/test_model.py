@@ -158,6 +158,8 @@ def test_clear_errors(tiny_checkpoint, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM"):  # names the supported ones
         load(tmp_path)
     path, _ = tiny_checkpoint("qwen3")
+    with pytest.raises(ModelLoadError, match="torch.distributed initialized"):
+        load_model(ModelConfig(path=str(path)), ParallelConfig(tp_size=2, tp_rank=0))
     (path / "model.safetensors").rename(path / "moved.bin")
     with pytest.raises(ModelLoadError, match="no model.safetensors"):
         load(path)
@@ -203,3 +205,35 @@ def test_embedded_model_matches_transformers(paged_harness) -> None:
     harness.step([("r", ids[:17])])
     got = harness.step([("r", ids[17:])])[0]
     assert float((got - ref).abs().max()) < 1e-3
+
+
+def _tp_rank_main(rank: int, path: str, init_file: str, out_dir: str, ids: list[int]) -> None:
+    """One TP rank: load its shard, prefill in two chunks, decode three tokens, save logits."""
+    import torch.distributed as dist
+
+    from tests.worker.conftest import PagedHarness
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, spec = load_model(ModelConfig(path=path), ParallelConfig(tp_size=2, tp_rank=rank))
+        harness = PagedHarness(model, spec, tp_size=2)
+        rows = [harness.step([("r", ids[:9])]), harness.step([("r", ids[9:-3])])]
+        rows += [harness.step([("r", [t])]) for t in ids[-3:]]
+        torch.save(torch.cat(rows), f"{out_dir}/logits{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_2_ranks_match_transformers(tiny_checkpoint, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    path, hf = tiny_checkpoint("qwen2", num_key_value_heads=2)  # q/k/v biases: sharded with the heads
+    ids = [random.Random(4).randrange(97) for _ in range(20)]
+    mp.spawn(_tp_rank_main, args=(str(path), str(tmp_path / "init"), str(tmp_path), ids), nprocs=2)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]  # [L, V]
+    want = ref[[8, 16, 17, 18, 19]]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"logits{rank}.pt")
+        assert float((got - want).abs().max()) < 1e-4

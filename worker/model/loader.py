@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from worker.config import ModelConfig, ParallelConfig
@@ -183,18 +184,27 @@ def init_dummy(model: CausalLM, seed: int) -> None:
                 block.copy_(torch.randn(block.shape, generator=gen) * _DUMMY_STD)
 
 
+def tp_info(parallel: ParallelConfig) -> TPInfo:
+    """Tensor parallelism runs over the default process group, which the caller initializes."""
+    if parallel.tp_size == 1:
+        return TPInfo()
+    if not dist.is_initialized() or dist.get_world_size() != parallel.tp_size:
+        raise ModelLoadError(
+            f"parallel.tp_size={parallel.tp_size} needs torch.distributed initialized with world size "
+            f"{parallel.tp_size} (one process per TP rank) before load_model"
+        )
+    if dist.get_rank() != parallel.tp_rank:
+        raise ModelLoadError(f"parallel.tp_rank={parallel.tp_rank} but this process is rank {dist.get_rank()}")
+    return TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
+
+
 def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, ModelSpec]:
     """Build and fill the model described by `model.path` for this rank."""
     path = Path(model.path)
     arch = load_arch_config(path)
     device = torch.device(parallel.device)
     dtype = resolve_dtype(model, arch, device)
-    if parallel.tp_size > 1:
-        # The layers and weight loaders shard already; the engine does not set up TP groups yet.
-        raise ModelLoadError(
-            f"parallel.tp_size={parallel.tp_size}: tensor parallelism is not wired into the engine yet; use tp_size 1"
-        )
-    tp = TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
+    tp = tp_info(parallel)
     cls = _MODEL_CLASSES[arch.architecture]
     with torch.device("meta"):
         lm = cls(arch, tp, get_attention_backend(device), dtype, rope_device=device)
