@@ -15,6 +15,7 @@ Lifecycle of one request on a decode worker:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ class DecodeRole:
         self.manager = manager
         self.page_size = engine.kv.shape.page_size
         self._pending: deque[Request] = deque()  # no pages yet
-        self._rooms: dict[str, _Room] = {}  # pages reserved, KV in flight
+        self._rooms: dict[str, _Room] = {}  # pages reserved, KV in flight (by request id)
+        self._by_room: dict[int, _Room] = {}
         self._landed: deque[Request] = deque()  # KV here, waiting for a seat in the batch
 
     # ---- engine hooks ---------------------------------------------------------------------------
@@ -54,11 +56,11 @@ class DecodeRole:
 
     def poll(self) -> None:
         self._reserve()
-        for room in list(self._rooms.values()):
-            state = room.receiver.poll()
-            if state.is_finished:
+        for ended in self.manager.take_finished():  # each room exactly once
+            room = self._by_room.pop(ended.room, None)
+            if room is not None:
                 del self._rooms[room.request.request_id]
-                self._land(room, state)
+                self._land(room, ended.state)
         self._seat()
 
     def _reserve(self) -> None:
@@ -80,11 +82,12 @@ class DecodeRole:
             receiver = self.manager.create_receiver(
                 req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens
             )
-            self._rooms[req.request_id] = _Room(req, receiver)
+            room = self._rooms[req.request_id] = _Room(req, receiver)
+            self._by_room[req.room] = room
 
     def _land(self, room: _Room, state: RoomState) -> None:
         req, rx = room.request, room.receiver
-        req.transfer_stats = rx.stats.as_dict()
+        req.transfer_stats = dataclasses.asdict(rx.stats)
         sched = self.engine.scheduler
         if state is not RoomState.SUCCESS or rx.first_token is None:
             error = rx.error or f"room ended in state {state.name}"
@@ -119,6 +122,7 @@ class DecodeRole:
                 return
         room = self._rooms.pop(request_id, None)
         if room is not None:
+            del self._by_room[room.request.room]
             room.receiver.abort(reason)
             sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
 
@@ -127,7 +131,8 @@ class DecodeRole:
 
     def load_stats(self) -> tuple[dict[str, int], int, int, int]:
         totals = self.manager.totals()
-        return self.manager.room_counts(), totals.bytes, totals.pages, len(self._pending) + len(self._landed)
+        live = {state: n for state, n in self.manager.room_counts().items() if not RoomState[state].finished}
+        return live, totals.bytes, totals.pages, len(self._pending) + len(self._landed)
 
     def close(self) -> None:
         self.manager.close()

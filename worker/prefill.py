@@ -17,8 +17,11 @@ Lifecycle of one request on a prefill worker:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+
+import grpc
 
 from transfer.manager import KVSender, KVTransferManager
 from transfer.room import RoomState
@@ -37,18 +40,21 @@ class _Room:
 
 
 class PrefillRole:
-    def __init__(self, engine: Engine, manager: KVTransferManager) -> None:
+    def __init__(self, engine: Engine, manager: KVTransferManager, bootstrap: grpc.Server) -> None:
         self.engine = engine
         self.manager = manager
+        self.bootstrap = bootstrap  # the bootstrap service's server, stopped on close
         self.page_size = engine.kv.shape.page_size
         self.layerwise_interval = engine.config.transfer.layerwise_interval
         self._rooms: dict[str, _Room] = {}  # by request id: every request here has a room
+        self._by_room: dict[int, _Room] = {}
         self._shipping: list[_Room] = []  # prompt done, waiting for the room to end
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         sender = self.manager.create_sender(request.room)
-        self._rooms[request.request_id] = _Room(request, sender)
+        room = self._rooms[request.request_id] = _Room(request, sender)
+        self._by_room[request.room] = room
         self.engine.scheduler.add(request)
 
     def on_prompt_done(self, request: Request) -> bool:
@@ -83,15 +89,16 @@ class PrefillRole:
 
     def poll(self) -> None:
         self.after_step()
-        for room in list(self._rooms.values()):
-            state = room.sender.poll()
-            if not state.is_finished:
+        for ended in self.manager.take_finished():  # each room exactly once
+            room = self._by_room.pop(ended.room, None)
+            if room is None:  # aborted by us already
                 continue
             req = room.request
             del self._rooms[req.request_id]
             if room in self._shipping:
                 self._shipping.remove(room)
-            req.transfer_stats = room.sender.stats.as_dict()
+            req.transfer_stats = dataclasses.asdict(room.sender.stats)
+            state = ended.state
             if req.status is RequestStatus.TRANSFERRING:
                 self._end(req, state, room.sender.error or "")
             else:  # the room died before the prompt was done
@@ -111,6 +118,7 @@ class PrefillRole:
         room = self._rooms.pop(request_id, None)
         if room is None:
             return
+        del self._by_room[room.request.room]
         room.sender.abort(reason)
         if room in self._shipping:
             self._shipping.remove(room)
@@ -122,9 +130,11 @@ class PrefillRole:
 
     def load_stats(self) -> tuple[dict[str, int], int, int, int]:
         totals = self.manager.totals()
-        return self.manager.room_counts(), totals.bytes, totals.pages, 0
+        live = {state: n for state, n in self.manager.room_counts().items() if not RoomState[state].finished}
+        return live, totals.bytes, totals.pages, 0
 
     def close(self) -> None:
+        self.bootstrap.stop(grace=1.0)
         self.manager.close()
 
 

@@ -3,9 +3,15 @@
 `attach` builds the rank's `KVLayout` from the engine's KV cache, opens the transfer manager
 (which registers that memory with the backend once), serves the bootstrap service on prefill
 workers, and returns the role's hooks for the scheduler.
+
+The bootstrap service runs on its own (thread-pool) gRPC server: a registration stream lives
+as long as its room and blocks a thread, which must never be the worker's event loop.
+`transfer.bootstrap_port` fixes its port (0 = any free port; GetInfo reports the address).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -32,12 +38,14 @@ def kv_layout(engine: Engine, config: WorkerConfig) -> KVLayout:
     )
 
 
-def attach(engine: Engine, config: WorkerConfig, server: grpc.aio.Server, info: dict[str, str]) -> RoleHooks:
+MAX_LIVE_ROOMS = 1024  # bootstrap threads: registrations served at once
+
+
+def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHooks:
     """Open the transfer manager for `config.role` and return the role's hooks.
 
     `info` receives what GetInfo reports: bootstrap_addr (prefill), transfer_backend, epoch.
     """
-    address = f"{config.host}:{config.port}"
     manager = KVTransferManager(
         config.transfer,
         kv_layout(engine, config),
@@ -47,15 +55,21 @@ def attach(engine: Engine, config: WorkerConfig, server: grpc.aio.Server, info: 
         host=config.host,
         model_fingerprint=engine.spec.fingerprint,
         model_name=engine.spec.architecture,
-        peer_id=address,
+        peer_id=f"{config.host}:{config.port}",
     )
     info["transfer_backend"] = config.transfer.backend
     info["epoch"] = str(manager.epoch)
     role: RoleHooks
     if config.role == "prefill":
-        manager.add_to_server(server)  # type: ignore[arg-type]  # sync handlers run on the migration pool
-        info["bootstrap_addr"] = address
-        role = PrefillRole(engine, manager)
+        server = grpc.server(ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap"))
+        manager.add_to_server(server)
+        port = server.add_insecure_port(f"{config.host}:{config.transfer.bootstrap_port}")
+        if port == 0:
+            raise RuntimeError(f"cannot bind the bootstrap service on {config.host}:{config.transfer.bootstrap_port}; "
+                               "set transfer.bootstrap_port to a free port")
+        server.start()
+        info["bootstrap_addr"] = f"{config.transfer.advertise_host or config.host}:{port}"
+        role = PrefillRole(engine, manager, server)
     else:
         role = DecodeRole(engine, manager)
     return role

@@ -14,7 +14,6 @@ import secrets
 import signal
 import threading
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -218,9 +217,6 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     """Serve until `stop` is set. Health turns SERVING after load + warm-up."""
     config.validate()
     server = grpc.aio.server(
-        # The prefill bootstrap service has blocking handlers (a registration stream lives as
-        # long as its room): they run on this pool, one thread per live registration.
-        migration_thread_pool=ThreadPoolExecutor(max_workers=512, thread_name_prefix="bootstrap"),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -231,12 +227,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     tandem_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    # Weights load before the port opens: role services (the prefill bootstrap) must be
-    # registered before the server starts, and they need the KV memory.
+    # Weights load before the port opens: a worker that answers is a worker with a model.
     loop = asyncio.get_running_loop()
     log.info("%s worker loading %s", config.role, config.model.path)
     engine = await loop.run_in_executor(None, Engine, config)
-    roles = attach_role(engine, config, server, service)
+    roles = await loop.run_in_executor(None, attach_role, engine, config, service)
     address = f"{config.host}:{config.port}"
     if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot bind {address}: is the port in use? set the worker's port")
@@ -264,13 +259,13 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
             roles.close()
 
 
-def attach_role(engine: Engine, config: WorkerConfig, server: grpc.aio.Server, service: WorkerService) -> RoleHooks | None:
+def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) -> RoleHooks | None:
     """Give the engine its role's hooks (prefill ships rooms, decode lands them)."""
     if config.role == "both":
         return None
     from worker.roles import attach
 
-    return attach(engine, config, server, service.role_info)
+    return attach(engine, config, service.role_info)
 
 
 def run_worker(config: WorkerConfig) -> None:
