@@ -31,7 +31,7 @@ from typing import IO
 
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
 from orchestrator.launch.readiness import HealthWatch, http_ready
-from orchestrator.plan import plan_processes
+from orchestrator.plan import plan_processes, read_model_config
 
 
 class LaunchError(RuntimeError):
@@ -274,6 +274,9 @@ def cluster_specs(cluster: ClusterConfig, config_file: Path) -> tuple[list[Proce
 def run_local(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the cluster in the foreground until Ctrl-C / SIGTERM (0) or a child's death (1)."""
     out, err = out or sys.stdout, err or sys.stderr
+    # Fail before anything starts when the checkpoint is missing (ClusterConfigError names it),
+    # instead of after a worker's start-up and a log tail.
+    read_model_config(cluster.model.path)
     log_dir = Path(cluster.launcher.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_file = (log_dir / "cluster.yaml").resolve()

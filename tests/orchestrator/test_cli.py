@@ -113,3 +113,10 @@ def test_eval_defaults_from_config_eval_section(tmp_path: Path, capsys: pytest.C
         assert main(["eval", "--url", url, "--config", str(cfg)]) == 0
     assert capsys.readouterr().out.strip() == "accuracy: 1.000 (3/3)"
     assert [b["prompt"] for b in state.requests] == [p.prompt for p in problems]
+
+
+def test_serve_refuses_a_missing_model_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["serve", "--model", str(tmp_path / "missing"), "--set", f"launcher.log_dir={tmp_path / 'logs'}"])
+    assert rc == 2
+    assert "config.json not found" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
