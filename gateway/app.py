@@ -166,38 +166,35 @@ def create_app(config: GatewayConfig) -> FastAPI:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error_response(ApiError(str(exc.detail), status=exc.status_code, type=etype))
 
-    @app.post("/v1/completions")
+    # The routes are plain Starlette routes: FastAPI's dependency solving and response
+    # validation cost ~15% of a request here and buy nothing (bodies are validated by hand so
+    # that every error is OpenAI-shaped).
     async def completions(request: Request) -> Response:
         gw.check_auth(request)
         return await gw.handler().handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         gw.check_auth(request)
         return await gw.handler().handle(request, chat=True)
 
-    @app.get("/v1/models")
     async def models(request: Request) -> Response:
         gw.check_auth(request)
         lens = [i.max_model_len for i in (gw.pool.infos() if gw.pool else []) if i.max_model_len > 0]
         body = ModelList(data=[ModelCard(id=gw.model_name(), created=gw.created, max_model_len=min(lens, default=0))])
         return Response(body.model_dump_json().encode(), media_type=_JSON)
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         pool = gw.pool
         ready = pool is not None and pool.ready()
         pools = {name: sum(w.healthy for w in ws) for name, ws in pool.pools.items()} if pool else {}
         body = {"status": "ok" if ready else "unavailable", "healthy_workers": pools}
         return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type=_JSON)
 
-    @app.get("/workers")
-    async def workers() -> Response:
+    async def workers(request: Request) -> Response:
         ws = gw.pool.all() if gw.pool else []
         return Response(json.dumps([w.as_json() for w in ws]).encode(), media_type=_JSON)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         m = gw.metrics
         if gw.pool is not None:
             for name, ws in gw.pool.pools.items():
@@ -207,4 +204,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     m.worker_healthy.labels(w.pool, w.url).set(1 if w.healthy else 0)
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/workers", workers, methods=["GET"])
+    app.add_route("/metrics", metrics, methods=["GET"])
     return app

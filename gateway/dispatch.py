@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+import sys
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -39,6 +40,22 @@ from protocol import tandem_pb2
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
+if sys.version_info >= (3, 11):
+    _timeout = asyncio.timeout  # no task per request, unlike wait_for
+else:  # pragma: no cover - 3.10 fallback
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def _timeout(delay: float) -> AsyncIterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise asyncio.TimeoutError from None
+        finally:
+            handle.cancel()
 _random = random.SystemRandom()  # rooms must not collide across gateway processes
 
 
@@ -145,7 +162,8 @@ class RequestRun:
                                          sampling=self.sampling)
         call = self._open(w, req)
         try:
-            first = await asyncio.wait_for(self._read_first(call, w, "mono"), self._d.config.first_token_timeout_s)
+            async with _timeout(self._d.config.first_token_timeout_s):
+                first = await self._read_first(call, w, "mono")
         except asyncio.TimeoutError:
             raise self._first_token_timeout(w, "mono") from None
         self.num_cached_tokens = first.num_cached_tokens

@@ -110,6 +110,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 def check_sampling(req: _SamplingFields) -> None:
     """Reject values the OpenAI API rejects; raise `BadRequest` naming the field."""
+    if isinstance(req, CompletionRequest) and req.echo:
+        raise BadRequest("echo is not supported; send echo=false (the prompt is in your request)", param="echo")
     if req.n != 1:
         raise BadRequest("n>1 is not supported; send n=1 (or omit it) and repeat the request", param="n")
     mt = req.requested_max_tokens()

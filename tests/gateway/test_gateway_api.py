@@ -266,3 +266,17 @@ async def test_api_key(tok_dir):
         assert (await c.get("/health")).status_code == 200
         r = await c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200
+
+
+async def test_completion_logprobs_and_echo(tok_dir):
+    w = ScriptedWorker(script=script_for(tok_dir, "hello world", finish_reason="stop"))
+    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
+        r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "logprobs": 1})
+        lp = r.json()["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == "hello world" and lp["token_logprobs"] == [-0.5] * len(w.script.tokens)
+        assert lp["text_offset"][0] == 0 and len(lp["top_logprobs"]) == len(w.script.tokens)
+        assert w.requests[0].sampling.logprobs and w.requests[0].sampling.top_logprobs == 1
+        got, err = await _post(c, "/v1/completions", json={"prompt": "a", "echo": True})
+        assert got == 400 and err["param"] == "echo"
+        got, err = await _post(c, "/v1/completions", json={"prompt": "a", "logprobs": 50})
+        assert got == 400 and err["param"] == "logprobs"

@@ -116,3 +116,20 @@ async def test_first_token_timeout_without_alternative(tok_dir):
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         await d.abort_event.wait()
         assert d.aborts[0].room == d.requests[0].disagg.room != 0
+
+
+async def test_stop_string_aborts_both_legs(tok_dir):
+    p, d = prefill(), decode(delay_s=0.01)
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d])) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True, "stop": "\x00"})
+        assert r.status_code == 200  # stop never matches: no abort for a finished request
+        assert d.aborts == [] and p.aborts == []
+        text = r.text
+        some = json.loads(text.split("\n\n")[1][len("data: "):])["choices"][0]["text"]
+        assert some
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stop": some})
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        await p.abort_event.wait()
+        await d.abort_event.wait()
+        room = d.requests[1].disagg.room
+        assert p.aborts[0].room == d.aborts[0].room == room != 0
