@@ -242,7 +242,17 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     if roles is not None:
         engine.set_hooks(roles)  # after warm-up: the warm-up request has no room
     loop_stop = threading.Event()
-    thread = threading.Thread(target=engine.run_forever, args=(loop_stop,), name="engine", daemon=True)
+    crashed: list[BaseException] = []
+
+    def run_engine() -> None:
+        try:
+            engine.run_forever(loop_stop)
+        except BaseException as exc:  # a dead engine must not keep answering SERVING
+            log.exception("engine loop died; shutting the worker down")
+            crashed.append(exc)
+            loop.call_soon_threadsafe(stop.set)
+
+    thread = threading.Thread(target=run_engine, name="engine", daemon=True)
     thread.start()
     service.engine = engine
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -257,6 +267,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         thread.join(timeout=10)
         if roles is not None:
             roles.close()
+    if crashed:
+        raise RuntimeError("the engine loop died (see the log above)") from crashed[0]
 
 
 def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) -> RoleHooks | None:
