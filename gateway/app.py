@@ -161,6 +161,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return _error_response(validation_error(exc.errors()))  # OpenAI says 400, not FastAPI's 422
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s", request.url.path)  # a bug: say so loudly, answer 500
+        return _error_response(ApiError("internal gateway error; see the gateway log"))
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"

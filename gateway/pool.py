@@ -167,21 +167,26 @@ class WorkerPool:
             if w.healthy and w.fails >= cfg.health_fail_threshold:
                 self._set_health(w, False)
 
-    async def _fetch_info(self, w: Worker) -> None:
-        interval = self.config.health_interval_s
-        while w.info is None:
-            try:
-                w.info = await w.stub.GetInfo(tandem_pb2.GetInfoRequest(), timeout=max(interval, 1.0))
-                expected = {"workers": "both"}.get(w.pool, w.pool)
-                if w.info.role and w.info.role != expected:
-                    log.error("worker %s reports role %r but is configured in pool %r", w.url, w.info.role, w.pool)
-            except grpc.aio.AioRpcError as exc:
-                log.debug("worker %s not reachable yet: %s", w.url, exc.code().name)
-                await asyncio.sleep(interval)
+    async def _get_info(self, w: Worker) -> bool:
+        try:
+            info = await w.stub.GetInfo(tandem_pb2.GetInfoRequest(), timeout=max(self.config.health_interval_s, 1.0))
+        except grpc.aio.AioRpcError as exc:
+            log.debug("worker %s: GetInfo failed: %s", w.url, exc.code().name)
+            return False
+        expected = {"workers": "both"}.get(w.pool, w.pool)
+        if info.role and info.role != expected:
+            log.error("worker %s reports role %r but is configured in pool %r", w.url, info.role, w.pool)
+        if w.pool == "prefill" and not info.bootstrap_addr:
+            log.error("prefill worker %s reports no bootstrap_addr; decode workers cannot reach it", w.url)
+        if w.info is not None and info.epoch != w.info.epoch:
+            log.info("worker %s restarted (new epoch)", w.url)
+        w.info = info
+        return True
 
     async def _watch(self, w: Worker) -> None:
-        await self._fetch_info(w)
         interval = self.config.health_interval_s
+        while not await self._get_info(w):
+            await asyncio.sleep(interval)
         req = health_pb2.HealthCheckRequest(service="")
         while True:
             try:
@@ -189,6 +194,9 @@ class WorkerPool:
                 ok = resp.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 ok = False
+            if ok and not w.healthy:
+                # Coming back may mean a restart: refresh its info (epoch, bootstrap address).
+                ok = await self._get_info(w)
             self._record_check(w, ok)
             await asyncio.sleep(interval)
 

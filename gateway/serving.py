@@ -119,6 +119,7 @@ class GenerationHandler:
             try:
                 first = await run.first()
             except BaseException:
+                run.abort()  # client gone before the first token: the workers stop too
                 run.close()
                 raise
         except ApiError as err:
@@ -196,7 +197,7 @@ class GenerationHandler:
     async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
                         chat: bool, request_id: str, t0: float, headers: dict[str, str]) -> Response:
         parts: list[str] = []
-        outcome = "server_error"
+        outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
             msg: tandem_pb2.GenerateResponse | None = first
             last = time.perf_counter()
@@ -216,6 +217,9 @@ class GenerationHandler:
         except ApiError as err:
             outcome = "client_error" if err.status < 500 else "server_error"
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+        except Exception:
+            outcome = "server_error"
+            raise
         finally:
             if out.stopped_by_string or outcome != "success":
                 run.abort()
@@ -285,6 +289,11 @@ class GenerationHandler:
             outcome = "client_error" if err.status < 500 else "server_error"
             log.debug("request %s failed mid-stream: %s", request_id, err.message)
             yield b"data: " + err.json_bytes() + b"\n\n"
+            yield _DONE
+        except Exception:
+            outcome = "server_error"
+            log.exception("request %s: unexpected error mid-stream", request_id)
+            yield b"data: " + ApiError("internal gateway error; see the gateway log").json_bytes() + b"\n\n"
             yield _DONE
         finally:
             if out.stopped_by_string or outcome != "success":
