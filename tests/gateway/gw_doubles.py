@@ -87,6 +87,8 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.abort_event = asyncio.Event()
+        self.bootstrap_addr = ""  # prefill: "" = 127.0.0.1:<port + 1>
+        self.epoch = 1
 
     @property
     def url(self) -> str:
@@ -112,7 +114,12 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
     async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
         return tandem_pb2.WorkerInfo(model=self.model, role=self.role, max_model_len=self.max_model_len,
                                      page_size=4, vocab_size=self.vocab_size, eos_token_ids=[2],
-                                     bootstrap_addr=f"127.0.0.1:{self.port + 1}" if self.role == "prefill" else "")
+                                     epoch=self.epoch, bootstrap_addr=self._bootstrap())
+
+    def _bootstrap(self) -> str:
+        if self.role != "prefill":
+            return ""
+        return self.bootstrap_addr or f"127.0.0.1:{self.port + 1}"
 
     async def GetLoad(self, request, context):  # noqa: N802
         return self.load

@@ -90,3 +90,27 @@ async def test_worker_reachable_later(tok_dir):
             assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 200
         finally:
             await late.stop()
+
+
+async def test_restarted_prefill_worker_gets_fresh_info(tok_dir):
+    # A prefill worker restarts on the same port with a new epoch and bootstrap address: the
+    # gateway takes it out while it is down and sends the new address once it is back.
+    p = ScriptedWorker(role="prefill", script=Script(tokens=[70]))
+    d = ScriptedWorker(role="decode", script=Script(tokens=[70, 71], finish_reason="stop"))
+    async with workers(p, d), running_app(fast_config(tok_dir, prefill=(p.url,), decode=(d.url,))) as c:
+        assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+        await p.stop()
+        for _ in range(200):
+            if (await c.get("/health")).status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.get("/health")).status_code == 503
+        p2 = ScriptedWorker(role="prefill", script=Script(tokens=[70]))
+        p2.bootstrap_addr, p2.epoch = "127.0.0.1:9", 2
+        await p2.start(port=p.port)
+        try:
+            await wait_workers(c)
+            assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+            assert d.requests[-1].disagg.bootstrap_addr == "127.0.0.1:9"
+        finally:
+            await p2.stop()
