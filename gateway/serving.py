@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway.dispatch import Dispatcher, RequestRun
 from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge
@@ -39,6 +39,7 @@ from gateway.openai_types import (
     check_sampling,
 )
 from gateway.output import OutputAssembler
+from gateway.sse import SSEResponse
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -131,7 +132,7 @@ class GenerationHandler:
                               req.num_top_logprobs(), self.metrics)
         if req.stream:
             gen = self._stream(run, first, out, chat, req.include_usage(), request_id, t0)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+            return SSEResponse(gen, headers)
         return await self._complete(run, first, out, chat, request_id, t0, headers)
 
     # ---- request → prompt ids and sampling ----

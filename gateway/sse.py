@@ -1,0 +1,61 @@
+"""A lean Server-Sent Events response for the streaming endpoints.
+
+Starlette's StreamingResponse watches for a client disconnect through an anyio task group per
+response; under uvicorn (ASGI spec 2.3, where sending to a gone client is a silent no-op) that
+costs about a third of a streamed request's gateway CPU. This response does the same job with
+one plain task: it waits on `receive()` for `http.disconnect` and cancels the streaming task,
+so the body generator's `finally` runs (it aborts the request on the workers). Servers with
+ASGI spec >= 2.4 raise OSError on a send to a gone client instead, and need no watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+
+class SSEResponse(Response):
+    """`text/event-stream` response whose body is an async iterator of ready-made event bytes."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
+        # Response.__init__ would render a body; this one streams, so set only what ASGI needs.
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        spec = scope.get("asgi", {}).get("spec_version", "2.0")
+        needs_watcher = tuple(int(x) for x in spec.split(".")) < (2, 4)
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch()) if needs_watcher else None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if hasattr(task, "uncancel"):  # 3.11+: the cancel was ours (client left), not the server's
+                task.uncancel()
+        except OSError:  # ASGI >= 2.4: the client left
+            pass
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await self.chunks.aclose()  # type: ignore[attr-defined]
