@@ -17,6 +17,7 @@ class TransferConfig:
     backend: Backend = "mooncake"
     protocol: str = "tcp"  # mooncake: tcp | rdma
     ib_device: str = ""  # RDMA devices (mooncake rdma); "" = $DISAGGREGATION_IB_DEVICE
+    bootstrap_port: int = 0  # prefill's bootstrap service; 0 = any free port (GetInfo reports it)
     advertise_host: str = ""  # host peers use to reach this worker's transfer agent; "" = worker host
     bootstrap_timeout_s: float = 10.0  # decode registered, prefill has not started the room (and back)
     waiting_timeout_s: float = 60.0  # room registered, waiting for prefill to compute the prompt

@@ -59,8 +59,10 @@ class KVTransferManager:
         self.backend.register(kv_ptr, kv_nbytes)
         # peer_id names this rank across restarts (the worker passes its gRPC address).
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
-        self._scratch = ctypes.create_string_buffer(64)  # source of the corrupt= fault's flipped byte
-        if role == "prefill" and self.faults.corrupt:
+        # Source of the corrupt= drill's flipped byte; registered always, since drills can be
+        # switched on at run time (`manager.faults = ...`).
+        self._scratch = ctypes.create_string_buffer(64)
+        if role == "prefill":
             self.backend.register(ctypes.addressof(self._scratch), 64)
         self._lock = threading.RLock()
         self._room_added = threading.Condition(self._lock)

@@ -25,7 +25,7 @@ class MooncakeBackend(TransferBackend):
                 "transfer.ib_device is empty and DISAGGREGATION_IB_DEVICE is unset; "
                 "rdma needs the RDMA device names (e.g. mlx5_0,mlx5_1), or use protocol tcp"
             )
-        self._te = TransferEngine()
+        self._te: Any = TransferEngine()
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, ib_device if protocol == "rdma" else "")
         if rc != 0:
             raise BackendError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
@@ -49,20 +49,23 @@ class MooncakeBackend(TransferBackend):
         pass  # sessions are per address; a restarted peer answers on its new rpc port
 
     def submit(self, peer: str, spans: list[Span]) -> Any:
+        # Mooncake's Python API has no non-blocking status for a whole batch
+        # (transfer_check_status looks at task 0 only, and frees the batch when that one is
+        # done), so the batch runs to completion here, on the manager's transfer thread; the
+        # engine never waits on it. Mooncake bounds it itself (MC_TRANSFER_TIMEOUT, >= 5 s).
         src, dst, lengths = (list(col) for col in zip(*spans, strict=True))
-        batch = self._te.batch_transfer_async_write(peer, src, dst, lengths)
-        return batch if batch > 0 else None  # 0/-1: the batch could not be submitted
+        return self._te.batch_transfer_sync_write(peer, src, dst, lengths)
 
     def poll(self, handle: Any) -> WriteStatus:
-        if handle is None:
-            return WriteStatus.FAILED
-        # Mooncake offers only a waiting status call for batches; it runs on the transfer thread.
-        return WriteStatus.DONE if self._te.get_batch_transfer_status([handle]) == 0 else WriteStatus.FAILED
+        return WriteStatus.DONE if handle == 0 else WriteStatus.FAILED
 
     def release(self, handle: Any) -> None:
-        pass  # batch status was already collected by poll(), which waits for the batch
+        pass  # submit ran the batch to completion; nothing is held
 
     def close(self) -> None:
         for ptr in self._registered:
             self._te.unregister_memory(ptr)
         self._registered.clear()
+        # Destroy the engine here, not at a random GC point: its destructor holds the GIL for
+        # about a second (it joins its handshake threads), stalling every thread of the process.
+        self._te = None

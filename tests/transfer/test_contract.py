@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 
-from transfer.contract import CacheGroup, CacheKind, ContractError, KVLayout, LayoutContract, heads_of_rank
+from transfer.contract import (
+    CacheGroup,
+    CacheKind,
+    ContractError,
+    KVLayout,
+    LayoutContract,
+    heads_of_rank,
+)
 from transfer.wire import contract_from_pb, contract_to_pb
 
 

@@ -9,8 +9,16 @@ from hypothesis import strategies as st
 
 from transfer.contract import CacheGroup, CacheKind, KVLayout
 from transfer.plan import (
-    PlanError, Range, TokenRun, coalesce, head_runs, plan_pages, plan_segments, replay_tail,
-    sliding_window_tail, tail_ranges,
+    PlanError,
+    Range,
+    TokenRun,
+    coalesce,
+    head_runs,
+    plan_pages,
+    plan_segments,
+    replay_tail,
+    sliding_window_tail,
+    tail_ranges,
 )
 
 HEAD_DIM, PAGE_SIZE = 2, 2  # tiny so that hypothesis explores many layouts per second
