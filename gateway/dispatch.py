@@ -225,7 +225,17 @@ class RequestRun:
         return None if msg is _EOF else msg
 
     async def settle(self) -> None:
-        """Wait briefly for the prefill leg's first message (its num_cached_tokens feeds usage)."""
+        """After the final message: read the stream's end (the worker has closed it, so this is
+        immediate, and cheaper on both sides than cancelling a call that already finished), and
+        wait briefly for the prefill leg's first message (its num_cached_tokens feeds usage)."""
+        call = self._stream
+        if call is not None and not call.done():
+            try:
+                async with _timeout(1.0):
+                    while await call.read() is not _EOF:
+                        pass
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+                pass  # the answer is complete; close() cancels whatever is left
         task = self._prefill_task
         if task is not None and not task.done():
             await asyncio.wait({task}, timeout=1.0)

@@ -279,8 +279,8 @@ class GenerationHandler:
                 last = now
             if not out.finished:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
+            await run.settle()
             if include_usage:
-                await run.settle()
                 usage = out.usage(run.num_cached_tokens)
                 cls = ChatCompletionChunk if chat else CompletionChunk
                 yield _sse(cls(id=rid, created=created, model=model, choices=[], usage=usage))
