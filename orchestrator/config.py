@@ -129,6 +129,10 @@ class LauncherConfig:
     ready_timeout_s: float = 300.0  # from start until every worker's gRPC health says SERVING
     stop_grace_s: float = 10.0  # SIGTERM → SIGKILL
     log_tail_lines: int = 40  # lines of a failed process's log printed on failure
+    # A worker that exits: `stop` ends the cluster; `restart` starts it again on the same port
+    # (the gateway routes around it meanwhile) up to max_restarts times.
+    on_worker_exit: Literal["stop", "restart"] = "stop"
+    max_restarts: int = 3
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class LocalCluster:
         stop_grace_s: float,
         log_tail_lines: int = 40,
         err: IO[str] | None = None,
+        restart_workers: int = 0,
     ) -> None:
         self.worker_specs = workers
         self.gateway_spec = gateway
@@ -84,6 +85,7 @@ class LocalCluster:
         self.stop_grace_s = stop_grace_s
         self.log_tail_lines = log_tail_lines
         self.err = err or sys.stderr
+        self.restarts_left = restart_workers  # restarts of dead workers before giving up
         self._wake = threading.Event()  # any child exit, health change or stop request
         self._stop_requested = False
         self._workers: list[Child] = []
@@ -191,9 +193,19 @@ class LocalCluster:
         return next((c for c in self.children() if c.proc.poll() is not None), None)
 
     def watch(self) -> Child | None:
-        """Block until a stop request (None) or a child's exit (that child)."""
+        """Block until a stop request (None) or a child's exit (that child).
+
+        With restarts left, a dead worker is started again (same command, same port) instead.
+        """
         while not self._stop_requested:
             dead = self.dead_child()
+            if dead is not None and dead in self._workers and self.restarts_left > 0:
+                self.restarts_left -= 1
+                print(f"{dead.spec.name} exited with code {dead.proc.returncode}; restarting it "
+                      f"({self.restarts_left} restarts left)", file=self.err, flush=True)
+                dead.log.close()
+                self._workers[self._workers.index(dead)] = self._spawn(dead.spec)
+                continue
             if dead is not None:
                 return dead
             self._wake.wait()
@@ -282,8 +294,10 @@ def run_local(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
     config_file = (log_dir / "cluster.yaml").resolve()
     config_file.write_text(dump_config(cluster))
     workers, gateway = cluster_specs(cluster, config_file)
-    lc = LocalCluster(workers, gateway, cluster.launcher.ready_timeout_s, cluster.launcher.stop_grace_s,
-                      cluster.launcher.log_tail_lines, err=err)
+    launcher = cluster.launcher
+    restarts = launcher.max_restarts if launcher.on_worker_exit == "restart" else 0
+    lc = LocalCluster(workers, gateway, launcher.ready_timeout_s, launcher.stop_grace_s,
+                      launcher.log_tail_lines, err=err, restart_workers=restarts)
     with stop_on_signals(lc):
         try:
             lc.start()

@@ -98,6 +98,19 @@ def test_child_death_after_ready_is_reported(tmp_path: Path) -> None:
     assert all(c.proc.poll() is not None for c in lc.children())
 
 
+def test_dead_worker_is_restarted_until_restarts_run_out(tmp_path: Path) -> None:
+    err = io.StringIO()
+    lc = LocalCluster([grpc_worker(tmp_path, "decode-0", exit_after=2.0)], http_gateway(tmp_path),
+                      ready_timeout_s=30, stop_grace_s=5, err=err, restart_workers=2)
+    lc.start()
+    first_pid = lc.children()[0].proc.pid
+    dead = lc.watch()  # two restarts, then the third exit ends the watch
+    assert dead is not None and dead.spec.name == "decode-0" and dead.proc.pid != first_pid
+    assert err.getvalue().count("restarting it") == 2
+    lc.stop()
+    assert all(c.proc.poll() is not None for c in lc.children())
+
+
 def test_request_stop_ends_watch(tmp_path: Path) -> None:
     lc = LocalCluster([grpc_worker(tmp_path, "both-0")], None, ready_timeout_s=30, stop_grace_s=5, err=io.StringIO())
     lc.start()

@@ -1,0 +1,25 @@
+"""Evaluation task families for `tandem eval` (pure Python: no torch, no transformers).
+
+A task family is a module with `make_problems(n, seed)`, `score(problem, completion)`,
+`ANSWER_MAX_TOKENS` and `STOP`. `get_task(name)` looks one up by its fixed name.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from orchestrator.tasks import arith
+
+TASKS: dict[str, ModuleType] = {"arith": arith}
+
+
+class UnknownTaskError(KeyError):
+    """`--task` names a family that does not exist; the message lists the known ones."""
+
+
+def get_task(name: str) -> ModuleType:
+    """Return the task module called `name` (e.g. "arith")."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise UnknownTaskError(f"--task {name!r} is unknown; choose one of: {', '.join(sorted(TASKS))}") from None

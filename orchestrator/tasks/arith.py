@@ -1,0 +1,91 @@
+"""The `arith` task family: variable look-up over a prompt that spans several KV pages.
+
+A prompt assigns two-digit values to 20-26 distinct one-letter variables and then asks for
+two of them: always the FIRST-assigned variable (its name and value sit in the prompt's first
+five tokens, i.e. inside the first KV page at page size 16) and one other one:
+
+    prompt:     "k=41;b=07;x=93;...;m=12;\\nk,x?"
+    completion: "k=41,x=93;"          (the model then emits its eos token)
+
+The answer is the text before the terminator `STOP` (";"): "k=41,x=93". A lost or
+corrupted first page therefore changes the answer of every problem, and a lost later page
+changes the answer whenever the other variable lives there. (The family keeps the name
+"arith" for the CLI; notes/embedded-model.md records why the sum of two looked-up values was
+dropped: a ~1M-parameter model did not learn it in CPU-minutes, while pure look-up does.)
+
+Prompts are 106-136 characters = tokens with the embedded character-level tokenizer
+(7-9 pages at page size 16).
+
+Seeds: evaluation uses seeds in [0, TRAIN_SEED_MIN); the training script draws only seeds
+>= TRAIN_SEED_MIN, so training and evaluation problems come from disjoint seed streams.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+
+NAMES = string.ascii_lowercase  # 26 one-letter variable names, distinct within a prompt
+MIN_ASSIGNMENTS = 20  # 20 * 5 + 6 = 106 characters: >= 64 tokens (4 pages) with margin
+MAX_ASSIGNMENTS = 26
+STOP = ";"  # the completion's terminator; the answer is the text before it
+ANSWER_MAX_TOKENS = 16  # "k=41,x=93;" is 10 tokens (+ eos) with the embedded tokenizer
+TRAIN_SEED_MIN = 1 << 32  # seeds below this are evaluation seeds; training uses only seeds at or above
+
+
+class TaskArgumentError(ValueError):
+    """A `make_problems` argument is out of range; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str  # the raw prompt text (sent as-is to /v1/completions, or as the user message)
+    answer: str  # the expected completion text before STOP, e.g. "k=41,x=93"
+
+
+def make_problem(rng: random.Random, num_assignments: int | None = None) -> Problem:
+    """Draw one problem from `rng`; `num_assignments` defaults to the evaluation range."""
+    if num_assignments is None:
+        num_assignments = rng.randint(MIN_ASSIGNMENTS, MAX_ASSIGNMENTS)
+    if not 2 <= num_assignments <= len(NAMES):
+        raise TaskArgumentError(f"num_assignments must be in [2, {len(NAMES)}], got {num_assignments}")
+    names = rng.sample(NAMES, num_assignments)  # distinct: the question names exactly one assignment
+    values = [f"{rng.randrange(100):02d}" for _ in names]
+    first = 0  # always asked: its tokens are in the first KV page
+    other = rng.randrange(1, num_assignments)
+    body = "".join(f"{n}={v};" for n, v in zip(names, values, strict=True))
+    prompt = f"{body}\n{names[first]},{names[other]}?"
+    answer = f"{names[first]}={values[first]},{names[other]}={values[other]}"
+    return Problem(prompt=prompt, answer=answer)
+
+
+def make_problems(n: int, seed: int) -> list[Problem]:
+    """`n` problems, deterministic in `seed`; a shorter list from the same seed is a prefix."""
+    if n < 0:
+        raise TaskArgumentError(f"n (the number of problems) must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [make_problem(rng) for _ in range(n)]
+
+
+def solve(prompt: str) -> str:
+    """The answer computed from the prompt text alone (a reference solver for tests and tools).
+
+    Reads every `name=value;` assignment and the closing `first,other?` question.
+    """
+    body, _, question = prompt.rpartition("\n")
+    if not question.endswith("?") or question.count(",") != 1:
+        raise TaskArgumentError(f"prompt must end with a 'x,y?' question line, got {question!r}")
+    values = dict(item.split("=", 1) for item in body.split(";") if item)
+    asked = question[:-1].split(",")
+    return ",".join(f"{name}={values[name]}" for name in asked)
+
+
+def extract_answer(completion: str) -> str:
+    """The text before the first STOP, whitespace-stripped (a server may already have cut STOP)."""
+    return completion.split(STOP, 1)[0].strip()
+
+
+def score(problem: Problem, completion: str) -> bool:
+    """True when the raw generated text, up to its terminator, is exactly the answer."""
+    return extract_answer(completion) == problem.answer

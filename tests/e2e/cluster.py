@@ -1,0 +1,121 @@
+"""Whole clusters for end-to-end tests: `tandem serve` as a user runs it, on free ports.
+
+`running_cluster(config, *overrides)` starts the real launcher as a subprocess (real workers,
+real gateway, real transfer backend), waits for the gateway's /health, and stops it with
+SIGTERM afterwards, failing the test if it does not stop cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+
+from protocol import tandem_pb2, tandem_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+EMBEDDED_MODEL = REPO / "models" / "tandem-arith"
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Cluster:
+    url: str
+    log_dir: Path
+    workers: dict[str, str]  # name (prefill-0, decode-0, both-0) -> host:port
+    proc: subprocess.Popen[bytes]
+
+    def load(self, name: str) -> tandem_pb2.Load:
+        with grpc.insecure_channel(self.workers[name]) as ch:
+            return tandem_pb2_grpc.WorkerStub(ch).GetLoad(tandem_pb2.GetLoadRequest(), timeout=5)
+
+    def wait_drained(self, timeout_s: float = 20.0) -> dict[str, tandem_pb2.Load]:
+        """Every worker reports no used pages, no live rooms, nothing running or waiting."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = {name: self.load(name) for name in self.workers}
+            busy = {n: ld for n, ld in loads.items()
+                    if ld.kv_used_pages or ld.running or ld.waiting or any(ld.rooms.values())}
+            if not busy:
+                return loads
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not drained after {timeout_s}s: {busy}")
+            time.sleep(0.05)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBEDDED_MODEL,
+                    env: dict[str, str] | None = None, ready_timeout_s: float = 180.0) -> Iterator[Cluster]:
+    gw, p0, d0 = free_ports(3)
+    log_dir = tmp / "logs"
+    sets = [
+        f"gateway.port={gw}", f"roles.prefill.base_port={p0}", f"roles.decode.base_port={d0}",
+        f"roles.both.base_port={p0}", f"launcher.log_dir={log_dir}", "launcher.ready_timeout_s=170",
+        *overrides,
+    ]
+    sets = [s for s in sets if _role_present(config, s)]
+    argv = [sys.executable, "-m", "orchestrator.cli", "serve", "--config", config, "--model", str(model)]
+    for s in sets:
+        argv += ["--set", s]
+    out = (tmp / "serve.out").open("wb")
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+    url = f"http://127.0.0.1:{gw}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"cluster exited with {proc.returncode}:\n{(tmp / 'serve.out').read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cluster not ready in {ready_timeout_s}s:\n{(tmp / 'serve.out').read_text()}")
+            time.sleep(0.2)
+        workers: dict[str, str] = {}
+        for w in httpx.get(f"{url}/workers").json():
+            role = w["role"]
+            workers[f"{role}-{sum(1 for n in workers if n.startswith(role))}"] = w["url"]
+        yield Cluster(url=url, log_dir=log_dir, workers=workers, proc=proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.close()
+
+
+def _role_present(config: str, override: str) -> bool:
+    """Drop port overrides for roles the config does not have."""
+    text = (REPO / config).read_text() if not Path(config).is_absolute() else Path(config).read_text()
+    for role in ("prefill", "decode", "both"):
+        if override.startswith(f"roles.{role}.") and f"\n  {role}:" not in text:
+            return False
+    return True
