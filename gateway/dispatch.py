@@ -195,12 +195,15 @@ class RequestRun:
                     raise prefill.exception()  # type: ignore[misc]
             try:
                 first = first_d.result()
-            except WorkerCallError:
-                self._d.metrics.kv_transfer_failures.inc()  # the KV never landed on decode
+            except WorkerCallError as err:
+                if err.worker_fault:
+                    self._d.metrics.kv_transfer_failures.inc()  # the KV never landed on decode
                 raise
         finally:
             if not first_d.done():
                 first_d.cancel()
+            elif not first_d.cancelled():
+                first_d.exception()  # mark it retrieved when the prefill leg's error is the one raised
         self._stream, self._stream_worker = call_d, d
         return first
 
