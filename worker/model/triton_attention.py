@@ -1,0 +1,317 @@
+"""GPU attention over the page-major KV pool: Triton kernels for store and decode, SDPA for prefill.
+
+`TritonPagedBackend` plugs in behind `AttentionBackend` (see worker/model/attention.py):
+
+- store: one Triton program per new token writes its K and V for every kv head into the
+  slot `slot_mapping[t]` (page * page_size + offset). A negative slot is skipped: CUDA-graph
+  padding rows use -1 so a padded row never touches a real page.
+- decode (every request has one new token): a split-K paged kernel, one program per
+  (request, kv head, split). A program loads its group of G = Hq / Hkv query heads once and
+  streams its share of the request's context straight out of the pages (the per-layer K/V
+  views of `KVCache.layer` are strided: no gather, no copy), online softmax in float32. With
+  more than one split, a second kernel merges the partial outputs by their log-sum-exp. The
+  split count depends only on the batch size (a CUDA graph captures it), chosen so that
+  B * Hkv * splits fills the GPU; a split whose share is empty exits at once.
+- prefill / mixed steps: the one-token requests go through the decode kernel; each
+  multi-token request gathers its cached context into contiguous K/V and calls torch SDPA
+  (FlashAttention when there is no cached prefix, lower-right causal otherwise).
+
+Triton is imported lazily so that this module (and its CPU-side helpers) imports without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.batch import ForwardBatch
+from worker.model.attention import AttentionBackend, context_mask, gather_context
+
+_NUM_SMS_TARGET = 264  # ~2 programs per SM on an H200 (132 SMs); fine for smaller GPUs too
+_MAX_SPLITS = 16
+_BLOCK_N = 64  # context tokens per inner-loop iteration of the decode kernel
+
+
+def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
+    """Split-K factor for the decode kernel: a power of two so B * Hkv * splits ≈ 2 per SM."""
+    programs = max(1, batch_size * num_kv_heads)
+    splits = 1
+    while programs * splits * 2 <= _NUM_SMS_TARGET and splits < _MAX_SPLITS:
+        splits *= 2
+    return splits
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+_kernels: dict[str, Any] = {}
+
+
+def _get_kernels() -> dict[str, Any]:
+    """Compile-on-first-use: define the Triton kernels only when a GPU backend runs."""
+    if _kernels:
+        return _kernels
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_kv_kernel(
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_cp, stride_ch, stride_cs,
+        stride_vcp, stride_vch, stride_vcs,
+        HKV: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t)
+        if slot < 0:  # a CUDA-graph padding row
+            return
+        page = slot // PAGE
+        off = slot % PAGE
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, D)
+        hm = (h < HKV)[:, None]
+        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=hm)  # [BH, D]
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=hm)
+        kc = kc_ptr + page * stride_cp + off * stride_cs + h[:, None] * stride_ch + d[None, :]
+        vc = vc_ptr + page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=hm)
+        tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def decode_kernel(
+        q_ptr, kc_ptr, vc_ptr, pt_ptr, sl_ptr, o_ptr, op_ptr, lse_ptr,
+        stride_qt, stride_qh,
+        stride_kp, stride_kh, stride_ks,
+        stride_vp, stride_vh, stride_vs,
+        stride_ptb,
+        stride_ot, stride_oh,
+        scale_log2, window,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        hkv = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(sl_ptr + b).to(tl.int32)
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(seq_len - window, 0)
+        span = seq_len - lo
+        per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        heads = hkv * G + g  # this program's query heads
+        gmask = g < G
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            page = tl.load(pt_ptr + b * stride_ptb + n // PAGE, mask=valid, other=0).to(tl.int64)
+            off = n % PAGE
+            k = tl.load(
+                kc_ptr + page[:, None] * stride_kp + hkv * stride_kh + off[:, None] * stride_ks + d[None, :],
+                mask=valid[:, None], other=0.0,
+            )  # [BN, D]
+            v = tl.load(
+                vc_ptr + page[:, None] * stride_vp + hkv * stride_vh + off[:, None] * stride_vs + d[None, :],
+                mask=valid[:, None], other=0.0,
+            )  # [BN, D]
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN], log2 domain
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+
+        has = l_sum > 0
+        out = acc / tl.where(has, l_sum, 1.0)[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(
+                o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(o_ptr.dtype.element_ty), mask=gmask[:, None],
+            )
+        else:
+            # partials: op [B, Hq, NUM_SPLITS, D] fp32, lse [B, Hq, NUM_SPLITS] fp32 (log2 domain)
+            row = (b * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + split  # [BG]
+            tl.store(op_ptr + row[:, None] * D + d[None, :], out, mask=gmask[:, None])
+            lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=gmask)
+
+    @triton.jit
+    def merge_kernel(
+        op_ptr, lse_ptr, o_ptr, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, D)
+        row = (b * HQ + h) * NUM_SPLITS + sp  # [NS]
+        lse = tl.load(lse_ptr + row)  # [NS]
+        mx = tl.max(lse, 0)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)  # [NS]; all-empty rows get 0
+        parts = tl.load(op_ptr + row[:, None] * D + d[None, :])  # [NS, D]
+        den = tl.sum(w, 0)
+        out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+        tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+    _kernels.update(store=store_kv_kernel, decode=decode_kernel, merge=merge_kernel)
+    return _kernels
+
+
+def triton_store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v [T, Hkv, D] → their slots in k_cache / v_cache [P, Hkv, S, D]; slot < 0 is skipped."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _get_kernels()["store"][(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HKV=hkv, BLOCK_H=_next_pow2(hkv), D=d, PAGE=k_cache.shape[2],
+    )
+
+
+def triton_paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, num_splits: int | None = None,
+) -> torch.Tensor:
+    """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
+
+    page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). Reads no
+    host value, so it can be captured in a CUDA graph.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    assert hq % hkv == 0, f"num q heads {hq} is not a multiple of kv heads {hkv}"
+    g = hq // hkv
+    splits = num_splits or num_decode_splits(b, hkv)
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    kern = _get_kernels()
+    if splits > 1:
+        partial = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)  # [B, Hq, NS, D]
+        lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, NS]
+    else:
+        partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
+    kern["decode"][(b, hkv, splits)](
+        q, k_cache, v_cache, page_table, seq_lens, out, partial, lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0), out.stride(1),
+        scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
+        sliding_window or 0,
+        G=g, BLOCK_G=max(16, _next_pow2(g)), D=d, PAGE=k_cache.shape[2],
+        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=splits)
+    return out
+
+
+def sdpa_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, seq_len: int,
+    scale: float, sliding_window: int | None,
+) -> torch.Tensor:
+    """One request's n new tokens: q [n, Hq, D] over its whole context → [n, Hq, D].
+
+    Gathers the context into contiguous K/V (one copy) and calls SDPA: FlashAttention with
+    plain causal masking when nothing is cached before the chunk, lower-right causal when a
+    prefix is (chunked prefill, prefix-cache hits), an explicit mask under a sliding window.
+    """
+    n, hq, d = q.shape
+    ctx_k = gather_context(k_cache, pages, seq_len).to(q.dtype)[None]  # [1, Hkv, L, D]
+    ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)[None]  # [1, Hkv, L, D]
+    qi = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    if sliding_window is not None and seq_len > sliding_window:
+        mask = context_mask(seq_len, n, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, attn_mask=mask, scale=scale, enable_gqa=True)
+    elif n == seq_len:
+        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        g = hq // ctx_k.shape[1]
+        # CausalBias takes the flash / efficient kernels, which want equal head counts.
+        ctx_k, ctx_v = ctx_k.repeat_interleave(g, dim=1), ctx_v.repeat_interleave(g, dim=1)  # [1, Hq, L, D]
+        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, attn_mask=causal_lower_right(n, seq_len), scale=scale)
+    return o[0].transpose(0, 1)  # [n, Hq, D]
+
+
+@dataclass
+class _DecodeSubset:
+    """The one-token requests of a mixed step (computed once per batch, shared by layers)."""
+
+    token_index: torch.Tensor  # [Bd] int64: their token's row in q
+    page_table: torch.Tensor  # [Bd, max_pages]
+    seq_lens: torch.Tensor  # [Bd]
+    prefills: list[int]  # indices of the multi-token requests
+
+
+class TritonPagedBackend(AttentionBackend):
+    """CUDA backend: Triton store + split-K paged decode; SDPA for multi-token requests."""
+
+    def __init__(self) -> None:
+        self._batch: ForwardBatch | None = None
+        self._subset: _DecodeSubset | None = None
+
+    def _split(self, batch: ForwardBatch) -> _DecodeSubset:
+        if self._batch is not batch:  # one plan per forward pass; layers share it
+            qs = batch.query_start_list
+            dec = [i for i in range(batch.num_requests) if qs[i + 1] - qs[i] == 1]
+            idx = torch.tensor(dec, dtype=torch.int64).to(batch.seq_lens.device, non_blocking=True)
+            self._subset = _DecodeSubset(
+                token_index=torch.tensor([qs[i] for i in dec], dtype=torch.int64).to(
+                    batch.seq_lens.device, non_blocking=True
+                ),
+                page_table=batch.page_table.index_select(0, idx),
+                seq_lens=batch.seq_lens.index_select(0, idx),
+                prefills=[i for i in range(batch.num_requests) if qs[i + 1] - qs[i] > 1],
+            )
+            self._batch = batch
+        assert self._subset is not None
+        return self._subset
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
+            return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window)
+        sub = self._split(batch)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if sub.token_index.numel():
+            out[sub.token_index] = triton_paged_decode(
+                q.index_select(0, sub.token_index), k_cache, v_cache, sub.page_table, sub.seq_lens, scale,
+                sliding_window,
+            )
+        page_size = k_cache.shape[2]
+        qs, lens = batch.query_start_list, batch.seq_lens_list
+        for i in sub.prefills:
+            pages = batch.page_table[i, : -(-lens[i] // page_size)]
+            out[qs[i] : qs[i + 1]] = sdpa_prefill(
+                q[qs[i] : qs[i + 1]], k_cache, v_cache, pages, lens[i], scale, sliding_window
+            )
+        return out
