@@ -30,6 +30,7 @@ class ModelConfig:
     load_format: LoadFormat = "auto"  # dummy = random weights at the checkpoint's real shapes
     max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launches kernels one by one)
 
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:
@@ -72,15 +73,49 @@ class SchedulerConfig:
             )
 
 
+All2AllBackend = Literal["torch", "deepep"]
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How one worker's ranks are laid out (see docs/parallelism.md).
+
+    A worker is `tp_size * dp_size` rank processes; attention is tensor-parallel inside a
+    group of tp_size ranks and data-parallel across dp_size groups; MoE layers span all
+    ranks, split by expert (ep_size = world) or by intermediate feature (ep_size = 1).
+    """
+
     tp_size: int = 1
-    tp_rank: int = 0
+    tp_rank: int = 0  # this process's rank in its TP group (the worker's entry process is 0)
     device: str = "cpu"  # cpu | cuda | cuda:N
+    dp_size: int = 1  # attention data-parallel groups (model level; the engine runs dp_size 1)
+    ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or tp_size * dp_size
+    all2all_backend: All2AllBackend = "torch"  # MoE dispatch/combine: torch.distributed or DeepEP
+    nnodes: int = 1  # nodes this worker's ranks span
+    node_rank: int = 0  # which of them this process runs on (node 0 serves gRPC)
+    dist_init_addr: str = ""  # tcp://host:port of the rank-0 rendezvous; "" = a free local port (nnodes 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
 
     def validate(self, prefix: str = "parallel") -> None:
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
+        if self.dp_size <= 0:
+            raise ConfigError(f"{prefix}.dp_size must be >= 1, got {self.dp_size}")
+        if self.ep_size not in (1, self.world_size):
+            raise ConfigError(f"{prefix}.ep_size must be 1 (MoE TP) or tp_size*dp_size={self.world_size} "
+                              f"(one expert group over every rank), got {self.ep_size}")
+        if self.all2all_backend not in ("torch", "deepep"):
+            raise ConfigError(f"{prefix}.all2all_backend must be torch or deepep, got {self.all2all_backend!r}")
+        if self.nnodes <= 0 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"{prefix}: need 0 <= node_rank < nnodes, got node {self.node_rank} of {self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"{prefix}: tp_size*dp_size={self.world_size} ranks must split evenly over nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr.startswith("tcp://"):
+            raise ConfigError(f"{prefix}.dist_init_addr must be tcp://HOST:PORT (node 0's address) when nnodes > 1, "
+                              f"got {self.dist_init_addr!r}")
 
 
 @dataclass(frozen=True)

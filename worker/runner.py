@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from worker.batch import ForwardBatch
+from worker.cuda_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.request import TokenLogprob
@@ -20,6 +21,13 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (CUDA only)
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs for batch sizes up to max_num_seqs (call after warm-up)."""
+        graphs = DecodeGraphs(self.model, self.kv, max_num_seqs, max_model_len)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         page_size = self.page_size
@@ -61,12 +69,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan) -> RunOutput:
-        batch = self.build_batch(plan)
-        hidden = self.model(batch, self.kv)  # [T, hidden]
         sampling = [c.request for c in plan.chunks if c.sample]
-        if not sampling:
-            return RunOutput(token_ids=[], logprobs=[])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab] fp32
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and len(sampling) == len(plan.chunks)
+            and all(c.num_tokens == 1 for c in plan.chunks)  # pure decode
+            and graphs.bucket_for(len(sampling)) is not None
+        ):
+            logits = graphs.run(plan.chunks)  # [B, vocab] fp32, replayed
+        else:
+            batch = self.build_batch(plan)
+            hidden = self.model(batch, self.kv)  # [T, hidden]
+            if not sampling:
+                return RunOutput(token_ids=[], logprobs=[])
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab] fp32
         out = self.sampler.sample(
             logits,
             [r.sampling for r in sampling],

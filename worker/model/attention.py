@@ -102,5 +102,13 @@ def paged_attention(
 
 
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """The backend for a device. GPU kernels plug in here; today every device gets SDPA."""
+    """The backend for a device: Triton paged kernels on CUDA (when triton is installed), SDPA
+    reference elsewhere. One instance per model: it caches per-batch index tensors."""
+    if torch.device(device).type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is not None:
+            from worker.model.triton_attention import TritonPagedBackend
+
+            return TritonPagedBackend()
     return TorchSDPABackend()
