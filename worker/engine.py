@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from worker.model import ModelSpec, load_model
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.runner import ModelRunner
 from worker.scheduler import RoleHooks, Scheduler
+
+if TYPE_CHECKING:
+    from worker.tp_runner import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,14 @@ class Engine:
         self.device = torch.device(config.parallel.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        self.tp: TPLeader | None = None  # multi-rank worker: this is rank 0 and drives the others
+        if config.parallel.world_size > 1 or config.parallel.nnodes > 1:
+            from worker.tp_runner import TPLeader
+
+            self.tp = TPLeader(config)
         self.model, self.spec = load_model(config.model, config.parallel)
+        if self.tp is not None:
+            self.model = self.tp.wrap_model(self.model)  # broadcasts each batch to the other ranks
         self.max_model_len = min(
             config.model.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
@@ -208,6 +219,11 @@ class Engine:
             if done:
                 del self._tracked[rid]
         self._touched.clear()
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-rank worker (after the loop thread has stopped)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warm_up(self, timeout_s: float = 120.0) -> None:

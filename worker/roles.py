@@ -12,6 +12,7 @@ as long as its room and blocks a thread, which must never be the worker's event 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import grpc
 
@@ -69,7 +70,17 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
                                "set transfer.bootstrap_port to a free port")
         server.start()
         info["bootstrap_addr"] = f"{config.transfer.advertise_host or config.host}:{port}"
-        role = PrefillRole(engine, manager, server)
+        role = PrefillRole(engine, _on_every_rank(engine, manager, info), server)
     else:
-        role = DecodeRole(engine, manager)
+        role = DecodeRole(engine, _on_every_rank(engine, manager, info))
     return role
+
+
+def _on_every_rank(engine: Engine, manager: KVTransferManager, info: dict[str, str]) -> KVTransferManager:
+    """Multi-rank worker: rooms repeat on every rank; GetInfo lists every rank's bootstrap address."""
+    if engine.tp is None:
+        return manager
+    facade, addrs = engine.tp.wrap_manager(manager, info.get("bootstrap_addr", ""))
+    if addrs:
+        info["bootstrap_addr"] = addrs
+    return cast(KVTransferManager, facade)  # same calls the roles make (worker/tp_runner.py)

@@ -267,6 +267,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
         thread.join(timeout=10)
         if roles is not None:
             roles.close()
+        engine.close()  # multi-rank worker: stop the other ranks
     if crashed:
         raise RuntimeError("the engine loop died (see the log above)") from crashed[0]
 

@@ -7,8 +7,9 @@ columns. Fused projections (q|k|v, gate|up) take one checkpoint tensor per `shar
 fusing them makes one matmul instead of three (or two), which matters on CPU.
 
 Tensor parallelism: column-parallel layers split the output features across ranks,
-row-parallel layers split the input features and all-reduce their output. With tp_size 1
-(all the engine wires today) the slices are the whole tensors and no collective runs.
+row-parallel layers split the input features and all-reduce their output; the embedding and
+the LM head split the vocabulary (a masked lookup + all-reduce in, an all-gather of logit
+shards out). With tp_size 1 the slices are the whole tensors and no collective runs.
 """
 
 from __future__ import annotations
@@ -113,16 +114,38 @@ class ColumnParallelLinear(nn.Module):
     def _shard_index(self, shard_id: object) -> int:
         return 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
 
+    def _rank_start(self, i: int) -> int:
+        """Where this rank's rows of piece i start in the checkpoint tensor."""
+        return self.tp.rank * self.local_sizes[i]
+
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         i = self._shard_index(shard_id)
         local = self.local_sizes[i]
-        start = self.tp.rank * local
+        start = self._rank_start(i)
         dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
         _copy_checked(dst, source.read(0, start, start + local), f"{type(self).__name__}.{param}[{shard_id}]")
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank holds: an even split, or one replicated head when tp_size > num_kv_heads."""
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise WeightShapeError(f"num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp_size})")
+        return num_kv_heads // tp_size
+    if tp_size % num_kv_heads:
+        raise WeightShapeError(
+            f"tp_size ({tp_size}) > num_kv_heads ({num_kv_heads}) needs tp_size to be a multiple of num_kv_heads "
+            "(each kv head is then replicated on tp_size / num_kv_heads ranks)"
+        )
+    return 1
+
+
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused: shard_id is "q", "k" or "v"; heads split across ranks."""
+    """q, k and v projections fused: shard_id is "q", "k" or "v"; heads split across ranks.
+
+    With more ranks than kv heads (GQA), ranks [h*rep, (h+1)*rep) each hold a replica of kv
+    head h — the same placement as `transfer.contract.heads_of_rank`, so KV pages line up.
+    """
 
     SHARDS = ("q", "k", "v")
 
@@ -130,15 +153,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo,
         dtype: torch.dtype | None = None,
     ) -> None:
-        if num_heads % tp.size or num_kv_heads % tp.size:
-            raise WeightShapeError(
-                f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp.size})"
-            )
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias, tp, dtype)
+        if num_heads % tp.size:
+            raise WeightShapeError(f"num_heads ({num_heads}) must be divisible by tp_size ({tp.size})")
+        kv_local = kv_heads_per_rank(num_kv_heads, tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks sharing one kv head
+        kv_shard = kv_local * head_dim * tp.size  # the size the base class splits evenly
+        super().__init__(hidden, [num_heads * head_dim, kv_shard, kv_shard], bias, tp, dtype)
 
     def _shard_index(self, shard_id: object) -> int:
         return self.SHARDS.index(str(shard_id))
+
+    def _rank_start(self, i: int) -> int:
+        if i == 0 or self.kv_replicas == 1:
+            return super()._rank_start(i)
+        return (self.tp.rank // self.kv_replicas) * self.local_sizes[i]  # the replicated head's rows
 
 
 class RowParallelLinear(nn.Module):
@@ -169,22 +197,55 @@ class RowParallelLinear(nn.Module):
         _copy_checked(self.weight.data, source.read(1, start, start + self.in_local), "RowParallelLinear.weight")
 
 
-class Embedding(nn.Module):
-    """Token embedding, replicated on every rank (vocab-parallel sharding is future work)."""
+def vocab_shard(vocab_size: int, tp: TPInfo) -> tuple[int, int, int]:
+    """(start, stop, padded shard size) of this rank's vocabulary rows; the last shard may be short."""
+    per = -(-vocab_size // tp.size)  # ceil: every rank holds the same padded shape
+    start = min(tp.rank * per, vocab_size)
+    return start, min(start + per, vocab_size), per
 
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None) -> None:
+
+class Embedding(nn.Module):
+    """Vocab-parallel token embedding: each rank holds rows [start, stop) of the vocabulary.
+
+    A rank looks up the ids it holds, zeroes the others, and one all-reduce sums the shards
+    (exactly one rank contributes each row, so the sum is exact).
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None, tp: TPInfo | None = None) -> None:
         super().__init__()
-        self.weight = _param(vocab_size, hidden, dtype=dtype)  # [V, hidden]
+        self.tp = tp or TPInfo()
+        self.vocab_size = vocab_size
+        self.start, self.stop, per = vocab_shard(vocab_size, self.tp)
+        self.weight = _param(per, hidden, dtype=dtype)  # [V_local (padded), hidden]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] → [T, hidden]
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.stop)  # [T]
+        local = torch.where(outside, 0, ids - self.start)
+        x = F.embedding(local, self.weight)
+        x = x.masked_fill(outside[:, None], 0)  # [T, hidden]
+        dist.all_reduce(x, group=self.tp.group)
+        return x
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
-        _copy_checked(self.weight.data, source.read(), "Embedding.weight")
+        n = self.stop - self.start
+        rows = source.read(0, self.start, self.stop)
+        _copy_checked(self.weight.data[:n], rows, f"{type(self).__name__}.weight")
+        self.weight.data[n:].zero_()  # padding rows: their logits are sliced off
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] @ this matrix^T → full logits [N, V] float32 (gathers shards)."""
+        local = F.linear(hidden, self.weight).float()  # [N, V_local]
+        if self.tp.size == 1:
+            return local
+        shards = [torch.empty_like(local) for _ in range(self.tp.size)]
+        dist.all_gather(shards, local, group=self.tp.group)
+        return torch.cat(shards, dim=-1)[:, : self.vocab_size]  # [N, V]
 
 
 class LMHead(Embedding):
-    """Output projection [V, hidden], replicated; logits in float32."""
+    """Output projection [V, hidden], vocab-parallel like the embedding; logits in float32."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, V]
-        return F.linear(hidden, self.weight).float()
+        return self.logits(hidden)

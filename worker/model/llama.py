@@ -27,6 +27,7 @@ from worker.model.layers import (
     RMSNorm,
     RowParallelLinear,
     TPInfo,
+    kv_heads_per_rank,
 )
 from worker.model.rope import RotaryEmbedding, apply_rope
 
@@ -40,7 +41,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_heads // tp.size  # on this rank
-        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp.size)
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_windows[layer]
         self.qkv_proj = QKVParallelLinear(
@@ -101,7 +102,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, backend, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -117,7 +118,7 @@ class LlamaForCausalLM(CausalLM):
         self.cfg = cfg
         self.model = LlamaModel(cfg, tp, backend, dtype)
         # Tied: the output projection is the embedding matrix itself (one tensor, not a copy).
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)  # plain tensors, not a buffer
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -133,7 +134,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()  # [N, V]
+            return self.model.embed_tokens.logits(hidden)  # [N, V] float32
         return self.lm_head(hidden)  # [N, V] float32
 
     def weight_slots(self) -> dict[str, WeightSlot]:
