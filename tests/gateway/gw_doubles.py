@@ -64,6 +64,7 @@ class Script:
     finish_reason: str = "length"
     cached_tokens: int = 0
     delay_s: float = 0.0  # between messages
+    first_delay_s: float = 0.0  # before the first message (decode: the KV "arriving" after prefill)
     fail_code: grpc.StatusCode | None = None  # abort the stream with this code ...
     fail_after: int = 0  # ... after this many messages (0 = before the first)
     fail_times: int = 1_000_000  # how many Generate calls fail (then it behaves)
@@ -140,6 +141,8 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                 await asyncio.sleep(3600)
             if failing and s.fail_after == 0:
                 await context.abort(s.fail_code, f"scripted {s.fail_code.name}")
+            if s.first_delay_s:
+                await asyncio.sleep(s.first_delay_s)
             n_prompt = len(request.prompt_token_ids)
             if self.role == "prefill":
                 yield tandem_pb2.GenerateResponse(token_ids=s.tokens[:1], num_prompt_tokens=n_prompt,

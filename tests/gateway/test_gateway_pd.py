@@ -75,7 +75,7 @@ async def test_retry_once_on_new_decode_before_first_token(tok_dir):
 
 async def test_retry_on_new_prefill_when_prefill_fails(tok_dir):
     bad, good, d = prefill(fail_code=grpc.StatusCode.INTERNAL), prefill(), decode()
-    d.script.delay_s = 0.01
+    d.script.first_delay_s = 0.3  # decode's first token comes after prefill (which fails at once)
     async with workers(bad, good, d), running_app(pd_config(tok_dir, [bad, good], [d])) as c:
         await wait_workers(c)
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
