@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.cluster import EMBEDDED_MODEL, Cluster, running_cluster
+from orchestrator.launch.background import EMBEDDED_MODEL, Cluster, running_cluster
 
 MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 pytestmark = pytest.mark.slow

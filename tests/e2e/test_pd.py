@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
+from orchestrator.launch.background import EMBEDDED_MODEL, Cluster, running_cluster
 from orchestrator.tasks import arith
-from tests.e2e.cluster import EMBEDDED_MODEL, Cluster, running_cluster
 
 MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 NUM_PROMPTS = 200

@@ -1,8 +1,8 @@
-"""Whole clusters for end-to-end tests: `tandem serve` as a user runs it, on free ports.
+"""A whole cluster in the background: `tandem serve` as a user runs it, on free ports.
 
-`running_cluster(config, *overrides)` starts the real launcher as a subprocess (real workers,
-real gateway, real transfer backend), waits for the gateway's /health, and stops it with
-SIGTERM afterwards, failing the test if it does not stop cleanly.
+`running_cluster(config, *overrides, tmp=DIR)` starts the real launcher as a subprocess (real
+workers, real gateway, real transfer backend), waits for the gateway's /health, and stops it
+with SIGTERM on exit. End-to-end tests and the serving benchmarks (bench/) use it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import httpx
 
 from protocol import tandem_pb2, tandem_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: configs/ and models/ live here
 EMBEDDED_MODEL = REPO / "models" / "tandem-arith"
 
 
