@@ -68,13 +68,11 @@ def _get_kernels() -> dict[str, Any]:
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
-        if slot < 0:  # a CUDA-graph padding row
-            return
-        page = slot // PAGE
-        off = slot % PAGE
+        page = tl.maximum(slot, 0) // PAGE
+        off = tl.maximum(slot, 0) % PAGE
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
-        hm = (h < HKV)[:, None]
+        hm = (h < HKV)[:, None] & (slot >= 0)  # slot -1: a CUDA-graph padding row writes nothing
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=hm)  # [BH, D]
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=hm)
         kc = kc_ptr + page * stride_cp + off * stride_cs + h[:, None] * stride_ch + d[None, :]
