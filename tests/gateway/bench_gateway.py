@@ -24,13 +24,11 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-sys.path.insert(0, str(Path(__file__).parent))
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gw_doubles import Script, ScriptedWorker, build_tokenizer  # noqa: E402
-
 from protocol import tandem_pb2, tandem_pb2_grpc  # noqa: E402
+from tests.gateway.gw_doubles import Script, ScriptedWorker, build_tokenizer  # noqa: E402
 
 
 def free_port() -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gw_doubles import build_tokenizer
+
+from tests.gateway.gw_doubles import build_tokenizer
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 import grpc
 import httpx
 import pytest
-from gw_doubles import Script, ScriptedWorker, fast_config, running_app, workers
 
 from gateway.tokenizer import Tokenizer
+from tests.gateway.gw_doubles import Script, ScriptedWorker, fast_config, running_app, workers
 
 pytestmark = pytest.mark.anyio
 

@@ -5,10 +5,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from gw_doubles import Script, ScriptedWorker, fast_config, running_app, wait_workers, workers
 
 from gateway.pool import WorkerPool
 from protocol import tandem_pb2
+from tests.gateway.gw_doubles import (
+    Script,
+    ScriptedWorker,
+    fast_config,
+    running_app,
+    wait_workers,
+    workers,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -6,9 +6,16 @@ import json
 
 import grpc
 import pytest
-from gw_doubles import Script, ScriptedWorker, fast_config, running_app, wait_workers, workers
 
 from protocol import tandem_pb2
+from tests.gateway.gw_doubles import (
+    Script,
+    ScriptedWorker,
+    fast_config,
+    running_app,
+    wait_workers,
+    workers,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gw_doubles import Script, ScriptedWorker, workers
 
 from gateway.tokenizer import Tokenizer
+from tests.gateway.gw_doubles import Script, ScriptedWorker, workers
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
