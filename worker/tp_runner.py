@@ -227,6 +227,7 @@ class TPTransferManager:
         self.epoch = local.epoch
         self._cmds: list[int] = []  # queued commands for the followers, flushed at the next poll
         self._live: dict[int, TPRoom] = {}
+        self._totals = TransferTotals()  # over every rank, counted as rooms end everywhere
 
     def queue(self, cmd: list[int]) -> None:
         self._cmds.extend([len(cmd), *cmd])
@@ -258,7 +259,17 @@ class TPTransferManager:
         out = [r for r in self._live.values() if r.done]
         for r in out:
             del self._live[r.room]
+            self._count(r)
         return out
+
+    def _count(self, r: TPRoom) -> None:
+        t, state, stats = self._totals, r.state, r.stats
+        self._totals = dataclasses.replace(
+            t, rooms_succeeded=t.rooms_succeeded + (state is RoomState.SUCCESS),
+            rooms_failed=t.rooms_failed + (state is RoomState.FAILED),
+            rooms_aborted=t.rooms_aborted + (state is RoomState.ABORTED),
+            pages=t.pages + stats.pages, bytes=t.bytes + stats.bytes, writes=t.writes + stats.writes,
+        )
 
     def _record(self, rank: int, room: int, end: _End) -> None:
         tp_room = self._live.get(room)
@@ -270,7 +281,8 @@ class TPTransferManager:
             tp_room.abort(f"room ended on rank {rank}: {end.error}")
 
     def totals(self) -> TransferTotals:
-        return self.local.totals()
+        """Pages and bytes moved by every rank (rank 0's own manager counts only its share)."""
+        return self._totals
 
     def room_counts(self) -> dict[str, int]:
         counts = {s.name: 0 for s in RoomState}

@@ -155,8 +155,9 @@ def test_pd_hetero_tp_equals_mono(prefill_tp: int, decode_tp: int, checkpoint: P
             last.append(end)
         assert got == mono
         for p, end in zip(prompts, last, strict=True):
-            # Every page of the prompt landed on every decode rank (pages count per destination rank).
-            assert end.transfer.pages == -(-len(p) // 4) * decode_tp
+            # Every page went from every prefill rank to every decode rank (2 kv heads: each pair
+            # shares one), and the counters sum over (prefill rank, decode rank) pairs.
+            assert end.transfer.pages == -(-len(p) // 4) * prefill_tp * decode_tp
             assert end.transfer.bytes > 0
         pl, dl = _wait_drained(prefill), _wait_drained(decode)
         assert dl.prompt_tokens_computed == 0  # decode never ran a prompt
