@@ -1,8 +1,8 @@
 """Serving benchmarks on this machine, each comparison measured in one run.
 
-    python bench/serving.py mono-vs-hf   # issue 2: tandem bench on the mono cluster (c=1, c=16)
+    python -m bench.serving mono-vs-hf   # issue 2: tandem bench on the mono cluster (c=1, c=16)
                                          #          vs transformers generate (batch 1, batch 16)
-    python bench/serving.py pd-vs-mono   # issue 4: a mixed load (long prompts arriving while
+    python -m bench.serving pd-vs-mono   # issue 4: a mixed load (long prompts arriving while
                                          #          short requests decode), 1P1D vs mono
 
 Each prints a markdown table to paste into docs/benchmarks.md, and `--json` writes raw figures.
