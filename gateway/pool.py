@@ -204,13 +204,12 @@ class WorkerPool:
         interval = self.config.load_interval_s
         req = tandem_pb2.GetLoadRequest()
         while True:
-            await asyncio.sleep(interval)
-            if w.info is None:
-                continue
-            try:
-                w.load = await w.stub.GetLoad(req, timeout=max(interval, 0.5))
-            except grpc.aio.AioRpcError as exc:
-                log.debug("GetLoad on %s failed: %s", w.url, exc.code().name)
-                continue
-            for cb in self._on_load:
-                cb(w)
+            if w.info is not None:  # first refresh as soon as the worker answered GetInfo
+                try:
+                    w.load = await w.stub.GetLoad(req, timeout=max(interval, 0.5))
+                except grpc.aio.AioRpcError as exc:
+                    log.debug("GetLoad on %s failed: %s", w.url, exc.code().name)
+                else:
+                    for cb in self._on_load:
+                        cb(w)
+            await asyncio.sleep(interval if w.info is not None else self.config.health_interval_s / 2)
