@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=True)
     p.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
     p.add_argument("--replica", type=int, default=0, metavar="I", help="replica index within the role (default 0)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="K",
+                   help="which of the replica's parallel.nnodes nodes this is (0 serves gRPC; default 0)")
 
     p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
     _add_config_args(p, required=True)
@@ -140,7 +143,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     config = worker_config(_load(args), args.role, args.replica)
+    if args.node_rank:
+        config = config.replace(parallel=dataclasses.replace(config.parallel, node_rank=args.node_rank))
     config.validate()
+    if args.node_rank:
+        from worker.tp_runner import run_node  # nodes 1..nnodes-1 run ranks only, no server
+
+        run_node(config)
+        return 0
     from worker.server import run_worker  # lazy: only a worker process loads the engine
 
     run_worker(config)

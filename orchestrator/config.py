@@ -78,12 +78,31 @@ class GatewaySettings:
 GATEWAY_DERIVED_FIELDS = ("model_path", "served_model_name", "workers", "prefill", "decode")
 
 
+All2All = Literal["torch", "deepep"]
+
+
 @dataclass(frozen=True)
 class RoleParallel:
-    """Parallelism of every replica of one role (the TP rank is per process, not configured)."""
+    """Parallelism of every replica of one role (ranks are per process, not configured).
 
-    tp_size: int = 1
+    A replica is tp_size * dp_size rank processes (its world) spread evenly over nnodes nodes;
+    orchestrator/plan.py checks every rule between these fields and the checkpoint.
+    """
+
+    tp_size: int = 1  # attention tensor parallelism
     device: str = "cpu"  # cpu | cuda (GPUs handed out in plan order) | cuda:N (fixed)
+    dp_size: int = 1  # attention data-parallel groups
+    ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or the world
+    all2all_backend: All2All = "torch"  # MoE dispatch/combine; deepep only with ep_size > 1
+    nnodes: int = 1  # nodes one replica spans (multi-node workers: Slurm)
+    procs_per_node: int = 0  # rank processes (GPUs) per node; 0 = world / nnodes
+    dist_init_addr: str = ""  # tcp://HOST:PORT on the replica's node 0; "" = its host, port + 1
+    # DeepEP's buffers hold this many dispatched tokens per rank; a bigger step is refused.
+    deepep_max_tokens_per_rank: int = 128
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,9 @@ class RoleConfig:
 
     count: int = 1
     host: str = "127.0.0.1"
+    # Per-replica hosts (bind and dial) overriding `host`; launchers that spread replicas over
+    # nodes (Slurm) fill it. Empty = every replica on `host`.
+    hosts: tuple[str, ...] = ()
     base_port: int = 50051
     port_stride: int = 10  # > 1 leaves room for a worker's side ports (e.g. bootstrap)
     parallel: RoleParallel = field(default_factory=RoleParallel)
@@ -103,6 +125,9 @@ class RoleConfig:
 
     def port(self, replica: int) -> int:
         return self.base_port + replica * self.port_stride
+
+    def host_of(self, replica: int) -> str:
+        return self.hosts[replica] if self.hosts else self.host
 
 
 @dataclass(frozen=True)
@@ -133,6 +158,7 @@ class LauncherConfig:
     # (the gateway routes around it meanwhile) up to max_restarts times.
     on_worker_exit: Literal["stop", "restart"] = "stop"
     max_restarts: int = 3
+    gpus_per_node: int = 0  # GPUs of one node (plan checks procs_per_node against it); 0 = unchecked
 
 
 @dataclass(frozen=True)
@@ -212,6 +238,15 @@ def _validate_roles(cluster: ClusterConfig) -> None:
             )
         if rc.parallel.tp_size < 1:
             raise ClusterConfigError(f"{where}.parallel.tp_size must be >= 1, got {rc.parallel.tp_size}")
+        if rc.hosts and len(rc.hosts) != rc.count:
+            raise ClusterConfigError(f"{where}.hosts lists {len(rc.hosts)} hosts for count={rc.count} replicas; "
+                                     "give one host per replica or leave it empty")
+        for fname in ("dp_size", "ep_size", "nnodes", "deepep_max_tokens_per_rank"):
+            if getattr(rc.parallel, fname) < 1:
+                raise ClusterConfigError(f"{where}.parallel.{fname} must be >= 1, got {getattr(rc.parallel, fname)}")
+        if rc.parallel.procs_per_node < 0:
+            raise ClusterConfigError(f"{where}.parallel.procs_per_node must be >= 0 (0 = world / nnodes), "
+                                     f"got {rc.parallel.procs_per_node}")
         dev = rc.parallel.device
         if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ClusterConfigError(f"{where}.parallel.device must be cpu, cuda or cuda:N, got {dev!r}")
@@ -244,7 +279,7 @@ def _validate_ports(cluster: ClusterConfig) -> None:
     taken: list[tuple[str, int, str]] = [(cluster.gateway.host, cluster.gateway.port, "gateway.port")]
     for name, rc in cluster.roles.present():
         for i in range(rc.count):
-            taken.append((rc.host, rc.port(i), f"roles.{name} replica {i}"))
+            taken.append((rc.host_of(i), rc.port(i), f"roles.{name} replica {i}"))
     for j, (host, port, who) in enumerate(taken):
         for host2, port2, who2 in taken[:j]:
             if port == port2 and _same_host(host, host2):
@@ -333,12 +368,14 @@ def device_for(cluster: ClusterConfig, role: str, replica: int) -> str:
         return rc.parallel.device
     nxt = 0
     for name, other in cluster.roles.present():
-        if other.parallel.device != "cuda" or not _same_host(other.host, rc.host):
+        if other.parallel.device != "cuda":
             continue
         for i in range(other.count):
+            if not _same_host(other.host_of(i), rc.host_of(replica)):
+                continue
             if name == role and i == replica:
                 return f"cuda:{nxt}"
-            nxt += other.parallel.tp_size
+            nxt += other.parallel.world_size // other.parallel.nnodes
     raise ClusterConfigError(f"roles.{role}: replica {replica} is out of range (count {rc.count})")
 
 
@@ -349,14 +386,32 @@ def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> Worker
         raise ClusterConfigError(f"--replica {replica} is out of range: roles.{role}.count is {rc.count} (0..{rc.count - 1})")
     return WorkerConfig(
         role=role,  # type: ignore[arg-type]
-        host=rc.host,
+        host=rc.host_of(replica),
         port=rc.port(replica),
         model=dataclasses.replace(cluster.model, served_model_name=cluster.served_model_name),
         cache=rc.cache or cluster.cache,
         scheduler=rc.scheduler or cluster.scheduler,
-        parallel=ParallelConfig(tp_size=rc.parallel.tp_size, tp_rank=0, device=device_for(cluster, role, replica)),
+        parallel=_worker_parallel(rc, replica, device_for(cluster, role, replica)),
         transfer=cluster.transfer,
         num_threads=rc.num_threads,
+    )
+
+
+def dist_init_addr(rc: RoleConfig, replica: int) -> str:
+    """The replica's torch.distributed rendezvous: given, or its node-0 host at port + 1."""
+    if rc.parallel.dist_init_addr:
+        return rc.parallel.dist_init_addr
+    if rc.parallel.nnodes == 1:
+        return ""  # the worker picks a free local port itself
+    return f"tcp://{dial_address(rc.host_of(replica), rc.port(replica) + 1).split(':')[0]}:{rc.port(replica) + 1}"
+
+
+def _worker_parallel(rc: RoleConfig, replica: int, device: str) -> ParallelConfig:
+    p = rc.parallel
+    return ParallelConfig(
+        tp_size=p.tp_size, tp_rank=0, device=device, dp_size=p.dp_size, ep_size=p.ep_size,
+        all2all_backend=p.all2all_backend, nnodes=p.nnodes, node_rank=0,
+        dist_init_addr=dist_init_addr(rc, replica),
     )
 
 
@@ -369,7 +424,7 @@ def worker_addresses(cluster: ClusterConfig, role: str) -> tuple[str, ...]:
     rc = getattr(cluster.roles, role)
     if rc is None:
         return ()
-    return tuple(dial_address(rc.host, rc.port(i)) for i in range(rc.count))
+    return tuple(dial_address(rc.host_of(i), rc.port(i)) for i in range(rc.count))
 
 
 def gateway_config(cluster: ClusterConfig) -> GatewayConfig:

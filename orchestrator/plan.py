@@ -1,9 +1,14 @@
-"""The layout plan: which processes a config starts, where, and how much KV each one holds.
+"""The layout plan: the rank map of a config, every layout rule, and the KV budget.
 
 `plan_processes` is the single source of the process list: `tandem plan` prints it and the
-launchers start exactly these processes. `kv_budget` reads the checkpoint's config.json
-directly (no torch import: planning must work on a machine without the engine) and checks
-the TP divisibility rules before anything starts.
+launchers start exactly these processes (one per node of each replica: its local rank 0
+spawns the node's other ranks). `check_layout` applies every rule that can be checked before
+a GPU is touched; `kv_budget` reads the checkpoint's config.json directly (no torch import:
+planning must work on a machine without the engine).
+
+Node placement: the local launcher puts everything on this machine (node 0). Slurm and Ray
+give each replica `parallel.nnodes` nodes of its own, in launch order (prefill replicas, then
+decode, then both); the gateway runs on node 0.
 """
 
 from __future__ import annotations
@@ -13,24 +18,54 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ClusterConfig, ClusterConfigError, device_for, worker_config
+from orchestrator.config import (
+    ClusterConfig,
+    ClusterConfigError,
+    RoleConfig,
+    device_for,
+    dist_init_addr,
+    worker_config,
+)
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+class LayoutError(ClusterConfigError):
+    """A parallel layout rule is broken; the message names the field, the numbers and the fix."""
 
 
 @dataclass(frozen=True)
 class ProcessRow:
-    """One process of the cluster (a worker replica's TP rank, or the gateway)."""
+    """One rank process of the cluster (or the gateway): where it runs and which ranks it holds."""
 
-    name: str  # log / process name: prefill-0, decode-1, both-0, lb
+    name: str  # log / process name: prefill-0, decode-1.r3 (rank 3), both-0, lb
     role: str  # prefill | decode | both | gateway
     replica: int  # -1 for the gateway
     host: str
-    port: int  # 0 for a TP rank > 0 (it listens on no public port)
-    device: str
-    tp_rank: int
+    port: int  # 0 for a rank > 0 (it listens on no public port)
+    device: str  # cpu | cuda:N (N = the GPU index on its node)
+    tp_rank: int  # attention TP rank within its DP group
     tp_size: int
+    node: int = 0  # cluster node index (0 = the gateway's node)
+    node_rank: int = 0  # which of the replica's nnodes this is
+    rank: int = 0  # global rank within the replica's world (tp_size * dp_size)
+    dp_rank: int = 0
+    dp_size: int = 1
+    ep_rank: int = -1  # -1 when the role has no expert parallelism
+    ep_size: int = 1
+    nnodes: int = 1  # nodes the replica spans
+
+    @property
+    def starts_node(self) -> bool:
+        """The process a launcher starts on its node (local rank 0; it spawns the others)."""
+        return self.role == "gateway" or self.rank % max(1, self.world_size // self.nnodes) == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
 
 
 @dataclass(frozen=True)
@@ -48,19 +83,57 @@ class KVBudget:
         return self.num_pages * self.page_bytes
 
 
-def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
-    """Every process in launch order: workers (each replica's TP ranks), then the gateway."""
-    rows: list[ProcessRow] = []
+def procs_per_node(rc: RoleConfig) -> int:
+    """Rank processes of one replica on each of its nodes."""
+    p = rc.parallel
+    return p.procs_per_node or max(1, p.world_size // p.nnodes)
+
+
+def spreads_over_nodes(cluster: ClusterConfig) -> bool:
+    """True when each replica gets nodes of its own (Slurm, Ray); False: all on this machine."""
+    return cluster.launcher.kind != "local"
+
+
+def replica_nodes(cluster: ClusterConfig) -> dict[tuple[str, int], int]:
+    """(role, replica) -> index of the replica's first node, in launch order."""
+    out: dict[tuple[str, int], int] = {}
+    nxt = 0
     for role, rc in cluster.roles.present():
         for i in range(rc.count):
-            dev0 = device_for(cluster, role, i)
-            for rank in range(rc.parallel.tp_size):
-                # A TP group takes consecutive GPUs from its rank 0's.
-                dev = f"cuda:{int(dev0[5:]) + rank}" if dev0.startswith("cuda:") else dev0
+            out[(role, i)] = nxt if spreads_over_nodes(cluster) else 0
+            nxt += rc.parallel.nnodes
+    return out
+
+
+def num_nodes(cluster: ClusterConfig) -> int:
+    """Nodes the cluster needs (the Slurm allocation's size)."""
+    if not spreads_over_nodes(cluster):
+        return 1
+    return sum(rc.count * rc.parallel.nnodes for _, rc in cluster.roles.present())
+
+
+def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
+    """Every rank process in launch order: workers (each replica's ranks), then the gateway."""
+    rows: list[ProcessRow] = []
+    first_node = replica_nodes(cluster)
+    for role, rc in cluster.roles.present():
+        p = rc.parallel
+        per_node = procs_per_node(rc)
+        for i in range(rc.count):
+            # Nodes of their own start at GPU 0; on one machine GPUs are handed out in order.
+            spread = spreads_over_nodes(cluster) and p.device == "cuda"
+            dev0 = "cuda:0" if spread else device_for(cluster, role, i)
+            for g in range(p.world_size):
+                local = g % per_node
+                # A node's ranks take consecutive GPUs from its local rank 0's.
+                dev = f"cuda:{int(dev0[5:]) + local}" if dev0.startswith("cuda:") else dev0
                 rows.append(ProcessRow(
-                    name=f"{role}-{i}" if rank == 0 else f"{role}-{i}.tp{rank}",
-                    role=role, replica=i, host=rc.host, port=rc.port(i) if rank == 0 else 0,
-                    device=dev, tp_rank=rank, tp_size=rc.parallel.tp_size,
+                    name=f"{role}-{i}" if g == 0 else f"{role}-{i}.r{g}",
+                    role=role, replica=i, host=rc.host_of(i), port=rc.port(i) if g == 0 else 0,
+                    device=dev, tp_rank=g % p.tp_size, tp_size=p.tp_size,
+                    node=first_node[(role, i)] + g // per_node, node_rank=g // per_node, rank=g,
+                    dp_rank=g // p.tp_size, dp_size=p.dp_size,
+                    ep_rank=g if p.ep_size > 1 else -1, ep_size=p.ep_size, nnodes=p.nnodes,
                 ))
     gw = cluster.gateway
     rows.append(ProcessRow("lb", "gateway", -1, gw.host, gw.port, "cpu", 0, 1))
@@ -84,6 +157,114 @@ def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
     return "float32" if name in ("float16", "half") else name
 
 
+def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None) -> None:
+    """Every layout rule; LayoutError names the first one broken. `hf`: the checkpoint's
+    config.json (None = skip the rules that need the model's shapes)."""
+    for role, rc in cluster.roles.present():
+        _check_world(cluster, role, rc)
+        _check_moe(cluster, role, rc, hf)
+        if hf is not None:
+            _check_shapes(role, rc, hf)
+        for i in range(rc.count):
+            _check_dist_init(role, rc, i)
+
+
+def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig) -> None:
+    p, where = rc.parallel, f"roles.{role}.parallel"
+    world = p.world_size
+    if p.procs_per_node and p.nnodes * p.procs_per_node != world:
+        raise LayoutError(
+            f"{where}: world size nnodes*procs_per_node = {p.nnodes}*{p.procs_per_node} = "
+            f"{p.nnodes * p.procs_per_node} but attention tp_size*dp_size = {p.tp_size}*{p.dp_size} = {world}; "
+            "they must be equal (change tp_size, dp_size, nnodes or procs_per_node)")
+    if world % p.nnodes:
+        raise LayoutError(f"{where}: tp_size*dp_size = {world} ranks do not split evenly over nnodes={p.nnodes}; "
+                          "make the world a multiple of nnodes")
+    kind = cluster.launcher.kind
+    if p.nnodes > 1 and kind != "slurm":
+        raise LayoutError(f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
+                          "use launcher.kind=slurm for multi-node workers or set nnodes=1")
+    gpus = cluster.launcher.gpus_per_node
+    if gpus and p.device.startswith("cuda") and procs_per_node(rc) > gpus:
+        raise LayoutError(f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
+                          f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size")
+    if gpus and p.device.startswith("cuda") and not spreads_over_nodes(cluster):
+        used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present() if o.parallel.device == "cuda")
+        if used > gpus:
+            raise LayoutError(f"roles: the cuda roles need {used} GPUs on this machine but launcher.gpus_per_node={gpus}; "
+                              "lower counts or tp_size, or use a multi-node launcher")
+
+
+def _check_moe(cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, Any] | None) -> None:
+    p, where = rc.parallel, f"roles.{role}.parallel"
+    world = p.world_size
+    if p.ep_size > world:
+        raise LayoutError(f"{where}.ep_size={p.ep_size} exceeds the world tp_size*dp_size={world}: "
+                          "EP must be <= world (each rank holds at least one expert group)")
+    if p.ep_size not in (1, world):
+        raise LayoutError(f"{where}.ep_size={p.ep_size}: the engine runs MoE with ep_size 1 (TP-sharded experts) "
+                          f"or ep_size = world = {world}; set one of those")
+    if p.all2all_backend == "deepep" and p.ep_size == 1:
+        raise LayoutError(f"{where}.all2all_backend=deepep needs expert parallelism (ep_size > 1); "
+                          "set ep_size to the world or all2all_backend=torch")
+    if p.all2all_backend == "deepep":
+        sched = rc.scheduler or cluster.scheduler
+        # Tokens one rank dispatches per step: decode steps carry one token per running
+        # request; prefill (and both) steps carry up to the chunk budget.
+        tokens, field = ((sched.max_num_seqs, "max_num_seqs") if role == "decode"
+                         else (sched.chunked_prefill_size, "chunked_prefill_size"))
+        if tokens > p.deepep_max_tokens_per_rank:
+            raise LayoutError(
+                f"roles.{role}: a step of up to {tokens} tokens per rank (scheduler.{field}) exceeds DeepEP's "
+                f"per-GPU capacity {where}.deepep_max_tokens_per_rank={p.deepep_max_tokens_per_rank}; such a batch "
+                f"is refused, not truncated: lower scheduler.{field} or raise the capacity")
+    if hf is not None and p.ep_size > 1:
+        experts = _num_experts(hf)
+        if experts == 0:
+            raise LayoutError(f"{where}.ep_size={p.ep_size} but the model has no experts (dense); set ep_size=1")
+        if experts % p.ep_size:
+            raise LayoutError(f"{where}.ep_size={p.ep_size} must divide the model's {experts} experts")
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    return next((int(hf[k]) for k in _EXPERT_KEYS if hf.get(k)), 0)
+
+
+def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
+    tp, where = rc.parallel.tp_size, f"roles.{role}.parallel.tp_size"
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    if heads % tp:
+        raise LayoutError(f"{where}={tp} must divide num_attention_heads={heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise LayoutError(f"{where}={tp} must divide num_key_value_heads={kv_heads} "
+                          "or be a multiple of it (KV heads are then replicated)")
+    # MLPs are split over the whole world: dense and TP-sharded experts by intermediate feature.
+    world = rc.parallel.world_size
+    inter = int(hf.get("intermediate_size") or 0)
+    if _num_experts(hf) == 0 and inter and inter % world:
+        raise LayoutError(f"roles.{role}.parallel: intermediate_size={inter} must be divisible by "
+                          f"tp_size*dp_size={world} (the MLP is sharded over every rank)")
+    moe_inter = int(hf.get("moe_intermediate_size") or 0)
+    if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
+        raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
+                          f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
+
+
+def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
+    if rc.parallel.nnodes == 1:
+        return
+    addr = dist_init_addr(rc, replica)
+    where = f"roles.{role}.parallel.dist_init_addr"
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    if not addr.startswith("tcp://") or not port.isdigit():
+        raise LayoutError(f"{where}={addr!r}: must be tcp://HOST:PORT of the replica's node 0")
+    node0 = rc.host_of(replica)
+    if host != node0 and node0 not in ("0.0.0.0", ""):
+        raise LayoutError(f"{where}={addr!r} is not on replica {replica}'s node 0 ({node0}): the rendezvous runs "
+                          "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host")
+
+
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
     layers = int(hf["num_hidden_layers"])
@@ -93,20 +274,15 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     dtype = _kv_dtype(cluster, hf)
     if dtype not in _DTYPE_BYTES:
         raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; set model.dtype to float32 or bfloat16")
+    check_layout(cluster, hf)
     out: list[KVBudget] = []
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
-        if heads % tp:
-            raise ClusterConfigError(f"roles.{role}.parallel.tp_size={tp} must divide num_attention_heads={heads}")
-        if kv_heads % tp and tp % kv_heads:
-            raise ClusterConfigError(
-                f"roles.{role}.parallel.tp_size={tp} must divide num_key_value_heads={kv_heads} "
-                "or be a multiple of it (KV heads are then replicated)"
-            )
         kv_per_rank = max(1, kv_heads // tp)
         cache = worker_config(cluster, role, 0).cache
+        # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
         page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
-        out.append(KVBudget(role, cache.page_size, cache.total_pages, page_bytes, dtype))
+        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes, dtype))
     return out
 
 
@@ -127,19 +303,30 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def format_plan(cluster: ClusterConfig) -> str:
-    """The text `tandem plan` prints: the process table, then the KV budget per role."""
-    rows = plan_processes(cluster)
-    table = _table(
-        ["process", "role", "replica", "host", "port", "device", "tp"],
+def format_rank_map(rows: list[ProcessRow]) -> str:
+    """The rank map as a table: one line per rank process, then the gateway."""
+    return _table(
+        ["process", "role", "replica", "host", "port", "device", "node", "tp", "dp", "ep", "rank"],
         [[r.name, r.role, str(r.replica) if r.replica >= 0 else "-", r.host, str(r.port) if r.port else "-",
-          r.device, f"{r.tp_rank}/{r.tp_size}"] for r in rows],
+          r.device, str(r.node), f"{r.tp_rank}/{r.tp_size}", f"{r.dp_rank}/{r.dp_size}",
+          f"{r.ep_rank}/{r.ep_size}" if r.ep_rank >= 0 else "-", f"{r.rank}/{r.world_size}"] for r in rows],
     )
+
+
+def format_plan(cluster: ClusterConfig) -> str:
+    """The text `tandem plan` prints: the rank map, then the KV budget per role.
+
+    Raises LayoutError for a broken rule (the shape rules only when config.json is there).
+    """
+    check_layout(cluster)
+    rows = plan_processes(cluster)
     mode = "disaggregated (prefill/decode)" if cluster.roles.is_pd else "monolithic (both)"
     parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
-             f"launcher: {cluster.launcher.kind}", "", table, ""]
+             f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
     try:
         budgets = kv_budget(cluster, read_model_config(cluster.model.path))
+    except LayoutError:
+        raise
     except ClusterConfigError as exc:
         if "not found" not in str(exc):
             raise
