@@ -10,6 +10,7 @@ an SSE `error` event followed by `[DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -39,7 +40,7 @@ from gateway.openai_types import (
     check_sampling,
 )
 from gateway.output import OutputAssembler
-from gateway.sse import SSEResponse
+from gateway.sse import DisconnectWatcher, SSEResponse
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -109,6 +110,24 @@ class GenerationHandler:
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes)
+        except ApiError as err:
+            self.metrics.requests.labels("client_error").inc()
+            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+        watcher = DisconnectWatcher(request.receive)
+        try:
+            return await self._handle(body, chat, t0, request_id, headers)
+        except asyncio.CancelledError:
+            if not watcher.fired:
+                raise
+            watcher.absorb()  # the client left: the request was aborted on the workers already
+            log.debug("request %s: client disconnected", request_id)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        finally:
+            watcher.stop()
+
+    async def _handle(self, body: bytes, chat: bool, t0: float, request_id: str,
+                      headers: dict[str, str]) -> Response:
+        try:
             req = parse_request(body, ChatCompletionRequest if chat else CompletionRequest)
             check_sampling(req)
             if req.model is not None and req.model != self.model_name:
@@ -119,9 +138,11 @@ class GenerationHandler:
             run = self.dispatcher.start(request_id, prompt_ids, sampling)
             try:
                 first = await run.first()
-            except BaseException:
+            except BaseException as exc:
                 run.abort()  # client gone before the first token: the workers stop too
                 run.close()
+                if isinstance(exc, asyncio.CancelledError):
+                    self.metrics.requests.labels("aborted").inc()
                 raise
         except ApiError as err:
             self.metrics.requests.labels("client_error" if err.status < 500 else "server_error").inc()

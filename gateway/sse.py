@@ -1,4 +1,4 @@
-"""A lean Server-Sent Events response for the streaming endpoints.
+"""Client connection handling: a lean Server-Sent Events response, and a disconnect watcher.
 
 Starlette's StreamingResponse watches for a client disconnect through an anyio task group per
 response; under uvicorn (ASGI spec 2.3, where sending to a gone client is a silent no-op) that
@@ -59,3 +59,37 @@ class SSEResponse(Response):
             if watcher is not None:
                 watcher.cancel()
             await self.chunks.aclose()  # type: ignore[attr-defined]
+
+
+class DisconnectWatcher:
+    """Cancel the current task when the client disconnects (ASGI `http.disconnect`).
+
+    For the part of a request before its response starts (waiting for the first token, or the
+    whole of a non-streaming request): without it, a client that gives up would leave its
+    request running on the workers to the end. Call only after the body was read.
+    """
+
+    __slots__ = ("fired", "_task", "_watcher")
+
+    def __init__(self, receive: Receive) -> None:
+        self.fired = False
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.fired = True
+        self._task.cancel()
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    def absorb(self) -> None:
+        """After catching the CancelledError this watcher caused: the task goes on normally."""
+        if hasattr(self._task, "uncancel"):
+            self._task.uncancel()

@@ -115,3 +115,17 @@ def test_gateway_never_imports_torch(tok_dir):
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+async def test_client_timeout_before_first_token_aborts_worker(tok_dir):
+    # A non-streaming client that gives up while the worker has not answered yet.
+    w = ScriptedWorker(script=Script(tokens=[70, 71], first_delay_s=30))
+    async with workers(w), gateway_process(tok_dir, w.url) as url:
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(httpx.TimeoutException):
+                await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=0.5)
+        await asyncio.wait_for(w.abort_event.wait(), 5)
+        assert w.aborts[0].request_id == w.requests[0].request_id
+        async with httpx.AsyncClient() as client:
+            m = (await client.get(f"{url}/metrics")).text
+        assert 'tandem_requests_total{outcome="aborted"} 1.0' in m
