@@ -115,15 +115,22 @@ class GenerationHandler:
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
         watcher = DisconnectWatcher(request.receive)
         try:
-            return await self._handle(body, chat, t0, request_id, headers)
+            response = await self._handle(body, chat, t0, request_id, headers)
         except asyncio.CancelledError:
+            watcher.stop()
             if not watcher.fired:
                 raise
             watcher.absorb()  # the client left: the request was aborted on the workers already
             log.debug("request %s: client disconnected", request_id)
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        finally:
+        except BaseException:
             watcher.stop()
+            raise
+        if isinstance(response, SSEResponse):
+            response.watcher = watcher  # the same task sends the stream: one watcher for all of it
+        else:
+            watcher.stop()
+        return response
 
     async def _handle(self, body: bytes, chat: bool, t0: float, request_id: str,
                       headers: dict[str, str]) -> Response:

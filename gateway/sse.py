@@ -18,46 +18,41 @@ from starlette.types import Receive, Scope, Send
 
 
 class SSEResponse(Response):
-    """`text/event-stream` response whose body is an async iterator of ready-made event bytes."""
+    """`text/event-stream` response whose body is an async iterator of ready-made event bytes.
+
+    `watcher`: the request's DisconnectWatcher, handed over so one watcher task serves the
+    whole request; without one (and under ASGI < 2.4) the response starts its own.
+    """
 
     def __init__(self, chunks: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
         # Response.__init__ would render a body; this one streams, so set only what ASGI needs.
         self.chunks = chunks
         self.status_code = 200
         self.background = None
+        self.watcher: DisconnectWatcher | None = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        spec = scope.get("asgi", {}).get("spec_version", "2.0")
-        needs_watcher = tuple(int(x) for x in spec.split(".")) < (2, 4)
-        task = asyncio.current_task()
-        assert task is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch()) if needs_watcher else None
+        watcher = self.watcher
+        if watcher is None:
+            spec = scope.get("asgi", {}).get("spec_version", "2.0")
+            if tuple(int(x) for x in spec.split(".")) < (2, 4):
+                watcher = DisconnectWatcher(receive)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not gone:
+            if watcher is None or not watcher.fired:
                 raise
-            if hasattr(task, "uncancel"):  # 3.11+: the cancel was ours (client left), not the server's
-                task.uncancel()
+            watcher.absorb()  # the client left, which is not an error here
         except OSError:  # ASGI >= 2.4: the client left
             pass
         finally:
             if watcher is not None:
-                watcher.cancel()
+                watcher.stop()
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
