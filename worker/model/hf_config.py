@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -45,6 +46,17 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """Qwen3-MoE's sparse layers: which layers, how many experts, how they are picked."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # moe_intermediate_size: one expert's SwiGLU width
+    norm_topk_prob: bool  # renormalize the top-k router probabilities to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: MoE block (True) or the dense MLP
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     """The architecture knobs of one decoder-only checkpoint, from config.json."""
 
@@ -67,6 +79,7 @@ class ArchConfig:
     layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
+    moe: MoEArch | None = None  # Qwen3-MoE; None = dense
 
     @property
     def sliding_window(self) -> int | None:
@@ -134,7 +147,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     """Which layers attend through a sliding window, following transformers' rules per family."""
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window value that is off unless use_sliding_window
     if window is None:
         return (None,) * num_layers
@@ -185,10 +198,28 @@ def parse_arch_config(
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=parse_rope(cfg, source),
         layer_windows=_layer_windows(cfg, arch, num_layers),
         torch_dtype=_DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
+        moe=parse_moe(cfg, num_layers, source) if arch == "Qwen3MoeForCausalLM" else None,
+    )
+
+
+def parse_moe(cfg: dict[str, Any], num_layers: int, source: str) -> MoEArch:
+    """Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    if experts <= 0:
+        raise ModelLoadError(f"{source}: Qwen3MoeForCausalLM needs num_experts (or num_local_experts) > 0")
+    top_k = int(_require(cfg, "num_experts_per_tok", source))
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={experts}]")
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return MoEArch(
+        num_experts=experts, top_k=top_k, intermediate_size=int(_require(cfg, "moe_intermediate_size", source)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
     )

@@ -155,12 +155,19 @@ class LlamaForCausalLM(CausalLM):
             if attn.q_norm is not None and attn.k_norm is not None:
                 slots[f"{p}.self_attn.q_norm.weight"] = WeightSlot(attn.q_norm, "weight")
                 slots[f"{p}.self_attn.k_norm.weight"] = WeightSlot(attn.k_norm, "weight")
-            mlp_params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
-            for index, name in enumerate(("gate_proj", "up_proj")):
-                for param in mlp_params:
-                    slots[f"{p}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, index)
-            for param in mlp_params:
-                slots[f"{p}.mlp.down_proj.{param}"] = WeightSlot(mlp.down_proj, param)
+            slots.update(self.mlp_slots(p, mlp))
             slots[f"{p}.input_layernorm.weight"] = WeightSlot(layer.input_layernorm, "weight")
             slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(layer.post_attention_layernorm, "weight")
+        return slots
+
+    def mlp_slots(self, prefix: str, mlp: nn.Module) -> dict[str, WeightSlot]:
+        """One layer's MLP tensors (a subclass with other MLPs, e.g. MoE, overrides this)."""
+        assert isinstance(mlp, MLP)
+        params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
+        slots = {}
+        for index, name in enumerate(("gate_proj", "up_proj")):
+            for param in params:
+                slots[f"{prefix}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, index)
+        for param in params:
+            slots[f"{prefix}.mlp.down_proj.{param}"] = WeightSlot(mlp.down_proj, param)
         return slots

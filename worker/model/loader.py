@@ -30,6 +30,8 @@ from worker.model.base import CausalLM, ModelSpec
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
+from worker.model.moe import MoEParallel, check_deepep
+from worker.model.qwen3_moe import Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
@@ -185,17 +188,36 @@ def init_dummy(model: CausalLM, seed: int) -> None:
 
 
 def tp_info(parallel: ParallelConfig) -> TPInfo:
-    """Tensor parallelism runs over the default process group, which the caller initializes."""
-    if parallel.tp_size == 1:
+    """Attention TP group of this rank, over the process group the caller initialized.
+
+    Ranks are numbered dp-major: DP group d holds ranks [d*tp, (d+1)*tp). With dp_size 1 the
+    TP group is the default group.
+    """
+    world = parallel.world_size
+    if world == 1:
         return TPInfo()
-    if not dist.is_initialized() or dist.get_world_size() != parallel.tp_size:
+    if not dist.is_initialized() or dist.get_world_size() != world:
         raise ModelLoadError(
-            f"parallel.tp_size={parallel.tp_size} needs torch.distributed initialized with world size "
-            f"{parallel.tp_size} (one process per TP rank) before load_model"
+            f"parallel.tp_size*dp_size={world} needs torch.distributed initialized with world size "
+            f"{world} (one process per rank) before load_model"
         )
-    if dist.get_rank() != parallel.tp_rank:
+    if dist.get_rank() % parallel.tp_size != parallel.tp_rank:
         raise ModelLoadError(f"parallel.tp_rank={parallel.tp_rank} but this process is rank {dist.get_rank()}")
-    return TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
+    if parallel.dp_size == 1:
+        return TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
+    tp = parallel.tp_size
+    # new_group is collective: every rank creates every DP group's TP group, in order.
+    groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(parallel.dp_size)]
+    return TPInfo(size=tp, rank=parallel.tp_rank, group=groups[dist.get_rank() // tp])
+
+
+def moe_parallel(parallel: ParallelConfig) -> MoEParallel:
+    """MoE layers span every rank of the worker: by expert (ep_size > 1) or by feature (MoE TP)."""
+    if parallel.all2all_backend == "deepep":
+        check_deepep(torch.device(parallel.device))
+    rank = dist.get_rank() if parallel.world_size > 1 else 0
+    return MoEParallel(size=parallel.world_size, rank=rank, ep=parallel.ep_size > 1,
+                       tokens_replicated=parallel.dp_size == 1, backend=parallel.all2all_backend)
 
 
 def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, ModelSpec]:
@@ -206,8 +228,9 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
     dtype = resolve_dtype(model, arch, device)
     tp = tp_info(parallel)
     cls = _MODEL_CLASSES[arch.architecture]
+    extra = {"moe": moe_parallel(parallel)} if arch.moe is not None else {}
     with torch.device("meta"):
-        lm = cls(arch, tp, get_attention_backend(device), dtype, rope_device=device)
+        lm = cls(arch, tp, get_attention_backend(device), dtype, rope_device=device, **extra)
     lm = lm.to_empty(device=device)
     if model.load_format == "dummy":
         init_dummy(lm, model.seed)
