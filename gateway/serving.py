@@ -160,7 +160,7 @@ class GenerationHandler:
                               req.num_top_logprobs(), self.metrics)
         if req.stream:
             gen = self._stream(run, first, out, chat, req.include_usage(), request_id, t0)
-            return SSEResponse(gen, headers)
+            return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0))
         return await self._complete(run, first, out, chat, request_id, t0, headers)
 
     # ---- request → prompt ids and sampling ----
@@ -222,6 +222,12 @@ class GenerationHandler:
         m.prompt_tokens.inc(out.num_prompt_tokens)
         m.generation_tokens.inc(out.completion_tokens)
         m.cached_tokens.inc(run.num_cached_tokens)
+
+    def _abandon(self, run: RequestRun, out: OutputAssembler, t0: float) -> None:
+        """The client left before the stream's body started: end the request like a disconnect."""
+        run.abort()
+        run.close()
+        self._account("aborted", out, run, t0)
 
     async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
                         chat: bool, request_id: str, t0: float, headers: dict[str, str]) -> Response:

@@ -11,7 +11,7 @@ ASGI spec >= 2.4 raise OSError on a send to a gone client instead, and need no w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -24,9 +24,13 @@ class SSEResponse(Response):
     whole request; without one (and under ASGI < 2.4) the response starts its own.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], headers: Mapping[str, str],
+                 on_abandon: Callable[[], None] | None = None) -> None:
         # Response.__init__ would render a body; this one streams, so set only what ASGI needs.
         self.chunks = chunks
+        # Called instead when the body generator never started (its own `finally` would not
+        # run): the owner releases what the generator would have.
+        self.on_abandon = on_abandon
         self.status_code = 200
         self.background = None
         self.watcher: DisconnectWatcher | None = None
@@ -39,8 +43,10 @@ class SSEResponse(Response):
             spec = scope.get("asgi", {}).get("spec_version", "2.0")
             if tuple(int(x) for x in spec.split(".")) < (2, 4):
                 watcher = DisconnectWatcher(receive)
+        started = False
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            started = True
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -53,7 +59,10 @@ class SSEResponse(Response):
         finally:
             if watcher is not None:
                 watcher.stop()
-            await self.chunks.aclose()  # type: ignore[attr-defined]
+            if started:
+                await self.chunks.aclose()  # type: ignore[attr-defined]
+            elif self.on_abandon is not None:
+                self.on_abandon()
 
 
 class DisconnectWatcher:
