@@ -25,11 +25,11 @@ from transfer.backend import BackendError, TransferBackend, TransferFaults, make
 from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
+from transfer.plan import split_ranges
 from transfer.receiver import KVReceiver, crc_of
 from transfer.room import Room, RoomState, TransferTotals
 from transfer.sender import KVSender, Peer, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
-
 
 class KVTransferManager:
     """Moves KV pages of one rank to (prefill) or from (decode) peer ranks, room by room."""
@@ -261,7 +261,8 @@ class KVTransferManager:
         if fail:
             return f"injected fault ({self.faults})", 0, None
         crc = crc_of(self.kv_ptr, [(r.src, r.length) for r in job.ranges]) if self.config.checksum else None
-        spans = [(self.kv_ptr + r.src, job.peer.kv_base + r.dst, r.length) for r in job.ranges]
+        spans = [(self.kv_ptr + r.src, job.peer.kv_base + r.dst, r.length)
+                 for r in split_ranges(job.ranges, self.backend.max_range_bytes)]
         try:
             self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)
             if corrupt:

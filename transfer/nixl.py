@@ -9,6 +9,7 @@ from transfer.backend import BackendError, Span, TransferBackend, WriteStatus
 
 class NixlBackend(TransferBackend):
     name = "nixl"
+    max_range_bytes = 4 << 20
 
     def __init__(self, agent_label: str) -> None:
         from nixl._api import nixl_agent, nixl_agent_config

@@ -65,6 +65,15 @@ def coalesce(ranges: list[Range]) -> list[Range]:
     return out
 
 
+def split_ranges(ranges: list[Range], max_bytes: int) -> list[Range]:
+    """Cut ranges longer than `max_bytes` (see TransferBackend.max_range_bytes for why)."""
+    out: list[Range] = []
+    for r in ranges:
+        for off in range(0, r.length, max_bytes):
+            out.append(Range(r.src + off, r.dst + off, min(max_bytes, r.length - off)))
+    return out
+
+
 def page_positions(num_src_pages: int, start_page: int, skip_pages: int, num_dst_pages: int) -> range:
     """Request page positions that one `send` covers and decode lacks."""
     if start_page < 0 or skip_pages < 0:

@@ -18,6 +18,7 @@ from transfer.plan import (
     plan_segments,
     replay_tail,
     sliding_window_tail,
+    split_ranges,
     tail_ranges,
 )
 
@@ -102,6 +103,11 @@ def test_same_tp_consecutive_pages_coalesce_into_one_range() -> None:
     ranges = plan_pages(s, d, [4, 5, 6, 9], [10, 11, 12, 13])
     assert ranges == [Range(4 * s.page_bytes, 10 * d.page_bytes, 3 * s.page_bytes),
                       Range(9 * s.page_bytes, 13 * d.page_bytes, s.page_bytes)]
+
+
+def test_split_ranges_cuts_long_ranges_only() -> None:
+    assert split_ranges([Range(0, 100, 10), Range(50, 0, 3)], 4) == [
+        Range(0, 100, 4), Range(4, 104, 4), Range(8, 108, 2), Range(50, 0, 3)]
 
 
 def test_skip_pages_leaves_decode_prefix_alone() -> None:
