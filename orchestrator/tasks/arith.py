@@ -1,23 +1,28 @@
-"""The `arith` task family: variable look-up over a prompt that spans several KV pages.
+"""The `arith` task family: look up values stated pages earlier in a multi-page prompt.
 
 A prompt assigns two-digit values to 20-26 distinct one-letter variables and then asks for
-two of them: always the FIRST-assigned variable (its name and value sit in the prompt's first
-five tokens, i.e. inside the first KV page at page size 16) and one other one:
+two of them: the FIRST-assigned variable (its name and value are the prompt's first five
+tokens, inside the first KV page at page size 16) and the LAST-assigned one (just before the
+question, in the prompt's last page):
 
-    prompt:     "k=41;b=07;x=93;...;m=12;\\nk,x?"
-    completion: "k=41,x=93;"          (the model then emits its eos token)
+    prompt:     "k=41;b=07;x=93;...;m=12;\nk,m?"
+    completion: "k=41,m=12;"          (then the model's eos token)
 
-The answer is the text before the terminator `STOP` (";"): "k=41,x=93". A lost or
-corrupted first page therefore changes the answer of every problem, and a lost later page
-changes the answer whenever the other variable lives there. (The family keeps the name
-"arith" for the CLI; notes/embedded-model.md records why the sum of two looked-up values was
-dropped: a ~1M-parameter model did not learn it in CPU-minutes, while pure look-up does.)
+The answer is the text before the terminator `STOP` (";"): "k=41,m=12". So a lost or
+corrupted first page changes the answer of every problem (and so does a lost last page); a
+model that answers from the wrong cache, or from a page that was never written, fails.
 
-Prompts are 106-136 characters = tokens with the embedded character-level tokenizer
+Why first-and-last rather than a variable chosen at random (or a sum, as the name "arith"
+once promised): on this project's CPUs a ~1M-parameter model has to learn the task in
+minutes. Measured (see models/README.md and shared notes/embedded-model.md): asking for a
+random variable stayed at <= 8% exact match after 12k steps of batch 32, while
+first-and-last reaches >= 0.99 in ~450-650 steps. The name "arith" stays for the CLI.
+
+Prompts are 106-136 characters, i.e. tokens with the embedded character-level tokenizer
 (7-9 pages at page size 16).
 
-Seeds: evaluation uses seeds in [0, TRAIN_SEED_MIN); the training script draws only seeds
->= TRAIN_SEED_MIN, so training and evaluation problems come from disjoint seed streams.
+Seeds: evaluation uses seeds in [0, TRAIN_SEED_MIN); models/train_arith.py draws only from
+seeds >= TRAIN_SEED_MIN, so training and evaluation problems come from disjoint seed streams.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ NAMES = string.ascii_lowercase  # 26 one-letter variable names, distinct within 
 MIN_ASSIGNMENTS = 20  # 20 * 5 + 6 = 106 characters: >= 64 tokens (4 pages) with margin
 MAX_ASSIGNMENTS = 26
 STOP = ";"  # the completion's terminator; the answer is the text before it
-ANSWER_MAX_TOKENS = 16  # "k=41,x=93;" is 10 tokens (+ eos) with the embedded tokenizer
+ANSWER_MAX_TOKENS = 16  # "k=41,m=12;" is 10 tokens (+ eos) with the embedded tokenizer
 TRAIN_SEED_MIN = 1 << 32  # seeds below this are evaluation seeds; training uses only seeds at or above
 
 
@@ -41,7 +46,7 @@ class TaskArgumentError(ValueError):
 @dataclass(frozen=True)
 class Problem:
     prompt: str  # the raw prompt text (sent as-is to /v1/completions, or as the user message)
-    answer: str  # the expected completion text before STOP, e.g. "k=41,x=93"
+    answer: str  # the expected completion text before STOP, e.g. "k=41,m=12"
 
 
 def make_problem(rng: random.Random, num_assignments: int | None = None) -> Problem:
@@ -52,11 +57,10 @@ def make_problem(rng: random.Random, num_assignments: int | None = None) -> Prob
         raise TaskArgumentError(f"num_assignments must be in [2, {len(NAMES)}], got {num_assignments}")
     names = rng.sample(NAMES, num_assignments)  # distinct: the question names exactly one assignment
     values = [f"{rng.randrange(100):02d}" for _ in names]
-    first = 0  # always asked: its tokens are in the first KV page
-    other = rng.randrange(1, num_assignments)
+    first, last = 0, num_assignments - 1  # the first page's assignment and the one before the question
     body = "".join(f"{n}={v};" for n, v in zip(names, values, strict=True))
-    prompt = f"{body}\n{names[first]},{names[other]}?"
-    answer = f"{names[first]}={values[first]},{names[other]}={values[other]}"
+    prompt = f"{body}\n{names[first]},{names[last]}?"
+    answer = f"{names[first]}={values[first]},{names[last]}={values[last]}"
     return Problem(prompt=prompt, answer=answer)
 
 
@@ -71,7 +75,7 @@ def make_problems(n: int, seed: int) -> list[Problem]:
 def solve(prompt: str) -> str:
     """The answer computed from the prompt text alone (a reference solver for tests and tools).
 
-    Reads every `name=value;` assignment and the closing `first,other?` question.
+    Reads every `name=value;` assignment and the closing `first,last?` question.
     """
     body, _, question = prompt.rpartition("\n")
     if not question.endswith("?") or question.count(",") != 1:
