@@ -49,7 +49,8 @@ class BootstrapServicer:
         (ACCEPTED, TRANSFERRING, then DONE | FAILED | ABORTED). Decode cancelling the stream aborts
         the room on prefill; the stream breaking tells decode that prefill is gone.
         Refusals are status codes: INVALID_ARGUMENT (contract mismatch, bad pages),
-        FAILED_PRECONDITION (stale epoch), NOT_FOUND (no such room before bootstrap_timeout_s).
+        FAILED_PRECONDITION (stale epoch), NOT_FOUND (no such room before bootstrap_timeout_s),
+        ABORTED (the room already ended on prefill), UNAVAILABLE (decode's agent unreachable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -27,7 +27,7 @@ from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
 from transfer.config import TransferConfig
 from transfer.contract import ContractError, LayoutContract
-from transfer.sender import KVSender, Peer
+from transfer.sender import KVSender, Peer, RoomEndedError
 from transfer.wire import contract_from_pb, contract_to_pb
 
 
@@ -94,14 +94,20 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         if sender is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room:#x} unknown on this prefill rank after "
                           f"transfer.bootstrap_timeout_s={self._config.bootstrap_timeout_s}s")
+            return  # abort() raises; the return is for readers and type checkers
         try:
             peer = self._connect_peer(request)
             sender.attach(peer)
+        except RoomEndedError as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+            return
         except (ValueError, ContractError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
         except RuntimeError as e:  # BackendError: could not reach decode's agent
             sender.fail(str(e))
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            return
         context.add_callback(lambda: sender.peer_gone(peer, "cancelled its registration"))
         yield pb.RoomEvent(kind=pb.RoomEvent.ACCEPTED, contract=contract_to_pb(self._contract))
         yield from self._stream(sender, peer, context)

@@ -31,6 +31,7 @@ from transfer.room import Room, RoomState, TransferTotals
 from transfer.sender import KVSender, Peer, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
 
+
 class KVTransferManager:
     """Moves KV pages of one rank to (prefill) or from (decode) peer ranks, room by room."""
 
@@ -274,6 +275,6 @@ class KVTransferManager:
     def _flip_byte(self, job: WriteJob) -> None:
         """corrupt= fault: overwrite the first landed byte with its complement, for real."""
         first = job.ranges[0]
-        self._scratch[0] = ctypes.string_at(self.kv_ptr + first.src, 1)[0] ^ 0xFF
+        self._scratch[0] = bytes([ctypes.string_at(self.kv_ptr + first.src, 1)[0] ^ 0xFF])
         self.backend.write(job.peer.agent_name, [(ctypes.addressof(self._scratch), job.peer.kv_base + first.dst, 1)],
                            self.config.transfer_timeout_s)

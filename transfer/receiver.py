@@ -74,10 +74,12 @@ class KVReceiver(Room):
             for ev in call:
                 self._on_event(i, addr, ev)
         except grpc.RpcError as e:
+            code = e.code()  # type: ignore[attr-defined]
             with self._lock:
                 if not self._state.finished:
-                    self._finish(RoomState.FAILED, f"bootstrap stream to prefill {addr} ended: "
-                                 f"{e.code().name}: {e.details()}")  # type: ignore[attr-defined]
+                    # ABORTED: prefill ended the room before we registered (e.g. the client left).
+                    state = RoomState.ABORTED if code == grpc.StatusCode.ABORTED else RoomState.FAILED
+                    self._finish(state, f"bootstrap stream to prefill {addr} ended: {code.name}: {e.details()}")  # type: ignore[attr-defined]
             return
         with self._lock:
             if not self._state.finished and i not in self._done:

@@ -26,6 +26,10 @@ from transfer.plan import Range, plan_pages
 from transfer.room import Room, RoomState
 
 
+class RoomEndedError(ValueError):
+    """A registration arrived for a room that already ended here (aborted, failed or done)."""
+
+
 @dataclass
 class Peer:
     """One decode rank registered for this room; its bootstrap stream drains `events`."""
@@ -117,7 +121,7 @@ class KVSender(Room):
         """Add a decode rank's registration; raises ValueError if it does not fit the room."""
         with self._lock:
             if self._state.finished:
-                raise ValueError(f"room {self.room:#x} already ended ({self._state.value}: {self.error})")
+                raise RoomEndedError(f"room {self.room:#x} already ended on prefill ({self._state.value}: {self.error})")
             if self._expected_peers and peer.tp_size != self._expected_peers:
                 raise ValueError(f"room {self.room:#x}: decode tp_size {peer.tp_size} != {self._expected_peers} of earlier ranks")
             if peer.tp_rank in self.peers:

@@ -131,3 +131,13 @@ def test_faults_parse_errors(text: str, match: str) -> None:
 def test_faults_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_TRANSFER_FAULTS", "fail=1,delay_ms=5")
     assert TransferFaults.from_env() == TransferFaults(fail=1.0, delay_ms=5)
+
+
+def test_registration_for_a_room_prefill_already_ended_is_aborted(fake: Cluster) -> None:
+    p, d = fake.prefill[0].manager, fake.decode[0].manager
+    send = p.create_sender(50)
+    send.abort("client disconnected")
+    recv = d.create_receiver(50, fake.bootstrap_addr, [0], num_tokens=2)
+    wait_finished([recv])
+    assert recv.state is RoomState.ABORTED and "client disconnected" in (recv.error or "")
+    assert [r.room for r in p.take_finished()] == [50] and [r.room for r in d.take_finished()] == [50]
