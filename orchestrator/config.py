@@ -159,6 +159,13 @@ class LauncherConfig:
     on_worker_exit: Literal["stop", "restart"] = "stop"
     max_restarts: int = 3
     gpus_per_node: int = 0  # GPUs of one node (plan checks procs_per_node against it); 0 = unchecked
+    # Slurm and Ray: node 0 runs the eval gate (the `eval` section) against the gateway once it
+    # is ready, then stops the cluster and exits with the gate's result. False = serve on.
+    eval_on_ready: bool = False
+    artifact_dir: str = "artifacts"  # Slurm: on the shared filesystem; one unique run dir inside
+    slurm_partition: str = ""  # "" = the cluster's default partition
+    slurm_time_limit: str = "00:30:00"
+    ray_address: str = ""  # Ray: "" = start a local Ray instance; else ray://... or host:port
 
 
 @dataclass(frozen=True)

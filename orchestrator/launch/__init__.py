@@ -1,7 +1,8 @@
 """Launchers: bring a whole cluster up from one config (`launcher.kind`).
 
-`local` runs every process on this machine (orchestrator.launch.local). `slurm` and `ray`
-are named in the config tree already; they are not implemented yet and say so.
+`local` runs every process on this machine (orchestrator.launch.local); `slurm` runs this
+node's part of an allocation (orchestrator.launch.slurm, one task per node); `ray` places
+each worker with a placement group on a Ray cluster (orchestrator.launch.ray).
 """
 
 from __future__ import annotations
@@ -12,18 +13,29 @@ from orchestrator.config import ClusterConfig
 
 
 class LauncherUnavailableError(RuntimeError):
-    """The config names a launcher kind that this build cannot run yet."""
+    """The launcher cannot run here (not in an allocation, Ray missing); the message says why."""
 
 
 def launch(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the launcher the config names, in the foreground; returns the exit status."""
     kind = cluster.launcher.kind
+    # Imported per kind: grpc/httpx/ray are only needed once something is launched.
     if kind == "local":
-        # Imported here: grpc/httpx are only needed once something is launched.
         from orchestrator.launch.local import run_local
 
         return run_local(cluster, out=out, err=err)
-    raise LauncherUnavailableError(
-        f"launcher.kind={kind!r} is not available yet; use launcher.kind=local "
-        f"(e.g. --set launcher.kind=local) to run every process on this machine"
-    )
+    if kind == "slurm":
+        from orchestrator.launch.slurm import SlurmEnvError, run_slurm
+
+        try:
+            return run_slurm(cluster, out=out, err=err)
+        except SlurmEnvError as exc:
+            raise LauncherUnavailableError(str(exc)) from None
+    if kind == "ray":
+        try:
+            from orchestrator.launch.ray import run_ray
+        except ModuleNotFoundError as exc:
+            raise LauncherUnavailableError(f"launcher.kind=ray needs the `ray` package ({exc}); "
+                                           "pip install -e '.[ray]' or use launcher.kind=local") from None
+        return run_ray(cluster, out=out, err=err)
+    raise LauncherUnavailableError(f"launcher.kind={kind!r} is unknown; use local, slurm or ray")
