@@ -92,7 +92,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
-    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms")
+    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RoomEvent.Kind]
@@ -117,6 +117,7 @@ class RoomEvent(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    RANK_ADDRS_FIELD_NUMBER: _ClassVar[int]
     kind: RoomEvent.Kind
     reason: str
     contract: LayoutContract
@@ -127,4 +128,5 @@ class RoomEvent(_message.Message):
     pages: int
     bytes: int
     duration_ms: float
-    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+    rank_addrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -68,6 +68,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         wait_sender: Callable[[int, float], KVSender | None],
         connect_peer: Callable[[pb.RoomRegistration], Peer],
         peer_restarted: Callable[[str, int], None],
+        rank_addrs: Callable[[], list[str]],
     ) -> None:
         self._config = config
         self._contract = contract
@@ -75,6 +76,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         self._wait_sender = wait_sender
         self._connect_peer = connect_peer
         self._peer_restarted = peer_restarted
+        self._rank_addrs = rank_addrs
         self._epochs = EpochRegistry()
 
     def Register(self, request: pb.RoomRegistration, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
@@ -109,7 +111,8 @@ class BootstrapService(pb_grpc.BootstrapServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             return
         context.add_callback(lambda: sender.peer_gone(peer, "cancelled its registration"))
-        yield pb.RoomEvent(kind=pb.RoomEvent.ACCEPTED, contract=contract_to_pb(self._contract))
+        yield pb.RoomEvent(kind=pb.RoomEvent.ACCEPTED, contract=contract_to_pb(self._contract),
+                           rank_addrs=self._rank_addrs())
         yield from self._stream(sender, peer, context)
 
     def _stream(self, sender: KVSender, peer: Peer, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:

@@ -72,6 +72,7 @@ class KVTransferManager:
         self._totals = TransferTotals()
         self._channels: dict[str, grpc.Channel] = {}
         self._agent_epoch: dict[str, tuple[str, int]] = {}  # decode agent -> (peer_id, epoch)
+        self._tp_addrs: list[str] = []  # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
         self._rng = random.Random()
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run_jobs, daemon=True, name=f"kv-transfer-{role}")
@@ -85,8 +86,20 @@ class KVTransferManager:
         if self.role != "prefill":
             raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
         service = BootstrapService(self.config, self.contract, self._lock, wait_sender=self._wait_sender,
-                                   connect_peer=self._connect_peer, peer_restarted=self._peer_restarted)
+                                   connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
+                                   rank_addrs=lambda: list(self._tp_addrs))
         pb_grpc.add_BootstrapServicer_to_server(service, server)
+
+    def set_tp_bootstrap_addrs(self, addrs: list[str]) -> None:
+        """Prefill with TP > 1: every rank's bootstrap address, in rank order.
+
+        Published in ACCEPTED, so decode needs only one of them (the gateway's bootstrap_addr)
+        and registers with the other ranks itself.
+        """
+        if len(addrs) != self.layout.tp_size:
+            raise TransferConfigError(f"set_tp_bootstrap_addrs: got {len(addrs)} addresses for tp_size={self.layout.tp_size}; "
+                                      "give one host:port per prefill rank, in rank order")
+        self._tp_addrs = list(addrs)
 
     def create_sender(self, room: int) -> KVSender:
         with self._lock:
@@ -141,8 +154,9 @@ class KVTransferManager:
                         skip_pages: int = 0) -> KVReceiver:
         """Register `dst_pages` (decode's page for each request page position) for `room`.
 
-        `bootstrap_addr` is the prefill worker's gRPC address; with prefill TP > 1, the addresses
-        of its ranks' bootstrap services, comma-separated in rank order.
+        `bootstrap_addr` is the prefill worker's gRPC address. With prefill TP > 1 either that
+        one address (its ranks' addresses arrive in ACCEPTED, see set_tp_bootstrap_addrs) or
+        every rank's address, comma-separated in rank order.
         """
         addrs = [a.strip() for a in bootstrap_addr.split(",") if a.strip()]
         if not addrs:

@@ -54,14 +54,37 @@ class KVReceiver(Room):
         self._accepted: dict[int, LayoutContract] = {}  # stream index -> prefill contract
         self._done: dict[int, pb.RoomEvent] = {}
         self._calls: list[grpc.Future | None] = [None] * len(addrs)
+        self._channel_of = channel_of
         self._t0 = time.monotonic()
         self.first_token: int | None = None
         self.first_logprob: float | None = None
         self.top_logprobs: list[tuple[int, float]] = []
         for i, addr in enumerate(addrs):
-            stub = pb_grpc.BootstrapStub(channel_of(addr))
-            threading.Thread(target=self._listen, args=(i, addr, stub), daemon=True,
-                             name=f"kv-recv-{room:x}-{i}").start()
+            self._open(i, addr)
+
+    def _open(self, i: int, addr: str) -> None:
+        stub = pb_grpc.BootstrapStub(self._channel_of(addr))
+        threading.Thread(target=self._listen, args=(i, addr, stub), daemon=True,
+                         name=f"kv-recv-{self.room:x}-{i}").start()
+
+    def _add_prefill_ranks(self, addr: str, theirs: LayoutContract, rank_addrs: list[str]) -> str | None:
+        """Match our bootstrap addresses to prefill's TP ranks; open the missing streams (lock held).
+
+        Returns an error, or None. One address given + prefill TP > 1: the ranks' addresses come
+        from rank `theirs.tp_rank`'s ACCEPTED event.
+        """
+        if len(self._addrs) == theirs.tp_size:
+            return None
+        if len(self._addrs) != 1 or len(rank_addrs) != theirs.tp_size:
+            return (f"prefill {addr} runs TP={theirs.tp_size}, but the room has {len(self._addrs)} bootstrap "
+                    f"address(es) and prefill published {len(rank_addrs)}; give every rank's address "
+                    "comma-separated, or have prefill call set_tp_bootstrap_addrs")
+        for rank, other in enumerate(rank_addrs):
+            if rank != theirs.tp_rank:
+                self._addrs.append(other)
+                self._calls.append(None)
+                self._open(len(self._addrs) - 1, other)
+        return None
 
     def _listen(self, i: int, addr: str, stub: pb_grpc.BootstrapStub) -> None:
         """Read one prefill rank's events (runs on its own thread)."""
@@ -94,6 +117,10 @@ class KVReceiver(Room):
                 diffs = self._contract.mismatches(theirs)
                 if diffs:
                     self._finish(RoomState.FAILED, f"prefill {addr} contract differs: " + "; ".join(diffs))
+                    return
+                err = self._add_prefill_ranks(addr, theirs, list(ev.rank_addrs))
+                if err:
+                    self._finish(RoomState.FAILED, err)
                     return
                 self._accepted[i] = theirs
                 if len(self._accepted) == len(self._addrs) and self._state is RoomState.BOOTSTRAPPING:

@@ -78,6 +78,9 @@ def make_cluster(backend: str, prefill: KVLayout | list[KVLayout], decode: KVLay
     c = Cluster()
     try:
         c.prefill = [make_rank("prefill", lay, config, seed=i + 1, faults=faults) for i, lay in enumerate(pl)]
+        if len(c.prefill) > 1:
+            for r in c.prefill:
+                r.manager.set_tp_bootstrap_addrs([p.addr for p in c.prefill])
         c.decode = [make_rank("decode", lay, config, peer_id=f"decode-{i}") for i, lay in enumerate(dl)]
     except BaseException:
         c.close()

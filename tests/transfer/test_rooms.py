@@ -16,13 +16,13 @@ from transfer.manager import KVTransferManager
 from transfer.room import RoomState
 
 
-def _rank(role: str, config: TransferConfig) -> Rank:
+def _rank(role: str, config: TransferConfig, tp_rank: int = 0, tp_size: int = 1) -> Rank:
     from concurrent import futures
 
     import grpc
     import torch
 
-    lay = layout()
+    lay = layout(tp_rank=tp_rank, tp_size=tp_size)
     pool = torch.randint(0, 256, (lay.pool_bytes,), dtype=torch.uint8) if role == "prefill" else torch.zeros(lay.pool_bytes, dtype=torch.uint8)
     mgr = KVTransferManager(config, lay, role=role, kv_ptr=pool.data_ptr(), kv_nbytes=pool.numel(), host="127.0.0.1",
                             model_fingerprint="fp", faults=TransferFaults(), backend=FakeBackend())
@@ -141,3 +141,19 @@ def test_registration_for_a_room_prefill_already_ended_is_aborted(fake: Cluster)
     wait_finished([recv])
     assert recv.state is RoomState.ABORTED and "client disconnected" in (recv.error or "")
     assert [r.room for r in p.take_finished()] == [50] and [r.room for r in d.take_finished()] == [50]
+
+
+def test_prefill_tp_without_rank_addresses_is_refused_readably() -> None:
+    config = TransferConfig()
+    c = Cluster(prefill=[_rank("prefill", config, r, 2) for r in range(2)], decode=[_rank("decode", config)])
+    try:
+        with pytest.raises(TransferConfigError, match="one host:port per prefill rank"):
+            c.prefill[0].manager.set_tp_bootstrap_addrs(["a:1"])
+        senders = [p.manager.create_sender(60) for p in c.prefill]
+        recv = c.decode[0].manager.create_receiver(60, c.prefill[0].addr, [0], num_tokens=2)
+        wait_finished([recv])
+        assert recv.state is RoomState.FAILED and "set_tp_bootstrap_addrs" in (recv.error or "")
+        for s in senders:
+            s.abort("test over")
+    finally:
+        c.close()
