@@ -112,7 +112,7 @@ class TransferFaults:
     """Fault drill from `TANDEM_TRANSFER_FAULTS=fail=P,corrupt=P,delay_ms=N`."""
 
     fail: float = 0.0  # probability a write reports failure (nothing written)
-    corrupt: float = 0.0  # probability a write lands, then one destination byte is flipped
+    corrupt: float = 0.0  # probability a write lands, then its pages are overwritten with garbage
     delay_ms: int = 0  # sleep before each write
 
     @classmethod

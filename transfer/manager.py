@@ -9,6 +9,7 @@ one thread per open stream (decode).
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import random
 import secrets
@@ -30,6 +31,8 @@ from transfer.receiver import KVReceiver, crc_of
 from transfer.room import Room, RoomState, TransferTotals
 from transfer.sender import KVSender, Peer, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
+
+CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
 
 
 class KVTransferManager:
@@ -60,11 +63,11 @@ class KVTransferManager:
         self.backend.register(kv_ptr, kv_nbytes)
         # peer_id names this rank across restarts (the worker passes its gRPC address).
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
-        # Source of the corrupt= drill's flipped byte; registered always, since drills can be
+        # Source of the corrupt= drill's garbage; registered always, since drills can be
         # switched on at run time (`manager.faults = ...`).
-        self._scratch = ctypes.create_string_buffer(64)
+        self._scratch = ctypes.create_string_buffer(os.urandom(CORRUPT_BYTES), CORRUPT_BYTES)
         if role == "prefill":
-            self.backend.register(ctypes.addressof(self._scratch), 64)
+            self.backend.register(ctypes.addressof(self._scratch), CORRUPT_BYTES)
         self._lock = threading.RLock()
         self._room_added = threading.Condition(self._lock)
         self._rooms: dict[int, Room] = {}
@@ -281,14 +284,16 @@ class KVTransferManager:
         try:
             self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)
             if corrupt:
-                self._flip_byte(job)
+                self._corrupt(job)
         except BackendError as e:
             return str(e), 0, None
         return None, sum(r.length for r in job.ranges), crc
 
-    def _flip_byte(self, job: WriteJob) -> None:
-        """corrupt= fault: overwrite the first landed byte with its complement, for real."""
-        first = job.ranges[0]
-        self._scratch[0] = bytes([ctypes.string_at(self.kv_ptr + first.src, 1)[0] ^ 0xFF])
-        self.backend.write(job.peer.agent_name, [(ctypes.addressof(self._scratch), job.peer.kv_base + first.dst, 1)],
-                           self.config.transfer_timeout_s)
+    def _corrupt(self, job: WriteJob) -> None:
+        """corrupt= fault: after the real write, overwrite the start of every landed page with
+        random bytes (up to CORRUPT_BYTES each), so the KV decode reads is garbage, for real."""
+        page = self.layout.page_bytes
+        scratch = ctypes.addressof(self._scratch)
+        spans = [(scratch, job.peer.kv_base + r.dst + off, min(CORRUPT_BYTES, r.length - off))
+                 for r in job.ranges for off in range(0, r.length, page)]
+        self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)
