@@ -184,7 +184,8 @@ def _check_health(addresses: list[str], deadline: float) -> None:
             w.close()
 
 
-def _run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
+def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
+    """The config's eval gate against the gateway on this node; 0 when it passes."""
     from orchestrator.eval import report, run_eval
     from orchestrator.tasks import get_task
 
@@ -272,7 +273,7 @@ def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file:
         publish(run_dir / "ready" / "lb.json", {"node": 0, "url": f"http://127.0.0.1:{cluster.gateway.port}"})
         print(f"{clock()} ready: http://{dial_address(cluster.gateway.host, cluster.gateway.port)}", file=out, flush=True)
         try:
-            code = _run_gate(cluster, out, err) if launcher.eval_on_ready else _serve_forever(workers, gateway)
+            code = run_gate(cluster, out, err) if launcher.eval_on_ready else _serve_forever(workers, gateway)
             print(f"{clock()} gate done: exit {code}", file=out, flush=True)
         finally:
             publish(run_dir / "done.json", {"status": 0})
@@ -330,7 +331,7 @@ def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str
               f"run dir {run_dir})", file=out, flush=True)
         try:
             if launcher.eval_on_ready:
-                return _run_gate(local, out, err)
+                return run_gate(local, out, err)
             dead = lc.watch()
             return 0 if dead is None else 1
         finally:
