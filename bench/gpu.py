@@ -160,8 +160,9 @@ def profile_decode(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
 
 
 def transformers_baseline(batches: list[int], new_tokens: int) -> dict[str, Any]:
-    """The same shape through transformers' generate with its static cache (eager): the best
-    path that ran here (compile + reduce-overhead crashed on this machine, see gpu.md)."""
+    """The same shape through transformers' generate with its static cache, eager (compile
+    disabled: its automatic compile of static-cache decode took longer than this bench's whole
+    time budget on 2026-11-29, and compile + reduce-overhead crashed before, see gpu.md)."""
     import transformers
 
     cfg = transformers.Qwen3Config(**json.loads((MODEL_DIR / "config.json").read_text()))
@@ -183,7 +184,8 @@ def transformers_baseline(batches: list[int], new_tokens: int) -> dict[str, Any]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, cache_implementation="static", pad_token_id=0)
+                           do_sample=False, cache_implementation="static", pad_token_id=0,
+                           disable_compile=True)  # 5.x auto-compiles static-cache decode: minutes
             torch.cuda.synchronize()
             return time.perf_counter() - t0
 
