@@ -107,7 +107,8 @@ class RoleParallel:
 
 @dataclass(frozen=True)
 class RoleConfig:
-    """One pool of identical workers. Replica i listens on base_port + i * port_stride."""
+    """One pool of identical workers. Replica i listens on base_port + i * port_stride
+    (port_stride 0: all on base_port, which needs a host per replica in `hosts`)."""
 
     count: int = 1
     host: str = "127.0.0.1"
@@ -237,8 +238,9 @@ def _validate_roles(cluster: ClusterConfig) -> None:
         where = f"roles.{name}"
         if rc.count < 1:
             raise ClusterConfigError(f"{where}.count must be >= 1, got {rc.count} (remove the role instead)")
-        if rc.port_stride < 1:
-            raise ClusterConfigError(f"{where}.port_stride must be >= 1, got {rc.port_stride}")
+        if rc.port_stride < 0:
+            raise ClusterConfigError(f"{where}.port_stride must be >= 0 (0 = every replica on base_port, "
+                                     f"each on its own host), got {rc.port_stride}")
         if rc.base_port < 1 or rc.port(rc.count - 1) > 65535:
             raise ClusterConfigError(
                 f"{where}: ports {rc.base_port}..{rc.port(rc.count - 1)} leave 1..65535; lower base_port or port_stride"
