@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/bootstrap.proto\x12\x13tandem.bootstrap.v1\":\n\nCacheGroup\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0e\n\x06window\x18\x03 \x01(\x05\"\xb1\x02\n\x0eLayoutContract\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x1a\n\x12num_kv_heads_total\x18\x05 \x01(\x05\x12\x1a\n\x12num_kv_heads_local\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0f\n\x07tp_rank\x18\t \x01(\x05\x12\x0f\n\x07tp_size\x18\n \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12/\n\x06groups\x18\x0c \x03(\x0b\x32\x1f.tandem.bootstrap.v1.CacheGroup\x12\x0c\n\x04hash\x18\r \x01(\t\"\x82\x02\n\x10RoomRegistration\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x06\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x0f\n\x07kv_base\x18\x06 \x01(\x06\x12\x11\n\tkv_nbytes\x18\x07 \x01(\x04\x12\x11\n\tdst_pages\x18\x08 \x03(\x05\x12\x12\n\nskip_pages\x18\t \x01(\x05\x12\x12\n\nnum_tokens\x18\n \x01(\x05\x12\x35\n\x08\x63ontract\x18\x0b \x01(\x0b\x32#.tandem.bootstrap.v1.LayoutContract\"I\n\x11PageGroupChecksum\x12\x12\n\nstart_page\x18\x01 \x01(\x05\x12\x11\n\tnum_pages\x18\x02 \x01(\x05\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xcb\x03\n\tRoomEvent\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.tandem.bootstrap.v1.RoomEvent.Kind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x35\n\x08\x63ontract\x18\x03 \x01(\x0b\x32#.tandem.bootstrap.v1.LayoutContract\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x05 \x01(\x02\x12\x35\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.TopLogprob\x12\x39\n\tchecksums\x18\x07 \x03(\x0b\x32&.tandem.bootstrap.v1.PageGroupChecksum\x12\r\n\x05pages\x18\x08 \x01(\x05\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x13\n\x0b\x64uration_ms\x18\n \x01(\x02\x12\x12\n\nrank_addrs\x18\x0b \x03(\t\"_\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x10\n\x0cTRANSFERRING\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\x32`\n\tBootstrap\x12S\n\x08Register\x12%.tandem.bootstrap.v1.RoomRegistration\x1a\x1e.tandem.bootstrap.v1.RoomEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/bootstrap.proto\x12\x13tandem.bootstrap.v1\"<\n\x0bRoomRelease\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"2\n\x0cRoomReleased\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\twaited_ms\x18\x02 \x01(\x02\":\n\nCacheGroup\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0e\n\x06window\x18\x03 \x01(\x05\"\xb1\x02\n\x0eLayoutContract\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x1a\n\x12num_kv_heads_total\x18\x05 \x01(\x05\x12\x1a\n\x12num_kv_heads_local\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0f\n\x07tp_rank\x18\t \x01(\x05\x12\x0f\n\x07tp_size\x18\n \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12/\n\x06groups\x18\x0c \x03(\x0b\x32\x1f.tandem.bootstrap.v1.CacheGroup\x12\x0c\n\x04hash\x18\r \x01(\t\"\x82\x02\n\x10RoomRegistration\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x06\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x0f\n\x07kv_base\x18\x06 \x01(\x06\x12\x11\n\tkv_nbytes\x18\x07 \x01(\x04\x12\x11\n\tdst_pages\x18\x08 \x03(\x05\x12\x12\n\nskip_pages\x18\t \x01(\x05\x12\x12\n\nnum_tokens\x18\n \x01(\x05\x12\x35\n\x08\x63ontract\x18\x0b \x01(\x0b\x32#.tandem.bootstrap.v1.LayoutContract\"I\n\x11PageGroupChecksum\x12\x12\n\nstart_page\x18\x01 \x01(\x05\x12\x11\n\tnum_pages\x18\x02 \x01(\x05\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xcb\x03\n\tRoomEvent\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.tandem.bootstrap.v1.RoomEvent.Kind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x35\n\x08\x63ontract\x18\x03 \x01(\x0b\x32#.tandem.bootstrap.v1.LayoutContract\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x05 \x01(\x02\x12\x35\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.TopLogprob\x12\x39\n\tchecksums\x18\x07 \x03(\x0b\x32&.tandem.bootstrap.v1.PageGroupChecksum\x12\r\n\x05pages\x18\x08 \x01(\x05\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x13\n\x0b\x64uration_ms\x18\n \x01(\x02\x12\x12\n\nrank_addrs\x18\x0b \x03(\t\"_\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x10\n\x0cTRANSFERRING\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\x32\xb4\x01\n\tBootstrap\x12S\n\x08Register\x12%.tandem.bootstrap.v1.RoomRegistration\x1a\x1e.tandem.bootstrap.v1.RoomEvent0\x01\x12R\n\x0bReleaseRoom\x12 .tandem.bootstrap.v1.RoomRelease\x1a!.tandem.bootstrap.v1.RoomReleasedb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocol.bootstrap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHEGROUP']._serialized_start=49
-  _globals['_CACHEGROUP']._serialized_end=107
-  _globals['_LAYOUTCONTRACT']._serialized_start=110
-  _globals['_LAYOUTCONTRACT']._serialized_end=415
-  _globals['_ROOMREGISTRATION']._serialized_start=418
-  _globals['_ROOMREGISTRATION']._serialized_end=676
-  _globals['_PAGEGROUPCHECKSUM']._serialized_start=678
-  _globals['_PAGEGROUPCHECKSUM']._serialized_end=751
-  _globals['_TOPLOGPROB']._serialized_start=753
-  _globals['_TOPLOGPROB']._serialized_end=800
-  _globals['_ROOMEVENT']._serialized_start=803
-  _globals['_ROOMEVENT']._serialized_end=1262
-  _globals['_ROOMEVENT_KIND']._serialized_start=1167
-  _globals['_ROOMEVENT_KIND']._serialized_end=1262
-  _globals['_BOOTSTRAP']._serialized_start=1264
-  _globals['_BOOTSTRAP']._serialized_end=1360
+  _globals['_ROOMRELEASE']._serialized_start=49
+  _globals['_ROOMRELEASE']._serialized_end=109
+  _globals['_ROOMRELEASED']._serialized_start=111
+  _globals['_ROOMRELEASED']._serialized_end=161
+  _globals['_CACHEGROUP']._serialized_start=163
+  _globals['_CACHEGROUP']._serialized_end=221
+  _globals['_LAYOUTCONTRACT']._serialized_start=224
+  _globals['_LAYOUTCONTRACT']._serialized_end=529
+  _globals['_ROOMREGISTRATION']._serialized_start=532
+  _globals['_ROOMREGISTRATION']._serialized_end=790
+  _globals['_PAGEGROUPCHECKSUM']._serialized_start=792
+  _globals['_PAGEGROUPCHECKSUM']._serialized_end=865
+  _globals['_TOPLOGPROB']._serialized_start=867
+  _globals['_TOPLOGPROB']._serialized_end=914
+  _globals['_ROOMEVENT']._serialized_start=917
+  _globals['_ROOMEVENT']._serialized_end=1376
+  _globals['_ROOMEVENT_KIND']._serialized_start=1281
+  _globals['_ROOMEVENT_KIND']._serialized_end=1376
+  _globals['_BOOTSTRAP']._serialized_start=1379
+  _globals['_BOOTSTRAP']._serialized_end=1559
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RoomRelease(_message.Message):
+    __slots__ = ("room", "peer_id", "reason")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    peer_id: str
+    reason: str
+    def __init__(self, room: _Optional[int] = ..., peer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RoomReleased(_message.Message):
+    __slots__ = ("drained", "waited_ms")
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    WAITED_MS_FIELD_NUMBER: _ClassVar[int]
+    drained: bool
+    waited_ms: float
+    def __init__(self, drained: _Optional[bool] = ..., waited_ms: _Optional[float] = ...) -> None: ...
+
 class CacheGroup(_message.Message):
     __slots__ = ("kind", "layers", "window")
     KIND_FIELD_NUMBER: _ClassVar[int]

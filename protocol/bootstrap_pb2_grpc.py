@@ -39,6 +39,11 @@ class BootstrapStub:
                 request_serializer=protocol_dot_bootstrap__pb2.RoomRegistration.SerializeToString,
                 response_deserializer=protocol_dot_bootstrap__pb2.RoomEvent.FromString,
                 _registered_method=True)
+        self.ReleaseRoom = channel.unary_unary(
+                '/tandem.bootstrap.v1.Bootstrap/ReleaseRoom',
+                request_serializer=protocol_dot_bootstrap__pb2.RoomRelease.SerializeToString,
+                response_deserializer=protocol_dot_bootstrap__pb2.RoomReleased.FromString,
+                _registered_method=True)
 
 
 class BootstrapServicer:
@@ -56,6 +61,16 @@ class BootstrapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseRoom(self, request, context):
+        """Decode ended a room before DONE (abort, deadline, failure) and wants its pages back:
+        prefill aborts its side, refuses any later registration for the room, waits until no
+        write for the room is in flight on its transfer thread, then answers. Only then may decode
+        reuse the pages. Unknown rooms answer at once (nothing can be in flight for them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BootstrapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +78,11 @@ def add_BootstrapServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=protocol_dot_bootstrap__pb2.RoomRegistration.FromString,
                     response_serializer=protocol_dot_bootstrap__pb2.RoomEvent.SerializeToString,
+            ),
+            'ReleaseRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRoom,
+                    request_deserializer=protocol_dot_bootstrap__pb2.RoomRelease.FromString,
+                    response_serializer=protocol_dot_bootstrap__pb2.RoomReleased.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +112,33 @@ class Bootstrap:
             '/tandem.bootstrap.v1.Bootstrap/Register',
             protocol_dot_bootstrap__pb2.RoomRegistration.SerializeToString,
             protocol_dot_bootstrap__pb2.RoomEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.bootstrap.v1.Bootstrap/ReleaseRoom',
+            protocol_dot_bootstrap__pb2.RoomRelease.SerializeToString,
+            protocol_dot_bootstrap__pb2.RoomReleased.FromString,
             options,
             channel_credentials,
             insecure,

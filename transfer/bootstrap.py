@@ -11,6 +11,11 @@ the worker's gRPC address. One server-streaming call per (room, decode rank):
 3. Attach the decode rank to the room and stream its events until the room ends; if decode
    cancels the call (aborted or gone), the room is aborted here.
 
+`ReleaseRoom` (unary) is how decode takes its pages back from a room that ended before DONE:
+prefill aborts the room, refuses any later registration for it, and answers only once no write
+of the room is in flight (at most transfer_timeout_s), so decode never reuses a page a late
+write could still land in.
+
 Each open call holds one thread of the server's pool: size `max_workers` for the concurrent
 rooms a worker admits.
 """
@@ -69,6 +74,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         connect_peer: Callable[[pb.RoomRegistration], Peer],
         peer_restarted: Callable[[str, int], None],
         rank_addrs: Callable[[], list[str]],
+        release_room: Callable[[int, str, float], tuple[bool, float]],
     ) -> None:
         self._config = config
         self._contract = contract
@@ -77,6 +83,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         self._connect_peer = connect_peer
         self._peer_restarted = peer_restarted
         self._rank_addrs = rank_addrs
+        self._release_room = release_room
         self._epochs = EpochRegistry()
 
     def Register(self, request: pb.RoomRegistration, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
@@ -114,6 +121,11 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         yield pb.RoomEvent(kind=pb.RoomEvent.ACCEPTED, contract=contract_to_pb(self._contract),
                            rank_addrs=self._rank_addrs())
         yield from self._stream(sender, peer, context)
+
+    def ReleaseRoom(self, request: pb.RoomRelease, context: grpc.ServicerContext) -> pb.RoomReleased:
+        drained, waited_s = self._release_room(
+            request.room, f"{request.peer_id}: {request.reason}", self._config.transfer_timeout_s)
+        return pb.RoomReleased(drained=drained, waited_ms=waited_s * 1e3)
 
     def _stream(self, sender: KVSender, peer: Peer, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
         terminal = (pb.RoomEvent.DONE, pb.RoomEvent.FAILED, pb.RoomEvent.ABORTED)

@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -33,6 +34,7 @@ from transfer.sender import KVSender, Peer, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
 
 CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
+RELEASE_THREADS = 4  # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
 
 
 class KVTransferManager:
@@ -78,6 +80,13 @@ class KVTransferManager:
         self._tp_addrs: list[str] = []  # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
         self._rng = random.Random()
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        # prefill: write jobs submitted and not yet done, per room (ReleaseRoom waits for 0);
+        # rooms decode released (room -> expiry): a later registration or sender is refused.
+        self._jobs_of: dict[int, int] = {}
+        self._job_done = threading.Condition(self._lock)
+        self._released: dict[int, float] = {}
+        # decode: ReleaseRoom calls run here, never on the engine's thread.
+        self._release_pool = ThreadPoolExecutor(max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}")
         self._thread = threading.Thread(target=self._run_jobs, daemon=True, name=f"kv-transfer-{role}")
         self._thread.start()
         self._closed = False
@@ -90,7 +99,7 @@ class KVTransferManager:
             raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
         service = BootstrapService(self.config, self.contract, self._lock, wait_sender=self._wait_sender,
                                    connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
-                                   rank_addrs=lambda: list(self._tp_addrs))
+                                   rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
 
     def set_tp_bootstrap_addrs(self, addrs: list[str]) -> None:
@@ -107,10 +116,41 @@ class KVTransferManager:
     def create_sender(self, room: int) -> KVSender:
         with self._lock:
             self._check_new(room, "prefill")
-            sender = KVSender(room, self.config, self._lock, self._room_finished, self.layout, self._jobs.put)
+            sender = KVSender(room, self.config, self._lock, self._room_finished, self.layout, self._submit)
             self._rooms[room] = sender
+            if room in self._released:  # decode gave this room up before our Generate arrived
+                sender.abort(f"room {room:#x} was released by decode before prefill started it")
             self._room_added.notify_all()
             return sender
+
+    def _submit(self, job: WriteJob) -> None:
+        """Queue a write for the transfer thread, counted per room (lock held by the sender)."""
+        self._jobs_of[job.sender.room] = self._jobs_of.get(job.sender.room, 0) + 1
+        self._jobs.put(job)
+
+    def release_room(self, room: int, reason: str, timeout_s: float) -> tuple[bool, float]:
+        """Prefill: decode gives `room` up. Abort our side, refuse later registrations for it,
+        and wait (at most `timeout_s`) until none of its writes is in flight.
+
+        Returns (drained, seconds waited). Runs on a bootstrap thread, never the engine's.
+        """
+        t0 = time.monotonic()
+        with self._lock:
+            now = time.monotonic()
+            self._released[room] = now + self._tombstone_s()
+            while self._released and next(iter(self._released.values())) < now:  # oldest first
+                del self._released[next(iter(self._released))]
+            sender = self._rooms.get(room)
+            if isinstance(sender, KVSender):
+                sender.abort(f"decode released the room: {reason}")
+            self._room_added.notify_all()  # a Register waiting for this room stops waiting
+            drained = self._job_done.wait_for(lambda: not self._jobs_of.get(room), timeout_s)
+        return drained, time.monotonic() - t0
+
+    def _tombstone_s(self) -> float:
+        """How long a released room stays refused: past any registration or Generate still in flight."""
+        c = self.config
+        return 2 * (c.bootstrap_timeout_s + c.waiting_timeout_s)
 
     def _wait_sender(self, room: int, timeout_s: float) -> KVSender | None:
         deadline = time.monotonic() + timeout_s
@@ -119,6 +159,8 @@ class KVTransferManager:
                 r = self._rooms.get(room)
                 if isinstance(r, KVSender):
                     return r
+                if room in self._released:
+                    return None
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return None
@@ -176,7 +218,7 @@ class KVTransferManager:
             self._check_new(room, "decode")
             receiver = KVReceiver(room, self.config, self._lock, self._room_finished, contract=self.contract,
                                   layout=self.layout, kv_base=self.kv_ptr, addrs=addrs, registration=reg,
-                                  channel_of=self._channel)
+                                  channel_of=self._channel, release=self._release_pool.submit)
             self._rooms[room] = receiver
             return receiver
 
@@ -257,6 +299,7 @@ class KVTransferManager:
                 r.abort("transfer manager closing")
         self._jobs.put(None)
         self._thread.join(timeout=self.config.transfer_timeout_s + 1)
+        self._release_pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels.values():
             ch.close()
         self.backend.close()
@@ -267,9 +310,15 @@ class KVTransferManager:
         while (job := self._jobs.get()) is not None:
             if job.sender.state.finished:  # aborted while queued: do not touch decode memory
                 job.sender.write_done(job, "room ended before the write", 0, None)
-                continue
-            error, nbytes, crc = self._write(job)
-            job.sender.write_done(job, error, nbytes, crc)
+            else:
+                error, nbytes, crc = self._write(job)
+                job.sender.write_done(job, error, nbytes, crc)
+            with self._lock:  # after write_done: a ReleaseRoom waiting on this room may answer now
+                room = job.sender.room
+                self._jobs_of[room] -= 1
+                if not self._jobs_of[room]:
+                    del self._jobs_of[room]
+                self._job_done.notify_all()
 
     def _write(self, job: WriteJob) -> tuple[str | None, int, int | None]:
         """Run one job (with faults); returns (error, bytes, crc of the source bytes)."""

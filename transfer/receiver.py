@@ -8,6 +8,11 @@ Lifecycle (one decode rank):
 4. DONE from every prefill rank: checksums (if sent) are verified over the landed pages, then
    SUCCESS with the first token. FAILED/ABORTED from a prefill rank, a broken stream, a
    mismatch or a deadline ends the room; cancelling the streams tells prefill.
+5. A room that ended any other way than SUCCESS may still have a prefill write in flight into
+   its pages. The receiver asks every prefill rank to release the room (ReleaseRoom: abort,
+   wait for in-flight writes) on a background thread; `quiesced` turns True when all have
+   answered, or when transfer_timeout_s has passed (a prefill that cannot be reached). Only
+   then may the engine reuse the pages.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import grpc
 
@@ -44,6 +50,7 @@ class KVReceiver(Room):
         self, room: int, config: TransferConfig, lock: threading.RLock, on_finish: Callable[[Room], None],
         *, contract: LayoutContract, layout: KVLayout, kv_base: int, addrs: list[str],
         registration: pb.RoomRegistration, channel_of: Callable[[str], grpc.Channel],
+        release: Callable[[Callable[[], None]], Future[None]],
     ) -> None:
         super().__init__(room, config, lock, on_finish)
         self._contract = contract
@@ -55,6 +62,9 @@ class KVReceiver(Room):
         self._done: dict[int, pb.RoomEvent] = {}
         self._calls: list[grpc.Future | None] = [None] * len(addrs)
         self._channel_of = channel_of
+        self._release = release  # runs a callable off the engine's thread (the manager's pool)
+        self._released = threading.Event()  # every prefill rank confirmed: no write in flight
+        self._quarantine_until = float("inf")  # set when the room ends other than SUCCESS
         self._t0 = time.monotonic()
         self.first_token: int | None = None
         self.first_logprob: float | None = None
@@ -168,10 +178,35 @@ class KVReceiver(Room):
 
     def _on_terminal(self, state: RoomState, reason: str | None) -> None:
         if state is RoomState.SUCCESS:
+            self._released.set()  # DONE came after every write was confirmed
             return
         for call in self._calls:
             if call is not None:
                 call.cancel()  # prefill sees the stream end and aborts its side
+        self._quarantine_until = time.monotonic() + self._config.transfer_timeout_s
+        addrs = list(self._addrs)
+        self._release(lambda: self._release_all(addrs, reason or state.value))
+
+    @property
+    def quiesced(self) -> bool:
+        """True once no prefill write can land in this room's pages any more: the room succeeded,
+        every prefill rank confirmed ReleaseRoom, or the bounded quarantine (transfer_timeout_s
+        after the room ended) ran out. False while the room is live."""
+        return self._released.is_set() or time.monotonic() >= self._quarantine_until
+
+    def _release_all(self, addrs: list[str], reason: str) -> None:
+        """ReleaseRoom on every prefill rank (on the manager's release pool). A rank that cannot
+        be reached leaves the pages to the quarantine deadline instead."""
+        msg = pb.RoomRelease(room=self.room, peer_id=self._reg.peer_id, reason=reason[:200])
+        timeout = self._config.transfer_timeout_s + 1.0  # prefill waits up to transfer_timeout_s
+        for addr in addrs:
+            try:
+                ack = pb_grpc.BootstrapStub(self._channel_of(addr)).ReleaseRoom(msg, timeout=timeout)
+            except grpc.RpcError:
+                return  # unreachable or dead: the quarantine deadline frees the pages
+            if not ack.drained:
+                return  # a write was still in flight at prefill's deadline: wait out the quarantine
+        self._released.set()
 
 
 __all__ = ["KVReceiver", "ContractError", "crc_of"]

@@ -11,6 +11,11 @@ Lifecycle of one request on a decode worker:
    appended, and streams from there. Decode never runs the prompt through the model.
 4. If the room fails (deadline, peer gone, corrupt pages, contract mismatch) the request fails
    with that reason; it is never silently recomputed. Pages are freed exactly once.
+5. A room that ended before DONE (abort, deadline, failure) may still have a prefill write in
+   flight into its pages. The request ends at once (the client hears now), but its pages stay
+   in quarantine, held by a `quarantine:<request id>` holder in the ledger, until the receiver
+   is `quiesced` (prefill confirmed ReleaseRoom, or transfer_timeout_s passed); `poll` frees
+   them then. Reusing them earlier would let a late write land in another request's KV.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ class _Room:
     receiver: KVReceiver
 
 
+@dataclass
+class _Quarantine:
+    """Pages of an ended room, held until no prefill write can land in them any more."""
+
+    receiver: KVReceiver
+    pages: list[int]
+    holder: str  # the ledger's name for this hold: quarantine:<request id>
+
+
 class DecodeRole:
     def __init__(self, engine: Engine, manager: KVTransferManager) -> None:
         self.engine = engine
@@ -44,6 +58,7 @@ class DecodeRole:
         self._rooms: dict[str, _Room] = {}  # pages reserved, KV in flight (by request id)
         self._by_room: dict[int, _Room] = {}
         self._landed: deque[Request] = deque()  # KV here, waiting for a seat in the batch
+        self._quarantined: list[_Quarantine] = []  # ended rooms whose pages prefill may still write
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -55,6 +70,7 @@ class DecodeRole:
         return False  # decode requests arrive with their prompt done; recomputes after preemption keep decoding
 
     def poll(self) -> None:
+        self._free_quiesced()
         self._reserve()
         for ended in self.manager.take_finished():  # each room exactly once
             room = self._by_room.pop(ended.room, None)
@@ -93,6 +109,7 @@ class DecodeRole:
             error = rx.error or f"room ended in state {state.name}"
             status = RequestStatus.FINISHED_ABORTED if state is RoomState.ABORTED else RequestStatus.FINISHED_ERROR
             code = "deadline" if "deadline" in error or "timed out" in error else "unavailable"
+            self._quarantine(req, rx)
             sched.finish(req, status, f"KV transfer failed: {error}", code)
             return
         req.num_computed_tokens = req.num_prompt_tokens
@@ -124,10 +141,39 @@ class DecodeRole:
         if room is not None:
             del self._by_room[room.request.room]
             room.receiver.abort(reason)
+            self._quarantine(room.request, room.receiver)
             sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
 
+    def _quarantine(self, req: Request, rx: KVReceiver) -> None:
+        """Keep `req`'s pages held past its end unless the receiver is already quiesced."""
+        # The TP facade's rooms (worker/tp_runner.py) do not report quiescence yet: for them
+        # the pages are freed at once, as before this quarantine existed.
+        quiesced = getattr(rx, "quiesced", True)
+        if quiesced or not req.page_table:
+            return
+        holder = f"quarantine:{req.request_id}"
+        self.engine.scheduler.pool.share(req.page_table, holder)
+        self._quarantined.append(_Quarantine(rx, list(req.page_table), holder))
+
+    def _free_quiesced(self) -> None:
+        """Give back the pages of quarantined rooms that prefill can no longer write."""
+        if not self._quarantined:
+            return
+        pool = self.engine.scheduler.pool
+        still = []
+        for q in self._quarantined:
+            if q.receiver.quiesced:
+                pool.release(q.pages, q.holder)
+            else:
+                still.append(q)
+        self._quarantined = still
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        return sum(len(q.pages) for q in self._quarantined)
+
     def has_work(self) -> bool:
-        return bool(self._pending or self._rooms or self._landed)
+        return bool(self._pending or self._rooms or self._landed or self._quarantined)
 
     def load_stats(self) -> tuple[dict[str, int], int, int, int]:
         totals = self.manager.totals()
