@@ -14,6 +14,7 @@ cd "$ROOT"
 export TANDEM_PY=${TANDEM_PY:-$ROOT/.venv/bin/python}
 export PD_SLURM=${PD_SLURM:-1}
 export TANDEM_JOB=$JOB TANDEM_SETS="$*"
+export TANDEM_SUBMIT_T0=${TANDEM_SUBMIT_T0:-$(date +%s.%N)}   # the job's "[t]" stamps count from here
 export TANDEM_RUN_ID=${TANDEM_RUN_ID:-$(date +%Y%m%d-%H%M%S)-$$}
 TANDEM_NODES=$("$TANDEM_PY" -m orchestrator.launch.slurm nodes --config "$JOB" "$@"); export TANDEM_NODES
 ART=$("$TANDEM_PY" -m orchestrator.launch.slurm artifact-dir --config "$JOB" "$@")
@@ -21,12 +22,26 @@ PART=$("$TANDEM_PY" -m orchestrator.launch.slurm partition --config "$JOB" "$@")
 TIME=$("$TANDEM_PY" -m orchestrator.launch.slurm time --config "$JOB" "$@")
 mkdir -p "$ART"
 OUT="$ART/slurm-$TANDEM_RUN_ID.out"
-args=(--wait --parsable -N "$TANDEM_NODES" --ntasks-per-node=1 -J "tandem-$(basename "$JOB" .yaml)"
+args=(--parsable -N "$TANDEM_NODES" --ntasks-per-node=1 -J "tandem-$(basename "$JOB" .yaml)"
       -t "$TIME" -o "$OUT" --chdir "$ROOT" --export=ALL)
 [[ -n $PART ]] && args+=(-p "$PART")
 echo "submit: $(basename "$JOB") on $TANDEM_NODES node(s), run $TANDEM_RUN_ID, output $OUT"
-rc=0
-sbatch "${args[@]}" "$ROOT/deploy/slurm/job.sbatch" || rc=$?
+JOBID=$(sbatch "${args[@]}" "$ROOT/deploy/slurm/job.sbatch") || exit 2
+echo "submit: job $JOBID"
+trap 'scancel "$JOBID" 2>/dev/null' INT TERM   # Ctrl-C here cancels the job too
+# Wait ourselves (sbatch --wait backs off to polls seconds apart): the job's record holds its
+# state and exit code until MinJobAge; no accounting database is needed.
+field() { scontrol show job -o "$JOBID" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+while :; do
+  state=$(field JobState)
+  case $state in
+    PENDING|CONFIGURING|RUNNING|COMPLETING|SUSPENDED|"") sleep 0.5 ;;
+    *) break ;;
+  esac
+done
+code=$(field ExitCode); rc=${code%%:*}
+[[ $state == COMPLETED || $rc != 0 ]] || rc=1   # CANCELLED / TIMEOUT / NODE_FAIL with exit 0
 cat "$OUT" 2>/dev/null || echo "(no job output at $OUT)"
+echo "submit: job $JOBID $state"
 echo "submit: job finished with exit $rc; artifacts in $ART"
 exit "$rc"

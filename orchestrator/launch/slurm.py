@@ -197,13 +197,14 @@ def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
 
 
 class _Timer:
-    """Seconds since the launcher started, for the figures in docs/deploy.md."""
+    """Seconds since submit.sh ran (TANDEM_SUBMIT_T0, epoch seconds; all nodes share the
+    clock here) or else since this launcher started: the figures in docs/deploy.md."""
 
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
+    def __init__(self, submit_t0: str = "") -> None:
+        self.t0 = float(submit_t0) if submit_t0 else time.time()
 
     def __call__(self) -> str:
-        return f"[{time.monotonic() - self.t0:6.1f}s]"
+        return f"[{time.time() - self.t0:6.1f}s]"
 
 
 def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None,
@@ -229,12 +230,12 @@ def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
     config_file.parent.mkdir(parents=True, exist_ok=True)
     config_file.write_text(dump_config(resolved))
     print(f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}", file=out, flush=True)
-    return _run_node(resolved, env, run_dir, config_file, out, err)
+    return _run_node(resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", "")))
 
 
 def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file: Path,
-              out: IO[str], err: IO[str]) -> int:
-    launcher, clock = cluster.launcher, _Timer()
+              out: IO[str], err: IO[str], clock: _Timer) -> int:
+    launcher = cluster.launcher
     deadline = time.monotonic() + launcher.ready_timeout_s
     specs = node_specs(cluster, env.node_id, config_file, run_dir)
     workers = LocalCluster(specs, None, launcher.ready_timeout_s, launcher.stop_grace_s, launcher.log_tail_lines, err=err)
