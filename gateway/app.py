@@ -107,7 +107,8 @@ class Gateway:
         return GenerationHandler(self.tokenizer, self._dispatcher, self.metrics, self.model_name(),
                                  max_model_len=min(lens, default=0),
                                  vocab_size=min(vocab, default=self.tokenizer.vocab_size),
-                                 max_request_bytes=self.config.max_request_bytes)
+                                 max_request_bytes=self.config.max_request_bytes,
+                                 body_timeout_s=self.config.body_timeout_s)
 
     def model_name(self) -> str:
         if self.config.served_model_name:

@@ -31,6 +31,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024
+    # A request body must arrive within this (a slow-loris client gets 408, not a held slot).
+    body_timeout_s: float = 30.0
     retry_before_first_token: bool = True
     # GetLoad refresh period: feeds least_load / cache_aware and GET /workers.
     load_interval_s: float = 0.5
@@ -56,7 +58,8 @@ class GatewayConfig:
                 raise GatewayConfigError(
                     f"{prefix}.{name} must be round_robin | least_load | cache_aware, got {getattr(self, name)!r}"
                 )
-        for name in ("health_interval_s", "load_interval_s", "request_timeout_s", "first_token_timeout_s"):
+        for name in ("health_interval_s", "load_interval_s", "request_timeout_s", "first_token_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise GatewayConfigError(f"{prefix}.{name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("health_fail_threshold", "health_ok_threshold", "max_request_bytes", "cache_aware_max_pages"):

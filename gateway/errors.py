@@ -52,6 +52,11 @@ class NotFound(ApiError):
     type = "invalid_request_error"
 
 
+class RequestTimeout(ApiError):
+    status = 408
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"

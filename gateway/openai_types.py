@@ -8,6 +8,7 @@ error can name the field; wrong types are pydantic's errors, mapped to 400 by th
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -108,15 +109,26 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
+INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids)
+
+
 def check_sampling(req: _SamplingFields) -> None:
     """Reject values the OpenAI API rejects; raise `BadRequest` naming the field."""
     if isinstance(req, CompletionRequest) and req.echo:
         raise BadRequest("echo is not supported; send echo=false (the prompt is in your request)", param="echo")
     if req.n != 1:
         raise BadRequest("n>1 is not supported; send n=1 (or omit it) and repeat the request", param="n")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not math.isfinite(v):  # JSON's NaN / Infinity literals parse to these
+            raise BadRequest(f"{name} must be a finite number, got {v}", param=name)
     mt = req.requested_max_tokens()
     if mt is not None and mt <= 0:
         raise BadRequest(f"max_tokens must be >= 1, got {mt}", param="max_tokens")
+    if mt is not None and mt > INT32_MAX:
+        raise BadRequest(f"max_tokens must be <= {INT32_MAX}, got {mt}", param="max_tokens")
+    if req.top_k > INT32_MAX:
+        raise BadRequest(f"top_k must be <= {INT32_MAX} (or -1 for off), got {req.top_k}", param="top_k")
     if req.temperature is not None and req.temperature < 0:
         raise BadRequest(f"temperature must be >= 0, got {req.temperature}", param="temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:
@@ -129,7 +141,7 @@ def check_sampling(req: _SamplingFields) -> None:
         raise BadRequest(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
     if mt is not None and req.min_tokens > mt:
         raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({mt})", param="min_tokens")
-    if req.repetition_penalty < 0:
+    if req.repetition_penalty <= 0:
         raise BadRequest(f"repetition_penalty must be > 0, got {req.repetition_penalty}", param="repetition_penalty")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.dispatch import Dispatcher, RequestRun
-from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge
+from gateway.dispatch import Dispatcher, RequestRun, _timeout
+from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, RequestTimeout
 from gateway.metrics import Metrics
 from gateway.openai_types import (
     ChatChoice,
@@ -47,6 +48,7 @@ from protocol import tandem_pb2
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # cheap pre-check before the exact one
 _JSON = "application/json"
 
 
@@ -54,18 +56,24 @@ def _sse(model: BaseModel) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` bytes (checked while reading)."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (checked while reading) and with
+    408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} (gateway.max_request_bytes)")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes (gateway.max_request_bytes)")
-        parts.append(chunk)
+    try:
+        async with _timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes (gateway.max_request_bytes)")
+                parts.append(chunk)
+    except (TimeoutError, asyncio.TimeoutError):  # the same class from 3.11 on
+        raise RequestTimeout(f"request body incomplete after {timeout_s}s ({size} bytes arrived; "
+                             "gateway.body_timeout_s); send the whole body at once", code="body_timeout") from None
     return b"".join(parts)
 
 
@@ -75,12 +83,22 @@ def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
         obj = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # thousands of nested arrays: no request of ours nests like that
+        raise BadRequest("request body nests too deeply", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body):  # JSON may escape a lone UTF-16 surrogate; no tokenizer takes it
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff); "
+                             "send valid Unicode text", code="invalid_unicode") from None
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+    except RecursionError:
+        raise BadRequest("request body nests too deeply", code="invalid_json") from None
 
 
 def validation_error(errors: Any) -> BadRequest:
@@ -95,7 +113,7 @@ class GenerationHandler:
     """Shared state for the two generation endpoints (no per-request state kept here)."""
 
     def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics, model_name: str,
-                 max_model_len: int, vocab_size: int, max_request_bytes: int) -> None:
+                 max_model_len: int, vocab_size: int, max_request_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.tok = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -103,13 +121,14 @@ class GenerationHandler:
         self.max_model_len = max_model_len  # min over workers (a prompt must fit on both legs); 0 = unknown
         self.vocab_size = vocab_size
         self.max_request_bytes = max_request_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         try:
-            body = await read_body(request, self.max_request_bytes)
+            body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
         except ApiError as err:
             self.metrics.requests.labels("client_error").inc()
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
@@ -202,6 +221,10 @@ class GenerationHandler:
                                  param="max_tokens", code="context_length_exceeded")
         elif max_tokens is None:
             max_tokens = 16
+        bad_stop = next((t for t in req.stop_token_ids or () if not 0 <= t < self.vocab_size), None)
+        if bad_stop is not None:
+            raise BadRequest(f"stop_token_ids: {bad_stop} is outside the vocabulary [0, {self.vocab_size})",
+                             param="stop_token_ids")
         if req.seed is not None and not 0 <= req.seed < 2**64:
             raise BadRequest(f"seed must be in [0, 2**64), got {req.seed}", param="seed")
         top = req.num_top_logprobs()

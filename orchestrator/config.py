@@ -66,6 +66,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
     retry_before_first_token: bool = True
     load_interval_s: float = 0.5  # GetLoad refresh period (routing and GET /workers)
     startup_wait_s: float = 30.0  # the gateway's own wait for a healthy worker per pool
