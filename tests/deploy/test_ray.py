@@ -1,12 +1,14 @@
-"""The Ray launcher end to end on a real local Ray instance: 1P1D serves and the gate runs."""
+"""The Ray launcher end to end on a real local Ray cluster: 1P1D serves and the gate passes."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,14 +34,40 @@ def test_bundles_hold_a_replicas_ranks() -> None:
     assert bundle(c, "decode") == {"CPU": 1.0}
 
 
-def launch(tmp_path: Path, model: Path, *sets: str) -> tuple[int, str, float]:
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[str]:
+    """A real local Ray cluster (`ray start --head`), shared by this module's launches."""
+    port = free_port()
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=false",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--disable-usage-stats"],
+                            env={**os.environ, **RAY_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:  # the head is up once its GCS port accepts connections
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+        time.sleep(0.2)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)  # stops the whole local cluster
+        head.wait(timeout=60)
+
+
+def launch(tmp_path: Path, model: Path, address: str, *sets: str) -> tuple[int, str, float]:
     gw, p, d = free_port(), free_port(), free_port()
     args = [sys.executable, "-m", "orchestrator.cli", "launch", "--config", "configs/tiny-1p1d.yaml",
-            "--set", "launcher.kind=ray", "--set", "launcher.eval_on_ready=true", "--set", f"model.path={model}",
+            "--set", "launcher.kind=ray", "--set", f"launcher.ray_address={address}",
+            "--set", "launcher.eval_on_ready=true", "--set", f"model.path={model}",
             "--set", f"launcher.log_dir={tmp_path}", "--set", f"gateway.port={gw}",
             "--set", f"roles.prefill.base_port={p}", "--set", f"roles.decode.base_port={d}",
             "--set", "launcher.ready_timeout_s=120", *sets]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, **RAY_ENV}
     t0 = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=280, cwd=REPO_ROOT, env=env)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
@@ -47,9 +75,9 @@ def launch(tmp_path: Path, model: Path, *sets: str) -> tuple[int, str, float]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_1p1d_serves_and_runs_the_gate(model_dir: Path, tmp_path: Path) -> None:
+def test_ray_1p1d_serves_and_runs_the_gate(ray_head: str, model_dir: Path, tmp_path: Path) -> None:
     samples = 100 if real_model_present() else 24
-    rc, out, _ = launch(tmp_path, model_dir, "--set", f"eval.samples={samples}")
+    rc, out, _ = launch(tmp_path, model_dir, ray_head, "--set", f"eval.samples={samples}")
     print(out)
     assert "ready: http://127.0.0.1:" in out and "(2 workers on Ray)" in out
     assert f"/{samples})" in out and "failed requests" not in out  # every request was answered
@@ -62,18 +90,18 @@ def test_ray_1p1d_serves_and_runs_the_gate(model_dir: Path, tmp_path: Path) -> N
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_worker_dying_at_start_fails_with_its_log(model_dir: Path, tmp_path: Path) -> None:
+def test_ray_worker_dying_at_start_fails_with_its_log(ray_head: str, model_dir: Path, tmp_path: Path) -> None:
     with socket.socket() as busy:  # the decode worker's port is taken: it dies binding it
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        rc, out, elapsed = launch(tmp_path, model_dir, "--set", f"roles.decode.base_port={busy.getsockname()[1]}")
+        rc, out, elapsed = launch(tmp_path, model_dir, ray_head, "--set", f"roles.decode.base_port={busy.getsockname()[1]}")
     assert rc == 1
     assert "decode-0 exited with code 1 before it was ready" in out and "--- last lines of decode-0.log" in out, out
     assert elapsed < 90
 
 
 @pytest.mark.ray
-def test_ray_refuses_resources_no_node_has(model_dir: Path, tmp_path: Path) -> None:
-    rc, out, elapsed = launch(tmp_path, model_dir, "--set", "roles.decode.parallel.device=cuda:0")
+def test_ray_refuses_resources_no_node_has(ray_head: str, model_dir: Path, tmp_path: Path) -> None:
+    rc, out, elapsed = launch(tmp_path, model_dir, ray_head, "--set", "roles.decode.parallel.device=cuda:0")
     assert rc == 1 and "roles.decode needs 1 GPU per replica but the Ray cluster has 0" in out, out
-    assert elapsed < 60  # at once, not after launcher.ready_timeout_s
+    assert elapsed < 30  # at once, not after launcher.ready_timeout_s
