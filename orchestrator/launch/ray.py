@@ -41,7 +41,9 @@ from orchestrator.launch.slurm import run_gate
 from orchestrator.plan import check_layout, procs_per_node, read_model_config
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)  # wait() blocks a thread; stop() must still run
+# max_concurrency: wait() blocks one thread, stop() and tail() must still run (ray's stubs
+# lack the actor-only option, hence the ignore).
+@ray.remote(num_cpus=0, max_concurrency=4)  # type: ignore[call-overload]
 class WorkerHost:
     """Runs one `tandem worker` subprocess on the node Ray placed this actor on."""
 

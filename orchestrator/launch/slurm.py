@@ -285,7 +285,11 @@ def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file:
 
 def _serve_forever(workers: LocalCluster, gateway: LocalCluster) -> int:
     """Without a gate: serve until a signal (0) or a process's death (1)."""
-    threading.Thread(target=lambda: (gateway.watch(), workers.request_stop()), daemon=True).start()
+    def gateway_gone() -> None:
+        gateway.watch()
+        workers.request_stop()
+
+    threading.Thread(target=gateway_gone, daemon=True).start()
     dead = workers.watch()
     if dead is not None:
         workers.report_failure(dead, f"exited unexpectedly with code {dead.proc.returncode}")

@@ -76,8 +76,8 @@ def test_publish_is_atomic(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "ready").iterdir()] == ["decode.json"]  # no temp file left
 
 
-def submit(job: Path, tmp_path: Path, *sets: str, timeout: float = 240) -> tuple[int, str, float]:
-    env = {**os.environ, "PD_SLURM": "1"}
+def submit(job: Path, tmp_path: Path, *sets: str, timeout: float = 240, pd: str = "1") -> tuple[int, str, float]:
+    env = {**os.environ, "PD_SLURM": pd}
     t0 = time.monotonic()
     p = subprocess.run(["bash", str(SUBMIT), str(job), "--set", f"launcher.artifact_dir={tmp_path}", *sets],
                        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
@@ -116,3 +116,14 @@ def test_decode_node_failing_to_start_fails_fast(slurm_cluster: None, model_dir:
     assert "decode.log:" in out and "Torch not compiled with CUDA enabled" in out  # the decode log's tail
     assert "accuracy:" not in out
     assert elapsed < 60  # fails fast, not after launcher.ready_timeout_s (180 s)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_without_pd_slurm_the_smoke_topology_runs_on_one_node(slurm_cluster: None, model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    rc, out, _ = submit(GATE_JOB, tmp_path, "--set", f"model.path={model_dir}", "--set", "eval.samples=16", pd="0")
+    print(out)
+    assert "on 1 node(s)" in out and "(single-node smoke" in out and "/16)" in out
+    assert "node 0/2" not in out  # no per-node roles
+    assert rc == (0 if real_model_present() else 1), out
