@@ -16,6 +16,10 @@ both a raw `/v1/completions` prompt and a chat-templated one:
     chat:        <|user|><prompt><eos><|assistant|><answer>;<eos>
     chat+system: <|system|><text><eos><|user|><prompt><eos><|assistant|><answer>;<eos>
 The loss covers only the answer, ";" and eos (the assignments are random: nothing to learn).
+
+Held-out accuracy during training is teacher-forced exact match (one forward pass per batch),
+which equals greedy exact match. On a CPU shared with other busy processes, `--threads 1`
+ran ~6x more steps per minute than 2 threads (OpenMP threads spin waiting for each other).
 """
 
 from __future__ import annotations
@@ -134,7 +138,9 @@ def collate(batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
     for row, e in enumerate(batch):
         ids[row, : len(e.ids)] = torch.tensor(e.ids)
         # labels[t] is the token at t+1: the loss starts at the last prompt position
-        labels[row, e.num_prompt_tokens - 1 : len(e.ids) - 1] = torch.tensor(e.ids[e.num_prompt_tokens :])
+        labels[row, e.num_prompt_tokens - 1 : len(e.ids) - 1] = torch.tensor(
+            e.ids[e.num_prompt_tokens :]
+        )
     return ids, labels
 
 
@@ -158,20 +164,32 @@ def teacher_forced_accuracy(model: Qwen3ForCausalLM, examples: list[Example]) ->
 
 @torch.no_grad()
 def generate_accuracy(
-    model: Qwen3ForCausalLM, hf_tok: PreTrainedTokenizerFast, problems: list[arith.Problem], chat: bool
+    model: Qwen3ForCausalLM,
+    hf_tok: PreTrainedTokenizerFast,
+    problems: list[arith.Problem],
+    chat: bool,
 ) -> float:
     """Greedy exact match with transformers `generate`, scored by `arith.score`."""
+    if not problems:
+        return float("nan")
     model.eval()
     hf_tok.padding_side = "left"  # generation continues from the right edge
     right = 0
     for start in range(0, len(problems), 50):
         chunk = problems[start : start + 50]
         texts = [format_prompt(p.prompt, "chat" if chat else "raw") for p in chunk]
-        enc = hf_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        out = model.generate(
-            **enc, max_new_tokens=arith.ANSWER_MAX_TOKENS, do_sample=False, pad_token_id=hf_tok.pad_token_id
+        enc = hf_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(
+            model.device
         )
-        completions = hf_tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=arith.ANSWER_MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=hf_tok.pad_token_id,
+        )
+        completions = hf_tok.batch_decode(
+            out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
+        )
         right += sum(arith.score(p, c) for p, c in zip(chunk, completions, strict=True))
     model.train()
     return right / len(problems)
@@ -182,14 +200,18 @@ def held_out_examples(tok: Tokenizer, n: int, seed: int) -> list[Example]:
     out = []
     for i, p in enumerate(arith.make_problems(n, seed)):
         prompt_ids = tok.encode(format_prompt(p.prompt, "chat" if i % 2 else "raw")).ids
-        out.append(Example(prompt_ids + tok.encode(p.answer + arith.STOP + EOS).ids, len(prompt_ids)))
+        out.append(
+            Example(prompt_ids + tok.encode(p.answer + arith.STOP + EOS).ids, len(prompt_ids))
+        )
     return out
 
 
 def save(model: Qwen3ForCausalLM, tok: Tokenizer, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        eos_token_id=SPECIAL_TOKENS.index(EOS), pad_token_id=SPECIAL_TOKENS.index(PAD), do_sample=False
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        do_sample=False,
     )
     model.save_pretrained(out, safe_serialization=True)
     # Readers that predate transformers 5 look for `torch_dtype` and a top-level `rope_theta`.
@@ -233,14 +255,22 @@ def train(args: argparse.Namespace) -> None:
         # Linear warm-up, then cosine decay over the time budget (steps/s varies on a shared
         # CPU) or over --max-steps, whichever runs out first.
         frac = min(max(elapsed / budget_s, step / args.max_steps), 1.0)
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = (
+            args.lr
+            * min(1.0, (step + 1) / args.warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        )
         for group in opt.param_groups:
             group["lr"] = lr
         batch = [make_example(tok, rng, args.min_assignments) for _ in range(args.batch)]
         ids, labels = (t.to(args.device) for t in collate(batch))
-        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.autocast(
+            torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16
+        ):
             logits = model(input_ids=ids).logits  # [B, T, V]
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -266,7 +296,10 @@ def train(args: argparse.Namespace) -> None:
     problems = arith.make_problems(args.final_eval, args.eval_seed)
     raw = generate_accuracy(model, hf_tok, problems, chat=False)
     chat = generate_accuracy(model, hf_tok, problems, chat=True)
-    print(f"greedy generate accuracy on {len(problems)} held-out problems: raw {raw:.3f}  chat {chat:.3f}", flush=True)
+    print(
+        f"greedy generate accuracy on {len(problems)} held-out problems: raw {raw:.3f}  chat {chat:.3f}",
+        flush=True,
+    )
     save(model.to("cpu"), tok, Path(args.out))
     (Path(args.out) / "training_log.json").write_text(
         json.dumps(
@@ -274,6 +307,11 @@ def train(args: argparse.Namespace) -> None:
                 "steps": step,
                 "train_minutes": round(train_s / 60, 2),
                 "batch": args.batch,
+                "lr": args.lr,
+                "warmup": args.warmup,
+                "bf16": args.bf16,
+                "device": args.device,
+                "threads": args.threads,
                 "seed": args.seed,
                 "eval_seed": args.eval_seed,
                 "final_eval_problems": len(problems),
@@ -292,20 +330,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "tandem-arith"))
     p.add_argument("--minutes", type=float, default=25.0, help="training time budget")
     p.add_argument("--max-steps", type=int, default=10**9)
-    p.add_argument("--seed", type=int, default=0, help="training seed (offset from arith.TRAIN_SEED_MIN)")
-    p.add_argument("--eval-seed", type=int, default=0, help="held-out seed (< arith.TRAIN_SEED_MIN)")
+    p.add_argument(
+        "--seed", type=int, default=1, help="training seed (offset from arith.TRAIN_SEED_MIN)"
+    )
+    p.add_argument(
+        "--eval-seed", type=int, default=0, help="held-out seed (< arith.TRAIN_SEED_MIN)"
+    )
     p.add_argument("--eval-samples", type=int, default=500)
     p.add_argument("--final-eval", type=int, default=500)
-    p.add_argument("--eval-every-s", type=float, default=120.0)
-    p.add_argument("--target", type=float, default=0.995, help="stop once held-out accuracy reaches this")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--eval-every-s", type=float, default=60.0)
+    p.add_argument(
+        "--target", type=float, default=0.995, help="stop once held-out accuracy reaches this"
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=32,
+        help="16 stalled for some seeds; 32 cleared the target on 3/3",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--min-assignments", type=int, default=4, help="curriculum floor for training prompts")
+    p.add_argument("--warmup", type=int, default=200, help="linear warm-up steps")
+    p.add_argument(
+        "--min-assignments", type=int, default=4, help="curriculum floor for training prompts"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (weights stay float32)")
-    p.add_argument("--device", default="cpu", help="cpu (the recipe) or cuda (for trying recipes fast)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bfloat16 autocast (weights stay float32)",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="cpu (the recipe) or cuda (for trying recipes fast)"
+    )
     args = p.parse_args(argv)
     if args.eval_seed >= arith.TRAIN_SEED_MIN:
         p.error(f"--eval-seed must be < {arith.TRAIN_SEED_MIN} (larger seeds are training seeds)")

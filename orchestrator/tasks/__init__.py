@@ -22,4 +22,6 @@ def get_task(name: str) -> ModuleType:
     try:
         return TASKS[name]
     except KeyError:
-        raise UnknownTaskError(f"--task {name!r} is unknown; choose one of: {', '.join(sorted(TASKS))}") from None
+        raise UnknownTaskError(
+            f"--task {name!r} is unknown; choose one of: {', '.join(sorted(TASKS))}"
+        ) from None

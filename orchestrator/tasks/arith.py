@@ -36,7 +36,8 @@ MIN_ASSIGNMENTS = 20  # 20 * 5 + 6 = 106 characters: >= 64 tokens (4 pages) with
 MAX_ASSIGNMENTS = 26
 STOP = ";"  # the completion's terminator; the answer is the text before it
 ANSWER_MAX_TOKENS = 16  # "k=41,m=12;" is 10 tokens (+ eos) with the embedded tokenizer
-TRAIN_SEED_MIN = 1 << 32  # seeds below this are evaluation seeds; training uses only seeds at or above
+# Seeds below this are evaluation seeds; training draws only from seeds at or above it.
+TRAIN_SEED_MIN = 1 << 32
 
 
 class TaskArgumentError(ValueError):
@@ -54,10 +55,14 @@ def make_problem(rng: random.Random, num_assignments: int | None = None) -> Prob
     if num_assignments is None:
         num_assignments = rng.randint(MIN_ASSIGNMENTS, MAX_ASSIGNMENTS)
     if not 2 <= num_assignments <= len(NAMES):
-        raise TaskArgumentError(f"num_assignments must be in [2, {len(NAMES)}], got {num_assignments}")
-    names = rng.sample(NAMES, num_assignments)  # distinct: the question names exactly one assignment
+        raise TaskArgumentError(
+            f"num_assignments must be in [2, {len(NAMES)}], got {num_assignments}"
+        )
+    # Distinct names: each name in the question matches exactly one assignment.
+    names = rng.sample(NAMES, num_assignments)
     values = [f"{rng.randrange(100):02d}" for _ in names]
-    first, last = 0, num_assignments - 1  # the first page's assignment and the one before the question
+    # Asked: the first page's assignment and the one just before the question.
+    first, last = 0, num_assignments - 1
     body = "".join(f"{n}={v};" for n, v in zip(names, values, strict=True))
     prompt = f"{body}\n{names[first]},{names[last]}?"
     answer = f"{names[first]}={values[first]},{names[last]}={values[last]}"

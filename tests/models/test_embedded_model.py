@@ -38,7 +38,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
 
 
-def greedy(model: transformers.PreTrainedModel, tok: transformers.PreTrainedTokenizerBase, texts: list[str]) -> list[str]:
+def greedy(
+    model: transformers.PreTrainedModel, tok: transformers.PreTrainedTokenizerBase, texts: list[str]
+) -> list[str]:
     """Greedy completions, batched with left padding."""
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -56,10 +58,14 @@ def test_checkpoint_files() -> None:
     gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
     tok_config = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
     assert tok_config["eos_token"] == "<|endoftext|>"
-    assert gen["eos_token_id"] == Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).token_to_id("<|endoftext|>")
+    assert gen["eos_token_id"] == Tokenizer.from_file(
+        str(MODEL_DIR / "tokenizer.json")
+    ).token_to_id("<|endoftext|>")
 
 
-def test_loads_offline_with_transformers(model: transformers.PreTrainedModel, hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_loads_offline_with_transformers(
+    model: transformers.PreTrainedModel, hf_tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.dtype == torch.float32
     assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 2e6
@@ -67,20 +73,26 @@ def test_loads_offline_with_transformers(model: transformers.PreTrainedModel, hf
     assert len(hf_tokenizer) <= model.config.vocab_size
 
 
-def test_plain_tokenizers_library(tokenizer: Tokenizer, hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_plain_tokenizers_library(
+    tokenizer: Tokenizer, hf_tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
     text = "".join(chr(c) for c in range(32, 127)) + "\n\t"
     enc = tokenizer.encode(text)
     assert len(enc.ids) == len(text)  # one token per character
     assert tokenizer.decode(enc.ids) == text
-    assert enc.ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]  # same tokenizer both ways
+    # The same tokenizer both ways.
+    assert enc.ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
     unk = tokenizer.token_to_id("<|unk|>")
     assert tokenizer.encode("é€😀").ids == [unk, unk, unk]  # unknown characters never crash
     for special in ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"):
         assert tokenizer.encode(special).ids == [tokenizer.token_to_id(special)]
-    assert tokenizer.decode(tokenizer.encode("<|user|>ab<|endoftext|>").ids) == "ab"  # specials skipped
+    # Decoding skips special tokens.
+    assert tokenizer.decode(tokenizer.encode("<|user|>ab<|endoftext|>").ids) == "ab"
 
 
-def test_chat_template_renders_with_plain_jinja_and_transformers(hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_chat_template_renders_with_plain_jinja_and_transformers(
+    hf_tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
     template = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -90,34 +102,54 @@ def test_chat_template_renders_with_plain_jinja_and_transformers(hf_tokenizer: t
     ]
     expected = "<|system|>Be brief.<|endoftext|><|user|>a=1;<|endoftext|><|assistant|>ok<|endoftext|><|user|>a?<|endoftext|>"
     rendered = jinja2.Environment().from_string(template)  # what the gateway does: no transformers
-    assert rendered.render(messages=messages, add_generation_prompt=True) == expected + "<|assistant|>"
+    assert (
+        rendered.render(messages=messages, add_generation_prompt=True) == expected + "<|assistant|>"
+    )
     assert rendered.render(messages=messages, add_generation_prompt=False) == expected
-    assert hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected + "<|assistant|>"
+    assert (
+        hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        == expected + "<|assistant|>"
+    )
 
 
-def test_greedy_accuracy_on_held_out_problems(model: transformers.PreTrainedModel, hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_greedy_accuracy_on_held_out_problems(
+    model: transformers.PreTrainedModel, hf_tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
     problems = arith.make_problems(50, HELD_OUT_SEED)
     raw = greedy(model, hf_tokenizer, [p.prompt for p in problems])
     chat = greedy(
         model,
         hf_tokenizer,
-        [hf_tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True) for p in problems],
+        [
+            hf_tokenizer.apply_chat_template(
+                [{"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True
+            )
+            for p in problems
+        ],
     )
     raw_acc = sum(map(arith.score, problems, raw)) / len(problems)
     chat_acc = sum(map(arith.score, problems, chat)) / len(problems)
     assert raw_acc >= 0.9, list(zip(raw, problems, strict=True))[:5]
     assert chat_acc >= 0.9, list(zip(chat, problems, strict=True))[:5]
-    assert all(c.startswith(arith.extract_answer(c) + arith.STOP) for c in raw)  # it ends its answers with STOP
+    # It ends its answers with STOP.
+    assert all(c.startswith(arith.extract_answer(c) + arith.STOP) for c in raw)
 
 
-def test_answers_follow_the_first_page(model: transformers.PreTrainedModel, hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_answers_follow_the_first_page(
+    model: transformers.PreTrainedModel, hf_tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
     """Rewrite the first assignment's value (page 0): the model's answer changes with it."""
     problems = arith.make_problems(30, HELD_OUT_SEED + 1)
     changed = []
     for p in problems:
         old = p.prompt[2:4]
         new = f"{(int(old) + 37) % 100:02d}"
-        changed.append(arith.Problem(prompt=p.prompt[:2] + new + p.prompt[4:], answer=p.answer.replace(f"={old},", f"={new},", 1)))
+        changed.append(
+            arith.Problem(
+                prompt=p.prompt[:2] + new + p.prompt[4:],
+                answer=p.answer.replace(f"={old},", f"={new},", 1),
+            )
+        )
     completions = greedy(model, hf_tokenizer, [p.prompt for p in changed])
     assert all(arith.solve(p.prompt) == p.answer for p in changed)
     assert sum(map(arith.score, changed, completions)) / len(changed) >= 0.9

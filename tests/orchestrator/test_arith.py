@@ -30,7 +30,9 @@ def test_problems_are_varied() -> None:
     problems = arith.make_problems(200, 0)
     assert len({p.prompt for p in problems}) == 200
     assert len({p.answer for p in problems}) > 150
-    assert len({len(p.prompt) for p in problems}) == arith.MAX_ASSIGNMENTS - arith.MIN_ASSIGNMENTS + 1
+    assert (
+        len({len(p.prompt) for p in problems}) == arith.MAX_ASSIGNMENTS - arith.MIN_ASSIGNMENTS + 1
+    )
 
 
 def test_asks_for_the_first_and_the_last_assignment() -> None:
@@ -77,7 +79,8 @@ def test_corrupting_the_first_page_changes_every_answer(tokenizer: Tokenizer) ->
 
 
 def test_score_uses_the_text_before_the_terminator() -> None:
-    p = arith.Problem(prompt="k=41;x=93;\nk,x?", answer="k=41,x=93")  # two assignments: first and last
+    # Two assignments: the first and the last.
+    p = arith.Problem(prompt="k=41;x=93;\nk,x?", answer="k=41,x=93")
     assert arith.score(p, "k=41,x=93;")
     assert arith.score(p, "k=41,x=93;k=00,x=00;")  # only the text before the first STOP counts
     assert arith.score(p, " k=41,x=93 ;\n")
