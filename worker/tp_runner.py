@@ -135,6 +135,10 @@ class LeaderModel(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.compute_logits(hidden)
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return False  # a replayed graph would skip the broadcast: the followers would never step
+
     def weight_slots(self) -> dict[str, WeightSlot]:
         return self.inner.weight_slots()
 

@@ -18,6 +18,7 @@ normal kernels when `backend="deepep"` (CUDA + the deep_ep package; refused clea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class SparseMoEBlock(nn.Module):
         self.gate = _param(num_experts, hidden, dtype=dtype)  # router [E, hidden], replicated
         self.w13 = _param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)  # [E_local, 2I, H]: gate|up
         self.w2 = _param(self.num_local, hidden, self.inter_local, dtype=dtype)  # [E_local, H, I]
-        self._deepep: object | None = None
+        self._deepep: Any = None  # deep_ep.Buffer, built at the first dispatch
 
     # ---- loading -----------------------------------------------------------------------------
     def expert_ids(self) -> range:
@@ -86,7 +87,7 @@ class SparseMoEBlock(nn.Module):
         if param == "gate":
             _copy_checked(self.gate.data, source.read(), "SparseMoEBlock.gate")
             return
-        expert, piece = shard_id  # type: ignore[misc]  # (global expert id, "gate" | "up" | "down")
+        expert, piece = cast(tuple[int, str], shard_id)  # (global expert id, "gate" | "up" | "down")
         e = int(expert) - self.first_expert
         start = 0 if self.par.ep else self.par.rank * self.inter_local
         stop = start + self.inter_local
@@ -179,8 +180,8 @@ class SparseMoEBlock(nn.Module):
             nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, self.par.size) for c in cfgs)
             self._deepep = deep_ep.Buffer(group, nvl, 0)
         buf = self._deepep
-        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)  # type: ignore[attr-defined]
-        recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(  # type: ignore[attr-defined]
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
+        recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
             x, topk_idx=ids, topk_weights=weights.float(), num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         )
@@ -190,5 +191,5 @@ class SparseMoEBlock(nn.Module):
             if sel.numel():
                 rows = self.experts(recv_x[sel], recv_ids[sel, slot].to(torch.int64))
                 out[sel] += rows * recv_w[sel, slot, None].to(rows.dtype)
-        combined, _, _ = buf.combine(out, handle)  # type: ignore[attr-defined]
+        combined, _, _ = buf.combine(out, handle)
         return combined  # type: ignore[no-any-return]

@@ -35,6 +35,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                     cfg.moe.norm_topk_prob, par, dtype,
                 )
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return False  # routing picks experts on the host (unique / split sizes) every step
+
     def mlp_slots(self, prefix: str, mlp: nn.Module) -> dict[str, WeightSlot]:
         if not isinstance(mlp, SparseMoEBlock):
             return super().mlp_slots(prefix, mlp)
