@@ -127,11 +127,14 @@ def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
                 local = g % per_node
                 # A node's ranks take consecutive GPUs from its local rank 0's.
                 dev = f"cuda:{int(dev0[5:]) + local}" if dev0.startswith("cuda:") else dev0
+                node = first_node[(role, i)] + g // per_node
+                # Before a multi-node launcher resolves them, hosts are named by node index.
+                host = f"node{node}" if spreads_over_nodes(cluster) and not rc.hosts else rc.host_of(i)
                 rows.append(ProcessRow(
                     name=f"{role}-{i}" if g == 0 else f"{role}-{i}.r{g}",
-                    role=role, replica=i, host=rc.host_of(i), port=rc.port(i) if g == 0 else 0,
+                    role=role, replica=i, host=host, port=rc.port(i) if g == 0 else 0,
                     device=dev, tp_rank=g % p.tp_size, tp_size=p.tp_size,
-                    node=first_node[(role, i)] + g // per_node, node_rank=g // per_node, rank=g,
+                    node=node, node_rank=g // per_node, rank=g,
                     dp_rank=g // p.tp_size, dp_size=p.dp_size,
                     ep_rank=g if p.ep_size > 1 else -1, ep_size=p.ep_size, nnodes=p.nnodes,
                 ))

@@ -144,7 +144,7 @@ def test_plan_cli_prints_rank_map_and_rejects(tmp_path: Path, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "nodes: 3" in out
     line = next(x for x in out.splitlines() if x.startswith("prefill-0.r9 "))
-    assert line.split() == ["prefill-0.r9", "prefill", "0", "127.0.0.1", "-", "cuda:1", "1", "9/16", "0/1", "-", "9/16"]
+    assert line.split() == ["prefill-0.r9", "prefill", "0", "node1", "-", "cuda:1", "1", "9/16", "0/1", "-", "9/16"]
     assert main([*args, "--set", "roles.prefill.parallel.tp_size=12"]) == 2
     assert "tp_size*dp_size = 12 ranks do not split evenly" not in capsys.readouterr().err  # 12 splits over 2
     assert main([*args, "--set", "roles.prefill.parallel.tp_size=6"]) == 2
