@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
     p.add_argument("--api-key", metavar="KEY", help="clients must send `Authorization: Bearer KEY` (default: no auth)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
 
     p = sub.add_parser("worker", help="run one worker process (what launchers start)")
     _add_config_args(p, required=True)
@@ -133,6 +134,8 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append(f"gateway.port={args.port}")
     if args.api_key:
         extra.append(f"gateway.api_key={args.api_key}")
+    if args.enforce_eager:
+        extra.append("model.enforce_eager=true")
     # `serve` is the local launcher by definition, whatever the file or --set says.
     overrides = [*extra, *args.overrides, "launcher.kind=local"]
     return load_config(resolve_config_path(args.config), overrides)

@@ -241,6 +241,8 @@ class Engine:
             self.step()
         if req.status is RequestStatus.FINISHED_ERROR:
             raise RuntimeError(f"warm-up failed: {req.error}")
+        if self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs:
+            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
 
 
 def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int) -> KVShape:

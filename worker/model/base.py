@@ -55,6 +55,11 @@ class CausalLM(nn.Module, ABC):
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint tensor name → where it loads. The loader requires every name listed."""
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode step can be captured once and replayed (no per-step host logic)."""
+        return True
+
     def load_weight(self, name: str, source: TensorSource) -> None:
         slot = self.weight_slots()[name]
         slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]

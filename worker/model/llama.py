@@ -121,6 +121,10 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)  # plain tensors, not a buffer
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return self.cfg.rope.rope_type != "dynamic"  # its frequencies depend on each step's lengths
+
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         token_seq_lens = None
         if self.cfg.rope.rope_type == "dynamic":
