@@ -271,7 +271,7 @@ def cluster_specs(cluster: ClusterConfig, config_file: Path) -> tuple[list[Proce
             grpc_address=dial_address(row.host, row.port),
         )
         for row in plan_processes(cluster)
-        if row.role != "gateway" and row.tp_rank == 0  # a TP worker starts its own other ranks
+        if row.role != "gateway" and row.starts_node  # a worker starts its node's other ranks itself
     ]
     gw = cluster.gateway
     gateway = ProcessSpec(

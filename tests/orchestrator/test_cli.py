@@ -84,10 +84,11 @@ def test_config_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--replica 1 is out of range" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["slurm", "ray"])
-def test_launch_names_unavailable_launchers(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "--config", "configs/tiny-1p1d.yaml", "--set", f"launcher.kind={kind}"]) == 2
-    assert f"launcher.kind='{kind}' is not available yet" in capsys.readouterr().err
+def test_slurm_launch_outside_an_allocation_says_how_to_submit(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert main(["launch", "--config", "configs/tiny-1p1d.yaml", "--set", "launcher.kind=slurm"]) == 2
+    assert "submit with deploy/slurm/submit.sh" in capsys.readouterr().err
 
 
 def test_eval_and_bench_validate_numbers(capsys: pytest.CaptureFixture[str]) -> None:
