@@ -115,11 +115,11 @@ class DecodeRole:
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(rx.first_token)
         if rx.first_logprob is not None and (req.sampling.logprobs or req.sampling.top_logprobs):
-            req.output_logprobs.append(TokenLogprob(rx.first_token, *rx.first_logprob))
+            req.output_logprobs.append(TokenLogprob(rx.first_token, rx.first_logprob, list(rx.top_logprobs)))
         self.engine.emit(req)
-        status = sched.stop_status(req)
-        if status is not None:
-            sched.finish(req, status)
+        stop = sched.stop_status(req)
+        if stop is not None:
+            sched.finish(req, stop)
             return
         self._landed.append(req)
 

@@ -66,7 +66,8 @@ class PrefillRole:
             start_page=room.pages_sent,
             last=True,
             first_token=request.output_token_ids[0],
-            first_logprob=first,
+            first_logprob=first.logprob if first else None,
+            top_logprobs=first.top if first else None,
         )
         room.pages_sent = len(request.page_table)
         self._shipping.append(room)

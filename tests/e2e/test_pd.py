@@ -113,3 +113,17 @@ def test_client_timeout_before_first_token_frees_everything(pd_cluster: Cluster)
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{pd_cluster.url}/v1/completions", json=body, timeout=0.005)
     pd_cluster.wait_drained()
+
+
+def test_logprobs_cross_the_room(pd_cluster: Cluster) -> None:
+    """The first token's logprobs are computed on prefill and travel with the room."""
+    client = openai.OpenAI(base_url=f"{pd_cluster.url}/v1", api_key="unused")
+    problem = arith.make_problems(1, seed=9)[0]
+    out = client.completions.create(model=MODEL.name, prompt=problem.prompt, max_tokens=6, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    pd_cluster.wait_drained()
