@@ -164,6 +164,7 @@ class TPRoom:
     local: Room
     facade: TPTransferManager
     ends: dict[int, _End] = field(default_factory=dict)  # rank -> how the room ended there
+    done_at: float | None = None  # when rank 0 first saw the room ended on every rank
 
     @property
     def room(self) -> int:
@@ -183,6 +184,20 @@ class TPRoom:
     @property
     def error(self) -> str | None:
         return self._merged()[1] if self.done else self.local.error
+
+    @property
+    def quiesced(self) -> bool:
+        """No late write can land on any rank: rank 0's receiver confirmed it, and the other
+        ranks (which release their rooms on their own) either succeeded or had transfer_timeout_s
+        to drain since the room ended everywhere."""
+        if not getattr(self.local, "quiesced", True):
+            return False
+        if self.done and self.done_at is None:
+            self.done_at = time.monotonic()
+        if all(end.state is RoomState.SUCCESS for end in self.ends.values()):
+            return self.done
+        timeout = self.facade.local.config.transfer_timeout_s
+        return self.done_at is not None and time.monotonic() - self.done_at >= timeout
 
     @property
     def stats(self) -> RoomStats:
