@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from protocol.tls import TLSConfig
 
 Policy = Literal["round_robin", "least_load", "cache_aware"]
 
@@ -34,6 +36,7 @@ class GatewayConfig:
     # A request body must arrive within this (a slow-loris client gets 408, not a held slot).
     body_timeout_s: float = 30.0
     retry_before_first_token: bool = True
+    tls: TLSConfig = field(default_factory=TLSConfig)  # verify workers over TLS (ca_file)
     # GetLoad refresh period: feeds least_load / cache_aware and GET /workers.
     load_interval_s: float = 0.5
     # Start-up waits (a readiness signal with a deadline) until every pool has a healthy

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
 from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,8 @@ class WorkerPool:
         self._changed = asyncio.Event()  # set whenever a worker's health flips (readiness waits)
         self._on_load: list[Any] = []  # callbacks(worker) after each GetLoad (metrics)
 
-    @staticmethod
-    def _make(url: str, pool: str) -> Worker:
-        ch = grpc.aio.insecure_channel(url, options=_CHANNEL_OPTIONS)
+    def _make(self, url: str, pool: str) -> Worker:
+        ch = aio_channel(url, self.config.tls, options=_CHANNEL_OPTIONS)
         return Worker(url=url, pool=pool, channel=ch, stub=tandem_pb2_grpc.WorkerStub(ch),
                       health_stub=health_pb2_grpc.HealthStub(ch))
 

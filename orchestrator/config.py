@@ -27,6 +27,7 @@ import yaml
 
 from gateway.config import GatewayConfig, GatewayConfigError, Policy
 from orchestrator.schema import SchemaError, apply_override, build, parse_override, to_plain
+from protocol.tls import TLSConfig, TLSConfigError
 from transfer.config import TransferConfig, TransferConfigError
 from worker.config import (
     CacheConfig,
@@ -191,6 +192,7 @@ class ClusterConfig:
     roles: RolesConfig = field(default_factory=RolesConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     eval: EvalGate = field(default_factory=EvalGate)
+    tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC link (off: plaintext on loopback)
 
     def role(self, name: str) -> RoleConfig:
         rc = getattr(self.roles, name, None) if name in ROLE_NAMES else None
@@ -217,7 +219,8 @@ class ClusterConfig:
                 if rc.scheduler is not None:
                     rc.scheduler.validate(f"roles.{name}.scheduler")
             gateway_config(self).validate("gateway")
-        except (ConfigError, TransferConfigError, GatewayConfigError) as exc:
+            self.tls.validate("tls")
+        except (ConfigError, TransferConfigError, GatewayConfigError, TLSConfigError) as exc:
             raise ClusterConfigError(str(exc)) from None
         _validate_launcher_and_eval(self)
         _validate_ports(self)
@@ -404,6 +407,7 @@ def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> Worker
         parallel=_worker_parallel(rc, replica, device_for(cluster, role, replica)),
         transfer=cluster.transfer,
         num_threads=rc.num_threads,
+        tls=cluster.tls,
     )
 
 
@@ -453,4 +457,5 @@ def gateway_config(cluster: ClusterConfig) -> GatewayConfig:
         workers=worker_addresses(cluster, "both"),
         prefill=worker_addresses(cluster, "prefill"),
         decode=worker_addresses(cluster, "decode"),
+        tls=cluster.tls,
     )

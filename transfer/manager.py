@@ -23,6 +23,8 @@ import grpc
 
 from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
+from protocol.tls import TLSConfig
+from protocol.tls import channel as tls_channel
 from transfer.backend import BackendError, TransferBackend, TransferFaults, make_backend
 from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
@@ -43,7 +45,7 @@ class KVTransferManager:
     def __init__(
         self, config: TransferConfig, layout: KVLayout, *, role: str, kv_ptr: int, kv_nbytes: int,
         host: str, model_fingerprint: str, model_name: str = "", peer_id: str = "",
-        faults: TransferFaults | None = None, backend: TransferBackend | None = None,
+        faults: TransferFaults | None = None, backend: TransferBackend | None = None, tls: TLSConfig | None = None,
     ) -> None:
         config.validate()
         if role not in ("prefill", "decode"):
@@ -52,6 +54,7 @@ class KVTransferManager:
             raise ContractError(f"kv_nbytes={kv_nbytes} is smaller than the layout's pool "
                                 f"({layout.num_pages} pages x {layout.page_bytes} B); describe the tensor you register")
         self.config = config
+        self.tls = tls or TLSConfig()  # bootstrap calls to prefill ranks
         self.layout = layout
         self.role = role
         self.epoch: int = secrets.randbits(64) or 1  # a new incarnation at every start
@@ -225,7 +228,7 @@ class KVTransferManager:
     def _channel(self, addr: str) -> grpc.Channel:
         with self._lock:
             if addr not in self._channels:
-                self._channels[addr] = grpc.insecure_channel(addr)
+                self._channels[addr] = tls_channel(addr, self.tls)
             return self._channels[addr]
 
     # ---- both ---------------------------------------------------------------------------

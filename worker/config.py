@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from protocol.tls import TLSConfig
 from transfer.config import TransferConfig
 
 Role = Literal["both", "prefill", "decode"]
@@ -128,6 +129,7 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # used by prefill/decode roles
+    tls: TLSConfig = field(default_factory=TLSConfig)  # the Worker and bootstrap services, and bootstrap clients
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     def validate(self) -> None:
@@ -138,6 +140,7 @@ class WorkerConfig:
         self.scheduler.validate()
         self.parallel.validate()
         self.transfer.validate()
+        self.tls.validate()
 
     def replace(self, **changes: object) -> WorkerConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,12 +1,20 @@
-"""The KV cache memory of one worker rank: one tensor, page-major.
+"""The KV cache memory of one worker rank: full pages, and a window region for hybrid models.
 
-Layout: `data[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`.
+Full region: `data[num_pages, num_full_layers, 2, num_kv_heads, page_size, head_dim]`.
 
-Why page-major: a page holds every layer's K and V for `page_size` tokens in one contiguous
-run of bytes, so shipping a prompt to a decode worker is one transfer range per run of
-consecutive pages, whatever the layer count. Heads are outer to tokens inside a page so that
+Why page-major: a page holds every full layer's K and V for `page_size` tokens in one
+contiguous run of bytes, so shipping a prompt to a decode worker is one transfer range per run
+of consecutive pages, whatever the layer count. Heads are outer to tokens inside a page so that
 a head slice of one (layer, K|V) is contiguous too — heterogeneous TP moves head slices.
-The whole tensor is registered with the transfer backend once, at start-up.
+
+Window region (models with sliding-window layers and at least one full layer, see
+docs/hybrid-cache.md): `window[num_window_pages, num_window_layers, 2, heads, page_size,
+head_dim]`, the same page shape over the window layers only. A request holds a ring of
+`ring_pages` of them (token p in ring page (p // page_size) % ring_pages), so a window layer
+keeps only its last W tokens instead of the whole context.
+
+Both regions are views of one allocation, full first, so the transfer backend registers one
+block of memory once at start-up; the window region starts at byte `num_pages * page_bytes`.
 """
 
 from __future__ import annotations
@@ -19,35 +27,72 @@ import torch
 @dataclass(frozen=True)
 class KVShape:
     num_pages: int
-    num_layers: int
+    num_layers: int  # all layers of the model (full + window)
     num_kv_heads: int  # on this rank
     page_size: int
     head_dim: int
     dtype: torch.dtype
+    window_layers: tuple[int, ...] = ()  # layers kept in the window region (ascending); () = none
+    window: int = 0  # tokens a window layer attends to (its sliding window)
+    num_window_pages: int = 0  # pages of the window region (rings of all live requests)
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - len(self.window_layers)
+
+    @property
+    def ring_pages(self) -> int:
+        """Window pages per request: ceil(window / page_size) + 1 (transfer.contract.CacheGroup.ring_pages)."""
+        return -(-self.window // self.page_size) + 1 if self.window_layers else 0
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+        """Bytes of one full page across the full layers, K and V."""
+        return self.num_full_layers * self._layer_page_bytes
+
+    @property
+    def window_page_bytes(self) -> int:
+        return len(self.window_layers) * self._layer_page_bytes
+
+    @property
+    def _layer_page_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
 
 
 class KVCache:
-    """Owns the paged KV tensor; hands out per-layer views for attention."""
+    """Owns the paged KV memory; hands out per-layer views for attention."""
 
     def __init__(self, shape: KVShape, device: torch.device | str = "cpu") -> None:
         self.shape = shape
-        # data: [num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]
-        self.data = torch.zeros(
-            shape.num_pages, shape.num_layers, 2, shape.num_kv_heads, shape.page_size, shape.head_dim,
-            dtype=shape.dtype, device=device,
-        )
+        h, s, d = shape.num_kv_heads, shape.page_size, shape.head_dim
+        full = shape.num_pages * shape.num_full_layers * 2 * h * s * d
+        window = shape.num_window_pages * len(shape.window_layers) * 2 * h * s * d
+        self._buffer = torch.zeros(full + window, dtype=shape.dtype, device=device)
+        # data: [num_pages, num_full_layers, 2, num_kv_heads, page_size, head_dim]
+        self.data = self._buffer[:full].view(shape.num_pages, shape.num_full_layers, 2, h, s, d)
+        # window: [num_window_pages, num_window_layers, 2, num_kv_heads, page_size, head_dim]
+        self.window = self._buffer[full:].view(shape.num_window_pages, len(shape.window_layers), 2, h, s, d)
+        windowed = set(shape.window_layers)
+        # layer -> (in the window region?, index inside its region)
+        self._slot: list[tuple[bool, int]] = []
+        counts = [0, 0]
+        for layer in range(shape.num_layers):
+            w = layer in windowed
+            self._slot.append((w, counts[w]))
+            counts[w] += 1
+
+    def is_window(self, layer: int) -> bool:
+        """Whether `layer` keeps its KV in the window region (a ring per request)."""
+        return self._slot[layer][0]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer: each [num_pages, num_kv_heads, page_size, head_dim]."""
-        return self.data[:, layer, 0], self.data[:, layer, 1]
+        """K and V views of one layer: each [pages of its region, num_kv_heads, page_size, head_dim]."""
+        w, i = self._slot[layer]
+        region = self.window if w else self.data
+        return region[:, i, 0], region[:, i, 1]
 
     def data_ptr(self) -> int:
-        return self.data.data_ptr()
+        return self._buffer.data_ptr()
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return self._buffer.numel() * self._buffer.element_size()

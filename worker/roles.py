@@ -16,6 +16,7 @@ from typing import cast
 
 import grpc
 
+from protocol.tls import add_port
 from transfer.contract import KVLayout
 from transfer.manager import KVTransferManager
 from worker.config import WorkerConfig
@@ -57,6 +58,7 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
         model_fingerprint=engine.spec.fingerprint,
         model_name=engine.spec.architecture,
         peer_id=f"{config.host}:{config.port}",
+        tls=config.tls,
     )
     info["transfer_backend"] = config.transfer.backend
     info["epoch"] = str(manager.epoch)
@@ -64,7 +66,7 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
     if config.role == "prefill":
         server = grpc.server(ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap"))
         manager.add_to_server(server)
-        port = server.add_insecure_port(f"{config.host}:{config.transfer.bootstrap_port}")
+        port = add_port(server, f"{config.host}:{config.transfer.bootstrap_port}", config.tls)
         if port == 0:
             raise RuntimeError(f"cannot bind the bootstrap service on {config.host}:{config.transfer.bootstrap_port}; "
                                "set transfer.bootstrap_port to a free port")

@@ -18,7 +18,7 @@ from collections import defaultdict
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol import tandem_pb2, tandem_pb2_grpc, tls
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestOutput
 from worker.request import Request
@@ -233,7 +233,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     engine = await loop.run_in_executor(None, Engine, config)
     roles = await loop.run_in_executor(None, attach_role, engine, config, service)
     address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
+    if tls.add_port(server, address, config.tls) == 0:
         raise RuntimeError(f"cannot bind {address}: is the port in use? set the worker's port")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -350,17 +350,18 @@ class FollowerRooms:
         self.manager = KVTransferManager(
             config.transfer, kv_layout_of(kv, num_kv_heads_total, config), role=config.role, kv_ptr=kv.data_ptr(),
             kv_nbytes=kv.nbytes(), host=config.host, model_fingerprint=fingerprint, model_name=architecture,
-            peer_id=f"{config.host}:{config.port}",
+            peer_id=f"{config.host}:{config.port}", tls=config.tls,
         )
         self.server: grpc.Server | None = None
         self.bootstrap_addr = ""
         if config.role == "prefill":
+            from protocol.tls import add_port
             from worker.roles import MAX_LIVE_ROOMS
 
             self.server = grpc.server(ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap"))
             self.manager.add_to_server(self.server)
             want = config.transfer.bootstrap_port
-            port = self.server.add_insecure_port(f"{config.host}:{want + global_rank if want else 0}")
+            port = add_port(self.server, f"{config.host}:{want + global_rank if want else 0}", config.tls)
             if port == 0:
                 raise DistributedError(f"rank {global_rank}: cannot bind a bootstrap port on {config.host}")
             self.server.start()

@@ -15,13 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
 
 from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.tls import TLSConfig, channel
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: configs/ and models/ live here
 EMBEDDED_MODEL = REPO / "models" / "tandem-arith"
@@ -45,9 +45,10 @@ class Cluster:
     log_dir: Path
     workers: dict[str, str]  # name (prefill-0, decode-0, both-0) -> host:port
     proc: subprocess.Popen[bytes]
+    tls: TLSConfig = field(default_factory=TLSConfig)  # how to dial the workers (the cluster's tls)
 
     def load(self, name: str) -> tandem_pb2.Load:
-        with grpc.insecure_channel(self.workers[name]) as ch:
+        with channel(self.workers[name], self.tls) as ch:
             return tandem_pb2_grpc.WorkerStub(ch).GetLoad(tandem_pb2.GetLoadRequest(), timeout=5)
 
     def wait_drained(self, timeout_s: float = 20.0) -> dict[str, tandem_pb2.Load]:
@@ -69,7 +70,10 @@ class Cluster:
 
 @contextlib.contextmanager
 def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBEDDED_MODEL,
-                    env: dict[str, str] | None = None, ready_timeout_s: float = 180.0) -> Iterator[Cluster]:
+                    env: dict[str, str] | None = None, ready_timeout_s: float = 180.0,
+                    tls: TLSConfig | None = None) -> Iterator[Cluster]:
+    """`tls`: serve every gRPC link with it (and dial the workers with it)."""
+    tls = tls or TLSConfig()
     gw, p0, d0 = free_ports(3)
     log_dir = tmp / "logs"
     sets = [
@@ -77,6 +81,8 @@ def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBED
         f"roles.both.base_port={p0}", f"launcher.log_dir={log_dir}", "launcher.ready_timeout_s=170",
         *overrides,
     ]
+    if tls.enabled:
+        sets += [f"tls.cert_file={tls.cert_file}", f"tls.key_file={tls.key_file}", f"tls.ca_file={tls.ca_file}"]
     sets = [s for s in sets if _role_present(config, s)]
     argv = [sys.executable, "-m", "orchestrator.cli", "serve", "--config", config, "--model", str(model)]
     for s in sets:
@@ -100,7 +106,7 @@ def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBED
         for w in httpx.get(f"{url}/workers").json():
             role = w["role"]
             workers[f"{role}-{sum(1 for n in workers if n.startswith(role))}"] = w["url"]
-        yield Cluster(url=url, log_dir=log_dir, workers=workers, proc=proc)
+        yield Cluster(url=url, log_dir=log_dir, workers=workers, proc=proc, tls=tls)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

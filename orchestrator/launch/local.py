@@ -32,6 +32,7 @@ from typing import IO
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
 from orchestrator.launch.readiness import HealthWatch, http_ready
 from orchestrator.plan import plan_processes, read_model_config
+from protocol.tls import TLSConfig
 
 
 class LaunchError(RuntimeError):
@@ -48,6 +49,7 @@ class ProcessSpec:
     grpc_address: str = ""  # readiness = grpc.health.v1 SERVING at this host:port
     health_url: str = ""  # readiness = HTTP 200 here (the gateway)
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+    tls: TLSConfig = field(default_factory=TLSConfig)  # how readiness checks dial grpc_address
 
 
 @dataclass
@@ -140,7 +142,7 @@ class LocalCluster:
     def _start(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         self._workers = [self._spawn(spec) for spec in self.worker_specs]
-        watches = [HealthWatch(c.spec.grpc_address, self._wake) for c in self._workers]
+        watches = [HealthWatch(c.spec.grpc_address, self._wake, c.spec.tls) for c in self._workers]
         try:
             for w in watches:
                 w.start(self.ready_timeout_s)
@@ -269,6 +271,7 @@ def cluster_specs(cluster: ClusterConfig, config_file: Path) -> tuple[list[Proce
             argv=[*base, "worker", "--config", str(config_file), "--role", row.role, "--replica", str(row.replica)],
             log_path=log_dir / f"{row.name}.log",
             grpc_address=dial_address(row.host, row.port),
+            tls=cluster.tls,
         )
         for row in plan_processes(cluster)
         if row.role != "gateway" and row.starts_node  # a worker starts its node's other ranks itself

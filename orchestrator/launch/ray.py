@@ -39,6 +39,7 @@ from orchestrator.launch.local import LaunchError, LocalCluster, cluster_specs, 
 from orchestrator.launch.readiness import HealthWatch
 from orchestrator.launch.slurm import run_gate
 from orchestrator.plan import check_layout, procs_per_node, read_model_config
+from protocol.tls import TLSConfig
 
 
 # max_concurrency: wait() blocks one thread, stop() and tail() must still run (ray's stubs
@@ -177,9 +178,9 @@ def _resolve(cluster: ClusterConfig, replicas: list[_Replica]) -> ClusterConfig:
     return resolved
 
 
-def _wait_serving(replicas: list[_Replica], deadline: float, tail_lines: int, err: IO[str]) -> None:
+def _wait_serving(replicas: list[_Replica], deadline: float, tail_lines: int, err: IO[str], tls: TLSConfig) -> None:
     wake = threading.Event()
-    watches = [HealthWatch(r.address, wake) for r in replicas]
+    watches = [HealthWatch(r.address, wake, tls) for r in replicas]
     exits = {r.name: r.actor.wait.remote(max(0.1, deadline - time.monotonic())) for r in replicas}
     try:
         for w in watches:
@@ -213,7 +214,7 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
         resolved = _resolve(cluster, replicas)
         text = dump_config(resolved)
         ray.get([r.actor.start.remote(text, r.role, r.replica) for r in replicas])
-        _wait_serving(replicas, deadline, launcher.log_tail_lines, err)
+        _wait_serving(replicas, deadline, launcher.log_tail_lines, err, cluster.tls)
         log_dir = Path(launcher.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         config_file = (log_dir / "cluster.yaml").resolve()

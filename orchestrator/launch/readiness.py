@@ -16,18 +16,20 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protocol.tls import TLSConfig, channel
+
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class HealthWatch:
     """Follows one worker's gRPC health status; `ready` is set once it reports SERVING."""
 
-    def __init__(self, address: str, wake: threading.Event) -> None:
+    def __init__(self, address: str, wake: threading.Event, tls: TLSConfig | None = None) -> None:
         self.address = address
         self.ready = threading.Event()
         self.last_status = "no answer yet"  # for the timeout message
         self._wake = wake  # set on every status change so the launcher re-checks at once
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel(address, tls or TLSConfig())
         self._call: grpc.Future | None = None
         self._lock = threading.Lock()
         self._closed = False

@@ -52,6 +52,7 @@ from orchestrator.launch.local import (
 )
 from orchestrator.launch.readiness import HealthWatch
 from orchestrator.plan import ProcessRow, check_layout, num_nodes, plan_processes, read_model_config
+from protocol.tls import TLSConfig
 
 # Variables that describe Slurm's task layout; a worker's own ranks must not see them
 # (torch.distributed / NCCL / MPI integrations read SLURM_PROCID, SLURM_NTASKS, PMI_*).
@@ -168,10 +169,10 @@ def _wait_files(run_dir: Path, names: list[str], deadline: float, err: IO[str], 
         time.sleep(FILE_POLL_S)
 
 
-def _check_health(addresses: list[str], deadline: float) -> None:
+def _check_health(addresses: list[str], deadline: float, tls: TLSConfig) -> None:
     """Every worker answers gRPC health SERVING from this node (cross-node reachability)."""
     wake = threading.Event()
-    watches = [HealthWatch(a, wake) for a in addresses]
+    watches = [HealthWatch(a, wake, tls) for a in addresses]
     try:
         for w in watches:
             w.start(max(0.1, deadline - time.monotonic()))
@@ -259,7 +260,7 @@ def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file:
             all_workers = [s.name for n in range(num_nodes(cluster)) for s in node_specs(cluster, n, config_file, run_dir)]
             _wait_files(run_dir, all_workers, deadline, err, launcher.log_tail_lines)
             _check_health([s.grpc_address for n in range(num_nodes(cluster))
-                           for s in node_specs(cluster, n, config_file, run_dir)], deadline)
+                           for s in node_specs(cluster, n, config_file, run_dir)], deadline, cluster.tls)
             print(f"{clock()} node 0: every worker SERVING across nodes; starting the gateway", file=out, flush=True)
             _, gw_spec = cluster_specs(cluster, config_file)
             gw_spec = dataclasses.replace(gw_spec, log_path=run_dir / "lb.log")
