@@ -48,6 +48,17 @@ class CacheGroup:
         if self.kind is CacheKind.SLIDING_WINDOW and self.window <= 0:
             raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
 
+    def ring_pages(self, page_size: int) -> int:
+        """Pages of a SLIDING_WINDOW group's per-request ring: ceil(window / page_size) + 1.
+
+        Token p sits in ring page (p // page_size) % ring_pages. The extra page is what keeps the
+        last `window` tokens whole while the newest page fills: the page recycled when token p
+        starts a new page last held tokens at least (ring_pages - 1) * page_size >= window back.
+        Both sides derive it from (window, page_size), which the contract fixes, so a ring page
+        index means the same token range on prefill and decode.
+        """
+        return -(-self.window // page_size) + 1
+
 
 def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:
     """Global kv-head ids held by `tp_rank`.
@@ -82,11 +93,24 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     groups: tuple[CacheGroup, ...] = ()  # () = every layer is full attention
+    # Pages of the window region (SLIDING_WINDOW group) that follows the full region in the same
+    # registered memory: `window[num_window_pages, num_window_layers, 2, heads, page_size, head_dim]`
+    # at byte `window_base`. 0 = no window region (window layers, if any, live in full pages).
+    num_window_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ContractError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
+        windows = [g for g in self.groups if g.kind is CacheKind.SLIDING_WINDOW]
+        if self.num_window_pages < 0:
+            raise ContractError(f"KVLayout.num_window_pages must be >= 0, got {self.num_window_pages}")
+        if self.num_window_pages and len(windows) != 1:
+            raise ContractError(f"KVLayout.num_window_pages={self.num_window_pages} needs exactly one sliding_window "
+                                f"group in KVLayout.groups, got {len(windows)} (merge window layers into one group)")
+        if self.num_window_pages and len(windows[0].layers) >= self.num_layers:
+            raise ContractError("KVLayout.groups: a window region needs at least one full_attention layer; "
+                                "keep all-window models in full pages (num_window_pages=0)")
         if self.dtype not in DTYPE_BYTES:
             raise ContractError(f"KVLayout.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -112,12 +136,43 @@ class KVLayout:
         return self.page_size * self.head_dim * self.itemsize
 
     @property
+    def window_group(self) -> CacheGroup | None:
+        """The SLIDING_WINDOW group kept in its own region (None without a window region)."""
+        if not self.num_window_pages:
+            return None
+        return next(g for g in self.groups if g.kind is CacheKind.SLIDING_WINDOW)
+
+    @property
+    def num_full_layers(self) -> int:
+        """Layers stored in the full pages (all of them unless a window region holds some)."""
+        group = self.window_group
+        return self.num_layers - (len(group.layers) if group is not None else 0)
+
+    @property
     def page_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads_local * self.head_bytes
+        """One full page: every full-region layer's K and V."""
+        return self.num_full_layers * 2 * self.num_kv_heads_local * self.head_bytes
+
+    @property
+    def window_base(self) -> int:
+        """Byte offset of the window region from the pool's base (it follows the full pages)."""
+        return self.num_pages * self.page_bytes
+
+    def window_view(self) -> KVLayout:
+        """The window region as a plain layout of its own (offsets from `window_base`)."""
+        group = self.window_group
+        if group is None:
+            raise ContractError("KVLayout.window_view: this layout has no window region (num_window_pages=0)")
+        return KVLayout(
+            num_pages=self.num_window_pages, num_layers=len(group.layers), page_size=self.page_size,
+            head_dim=self.head_dim, dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total,
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
+        )
 
     @property
     def pool_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        window = self.window_view().pool_bytes if self.num_window_pages else 0
+        return self.num_pages * self.page_bytes + window
 
     def offset(self, page: int, layer: int = 0, kv: int = 0, local_head: int = 0) -> int:
         """Byte offset of (page, layer, K|V, head) from the pool's base pointer."""
@@ -158,12 +213,12 @@ class LayoutContract:
             tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
         )
 
-    def layout(self, num_pages: int = 1) -> KVLayout:
-        """The peer's layout (for offset arithmetic); num_pages is unknown to the contract."""
+    def layout(self, num_pages: int = 1, num_window_pages: int = 0) -> KVLayout:
+        """The peer's layout (for offset arithmetic); page counts are not in the contract."""
         return KVLayout(
             num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
             dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
-            tp_size=self.tp_size, groups=self.groups,
+            tp_size=self.tp_size, groups=self.groups, num_window_pages=num_window_pages,
         )
 
     def canonical(self) -> str:

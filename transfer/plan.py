@@ -98,8 +98,8 @@ def plan_segments(
     """
     if src.page_size != dst.page_size or src.head_dim != dst.head_dim or src.itemsize != dst.itemsize:
         raise PlanError("src and dst layouts differ in page_size/head_dim/dtype; check the contract first")
-    if src.num_layers != dst.num_layers:
-        raise PlanError(f"num_layers differs: src {src.num_layers} vs dst {dst.num_layers}")
+    if src.num_full_layers != dst.num_full_layers:
+        raise PlanError(f"num_layers per page differs: src {src.num_full_layers} vs dst {dst.num_full_layers}")
     runs = head_runs(src, dst)
     hb = src.head_bytes
     out: list[list[Range]] = []
@@ -111,7 +111,7 @@ def plan_segments(
         if runs == [(0, 0, src.num_kv_heads_local)] and src.num_kv_heads_local == dst.num_kv_heads_local:
             segs.append(Range(src.offset(s_page), dst.offset(d_page), src.page_bytes))  # same heads: whole page
         else:
-            for layer in range(src.num_layers):
+            for layer in range(src.num_full_layers):
                 for kv in (0, 1):
                     for s_h, d_h, n in runs:
                         segs.append(Range(src.offset(s_page, layer, kv, s_h), dst.offset(d_page, layer, kv, d_h), n * hb))
@@ -175,3 +175,40 @@ def replay_tail(group: CacheGroup, num_tokens: int, ring_tokens: int = 0) -> lis
 def tail_ranges(runs: list[TokenRun], src_base: int, dst_base: int, token_bytes: int) -> list[Range]:
     """Byte ranges of replay-tail runs between two rings with the same slot layout."""
     return coalesce([Range(src_base + r.slot * token_bytes, dst_base + r.slot * token_bytes, r.count * token_bytes) for r in runs])
+
+
+def window_tail_pages(num_tokens: int, window: int, page_size: int, ring_pages: int) -> list[int]:
+    """Ring page indices holding the last `window` of `num_tokens` tokens, oldest first.
+
+    Token p sits in ring page (p // page_size) % ring_pages (see CacheGroup.ring_pages), so the
+    tail is the pages of positions [max(0, num_tokens - window), num_tokens): at most ring_pages.
+    """
+    if window <= 0 or page_size <= 0 or ring_pages * page_size < window:
+        raise PlanError(f"need window ({window}) > 0 and ring_pages ({ring_pages}) * page_size ({page_size}) >= window")
+    if num_tokens <= 0:
+        return []
+    first, last = max(0, num_tokens - window) // page_size, (num_tokens - 1) // page_size
+    return [p % ring_pages for p in range(first, last + 1)]
+
+
+def plan_window_tail(
+    src: KVLayout, dst: KVLayout, src_ring: list[int], dst_ring: list[int], ring_indices: list[int],
+) -> list[list[Range]]:
+    """Ranges that move ring pages `ring_indices` of a request's window ring, one list per index.
+
+    `src_ring`/`dst_ring` are each side's window pages in ring order (the same length: both
+    derive it from the contract's window and page size). Offsets are from each side's pool
+    base (the window region sits at `window_base`), so these ranges travel like page ranges.
+    Heterogeneous TP works as for full pages: the window region has the same head layout.
+    """
+    if len(src_ring) != len(dst_ring):
+        raise PlanError(f"window rings differ in length: src {len(src_ring)} vs dst {len(dst_ring)} pages; "
+                        "both sides must derive ring_pages from the same window and page_size")
+    s_view, d_view = src.window_view(), dst.window_view()
+    out: list[list[Range]] = []
+    for idx in ring_indices:
+        if not 0 <= idx < len(src_ring):
+            raise PlanError(f"ring index {idx} outside a ring of {len(src_ring)} pages")
+        segs = plan_segments(s_view, d_view, [src_ring[idx]], dst_ring, start_page=idx)
+        out.append([Range(r.src + src.window_base, r.dst + dst.window_base, r.length) for s in segs for r in s])
+    return out

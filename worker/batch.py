@@ -27,6 +27,14 @@ class ForwardBatch:
     query_start_list: list[int]
     seq_lens_list: list[int]
 
+    # Window layers (models whose window layers keep a ring of pages, see docs/hybrid-cache.md);
+    # None when every layer reads full pages.
+    window_slot_mapping: torch.Tensor | None = None  # [T] ring page * page_size + offset; -1 = not kept
+    window_context_slots: torch.Tensor | None = None  # [C] ring slots of each request's window history
+    # [B+1] host offsets of each request's history in window_context_slots: request i attends to
+    # the history (the tokens just before its chunk that its window reaches) plus its new tokens.
+    window_context_start: list[int] | None = None
+
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_list)

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.config import WorkerConfig
+from worker.config import ConfigError, WorkerConfig
 from worker.kv_cache import KVCache, KVShape
 from worker.model import ModelSpec, load_model
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.runner import ModelRunner
-from worker.scheduler import RoleHooks, Scheduler
+from worker.scheduler import RoleHooks, Scheduler, WindowCache
 
 if TYPE_CHECKING:
     from worker.tp_runner import TPLeader
@@ -78,7 +78,11 @@ class Engine:
             config.model.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
         num_pages = config.cache.total_pages
-        self.kv = KVCache(kv_shape(self.spec, config, num_pages), self.device)
+        self.kv = KVCache(kv_shape(self.spec, config, num_pages, self.max_model_len), self.device)
+        shape = self.kv.shape
+        window = None
+        if shape.window_layers:
+            window = WindowCache(shape.window, len(shape.window_layers), shape.ring_pages, shape.num_window_pages)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -86,6 +90,7 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.spec.eos_token_ids,
             on_finish=self._on_finish,
+            window=window,
         )
         self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
         self._inbox: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
@@ -241,14 +246,42 @@ class Engine:
             self.step()
         if req.status is RequestStatus.FINISHED_ERROR:
             raise RuntimeError(f"warm-up failed: {req.error}")
-        if self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs:
+        if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
+                and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
             self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
 
 
-def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int) -> KVShape:
+WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight
+
+
+def window_layers(spec: ModelSpec, max_model_len: int) -> tuple[tuple[int, ...], int]:
+    """The layers that get a window ring, and their window; ((), 0) = keep every layer in full pages.
+
+    A ring needs a window shorter than the context and at least one full-attention layer (an
+    all-window model would have an empty full page; it keeps today's masked full pages), and
+    one window size for all window layers (one ring geometry per request).
+    """
+    windows = spec.layer_windows
+    layers = tuple(i for i, w in enumerate(windows) if w is not None)
+    sizes = {w for w in windows if w is not None}
+    if not layers or len(layers) == len(windows) or len(sizes) != 1:
+        return (), 0
+    (window,) = sizes
+    if window >= max_model_len:
+        return (), 0  # the window never slides: plain full pages
+    return layers, window
+
+
+def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int, max_model_len: int | None = None) -> KVShape:
     tp = config.parallel.tp_size
     # With TP > kv heads each rank keeps a replica of one kv head.
     kv_heads = max(1, spec.num_kv_heads // tp)
+    layers, window = window_layers(spec, max_model_len or spec.max_position_embeddings)
+    if layers and (config.parallel.world_size > 1 or config.parallel.nnodes > 1):
+        raise ConfigError(
+            f"parallel: a model with sliding-window layers ({len(layers)} of {spec.num_layers}, window {window}) keeps "
+            "window rings that multi-rank workers do not mirror yet; run it with parallel.tp_size=1")
+    ring_pages = -(-window // config.cache.page_size) + 1 if layers else 0
     return KVShape(
         num_pages=num_pages,
         num_layers=spec.num_layers,
@@ -256,4 +289,7 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int) -> KVShape:
         page_size=config.cache.page_size,
         head_dim=spec.head_dim,
         dtype=spec.dtype,
+        window_layers=layers,
+        window=window,
+        num_window_pages=ring_pages * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
     )

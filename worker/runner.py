@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from worker.batch import ForwardBatch
@@ -45,7 +48,9 @@ class ModelRunner:
             input_ids.extend(req.all_token_ids()[start : start + n])
             pos = range(start, start + n)
             positions.extend(pos)
-            slots.extend(table[p // page_size] * page_size + p % page_size for p in pos)
+            # A replayed token (below full_from) already has its full-layer KV in a shared cached
+            # page: -1 = do not write it again.
+            slots.extend(table[p // page_size] * page_size + p % page_size if p >= chunk.full_from else -1 for p in pos)
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
             if chunk.sample:
@@ -55,6 +60,7 @@ class ModelRunner:
         def dev(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        window = self._window_fields(plan, dev) if self.kv.shape.window_layers else {}
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -65,7 +71,34 @@ class ModelRunner:
             logits_indices=dev(logits_indices),
             query_start_list=query_start,
             seq_lens_list=seq_lens,
+            **window,
         )
+
+    def _window_fields(self, plan: SchedulePlan, dev: Callable[[list[int]], torch.Tensor]) -> dict[str, Any]:
+        """Ring slots of the window layers: where each new token's row goes, and each request's
+        history (the up to W-1 tokens before its chunk, from `window_from` on) to read."""
+        page_size, window, ring_pages = self.page_size, self.kv.shape.window, self.kv.shape.ring_pages
+        ring_tokens = ring_pages * page_size
+        store: list[int] = []
+        history: list[int] = []
+        history_start = [0]
+        for chunk in plan.chunks:
+            ring, start, end = chunk.window_pages, chunk.start, chunk.start + chunk.num_tokens
+            assert len(ring) == ring_pages, f"{chunk.request.request_id} holds {len(ring)} ring pages, needs {ring_pages}"
+
+            def slot(p: int, ring: list[int] = ring) -> int:
+                return ring[(p // page_size) % ring_pages] * page_size + p % page_size
+
+            # Keep only the last ring_tokens new tokens: earlier ones would be overwritten in the
+            # same write (duplicate slots in one scatter have no defined winner on GPU).
+            store.extend(slot(p) if p >= end - ring_tokens else -1 for p in range(start, end))
+            history.extend(slot(p) for p in range(max(start - (window - 1), chunk.window_from, 0), start))
+            history_start.append(len(history))
+        return {
+            "window_slot_mapping": dev(store),
+            "window_context_slots": dev(history),
+            "window_context_start": history_start,
+        }
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan) -> RunOutput:

@@ -13,6 +13,12 @@ request is preempted: its pages go back (through the prefix cache, so the recomp
 and it waits at the head of the queue to recompute. A request is never dropped: it finishes or
 fails with a reason.
 
+Hybrid models (window layers keeping a ring of pages, docs/hybrid-cache.md): each running
+request also holds a ring of `ring_pages` window pages from a second pool, taken at admission.
+A prefix hit cannot restore window rows (the tree keeps full pages only), so the scheduler
+re-feeds a bounded suffix of the hit ("bounded replay"): the replayed tokens write no full
+page (theirs sit in shared cached pages) and rebuild the ring exactly.
+
 Roles hook in through `RoleHooks` (worker/prefill.py, worker/decode.py): prefill ships a request's
 pages once its prompt is done instead of decoding; decode admits requests whose KV has landed.
 """
@@ -24,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from worker.config import CacheConfig, SchedulerConfig
+from worker.config import CacheConfig, ConfigError, SchedulerConfig
 from worker.page_pool import OutOfPages, PagePool
 from worker.prefix_cache import PrefixCache
 from worker.request import Request, RequestStatus, TokenLogprob
@@ -38,6 +44,29 @@ class ScheduledChunk:
     start: int  # position of the first token computed this step (= num_computed_tokens)
     num_tokens: int  # tokens computed this step
     sample: bool  # the chunk reaches the request's last known token: sample the next one
+    window_pages: list[int] = field(default_factory=list)  # the request's window ring (hybrid models)
+    window_from: int = 0  # first position the ring holds valid rows for (start of a bounded replay)
+    full_from: int = 0  # positions below keep their cached full-page KV: not written again (replay)
+
+
+@dataclass(frozen=True)
+class WindowCache:
+    """The window group of a hybrid model, as the scheduler sees it."""
+
+    window: int  # tokens a window layer attends to
+    num_layers: int  # window layers (the bounded replay grows with their depth)
+    ring_pages: int  # window pages per request
+    num_pages: int  # window pages of the worker: the rings of all live requests
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens before a prefix hit's end to re-feed so every ring row is rebuilt exactly.
+
+        Window layer l's KV at token p depends on window layer l-1's output at p, which reads
+        layer l-1's KV of tokens p-W+1..p: each window layer pushes the dependency W-1 tokens
+        back, so the rows tokens after the hit will read need num_layers * (W-1) tokens replayed.
+        """
+        return self.num_layers * (self.window - 1)
 
 
 @dataclass
@@ -104,6 +133,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int],
         on_finish: FinishCallback,
+        window: WindowCache | None = None,
     ) -> None:
         self.config = scheduler
         self.page_size = cache.page_size
@@ -117,6 +147,18 @@ class Scheduler:
         self._on_finish = on_finish  # the engine streams the final message and forgets the request
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
+        self.window = window
+        self.window_pool: PagePool | None = None
+        self.rings: dict[str, list[int]] = {}  # request id -> its window ring (hybrid models)
+        self._window_from: dict[str, int] = {}  # request id -> start of its ring's valid rows
+        self._full_from: dict[str, int] = {}  # request id -> end of its replayed (cached) tokens
+        if window is not None:
+            if scheduler.chunked_prefill_size < window.window + self.page_size:
+                raise ConfigError(
+                    f"scheduler.chunked_prefill_size ({scheduler.chunked_prefill_size}) must be at least the model's "
+                    f"sliding window plus one page ({window.window} + {self.page_size}) so a replayed window fits "
+                    "one step; raise it")
+            self.window_pool = PagePool(window.num_pages)
 
     # ---- intake ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -186,7 +228,7 @@ class Scheduler:
             # start what page pressure would immediately preempt.
             if self._pages_for(req.num_tokens) - len(req.page_table) > self._num_available() or not self._grow(
                 req, req.num_computed_tokens + n
-            ):
+            ) or self.take_ring(req) is None:
                 self._release_pages(req)  # give back prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
@@ -198,7 +240,11 @@ class Scheduler:
 
     def _add_chunk(self, plan: SchedulePlan, req: Request, n: int) -> None:
         start = req.num_computed_tokens
-        plan.chunks.append(ScheduledChunk(req, start, n, sample=start + n == req.num_tokens))
+        rid = req.request_id
+        plan.chunks.append(ScheduledChunk(
+            req, start, n, sample=start + n == req.num_tokens, window_pages=self.rings.get(rid, []),
+            window_from=self._window_from.get(rid, 0), full_from=self._full_from.get(rid, 0),
+        ))
         plan.num_tokens += n
 
     # ---- step 3: update ---------------------------------------------------------------------
@@ -283,7 +329,15 @@ class Scheduler:
             pages.pop()
         self.pool.share(pages, req.request_id)
         req.page_table = list(pages)
-        req.num_computed_tokens = len(pages) * self.page_size
+        hit = len(pages) * self.page_size
+        req.num_computed_tokens = hit
+        if self.window is not None and hit:
+            # Bounded replay: the hit restores full pages only; re-feed the tail that rebuilds the
+            # ring (page-aligned, so cached_tokens stays a multiple of the page size).
+            replay_from = max(0, hit - self.window.replay_tokens) // self.page_size * self.page_size
+            req.num_computed_tokens = replay_from
+            self._window_from[req.request_id] = replay_from
+            self._full_from[req.request_id] = hit
         if not req.output_token_ids and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
 
@@ -295,6 +349,24 @@ class Scheduler:
         if req.page_table:
             self.pool.release(req.page_table, req.request_id)
             req.page_table = []
+        ring = self.rings.pop(req.request_id, None)
+        if ring is not None:
+            assert self.window_pool is not None
+            self.window_pool.release(ring, req.request_id)
+        self._window_from.pop(req.request_id, None)
+        self._full_from.pop(req.request_id, None)
+
+    def take_ring(self, req: Request) -> list[int] | None:
+        """The request's window ring, allocated on first call; None when the window pool is
+        short (the caller waits). A model without window layers needs none: []."""
+        if self.window is None or self.window_pool is None:
+            return []
+        ring = self.rings.get(req.request_id)
+        if ring is None:
+            if self.window_pool.num_free < self.window.ring_pages:
+                return None
+            ring = self.rings[req.request_id] = self.window_pool.allocate(self.window.ring_pages, req.request_id)
+        return ring
 
     def _pick_victim(self, exclude: Request, scheduled: SchedulePlan) -> Request | None:
         """The newest running request that is not `exclude` (it loses the least work)."""
@@ -326,3 +398,6 @@ class Scheduler:
         """No request left and no page held. Tests end with this."""
         assert not self.waiting and not self.running, "requests left in the queues"
         self.pool.assert_drained()
+        if self.window_pool is not None:
+            assert not self.rings, f"window rings still held: {sorted(self.rings)}"
+            self.window_pool.assert_drained()

@@ -26,6 +26,9 @@ def store_kv(
 ) -> None:
     """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache."""
     page_size = k_cache.shape[2]
+    keep = slot_mapping >= 0  # [T]: a negative slot is not stored (its KV is cached already)
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     pages = slot_mapping // page_size  # [T]
     offsets = slot_mapping % page_size  # [T]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
@@ -99,6 +102,47 @@ def paged_attention(
 ) -> torch.Tensor:
     """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
     return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window)
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    batch: ForwardBatch, scale: float, window: int,
+) -> torch.Tensor:
+    """A window layer over its ring of pages: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D].
+
+    The ring holds only the last W tokens (fewer than a chunk may add), so each request attends
+    to its history read from the ring (`window_context_slots`: the up to W-1 tokens before its
+    chunk) plus this step's K/V straight from the projections, and the new K/V are stored only
+    after every request has read its history (a chunk longer than the ring overwrites slots that
+    its own first queries still need). Works on any device (plain torch ops).
+    """
+    assert batch.window_context_slots is not None and batch.window_context_start is not None
+    assert batch.window_slot_mapping is not None
+    page_size = k_cache.shape[2]
+    hist_pages = batch.window_context_slots // page_size  # [C]
+    hist_offsets = batch.window_context_slots % page_size  # [C]
+    hist_k = k_cache[hist_pages, :, hist_offsets].to(q.dtype)  # [C, Hkv, D]
+    hist_v = v_cache[hist_pages, :, hist_offsets].to(q.dtype)  # [C, Hkv, D]
+    out = torch.empty_like(q)  # [T, Hq, D]
+    qs, hs = batch.query_start_list, batch.window_context_start
+    for i in range(batch.num_requests):
+        start, end = qs[i], qs[i + 1]
+        if end == start:
+            continue
+        n, h = end - start, hs[i + 1] - hs[i]
+        ctx_k = torch.cat([hist_k[hs[i] : hs[i + 1]], k[start:end]]).transpose(0, 1)  # [Hkv, h+n, D]
+        ctx_v = torch.cat([hist_v[hs[i] : hs[i + 1]], v[start:end]]).transpose(0, 1)  # [Hkv, h+n, D]
+        mask = None
+        if n > 1 or h >= window:
+            q_pos = torch.arange(h, h + n, device=q.device)[:, None]  # [n, 1], relative to the history start
+            k_pos = torch.arange(h + n, device=q.device)[None, :]  # [1, h+n]
+            mask = (k_pos <= q_pos) & ((q_pos - k_pos) < window)  # [n, h+n]
+        oi = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [1, Hq, n, D]
+        out[start:end] = oi[0].transpose(0, 1)
+    store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping)
+    return out
 
 
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:

@@ -29,6 +29,7 @@ class ModelSpec:
     dtype: torch.dtype  # the dtype the weights were loaded in (also the KV cache's)
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
-from worker.model.attention import AttentionBackend
+from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.hf_config import ArchConfig
 from worker.model.layers import (
@@ -64,7 +64,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
-        o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        if self.sliding_window is not None and kv.is_window(self.layer):  # a ring of the last W tokens
+            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        else:
+            o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, q_size))  # [T, hidden]
 
 

@@ -255,5 +255,6 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         dtype=dtype,
         fingerprint=fp,
         sliding_window=arch.sliding_window,
+        layer_windows=arch.layer_windows,
     )
     return lm, spec
