@@ -66,7 +66,7 @@ class LayoutContract(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class RoomRegistration(_message.Message):
-    __slots__ = ("room", "peer_id", "epoch", "agent_name", "agent_metadata", "kv_base", "kv_nbytes", "dst_pages", "skip_pages", "num_tokens", "contract")
+    __slots__ = ("room", "peer_id", "epoch", "agent_name", "agent_metadata", "kv_base", "kv_nbytes", "dst_pages", "skip_pages", "num_tokens", "contract", "num_window_pages", "window_dst_pages")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class RoomRegistration(_message.Message):
     SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_DST_PAGES_FIELD_NUMBER: _ClassVar[int]
     room: int
     peer_id: str
     epoch: int
@@ -89,17 +91,21 @@ class RoomRegistration(_message.Message):
     skip_pages: int
     num_tokens: int
     contract: LayoutContract
-    def __init__(self, room: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base: _Optional[int] = ..., kv_nbytes: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ...) -> None: ...
+    num_window_pages: int
+    window_dst_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, room: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base: _Optional[int] = ..., kv_nbytes: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., num_window_pages: _Optional[int] = ..., window_dst_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PageGroupChecksum(_message.Message):
-    __slots__ = ("start_page", "num_pages", "crc32")
+    __slots__ = ("start_page", "num_pages", "crc32", "window")
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     start_page: int
     num_pages: int
     crc32: int
-    def __init__(self, start_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    window: bool
+    def __init__(self, start_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., crc32: _Optional[int] = ..., window: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -172,17 +172,23 @@ class KVTransferManager:
     def _connect_peer(self, reg: pb.RoomRegistration) -> Peer:
         """Turn a registration into a Peer (checks its pages against its pool); connects the backend."""
         theirs = contract_from_pb(reg.contract)
-        page_bytes = theirs.layout().page_bytes
-        num_pages = reg.kv_nbytes // page_bytes
+        shape = theirs.layout(num_window_pages=reg.num_window_pages)
+        window_bytes = shape.window_view().pool_bytes if reg.num_window_pages else 0
+        num_pages = (reg.kv_nbytes - window_bytes) // shape.page_bytes
         bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
         if bad:
             raise ValueError(f"room {reg.room:#x}: dst_pages {bad[:4]} outside decode's pool of {num_pages} pages")
+        bad = [p for p in reg.window_dst_pages if not 0 <= p < reg.num_window_pages]
+        if bad:
+            raise ValueError(f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
+                             f"{reg.num_window_pages} pages")
         with self._lock:
             self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
         self.backend.connect(reg.agent_name, reg.agent_metadata)
         return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id, epoch=reg.epoch,
-                    agent_name=reg.agent_name, kv_base=reg.kv_base, layout=theirs.layout(num_pages),
-                    dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages)
+                    agent_name=reg.agent_name, kv_base=reg.kv_base,
+                    layout=theirs.layout(num_pages, reg.num_window_pages), dst_pages=list(reg.dst_pages),
+                    skip_pages=reg.skip_pages, window_dst_pages=list(reg.window_dst_pages))
 
     def _peer_restarted(self, peer_id: str, old_epoch: int) -> None:
         """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
@@ -199,8 +205,11 @@ class KVTransferManager:
     # ---- decode -------------------------------------------------------------------------
 
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int], num_tokens: int,
-                        skip_pages: int = 0) -> KVReceiver:
+                        skip_pages: int = 0, window_pages: list[int] | None = None) -> KVReceiver:
         """Register `dst_pages` (decode's page for each request page position) for `room`.
+
+        `window_pages`: the room's window ring (hybrid models, in ring order); prefill lands the
+        retained tail of its own ring there, so decode never re-feeds the prompt.
 
         `bootstrap_addr` is the prefill worker's gRPC address. With prefill TP > 1 either that
         one address (its ranks' addresses arrive in ACCEPTED, see set_tp_bootstrap_addrs) or
@@ -212,10 +221,18 @@ class KVTransferManager:
         bad = [p for p in dst_pages if not 0 <= p < self.layout.num_pages]
         if bad:
             raise ValueError(f"room {room:#x}: dst_pages {bad[:4]} outside this pool of {self.layout.num_pages} pages")
+        ring = list(window_pages or [])
+        group = self.layout.window_group
+        if group is not None and len(ring) != group.ring_pages(self.layout.page_size):
+            raise ValueError(f"room {room:#x}: window_pages has {len(ring)} pages; this layout's window ring needs "
+                             f"{group.ring_pages(self.layout.page_size)} (window {group.window}, page_size {self.layout.page_size})")
+        if group is None and ring:
+            raise ValueError(f"room {room:#x}: window_pages given but this layout has no window region")
         reg = pb.RoomRegistration(
             room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
             agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr, kv_nbytes=self.kv_nbytes,
             dst_pages=dst_pages, skip_pages=skip_pages, num_tokens=num_tokens, contract=contract_to_pb(self.contract),
+            num_window_pages=self.layout.num_window_pages, window_dst_pages=ring,
         )
         with self._lock:
             self._check_new(room, "decode")

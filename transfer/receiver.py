@@ -30,7 +30,7 @@ from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
 from transfer.config import TransferConfig
 from transfer.contract import ContractError, KVLayout, LayoutContract
-from transfer.plan import plan_pages
+from transfer.plan import coalesce, plan_pages, plan_window_tail
 from transfer.room import Room, RoomState
 from transfer.wire import contract_from_pb
 
@@ -165,12 +165,18 @@ class KVReceiver(Room):
 
     def _verify(self, theirs: LayoutContract, ev: pb.RoomEvent) -> str | None:
         """Recompute each page group's crc over our landed bytes, in the sender's plan order."""
-        src = theirs.layout(num_pages=1 << 40)  # page ids index the peer's pool; only offsets matter
+        # Page ids index the peer's pool; only our (dst) offsets matter here.
+        src = theirs.layout(num_pages=1 << 40, num_window_pages=(1 << 40) if self._layout.num_window_pages else 0)
         dst_pages = list(self._reg.dst_pages)
+        ring = list(self._reg.window_dst_pages)
         for g in ev.checksums:
-            dummy_src = list(range(g.num_pages))  # src offsets are irrelevant on this side
-            ranges = plan_pages(src, self._layout, dummy_src, dst_pages, start_page=g.start_page,
-                                skip_pages=self._reg.skip_pages)
+            if g.window:  # one page of the window ring, at ring index start_page
+                ranges = plan_window_tail(src, self._layout, list(range(len(ring))), ring, [g.start_page])[0]
+            else:
+                dummy_src = list(range(g.num_pages))  # src offsets are irrelevant on this side
+                ranges = plan_pages(src, self._layout, dummy_src, dst_pages, start_page=g.start_page,
+                                    skip_pages=self._reg.skip_pages)
+            ranges = coalesce(ranges)
             got = crc_of(self._kv_base, [(r.dst, r.length) for r in ranges])
             if got != g.crc32:
                 return f"pages [{g.start_page}, {g.start_page + g.num_pages}) crc {got:#010x} != sent {g.crc32:#010x}"

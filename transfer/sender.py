@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from protocol import bootstrap_pb2 as pb
 from transfer.config import TransferConfig
 from transfer.contract import KVLayout
-from transfer.plan import Range, plan_pages
+from transfer.plan import Range, coalesce, plan_pages, plan_window_tail, window_tail_pages
 from transfer.room import Room, RoomState
 
 
@@ -43,6 +43,7 @@ class Peer:
     layout: KVLayout  # the decode rank's layout (num_pages from its registered size)
     dst_pages: list[int]
     skip_pages: int
+    window_dst_pages: list[int] = field(default_factory=list)  # the room's window ring on decode
     events: queue.Queue[pb.RoomEvent] = field(default_factory=queue.Queue)
     pages: int = 0
     bytes: int = 0
@@ -56,14 +57,16 @@ class WriteJob:
     sender: KVSender
     peer: Peer
     ranges: list[Range]  # offsets from our base (src) and the peer's base (dst)
-    start_page: int  # request page position of the chunk's first page (for checksums)
+    start_page: int  # request page position of the chunk's first page (ring index if `window`)
     num_pages: int  # page positions the chunk writes to this peer
+    window: bool = False  # one page of the window ring (its retained tail), not full pages
 
 
 @dataclass
 class _Chunk:
-    src_pages: list[int]
+    src_pages: list[int]  # full pages; or, for a window tail, our whole window ring
     start_page: int
+    ring_indices: list[int] | None = None  # window tail: the ring pages to ship
 
 
 class KVSender(Room):
@@ -91,9 +94,13 @@ class KVSender(Room):
     def send(
         self, src_pages: list[int], *, start_page: int, last: bool, first_token: int | None = None,
         first_logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None,
+        window_ring: list[int] | None = None, num_tokens: int = 0,
     ) -> None:
         """Ship `src_pages` (request positions start_page...) to decode; never blocks.
 
+        With `last=True` on a layout with a window region, `window_ring` (our ring, in ring
+        order) and `num_tokens` (tokens computed) add the ring's retained tail: the pages of its
+        last `window` tokens, landed in decode's ring at the same ring indices.
         A no-op on a finished room (its terminal state is what `poll` reports).
         """
         with self._lock:
@@ -107,6 +114,13 @@ class KVSender(Room):
                 self.top_logprobs = list(top_logprobs or [])
             if src_pages:
                 self._chunks.append(_Chunk(list(src_pages), start_page))
+            group = self._layout.window_group
+            if last and group is not None:
+                if window_ring is None or num_tokens <= 0:
+                    raise ValueError(f"room {self.room:#x}: the layout has a window region; the last send needs "
+                                     "window_ring and num_tokens (the ring's tail is part of the KV)")
+                tail = window_tail_pages(num_tokens, group.window, self._layout.page_size, len(window_ring))
+                self._chunks.append(_Chunk(list(window_ring), 0, tail))
             if self._paired():
                 self._flush()
                 if last:
@@ -165,7 +179,8 @@ class KVSender(Room):
             self.stats.bytes += nbytes
             self.stats.writes += 1
             if crc is not None:
-                job.peer.checksums.append(pb.PageGroupChecksum(start_page=job.start_page, num_pages=job.num_pages, crc32=crc))
+                job.peer.checksums.append(pb.PageGroupChecksum(start_page=job.start_page, num_pages=job.num_pages,
+                                                               crc32=crc, window=job.window))
             self._maybe_done()
 
     # ---- internals (lock held) ----------------------------------------------------------
@@ -176,6 +191,9 @@ class KVSender(Room):
     def _flush(self) -> None:
         """Plan queued chunks for every decode rank and hand them to the transfer thread."""
         for chunk in self._chunks:
+            if chunk.ring_indices is not None:
+                self._flush_tail(chunk.src_pages, chunk.ring_indices)
+                continue
             for peer in self.peers.values():
                 ranges = plan_pages(self._layout, peer.layout, chunk.src_pages, peer.dst_pages,
                                     start_page=chunk.start_page, skip_pages=peer.skip_pages)
@@ -187,6 +205,18 @@ class KVSender(Room):
                 self._in_flight += 1
                 self._submit(WriteJob(self, peer, ranges, max(chunk.start_page, peer.skip_pages), covered))
         self._chunks.clear()
+
+    def _flush_tail(self, ring: list[int], ring_indices: list[int]) -> None:
+        """One write job per (peer, ring page) of the window tail (lock held)."""
+        for peer in self.peers.values():
+            per_page = plan_window_tail(self._layout, peer.layout, ring, peer.window_dst_pages, ring_indices)
+            for idx, ranges in zip(ring_indices, per_page, strict=True):
+                if not ranges:
+                    continue  # no head of ours goes to this rank
+                if not self._first_write_t:
+                    self._first_write_t = time.monotonic()
+                self._in_flight += 1
+                self._submit(WriteJob(self, peer, coalesce(ranges), idx, 1, window=True))
 
     def _maybe_done(self) -> None:
         if not (self._last and self._paired() and self._in_flight == 0 and not self._chunks):
