@@ -37,6 +37,5 @@ def test_1p1d_over_tls(tmp_path: Path) -> None:
         assert r.status_code == 200, r.text
         loads = c.wait_drained()
         assert loads["decode-0"].transfer_pages > 0  # the room's bootstrap ran over TLS too
-        with grpc.insecure_channel(c.workers["prefill-0"]) as plain:
-            with pytest.raises(grpc.RpcError):
-                tandem_pb2_grpc.WorkerStub(plain).GetInfo(tandem_pb2.GetInfoRequest(), timeout=3)
+        with grpc.insecure_channel(c.workers["prefill-0"]) as plain, pytest.raises(grpc.RpcError):
+            tandem_pb2_grpc.WorkerStub(plain).GetInfo(tandem_pb2.GetInfoRequest(), timeout=3)
