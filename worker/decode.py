@@ -2,7 +2,7 @@
 
 Lifecycle of one request on a decode worker:
 1. `Generate(room, bootstrap_addr)` arrives: pages for the prompt (+ the first token) are
-   reserved; when the pool is short the request waits here, holding nothing, until pages free up.
+   reserved, and for a hybrid model a window ring (prefill lands its ring's tail there); when the pool is short the request waits here, holding nothing, until pages free up.
 2. A receiver registers the room with the prefill worker's bootstrap service: destination
    pages, this worker's transfer agent, the layout contract and this incarnation's epoch.
    The request is WAITING_FOR_REMOTE_KV.
@@ -47,6 +47,7 @@ class _Quarantine:
     receiver: KVReceiver
     pages: list[int]
     holder: str  # the ledger's name for this hold: quarantine:<request id>
+    ring: list[int]  # window ring pages (hybrid models), held in the window pool the same way
 
 
 class DecodeRole:
@@ -89,14 +90,19 @@ class DecodeRole:
                 sched.finish(req, RequestStatus.FINISHED_ERROR,
                              f"prompt needs {need} KV pages, this decode worker has {sched.pool.num_pages}", "invalid")
                 continue
+            window = sched.window
+            if window is not None and sched.window_pool is not None and sched.window_pool.num_free < window.ring_pages:
+                return  # no window ring free: retry next step, in arrival order
             try:
                 pages = sched.pool.allocate(need, req.request_id)
             except OutOfPages:
                 return  # retry next step, in arrival order
             self._pending.popleft()
             req.page_table = pages
+            ring = sched.take_ring(req)  # hybrid models: prefill lands its window tail here
+            assert ring is not None, "a free ring was checked above"
             receiver = self.manager.create_receiver(
-                req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens
+                req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens, window_pages=ring
             )
             room = self._rooms[req.request_id] = _Room(req, receiver)
             self._by_room[req.room] = room
@@ -152,18 +158,26 @@ class DecodeRole:
         if quiesced or not req.page_table:
             return
         holder = f"quarantine:{req.request_id}"
-        self.engine.scheduler.pool.share(req.page_table, holder)
-        self._quarantined.append(_Quarantine(rx, list(req.page_table), holder))
+        sched = self.engine.scheduler
+        sched.pool.share(req.page_table, holder)
+        ring = list(sched.rings.get(req.request_id, []))
+        if ring:
+            assert sched.window_pool is not None
+            sched.window_pool.share(ring, holder)
+        self._quarantined.append(_Quarantine(rx, list(req.page_table), holder, ring))
 
     def _free_quiesced(self) -> None:
         """Give back the pages of quarantined rooms that prefill can no longer write."""
         if not self._quarantined:
             return
-        pool = self.engine.scheduler.pool
+        pool, window_pool = self.engine.scheduler.pool, self.engine.scheduler.window_pool
         still = []
         for q in self._quarantined:
             if q.receiver.quiesced:
                 pool.release(q.pages, q.holder)
+                if q.ring:
+                    assert window_pool is not None
+                    window_pool.release(q.ring, q.holder)
             else:
                 still.append(q)
         self._quarantined = still

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from transfer.contract import CacheGroup, CacheKind
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -96,3 +98,13 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self._buffer.numel() * self._buffer.element_size()
+
+
+def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
+    """The layout contract's cache groups: () when every layer lives in full pages (as before
+    window rings existed, so such contracts hash as they always did)."""
+    if not shape.window_layers:
+        return ()
+    full = tuple(i for i in range(shape.num_layers) if i not in shape.window_layers)
+    return (CacheGroup(CacheKind.FULL_ATTENTION, full),
+            CacheGroup(CacheKind.SLIDING_WINDOW, shape.window_layers, shape.window))

@@ -8,8 +8,10 @@ Lifecycle of one request on a prefill worker:
    With `transfer.layerwise_interval = N > 0`, every N chunks the pages the prompt has filled
    so far are shipped while the next chunks compute.
 3. The last chunk samples the first token. The request leaves the running batch (TRANSFERRING)
-   and its remaining pages, the first token and its logprobs are shipped; the room completes
-   once every write is confirmed.
+   and its remaining pages, the first token and its logprobs are shipped — for a hybrid model
+   also the retained tail of its window ring (docs/hybrid-cache.md); the room completes once
+   every write is confirmed. A prefix hit on a hybrid model re-feeds a bounded suffix first
+   (the scheduler's bounded replay), so the ring it ships is exact.
 4. `poll` (every step) sees the room end: success → the request finishes and its pages go back
    to the pool through the prefix cache; failure or abort → the request fails with the room's
    reason. Pages are freed exactly once, here or by an abort.
@@ -68,6 +70,9 @@ class PrefillRole:
             first_token=request.output_token_ids[0],
             first_logprob=first.logprob if first else None,
             top_logprobs=first.top if first else None,
+            # Hybrid models: the window ring's retained tail travels too (decode never re-feeds).
+            window_ring=self.engine.scheduler.rings.get(request.request_id),
+            num_tokens=request.num_computed_tokens,
         )
         room.pages_sent = len(request.page_table)
         self._shipping.append(room)

@@ -22,6 +22,7 @@ from transfer.manager import KVTransferManager
 from worker.config import WorkerConfig
 from worker.decode import DecodeRole
 from worker.engine import Engine
+from worker.kv_cache import cache_groups
 from worker.prefill import PrefillRole
 from worker.scheduler import RoleHooks
 
@@ -37,6 +38,8 @@ def kv_layout(engine: Engine, config: WorkerConfig) -> KVLayout:
         num_kv_heads_total=engine.spec.num_kv_heads,
         tp_rank=config.parallel.tp_rank,
         tp_size=config.parallel.tp_size,
+        groups=cache_groups(shape),
+        num_window_pages=shape.num_window_pages,
     )
 
 
