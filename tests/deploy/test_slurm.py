@@ -127,3 +127,17 @@ def test_without_pd_slurm_the_smoke_topology_runs_on_one_node(slurm_cluster: Non
     assert "on 1 node(s)" in out and "(single-node smoke" in out and "/16)" in out
     assert "node 0/2" not in out  # no per-node roles
     assert rc == (0 if real_model_present() else 1), out
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_multi_node_tp2_worker_serves(slurm_cluster: None, model_dir: Path, tmp_path: Path) -> None:
+    """One worker whose TP=2 ranks span the two nodes (rank 1 joins from node 1 over TCP)."""
+    rc, out, _ = submit(REPO_ROOT / "deploy" / "slurm" / "jobs" / "tiny-mono-tp2-2node.yaml", tmp_path,
+                        "--set", f"model.path={model_dir}", "--set", "eval.samples=32")
+    print(out)
+    assert "node 1/2 (n2)" in out and "node 1: both.node1 ready" in out
+    assert "every worker SERVING across nodes" in out and "/32)" in out
+    run_dir = next(d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job"))
+    assert (run_dir / "both.node1.log").stat().st_size > 0  # the follower rank ran on node 1
+    assert rc == (0 if real_model_present() else 1), out
