@@ -103,10 +103,14 @@ class DecodeRole:
             assert ring is not None, "a free ring was checked above"
             # Only hybrid models pass a ring (multi-rank workers refuse them; their manager facade
             # in worker/tp_runner.py takes no window_pages).
-            extra = {"window_pages": ring} if ring else {}
-            receiver = self.manager.create_receiver(
-                req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens, **extra
-            )
+            if ring:
+                receiver = self.manager.create_receiver(
+                    req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens, window_pages=ring
+                )
+            else:
+                receiver = self.manager.create_receiver(
+                    req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens
+                )
             room = self._rooms[req.request_id] = _Room(req, receiver)
             self._by_room[req.room] = room
 
