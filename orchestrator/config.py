@@ -77,7 +77,7 @@ class GatewaySettings:
 
 
 # GatewayConfig fields that the orchestrator fills from the rest of the tree, not from YAML.
-GATEWAY_DERIVED_FIELDS = ("model_path", "served_model_name", "workers", "prefill", "decode")
+GATEWAY_DERIVED_FIELDS = ("model_path", "served_model_name", "workers", "prefill", "decode", "tls")
 
 
 All2All = Literal["torch", "deepep"]
