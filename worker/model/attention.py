@@ -69,7 +69,9 @@ class AttentionBackend(ABC):
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Reference backend: per request, gather its pages and call torch SDPA (GQA native)."""
+    """Reference backend on torch SDPA (GQA native). Requests decoding one token attend in one
+    batched call over their padded, masked contexts (a per-request loop costs a call per
+    request per layer, which dominates a CPU decode step); multi-token chunks loop."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,8 +81,12 @@ class TorchSDPABackend(AttentionBackend):
         page_size = k_cache.shape[2]
         out = torch.empty_like(q)  # [T, Hq, D]
         qs = batch.query_start_list
+        decodes: list[int] = []
         for i, seq_len in enumerate(batch.seq_lens_list):
             start, end = qs[i], qs[i + 1]
+            if end - start == 1:
+                decodes.append(i)
+                continue
             if end == start:
                 continue
             num_pages = -(-seq_len // page_size)
@@ -93,7 +99,40 @@ class TorchSDPABackend(AttentionBackend):
                 qi[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
             )  # [1, Hq, n, D]
             out[start:end] = oi[0].transpose(0, 1)
+        if decodes:
+            rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
+            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window)
         return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, rows: list[int],
+        scale: float, sliding_window: int | None,
+    ) -> torch.Tensor:
+        """q [B, Hq, D], one token per request → [B, Hq, D] over each request's padded context."""
+        page_size = k_cache.shape[2]
+        seq_lens = [batch.seq_lens_list[i] for i in rows]
+        max_len = max(seq_lens)
+        num_pages = -(-max_len // page_size)
+        pages = batch.page_table[rows, :num_pages]  # [B, n]; padding entries point at page 0, masked below
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            picked = cache[pages]  # [B, n, Hkv, S, D]
+            b, n, hkv, s, d = picked.shape
+            return picked.transpose(1, 2).reshape(b, hkv, n * s, d)[:, :, :max_len].to(q.dtype)  # [B, Hkv, L, D]
+
+        mask = None  # every key visible: equal lengths and no window in reach
+        if min(seq_lens) < max_len or (sliding_window is not None and max_len > sliding_window):
+            lens = torch.tensor(seq_lens, device=q.device)[:, None]  # [B, 1]
+            k_pos = torch.arange(max_len, device=q.device)[None, :]  # [1, L]
+            keep = k_pos < lens  # [B, L]
+            if sliding_window is not None:
+                keep &= (lens - 1 - k_pos) < sliding_window
+            mask = keep[:, None, None, :]  # [B, 1, 1, L]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None], gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [B, Hq, 1, D]
+        return o[:, :, 0]
 
 
 def paged_attention(
