@@ -121,7 +121,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "kv_cached_pages", "rooms", "transfer_bytes", "transfer_pages", "prompt_tokens_computed")
+    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "kv_cached_pages", "rooms", "transfer_bytes", "transfer_pages", "prompt_tokens_computed", "kv_window_used_pages")
     class RoomsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class Load(_message.Message):
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_used_pages: int
@@ -147,7 +148,8 @@ class Load(_message.Message):
     transfer_bytes: int
     transfer_pages: int
     prompt_tokens_computed: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ...) -> None: ...
+    kv_window_used_pages: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_window_used_pages: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

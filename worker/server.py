@@ -151,6 +151,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             kv_total_pages=sched.pool.num_pages,
             kv_cached_pages=sched.pool.num_cached,
             prompt_tokens_computed=sched.prompt_tokens_computed,
+            kv_window_used_pages=sched.window_pool.num_used if sched.window_pool is not None else 0,
         )
         if sched.hooks is not None:
             rooms, total_bytes, total_pages, waiting = sched.hooks.load_stats()

@@ -57,7 +57,8 @@ class Cluster:
         while True:
             loads = {name: self.load(name) for name in self.workers}
             busy = {n: ld for n, ld in loads.items()
-                    if ld.kv_used_pages or ld.running or ld.waiting or any(ld.rooms.values())}
+                    if ld.kv_used_pages or ld.kv_window_used_pages or ld.running or ld.waiting
+                    or any(ld.rooms.values())}
             if not busy:
                 return loads
             if time.monotonic() > deadline:
