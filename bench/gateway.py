@@ -4,7 +4,7 @@ Three processes: a scripted worker (one token per request), the gateway (run_gat
 and this load generator (aiohttp, keep-alive). Added latency = median HTTP round trip through
 the gateway minus the median direct gRPC Generate round trip to the same worker.
 
-    .venv/bin/python tests/gateway/bench_gateway.py --requests 3000 --concurrency 32
+    .venv/bin/python -m bench.gateway --requests 3000 --concurrency 32
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from protocol import tandem_pb2, tandem_pb2_grpc  # noqa: E402
