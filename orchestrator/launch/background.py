@@ -65,6 +65,18 @@ class Cluster:
                 raise AssertionError(f"workers not drained after {timeout_s}s: {busy}")
             time.sleep(0.05)
 
+    def pid(self, role: str, replica: int) -> int:
+        """The pid of one worker process of this cluster (its command line names the run's config)."""
+        config = self.log_dir / "cluster.yaml"
+        out = subprocess.run(["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
+                             capture_output=True, text=True, check=False).stdout.split()
+        assert len(out) == 1, f"expected one {role}-{replica} process, found {out}"
+        return int(out[0])
+
+    def healthy(self, url: str) -> bool:
+        """Whether the gateway currently routes to the worker at `url`."""
+        return any(w["url"] == url and w["healthy"] for w in httpx.get(f"{self.url}/workers", timeout=5).json())
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 

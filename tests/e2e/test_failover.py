@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,18 +16,6 @@ from orchestrator.launch.background import EMBEDDED_MODEL, Cluster, running_clus
 
 MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 pytestmark = pytest.mark.slow
-
-
-def worker_pid(cluster: Cluster, role: str, replica: int) -> int:
-    config = cluster.log_dir / "cluster.yaml"
-    out = subprocess.run(["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
-                         capture_output=True, text=True, check=False).stdout.split()
-    assert len(out) == 1, f"expected one {role}-{replica} process, found {out}"
-    return int(out[0])
-
-
-def healthy(cluster: Cluster, url: str) -> bool:
-    return any(w["url"] == url and w["healthy"] for w in httpx.get(f"{cluster.url}/workers").json())
 
 
 def stream(cluster: Cluster, results: list[tuple[str, float]], started: threading.Semaphore) -> None:
@@ -59,11 +46,11 @@ def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
             assert started.acquire(timeout=60), "streams did not start"
         assert c.load("decode-0").running > 0, "least_load should have spread streams over both decoders"
         killed_at = time.monotonic()
-        os.kill(worker_pid(c, "decode", 0), signal.SIGKILL)
+        os.kill(c.pid("decode", 0), signal.SIGKILL)
 
         # The gateway notices and stops routing there; new requests succeed meanwhile.
         deadline = time.monotonic() + 10
-        while healthy(c, dead_url):
+        while c.healthy(dead_url):
             assert time.monotonic() < deadline, "dead decode worker still marked healthy"
             time.sleep(0.05)
         for _ in range(4):
@@ -79,7 +66,7 @@ def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
 
         # The launcher restarts it on the same port; the gateway takes it back.
         deadline = time.monotonic() + 120
-        while not healthy(c, dead_url):
+        while not c.healthy(dead_url):
             assert time.monotonic() < deadline, "restarted decode worker never rejoined"
             time.sleep(0.2)
         before = c.load("decode-0").transfer_pages

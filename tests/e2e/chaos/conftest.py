@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,23 +24,10 @@ MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 CLIENT_DEADLINE_S = 30.0  # a request open longer than this counts as hung
 
 
-def worker_pid(cluster: Cluster, role: str, replica: int) -> int:
-    """The pid of one worker process of this cluster (its command line names the run's config)."""
-    config = cluster.log_dir / "cluster.yaml"
-    out = subprocess.run(["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
-                         capture_output=True, text=True, check=False).stdout.split()
-    assert len(out) == 1, f"expected one {role}-{replica} process, found {out}"
-    return int(out[0])
-
-
-def healthy(cluster: Cluster, url: str) -> bool:
-    return any(w["url"] == url and w["healthy"] for w in httpx.get(f"{cluster.url}/workers", timeout=5).json())
-
-
 def wait_health(cluster: Cluster, url: str, want: bool, timeout_s: float) -> float:
     """Wait until the gateway marks `url` healthy (or not); returns when it did (monotonic)."""
     deadline = time.monotonic() + timeout_s
-    while healthy(cluster, url) != want:
+    while cluster.healthy(url) != want:
         assert time.monotonic() < deadline, f"{url} still {'un' if want else ''}healthy after {timeout_s}s"
         time.sleep(0.05)
     return time.monotonic()

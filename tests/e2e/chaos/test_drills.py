@@ -30,7 +30,6 @@ from tests.e2e.chaos.conftest import (
     leaked_pages,
     record,
     wait_health,
-    worker_pid,
 )
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -72,7 +71,7 @@ def _kill_during(c: Cluster, role: str, payloads: list[dict[str, object]], ready
             break
         assert time.monotonic() < deadline, f"{name} never became busy ({ready})"
         time.sleep(0.01)
-    os.kill(worker_pid(c, role, 0), signal.SIGKILL)
+    os.kill(c.pid(role, 0), signal.SIGKILL)
     since[0] = killed = time.monotonic()
     wait_health(c, url, want=False, timeout_s=10)
     # Routed around: new requests succeed while it is down.
