@@ -1,7 +1,8 @@
 """Serving benchmarks on this machine, each comparison measured in one run.
 
-    python -m bench.serving mono-vs-hf   # issue 2: tandem bench on the mono cluster (c=1, c=16)
-                                         #          vs transformers generate (batch 1, batch 16)
+    python -m bench.serving mono-vs-hf   # issue 2: tandem bench on the mono cluster (c=1, c=16),
+                                         #          our engine in-process, and transformers
+                                         #          generate (batch 1, batch 16)
     python -m bench.serving pd-vs-mono   # issue 4: a mixed load (long prompts arriving while
                                          #          short requests decode), 1P1D vs mono
 
@@ -49,6 +50,35 @@ def hf_generate_tps(model_dir: Path, batch: int, input_len: int, output_len: int
         return batch * output_len / (time.perf_counter() - t0)
 
 
+def engine_tps(model_dir: Path, batch: int, input_len: int, output_len: int, threads: int) -> float:
+    """Output tokens/s of our engine in-process (no gRPC, no gateway, no HTTP), same lengths."""
+    import torch
+
+    from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+    from worker.engine import Engine, RequestOutput
+    from worker.request import Request
+    from worker.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    engine = Engine(WorkerConfig(model=ModelConfig(path=str(model_dir)),
+                                 cache=CacheConfig(max_total_tokens=batch * (input_len + output_len) + 1024),
+                                 scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), chunked_prefill_size=2048)))
+    engine.warm_up()
+    finished: list[str] = []
+
+    def sink(out: RequestOutput) -> None:
+        if out.finished:
+            finished.append(out.request_id)
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i in range(batch):
+        engine.submit(Request(f"b{i}", [4 + (i + j) % 50 for j in range(input_len)], params), sink)
+    while len(finished) < batch:
+        engine.step()
+    return batch * output_len / (time.perf_counter() - t0)
+
+
 def machine() -> str:
     return f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
 
@@ -56,7 +86,7 @@ def machine() -> str:
 def mono_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp, running_cluster(
-        "configs/tiny-mono.yaml", "roles.both.num_threads=2", tmp=Path(tmp), model=args.model
+        "configs/tiny-mono.yaml", f"roles.both.num_threads={args.threads}", tmp=Path(tmp), model=args.model
     ) as c:
         for conc in (1, 16):
             spec = BenchSpec(input_len=args.input_len, output_len=args.output_len,
@@ -65,9 +95,12 @@ def mono_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
             rows[f"tandem c={conc}"] = bench(c.url, spec)
     for batch in (1, 16):
         rows[f"transformers b={batch}"] = {"output_throughput": hf_generate_tps(
-            args.model, batch, args.input_len, args.output_len, threads=2)}
+            args.model, batch, args.input_len, args.output_len, threads=args.threads)}
+        rows[f"engine b={batch}"] = {"output_throughput": engine_tps(
+            args.model, batch, args.input_len, args.output_len, threads=args.threads)}
     print(f"\n### mono vs transformers ({date.today()}, {machine()})\n")
-    print(f"input {args.input_len} tokens, output {args.output_len} tokens, model {args.model.name}\n")
+    print(f"input {args.input_len} tokens, output {args.output_len} tokens, model {args.model.name}, "
+          f"{args.threads} torch thread(s) each\n")
     print("| run | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | ratio vs transformers |")
     print("|---|---|---|---|---|")
     for conc in (1, 16):
@@ -76,6 +109,8 @@ def mono_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
         print(f"| tandem concurrency {conc} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} | "
               f"{r['itl_ms']['p50']:.2f} / {r['itl_ms']['p99']:.2f} | {r['output_throughput']:.1f} | "
               f"{r['output_throughput'] / hf:.2f}x |")
+        eng = rows[f"engine b={conc}"]["output_throughput"]
+        print(f"| tandem engine in-process, batch {conc} (no gRPC/HTTP) | | | {eng:.1f} | {eng / hf:.2f}x |")
         print(f"| transformers generate batch {conc} | | | {hf:.1f} | 1.00x |")
     return rows
 
@@ -111,6 +146,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--long-every", type=int, default=4)
     parser.add_argument("--long-input-len", type=int, default=448)  # + 64 out fits the embedded 512
+    parser.add_argument("--threads", type=int, default=1, help="torch threads: the mono worker and transformers alike")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     args = parser.parse_args()
     rows = mono_vs_hf(args) if args.which == "mono-vs-hf" else pd_vs_mono(args)
