@@ -88,9 +88,13 @@ def _served_by(c: Cluster, name: str) -> None:
     """The rejoined worker takes requests again."""
     before = c.load(name).transfer_pages
     deadline = time.monotonic() + 30
+    i = 0
     while c.load(name).transfer_pages == before:
         assert time.monotonic() < deadline, f"{name} took no request after rejoining"
-        httpx.post(f"{c.url}/v1/completions", json=body("b=2;" * 8, 2, False), timeout=60).raise_for_status()
+        # A new prefix each time: cache-aware routing keeps a repeated prompt where it is cached.
+        prompt = f"{chr(97 + i % 26)}={i % 100:02d};" * 8
+        httpx.post(f"{c.url}/v1/completions", json=body(prompt, 2, False), timeout=60).raise_for_status()
+        i += 1
 
 
 def _check(o: Outcomes, leaked: int) -> None:
