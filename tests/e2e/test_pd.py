@@ -127,3 +127,21 @@ def test_logprobs_cross_the_room(pd_cluster: Cluster) -> None:
     assert all(v is not None and v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 2 for top in lp.top_logprobs)
     pd_cluster.wait_drained()
+
+
+def test_any_hf_checkpoint_serves_1p1d_with_model_flag(tmp_path: Path) -> None:
+    """`tandem serve --model DIR` (the default 1P1D config) serves a checkpoint nobody trained here."""
+    import shutil
+
+    from tests.worker.conftest import build_tiny_checkpoint
+
+    ckpt = tmp_path / "tiny-llama"
+    build_tiny_checkpoint(ckpt, "llama", vocab_size=128, max_position_embeddings=256)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / name, ckpt / name)
+    with running_cluster("configs/tiny-1p1d.yaml", tmp=tmp_path, model=ckpt) as c:
+        r = httpx.post(f"{c.url}/v1/completions", json={"model": "tiny-llama", "prompt": "hello world",
+                                                        "max_tokens": 6, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        assert c.wait_drained()["decode-0"].transfer_pages > 0
