@@ -52,13 +52,16 @@ class Cluster:
             return tandem_pb2_grpc.WorkerStub(ch).GetLoad(tandem_pb2.GetLoadRequest(), timeout=5)
 
     def wait_drained(self, timeout_s: float = 20.0) -> dict[str, tandem_pb2.Load]:
-        """Every worker reports no used pages, no live rooms, nothing running or waiting."""
+        """Every worker reports no used pages, no live rooms, nothing running or waiting, and the
+        gateway counts no request in flight to any of them."""
         deadline = time.monotonic() + timeout_s
         while True:
             loads = {name: self.load(name) for name in self.workers}
-            busy = {n: ld for n, ld in loads.items()
-                    if ld.kv_used_pages or ld.kv_window_used_pages or ld.running or ld.waiting
-                    or any(ld.rooms.values())}
+            busy: dict[str, object] = {n: ld for n, ld in loads.items()
+                                       if ld.kv_used_pages or ld.kv_window_used_pages or ld.running or ld.waiting
+                                       or any(ld.rooms.values())}
+            busy.update({f"gateway -> {w['url']}": f"{w['inflight']} in flight"
+                         for w in httpx.get(f"{self.url}/workers", timeout=5).json() if w.get("inflight")})
             if not busy:
                 return loads
             if time.monotonic() > deadline:

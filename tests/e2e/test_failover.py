@@ -70,8 +70,14 @@ def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "restarted decode worker never rejoined"
             time.sleep(0.2)
         before = c.load("decode-0").transfer_pages
-        for _ in range(6):
-            httpx.post(f"{c.url}/v1/completions", json={"model": MODEL.name, "prompt": "b=2;\nb?", "max_tokens": 2},
-                       timeout=60).raise_for_status()
-        assert c.load("decode-0").transfer_pages > before, "the rejoined worker took no requests"
+        deadline = time.monotonic() + 60
+        while c.load("decode-0").transfer_pages == before:  # concurrent bursts: least_load spreads them
+            assert time.monotonic() < deadline, "the rejoined worker took no requests"
+            burst = [threading.Thread(target=lambda: httpx.post(
+                f"{c.url}/v1/completions", json={"model": MODEL.name, "prompt": "b=2;\nb?", "max_tokens": 20,
+                                                 "ignore_eos": True}, timeout=60).raise_for_status()) for _ in range(6)]
+            for t in burst:
+                t.start()
+            for t in burst:
+                t.join()
         c.wait_drained()

@@ -89,7 +89,7 @@ def test_early_exit_prints_log_tail(tmp_path: Path) -> None:
 
 def test_child_death_after_ready_is_reported(tmp_path: Path) -> None:
     err = io.StringIO()
-    lc = LocalCluster([grpc_worker(tmp_path, "decode-0", exit_after=1.0)], http_gateway(tmp_path),
+    lc = LocalCluster([grpc_worker(tmp_path, "decode-0", exit_after=4.0)], http_gateway(tmp_path),
                       ready_timeout_s=30, stop_grace_s=5, err=err)
     lc.start()
     dead = lc.watch()
