@@ -30,6 +30,9 @@ class GatewayConfig:
     health_interval_s: float = 1.0
     health_fail_threshold: int = 2  # consecutive failed checks before a worker is unhealthy
     health_ok_threshold: int = 1  # consecutive good checks before it takes requests again
+    # A busy worker may answer a check slowly; only a dead or hung one should fail it. (A dead
+    # worker's connection is refused at once, so this does not slow down detecting it.)
+    health_timeout_s: float = 3.0
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024

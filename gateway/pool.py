@@ -169,7 +169,7 @@ class WorkerPool:
 
     async def _get_info(self, w: Worker) -> bool:
         try:
-            info = await w.stub.GetInfo(tandem_pb2.GetInfoRequest(), timeout=max(self.config.health_interval_s, 1.0))
+            info = await w.stub.GetInfo(tandem_pb2.GetInfoRequest(), timeout=self.config.health_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("worker %s: GetInfo failed: %s", w.url, exc.code().name)
             return False
@@ -190,7 +190,7 @@ class WorkerPool:
         req = health_pb2.HealthCheckRequest(service="")
         while True:
             try:
-                resp = await w.health_stub.Check(req, timeout=max(interval, 0.5))
+                resp = await w.health_stub.Check(req, timeout=self.config.health_timeout_s)
                 ok = resp.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 ok = False

@@ -64,6 +64,7 @@ class GatewaySettings:
     health_interval_s: float = 1.0
     health_fail_threshold: int = 2  # consecutive failed checks before a worker is unhealthy
     health_ok_threshold: int = 1  # consecutive good checks before it takes requests again
+    health_timeout_s: float = 3.0  # a check slower than this fails (a busy worker is not a dead one)
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024

@@ -29,7 +29,7 @@ from transfer.manager import KVReceiver, KVTransferManager
 from transfer.room import RoomState
 from worker.engine import Engine
 from worker.page_pool import OutOfPages
-from worker.request import Request, RequestStatus, TokenLogprob
+from worker.request import Request, RequestStatus, TokenLogprob, room_error_code
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,8 @@ class DecodeRole:
         sched = self.engine.scheduler
         if state is not RoomState.SUCCESS or rx.first_token is None:
             error = rx.error or f"room ended in state {state.name}"
-            status = RequestStatus.FINISHED_ABORTED if state is RoomState.ABORTED else RequestStatus.FINISHED_ERROR
-            code = "deadline" if "deadline" in error or "timed out" in error else "unavailable"
             self._quarantine(req, rx)
-            sched.finish(req, status, f"KV transfer failed: {error}", code)
+            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}", room_error_code(error))
             return
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(rx.first_token)

@@ -28,7 +28,7 @@ import grpc
 from transfer.manager import KVSender, KVTransferManager
 from transfer.room import RoomState
 from worker.engine import Engine
-from worker.request import Request, RequestStatus
+from worker.request import Request, RequestStatus, room_error_code
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class PrefillRole:
                 self._end(req, state, room.sender.error or "")
             else:  # the room died before the prompt was done
                 error = room.sender.error or f"room ended ({state.name}) before the prompt finished"
-                self.engine.scheduler.end(req.request_id, RequestStatus.FINISHED_ERROR, error, _error_code(error))
+                self.engine.scheduler.end(req.request_id, RequestStatus.FINISHED_ERROR, error, room_error_code(error))
 
     def _end(self, req: Request, state: RoomState, error: str) -> None:
         sched = self.engine.scheduler
@@ -118,7 +118,7 @@ class PrefillRole:
         elif state is RoomState.ABORTED:
             sched.finish(req, RequestStatus.FINISHED_ABORTED, error or "aborted by the decode side", "unavailable")
         else:
-            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}", _error_code(error))
+            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}", room_error_code(error))
 
     def abort(self, request_id: str, reason: str) -> None:
         room = self._rooms.pop(request_id, None)
@@ -142,7 +142,3 @@ class PrefillRole:
     def close(self) -> None:
         self.bootstrap.stop(grace=1.0)
         self.manager.close()
-
-
-def _error_code(error: str) -> str:
-    return "deadline" if "deadline" in error or "timed out" in error else "unavailable"

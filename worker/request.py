@@ -58,7 +58,7 @@ class Request:
     page_table: list[int] = field(default_factory=list)  # pages holding this request's KV, in order
     num_preemptions: int = 0
     error: str = ""
-    error_code: str = ""  # how the error maps to a status: invalid | unavailable | deadline | internal
+    error_code: str = ""  # how the error maps to a status: invalid | unavailable | deadline | peer | internal
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # per-request seeded sampling
     transfer_stats: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of its room
@@ -78,3 +78,9 @@ class Request:
     @property
     def finish_reason(self) -> str:
         return FINISH_REASONS.get(self.status, "")
+
+
+def room_error_code(error: str) -> str:
+    """The status class of a failed room: its deadline passed, or the peer failed it. Neither
+    is this worker's fault, so the gateway retries elsewhere without ejecting this worker."""
+    return "deadline" if "deadline" in error or "timed out" in error else "peer"

@@ -32,6 +32,7 @@ STATUS_BY_ERROR = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere, not our fault
     "internal": grpc.StatusCode.INTERNAL,
 }
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
