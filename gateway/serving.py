@@ -252,6 +252,14 @@ class GenerationHandler:
         run.close()
         self._account("aborted", out, run, t0)
 
+    async def _next_timed(self, run: RequestRun, last: float) -> tuple[tandem_pb2.GenerateResponse | None, float]:
+        """The run's next message, recording inter-token latency since `last` (per token)."""
+        msg = await run.next()
+        now = time.perf_counter()
+        if msg is not None and msg.token_ids:
+            self.metrics.itl.observe((now - last) / len(msg.token_ids))
+        return msg, now
+
     async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
                         chat: bool, request_id: str, t0: float, headers: dict[str, str]) -> Response:
         parts: list[str] = []
@@ -263,11 +271,7 @@ class GenerationHandler:
                 parts.append(out.add(msg))
                 if out.finished:
                     break
-                msg = await run.next()
-                now = time.perf_counter()
-                if msg is not None and msg.token_ids:
-                    self.metrics.itl.observe((now - last) / len(msg.token_ids))
-                last = now
+                msg, last = await self._next_timed(run, last)
             if not out.finished:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
             await run.settle()
@@ -329,11 +333,7 @@ class GenerationHandler:
                     yield _sse(chunk)
                 if out.finished:
                     break
-                msg = await run.next()
-                now = time.perf_counter()
-                if msg is not None and msg.token_ids:
-                    self.metrics.itl.observe((now - last) / len(msg.token_ids))
-                last = now
+                msg, last = await self._next_timed(run, last)
             if not out.finished:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
             await run.settle()
