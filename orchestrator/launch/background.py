@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator.config import load_config
 from protocol import tandem_pb2, tandem_pb2_grpc
 from protocol.tls import TLSConfig, channel
 
@@ -90,16 +91,15 @@ def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBED
                     tls: TLSConfig | None = None) -> Iterator[Cluster]:
     """`tls`: serve every gRPC link with it (and dial the workers with it)."""
     tls = tls or TLSConfig()
-    gw, p0, d0 = free_ports(3)
+    roles = [name for name, _ in load_config(_config_path(config)).roles.present()]
+    gw, *role_ports = free_ports(1 + len(roles))
     log_dir = tmp / "logs"
     sets = [
-        f"gateway.port={gw}", f"roles.prefill.base_port={p0}", f"roles.decode.base_port={d0}",
-        f"roles.both.base_port={p0}", f"launcher.log_dir={log_dir}", "launcher.ready_timeout_s=170",
-        *overrides,
+        f"gateway.port={gw}", *(f"roles.{r}.base_port={p}" for r, p in zip(roles, role_ports, strict=True)),
+        f"launcher.log_dir={log_dir}", "launcher.ready_timeout_s=170", *overrides,
     ]
     if tls.enabled:
         sets += [f"tls.cert_file={tls.cert_file}", f"tls.key_file={tls.key_file}", f"tls.ca_file={tls.ca_file}"]
-    sets = [s for s in sets if _role_present(config, s)]
     argv = [sys.executable, "-m", "orchestrator.cli", "serve", "--config", config, "--model", str(model)]
     for s in sets:
         argv += ["--set", s]
@@ -134,10 +134,6 @@ def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBED
         out.close()
 
 
-def _role_present(config: str, override: str) -> bool:
-    """Drop port overrides for roles the config does not have."""
-    text = (REPO / config).read_text() if not Path(config).is_absolute() else Path(config).read_text()
-    for role in ("prefill", "decode", "both"):
-        if override.startswith(f"roles.{role}.") and f"\n  {role}:" not in text:
-            return False
-    return True
+def _config_path(config: str) -> Path:
+    path = Path(config)
+    return path if path.is_absolute() else REPO / path
