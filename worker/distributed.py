@@ -13,6 +13,9 @@ broadcast of a small int64 header `[kind, payload_len]` and then an int64 payloa
 - ROOMS: PD room commands (create sender / receiver with the same page ids, send pages,
          abort), followed by an all-gather of every rank's room end states (`tp_runner`).
 - STOP:  followers close their transfer manager and exit.
+- DP_STEP: attention DP (`dp_size > 1`): one packed `ForwardBatch` per DP group (an empty one
+         for an idle group, which still joins the MoE collectives); each rank runs its group's
+         batch, and each group's first rank sends its logits rows to rank 0 (worker/dp_runner.py).
 
 Why int64 tensors and not pickled objects: the process group is a network path between
 nodes, and nothing a peer sends us is unpickled (DESIGN: no pickle on a reachable path).
@@ -47,6 +50,7 @@ class MessageKind(enum.IntEnum):
     STEP = 1
     ROOMS = 2
     STOP = 3
+    DP_STEP = 4
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,29 @@ def pack_batch(batch: ForwardBatch) -> torch.Tensor:
     parts = [head, batch.input_ids, batch.positions, batch.query_start, batch.seq_lens,
              batch.page_table.reshape(-1), batch.slot_mapping, batch.logits_indices]
     return torch.cat([t.to("cpu", torch.int64) for t in parts])
+
+
+def empty_batch(device: torch.device) -> ForwardBatch:
+    """A step with no tokens: an idle DP group's share (it still runs the layers' collectives)."""
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    return ForwardBatch(input_ids=none, positions=none, query_start=torch.zeros(1, dtype=torch.int64, device=device),
+                        seq_lens=none, page_table=torch.zeros(0, 1, dtype=torch.int64, device=device),
+                        slot_mapping=none, logits_indices=none, query_start_list=[0], seq_lens_list=[])
+
+
+def pack_batches(batches: list[ForwardBatch]) -> torch.Tensor:
+    """One batch per DP group → [G, len_0, ..., len_{G-1}] then each packed batch."""
+    packed = [pack_batch(b) for b in batches]
+    head = torch.tensor([len(packed), *(int(t.numel()) for t in packed)], dtype=torch.int64)
+    return torch.cat([head, *packed])
+
+
+def unpack_group_batch(flat: torch.Tensor, group: int, device: torch.device) -> ForwardBatch:
+    """DP group `group`'s batch out of `pack_batches`."""
+    g = int(flat[0])
+    lens = [int(n) for n in flat[1 : 1 + g]]
+    start = 1 + g + sum(lens[:group])
+    return unpack_batch(flat[start : start + lens[group]], device)
 
 
 def unpack_batch(flat: torch.Tensor, device: torch.device) -> ForwardBatch:

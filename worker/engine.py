@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.config import ConfigError, WorkerConfig
+from worker.dp_runner import DPRunner
 from worker.kv_cache import KVCache, KVShape
 from worker.model import ModelSpec, load_model
 from worker.request import Request, RequestStatus, TokenLogprob
@@ -67,12 +68,17 @@ class Engine:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.tp: TPLeader | None = None  # multi-rank worker: this is rank 0 and drives the others
-        if config.parallel.world_size > 1 or config.parallel.nnodes > 1:
+        par = config.parallel
+        if par.dp_size > 1 and config.role != "both":
+            raise ConfigError(
+                f"parallel.dp_size={par.dp_size}: attention DP serves role 'both' only; a {config.role} worker "
+                "would need rooms per DP group, which are not built — set dp_size: 1 and scale with more workers")
+        if par.world_size > 1 or par.nnodes > 1:
             from worker.tp_runner import TPLeader
 
             self.tp = TPLeader(config)
-        self.model, self.spec = load_model(config.model, config.parallel)
-        if self.tp is not None:
+        self.model, self.spec = load_model(config.model, par)
+        if self.tp is not None and par.dp_size == 1:
             self.model = self.tp.wrap_model(self.model)  # broadcasts each batch to the other ranks
         self.max_model_len = min(
             config.model.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
@@ -83,19 +89,22 @@ class Engine:
         window = None
         if shape.window_layers:
             window = WindowCache(shape.window, len(shape.window_layers), shape.ring_pages, shape.num_window_pages)
-        self.scheduler = Scheduler(
-            config.scheduler,
-            config.cache,
-            num_pages=num_pages,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.spec.eos_token_ids,
-            on_finish=self._on_finish,
-            window=window,
-        )
+        # One scheduler per attention DP group, each over its group's own pool of num_pages pages.
+        self.schedulers = [
+            Scheduler(config.scheduler, config.cache, num_pages=num_pages, max_model_len=self.max_model_len,
+                      eos_token_ids=self.spec.eos_token_ids, on_finish=self._on_finish, window=window)
+            for _ in range(par.dp_size)
+        ]
+        self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1; roles use it
         self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
+        self.dp: DPRunner | None = None
+        if par.dp_size > 1:
+            assert self.tp is not None
+            self.dp = DPRunner(self.runner, self.tp.channel, par.tp_size, par.dp_size, self.spec.vocab_size)
         self._inbox: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._touched: dict[str, _Tracked] = {}  # requests with something to emit after this step
+        self._group: dict[str, Scheduler] = {}  # request id -> its DP group's scheduler (dp_size > 1)
         self.num_steps = 0
 
     def set_hooks(self, hooks: RoleHooks) -> None:
@@ -124,26 +133,31 @@ class Engine:
     def step(self) -> bool:
         """One schedule → run → update. Returns False when there was nothing to run."""
         self._drain_inbox(block_s=0.0)
-        plan = self.scheduler.schedule()
-        if plan.empty:
+        plans = [s.schedule() for s in self.schedulers]
+        if all(p.empty for p in plans):
             self._flush()
             return False
         try:
-            out = self.runner.run(plan)
+            outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
         except Exception as exc:  # a bug or a device error: fail this step's requests, keep serving
-            log.error("step failed, failing %d requests:\n%s", len(plan.chunks), traceback.format_exc())
-            for chunk in plan.chunks:
-                req = chunk.request
-                if req.status is RequestStatus.RUNNING:
-                    self.scheduler.running.remove(req)
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+            chunks = [c for p in plans for c in p.chunks]
+            log.error("step failed, failing %d requests:\n%s", len(chunks), traceback.format_exc())
+            for sched, plan in zip(self.schedulers, plans, strict=True):
+                for chunk in plan.chunks:
+                    req = chunk.request
+                    if req.status is RequestStatus.RUNNING:
+                        sched.running.remove(req)
+                        sched.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
             self._flush()
             return True
-        self.scheduler.update(plan, out)
-        for chunk in plan.chunks:
-            tracked = self._tracked.get(chunk.request.request_id)
-            if tracked is not None and chunk.sample:
-                self._touched[chunk.request.request_id] = tracked
+        for sched, plan, out in zip(self.schedulers, plans, outs, strict=True):
+            if plan.empty:
+                continue
+            sched.update(plan, out)
+            for chunk in plan.chunks:
+                tracked = self._tracked.get(chunk.request.request_id)
+                if tracked is not None and chunk.sample:
+                    self._touched[chunk.request.request_id] = tracked
         self.num_steps += 1
         self._flush()
         return True
@@ -174,16 +188,25 @@ class Engine:
             a()  # type: ignore[operator]
 
     def add_request(self, request: Request) -> None:
-        """Loop thread: hand a new request to its role (or straight to the scheduler)."""
+        """Loop thread: hand a new request to its role (or straight to a scheduler)."""
         if self.scheduler.hooks is not None:
             self.scheduler.hooks.add_request(request)
         else:
-            self.scheduler.add(request)
+            self._scheduler_for(request).add(request)
+
+    def _scheduler_for(self, request: Request) -> Scheduler:
+        """The DP group a request runs in for its whole life: the least busy one, then the one with
+        the most free pages (SGLang's shortest-queue dispatch). Always group 0 without DP."""
+        if self.dp is None:
+            return self.scheduler
+        sched = min(self.schedulers, key=lambda s: (len(s.running) + len(s.waiting), -s.pool.num_free))
+        self._group[request.request_id] = sched
+        return sched
 
     def abort_now(self, request_id: str, reason: str) -> None:
         """Loop thread: end a request wherever it is (queues, running batch, role queues)."""
         if request_id in self._tracked:
-            self.scheduler.abort(request_id, reason)
+            self._group.get(request_id, self.scheduler).abort(request_id, reason)
             if self.scheduler.hooks is not None:
                 self.scheduler.hooks.abort(request_id, reason)  # closes its room too
 
@@ -223,6 +246,7 @@ class Engine:
             )
             if done:
                 del self._tracked[rid]
+                self._group.pop(rid, None)
         self._touched.clear()
 
     def close(self) -> None:

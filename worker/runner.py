@@ -102,21 +102,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan) -> RunOutput:
-        sampling = [c.request for c in plan.chunks if c.sample]
+        return self.sample(plan, self.forward(plan))
+
+    def forward(self, plan: SchedulePlan) -> torch.Tensor | None:
+        """One forward pass; the logits [B, vocab] fp32 of the chunks that sample (None: none do)."""
+        sampling = sum(c.sample for c in plan.chunks)
         graphs = self.decode_graphs
         if (
             graphs is not None
-            and len(sampling) == len(plan.chunks)
+            and sampling == len(plan.chunks)
             and all(c.num_tokens == 1 for c in plan.chunks)  # pure decode
-            and graphs.bucket_for(len(sampling)) is not None
+            and graphs.bucket_for(sampling) is not None
         ):
-            logits = graphs.run(plan.chunks)  # [B, vocab] fp32, replayed
-        else:
-            batch = self.build_batch(plan)
-            hidden = self.model(batch, self.kv)  # [T, hidden]
-            if not sampling:
-                return RunOutput(token_ids=[], logprobs=[])
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab] fp32
+            return graphs.run(plan.chunks)  # replayed
+        batch = self.build_batch(plan)
+        hidden = self.model(batch, self.kv)  # [T, hidden]
+        return self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+
+    def sample(self, plan: SchedulePlan, logits: torch.Tensor | None) -> RunOutput:
+        """The next token (and logprobs) of every chunk that samples, from its logits row."""
+        sampling = [c.request for c in plan.chunks if c.sample]
+        if not sampling:
+            return RunOutput(token_ids=[], logprobs=[])
+        assert logits is not None and logits.shape[0] == len(sampling)
         out = self.sampler.sample(
             logits,
             [r.sampling for r in sampling],

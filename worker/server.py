@@ -63,7 +63,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         except (InvalidRequest, SamplingParamsError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        if len(engine.scheduler.waiting) >= self.config.scheduler.max_waiting:
+        if sum(len(s.waiting) for s in engine.schedulers) >= self.config.scheduler.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue is full; retry later")
             return
         loop = asyncio.get_running_loop()
@@ -144,16 +144,17 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         engine = self.engine
         if engine is None:
             return tandem_pb2.Load()
-        sched = engine.scheduler
+        scheds = engine.schedulers  # one per attention DP group: the worker's load is their sum
         load = tandem_pb2.Load(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            kv_used_pages=sched.pool.num_used,
-            kv_total_pages=sched.pool.num_pages,
-            kv_cached_pages=sched.pool.num_cached,
-            prompt_tokens_computed=sched.prompt_tokens_computed,
-            kv_window_used_pages=sched.window_pool.num_used if sched.window_pool is not None else 0,
+            running=sum(len(s.running) for s in scheds),
+            waiting=sum(len(s.waiting) for s in scheds),
+            kv_used_pages=sum(s.pool.num_used for s in scheds),
+            kv_total_pages=sum(s.pool.num_pages for s in scheds),
+            kv_cached_pages=sum(s.pool.num_cached for s in scheds),
+            prompt_tokens_computed=sum(s.prompt_tokens_computed for s in scheds),
+            kv_window_used_pages=sum(s.window_pool.num_used for s in scheds if s.window_pool is not None),
         )
+        sched = engine.scheduler
         if sched.hooks is not None:
             rooms, total_bytes, total_pages, waiting = sched.hooks.load_stats()
             load.rooms.update(rooms)
@@ -240,7 +241,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await loop.run_in_executor(None, engine.warm_up)
-    engine.scheduler.prompt_tokens_computed = 0  # count only real requests
+    for sched in engine.schedulers:
+        sched.prompt_tokens_computed = 0  # count only real requests
     if roles is not None:
         engine.set_hooks(roles)  # after warm-up: the warm-up request has no room
     loop_stop = threading.Event()
@@ -258,8 +260,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     thread.start()
     service.engine = engine
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: %s worker on %s (%d KV pages of %d tokens)", config.role, address,
-             engine.scheduler.pool.num_pages, config.cache.page_size)
+    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)", config.role, address,
+             engine.scheduler.pool.num_pages, config.cache.page_size, len(engine.schedulers))
     try:
         await stop.wait()
     finally:

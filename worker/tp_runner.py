@@ -50,6 +50,7 @@ from worker.distributed import (
     unpack_str,
     with_init_addr,
 )
+from worker.dp_runner import follow_dp_step
 from worker.kv_cache import KVCache
 from worker.model.base import CausalLM, WeightSlot
 
@@ -77,11 +78,6 @@ class TPLeader:
         where = place(config.parallel, 0)
         if where.global_rank != 0:
             raise DistributedError("TPLeader runs on node 0's first rank; other nodes run run_node()")
-        if config.parallel.dp_size > 1:
-            raise DistributedError(
-                "parallel.dp_size > 1 (attention DP) is implemented in the MoE layers (worker/model/moe.py) but "
-                "the engine runs one scheduler per worker; set dp_size: 1 and scale with more workers"
-            )
         self.procs = spawn_local_ranks(config, first_local_rank=1)
         init_process_group(config.parallel, where)
         self.channel = StepChannel(torch.device(config.parallel.device))
@@ -434,7 +430,7 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
         if cfg.role != "both":
             rooms = FollowerRooms(cfg, kv, spec.num_kv_heads, spec.fingerprint, spec.architecture, where.global_rank)
             exchange_bootstrap_addrs(channel, rooms.bootstrap_addr)
-        serve_follower(channel, model, kv, rooms, device)
+        serve_follower(channel, model, kv, rooms, device, cfg.parallel.tp_size)
     finally:
         if rooms is not None:
             rooms.close()
@@ -443,12 +439,15 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
 
 
 @torch.inference_mode()
-def serve_follower(channel: StepChannel, model: torch.nn.Module, kv: KVCache, rooms: FollowerRooms | None,
-                   device: torch.device) -> None:
+def serve_follower(channel: StepChannel, model: CausalLM, kv: KVCache, rooms: FollowerRooms | None,
+                   device: torch.device, tp_size: int) -> None:
     """Obey rank 0 until STOP: forwards on our shard, room commands, reports."""
     while True:
         kind, payload = channel.recv()
-        if kind is MessageKind.STEP:
+        if kind is MessageKind.DP_STEP:
+            assert payload is not None
+            follow_dp_step(payload, model, kv, device, channel, tp_size)
+        elif kind is MessageKind.STEP:
             assert payload is not None
             batch = unpack_batch(payload, device)
             hidden = model(batch, kv)  # [T, hidden]

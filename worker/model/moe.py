@@ -11,6 +11,9 @@ Two ways to spread it over the worker's ranks (`MoEParallel`):
   dispatches only its 1/n slice and an all-gather rebuilds the batch (no token is computed
   twice); with attention DP (`tokens_replicated=False`) each rank dispatches its own tokens.
 
+Under attention DP with MoE TP, each rank's tokens are first all-gathered (every rank then holds
+every group's tokens), the TP rule runs on all of them, and each rank keeps its own rows.
+
 The all-to-all runs through torch.distributed (gloo on CPU, NCCL on GPU), or through DeepEP's
 normal kernels when `backend="deepep"` (CUDA + the deep_ep package; refused clearly otherwise).
 """
@@ -65,8 +68,6 @@ class SparseMoEBlock(nn.Module):
             raise WeightShapeError(f"num_experts ({num_experts}) must be divisible by ep_size ({par.size})")
         if not par.ep and inter % par.size:
             raise WeightShapeError(f"moe_intermediate_size ({inter}) must be divisible by the MoE TP size ({par.size})")
-        if not par.ep and par.size > 1 and not par.tokens_replicated:
-            raise MoEConfigError("MoE TP needs the same tokens on every rank; attention DP needs ep_size = tp*dp")
         self.par = par
         self.hidden, self.top_k, self.norm_topk_prob = hidden, top_k, norm_topk_prob
         self.num_experts = num_experts
@@ -117,6 +118,8 @@ class SparseMoEBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] → [T, H]
+        if not self.par.ep and not self.par.tokens_replicated and self.par.size > 1:
+            return self._tp_over_dp(x)
         ids, weights = self.route(x)
         if not self.par.ep:
             flat = ids.reshape(-1)  # [T*k]
@@ -140,6 +143,29 @@ class SparseMoEBlock(nn.Module):
         parts = [x.new_empty(width, self.hidden) for _ in sizes]
         dist.all_gather(parts, padded, group=self.par.group)
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])  # [T, H]
+
+    def _tp_over_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """MoE TP under attention DP: every rank's tokens gathered, each rank's feature slice of
+        every expert over all of them, one all-reduce, then each rank keeps its own rows."""
+        n = self.par.size
+        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        counts = [torch.empty_like(count) for _ in range(n)]
+        dist.all_gather(counts, count, group=self.par.group)
+        sizes = [int(c) for c in counts]
+        width = max(sizes)
+        if width == 0:  # every rank idle this step
+            return x
+        padded = x.new_zeros(width, self.hidden)  # gloo gathers equal shapes
+        padded[: x.shape[0]] = x
+        parts = [x.new_empty(width, self.hidden) for _ in range(n)]
+        dist.all_gather(parts, padded, group=self.par.group)
+        everyone = torch.cat([p[:k] for p, k in zip(parts, sizes, strict=True)])  # [sum T, H]
+        ids, weights = self.route(everyone)
+        rows = self.experts(everyone.repeat_interleave(self.top_k, dim=0), ids.reshape(-1))  # partial over I
+        y = (rows.view(-1, self.top_k, self.hidden) * weights[..., None]).sum(dim=1)
+        dist.all_reduce(y, group=self.par.group)
+        start = sum(sizes[: self.par.rank])
+        return y[start : start + x.shape[0]]
 
     def _combine_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return (rows.view(-1, self.top_k, self.hidden) * weights[..., None]).sum(dim=1)  # [T, H]
