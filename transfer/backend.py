@@ -1,7 +1,7 @@
 """The one small interface every KV transfer backend implements, and the fault-drill settings.
 
-A backend registers one memory region (the rank's KV pool: base pointer + size; CPU memory
-here, a CUDA pointer works the same where the backend was built with CUDA), tells peers how to
+A backend registers one memory region (the rank's KV pool: base pointer + size; CPU memory for
+mooncake and nixl here, GPU memory for cuda_ipc), tells peers how to
 reach it (`agent_name` + `agent_metadata`, carried by the bootstrap), and writes batches of
 (src address, dst address, length) ranges to a peer: `submit` starts a batch, `poll` reports it,
 `release` ends it (aborting it if still in flight). Calls may block; the manager runs them on
@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from transfer.config import TransferConfig, TransferConfigError
+from transfer.config import BACKENDS, TransferConfig, TransferConfigError
 
 FAULTS_ENV = "TANDEM_TRANSFER_FAULTS"
 IB_DEVICE_ENV = "DISAGGREGATION_IB_DEVICE"
@@ -43,7 +43,7 @@ Span = tuple[int, int, int]  # (src address, dst address, length in bytes)
 class TransferBackend(ABC):
     """Register memory, reach peers, write ranges. One instance per manager (per rank)."""
 
-    name: str  # "mooncake" | "nixl"
+    name: str  # "mooncake" | "nixl" | "cuda_ipc"
     # Longer ranges are cut before submit: a backend moves several mid-size ranges in parallel
     # lanes but one huge range in one (NIXL/UCX loopback: 2.7 GB/s as one 576 MiB range,
     # 5.4 GB/s in 4 MiB pieces).
@@ -56,11 +56,11 @@ class TransferBackend(ABC):
     @property
     @abstractmethod
     def agent_name(self) -> str:
-        """How a peer addresses this agent (mooncake: "host:rpc_port"; nixl: the agent name)."""
+        """How a peer addresses this agent (mooncake: "host:rpc_port"; nixl, cuda_ipc: the agent label)."""
 
     @property
     def agent_metadata(self) -> bytes:
-        """Blob a peer needs before writing to us (nixl); empty where the name suffices."""
+        """Blob a peer needs before writing to us (nixl, cuda_ipc); empty where the name suffices."""
         return b""
 
     @abstractmethod
@@ -159,4 +159,8 @@ def make_backend(config: TransferConfig, host: str, agent_label: str) -> Transfe
         from transfer.nixl import NixlBackend
 
         return NixlBackend(agent_label)
-    raise TransferConfigError(f"transfer.backend must be mooncake or nixl, got {config.backend!r}")
+    if config.backend == "cuda_ipc":
+        from transfer.cuda_ipc import CudaIpcBackend
+
+        return CudaIpcBackend(agent_label)
+    raise TransferConfigError(f"transfer.backend must be one of {' | '.join(BACKENDS)}, got {config.backend!r}")

@@ -79,7 +79,7 @@ def test_wrong_type_names_field_type_and_value(data: dict, pattern: str) -> None
 
 
 def test_bad_enum_lists_choices_and_suggests() -> None:
-    with pytest.raises(ClusterConfigError, match=r"transfer.backend: must be one of mooncake \| nixl, got 'nixel'.*Did you mean 'nixl'"):
+    with pytest.raises(ClusterConfigError, match=r"transfer.backend: must be one of mooncake \| nixl \| cuda_ipc, got 'nixel'.*Did you mean 'nixl'"):
         config_from_dict({**PD, "transfer": {"backend": "nixel"}})
     with pytest.raises(ClusterConfigError, match=r"gateway.prefill_policy: must be one of round_robin \| least_load \| cache_aware"):
         config_from_dict({**PD, "gateway": {"prefill_policy": "random"}})
