@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model import fused
+
 
 class TensorSource(Protocol):
     """A checkpoint tensor that can be read whole or as a slice along one dimension."""
@@ -71,17 +73,32 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32, weight applied in the model dtype (as transformers does)."""
+    """RMSNorm in float32, weight applied in the model dtype (as transformers does).
+
+    `add_norm(x, residual)` is the pre-norm decoder's residual step: it returns
+    (norm(residual + x), residual + x). With `fused` set (CUDA) both forms are one Triton
+    kernel (worker/model/fused.py); the torch code below is the reference and the CPU path.
+    """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param(dim, dtype=dtype)
+        self.fused = False  # set by the model's set_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
+        if self.fused:
+            return fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [..., dim] → (norm(residual + x), residual + x): the sum is the new residual."""
+        if self.fused:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self.forward(residual), residual
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         _copy_checked(getattr(self, param).data, source.read(), f"RMSNorm.{param}")

@@ -4,6 +4,12 @@ They differ only in knobs that `ArchConfig` carries: Qwen2's q/k/v bias, Qwen3's
 q/k RMSNorm, `attention_bias`, `mlp_bias`, tied embeddings, sliding-window layers and the
 RoPE variant. Module names follow the HF checkpoints (model.layers.N.self_attn...), with
 q/k/v and gate/up fused; `weight_slots` maps the checkpoint names onto the fused pieces.
+
+The residual stream is carried beside each layer's output, as vLLM and SGLang do: a layer
+returns (its MLP's output, the residual so far) and the next norm adds them (`add_norm`), so
+on CUDA the add is fused into the norm. `set_fused_kernels(True)` (the loader's choice on
+CUDA) also runs q/k norm + RoPE and SiLU·mul as single Triton kernels (worker/model/fused.py);
+the torch code is the reference and the CPU path, with the same sums in the same order.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
+from worker.model import fused
 from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.hf_config import ArchConfig
@@ -50,19 +57,29 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.fused = False  # one Triton kernel for q/k norm + RoPE (set_fused_kernels)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)  # [T, *]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 kv_size]
+        if self.fused:  # normalize (Qwen3) and rotate q and k in place, one kernel for every head
+            fused.qk_norm_rope(
+                qkv, self.num_heads, self.num_kv_heads, cos, sin,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
+                self.q_norm.eps if self.q_norm is not None else 0.0,
+            )
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # [T, *] views
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not self.fused:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
         if self.sliding_window is not None and kv.is_window(self.layer):  # a ring of the last W tokens
             o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
@@ -79,9 +96,13 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+        self.fused = False  # one Triton kernel for silu(gate) * up (set_fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter_local] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter_local]: gate | up
+        if self.fused:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, inter_local] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -96,10 +117,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        batch: ForwardBatch, kv: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings at layer 0, where residual is None);
+        residual: the stream before it. Returns (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)  # [T, hidden] each
+        h = self.self_attn(h, cos, sin, batch, kv)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -135,9 +164,19 @@ class LlamaForCausalLM(CausalLM):
             token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
         cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)  # [T, D] each, shared by layers
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, kv)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, batch, kv)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_norm(x, residual)[0]
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Run norms (+ residual add), q/k norm + RoPE and SiLU·mul as fused Triton kernels
+        (worker/model/fused.py; CUDA) or as the torch reference. Capture CUDA graphs after."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
