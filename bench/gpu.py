@@ -2,12 +2,14 @@
 
 Measures, in order: the device's two ceilings (device-to-device copy GB/s, bf16 8192³ matmul
 TFLOP/s); our Engine (worker.engine.Engine, dummy weights at the qwen3-8b shape, bf16, Triton
-attention, CUDA-graph decode) at decode batch 1, 8, 64 next to the bandwidth roofline, eager
-(no graphs) at batch 1 and 64; an 8k-token prefill and its MFU; a torch.profiler look at
-decode steps; then the same shape through transformers' `generate` with its static cache.
-Prints a short table last and writes gpu.json to $OUT (or the current directory).
+attention, fused Triton norm / RoPE / SiLU·mul kernels, CUDA-graph decode) at decode batch 1,
+8, 64 next to the bandwidth roofline, eager (no graphs) at batch 1 and 64, graphed with the
+torch reference ops instead of the fused kernels at batch 1 and 64; an 8k-token prefill and its
+MFU; a torch.profiler look at decode steps; then the same shape through transformers'
+`generate` with its static cache. Prints a short table last and writes gpu.json to $OUT (or
+the current directory). `--sections` runs a subset (the engine is built whenever one needs it).
 
-    python3 bench/gpu.py [--quick]
+    python3 bench/gpu.py [--quick] [--sections decode,unfused,profile]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ PROMPT_LEN, NEW_TOKENS = 512, 128
 PREFILL_LEN = 8192
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 16384
+SECTIONS = ("ceilings", "decode", "eager", "unfused", "prefill", "profile", "transformers")
 
 
 def cuda_time(fn: Callable[[], object], iters: int) -> float:
@@ -198,7 +201,12 @@ def transformers_baseline(batches: list[int], new_tokens: int) -> dict[str, Any]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     args = ap.parse_args()
+    chosen = set(args.sections.split(","))
+    if chosen - set(SECTIONS):
+        ap.error(f"--sections: unknown {sorted(chosen - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
     new_tokens = 32 if args.quick else NEW_TOKENS
     out_dir = Path(os.environ.get("OUT", "."))
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -218,7 +226,11 @@ def main() -> None:
         finally:
             (out_dir / "gpu.json").write_text(json.dumps({**res, "errors": errors}, indent=1, default=str))
 
-    ceil = section("ceilings", ceilings)
+    ceil = section("ceilings", ceilings) if "ceilings" in chosen else None
+    if chosen <= {"ceilings", "transformers"}:
+        if "transformers" in chosen:
+            section("transformers", lambda: transformers_baseline([1, 64], min(new_tokens, 33)))
+        return
     config = WorkerConfig(
         model=ModelConfig(path=str(MODEL_DIR), load_format="dummy", max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(page_size=16, max_total_tokens=MAX_NUM_SEQS * (PROMPT_LEN + NEW_TOKENS) + PREFILL_LEN * 2),
@@ -240,13 +252,21 @@ def main() -> None:
         avg_ctx = PROMPT_LEN + new_tokens / 2
         return b / ((sizes["weight_bytes_per_step"] + b * avg_ctx * kv_tok) / bw)
 
-    for b in (1, 8, 64):
+    for b in (1, 8, 64) if "decode" in chosen else ():
         section(f"decode_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, b),
                                              "roofline_tok_s": roofline(b)})
     graphs = engine.runner.decode_graphs
     engine.runner.decode_graphs = None  # eager for comparison
-    for b in (1, 64):
+    for b in (1, 64) if "eager" in chosen else ():
         section(f"decode_eager_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, min(new_tokens, 32), 100 + b)})
+    if "unfused" in chosen:  # graphs over the torch reference ops: what the fused kernels bring
+        engine.model.set_fused_kernels(False)  # type: ignore[operator]
+        t0 = time.perf_counter()
+        engine.runner.enable_cuda_graphs(MAX_NUM_SEQS, engine.max_model_len)
+        res["unfused_graph_capture_s"] = time.perf_counter() - t0
+        for b in (1, 64):
+            section(f"decode_unfused_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, 200 + b)})
+        engine.model.set_fused_kernels(True)  # type: ignore[operator]
     engine.runner.decode_graphs = graphs
 
     def prefill() -> dict[str, float]:
@@ -263,11 +283,13 @@ def main() -> None:
         return {"tok_s": PREFILL_LEN / t, "seconds": t, "TFLOPs": flops / t / 1e12,
                 "MFU_vs_measured_matmul": flops / t / 1e12 / mm}
 
-    section("prefill_8k", prefill)
-    section("profile_b1", lambda: profile_decode(engine, 1, 20))
-    section("profile_b64", lambda: profile_decode(engine, 64, 10))
-    # Our engine stays loaded (16 GB + KV): the GPU holds both models.
-    section("transformers", lambda: transformers_baseline([1, 64], min(new_tokens, 33)))
+    if "prefill" in chosen:
+        section("prefill_8k", prefill)
+    if "profile" in chosen:
+        section("profile_b1", lambda: profile_decode(engine, 1, 20))
+        section("profile_b64", lambda: profile_decode(engine, 64, 10))
+    if "transformers" in chosen:  # our engine stays loaded (16 GB + KV): the GPU holds both models
+        section("transformers", lambda: transformers_baseline([1, 64], min(new_tokens, 33)))
 
     # ---- the table -------------------------------------------------------------------------
     print("\n== summary (one process) ==")
@@ -275,15 +297,17 @@ def main() -> None:
         print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"load {res.get('load_s', 0):.1f}s, warm-up + graph capture {res.get('warm_up_and_graph_capture_s', 0):.1f}s")
     hf = res.get("transformers") or {}
-    print(f"{'decode':<10}{'tok/s':>10}{'roofline':>10}{'%roof':>8}{'eager':>10}{'HF':>10}{'x HF':>8}")
+    print(f"{'decode':<10}{'tok/s':>10}{'roofline':>10}{'%roof':>8}{'eager':>10}{'unfused':>10}{'HF':>10}{'x HF':>8}")
     for b in (1, 8, 64):
         d = res.get(f"decode_b{b}")
         if not d:
             continue
         eager = (res.get(f"decode_eager_b{b}") or {}).get("tok_s", float("nan"))
+        unfused = (res.get(f"decode_unfused_b{b}") or {}).get("tok_s", float("nan"))
         base = hf.get(f"decode_tok_s_b{b}", float("nan"))
         print(f"{'b' + str(b):<10}{d['tok_s']:>10.1f}{d['roofline_tok_s']:>10.1f}"
-              f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{eager:>10.1f}{base:>10.1f}{d['tok_s'] / base:>8.1f}")
+              f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{eager:>10.1f}{unfused:>10.1f}{base:>10.1f}"
+              f"{d['tok_s'] / base:>8.1f}")
     p = res.get("prefill_8k")
     if p:
         print(f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU {100 * p['MFU_vs_measured_matmul']:.1f}%")
