@@ -188,8 +188,9 @@ def test_fused_engine_serves_the_unfused_greedy_tokens(tmp_path: Path, family: s
     )
     from worker.engine import Engine
 
-    extra = {"head_dim": 32} if family == "qwen3" else {}
-    build_tiny_checkpoint(tmp_path / family, family, num_attention_heads=8, num_key_value_heads=2, **extra)
+    # head_dim 32 (qwen3) and 16 (llama: 64 hidden / 4 heads): the decode kernel's tl.dot needs >= 16
+    extra = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32} if family == "qwen3" else {}
+    build_tiny_checkpoint(tmp_path / family, family, **extra)
     config = WorkerConfig(
         model=ModelConfig(path=str(tmp_path / family), dtype="bfloat16"),
         cache=CacheConfig(page_size=16, num_pages=256),
