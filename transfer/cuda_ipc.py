@@ -68,7 +68,12 @@ _FIX = "use transfer.backend mooncake or nixl"
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    # c_ubyte, not c_char: a c_char field reads and writes only up to its first NUL byte.
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
+
+    @classmethod
+    def of(cls, blob: bytes) -> _IpcHandle:
+        return cls.from_buffer_copy(blob)
 
 
 def _boot_id() -> bytes:
@@ -269,7 +274,7 @@ class CudaIpcBackend(TransferBackend):
         handle = _IpcHandle()
         cu.check(f"cuIpcGetMemHandle(0x{base:x})", cu.fn("cuIpcGetMemHandle")(ctypes.byref(handle), ctypes.c_uint64(base)))
         return PoolExport(_boot_id(), os.getpid(), _PROCESS_TOKEN, self._uuid(self._ordinal),
-                          bytes(handle.reserved), ptr, nbytes, ptr - base)
+                          bytes(handle), ptr, nbytes, ptr - base)
 
     def _use_primary_context(self, ordinal: int) -> None:
         """Retain the primary context of the pool's GPU (the one torch's runtime uses) and make it current."""
@@ -297,7 +302,7 @@ class CudaIpcBackend(TransferBackend):
         self._cu.check("cuCtxSetCurrent", self._cu.fn("cuCtxSetCurrent")(self._ctx))
 
     def _uuid(self, ordinal: int) -> bytes:
-        out = (ctypes.c_char * 16)()
+        out = (ctypes.c_ubyte * 16)()
         self._cu.check(f"cuDeviceGetUuid({ordinal})",
                        self._cu.fn("cuDeviceGetUuid_v2", "cuDeviceGetUuid")(out, self._device_handle(ordinal)))
         return bytes(out)
@@ -322,8 +327,7 @@ class CudaIpcBackend(TransferBackend):
                 return
             self._check_reachable(agent_name, peer.device_uuid)
             mapped = ctypes.c_uint64()
-            handle = _IpcHandle()
-            handle.reserved = peer.ipc_handle
+            handle = _IpcHandle.of(peer.ipc_handle)
             open_ = self._cu.fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")
             open_.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
             self._cu.check(f"cuIpcOpenMemHandle (peer {agent_name!r}, pid {peer.pid})",

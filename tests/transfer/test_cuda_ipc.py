@@ -27,7 +27,7 @@ from orchestrator.launch.background import REPO
 from tests.transfer.helpers import layout, wait_finished
 from transfer.backend import BackendError, TransferFaults, make_backend
 from transfer.config import TransferConfig, TransferConfigError
-from transfer.cuda_ipc import CudaIpcBackend, PeerPool, PoolExport
+from transfer.cuda_ipc import CudaIpcBackend, PeerPool, PoolExport, _IpcHandle
 from transfer.manager import KVTransferManager
 from transfer.room import RoomState
 
@@ -75,6 +75,8 @@ def test_no_cuda_here_is_refused_at_start() -> None:
 def test_metadata_round_trip_and_refusals() -> None:
     e = _export()
     assert PoolExport.unpack("peer", e.pack()) == e
+    handle = bytes([0, 1, 0, 2]) * 16  # real handles hold NUL bytes: none may be lost on the way to the driver
+    assert bytes(_IpcHandle.of(handle)) == handle
     with pytest.raises(BackendError, match=r"metadata of peer 'peer' is 10 bytes, expected"):
         PoolExport.unpack("peer", e.pack()[:10])
     with pytest.raises(BackendError, match=r"not cuda_ipc version 1"):
