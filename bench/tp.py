@@ -1,4 +1,4 @@
-"""Step time of one worker at TP=1 vs TP=2 (and MoE TP / EP=2) on CPU, real gloo process groups.
+"""Step time of one worker at TP=1 vs TP=2 (MoE TP / EP=2, attention DP=2) on CPU, real gloo process groups.
 
     python -m bench.tp
 
@@ -21,12 +21,12 @@ from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerCon
 from worker.engine import Engine
 
 
-def bench(name: str, path: Path, tp: int, ep: int = 1) -> None:
+def bench(name: str, path: Path, tp: int, ep: int = 1, dp: int = 1) -> None:
     engine = Engine(WorkerConfig(
         model=ModelConfig(path=str(path), dtype="float32"),
         cache=CacheConfig(page_size=16, num_pages=512),
         scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=512),
-        parallel=ParallelConfig(tp_size=tp, ep_size=ep),
+        parallel=ParallelConfig(tp_size=tp, ep_size=ep, dp_size=dp),
         num_threads=1,
     ))
     rng = random.Random(0)
@@ -37,8 +37,10 @@ def bench(name: str, path: Path, tp: int, ep: int = 1) -> None:
     prefill = (time.perf_counter() - t0) / (engine.num_steps - n0)
     t0, n0 = time.perf_counter(), engine.num_steps
     generate(engine, prompts, max_tokens=65)
-    mean = (time.perf_counter() - t0) / (engine.num_steps - n0)
-    print(f"{name} tp={tp} ep={ep}: prefill step {prefill * 1e3:.1f} ms, mean step {mean * 1e3:.1f} ms", flush=True)
+    seconds = time.perf_counter() - t0
+    mean = seconds / (engine.num_steps - n0)
+    print(f"{name} tp={tp} dp={dp} ep={ep}: prefill step {prefill * 1e3:.1f} ms, mean step {mean * 1e3:.1f} ms, "
+          f"{len(prompts) * 65 / seconds:.0f} tok/s", flush=True)
     engine.close()
 
 
@@ -55,6 +57,9 @@ def main() -> None:
     bench("moe", root / "moe", 1)
     bench("moe", root / "moe", 2, ep=1)
     bench("moe", root / "moe", 2, ep=2)
+    bench("wide", root / "wide", 1, dp=2)  # two replicas behind one scheduler front: 4 sequences each
+    bench("moe", root / "moe", 1, dp=2, ep=2)  # DP attention + EP: the DeepSeek-style layout
+    bench("moe", root / "moe", 1, dp=2, ep=1)  # DP attention + MoE TP
 
 
 if __name__ == "__main__":  # spawned ranks re-import this module

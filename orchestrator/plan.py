@@ -242,12 +242,12 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     if kv_heads % tp and tp % kv_heads:
         raise LayoutError(f"{where}={tp} must divide num_key_value_heads={kv_heads} "
                           "or be a multiple of it (KV heads are then replicated)")
-    # MLPs are split over the whole world: dense and TP-sharded experts by intermediate feature.
+    # A dense MLP is split over its DP group's TP ranks; TP-sharded experts over the whole world.
     world = rc.parallel.world_size
     inter = int(hf.get("intermediate_size") or 0)
-    if _num_experts(hf) == 0 and inter and inter % world:
-        raise LayoutError(f"roles.{role}.parallel: intermediate_size={inter} must be divisible by "
-                          f"tp_size*dp_size={world} (the MLP is sharded over every rank)")
+    if _num_experts(hf) == 0 and inter and inter % tp:
+        raise LayoutError(f"{where}: intermediate_size={inter} must be divisible by tp_size={tp} "
+                          "(the MLP is sharded over the TP ranks)")
     moe_inter = int(hf.get("moe_intermediate_size") or 0)
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
         raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "

@@ -213,9 +213,11 @@ class KVTransferManager:
 
         `bootstrap_addr` is the prefill worker's gRPC address. With prefill TP > 1 either that
         one address (its ranks' addresses arrive in ACCEPTED, see set_tp_bootstrap_addrs) or
-        every rank's address, comma-separated in rank order.
+        every rank's address, comma-separated in rank order. A prefill worker with attention DP
+        lists its groups separated by ';' and keeps room r in group r % (number of groups).
         """
-        addrs = [a.strip() for a in bootstrap_addr.split(",") if a.strip()]
+        groups = bootstrap_addr.split(";")
+        addrs = [a.strip() for a in groups[room % len(groups)].split(",") if a.strip()]
         if not addrs:
             raise TransferConfigError(f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port")
         bad = [p for p in dst_pages if not 0 <= p < self.layout.num_pages]

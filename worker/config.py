@@ -89,7 +89,7 @@ class ParallelConfig:
     tp_size: int = 1
     tp_rank: int = 0  # this process's rank in its TP group (the worker's entry process is 0)
     device: str = "cpu"  # cpu | cuda | cuda:N
-    dp_size: int = 1  # attention data-parallel groups (model level; the engine runs dp_size 1)
+    dp_size: int = 1  # attention data-parallel groups: one scheduler and KV pool each (worker/dp_runner.py)
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or tp_size * dp_size
     all2all_backend: All2AllBackend = "torch"  # MoE dispatch/combine: torch.distributed or DeepEP
     nnodes: int = 1  # nodes this worker's ranks span

@@ -30,6 +30,7 @@ from transfer.room import RoomState
 from worker.engine import Engine
 from worker.page_pool import OutOfPages
 from worker.request import Request, RequestStatus, TokenLogprob, room_error_code
+from worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class _Quarantine:
     """Pages of an ended room, held until no prefill write can land in them any more."""
 
     receiver: KVReceiver
+    sched: Scheduler  # of the DP group whose pool holds the pages
     pages: list[int]
     holder: str  # the ledger's name for this hold: quarantine:<request id>
     ring: list[int]  # window ring pages (hybrid models), held in the window pool the same way
@@ -81,9 +83,9 @@ class DecodeRole:
         self._seat()
 
     def _reserve(self) -> None:
-        sched = self.engine.scheduler
         while self._pending:
             req = self._pending[0]
+            sched = self.engine.scheduler_for(req)
             need = -(-(req.num_prompt_tokens + 1) // self.page_size)
             if need > sched.pool.num_pages:
                 self._pending.popleft()
@@ -117,7 +119,7 @@ class DecodeRole:
     def _land(self, room: _Room, state: RoomState) -> None:
         req, rx = room.request, room.receiver
         req.transfer_stats = dataclasses.asdict(rx.stats)
-        sched = self.engine.scheduler
+        sched = self.engine.scheduler_for(req)
         if state is not RoomState.SUCCESS or rx.first_token is None:
             error = rx.error or f"room ended in state {state.name}"
             self._quarantine(req, rx)
@@ -135,25 +137,30 @@ class DecodeRole:
         self._landed.append(req)
 
     def _seat(self) -> None:
-        sched = self.engine.scheduler
-        while self._landed and len(sched.running) < sched.config.max_num_seqs:
-            req = self._landed.popleft()
-            req.status = RequestStatus.RUNNING
-            sched.running.append(req)
+        """Landed requests join their group's batch in arrival order while it has seats."""
+        waiting: deque[Request] = deque()
+        for req in self._landed:
+            sched = self.engine.scheduler_for(req)
+            if len(sched.running) < sched.config.max_num_seqs:
+                req.status = RequestStatus.RUNNING
+                sched.running.append(req)
+            else:
+                waiting.append(req)
+        self._landed = waiting
 
     def abort(self, request_id: str, reason: str) -> None:
-        sched = self.engine.scheduler
         for req in list(self._pending) + list(self._landed):
             if req.request_id == request_id:
                 (self._pending if req in self._pending else self._landed).remove(req)
-                sched.finish(req, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
+                self.engine.scheduler_for(req).finish(req, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
                 return
         room = self._rooms.pop(request_id, None)
         if room is not None:
             del self._by_room[room.request.room]
             room.receiver.abort(reason)
             self._quarantine(room.request, room.receiver)
-            sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
+            self.engine.scheduler_for(room.request).finish(room.request, RequestStatus.FINISHED_ABORTED, reason,
+                                                           "unavailable")
 
     def _quarantine(self, req: Request, rx: KVReceiver) -> None:
         """Keep `req`'s pages held past its end unless the receiver is already quiesced."""
@@ -163,26 +170,25 @@ class DecodeRole:
         if quiesced or not req.page_table:
             return
         holder = f"quarantine:{req.request_id}"
-        sched = self.engine.scheduler
+        sched = self.engine.scheduler_for(req)
         sched.pool.share(req.page_table, holder)
         ring = list(sched.rings.get(req.request_id, []))
         if ring:
             assert sched.window_pool is not None
             sched.window_pool.share(ring, holder)
-        self._quarantined.append(_Quarantine(rx, list(req.page_table), holder, ring))
+        self._quarantined.append(_Quarantine(rx, sched, list(req.page_table), holder, ring))
 
     def _free_quiesced(self) -> None:
         """Give back the pages of quarantined rooms that prefill can no longer write."""
         if not self._quarantined:
             return
-        pool, window_pool = self.engine.scheduler.pool, self.engine.scheduler.window_pool
         still = []
         for q in self._quarantined:
             if q.receiver.quiesced:
-                pool.release(q.pages, q.holder)
+                q.sched.pool.release(q.pages, q.holder)
                 if q.ring:
-                    assert window_pool is not None
-                    window_pool.release(q.ring, q.holder)
+                    assert q.sched.window_pool is not None
+                    q.sched.window_pool.release(q.ring, q.holder)
             else:
                 still.append(q)
         self._quarantined = still

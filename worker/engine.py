@@ -69,10 +69,6 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.tp: TPLeader | None = None  # multi-rank worker: this is rank 0 and drives the others
         par = config.parallel
-        if par.dp_size > 1 and config.role != "both":
-            raise ConfigError(
-                f"parallel.dp_size={par.dp_size}: attention DP serves role 'both' only; a {config.role} worker "
-                "would need rooms per DP group, which are not built — set dp_size: 1 and scale with more workers")
         if par.world_size > 1 or par.nnodes > 1:
             from worker.tp_runner import TPLeader
 
@@ -97,6 +93,7 @@ class Engine:
         ]
         self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1; roles use it
         self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
+        self.hooks: RoleHooks | None = None  # the PD role's (worker/prefill.py, worker/decode.py)
         self.dp: DPRunner | None = None
         if par.dp_size > 1:
             assert self.tp is not None
@@ -104,11 +101,14 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._touched: dict[str, _Tracked] = {}  # requests with something to emit after this step
-        self._group: dict[str, Scheduler] = {}  # request id -> its DP group's scheduler (dp_size > 1)
+        self._group: dict[str, int] = {}  # request id -> its DP group (dp_size > 1)
+        self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
 
     def set_hooks(self, hooks: RoleHooks) -> None:
-        self.scheduler.hooks = hooks
+        self.hooks = hooks
+        for sched in self.schedulers:
+            sched.hooks = hooks  # each group's prompts end in the role (prefill ships them)
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, request: Request, sink: OutputSink) -> None:
@@ -133,6 +133,8 @@ class Engine:
     def step(self) -> bool:
         """One schedule → run → update. Returns False when there was nothing to run."""
         self._drain_inbox(block_s=0.0)
+        if self.hooks is not None:
+            self.hooks.poll()  # rooms that ended, pages reserved, requests seated
         plans = [s.schedule() for s in self.schedulers]
         if all(p.empty for p in plans):
             self._flush()
@@ -189,26 +191,43 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Loop thread: hand a new request to its role (or straight to a scheduler)."""
-        if self.scheduler.hooks is not None:
-            self.scheduler.hooks.add_request(request)
+        if self.hooks is not None:
+            self.hooks.add_request(request)
         else:
-            self._scheduler_for(request).add(request)
+            self.scheduler_for(request).add(request)
 
-    def _scheduler_for(self, request: Request) -> Scheduler:
-        """The DP group a request runs in for its whole life: the least busy one, then the one with
-        the most free pages (SGLang's shortest-queue dispatch). Always group 0 without DP."""
+    def scheduler_for(self, request: Request) -> Scheduler:
+        """The scheduler of the DP group a request lives in, chosen at its first call and kept.
+
+        Prefill puts room r in group r % dp_size, the rule decode uses to pick which of the
+        prefill's groups to register with (transfer/manager.py); elsewhere the least busy group,
+        then the one with the most free pages (SGLang's shortest-queue dispatch). Without DP it
+        is the one scheduler.
+        """
         if self.dp is None:
             return self.scheduler
-        sched = min(self.schedulers, key=lambda s: (len(s.running) + len(s.waiting), -s.pool.num_free))
-        self._group[request.request_id] = sched
-        return sched
+        group = self._group.get(request.request_id)
+        if group is None:
+            if self.config.role == "prefill":
+                group = request.room % len(self.schedulers)
+            else:
+                loads = [(len(s.running) + len(s.waiting), -s.pool.num_free) for s in self.schedulers]
+                group = loads.index(min(loads))
+            self._group[request.request_id] = group
+            if request.room:
+                self._room_group[request.room] = group
+        return self.schedulers[group]
+
+    def group_of_room(self, room: int) -> int:
+        """The DP group a PD room's pages are in (the multi-rank room facade asks)."""
+        return self._room_group.get(room, 0)
 
     def abort_now(self, request_id: str, reason: str) -> None:
         """Loop thread: end a request wherever it is (queues, running batch, role queues)."""
         if request_id in self._tracked:
-            self._group.get(request_id, self.scheduler).abort(request_id, reason)
-            if self.scheduler.hooks is not None:
-                self.scheduler.hooks.abort(request_id, reason)  # closes its room too
+            self.schedulers[self._group.get(request_id, 0)].abort(request_id, reason)
+            if self.hooks is not None:
+                self.hooks.abort(request_id, reason)  # closes its room too
 
     def _on_finish(self, req: Request) -> None:
         tracked = self._tracked.get(req.request_id)
@@ -247,6 +266,7 @@ class Engine:
             if done:
                 del self._tracked[rid]
                 self._group.pop(rid, None)
+                self._room_group.pop(req.room, None)
         self._touched.clear()
 
     def close(self) -> None:

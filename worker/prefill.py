@@ -54,10 +54,11 @@ class PrefillRole:
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        sched = self.engine.scheduler_for(request)  # first: the room's DP group decides its ranks
         sender = self.manager.create_sender(request.room)
         room = self._rooms[request.request_id] = _Room(request, sender)
         self._by_room[request.room] = room
-        self.engine.scheduler.add(request)
+        sched.add(request)
 
     def on_prompt_done(self, request: Request) -> bool:
         room = self._rooms[request.request_id]
@@ -71,7 +72,7 @@ class PrefillRole:
             first_logprob=first.logprob if first else None,
             top_logprobs=first.top if first else None,
             # Hybrid models: the window ring's retained tail travels too (decode never re-feeds).
-            window_ring=self.engine.scheduler.rings.get(request.request_id),
+            window_ring=self.engine.scheduler_for(request).rings.get(request.request_id),
             num_tokens=request.num_computed_tokens,
         )
         room.pages_sent = len(request.page_table)
@@ -109,10 +110,11 @@ class PrefillRole:
                 self._end(req, state, room.sender.error or "")
             else:  # the room died before the prompt was done
                 error = room.sender.error or f"room ended ({state.name}) before the prompt finished"
-                self.engine.scheduler.end(req.request_id, RequestStatus.FINISHED_ERROR, error, room_error_code(error))
+                self.engine.scheduler_for(req).end(req.request_id, RequestStatus.FINISHED_ERROR, error,
+                                                   room_error_code(error))
 
     def _end(self, req: Request, state: RoomState, error: str) -> None:
-        sched = self.engine.scheduler
+        sched = self.engine.scheduler_for(req)
         if state is RoomState.SUCCESS:
             sched.finish(req, RequestStatus.FINISHED_STOPPED)
         elif state is RoomState.ABORTED:
@@ -129,7 +131,8 @@ class PrefillRole:
         if room in self._shipping:
             self._shipping.remove(room)
         if not room.request.status.is_finished:
-            self.engine.scheduler.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
+            self.engine.scheduler_for(room.request).finish(room.request, RequestStatus.FINISHED_ABORTED, reason,
+                                                           "unavailable")
 
     def has_work(self) -> bool:
         return bool(self._rooms)

@@ -25,6 +25,7 @@ from worker.engine import Engine
 from worker.kv_cache import cache_groups
 from worker.prefill import PrefillRole
 from worker.scheduler import RoleHooks
+from worker.tp_runner import rank_peer_id
 
 
 def kv_layout(engine: Engine, config: WorkerConfig) -> KVLayout:
@@ -60,7 +61,7 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
         host=config.host,
         model_fingerprint=engine.spec.fingerprint,
         model_name=engine.spec.architecture,
-        peer_id=f"{config.host}:{config.port}",
+        peer_id=rank_peer_id(config, dp_rank=0),
         tls=config.tls,
     )
     info["transfer_backend"] = config.transfer.backend
@@ -85,7 +86,7 @@ def _on_every_rank(engine: Engine, manager: KVTransferManager, info: dict[str, s
     """Multi-rank worker: rooms repeat on every rank; GetInfo lists every rank's bootstrap address."""
     if engine.tp is None:
         return manager
-    facade, addrs = engine.tp.wrap_manager(manager, info.get("bootstrap_addr", ""))
+    facade, addrs = engine.tp.wrap_manager(manager, info.get("bootstrap_addr", ""), engine.group_of_room)
     if addrs:
         info["bootstrap_addr"] = addrs
     return cast(KVTransferManager, facade)  # same calls the roles make (worker/tp_runner.py)

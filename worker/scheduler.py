@@ -143,7 +143,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(self.pool, self.page_size) if cache.enable_prefix_cache else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.hooks: RoleHooks | None = None
+        self.hooks: RoleHooks | None = None  # the role's; the engine polls it once per step
         self._on_finish = on_finish  # the engine streams the final message and forgets the request
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
@@ -185,8 +185,6 @@ class Scheduler:
 
     # ---- step 1: schedule ---------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
-        if self.hooks is not None:
-            self.hooks.poll()
         plan = SchedulePlan()
         budget = self.config.chunked_prefill_size
         preempted = False

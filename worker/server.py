@@ -154,9 +154,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             prompt_tokens_computed=sum(s.prompt_tokens_computed for s in scheds),
             kv_window_used_pages=sum(s.window_pool.num_used for s in scheds if s.window_pool is not None),
         )
-        sched = engine.scheduler
-        if sched.hooks is not None:
-            rooms, total_bytes, total_pages, waiting = sched.hooks.load_stats()
+        if engine.hooks is not None:
+            rooms, total_bytes, total_pages, waiting = engine.hooks.load_stats()
             load.rooms.update(rooms)
             load.transfer_bytes = total_bytes
             load.transfer_pages = total_pages

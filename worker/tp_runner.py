@@ -20,8 +20,10 @@ import dataclasses
 import enum
 import logging
 import os
+import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -90,10 +92,13 @@ class TPLeader:
     def wrap_model(self, model: CausalLM) -> CausalLM:
         return LeaderModel(model, self)
 
-    def wrap_manager(self, manager: KVTransferManager, bootstrap_addr: str) -> tuple[TPTransferManager, str]:
-        """Rooms on every rank; returns the facade and every rank's bootstrap address, rank order."""
-        addrs = exchange_bootstrap_addrs(self.channel, bootstrap_addr)
-        return TPTransferManager(manager, self.channel), addrs
+    def wrap_manager(self, manager: KVTransferManager, bootstrap_addr: str,
+                     group_of_room: Callable[[int], int]) -> tuple[TPTransferManager, str]:
+        """Rooms on the ranks of their DP group; returns the facade and every rank's bootstrap
+        address (rank order; DP groups separated by ';')."""
+        tp = self.config.parallel.tp_size
+        addrs = exchange_bootstrap_addrs(self.channel, bootstrap_addr, tp)
+        return TPTransferManager(manager, self.channel, tp, group_of_room), addrs
 
     def close(self, timeout_s: float = 30.0) -> None:
         """STOP the followers and wait for them (rank 0's engine thread has stopped stepping)."""
@@ -139,10 +144,13 @@ class LeaderModel(CausalLM):
         return self.inner.weight_slots()
 
 
-def exchange_bootstrap_addrs(channel: StepChannel, mine: str) -> str:
-    """All ranks: every rank's bootstrap address, comma-separated in rank order ("" on decode)."""
+def exchange_bootstrap_addrs(channel: StepChannel, mine: str, tp_size: int) -> str:
+    """All ranks: every rank's bootstrap address, comma-separated in rank order, DP groups
+    separated by ';' ("" on decode)."""
     addrs = [bytes(v[1:]).decode() for v in channel.all_gather_lists(pack_str(mine))]
-    return ",".join(addrs) if all(addrs) else ""
+    if not all(addrs):
+        return ""
+    return ";".join(",".join(addrs[g : g + tp_size]) for g in range(0, len(addrs), tp_size))
 
 
 @dataclass
@@ -151,42 +159,53 @@ class _End:
     error: str | None
     pages: int
     bytes: int
+    first: FirstToken  # decode: what the room's prefill sent with the last pages
+
+
+@dataclass
+class FirstToken:
+    token: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
 class TPRoom:
-    """Rank 0's view of one room on every rank: its own sender/receiver plus the ranks' ends."""
+    """Rank 0's view of one room on the ranks of its DP group: rank 0's own sender/receiver (when
+    the room is in rank 0's group) plus how the room ended on each of those ranks."""
 
-    local: Room
+    room: int
+    ranks: range  # global ranks holding the room: its DP group's
+    local: Room | None  # rank 0's own sender/receiver; None for a room in another DP group
     facade: TPTransferManager
     ends: dict[int, _End] = field(default_factory=dict)  # rank -> how the room ended there
     done_at: float | None = None  # when rank 0 first saw the room ended on every rank
 
     @property
-    def room(self) -> int:
-        return self.local.room
-
-    @property
     def done(self) -> bool:
-        return len(self.ends) == self.facade.world_size
+        return len(self.ends) == len(self.ranks)
 
     @property
     def state(self) -> RoomState:
         if self.done:
             return self._merged()[0]
+        if self.local is None:
+            return RoomState.TRANSFERRING  # live on its group's ranks
         local = self.local.state
         return RoomState.TRANSFERRING if local.finished else local  # ended here, not yet everywhere
 
     @property
     def error(self) -> str | None:
-        return self._merged()[1] if self.done else self.local.error
+        if self.done:
+            return self._merged()[1]
+        return self.local.error if self.local is not None else None
 
     @property
     def quiesced(self) -> bool:
         """No late write can land on any rank: rank 0's receiver confirmed it, and the other
         ranks (which release their rooms on their own) either succeeded or had transfer_timeout_s
         to drain since the room ended everywhere."""
-        if not getattr(self.local, "quiesced", True):
+        if self.local is not None and not getattr(self.local, "quiesced", True):
             return False
         if self.done and self.done_at is None:
             self.done_at = time.monotonic()
@@ -198,7 +217,7 @@ class TPRoom:
     @property
     def stats(self) -> RoomStats:
         """Counters summed over ranks (each rank moves its own heads)."""
-        s = dataclasses.replace(self.local.stats)
+        s = dataclasses.replace(self.local.stats) if self.local is not None else RoomStats()
         s.pages = sum(e.pages for e in self.ends.values()) or s.pages
         s.bytes = sum(e.bytes for e in self.ends.values()) or s.bytes
         return s
@@ -212,57 +231,84 @@ class TPRoom:
 
     # sender / receiver calls the roles make -------------------------------------------------
     def send(self, src_pages: list[int], *, start_page: int, last: bool, first_token: int | None = None,
-             **first: object) -> None:
-        """Ship pages from every rank. Only rank 0's first token and logprobs reach the request
-        (decode takes them from its first prefill rank), so followers get the token alone."""
-        self.local.send(src_pages, start_page=start_page, last=last, first_token=first_token, **first)  # type: ignore[attr-defined]
-        self.facade.queue([Op.SEND, to_i64(self.room), start_page, int(last),
-                           -1 if first_token is None else first_token, len(src_pages), *src_pages])
+             first_logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None,
+             **rest: object) -> None:
+        """Ship pages from every rank of the room's group, each its own heads. The group's first
+        rank's first token (and logprobs) is the one decode keeps."""
+        if self.local is not None:
+            self.local.send(src_pages, start_page=start_page, last=last, first_token=first_token,  # type: ignore[attr-defined]
+                            first_logprob=first_logprob, top_logprobs=top_logprobs, **rest)
+        first = FirstToken(first_token, first_logprob, list(top_logprobs or []))
+        self.facade.queue(self, [Op.SEND, start_page, int(last), *pack_first(first), len(src_pages), *src_pages])
 
     def abort(self, reason: str) -> None:
-        self.local.abort(reason)
-        self.facade.queue([Op.ABORT, to_i64(self.room), *pack_str(reason)])
+        if self.local is not None:
+            self.local.abort(reason)
+        self.facade.queue(self, [Op.ABORT, *pack_str(reason)])
+
+    @property
+    def _first(self) -> FirstToken:
+        end = self.ends.get(self.ranks.start)  # the group's first rank hears prefill's first rank
+        return end.first if end is not None else FirstToken()
 
     @property
     def first_token(self) -> int | None:
-        return self.local.first_token  # type: ignore[attr-defined, no-any-return]
+        return self._first.token
 
     @property
     def first_logprob(self) -> float | None:
-        return self.local.first_logprob  # type: ignore[attr-defined, no-any-return]
+        return self._first.logprob
+
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]]:
+        return self._first.top
 
 
 class TPTransferManager:
-    """What the PD roles see on rank 0 of a multi-rank worker (the same calls as one rank's manager)."""
+    """What the PD roles see on rank 0 of a multi-rank worker (the same calls as one rank's manager).
 
-    def __init__(self, local: KVTransferManager, channel: StepChannel) -> None:
+    A room lives on the ranks of one attention DP group (`group_of_room`, the engine's choice;
+    every rank without DP): commands go to those ranks, and the room ends when each has ended it.
+    """
+
+    def __init__(self, local: KVTransferManager, channel: StepChannel, tp_size: int,
+                 group_of_room: Callable[[int], int]) -> None:
         self.local = local
         self.channel = channel
-        self.world_size = channel.world_size
+        self.tp_size = tp_size
+        self.group_of_room = group_of_room
         self.epoch = local.epoch
         self._cmds: list[int] = []  # queued commands for the followers, flushed at the next poll
         self._live: dict[int, TPRoom] = {}
         self._totals = TransferTotals()  # over every rank, counted as rooms end everywhere
 
-    def queue(self, cmd: list[int]) -> None:
-        self._cmds.extend([len(cmd), *cmd])
+    def queue(self, room: TPRoom, cmd: list[int]) -> None:
+        """[len, op, room, group, args...]: followers outside the group skip it."""
+        op, *args = cmd
+        body = [op, to_i64(room.room), room.ranks.start // self.tp_size, *args]
+        self._cmds.extend([len(body), *body])
+
+    def _open(self, room: int, make_local: Callable[[], Room]) -> TPRoom:
+        group = self.group_of_room(room)
+        ranks = range(group * self.tp_size, (group + 1) * self.tp_size)
+        tp_room = self._live[room] = TPRoom(room, ranks, make_local() if group == 0 else None, self)
+        return tp_room
 
     def create_sender(self, room: int) -> TPRoom:
-        tp_room = self._live[room] = TPRoom(self.local.create_sender(room), self)
-        self.queue([Op.CREATE_SENDER, to_i64(room)])
+        tp_room = self._open(room, lambda: self.local.create_sender(room))
+        self.queue(tp_room, [Op.CREATE_SENDER])
         return tp_room
 
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int], num_tokens: int,
                         skip_pages: int = 0) -> TPRoom:
-        local = self.local.create_receiver(room, bootstrap_addr, dst_pages=dst_pages, num_tokens=num_tokens,
-                                           skip_pages=skip_pages)
-        tp_room = self._live[room] = TPRoom(local, self)
-        self.queue([Op.CREATE_RECEIVER, to_i64(room), num_tokens, skip_pages, *pack_str(bootstrap_addr),
-                    len(dst_pages), *dst_pages])
+        tp_room = self._open(room, lambda: self.local.create_receiver(
+            room, bootstrap_addr, dst_pages=dst_pages, num_tokens=num_tokens, skip_pages=skip_pages))
+        self.queue(tp_room, [Op.CREATE_RECEIVER, num_tokens, skip_pages, *pack_str(bootstrap_addr),
+                             len(dst_pages), *dst_pages])
         return tp_room
 
     def take_finished(self) -> list[TPRoom]:
-        """Send queued commands, gather every rank's ended rooms; rooms ended on all ranks, once."""
+        """Send queued commands, gather every rank's ended rooms; rooms ended on all their ranks, once."""
         if not self._cmds and not self._live:
             return []  # nothing to say and nothing to hear: no collective while idle
         cmds, self._cmds = self._cmds, []
@@ -288,7 +334,7 @@ class TPTransferManager:
 
     def _record(self, rank: int, room: int, end: _End) -> None:
         tp_room = self._live.get(room)
-        if tp_room is None:
+        if tp_room is None or rank not in tp_room.ranks:
             return
         tp_room.ends[rank] = end
         if end.state is not RoomState.SUCCESS and not tp_room.done:
@@ -309,11 +355,38 @@ class TPTransferManager:
         self.local.close()
 
 
+def pack_float(x: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def unpack_float(v: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", v))[0])
+
+
+def pack_first(f: FirstToken) -> list[int]:
+    """[token or -1, has logprob, logprob bits, n top, (token, logprob bits)...]"""
+    out = [-1 if f.token is None else f.token, int(f.logprob is not None), pack_float(f.logprob or 0.0), len(f.top)]
+    for tok, lp in f.top:
+        out += [tok, pack_float(lp)]
+    return out
+
+
+def unpack_first(values: list[int], at: int) -> tuple[FirstToken, int]:
+    tok, has_lp, lp, n = values[at : at + 4]
+    tops = values[at + 4 : at + 4 + 2 * n]
+    top = [(tops[i], unpack_float(tops[i + 1])) for i in range(0, len(tops), 2)]
+    return FirstToken(None if tok < 0 else tok, unpack_float(lp) if has_lp else None, top), at + 4 + 2 * n
+
+
 def report_of(manager: KVTransferManager) -> list[int]:
-    """This rank's rooms that ended since the last report: [room, state, pages, bytes, error]..."""
+    """This rank's rooms that ended since the last report:
+    [room, state, pages, bytes, first token..., error]... (the first token: decode receivers)."""
     out: list[int] = []
     for r in manager.take_finished():
-        out += [to_i64(r.room), _STATES.index(r.state), r.stats.pages, r.stats.bytes, *pack_str(r.error or "")]
+        first = FirstToken(getattr(r, "first_token", None), getattr(r, "first_logprob", None),
+                           list(getattr(r, "top_logprobs", [])))
+        out += [to_i64(r.room), _STATES.index(r.state), r.stats.pages, r.stats.bytes, *pack_first(first),
+                *pack_str(r.error or "")]
     return out
 
 
@@ -321,8 +394,9 @@ def parse_report(values: list[int]) -> list[tuple[int, _End]]:
     out, at = [], 0
     while at < len(values):
         room, state, pages, nbytes = values[at : at + 4]
-        error, at = unpack_str(values, at + 4)
-        out.append((from_i64(room), _End(_STATES[state], error or None, pages, nbytes)))
+        first, at = unpack_first(values, at + 4)
+        error, at = unpack_str(values, at)
+        out.append((from_i64(room), _End(_STATES[state], error or None, pages, nbytes, first)))
     return out
 
 
@@ -338,15 +412,23 @@ def kv_layout_of(kv: KVCache, num_kv_heads_total: int, config: WorkerConfig) -> 
     )
 
 
+def rank_peer_id(config: WorkerConfig, dp_rank: int) -> str:
+    """How prefill knows a rank across restarts: the worker's address (+ its DP group; the
+    transfer manager appends the TP rank)."""
+    base = f"{config.host}:{config.port}"
+    return f"{base}/dp{dp_rank}" if config.parallel.dp_size > 1 else base
+
+
 class FollowerRooms:
     """A follower's transfer manager (and bootstrap service on prefill), driven by rank 0's commands."""
 
     def __init__(self, config: WorkerConfig, kv: KVCache, num_kv_heads_total: int, fingerprint: str,
                  architecture: str, global_rank: int) -> None:
+        self.dp_rank = global_rank // config.parallel.tp_size
         self.manager = KVTransferManager(
             config.transfer, kv_layout_of(kv, num_kv_heads_total, config), role=config.role, kv_ptr=kv.data_ptr(),
             kv_nbytes=kv.nbytes(), host=config.host, model_fingerprint=fingerprint, model_name=architecture,
-            peer_id=f"{config.host}:{config.port}", tls=config.tls,
+            peer_id=rank_peer_id(config, self.dp_rank), tls=config.tls,
         )
         self.server: grpc.Server | None = None
         self.bootstrap_addr = ""
@@ -372,21 +454,25 @@ class FollowerRooms:
             at += 1 + n
 
     def _one(self, cmd: list[int]) -> None:
-        op, room = Op(cmd[0]), from_i64(cmd[1])
+        op, room, group, args = Op(cmd[0]), from_i64(cmd[1]), cmd[2], cmd[3:]
+        if group != self.dp_rank:
+            return  # a room of another DP group
         if op is Op.CREATE_SENDER:
             self._rooms[room] = self.manager.create_sender(room)
         elif op is Op.CREATE_RECEIVER:
-            num_tokens, skip = cmd[2], cmd[3]
-            addr, at = unpack_str(cmd, 4)
-            pages = cmd[at + 1 : at + 1 + cmd[at]]
+            num_tokens, skip = args[0], args[1]
+            addr, at = unpack_str(args, 2)
+            pages = args[at + 1 : at + 1 + args[at]]
             self._rooms[room] = self.manager.create_receiver(room, addr, dst_pages=pages, num_tokens=num_tokens,
                                                              skip_pages=skip)
         elif op is Op.SEND:
-            start, last, tok, n = cmd[2:6]
-            self._rooms[room].send(cmd[6 : 6 + n], start_page=start, last=bool(last),  # type: ignore[attr-defined]
-                                   first_token=None if tok < 0 else tok)
+            start, last = args[0], args[1]
+            first, at = unpack_first(args, 2)
+            n = args[at]
+            self._rooms[room].send(args[at + 1 : at + 1 + n], start_page=start, last=bool(last),  # type: ignore[attr-defined]
+                                   first_token=first.token, first_logprob=first.logprob, top_logprobs=first.top)
         elif op is Op.ABORT:
-            self.manager.abort(room, unpack_str(cmd, 2)[0])
+            self.manager.abort(room, unpack_str(args, 0)[0])
 
     def report(self) -> list[int]:
         rep = report_of(self.manager)
@@ -429,7 +515,7 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
         channel = StepChannel(device)
         if cfg.role != "both":
             rooms = FollowerRooms(cfg, kv, spec.num_kv_heads, spec.fingerprint, spec.architecture, where.global_rank)
-            exchange_bootstrap_addrs(channel, rooms.bootstrap_addr)
+            exchange_bootstrap_addrs(channel, rooms.bootstrap_addr, cfg.parallel.tp_size)
         serve_follower(channel, model, kv, rooms, device, cfg.parallel.tp_size)
     finally:
         if rooms is not None:

@@ -7,6 +7,8 @@ by the test, so no tokenizer is needed and the tiny random checkpoint suffices.
 
 - prefill TP=2 → decode TP=1: decode registers with both prefill ranks; each writes its head.
 - prefill TP=1 → decode TP=2: both decode ranks register; prefill splits its heads per rank.
+- attention DP (dp_size 2) on either side: a room lives on one DP group's ranks (prefill keeps
+  room r in group r % 2 and lists its groups ';'-separated; decode picks its least busy group).
 Every room succeeds on every rank, moves pages, and both workers drain (no pages, no rooms).
 """
 
@@ -43,14 +45,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(path: Path, role: str, tp: int) -> WorkerConfig:
+def _config(path: Path, role: str, tp: int, dp: int = 1) -> WorkerConfig:
     return WorkerConfig(
         role=role,  # type: ignore[arg-type]
         port=_free_port(),
         model=ModelConfig(path=str(path), dtype="float32"),
         cache=CacheConfig(page_size=4, num_pages=64, enable_prefix_cache=role != "decode"),
         scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=16),
-        parallel=ParallelConfig(tp_size=tp),
+        parallel=ParallelConfig(tp_size=tp, dp_size=dp),
         transfer=TransferConfig(backend="mooncake", protocol="tcp", checksum=True),  # type: ignore[arg-type]
         num_threads=1,
     )
@@ -97,9 +99,9 @@ def _sampling() -> tandem_pb2.SamplingParams:
 
 
 def pd_generate(prefill: tandem_pb2_grpc.WorkerStub, decode: tandem_pb2_grpc.WorkerStub, bootstrap: str,
-                prompt: list[int]) -> tuple[list[int], tandem_pb2.GenerateResponse]:
+                prompt: list[int], room: int | None = None) -> tuple[list[int], tandem_pb2.GenerateResponse]:
     """What the gateway does for one request: both legs at once, one room."""
-    disagg = tandem_pb2.DisaggParams(room=secrets.randbits(64), bootstrap_addr=bootstrap)
+    disagg = tandem_pb2.DisaggParams(room=room or secrets.randbits(64), bootstrap_addr=bootstrap)
     req = tandem_pb2.GenerateRequest(request_id="hetero", prompt_token_ids=prompt, sampling=_sampling(), disagg=disagg)
     with ThreadPoolExecutor(2) as pool:
         pre = pool.submit(lambda: list(prefill.Generate(req, timeout=60)))
@@ -139,20 +141,26 @@ def prompts_and_mono(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]
     return prompts, outs
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_pd_hetero_tp_equals_mono(prefill_tp: int, decode_tp: int, checkpoint: Path,
-                                  prompts_and_mono: tuple[list[list[int]], list[list[int]]]) -> None:
+@pytest.mark.parametrize(("prefill_tp", "prefill_dp", "decode_tp", "decode_dp"),
+                         # one multi-rank side per case: both workers share this process's default group
+                         [(2, 1, 1, 1), (1, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)],
+                         ids=["p-tp2-d-tp1", "p-tp1-d-tp2", "p-dp2-d-tp1", "p-tp1-d-dp2"])
+def test_pd_hetero_tp_equals_mono(prefill_tp: int, prefill_dp: int, decode_tp: int, decode_dp: int,
+                                  checkpoint: Path, prompts_and_mono: tuple[list[list[int]], list[list[int]]]) -> None:
     prompts, mono = prompts_and_mono
-    with served(_config(checkpoint, "prefill", prefill_tp)) as prefill, \
-            served(_config(checkpoint, "decode", decode_tp)) as decode:
+    with served(_config(checkpoint, "prefill", prefill_tp, prefill_dp)) as prefill, \
+            served(_config(checkpoint, "decode", decode_tp, decode_dp)) as decode:
         info = prefill.GetInfo(tandem_pb2.GetInfoRequest(), timeout=5)
         assert info.tp_size == prefill_tp
-        assert len(info.bootstrap_addr.split(",")) == prefill_tp  # one bootstrap service per prefill rank
-        got, last = [], []
-        for p in prompts:
-            tokens, end = pd_generate(prefill, decode, info.bootstrap_addr, p)
-            got.append(tokens)
-            last.append(end)
+        groups = info.bootstrap_addr.split(";")  # one per prefill DP group
+        assert [len(g.split(",")) for g in groups] == [prefill_tp] * prefill_dp  # a bootstrap service per rank
+        # All at once, rooms alternating between the prefill DP groups (room % 2), so both
+        # groups on both sides serve and decode's group choice sees a busy group.
+        rooms = [(secrets.randbits(63) << 1) | (i % 2) for i in range(len(prompts))]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda a: pd_generate(prefill, decode, info.bootstrap_addr, *a),
+                                    zip(prompts, rooms, strict=True)))
+        got, last = [r[0] for r in results], [r[1] for r in results]
         assert got == mono
         for p, end in zip(prompts, last, strict=True):
             # Every page went from every prefill rank to every decode rank (2 kv heads: each pair

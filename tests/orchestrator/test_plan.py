@@ -84,7 +84,7 @@ REJECTIONS: list[tuple[str, dict[str, Any], str, dict[str, Any] | None, dict[str
     ("kv heads", gpu(tp_size=4), "slurm", None, {**DENSE_8B, "num_attention_heads": 12, "num_key_value_heads": 6},
      "tp_size=4 must divide num_key_value_heads=6 or be a multiple of it"),
     ("intermediate", gpu(tp_size=8), "slurm", None, {**DENSE_8B, "intermediate_size": 12300},
-     "intermediate_size=12300 must be divisible by tp_size*dp_size=8"),
+     "intermediate_size=12300 must be divisible by tp_size=8"),
     ("moe intermediate", gpu(tp_size=8), "slurm", None, {**MOE_30B, "moe_intermediate_size": 100},
      "moe_intermediate_size=100 must be divisible by tp_size*dp_size=8 when experts are TP-sharded"),
     ("experts", gpu(tp_size=8, ep_size=8), "slurm", None, {**MOE_30B, "num_experts": 60},

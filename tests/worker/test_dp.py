@@ -3,7 +3,7 @@
 A worker with dp_size=2 runs two schedulers on rank 0, each over its group's own KV pages;
 every step carries both groups' batches (an idle group runs an empty one, which must still
 join the MoE all-to-all). Greedy tokens must equal a one-rank engine's, both groups must have
-served requests, and every page must come back.
+served requests, and every page must come back. (PD workers with DP: tests/e2e/test_hetero_tp.py.)
 """
 
 from __future__ import annotations
@@ -11,23 +11,21 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
 import torch
 
 from models.make_tiny_moe import make_tiny_moe
 from tests.worker.test_engine import generate
-from worker.config import CacheConfig, ConfigError, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
+from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
 from worker.distributed import empty_batch, pack_batch, pack_batches, unpack_group_batch
 from worker.engine import Engine
 
 
-def _engine(path: Path, dp: int, ep: int = 1, role: str = "both") -> Engine:
+def _engine(path: Path, dp: int, ep: int = 1) -> Engine:
     return Engine(WorkerConfig(
         model=ModelConfig(path=str(path), dtype="float32"),
         cache=CacheConfig(page_size=4, num_pages=96),
         scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=16),  # prompts span several chunks
         parallel=ParallelConfig(dp_size=dp, ep_size=ep),
-        role=role,
         num_threads=1,
     ))
 
@@ -91,9 +89,3 @@ def test_dp_batches_pack_per_group(tiny_checkpoint) -> None:
         assert torch.equal(pack_batch(got), pack_batch(want))
     assert unpack_group_batch(flat, 1, torch.device("cpu")).seq_lens_list == [3]
     assert unpack_group_batch(flat, 0, torch.device("cpu")).num_tokens == 0
-
-
-def test_dp_is_refused_for_pd_roles_with_the_fix(tiny_checkpoint) -> None:
-    path, _ = tiny_checkpoint("qwen3")
-    with pytest.raises(ConfigError, match=r"parallel.dp_size=2.*set dp_size: 1"):
-        _engine(path, dp=2, role="decode")
