@@ -43,7 +43,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: compared and hashed by identity (lists of them are searched every step)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
