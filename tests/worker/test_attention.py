@@ -88,3 +88,25 @@ def test_context_mask_is_causal_with_offset_and_window() -> None:
     windowed = context_mask(seq_len=6, num_new=1, sliding_window=3, device=torch.device("cpu"))
     assert windowed is not None and windowed.tolist() == [[False, False, False, True, True, True]]
     assert context_mask(seq_len=6, num_new=1, sliding_window=None, device=torch.device("cpu")) is None
+
+
+def test_batched_decode_ignores_whatever_padding_rows_hold() -> None:
+    """Decodes of unequal lengths share one padded gather: page 0 (the table's padding) and the
+    tails of last pages are masked, and must not leak even when they hold NaN."""
+    torch.manual_seed(1)
+    k_cache = torch.full((NUM_PAGES, HKV, PAGE, D), float("nan"))
+    v_cache = torch.full((NUM_PAGES, HKV, PAGE, D), float("nan"))
+    requests = [(9, 1, [4, 7, 12]), (2, 1, [6])]  # 10 and 3 tokens: the short one pads with page 0
+    full = []
+    for cached, new, pages in requests:
+        k_all, v_all = torch.randn(cached + new, HKV, D), torch.randn(cached + new, HKV, D)
+        slots = torch.tensor([pages[t // PAGE] * PAGE + t % PAGE for t in range(cached)])
+        store_kv(k_all[:cached], v_all[:cached], k_cache, v_cache, slots)
+        full.append((k_all, v_all, torch.randn(new, HQ, D)))
+    batch = batch_for(requests)
+    q = torch.cat([f[2] for f in full])
+    k_new = torch.cat([f[0][c:] for f, (c, _, _) in zip(full, requests, strict=True)])
+    v_new = torch.cat([f[1][c:] for f, (c, _, _) in zip(full, requests, strict=True)])
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, batch, scale=D**-0.5)
+    for i, (k_all, v_all, qi) in enumerate(full):
+        torch.testing.assert_close(out[i : i + 1], naive_attention(qi, k_all, v_all, None), atol=1e-5, rtol=1e-5)

@@ -129,8 +129,14 @@ class TorchSDPABackend(AttentionBackend):
             if sliding_window is not None:
                 keep &= (lens - 1 - k_pos) < sliding_window
             mask = keep[:, None, None, :]  # [B, 1, 1, L]
+        k, v = gather(k_cache), gather(v_cache)
+        if mask is not None:
+            # A masked key still enters the scores (NaN + -inf = NaN) and its value the sum
+            # (0 * NaN = NaN): padding rows (page 0, page tails) may hold anything, so zero them.
+            pad = ~mask[:, :, 0, :, None]  # [B, 1, L, 1]
+            k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
         o = F.scaled_dot_product_attention(
-            q[:, :, None], gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale, enable_gqa=True
+            q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, Hq, 1, D]
         return o[:, :, 0]
 
