@@ -2,8 +2,9 @@
 
 Measures, in order: the device's two ceilings (device-to-device copy GB/s, bf16 8192³ matmul
 TFLOP/s); our Engine (worker.engine.Engine, dummy weights at the qwen3-8b shape, bf16, Triton
-attention, fused Triton norm / RoPE / SiLU·mul kernels, CUDA-graph decode) at decode batch 1,
-8, 64 next to the bandwidth roofline, eager (no graphs) at batch 1 and 64, graphed with the
+attention, fused Triton norm / RoPE / SiLU·mul kernels, CUDA-graph decode, overlapped decode
+steps) at decode batch 1, 8, 64 next to the bandwidth roofline; at batch 1 and 64 also without
+overlap (plain steps), eager (no graphs), and graphed with the
 torch reference ops instead of the fused kernels at batch 1 and 64; an 8k-token prefill and its
 MFU; a torch.profiler look at decode steps; then the same shape through transformers'
 `generate` with its static cache. Prints a short table last and writes gpu.json to $OUT (or
@@ -40,7 +41,7 @@ PROMPT_LEN, NEW_TOKENS = 512, 128
 PREFILL_LEN = 8192
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 16384
-SECTIONS = ("ceilings", "decode", "eager", "unfused", "prefill", "profile", "transformers")
+SECTIONS = ("ceilings", "decode", "nooverlap", "eager", "unfused", "prefill", "profile", "transformers")
 
 
 def cuda_time(fn: Callable[[], object], iters: int) -> float:
@@ -255,6 +256,11 @@ def main() -> None:
     for b in (1, 8, 64) if "decode" in chosen else ():
         section(f"decode_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, b),
                                              "roofline_tok_s": roofline(b)})
+    if "nooverlap" in chosen:  # plain steps: the host reads each step's tokens before the next
+        engine.overlap = False
+        for b in (1, 64):
+            section(f"decode_nooverlap_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, 300 + b)})
+        engine.overlap = True
     graphs = engine.runner.decode_graphs
     engine.runner.decode_graphs = None  # eager for comparison
     for b in (1, 64) if "eager" in chosen else ():
@@ -297,17 +303,18 @@ def main() -> None:
         print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"load {res.get('load_s', 0):.1f}s, warm-up + graph capture {res.get('warm_up_and_graph_capture_s', 0):.1f}s")
     hf = res.get("transformers") or {}
-    print(f"{'decode':<10}{'tok/s':>10}{'roofline':>10}{'%roof':>8}{'eager':>10}{'unfused':>10}{'HF':>10}{'x HF':>8}")
+    print(f"{'decode':<10}{'tok/s':>10}{'roofline':>10}{'%roof':>8}{'no-ovl':>10}{'eager':>10}{'unfused':>10}"
+          f"{'HF':>10}{'x HF':>8}")
     for b in (1, 8, 64):
         d = res.get(f"decode_b{b}")
         if not d:
             continue
-        eager = (res.get(f"decode_eager_b{b}") or {}).get("tok_s", float("nan"))
-        unfused = (res.get(f"decode_unfused_b{b}") or {}).get("tok_s", float("nan"))
+        plain, eager, unfused = ((res.get(f"decode_{k}_b{b}") or {}).get("tok_s", float("nan"))
+                                 for k in ("nooverlap", "eager", "unfused"))
         base = hf.get(f"decode_tok_s_b{b}", float("nan"))
         print(f"{'b' + str(b):<10}{d['tok_s']:>10.1f}{d['roofline_tok_s']:>10.1f}"
-              f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{eager:>10.1f}{unfused:>10.1f}{base:>10.1f}"
-              f"{d['tok_s'] / base:>8.1f}")
+              f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{plain:>10.1f}{eager:>10.1f}{unfused:>10.1f}"
+              f"{base:>10.1f}{d['tok_s'] / base:>8.1f}")
     p = res.get("prefill_8k")
     if p:
         print(f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU {100 * p['MFU_vs_measured_matmul']:.1f}%")

@@ -58,13 +58,21 @@ class CacheConfig:
         return self.num_pages or self.max_total_tokens // self.page_size
 
 
+Overlap = Literal["auto", "on", "off"]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # most requests in one running batch
     chunked_prefill_size: int = 512  # token budget of one step (prefill chunks + decodes)
     max_waiting: int = 4096  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
+    # Overlapped decode: schedule and launch step N+1 before reading step N's tokens. auto = on
+    # where the device runs asynchronously (CUDA); on a CPU it would only delay each token a step.
+    overlap: Overlap = "auto"
 
     def validate(self, prefix: str = "scheduler") -> None:
+        if self.overlap not in ("auto", "on", "off"):
+            raise ConfigError(f"{prefix}.overlap must be auto, on or off, got {self.overlap!r}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"{prefix}.max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.chunked_prefill_size < self.max_num_seqs:

@@ -7,8 +7,8 @@ batch. A graph replays the whole forward (+ logits) with one launch.
 How:
 1. `DecodeGraphs(model, kv, max_num_seqs, max_model_len)` owns static device buffers sized
    for the largest bucket. All integer inputs live in ONE flat int64 buffer
-   (ids | positions | seq_lens | slots | page table), so a step is one pinned host → device
-   copy of the used prefix.
+   (ids | positions | seq_lens | slots | source rows | page table), so a step is one pinned
+   host → device copy of the used prefix.
 2. `capture()` (at start-up, after the engine's warm-up) runs each bucket twice eagerly on a
    side stream (Triton compiles, allocator settles), then captures largest first into one
    shared memory pool. During capture every row is padding (seq_len 0, slot -1), so the
@@ -16,9 +16,12 @@ How:
 3. `run(chunks)` fills the pinned buffer (padding rows: seq_len 0 → the decode kernel yields
    zeros; slot -1 → the store kernel skips them), copies it, replays the bucket's graph and
    returns logits [B, vocab] (a view into graph memory, valid until the next replay).
+   Overlapped decode (`prev_tokens`): an input the host does not know yet (PENDING) is read on
+   the device from the previous step's sampled tokens, by its row there ("source rows").
 
-Buffer reuse is safe without events because each step ends with the sampler's device → host
-copy of the chosen tokens, which waits for the replay (and so for the copy before it).
+Two pinned buffers take turns, each with an event on its copy: with overlap the host fills
+step N+1's inputs while step N's copy may still be queued, so it writes the other buffer, and
+waits (rarely) only for the copy that last read the buffer it is about to fill.
 """
 
 from __future__ import annotations
@@ -48,21 +51,15 @@ class DecodeGraphs:
         self.max_pages = -(-max_model_len // self.page_size)
         device = kv.data.device
         b, w = self.max_bs, self.max_pages
-        self._head = 4 * b  # ids | positions | seq_lens | slots, then the page table
+        self._head = 5 * b  # ids | positions | seq_lens | slots | source rows, then the page table
         size = self._head + b * w
         self._flat = torch.zeros(size, dtype=torch.int64, device=device)
-        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
-        self.input_ids = self._flat[0:b]  # [Bmax]
-        self.positions = self._flat[b : 2 * b]  # [Bmax]
-        self.seq_lens = self._flat[2 * b : 3 * b]  # [Bmax]
-        self.slots = self._flat[3 * b : 4 * b]  # [Bmax]
+        self.input_ids, self.positions, self.seq_lens, self.slots, self.src_rows = self._flat[: self._head].view(5, b)
         self.page_table = self._flat[self._head :].view(b, w)  # [Bmax, max_pages]
         self.query_start = torch.arange(b + 1, dtype=torch.int64, device=device)  # [Bmax+1]
-        self._host_ids = self._host[0:b]
-        self._host_pos = self._host[b : 2 * b]
-        self._host_lens = self._host[2 * b : 3 * b]
-        self._host_slots = self._host[3 * b : 4 * b]
-        self._host_table = self._host[self._head :].view(b, w)
+        self._hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each host buffer's last copy
+        self._turn = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # bucket → static logits [bucket, vocab] fp32
         self.num_replays = 0
@@ -111,14 +108,22 @@ class DecodeGraphs:
                 return bs if bs in self._graphs else None
         return None
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Replay for a pure-decode plan (every chunk one token, sampled) → logits [B, vocab]."""
+    def run(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
+            src_rows: list[int] | None = None) -> torch.Tensor:
+        """Replay for a pure-decode plan (every chunk one token, sampled) → logits [B, vocab].
+
+        Overlapped decode: `src_rows[i] >= 0` means chunk i's input is `prev_tokens[src_rows[i]]`.
+        """
         n = len(chunks)
         bs = self.bucket_for(n)
         assert bs is not None, f"no graph for batch size {n}"
         ps = self.page_size
-        ids, pos, lens, slots = self._host_ids, self._host_pos, self._host_lens, self._host_slots
-        width = 1
+        host = self._hosts[self._turn]
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # the copy that last read this buffer (two steps ago) is done
+        ids, pos, lens, slots, rows = host[: self._head].view(5, self.max_bs)
+        table_rows = host[self._head :].view(self.max_bs, self.max_pages)
         for i, chunk in enumerate(chunks):
             req, p = chunk.request, chunk.start
             table = req.page_table
@@ -129,13 +134,20 @@ class DecodeGraphs:
             lens[i] = p + 1
             slots[i] = table[p // ps] * ps + p % ps
             used = p // ps + 1
-            self._host_table[i, :used] = torch.as_tensor(table[:used])
-            width = max(width, used)
+            table_rows[i, :used] = torch.as_tensor(table[:used])
         lens[n:bs] = 0  # padding rows: attend to nothing
         slots[n:bs] = -1  # padding rows: write nowhere
+        rows[:n] = torch.as_tensor(src_rows) if src_rows is not None else -1
         # Rows are max_pages wide; copy only the rows of this bucket.
         used_len = self._head + bs * self.max_pages
-        self._flat[:used_len].copy_(self._host[:used_len], non_blocking=True)
+        self._flat[:used_len].copy_(host[:used_len], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._turn], self._turn = event, 1 - self._turn
+        if prev_tokens is not None:
+            src = self.src_rows[:n]
+            ids_dev = self.input_ids[:n]
+            ids_dev.copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids_dev))
         self._graphs[bs].replay()
         self.num_replays += 1
         return self._logits[bs][:n]

@@ -23,8 +23,8 @@ from worker.dp_runner import DPRunner
 from worker.kv_cache import KVCache, KVShape
 from worker.model import ModelSpec, load_model
 from worker.request import Request, RequestStatus, TokenLogprob
-from worker.runner import ModelRunner
-from worker.scheduler import RoleHooks, Scheduler, WindowCache
+from worker.runner import InFlight, ModelRunner
+from worker.scheduler import PENDING, RoleHooks, SchedulePlan, Scheduler, WindowCache
 
 if TYPE_CHECKING:
     from worker.tp_runner import TPLeader
@@ -67,6 +67,7 @@ class Engine:
         self.device = torch.device(config.parallel.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        self.overlap = overlap_enabled(config, self.device)  # first: may refuse before ranks spawn
         self.tp: TPLeader | None = None  # multi-rank worker: this is rank 0 and drives the others
         par = config.parallel
         if par.world_size > 1 or par.nnodes > 1:
@@ -98,12 +99,14 @@ class Engine:
         if par.dp_size > 1:
             assert self.tp is not None
             self.dp = DPRunner(self.runner, self.tp.channel, par.tp_size, par.dp_size, self.spec.vocab_size)
+        self._inflight: InFlight | None = None  # the launched overlapped step, tokens not read yet
         self._inbox: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._touched: dict[str, _Tracked] = {}  # requests with something to emit after this step
         self._group: dict[str, int] = {}  # request id -> its DP group (dp_size > 1)
         self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
+        self.num_overlapped_steps = 0
 
     def set_hooks(self, hooks: RoleHooks) -> None:
         self.hooks = hooks
@@ -128,17 +131,33 @@ class Engine:
                 self._drain_inbox(block_s=idle_wait_s if not self.has_pending_work() else 0.001)
 
     def has_pending_work(self) -> bool:
-        return bool(self._tracked)
+        return bool(self._tracked) or self._inflight is not None
 
     def step(self) -> bool:
-        """One schedule → run → update. Returns False when there was nothing to run."""
+        """One schedule → run → update. Returns False when there was nothing to run.
+
+        Overlapped decode (`scheduler.overlap`): a pure-decode plan is launched, counted in the
+        scheduler with its tokens PENDING, and only then are the previous step's tokens read
+        and processed — while the device runs this one. Any other plan first reads them.
+        """
         self._drain_inbox(block_s=0.0)
         if self.hooks is not None:
             self.hooks.poll()  # rooms that ended, pages reserved, requests seated
         plans = [s.schedule() for s in self.schedulers]
+        overlapped = self._overlappable(plans)
+        if self._inflight is not None and not overlapped:
+            self._complete_inflight()  # this plan reads tokens the host must hold first
+            for plan in plans:  # a request that stopped on those tokens has given its pages back
+                plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
+                plan.num_tokens = sum(c.num_tokens for c in plan.chunks)
+            if all(p.empty for p in plans):
+                self._flush()
+                return True
         if all(p.empty for p in plans):
             self._flush()
             return False
+        if overlapped:
+            return self._overlap_step(plans[0])
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
         except Exception as exc:  # a bug or a device error: fail this step's requests, keep serving
@@ -163,6 +182,49 @@ class Engine:
         self.num_steps += 1
         self._flush()
         return True
+
+    def _overlappable(self, plans: list[SchedulePlan]) -> bool:
+        """A plan the overlapped path runs: one group, every chunk a decode of a request that
+        needs no host view of its newest token (penalties read them; logprobs stay eager)."""
+        if not self.overlap or len(plans) != 1 or plans[0].empty:
+            return False
+        return all(
+            c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties
+            and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
+            for c in plans[0].chunks
+        )
+
+    def _overlap_step(self, plan: SchedulePlan) -> bool:
+        try:
+            launched = self.runner.launch(plan, self._inflight)
+        except Exception as exc:  # as in step(): fail this plan's requests, keep serving
+            if self._inflight is not None:
+                self._complete_inflight()
+            log.error("step failed, failing %d requests:\n%s", len(plan.chunks), traceback.format_exc())
+            for chunk in plan.chunks:
+                req = chunk.request
+                if req.status is RequestStatus.RUNNING:
+                    self.scheduler.running.remove(req)
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+            self._flush()
+            return True
+        self.scheduler.advance(plan)
+        self.num_overlapped_steps += 1
+        if self._inflight is not None:
+            self._complete_inflight()  # the device is busy with `launched` meanwhile
+        self._inflight = launched
+        self.num_steps += 1
+        self._flush()
+        return True
+
+    def _complete_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        assert inflight is not None
+        self.scheduler.complete(inflight.plan, inflight.token_ids())
+        for chunk in inflight.plan.chunks:
+            tracked = self._tracked.get(chunk.request.request_id)
+            if tracked is not None:
+                self._touched[chunk.request.request_id] = tracked
 
     def _drain_inbox(self, block_s: float) -> None:
         try:
@@ -244,9 +306,12 @@ class Engine:
         for rid, tracked in self._touched.items():
             req = tracked.request
             first = tracked.num_emitted == 0
-            new = req.output_token_ids[tracked.num_emitted :]
-            new_lp = req.output_logprobs[tracked.num_emitted :] if req.output_logprobs else []
-            tracked.num_emitted = len(req.output_token_ids)
+            end = len(req.output_token_ids)
+            while end > tracked.num_emitted and req.output_token_ids[end - 1] == PENDING:
+                end -= 1  # still on the device (overlapped decode): sent with the next flush
+            new = req.output_token_ids[tracked.num_emitted : end]
+            new_lp = req.output_logprobs[tracked.num_emitted : end] if req.output_logprobs else []
+            tracked.num_emitted = end
             done = req.status.is_finished
             if not new and not done:
                 continue
@@ -293,6 +358,17 @@ class Engine:
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
             self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+
+
+def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
+    """`scheduler.overlap`: auto = on for a single-rank CUDA worker. Multi-rank workers send each
+    step's input ids to their followers from the host, so a PENDING id cannot travel there."""
+    mode, par = config.scheduler.overlap, config.parallel
+    multi_rank = par.world_size > 1 or par.nnodes > 1
+    if mode == "on" and multi_rank:
+        raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
+                          "set scheduler.overlap: auto or off for multi-rank workers")
+    return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)
 
 
 WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight

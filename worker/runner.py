@@ -1,8 +1,16 @@
-"""The model runner: turns a schedule plan into one forward pass and samples the next tokens."""
+"""The model runner: turns a schedule plan into one forward pass and samples the next tokens.
+
+`run` is the plain step (the host has the tokens when it returns). `launch` is the overlapped
+decode step: forward and sampling are only queued on the device, the tokens' copy to the host
+is started, and an `InFlight` is returned; the engine schedules and launches the next step
+before it reads these tokens (worker/engine.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +22,24 @@ from worker.model import CausalLM
 from worker.request import TokenLogprob
 from worker.sampler import Sampler
 from worker.scheduler import RunOutput, SchedulePlan
+
+
+@dataclass
+class InFlight:
+    """A launched pure-decode step whose sampled tokens may still be on the device."""
+
+    plan: SchedulePlan
+    tokens: torch.Tensor  # [B] int64 on the device, in plan order
+    host: torch.Tensor | None  # pinned copy target (CUDA); None: `tokens` is already on the host
+    copied: torch.cuda.Event | None
+    rows: dict[int, int]  # id(request) → its row in `tokens`
+
+    def token_ids(self) -> list[int]:
+        """Wait for this step's tokens (only this step: the next one may keep the device busy)."""
+        if self.copied is None or self.host is None:
+            return self.tokens.tolist()  # type: ignore[no-any-return]
+        self.copied.synchronize()
+        return self.host.tolist()  # type: ignore[no-any-return]
 
 
 class ModelRunner:
@@ -118,6 +144,33 @@ class ModelRunner:
         batch = self.build_batch(plan)
         hidden = self.model(batch, self.kv)  # [T, hidden]
         return self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulePlan, prev: InFlight | None) -> InFlight:
+        """Queue a pure-decode step without waiting for the device. An input still PENDING is
+        the previous step's token for that request: read from `prev.tokens` on the device."""
+        reqs = [c.request for c in plan.chunks]
+        src = [prev.rows.get(id(r), -1) for r in reqs] if prev is not None else None
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.bucket_for(len(reqs)) is not None:
+            logits = graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)
+        else:
+            batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
+            if prev is not None and src is not None:
+                rows = torch.tensor(src, device=self.device)
+                ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], batch.input_ids)
+                batch = dataclasses.replace(batch, input_ids=ids)
+            hidden = self.model(batch, self.kv)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        tokens = self.sampler.sample_tokens(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+                                            [len(r.output_token_ids) for r in reqs], self.eos_token_ids)
+        host = copied = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return InFlight(plan, tokens, host, copied, {id(r): i for i, r in enumerate(reqs)})
 
     def sample(self, plan: SchedulePlan, logits: torch.Tensor | None) -> RunOutput:
         """The next token (and logprobs) of every chunk that samples, from its logits row."""

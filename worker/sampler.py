@@ -93,29 +93,8 @@ class Sampler:
         b = logits.shape[0]
         assert len(params) == len(generators) == len(output_token_ids) == len(num_generated) == b
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
-        banned = [_banned_ids(p, n, eos_token_ids) for p, n in zip(params, num_generated, strict=True)]
-        touched = any(p.has_penalties for p in params) or any(banned)
-        if not touched and not want_logprobs and all(p.greedy for p in params):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)  # the common fast path
-
-        if touched:
-            logits = logits.clone()
-            vocab = logits.shape[1]
-            for i, p in enumerate(params):
-                if p.has_penalties:
-                    _apply_penalties(logits[i], output_token_ids[i], p)
-                ids = [t for t in banned[i] if 0 <= t < vocab]
-                if ids:
-                    logits[i, ids] = float("-inf")
-
-        tokens = torch.empty(b, dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        if sampled:
-            tokens[sampled] = self._draw(logits[sampled], [params[i] for i in sampled], [generators[i] for i in sampled])
-
+        logits = self._masked(logits, params, output_token_ids, num_generated, eos_token_ids)
+        tokens = self._pick(logits, params, generators)
         token_ids: list[int] = tokens.tolist()
         if not want_logprobs:
             return SampleOutput(token_ids, None, None)
@@ -129,6 +108,45 @@ class Sampler:
             else:
                 top.append([])
         return SampleOutput(token_ids, chosen, top)
+
+    def sample_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None], num_generated: list[int],
+                      eos_token_ids: Sequence[int]) -> torch.Tensor:
+        """The tokens [B] left on the logits' device (no host sync), for the overlapped decode:
+        rows without penalties (they read the tokens generated so far) and without logprobs."""
+        assert not any(p.has_penalties or p.logprobs or p.top_logprobs for p in params)
+        empty: list[list[int]] = [[] for _ in params]
+        return self._pick(self._masked(logits, params, empty, num_generated, eos_token_ids), params, generators)
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
+                num_generated: list[int], eos_token_ids: Sequence[int]) -> torch.Tensor:
+        """Penalties and min_tokens bans applied (on a copy; the input when nothing applies)."""
+        banned = [_banned_ids(p, n, eos_token_ids) for p, n in zip(params, num_generated, strict=True)]
+        if not (any(p.has_penalties for p in params) or any(banned)):
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i, p in enumerate(params):
+            if p.has_penalties:
+                _apply_penalties(logits[i], output_token_ids[i], p)
+            ids = [t for t in banned[i] if 0 <= t < vocab]
+            if ids:
+                logits[i, ids] = float("-inf")
+        return logits
+
+    def _pick(self, logits: torch.Tensor, params: list[SamplingParams],
+              generators: list[torch.Generator | None]) -> torch.Tensor:
+        """argmax for greedy rows, a draw for the others → tokens [B] on the logits' device."""
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)  # the common fast path: one kernel for the batch
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        tokens[sampled] = self._draw(logits[sampled], [params[i] for i in sampled], [generators[i] for i in sampled])
+        return tokens
 
     @staticmethod
     def _draw(

@@ -35,6 +35,8 @@ from worker.page_pool import OutOfPages, PagePool
 from worker.prefix_cache import PrefixCache
 from worker.request import Request, RequestStatus, TokenLogprob
 
+PENDING = -1  # an output slot whose token is still on the device (overlapped decode)
+
 
 @dataclass
 class ScheduledChunk:
@@ -275,15 +277,43 @@ class Scheduler:
                 self.running.remove(req)
                 self.finish(req, status)
 
-    def stop_status(self, req: Request) -> RequestStatus | None:
-        """Whether the token just appended ends the request."""
+    # ---- overlapped decode (the engine's overlap schedule) ----------------------------------------
+    def advance(self, plan: SchedulePlan) -> None:
+        """A pure-decode plan was launched and its tokens are not back yet: count each request's
+        token computed and hold its output slot with PENDING, so the next plan can be scheduled
+        now (its input for the slot is read on the device, worker/runner.py)."""
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += 1
+            chunk.request.output_token_ids.append(PENDING)
+
+    def complete(self, plan: SchedulePlan, token_ids: list[int]) -> None:
+        """An advanced plan's tokens are back: fill each PENDING slot, then stop checks. A request
+        that stops here may already sit in the next plan (launched): that step's token for it is
+        dropped, and its pages are reused only by work queued after that step."""
+        for chunk, token in zip(plan.chunks, token_ids, strict=True):
+            req = chunk.request
+            at = chunk.start + 1 - req.num_prompt_tokens  # the output index this chunk sampled
+            if at >= len(req.output_token_ids) or req.output_token_ids[at] != PENDING:
+                continue  # its output was cut (preempted and finished, or it stopped a step earlier)
+            req.output_token_ids[at] = token
+            queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting}.get(req.status)
+            if queue is None:  # finished meanwhile (aborted)
+                continue
+            status = self.stop_status(req, at + 1)  # a preempted request (waiting) can stop here too
+            if status is not None:
+                del req.output_token_ids[at + 1 :]  # the slot of the step that over-ran it
+                queue.remove(req)  # type: ignore[attr-defined]
+                self.finish(req, status)
+
+    def stop_status(self, req: Request, num_out: int | None = None) -> RequestStatus | None:
+        """Whether output token `num_out - 1` (default: the last) ends the request."""
         params = req.sampling
-        token = req.output_token_ids[-1]
-        num_out = len(req.output_token_ids)
+        num_out = len(req.output_token_ids) if num_out is None else num_out
+        token = req.output_token_ids[num_out - 1]
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if stopped and num_out >= params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_out >= params.max_tokens or req.num_prompt_tokens + num_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
