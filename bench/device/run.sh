@@ -11,8 +11,8 @@ python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/deps') fo
 export PYTHONPATH=/tmp/deps:$PWD
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; nproc; } > "$OUT/env.txt" 2>&1
 if [[ $1 == a ]]; then
-  timeout 220 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_gpu.py tests/worker/test_fused_gpu.py \
-    tests/worker/test_multi_gpu.py tests/transfer/test_cuda_ipc.py > "$OUT/gpu_tests.txt" 2>&1
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_gpu.py tests/worker/test_fused_gpu.py \
+    tests/worker/test_multi_gpu.py tests/worker/test_overlap.py tests/transfer/test_cuda_ipc.py > "$OUT/gpu_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/gpu_tests.txt"
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/gpu.py > "$OUT/gpu_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/gpu_bench.txt"
