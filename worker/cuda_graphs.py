@@ -129,7 +129,9 @@ class DecodeGraphs:
             table = req.page_table
             out = req.output_token_ids
             prompt = req.prompt_token_ids
-            ids[i] = prompt[p] if p < len(prompt) else out[p - len(prompt)]
+            # A PENDING input (-1) is patched on the device below; the host buffer keeps a
+            # valid id, because a later, smaller batch replays its rows as padding.
+            ids[i] = prompt[p] if p < len(prompt) else max(out[p - len(prompt)], 0)
             pos[i] = p
             lens[i] = p + 1
             slots[i] = table[p // ps] * ps + p % ps
