@@ -45,13 +45,9 @@ def batch_for(requests: list[tuple[int, int, list[int]]]) -> ForwardBatch:
     )
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_matches_naive_for_mixed_prefill_chunks_and_decodes(window: int | None) -> None:
-    torch.manual_seed(0)
-    k_cache = torch.zeros(NUM_PAGES, HKV, PAGE, D)
-    v_cache = torch.zeros(NUM_PAGES, HKV, PAGE, D)
-    # (cached, new, pages): a first chunk, a mid-prefill chunk over cached pages, a decode.
-    requests = [(0, 6, [9, 3]), (7, 5, [17, 2, 30]), (10, 1, [5, 21, 11])]
+def check_against_naive(requests: list[tuple[int, int, list[int]]], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        window: int | None) -> None:
+    """Store each request's cached K/V, run one paged step, compare every request with naive."""
     full = []
     for cached, new, pages in requests:  # fill the cached part of each context first
         k_all, v_all = torch.randn(cached + new, HKV, D), torch.randn(cached + new, HKV, D)
@@ -68,6 +64,14 @@ def test_paged_matches_naive_for_mixed_prefill_chunks_and_decodes(window: int | 
     for i, (k_all, v_all, qi) in enumerate(full):
         s, e = batch.query_start_list[i], batch.query_start_list[i + 1]
         torch.testing.assert_close(out[s:e], naive_attention(qi, k_all, v_all, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_matches_naive_for_mixed_prefill_chunks_and_decodes(window: int | None) -> None:
+    torch.manual_seed(0)
+    # (cached, new, pages): a first chunk, a mid-prefill chunk over cached pages, a decode.
+    requests = [(0, 6, [9, 3]), (7, 5, [17, 2, 30]), (10, 1, [5, 21, 11])]
+    check_against_naive(requests, torch.zeros(NUM_PAGES, HKV, PAGE, D), torch.zeros(NUM_PAGES, HKV, PAGE, D), window)
 
 
 def test_store_kv_writes_each_token_at_its_page_and_offset() -> None:
@@ -94,19 +98,6 @@ def test_batched_decode_ignores_whatever_padding_rows_hold() -> None:
     """Decodes of unequal lengths share one padded gather: page 0 (the table's padding) and the
     tails of last pages are masked, and must not leak even when they hold NaN."""
     torch.manual_seed(1)
-    k_cache = torch.full((NUM_PAGES, HKV, PAGE, D), float("nan"))
-    v_cache = torch.full((NUM_PAGES, HKV, PAGE, D), float("nan"))
+    nan = torch.full((NUM_PAGES, HKV, PAGE, D), float("nan"))
     requests = [(9, 1, [4, 7, 12]), (2, 1, [6])]  # 10 and 3 tokens: the short one pads with page 0
-    full = []
-    for cached, new, pages in requests:
-        k_all, v_all = torch.randn(cached + new, HKV, D), torch.randn(cached + new, HKV, D)
-        slots = torch.tensor([pages[t // PAGE] * PAGE + t % PAGE for t in range(cached)])
-        store_kv(k_all[:cached], v_all[:cached], k_cache, v_cache, slots)
-        full.append((k_all, v_all, torch.randn(new, HQ, D)))
-    batch = batch_for(requests)
-    q = torch.cat([f[2] for f in full])
-    k_new = torch.cat([f[0][c:] for f, (c, _, _) in zip(full, requests, strict=True)])
-    v_new = torch.cat([f[1][c:] for f, (c, _, _) in zip(full, requests, strict=True)])
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, batch, scale=D**-0.5)
-    for i, (k_all, v_all, qi) in enumerate(full):
-        torch.testing.assert_close(out[i : i + 1], naive_attention(qi, k_all, v_all, None), atol=1e-5, rtol=1e-5)
+    check_against_naive(requests, nan.clone(), nan.clone(), None)
