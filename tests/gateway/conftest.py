@@ -9,8 +9,11 @@ import pytest
 from tests.gateway.gw_doubles import build_tokenizer
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def anyio_backend() -> str:
+    # One event loop for every gateway test: grpc.aio's poller hands a finished call back to
+    # the loop that made it, and a call of an earlier test whose loop was already closed
+    # raised "Event loop is closed" inside a later test (seen once in a full run).
     return "asyncio"
 
 
