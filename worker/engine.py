@@ -160,16 +160,8 @@ class Engine:
             return self._overlap_step(plans[0])
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
-        except Exception as exc:  # a bug or a device error: fail this step's requests, keep serving
-            chunks = [c for p in plans for c in p.chunks]
-            log.error("step failed, failing %d requests:\n%s", len(chunks), traceback.format_exc())
-            for sched, plan in zip(self.schedulers, plans, strict=True):
-                for chunk in plan.chunks:
-                    req = chunk.request
-                    if req.status is RequestStatus.RUNNING:
-                        sched.running.remove(req)
-                        sched.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
-            self._flush()
+        except Exception as exc:
+            self._fail(plans, exc)
             return True
         for sched, plan, out in zip(self.schedulers, plans, outs, strict=True):
             if plan.empty:
@@ -197,16 +189,10 @@ class Engine:
     def _overlap_step(self, plan: SchedulePlan) -> bool:
         try:
             launched = self.runner.launch(plan, self._inflight)
-        except Exception as exc:  # as in step(): fail this plan's requests, keep serving
+        except Exception as exc:
             if self._inflight is not None:
                 self._complete_inflight()
-            log.error("step failed, failing %d requests:\n%s", len(plan.chunks), traceback.format_exc())
-            for chunk in plan.chunks:
-                req = chunk.request
-                if req.status is RequestStatus.RUNNING:
-                    self.scheduler.running.remove(req)
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
-            self._flush()
+            self._fail([plan], exc)
             return True
         self.scheduler.advance(plan)
         self.num_overlapped_steps += 1
@@ -216,6 +202,17 @@ class Engine:
         self.num_steps += 1
         self._flush()
         return True
+
+    def _fail(self, plans: list[SchedulePlan], exc: Exception) -> None:
+        """A bug or a device error in a step: fail the step's requests, keep serving."""
+        log.error("step failed, failing %d requests:\n%s", sum(len(p.chunks) for p in plans), traceback.format_exc())
+        for sched, plan in zip(self.schedulers, plans, strict=False):  # overlap: one plan, one group
+            for chunk in plan.chunks:
+                req = chunk.request
+                if req.status is RequestStatus.RUNNING:
+                    sched.running.remove(req)
+                    sched.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+        self._flush()
 
     def _complete_inflight(self) -> None:
         inflight, self._inflight = self._inflight, None

@@ -168,3 +168,35 @@ def test_overlap_on_the_gpu_with_decode_graphs_equals_plain_steps(checkpoint: Pa
     assert on.overlap
     assert _run(on, reqs) == plain
     assert on.num_overlapped_steps >= 5
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(overlap: str, checkpoint: Path) -> None:
+    eng = _engine(checkpoint, overlap)
+    boom = {"left": 1}
+    forward, launch = eng.runner.forward, eng.runner.launch
+
+    def fail_once(real):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if boom["left"] and eng.num_steps >= 3:
+                boom["left"] = 0
+                raise RuntimeError("device fell over")
+            return real(*args, **kwargs)
+        return call
+
+    eng.runner.forward, eng.runner.launch = fail_once(forward), fail_once(launch)  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs: dict[str, list[RequestOutput]] = {}
+    for i in range(3):
+        outs[f"a{i}"] = []
+        eng.submit(Request(f"a{i}", [5, 6, 7, i], params), outs[f"a{i}"].append)
+    for _ in range(100):
+        eng.step()
+    assert not boom["left"]
+    assert all(o[-1].finish_reason == "error" and "device fell over" in o[-1].error for o in outs.values())
+    outs["b"] = []
+    eng.submit(Request("b", [5, 6, 7], params), outs["b"].append)  # the engine still serves
+    for _ in range(100):
+        eng.step()
+    assert outs["b"][-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs["b"]) == 8
+    eng.scheduler.assert_drained()
