@@ -104,7 +104,7 @@ class DecodeRole:
             ring = sched.take_ring(req)  # hybrid models: prefill lands its window tail here
             assert ring is not None, "a free ring was checked above"
             # Only hybrid models pass a ring (multi-rank workers refuse them; their manager facade
-            # in worker/tp_runner.py takes no window_pages).
+            # in worker/rank_rooms.py takes no window_pages).
             if ring:
                 receiver = self.manager.create_receiver(
                     req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens, window_pages=ring
@@ -164,7 +164,7 @@ class DecodeRole:
 
     def _quarantine(self, req: Request, rx: KVReceiver) -> None:
         """Keep `req`'s pages held past its end unless the receiver is already quiesced."""
-        # The TP facade's rooms (worker/tp_runner.py) do not report quiescence yet: for them
+        # The TP facade's rooms (worker/rank_rooms.py) do not report quiescence yet: for them
         # the pages are freed at once, as before this quarantine existed.
         quiesced = getattr(rx, "quiesced", True)
         if quiesced or not req.page_table:

@@ -24,8 +24,8 @@ from worker.decode import DecodeRole
 from worker.engine import Engine
 from worker.kv_cache import cache_groups
 from worker.prefill import PrefillRole
+from worker.rank_rooms import rank_peer_id
 from worker.scheduler import RoleHooks
-from worker.tp_runner import rank_peer_id
 
 
 def kv_layout(engine: Engine, config: WorkerConfig) -> KVLayout:
@@ -89,4 +89,4 @@ def _on_every_rank(engine: Engine, manager: KVTransferManager, info: dict[str, s
     facade, addrs = engine.tp.wrap_manager(manager, info.get("bootstrap_addr", ""), engine.group_of_room)
     if addrs:
         info["bootstrap_addr"] = addrs
-    return cast(KVTransferManager, facade)  # same calls the roles make (worker/tp_runner.py)
+    return cast(KVTransferManager, facade)  # same calls the roles make (worker/rank_rooms.py)
