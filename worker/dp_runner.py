@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from worker.batch import ForwardBatch
 from worker.distributed import (
     MessageKind,
     StepChannel,
@@ -28,7 +27,7 @@ from worker.distributed import (
 )
 from worker.kv_cache import KVCache
 from worker.model.base import CausalLM
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, forward_logits
 from worker.scheduler import RunOutput, SchedulePlan
 
 
@@ -56,14 +55,6 @@ class DPRunner:
             dist.recv(got, src=group * self.tp_size)
             logits.append(got.to(device))
         return [self.runner.sample(p, lg) for p, lg in zip(plans, logits, strict=True)]
-
-
-def forward_logits(model: CausalLM, kv: KVCache, batch: ForwardBatch) -> torch.Tensor | None:
-    """Every rank's share of a step: the forward (even with no tokens), then the logits rows."""
-    hidden = model(batch, kv)  # [T, hidden]
-    if not batch.logits_indices.numel():
-        return None
-    return model.compute_logits(hidden[batch.logits_indices])
 
 
 def follow_dp_step(payload: torch.Tensor, model: CausalLM, kv: KVCache, device: torch.device, channel: StepChannel,

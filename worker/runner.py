@@ -42,6 +42,15 @@ class InFlight:
         return self.host.tolist()  # type: ignore[no-any-return]
 
 
+def forward_logits(model: CausalLM, kv: KVCache, batch: ForwardBatch) -> torch.Tensor | None:
+    """The model over one batch (even an empty one), then the logits rows it samples from
+    (None when it samples nothing). Every rank of a multi-rank worker runs this for its share."""
+    hidden = model(batch, kv)  # [T, hidden]
+    if not batch.logits_indices.numel():
+        return None
+    return model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, *, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
         self.model = model
@@ -130,9 +139,14 @@ class ModelRunner:
     def run(self, plan: SchedulePlan) -> RunOutput:
         return self.sample(plan, self.forward(plan))
 
-    def forward(self, plan: SchedulePlan) -> torch.Tensor | None:
-        """One forward pass; the logits [B, vocab] fp32 of the chunks that sample (None: none do)."""
+    def forward(self, plan: SchedulePlan, prev: InFlight | None = None) -> torch.Tensor | None:
+        """One forward pass; the logits [B, vocab] fp32 of the chunks that sample (None: none do).
+
+        `prev` (overlapped decode): an input still PENDING is the previous step's token for that
+        request, read from `prev.tokens` on the device.
+        """
         sampling = sum(c.sample for c in plan.chunks)
+        src = [prev.rows.get(id(c.request), -1) for c in plan.chunks] if prev is not None else None
         graphs = self.decode_graphs
         if (
             graphs is not None
@@ -140,28 +154,20 @@ class ModelRunner:
             and all(c.num_tokens == 1 for c in plan.chunks)  # pure decode
             and graphs.bucket_for(sampling) is not None
         ):
-            return graphs.run(plan.chunks)  # replayed
-        batch = self.build_batch(plan)
-        hidden = self.model(batch, self.kv)  # [T, hidden]
-        return self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+            return graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)  # replayed
+        batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
+        if prev is not None and src is not None:
+            rows = torch.tensor(src, device=self.device)
+            ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], batch.input_ids)
+            batch = dataclasses.replace(batch, input_ids=ids)
+        return forward_logits(self.model, self.kv, batch)
 
     @torch.inference_mode()
     def launch(self, plan: SchedulePlan, prev: InFlight | None) -> InFlight:
-        """Queue a pure-decode step without waiting for the device. An input still PENDING is
-        the previous step's token for that request: read from `prev.tokens` on the device."""
+        """Queue a pure-decode step without waiting for the device (see `forward` for `prev`)."""
         reqs = [c.request for c in plan.chunks]
-        src = [prev.rows.get(id(r), -1) for r in reqs] if prev is not None else None
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.bucket_for(len(reqs)) is not None:
-            logits = graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)
-        else:
-            batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
-            if prev is not None and src is not None:
-                rows = torch.tensor(src, device=self.device)
-                ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], batch.input_ids)
-                batch = dataclasses.replace(batch, input_ids=ids)
-            hidden = self.model(batch, self.kv)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.forward(plan, prev)
+        assert logits is not None  # every chunk of a pure-decode plan samples
         tokens = self.sampler.sample_tokens(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                                             [len(r.output_token_ids) for r in reqs], self.eos_token_ids)
         host = copied = None

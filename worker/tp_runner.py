@@ -40,6 +40,7 @@ from worker.dp_runner import follow_dp_step
 from worker.kv_cache import KVCache
 from worker.model.base import CausalLM, WeightSlot
 from worker.rank_rooms import FollowerRooms, TPTransferManager, exchange_bootstrap_addrs
+from worker.runner import forward_logits
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +171,7 @@ def serve_follower(channel: StepChannel, model: CausalLM, kv: KVCache, rooms: Fo
             follow_dp_step(payload, model, kv, device, channel, tp_size)
         elif kind is MessageKind.STEP:
             assert payload is not None
-            batch = unpack_batch(payload, device)
-            hidden = model(batch, kv)  # [T, hidden]
-            if batch.logits_indices.numel():
-                model.compute_logits(hidden[batch.logits_indices])  # type: ignore[operator]  # joins the vocab gather
+            forward_logits(model, kv, unpack_batch(payload, device))  # joins the layers' and the vocab's collectives
         elif kind is MessageKind.ROOMS:
             if rooms is None:
                 raise DistributedError("rank 0 sent room commands to a worker with role 'both'")
