@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
+from worker.model import fused
 
 
 def store_kv(
@@ -193,11 +194,8 @@ def window_attention(
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:
     """The backend for a device: Triton paged kernels on CUDA (when triton is installed), SDPA
     reference elsewhere. One instance per model: it caches per-batch index tensors."""
-    if torch.device(device).type == "cuda":
-        import importlib.util
+    if fused.available(device):  # CUDA with triton importable
+        from worker.model.triton_attention import TritonPagedBackend
 
-        if importlib.util.find_spec("triton") is not None:
-            from worker.model.triton_attention import TritonPagedBackend
-
-            return TritonPagedBackend()
+        return TritonPagedBackend()
     return TorchSDPABackend()

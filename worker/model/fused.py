@@ -39,7 +39,7 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -147,7 +147,7 @@ def _norm_launch(
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, x's rows have {hidden} features")
-    block = _next_pow2(hidden)
+    block = next_pow2(hidden)
     if block > _NORM_MAX_BLOCK:
         raise ValueError(f"fused RMSNorm holds rows of up to {_NORM_MAX_BLOCK} features, got {hidden}; "
                          "run the model unfused (set_fused_kernels(False))")
@@ -193,7 +193,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     gu = _rows(gate_up, "gate_up")
     out = _output(gate_up, (t, inter), out, "out")  # [T, I]
     if t:
-        block = min(_SILU_BLOCK, _next_pow2(inter))
+        block = min(_SILU_BLOCK, next_pow2(inter))
         _kernels().silu_mul[(t, _cdiv(inter, block))](
             gu, out, gu.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4,
         )
@@ -226,8 +226,8 @@ def qk_norm_rope(
     if t == 0:
         return
     half = head_dim // 2
-    block_half = _next_pow2(half)
-    block_h = min(_next_pow2(heads), max(1, _ROPE_TILE // (2 * block_half)))
+    block_half = next_pow2(half)
+    block_h = min(next_pow2(heads), max(1, _ROPE_TILE // (2 * block_half)))
     _kernels().qk_norm_rope[(t, _cdiv(heads, block_h))](
         qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         qkv.stride(0), cos.stride(0), sin.stride(0), eps,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
 from worker.model.attention import AttentionBackend, context_mask, gather_context
+from worker.model.fused import next_pow2
 
 _NUM_SMS_TARGET = 264  # ~2 programs per SM on an H200 (132 SMs); fine for smaller GPUs too
 _MAX_SPLITS = 16
@@ -42,10 +43,6 @@ def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
     while programs * splits * 2 <= _NUM_SMS_TARGET and splits < _MAX_SPLITS:
         splits *= 2
     return splits
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 _kernels: dict[str, Any] = {}
@@ -183,7 +180,7 @@ def triton_store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HKV=hkv, BLOCK_H=_next_pow2(hkv), D=d, PAGE=k_cache.shape[2],
+        HKV=hkv, BLOCK_H=next_pow2(hkv), D=d, PAGE=k_cache.shape[2],
     )
 
 
@@ -220,7 +217,7 @@ def triton_paged_decode(
         out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
-        G=g, BLOCK_G=max(16, _next_pow2(g)), D=d, PAGE=k_cache.shape[2],
+        G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
         BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
     )
     if splits > 1:
