@@ -167,8 +167,7 @@ class LlamaForCausalLM(CausalLM):
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, batch, kv)
-        if residual is None:  # no layers
-            return self.model.norm(x)
+        assert residual is not None  # a model has layers
         return self.model.norm.add_norm(x, residual)[0]
 
     def set_fused_kernels(self, enabled: bool) -> None:
