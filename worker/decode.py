@@ -164,9 +164,7 @@ class DecodeRole:
 
     def _quarantine(self, req: Request, rx: KVReceiver) -> None:
         """Keep `req`'s pages held past its end unless the receiver is already quiesced."""
-        # The TP facade's rooms (worker/rank_rooms.py) do not report quiescence yet: for them
-        # the pages are freed at once, as before this quarantine existed.
-        quiesced = getattr(rx, "quiesced", True)
+        quiesced = rx.quiesced  # multi-rank rooms (worker/rank_rooms.py) answer for every rank
         if quiesced or not req.page_table:
             return
         holder = f"quarantine:{req.request_id}"
