@@ -22,7 +22,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
-from worker.model import fused
+from worker.model import fused, gemv
 from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.hf_config import ArchConfig
@@ -61,10 +61,16 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:  # [T, hidden] → [T, hidden]
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, batch, kv))
+
+    def attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
-        t = x.shape[0]
+        """The q|k|v projection's output [T, q_size + 2 kv_size] → attention output [T, q_size]:
+        q/k norm and RoPE, the new K/V into the cache, attention over the pages."""
+        t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 kv_size]
         if self.fused:  # normalize (Qwen3) and rotate q and k in place, one kernel for every head
             fused.qk_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, cos, sin,
@@ -85,7 +91,7 @@ class Attention(nn.Module):
             o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
         else:
             o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, q_size))  # [T, hidden]
+        return o.reshape(t, q_size)
 
 
 class MLP(nn.Module):
@@ -130,6 +136,20 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
 
+    def forward_stream(
+        self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> None:
+        """The same layer for a few rows on CUDA, as four GEMVs (worker/model/gemv.py) that
+        update the residual stream [T ≤ gemv.MAX_ROWS, hidden] in place: each norm runs inside
+        the GEMV after it, each residual add inside the GEMV before it, SiLU·mul inside gate|up."""
+        attn, mlp = self.self_attn, self.mlp
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight, pre.eps))
+        o = attn.attend(qkv, cos, sin, batch, kv)
+        gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream)
+        act = gemv.gemv(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pair=True, norm=(post.weight, post.eps))
+        gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype) -> None:
@@ -152,6 +172,7 @@ class LlamaForCausalLM(CausalLM):
         # Tied: the output projection is the embedding matrix itself (one tensor, not a copy).
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)  # plain tensors, not a buffer
+        self.gemv_rows = 0  # batches of up to this many tokens run DecoderLayer.forward_stream
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -164,6 +185,10 @@ class LlamaForCausalLM(CausalLM):
             token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
         cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)  # [T, D] each, shared by layers
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        if x.shape[0] <= self.gemv_rows:  # x is the residual stream, updated in place
+            for layer in self.model.layers:
+                cast(DecoderLayer, layer).forward_stream(x, cos, sin, batch, kv)
+            return self.model.norm(x)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, batch, kv)
@@ -172,10 +197,15 @@ class LlamaForCausalLM(CausalLM):
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run norms (+ residual add), q/k norm + RoPE and SiLU·mul as fused Triton kernels
-        (worker/model/fused.py; CUDA) or as the torch reference. Capture CUDA graphs after."""
+        (worker/model/fused.py; CUDA) and batches of up to gemv.MAX_ROWS tokens as GEMVs with
+        the norms and adds folded in (worker/model/gemv.py; one rank, dense MLPs), or all of it
+        as the torch reference. Capture CUDA graphs after."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP, Embedding)):
                 module.fused = enabled
+        one_rank = self.model.embed_tokens.tp.size == 1
+        dense = all(isinstance(cast(DecoderLayer, layer).mlp, MLP) for layer in self.model.layers)
+        self.gemv_rows = gemv.MAX_ROWS if enabled and one_rank and dense else 0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
