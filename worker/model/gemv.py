@@ -1,17 +1,22 @@
-"""Triton GEMV for decode at small batch: y = x W^T for a few rows of x (CUDA).
+"""Triton GEMV for single-token steps (decode at batch 1): y = W x for one row x (CUDA).
 
 At batch 1 a decode step is weight streaming: every projection reads its whole matrix for one
 row of output. cuBLAS's M = 1 kernels read the 4096-wide projections (qkv, o, down) at
-3.1–3.5 TB/s on an H200, below the 4.27 TB/s copy rate. This kernel gives each program a
-few whole output rows, walks K in wide contiguous blocks (each weight row is contiguous, so
-every load is one coalesced stream), keeps a 2-D float32 partial sum and reduces it once at
-the end, so the only traffic is the weights, read once, evicted first.
+2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns one or two
+whole output rows; when K fits one block (≤ 8192, every hidden size up to 70B-class models)
+it loads its weight rows and x in one go and reduces once, otherwise it walks K in 2048-wide
+contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
+cuBLAS per projection.
 
-`gemv(x, w)` is F.linear(x, w) for x [M, K] with M ≤ MAX_ROWS. `gemv(x, w, pair=True)` is
-silu(x W_gate^T) * (x W_up^T) for the fused gate|up weight [2I, K] (SwiGLU's activation as
-the epilogue: each program owns the matching gate and up rows), rounded where the torch
-reference rounds. Sums run in float32 in a different order than cuBLAS's, so results agree
-with F.linear to bf16 rounding, not bit for bit.
+Because a program holds all of x, the layer's glue folds in (worker/model/llama.py
+`DecoderLayer.forward_stream`):
+- `norm=(weight, eps)`: x is the residual stream; the program RMSNorms it on the fly, exactly
+  as layers.RMSNorm does (float32 statistics, rounded where it rounds).
+- `residual=stream`: y is added to the stream in place (the residual add of the next norm).
+- `pair=True`: w is the fused gate|up weight; y = silu(gate) * up (SwiGLU).
+- `out` may be float32 (logits): y is rounded to the model dtype first, as F.linear(...).float().
+Sums run in float32 in another order than cuBLAS's: results agree with F.linear to bf16
+rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -23,17 +28,18 @@ import torch
 
 from worker.model.fused import next_pow2
 
-MAX_ROWS = 4  # the most rows of x one call takes; larger batches are matmuls (cuBLAS)
+MAX_K_ONE_BLOCK = 8192  # widest x a program holds whole (needed for norm=...)
+_LOOP_BLOCK_K = 2048  # K block of the looping kernel (wider K: down projections)
 
 
-def _config(m: int, k: int, pair: bool) -> dict[str, int]:
-    """Block shape and launch settings (swept on an H200, bench/gemv.py --sweep): two output
-    rows per program, 2048-wide K blocks, 8 warps; narrower K blocks when the float32 partial
-    sums (rows × 2 × block_k, twice for gate|up) would not fit in 64 registers per thread."""
-    block_m, block_k = next_pow2(m), min(2048, next_pow2(k))
-    while block_m * 2 * block_k * (2 if pair else 1) > 64 * 32 * 8 and block_k > 256:
-        block_k //= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=block_k, num_warps=8, num_stages=2)
+def _config(k: int, pair: bool) -> dict[str, int]:
+    """Block shape and launch settings, swept on an H200 (bench/gemv.py --sweep): one block of
+    K when it fits, two output rows per program (one gate|up pair), four warps; past 8192 wide,
+    four rows per program over 2048-wide blocks."""
+    if k <= MAX_K_ONE_BLOCK:
+        block_k = next_pow2(k)
+        return dict(BLOCK_N=1 if pair else 2, BLOCK_K=block_k, num_warps=4 if block_k <= 4096 else 8, num_stages=1)
+    return dict(BLOCK_N=2 if pair else 4, BLOCK_K=_LOOP_BLOCK_K, num_warps=4, num_stages=2)
 
 
 @functools.cache
@@ -43,60 +49,65 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def gemv_kernel(
-        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, stride_x, stride_w, stride_r, stride_out,
-        pair_offset, eps,
-        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, N, stride_w, pair_offset, eps,
+        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
         k = tl.arange(0, BLOCK_K)  # [BK]
-        m = tl.arange(0, BLOCK_M)  # [BM] rows of x
         n_mask = n < N
-        m_mask = m < M
         dtype = x_ptr.dtype.element_ty
-        x_rows = x_ptr + m[:, None] * stride_x  # [BM, 1]
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w  # [BN, 1]
-        if NORM:  # x is the residual stream: RMSNorm each row on the fly (float32 statistics)
-            sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if BLOCK_K >= K:  # one block: weight rows first (the long wait), then x beside them
+            k_mask = k < K
+            mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            if PAIR:
+                u = tl.load(w_rows + pair_offset + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM:  # as layers.RMSNorm: float32 statistics; normalized, rounded, times the weight, rounded
+                rstd = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+                nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+                x = (nw * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * x[None, :], 1)  # [BN]
+            if PAIR:
+                up = tl.sum(u.to(tl.float32) * x[None, :], 1)
+        else:  # K blocks; a 2-D partial sum, reduced once after the loop
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for i in range(0, tl.cdiv(K, BLOCK_K)):
                 kk = i * BLOCK_K + k
-                xs = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
-                sq += xs.to(tl.float32) * xs.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)[:, None]  # [BM, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced once, after the loop
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for i in range(0, tl.cdiv(K, BLOCK_K)):
-            kk = i * BLOCK_K + k
-            k_mask = kk < K
-            mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            if NORM:  # as layers.RMSNorm: normalized, rounded, times the weight, rounded
-                nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                x = (nw * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x3 = x[:, None, :]  # [BM, 1, BK]
-            acc += w.to(tl.float32)[None, :, :] * x3
+                k_mask = kk < K
+                mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                acc += w.to(tl.float32) * x
+                if PAIR:
+                    u = tl.load(w_rows + pair_offset + kk[None, :], mask=mask, other=0.0,
+                                eviction_policy="evict_first")
+                    acc_up += u.to(tl.float32) * x
+            y = tl.sum(acc, 1)
             if PAIR:
-                u = tl.load(w_rows + pair_offset + kk[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_first")
-                acc_up += u.to(tl.float32)[None, :, :] * x3
-        y = tl.sum(acc, 2)  # [BM, BN]
+                up = tl.sum(acc_up, 1)
         if HAS_BIAS:
-            y = y.to(dtype).to(tl.float32) + tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            y = y.to(dtype).to(tl.float32) + tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
         y = y.to(dtype).to(tl.float32)  # rounded as F.linear's output is
         if PAIR:  # SwiGLU: silu(gate), rounded, times up
-            up = tl.sum(acc_up, 2)
             if HAS_BIAS:
-                up = up.to(dtype).to(tl.float32) + tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                up = up.to(dtype).to(tl.float32) + tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
             up = up.to(dtype).to(tl.float32)
             y = ((y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
-        out_mask = m_mask[:, None] & n_mask[None, :]
         if RESIDUAL:  # the residual stream plus this output, in the model dtype
-            r = tl.load(r_ptr + m[:, None] * stride_r + n[None, :], mask=out_mask, other=0.0).to(tl.float32)
-            y = (r + y).to(dtype).to(tl.float32)
-        tl.store(out_ptr + m[:, None] * stride_out + n[None, :], y, mask=out_mask)
+            y = (tl.load(r_ptr + n, mask=n_mask, other=0.0).to(tl.float32) + y).to(dtype)
+        tl.store(out_ptr + n, y, mask=n_mask)
 
     return SimpleNamespace(gemv=gemv_kernel)
+
+
+def _row(t: torch.Tensor, width: int, name: str) -> None:
+    if t.shape != (1, width) or t.stride(1) != 1:
+        raise ValueError(f"{name} must be one row [1, {width}] with unit column stride; got {tuple(t.shape)} "
+                         f"strides {tuple(t.stride())}")
 
 
 def gemv(
@@ -104,42 +115,37 @@ def gemv(
     norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None, **config: int,
 ) -> torch.Tensor:
-    """y = x w^T (+ bias) for x [M, K] (M ≤ MAX_ROWS, unit column stride), w [N, K] contiguous.
-
-    - pair: w is gate|up [2I, K] (bias too); y = silu(gate) * up [M, I].
-    - norm (weight [K], eps): x is first RMSNorm-ed as layers.RMSNorm does.
-    - residual [M, N]: y = residual + y, written into residual (the stream updated in place).
-    - out: where y goes, any float dtype (logits in float32): y is rounded to x's dtype first.
-    `config` overrides the block shape (BLOCK_N, BLOCK_K, num_warps, num_stages; for sweeps)."""
-    m, k = x.shape
-    rows, wk = w.shape
-    if m > MAX_ROWS or wk != k or x.stride(1) != 1 or not w.is_contiguous() or x.dtype != w.dtype:
-        raise ValueError(f"gemv takes x [M ≤ {MAX_ROWS}, K] with unit column stride and a contiguous "
-                         f"w [N, K] of x's dtype; got x {tuple(x.shape)} strides {tuple(x.stride())} "
-                         f"{x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    """y = x w^T (+ bias) for one row x [1, K] and a contiguous w [N, K] of x's dtype → [1, N]
+    (into `out`, or into `residual`, whose row it adds to in place); see the module docstring.
+    `config` overrides the block shape (BLOCK_N, BLOCK_K, num_warps, num_stages: for sweeps)."""
+    rows, k = w.shape
+    _row(x, k, "x")
+    if not w.is_contiguous() or x.dtype != w.dtype:
+        raise ValueError(f"w must be a contiguous [N, K] of x's dtype {x.dtype}; got {w.dtype} "
+                         f"strides {tuple(w.stride())}")
     if pair and rows % 2:
         raise ValueError(f"gemv(pair=True) needs the fused gate|up weight (an even row count), got {rows}")
     n = rows // 2 if pair else rows
     if bias is not None and bias.shape != (rows,):
         raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
-    if norm is not None and norm[0].shape != (k,):
-        raise ValueError(f"norm weight must be [{k}], got {tuple(norm[0].shape)}")
+    if norm is not None and (norm[0].shape != (k,) or k > MAX_K_ONE_BLOCK):
+        raise ValueError(f"norm weight must be [{k}] with K ≤ {MAX_K_ONE_BLOCK}, got {tuple(norm[0].shape)}")
     if residual is not None:
-        if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
-            raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with unit column stride, got "
-                             f"{tuple(residual.shape)} {residual.dtype}")
+        _row(residual, n, "residual")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual must be {x.dtype}, got {residual.dtype}")
         out = residual
     elif out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit column stride, got {tuple(out.shape)}")
-    if m:
-        cfg = _config(m, k, pair) | config
-        _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](
-            x, w, x if bias is None else bias, x if norm is None else norm[0], out, out,
-            m, n, x.stride(0), w.stride(0), out.stride(0), out.stride(0), n * w.stride(0),
-            0.0 if norm is None else norm[1],
-            K=k, PAIR=pair, HAS_BIAS=bias is not None, NORM=norm is not None, RESIDUAL=residual is not None,
-            **cfg,
-        )
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    else:
+        _row(out, n, "out")
+    cfg = _config(k, pair) | config
+    if norm is not None and cfg["BLOCK_K"] < k:
+        raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
+    _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](
+        x, w, x if bias is None else bias, x if norm is None else norm[0], out, out,
+        n, w.stride(0), n * w.stride(0), 0.0 if norm is None else norm[1],
+        K=k, PAIR=pair, HAS_BIAS=bias is not None, NORM=norm is not None, RESIDUAL=residual is not None,
+        **cfg,
+    )
     return out

@@ -234,7 +234,7 @@ class Embedding(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.stop, per = vocab_shard(vocab_size, self.tp)
         self.weight = _param(per, hidden, dtype=dtype)  # [V_local (padded), hidden]
-        self.fused = False  # logits of a few rows through gemv (set by the model's set_fused_kernels)
+        self.fused = False  # one row's logits through gemv (set by the model's set_fused_kernels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] → [T, hidden]
         if self.tp.size == 1:
@@ -254,7 +254,7 @@ class Embedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] @ this matrix^T → full logits [N, V] float32 (gathers shards)."""
-        if self.fused and self.tp.size == 1 and hidden.shape[0] <= gemv.MAX_ROWS:
+        if self.fused and self.tp.size == 1 and hidden.shape[0] == 1:
             return gemv.gemv(hidden, self.weight, out=hidden.new_empty(hidden.shape[0], self.weight.shape[0],
                                                                        dtype=torch.float32))
         local = F.linear(hidden, self.weight).float()  # [N, V_local]

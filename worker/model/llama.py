@@ -139,9 +139,9 @@ class DecoderLayer(nn.Module):
     def forward_stream(
         self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> None:
-        """The same layer for a few rows on CUDA, as four GEMVs (worker/model/gemv.py) that
-        update the residual stream [T ≤ gemv.MAX_ROWS, hidden] in place: each norm runs inside
-        the GEMV after it, each residual add inside the GEMV before it, SiLU·mul inside gate|up."""
+        """The same layer for one token on CUDA, as four GEMVs (worker/model/gemv.py) that update
+        the residual stream [1, hidden] in place: each norm runs inside the GEMV after it, each
+        residual add inside the GEMV before it, SiLU·mul inside gate|up."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight, pre.eps))
@@ -172,7 +172,7 @@ class LlamaForCausalLM(CausalLM):
         # Tied: the output projection is the embedding matrix itself (one tensor, not a copy).
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)  # plain tensors, not a buffer
-        self.gemv_rows = 0  # batches of up to this many tokens run DecoderLayer.forward_stream
+        self.single_token_gemv = False  # one-token steps run DecoderLayer.forward_stream
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -185,7 +185,7 @@ class LlamaForCausalLM(CausalLM):
             token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
         cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)  # [T, D] each, shared by layers
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        if x.shape[0] <= self.gemv_rows:  # x is the residual stream, updated in place
+        if self.single_token_gemv and x.shape[0] == 1:  # x is the residual stream, updated in place
             for layer in self.model.layers:
                 cast(DecoderLayer, layer).forward_stream(x, cos, sin, batch, kv)
             return self.model.norm(x)
@@ -197,15 +197,15 @@ class LlamaForCausalLM(CausalLM):
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """Run norms (+ residual add), q/k norm + RoPE and SiLU·mul as fused Triton kernels
-        (worker/model/fused.py; CUDA) and batches of up to gemv.MAX_ROWS tokens as GEMVs with
-        the norms and adds folded in (worker/model/gemv.py; one rank, dense MLPs), or all of it
-        as the torch reference. Capture CUDA graphs after."""
+        (worker/model/fused.py; CUDA) and one-token steps as GEMVs with the norms and adds folded
+        in (worker/model/gemv.py; one rank, dense MLPs), or all of it as the torch reference.
+        Capture CUDA graphs after."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP, Embedding)):
                 module.fused = enabled
         one_rank = self.model.embed_tokens.tp.size == 1
         dense = all(isinstance(cast(DecoderLayer, layer).mlp, MLP) for layer in self.model.layers)
-        self.gemv_rows = gemv.MAX_ROWS if enabled and one_rank and dense else 0
+        self.single_token_gemv = enabled and one_rank and dense and self.cfg.hidden_size <= gemv.MAX_K_ONE_BLOCK
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
