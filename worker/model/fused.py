@@ -39,20 +39,6 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
-def _pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl(device: torch.device) -> dict[str, bool]:
-    """Launch arguments for programmatic dependent launch (Hopper and newer; CUDA graphs keep
-    it): a kernel launched so may start while the one before it finishes; it waits
-    (griddepcontrol.wait) before reading anything that kernel wrote, so what it does first is
-    only the prologue (the GEMV: its weight loads). Every kernel here takes PDL."""
-    on = _pdl(torch.device(device))
-    return {"PDL": on, "launch_pdl": on}
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -66,17 +52,13 @@ def _kernels() -> SimpleNamespace:
     """Compile-on-first-use: triton is imported only when a fused kernel first runs."""
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_*)
 
     @triton.jit
     def rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
         stride_x, stride_r, stride_out, stride_res,
-        eps, H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+        eps, H: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch: the next kernel may start; wait for the previous one
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
@@ -94,11 +76,8 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def silu_mul_kernel(
-        gu_ptr, out_ptr, stride_gu, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        gu_ptr, out_ptr, stride_gu, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch: the next kernel may start; wait for the previous one
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < INTER
@@ -113,11 +92,8 @@ def _kernels() -> SimpleNamespace:
         qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
         stride_t, stride_cos, stride_sin, eps,
         HQ: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch: the next kernel may start; wait for the previous one
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] head index: q heads, then k
         i = tl.arange(0, BLOCK_HALF)  # [BHALF] position in each half of the head
@@ -190,7 +166,7 @@ def _norm_launch(
             x2, r2, weight, out2, res2,
             x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0),
             eps, H=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block // 512)), **pdl(x.device),
+            num_warps=min(16, max(1, block // 512)),
         )
     return out2.view(x.shape), res2.view(x.shape)
 
@@ -219,7 +195,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if t:
         block = min(_SILU_BLOCK, next_pow2(inter))
         _kernels().silu_mul[(t, _cdiv(inter, block))](
-            gu, out, gu.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4, **pdl(gate_up.device),
+            gu, out, gu.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4,
         )
     return out
 
@@ -256,5 +232,5 @@ def qk_norm_rope(
         qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         qkv.stride(0), cos.stride(0), sin.stride(0), eps,
         HQ=num_q_heads, HEADS=heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        HAS_NORM=has_norm, num_warps=4, **pdl(qkv.device),
+        HAS_NORM=has_norm, num_warps=4,
     )

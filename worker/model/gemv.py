@@ -2,10 +2,10 @@
 
 At batch 1 a decode step is weight streaming: every projection reads its whole matrix for one
 row of output. cuBLAS's M = 1 kernels read the 4096-wide projections (qkv, o, down) at
-2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns one whole
-output row (or gate|up pair); when K fits one block (≤ 8192, every hidden size up to 70B-class
-models) it loads its weight row and x in one go and reduces once, otherwise it walks K in
-4096-wide contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
+2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns one or two
+whole output rows; when K fits one block (≤ 8192, every hidden size up to 70B-class models)
+it loads its weight rows and x in one go and reduces once, otherwise it walks K in 2048-wide
+contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
 cuBLAS per projection.
 
 Because a program holds all of x, the layer's glue folds in (worker/model/llama.py
@@ -26,36 +26,33 @@ from types import SimpleNamespace
 
 import torch
 
-from worker.model.fused import next_pow2, pdl
+from worker.model.fused import next_pow2
 
 MAX_K_ONE_BLOCK = 8192  # widest x a program holds whole (needed for norm=...)
-_LOOP_BLOCK_K = 4096  # K block of the looping kernel (wider K: down projections)
+_LOOP_BLOCK_K = 2048  # K block of the looping kernel (wider K: down projections)
 
 
-def _config(k: int) -> dict[str, int]:
-    """Block shape and launch settings, swept on an H200 (bench/gemv.py --sweep): one output row
-    (one gate|up pair) per program; K in one block of 8 warps when it fits, else 4096-wide
-    blocks of 4 warps."""
+def _config(k: int, pair: bool) -> dict[str, int]:
+    """Block shape and launch settings, swept on an H200 (bench/gemv.py --sweep): one block of
+    K when it fits, two output rows per program (one gate|up pair), four warps; past 8192 wide,
+    four rows per program over 2048-wide blocks."""
     if k <= MAX_K_ONE_BLOCK:
-        return dict(BLOCK_N=1, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
-    return dict(BLOCK_N=1, BLOCK_K=_LOOP_BLOCK_K, num_warps=4, num_stages=2)
+        block_k = next_pow2(k)
+        return dict(BLOCK_N=1 if pair else 2, BLOCK_K=block_k, num_warps=4 if block_k <= 4096 else 8, num_stages=1)
+    return dict(BLOCK_N=2 if pair else 4, BLOCK_K=_LOOP_BLOCK_K, num_warps=4, num_stages=2)
 
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_*)
 
     @triton.jit
     def gemv_kernel(
         x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, N, stride_w, pair_offset, eps,
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch (fused.pdl): the next kernel may start
-            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
         k = tl.arange(0, BLOCK_K)  # [BK]
         n_mask = n < N
@@ -67,8 +64,6 @@ def _kernels() -> SimpleNamespace:
             w = tl.load(w_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             if PAIR:
                 u = tl.load(w_rows + pair_offset + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            if PDL:  # the weights stream in while the previous kernel finishes; x is its output
-                tl.extra.cuda.gdc_wait()
             x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             if NORM:  # as layers.RMSNorm: float32 statistics; normalized, rounded, times the weight, rounded
                 rstd = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
@@ -78,8 +73,6 @@ def _kernels() -> SimpleNamespace:
             if PAIR:
                 up = tl.sum(u.to(tl.float32) * x[None, :], 1)
         else:  # K blocks; a 2-D partial sum, reduced once after the loop
-            if PDL:
-                tl.extra.cuda.gdc_wait()
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for i in range(0, tl.cdiv(K, BLOCK_K)):
@@ -146,13 +139,13 @@ def gemv(
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     else:
         _row(out, n, "out")
-    cfg = _config(k) | config
+    cfg = _config(k, pair) | config
     if norm is not None and cfg["BLOCK_K"] < k:
         raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
     _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](
         x, w, x if bias is None else bias, x if norm is None else norm[0], out, out,
         n, w.stride(0), n * w.stride(0), 0.0 if norm is None else norm[1],
         K=k, PAIR=pair, HAS_BIAS=bias is not None, NORM=norm is not None, RESIDUAL=residual is not None,
-        **pdl(x.device) | cfg,
+        **cfg,
     )
     return out

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
 from worker.model.attention import AttentionBackend, context_mask, gather_context
-from worker.model.fused import next_pow2, pdl
+from worker.model.fused import next_pow2
 
 _NUM_SMS_TARGET = 264  # ~2 programs per SM on an H200 (132 SMs); fine for smaller GPUs too
 _MAX_SPLITS = 16
@@ -54,7 +54,6 @@ def _get_kernels() -> dict[str, Any]:
         return _kernels
     import triton
     import triton.language as tl
-    import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_*)
 
     @triton.jit
     def store_kv_kernel(
@@ -62,11 +61,8 @@ def _get_kernels() -> dict[str, Any]:
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_cp, stride_ch, stride_cs,
         stride_vcp, stride_vch, stride_vcs,
-        HKV: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
+        HKV: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch: the next kernel may start; wait for the previous one
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
         page = tl.maximum(slot, 0) // PAGE
@@ -91,11 +87,8 @@ def _get_kernels() -> dict[str, Any]:
         stride_ot, stride_oh,
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch: the next kernel may start; wait for the previous one
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         hkv = tl.program_id(1)
         split = tl.program_id(2)
@@ -155,12 +148,8 @@ def _get_kernels() -> dict[str, Any]:
 
     @triton.jit
     def merge_kernel(
-        op_ptr, lse_ptr, o_ptr, stride_ot, stride_oh,
-        HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+        op_ptr, lse_ptr, o_ptr, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch: the next kernel may start; wait for the previous one
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, NUM_SPLITS)
@@ -191,7 +180,7 @@ def triton_store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HKV=hkv, BLOCK_H=next_pow2(hkv), D=d, PAGE=k_cache.shape[2], **pdl(k.device),
+        HKV=hkv, BLOCK_H=next_pow2(hkv), D=d, PAGE=k_cache.shape[2],
     )
 
 
@@ -229,11 +218,10 @@ def triton_paged_decode(
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
-        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2, **pdl(q.device),
+        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
     )
     if splits > 1:
-        kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=splits,
-                            **pdl(q.device))
+        kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=splits)
     return out
 
 
