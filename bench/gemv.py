@@ -1,10 +1,13 @@
 """Single-token projections on one GPU: our Triton GEMV (worker/model/gemv.py) vs cuBLAS.
 
-For each projection of the qwen3-8b shape (qkv, o, gate|up with SiLU·mul, down, lm_head) on
-one row: one CUDA graph calls the projection once per layer's own weight matrix (36 of them,
-so nothing is served from L2, as in a real step), replayed; GB/s = weight bytes ÷ time. The
-copy ceiling of the same process is printed first. `--sweep` first tries block shapes and
-launch settings on each projection and prints the best few.
+Each projection of the qwen3-8b shape runs on one row as the engine runs it
+(llama.py `DecoderLayer.forward_stream`): qkv with the input norm folded in, o adding into the
+residual stream, gate|up with the post-attention norm and SiLU·mul, down adding into the
+stream, lm_head into float32 logits. One CUDA graph calls the projection once per layer's own
+weight matrix (36 of them, so nothing is served from L2, as in a real step), replayed; GB/s =
+weight bytes ÷ time. cuBLAS = F.linear alone (without the glue the GEMV also does). The copy
+ceiling of the same process is printed first. `--sweep` first tries block shapes and launch
+settings on each projection and prints the best few.
 
     python3 bench/gemv.py [--sweep] [--out DIR]
 """
@@ -27,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.model.gemv import gemv  # noqa: E402
 
 HIDDEN, INTER, Q, KV, VOCAB, LAYERS = 4096, 12288, 4096, 1024, 151936, 36
-SHAPES = {  # name: (rows of W, K, pair, copies)
-    "qkv": (Q + 2 * KV, HIDDEN, False, LAYERS),
-    "o": (HIDDEN, Q, False, LAYERS),
-    "gate_up": (2 * INTER, HIDDEN, True, LAYERS),
-    "down": (HIDDEN, INTER, False, LAYERS),
-    "lm_head": (VOCAB, HIDDEN, False, 2),
+SHAPES = {  # name: (rows of W, K, how the engine calls it, copies)
+    "qkv": (Q + 2 * KV, HIDDEN, "norm", LAYERS),
+    "o": (HIDDEN, Q, "residual", LAYERS),
+    "gate_up": (2 * INTER, HIDDEN, "pair", LAYERS),
+    "down": (HIDDEN, INTER, "residual", LAYERS),
+    "lm_head": (VOCAB, HIDDEN, "logits", 2),
 }
 
 
@@ -71,44 +74,49 @@ def copy_ceiling() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000) / 1e9
 
 
-def cublas(x: torch.Tensor, w: torch.Tensor, pair: bool) -> torch.Tensor:
-    y = F.linear(x, w)
-    if pair:
-        g, u = y.chunk(2, -1)
-        return F.silu(g) * u
-    return y
+def ours(x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm: torch.Tensor,
+         **cfg: int) -> torch.Tensor:
+    if use == "norm":
+        return gemv(x, w, norm=(norm, 1e-6), **cfg)
+    if use == "pair":
+        return gemv(x, w, pair=True, norm=(norm, 1e-6), **cfg)
+    if use == "residual":
+        return gemv(x, w, residual=stream, **cfg)
+    return gemv(x, w, out=torch.empty(1, w.shape[0], dtype=torch.float32, device=x.device), **cfg)
 
 
-def rate(name: str, impl: Callable[[torch.Tensor, torch.Tensor, bool], object],
-         weights: dict[str, list[torch.Tensor]]) -> float:
-    """GB/s of weights read by `impl` over every copy of projection `name`, one row of x."""
-    n, k, pair, _ = SHAPES[name]
+def rate(name: str, weights: dict[str, list[torch.Tensor]], cfg: dict[str, int] | str | None) -> float:
+    """GB/s of weights read over every copy of projection `name`, one row of x: our GEMV with
+    `cfg` (None: its own choice), or cuBLAS's F.linear when cfg is the string "cublas"."""
+    n, k, use, _ = SHAPES[name]
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    stream = torch.randn(1, n, dtype=torch.bfloat16, device="cuda")
+    norm = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
     ws = weights[name]
-    t = graph_time(lambda: [impl(x, w, pair) for w in ws])
+    if cfg == "cublas":
+        t = graph_time(lambda: [F.linear(x, w) for w in ws])
+    else:
+        given = cfg if isinstance(cfg, dict) else {}
+        t = graph_time(lambda: [ours(x, w, use, stream, norm, **given) for w in ws])
     return len(ws) * n * k * 2 / t / 1e9
 
 
 def sweep(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[float, dict]]]:
-    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-            for bn, bk, nw, ns in itertools.product((1, 2, 4), (1024, 2048, 4096), (4, 8), (1, 2))]
     best: dict[str, list[tuple[float, dict]]] = {}
-    for name in SHAPES:
+    for name, (_, k, use, _) in SHAPES.items():
+        widths = (4096, 8192) if use in ("norm", "pair") else (1024, 2048, 4096)  # a norm needs K whole
         scores = []
-        pair = SHAPES[name][2]
-        for cfg in grid:
-            if cfg["BLOCK_N"] * cfg["BLOCK_K"] * (2 if pair else 1) > 64 * 32 * cfg["num_warps"]:
-                continue  # the float32 partial sums would not fit in 64 registers per thread
+        for bn, bk, nw, ns in itertools.product((1, 2, 4), widths, (4, 8), (1, 2)):
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            if bn * bk * (2 if use == "pair" else 1) > 64 * 32 * nw or (bk >= k and ns > 1):
+                continue  # partial sums past 64 registers per thread; stages mean nothing in one block
             try:
-                gbs = rate(name, lambda x, w, pair, cfg=cfg: gemv(x, w, pair=pair, **cfg), weights)
+                scores.append((rate(name, weights, cfg), cfg))
             except Exception as e:  # a config the compiler rejects (registers, shared memory)
                 print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            scores.append((gbs, cfg))
         scores.sort(key=lambda s: -s[0])
         best[name] = scores[:5]
-        print(f"{name}: cublas {rate(name, cublas, weights):.0f} GB/s; best "
-              + "; ".join(f"{g:.0f} {c}" for g, c in scores[:5]), flush=True)
+        print(f"{name}: best " + "; ".join(f"{g:.0f} {c}" for g, c in scores[:5]), flush=True)
     return best
 
 
@@ -126,11 +134,9 @@ def main() -> None:
         result["sweep"] = sweep(weights)
     rows = {}
     for name in SHAPES:
-        cfg = result["sweep"][name][0][1] if args.sweep else {}  # type: ignore[index]
-        ours = rate(name, lambda x, w, pair, cfg=cfg: gemv(x, w, pair=pair, **cfg), weights)
-        theirs = rate(name, cublas, weights)
-        rows[name] = {"gemv_GBps": ours, "cublas_GBps": theirs}
-        print(f"{name:8s}: gemv {ours:6.0f} GB/s  cublas {theirs:6.0f} GB/s  ({ours / theirs:.2f}x)", flush=True)
+        ours_gbs, theirs = rate(name, weights, None), rate(name, weights, "cublas")
+        rows[name] = {"gemv_GBps": ours_gbs, "cublas_GBps": theirs}
+        print(f"{name:8s}: gemv {ours_gbs:6.0f} GB/s  cublas {theirs:6.0f} GB/s  ({ours_gbs / theirs:.2f}x)", flush=True)
     result["rows"] = rows
     Path(args.out, "gemv.json").write_text(json.dumps(result, indent=1, default=str))
 
