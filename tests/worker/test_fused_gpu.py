@@ -159,6 +159,43 @@ def test_qk_norm_rope_matches_reference(
 
 @pytest.mark.gpu
 @kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hq,hkv,head_dim", [(1, 32, 8, 128), (7, 6, 2, 32), (3, 5, 5, 16)])
+def test_qk_norm_rope_stores_k_and_v_in_their_slots(
+    dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int
+) -> None:
+    """With kv_cache, the same kernel writes the rotated k and the untouched v of each token to
+    its slot, exactly what attention.store_kv writes after the unfused ops; a -1 slot (graph
+    padding) writes nothing and no other slot changes."""
+    from worker.model.attention import store_kv
+
+    gen = torch.Generator().manual_seed(tokens * 100 + hq)
+    qkv = _strided(tokens, (hq + 2 * hkv) * head_dim, dtype, gen, scale=2.0)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    cos, sin = RotaryEmbedding(ROPES["default"], head_dim, DEVICE).cos_sin(positions.to(DEVICE))
+    q_norm, k_norm = _norm(head_dim, dtype, gen), _norm(head_dim, dtype, gen)
+    pages, page_size = 6, 4
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
+    slots[tokens // 2] = -1  # a padding row
+    slots = slots.to(DEVICE)
+    k_cache = torch.full((pages, hkv, page_size, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    ref = qkv.clone()
+    fused.qk_norm_rope(ref, hq, hkv, cos, sin, q_norm.weight, k_norm.weight, 1e-6)  # then the store kernel's job:
+    k_ref = ref[:, hq * head_dim : (hq + hkv) * head_dim].reshape(tokens, hkv, head_dim)
+    v_ref = ref[:, (hq + hkv) * head_dim :].reshape(tokens, hkv, head_dim)
+    keep = slots >= 0
+    store_kv(k_ref[keep], v_ref[keep], want_k, want_v, slots[keep])
+
+    fused.qk_norm_rope(qkv, hq, hkv, cos, sin, q_norm.weight, k_norm.weight, 1e-6, kv_cache=(k_cache, v_cache, slots))
+    assert torch.equal(qkv, ref)  # q, k rotated as before; v untouched
+    assert torch.equal(k_cache.isnan(), want_k.isnan()) and torch.equal(v_cache.isnan(), want_v.isnan())
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num()) and torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
+
+
+@pytest.mark.gpu
+@kernels
 def test_kernels_refuse_wrong_shapes_clearly() -> None:
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight has shape"):
@@ -170,6 +207,10 @@ def test_kernels_refuse_wrong_shapes_clearly() -> None:
         fused.qk_norm_rope(torch.zeros(2, 10, device=DEVICE), 1, 1, cos, cos)
     with pytest.raises(ValueError, match="out must be"):
         fused.rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, out=torch.zeros(2, 4, device=DEVICE))
+    cache = torch.zeros(3, 2, 4, 2, device=DEVICE)  # 2 kv heads where the qkv has 1
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        fused.qk_norm_rope(torch.zeros(2, 12, device=DEVICE), 1, 1, cos, cos,
+                           kv_cache=(cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE)))
 
 
 # ---- whole engines on a GPU ------------------------------------------------------------------

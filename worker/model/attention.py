@@ -64,9 +64,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]. k and v go to
+        their slots first, unless the caller stored them already (kv_stored)."""
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -76,9 +77,10 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         page_size = k_cache.shape[2]
         out = torch.empty_like(q)  # [T, Hq, D]
         qs = batch.query_start_list

@@ -89,21 +89,24 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def qk_norm_rope_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-        stride_t, stride_cos, stride_sin, eps,
-        HQ: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+        qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
+        stride_t, stride_cos, stride_sin, stride_kcp, stride_kch, stride_kcs, stride_vcp, stride_vch, stride_vcs,
+        eps,
+        HQ: tl.constexpr, HEADS: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] head index: q heads, then k
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] head index: q heads, k, then v
         i = tl.arange(0, BLOCK_HALF)  # [BHALF] position in each half of the head
         imask = i < HALF
-        mask = (h < HEADS)[:, None] & imask[None, :]  # [BH, BHALF]
+        rot = h < HEADS  # q and k heads are normalized and rotated; v heads (STORE only) are copied
+        mask = ((h < HEADS + HKV) if STORE else rot)[:, None] & imask[None, :]  # [BH, BHALF]
         dtype = qkv_ptr.dtype.element_ty
-        # q and k heads sit back to back at the start of each row: head h at h * head_dim.
+        # q, k and v heads sit back to back in each row: head h at h * head_dim.
         first = qkv_ptr + t * stride_t + h[:, None] * (2 * HALF) + i[None, :]  # [BH, BHALF]
         x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1, y2 = x1, x2
         if HAS_NORM:
             rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
             is_q = (h < HQ)[:, None]
@@ -111,13 +114,32 @@ def _kernels() -> SimpleNamespace:
                           tl.load(kw_ptr + i, mask=imask, other=0.0)[None, :]).to(tl.float32)
             w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i, mask=imask, other=0.0)[None, :],
                           tl.load(kw_ptr + HALF + i, mask=imask, other=0.0)[None, :]).to(tl.float32)
-            x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         # cos/sin rows repeat their first half (rope.py duplicates the frequencies): read it once.
         cos = tl.load(cos_ptr + t * stride_cos + i, mask=imask, other=0.0)[None, :]
         sin = tl.load(sin_ptr + t * stride_sin + i, mask=imask, other=0.0)[None, :]
-        tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-        tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        r1 = (y1 * cos - y2 * sin).to(dtype)
+        r2 = (y2 * cos + y1 * sin).to(dtype)
+        y1, y2 = r1, r2
+        rmask = rot[:, None] & mask
+        tl.store(first, y1, mask=rmask)
+        tl.store(first + HALF, y2, mask=rmask)
+        if STORE:  # the new k (rotated) and v into their cache slot; slot < 0 (graph padding) writes nothing
+            slot = tl.load(slot_ptr + t)
+            page = tl.maximum(slot, 0) // PAGE
+            off = tl.maximum(slot, 0) % PAGE
+            is_k = rot & (h >= HQ)
+            is_v = h >= HEADS
+            k_at = kc_ptr + page * stride_kcp + off * stride_kcs + (h - HQ)[:, None] * stride_kch + i[None, :]
+            v_at = vc_ptr + page * stride_vcp + off * stride_vcs + (h - HEADS)[:, None] * stride_vch + i[None, :]
+            kmask = is_k[:, None] & mask & (slot >= 0)
+            vmask = is_v[:, None] & mask & (slot >= 0)
+            cache = kc_ptr.dtype.element_ty
+            tl.store(k_at, y1.to(cache), mask=kmask)
+            tl.store(k_at + HALF, y2.to(cache), mask=kmask)
+            tl.store(v_at, x1.to(cache), mask=vmask)
+            tl.store(v_at + HALF, x2.to(cache), mask=vmask)
 
     return SimpleNamespace(rms_norm=rms_norm_kernel, silu_mul=silu_mul_kernel, qk_norm_rope=qk_norm_rope_kernel)
 
@@ -203,11 +225,15 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 def qk_norm_rope(
     qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """In place on qkv [T, (Hq + 2 Hkv) * D] (q heads | k heads | v heads, D = head_dim):
     RMSNorm each q and k head (when q_weight / k_weight [D] are given: Qwen3), then rotate it by
     cos/sin [T, D] float32 (neox rotate-half; the rows' halves must be equal, as
-    `RotaryEmbedding.cos_sin` makes them). v is left as it is."""
+    `RotaryEmbedding.cos_sin` makes them). v is left as it is. With kv_cache = (k_cache,
+    v_cache [P, Hkv, page_size, D], slot_mapping [T]) the rotated k and the v of each token also
+    go to its cache slot (page * page_size + offset; a negative slot is skipped), as
+    attention.store_kv does: one kernel for both jobs."""
     t = qkv.shape[0]
     head_dim = cos.shape[-1]
     heads = num_q_heads + num_kv_heads
@@ -223,14 +249,28 @@ def qk_norm_rope(
     has_norm = q_weight is not None and k_weight is not None
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope takes both q_weight and k_weight (Qwen3) or neither")
+    if kv_cache is not None:
+        k_cache, v_cache, slots = kv_cache
+        want = (num_kv_heads, head_dim)
+        if (k_cache.shape[1], k_cache.shape[3]) != want or v_cache.shape != k_cache.shape or slots.shape != (t,) \
+                or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+            raise ValueError(f"kv_cache must be k/v caches [P, Hkv={num_kv_heads}, page_size, D={head_dim}] with "
+                             f"unit last stride and slots [T={t}]; got {tuple(k_cache.shape)}, "
+                             f"{tuple(v_cache.shape)}, {tuple(slots.shape)}")
+    else:
+        k_cache = v_cache = slots = cos  # placeholders the kernel ignores
     if t == 0:
         return
     half = head_dim // 2
     block_half = next_pow2(half)
-    block_h = min(next_pow2(heads), max(1, _ROPE_TILE // (2 * block_half)))
-    _kernels().qk_norm_rope[(t, _cdiv(heads, block_h))](
-        qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
-        qkv.stride(0), cos.stride(0), sin.stride(0), eps,
-        HQ=num_q_heads, HEADS=heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        HAS_NORM=has_norm, num_warps=4,
+    store_heads = heads + (num_kv_heads if kv_cache is not None else 0)
+    block_h = min(next_pow2(store_heads), max(1, _ROPE_TILE // (2 * block_half)))
+    kc, vc = (k_cache, v_cache) if kv_cache is not None else (cos[None, None], cos[None, None])
+    _kernels().qk_norm_rope[(t, _cdiv(store_heads, block_h))](
+        qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, kc, vc, slots,
+        qkv.stride(0), cos.stride(0), sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), eps,
+        HQ=num_q_heads, HEADS=heads, HKV=num_kv_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        HAS_NORM=has_norm, STORE=kv_cache is not None, PAGE=kc.shape[2] if kv_cache is not None else 1,
+        num_warps=4,
     )

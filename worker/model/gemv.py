@@ -2,10 +2,10 @@
 
 At batch 1 a decode step is weight streaming: every projection reads its whole matrix for one
 row of output. cuBLAS's M = 1 kernels read the 4096-wide projections (qkv, o, down) at
-2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns one or two
-whole output rows; when K fits one block (≤ 8192, every hidden size up to 70B-class models)
-it loads its weight rows and x in one go and reduces once, otherwise it walks K in 2048-wide
-contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
+2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns a few
+whole output rows. With a norm folded in (K ≤ 8192: every hidden size up to 70B-class
+models) it loads its weight rows and x in one go and reduces once; otherwise it walks K in
+2048-wide contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
 cuBLAS per projection.
 
 Because a program holds all of x, the layer's glue folds in (worker/model/llama.py
@@ -32,14 +32,15 @@ MAX_K_ONE_BLOCK = 8192  # widest x a program holds whole (needed for norm=...)
 _LOOP_BLOCK_K = 2048  # K block of the looping kernel (wider K: down projections)
 
 
-def _config(k: int, pair: bool) -> dict[str, int]:
-    """Block shape and launch settings, swept on an H200 (bench/gemv.py --sweep): one block of
-    K when it fits, two output rows per program (one gate|up pair), four warps; past 8192 wide,
-    four rows per program over 2048-wide blocks."""
-    if k <= MAX_K_ONE_BLOCK:
-        block_k = next_pow2(k)
-        return dict(BLOCK_N=1 if pair else 2, BLOCK_K=block_k, num_warps=4 if block_k <= 4096 else 8, num_stages=1)
-    return dict(BLOCK_N=2 if pair else 4, BLOCK_K=_LOOP_BLOCK_K, num_warps=4, num_stages=2)
+def _config(k: int, pair: bool, norm: bool) -> dict[str, int]:
+    """Block shape and launch settings, swept on an H200 for each way the engine calls it
+    (bench/gemv.py --sweep): a norm needs K in one block (4 rows per program, or 1 gate|up
+    pair, 8 warps); without one, 4 rows per program over 2048-wide blocks (8 warps up to 8192
+    wide, 4 past it)."""
+    if norm:
+        return dict(BLOCK_N=1 if pair else 4, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
+    return dict(BLOCK_N=2 if pair else 4, BLOCK_K=_LOOP_BLOCK_K, num_warps=8 if k <= MAX_K_ONE_BLOCK else 4,
+                num_stages=2)
 
 
 @functools.cache
@@ -139,7 +140,7 @@ def gemv(
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     else:
         _row(out, n, "out")
-    cfg = _config(k, pair) | config
+    cfg = _config(k, pair, norm is not None) | config
     if norm is not None and cfg["BLOCK_K"] < k:
         raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
     _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](

@@ -71,12 +71,16 @@ class Attention(nn.Module):
         q/k norm and RoPE, the new K/V into the cache, attention over the pages."""
         t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.fused:  # normalize (Qwen3) and rotate q and k in place, one kernel for every head
+        k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
+        window = self.sliding_window if self.sliding_window is not None and kv.is_window(self.layer) else None
+        # Fused: q/k norm (Qwen3), RoPE and (outside a window's ring of pages) the K/V store in one kernel.
+        store = (k_cache, v_cache, batch.slot_mapping) if self.fused and window is None else None
+        if self.fused:
             fused.qk_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, cos, sin,
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
-                self.q_norm.eps if self.q_norm is not None else 0.0,
+                self.q_norm.eps if self.q_norm is not None else 0.0, kv_cache=store,
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # [T, *] views
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -86,11 +90,11 @@ class Attention(nn.Module):
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
-        if self.sliding_window is not None and kv.is_window(self.layer):  # a ring of the last W tokens
-            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        if window is not None:  # a ring of the last W tokens
+            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window)
         else:
-            o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window)
+            o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window,
+                                     kv_stored=store is not None)
         return o.reshape(t, q_size)
 
 

@@ -290,9 +290,10 @@ class TritonPagedBackend(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
     ) -> torch.Tensor:
-        triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if not kv_stored:
+            triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
             return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window)
         sub = self._split(batch)
