@@ -2,10 +2,10 @@
 
 At batch 1 a decode step is weight streaming: every projection reads its whole matrix for one
 row of output. cuBLAS's M = 1 kernels read the 4096-wide projections (qkv, o, down) at
-2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns a few
-whole output rows. With a norm folded in (K ≤ 8192: every hidden size up to 70B-class
-models) it loads its weight rows and x in one go and reduces once; otherwise it walks K in
-2048-wide contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
+2.5–3.4 TB/s on an H200, below the ~4.25 TB/s copy rate. Here each program owns a few whole
+output rows. With a norm folded in (K ≤ 8192: every hidden size up to 70B-class models) it
+loads its weight rows and x in one go and reduces once; otherwise it walks K in 2048-wide
+contiguous blocks. Weights are read once and evicted first. bench/gemv.py measures it against
 cuBLAS per projection.
 
 Because a program holds all of x, the layer's glue folds in (worker/model/llama.py

@@ -255,8 +255,7 @@ class Embedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] @ this matrix^T → full logits [N, V] float32 (gathers shards)."""
         if self.fused and self.tp.size == 1 and hidden.shape[0] == 1:
-            return gemv.gemv(hidden, self.weight, out=hidden.new_empty(hidden.shape[0], self.weight.shape[0],
-                                                                       dtype=torch.float32))
+            return gemv.gemv(hidden, self.weight, out=hidden.new_empty(1, self.weight.shape[0], dtype=torch.float32))
         local = F.linear(hidden, self.weight).float()  # [N, V_local]
         if self.tp.size == 1:
             return local
