@@ -25,7 +25,7 @@ from tests.worker.test_fused_gpu import (
 )
 from worker.model import gemv
 
-CASES = [(512, 4096), (33, 200), (130, 2100), (64, 96), (40, 9000)]  # (N, K); K > 8192 loops over blocks
+CASES = [(512, 4096), (33, 200), (130, 2100), (64, 96), (66, 6000), (40, 9000)]  # (N, K); K > 8192 loops
 
 
 @pytest.mark.gpu

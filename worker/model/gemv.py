@@ -34,11 +34,13 @@ _LOOP_BLOCK_K = 2048  # K block of the looping kernel (wider K: down projections
 
 def _config(k: int, pair: bool, norm: bool) -> dict[str, int]:
     """Block shape and launch settings, swept on an H200 for each way the engine calls it
-    (bench/gemv.py --sweep): a norm needs K in one block (4 rows per program, or 1 gate|up
-    pair, 8 warps); without one, 4 rows per program over 2048-wide blocks (8 warps up to 8192
-    wide, 4 past it)."""
+    (bench/gemv.py --sweep, K = 4096): a norm needs K in one block (4 rows per program, fewer
+    past 4096 wide so a program holds at most 16k weights, or 1 gate|up pair; 8 warps); without
+    one, 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide, 4 past it)."""
     if norm:
-        return dict(BLOCK_N=1 if pair else 4, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
+        block_k = next_pow2(k)
+        return dict(BLOCK_N=1 if pair else max(1, min(4, 16384 // block_k)), BLOCK_K=block_k, num_warps=8,
+                    num_stages=1)
     return dict(BLOCK_N=2 if pair else 4, BLOCK_K=_LOOP_BLOCK_K, num_warps=8 if k <= MAX_K_ONE_BLOCK else 4,
                 num_stages=2)
 
