@@ -11,7 +11,9 @@ time as the weight matmuls they sit between. Here each job is one kernel:
 - `qk_norm_rope(qkv, ...)`: in place on the q|k|v projection output, for every q and k head:
   Qwen3's per-head RMSNorm (when weights are given), then neox (rotate-half) RoPE from the
   step's cos/sin — so every RoPE variant of worker/model/rope.py (default, linear, llama3,
-  yarn, dynamic) takes this path, as all of them end in the same cos/sin table.
+  yarn, dynamic) takes this path, as all of them end in the same cos/sin table. Given the
+  layer's caches and slots (`kv_cache=`), it also writes the new k and v to their slots, so
+  the attention backend's store kernel is skipped.
 
 Numerics follow the torch reference step by step (layers.py `RMSNorm`, rope.py `apply_rope`,
 llama.py `MLP`): float32 math, rounded to the model dtype wherever the reference rounds (the
