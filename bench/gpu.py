@@ -158,7 +158,7 @@ def profile_decode(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
         "gpu_kernel_ms_per_step": gpu_us / 1e3,
         "gpu_idle_fraction": max(0.0, 1 - gpu_us / 1e3 / (wall * 1e3)),
         "top_kernels_ms_per_step": [
-            (e.key[:70], e.self_device_time_total / steps / 1e3) for e in events[:6]
+            (e.key[:70], e.self_device_time_total / steps / 1e3) for e in events[:10]
         ],
     }
 
@@ -293,6 +293,7 @@ def main() -> None:
         section("prefill_8k", prefill)
     if "profile" in chosen:
         section("profile_b1", lambda: profile_decode(engine, 1, 20))
+        section("profile_b8", lambda: profile_decode(engine, 8, 20))
         section("profile_b64", lambda: profile_decode(engine, 64, 10))
     if "transformers" in chosen:  # our engine stays loaded (16 GB + KV): the GPU holds both models
         section("transformers", lambda: transformers_baseline([1, 64], min(new_tokens, 33)))
@@ -318,7 +319,7 @@ def main() -> None:
     p = res.get("prefill_8k")
     if p:
         print(f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU {100 * p['MFU_vs_measured_matmul']:.1f}%")
-    for key in ("profile_b1", "profile_b64"):
+    for key in ("profile_b1", "profile_b8", "profile_b64"):
         pr = res.get(key)
         if pr:
             print(f"{key}: step {pr['step_wall_ms']:.2f} ms, GPU kernels {pr['gpu_kernel_ms_per_step']:.2f} ms "
