@@ -85,19 +85,19 @@ def ours(x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm:
     return gemv(x, w, out=torch.empty(1, w.shape[0], dtype=torch.float32, device=x.device), **cfg)
 
 
-def rate(name: str, weights: dict[str, list[torch.Tensor]], cfg: dict[str, int] | str | None) -> float:
+def rate(name: str, weights: dict[str, list[torch.Tensor]], cfg: dict[str, int] | None = None,
+         cublas: bool = False) -> float:
     """GB/s of weights read over every copy of projection `name`, one row of x: our GEMV with
-    `cfg` (None: its own choice), or cuBLAS's F.linear when cfg is the string "cublas"."""
+    `cfg` (None: its own choice), or cuBLAS's F.linear alone."""
     n, k, use, _ = SHAPES[name]
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     stream = torch.randn(1, n, dtype=torch.bfloat16, device="cuda")
     norm = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
     ws = weights[name]
-    if cfg == "cublas":
+    if cublas:
         t = graph_time(lambda: [F.linear(x, w) for w in ws])
     else:
-        given = cfg if isinstance(cfg, dict) else {}
-        t = graph_time(lambda: [ours(x, w, use, stream, norm, **given) for w in ws])
+        t = graph_time(lambda: [ours(x, w, use, stream, norm, **(cfg or {})) for w in ws])
     return len(ws) * n * k * 2 / t / 1e9
 
 
@@ -134,7 +134,7 @@ def main() -> None:
         result["sweep"] = sweep(weights)
     rows = {}
     for name in SHAPES:
-        ours_gbs, theirs = rate(name, weights, None), rate(name, weights, "cublas")
+        ours_gbs, theirs = rate(name, weights), rate(name, weights, cublas=True)
         rows[name] = {"gemv_GBps": ours_gbs, "cublas_GBps": theirs}
         print(f"{name:8s}: gemv {ours_gbs:6.0f} GB/s  cublas {theirs:6.0f} GB/s  ({ours_gbs / theirs:.2f}x)", flush=True)
     result["rows"] = rows

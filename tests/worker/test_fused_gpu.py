@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -218,28 +217,11 @@ def test_kernels_refuse_wrong_shapes_clearly() -> None:
 @gpu
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_fused_engine_serves_the_unfused_greedy_tokens(tmp_path: Path, family: str) -> None:
-    from tests.worker.conftest import build_tiny_checkpoint
     from tests.worker.test_engine import generate
-    from worker.config import (
-        CacheConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        WorkerConfig,
-    )
+    from tests.worker.test_gpu import tiny_gpu_engine_setup
     from worker.engine import Engine
 
-    # head_dim 32 (qwen3) and 16 (llama: 64 hidden / 4 heads): the decode kernel's tl.dot needs >= 16
-    extra = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32} if family == "qwen3" else {}
-    build_tiny_checkpoint(tmp_path / family, family, **extra)
-    config = WorkerConfig(
-        model=ModelConfig(path=str(tmp_path / family), dtype="bfloat16"),
-        cache=CacheConfig(page_size=16, num_pages=256),
-        scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=64),
-        parallel=ParallelConfig(device="cuda"),
-    )
-    rng = random.Random(1)
-    prompts = [[rng.randrange(97) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    config, prompts = tiny_gpu_engine_setup(tmp_path / family, family, seed=1)
     unfused = Engine(config)
     unfused.model.set_fused_kernels(False)  # type: ignore[operator]  # the torch reference, eager
     want = generate(unfused, prompts, max_tokens=24)

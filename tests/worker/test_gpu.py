@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker.conftest import build_tiny_checkpoint
 from worker.batch import ForwardBatch
+from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
 from worker.cuda_graphs import graph_buckets
 from worker.model.attention import TorchSDPABackend, get_attention_backend
 from worker.model.triton_attention import num_decode_splits
@@ -172,29 +174,29 @@ def test_triton_backend_matches_reference_on_mixed_steps() -> None:
         assert torch.equal(v_cache[slots // page, :, slots % page].double(), vc2[slots // page, :, slots % page])
 
 
-@pytest.mark.gpu
-@gpu
-def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
-    from tests.worker.conftest import build_tiny_checkpoint
-    from tests.worker.test_engine import generate
-    from worker.config import (
-        CacheConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        WorkerConfig,
-    )
-    from worker.engine import Engine
-
-    build_tiny_checkpoint(tmp_path / "q3", "qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+def tiny_gpu_engine_setup(path: Path, family: str, seed: int) -> tuple[WorkerConfig, list[list[int]]]:
+    """A tiny bf16 checkpoint of `family` at `path`, an engine config for it on CUDA (8 sequences,
+    64-token chunks), and six prompts of 3–89 tokens drawn with `seed`. Head dims 32 (qwen3) and
+    16 (llama: 64 hidden / 4 heads): the decode kernel's tl.dot needs at least 16."""
+    extra = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32} if family == "qwen3" else {}
+    build_tiny_checkpoint(path, family, **extra)
     config = WorkerConfig(
-        model=ModelConfig(path=str(tmp_path / "q3"), dtype="bfloat16"),
+        model=ModelConfig(path=str(path), dtype="bfloat16"),
         cache=CacheConfig(page_size=16, num_pages=256),
         scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=64),
         parallel=ParallelConfig(device="cuda"),
     )
-    rng = random.Random(0)
-    prompts = [[rng.randrange(97) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    rng = random.Random(seed)
+    return config, [[rng.randrange(97) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
+    from tests.worker.test_engine import generate
+    from worker.engine import Engine
+
+    config, prompts = tiny_gpu_engine_setup(tmp_path / "q3", "qwen3", seed=0)
     eager = Engine(config)
     want = generate(eager, prompts, max_tokens=24)
     graphed = Engine(config)

@@ -259,20 +259,20 @@ def qk_norm_rope(
             raise ValueError(f"kv_cache must be k/v caches [P, Hkv={num_kv_heads}, page_size, D={head_dim}] with "
                              f"unit last stride and slots [T={t}]; got {tuple(k_cache.shape)}, "
                              f"{tuple(v_cache.shape)}, {tuple(slots.shape)}")
-    else:
-        k_cache = v_cache = slots = cos  # placeholders the kernel ignores
+    else:  # placeholders the kernel ignores (4-D, for the cache strides)
+        k_cache = v_cache = cos[None, None]
+        slots = cos
     if t == 0:
         return
     half = head_dim // 2
     block_half = next_pow2(half)
     store_heads = heads + (num_kv_heads if kv_cache is not None else 0)
     block_h = min(next_pow2(store_heads), max(1, _ROPE_TILE // (2 * block_half)))
-    kc, vc = (k_cache, v_cache) if kv_cache is not None else (cos[None, None], cos[None, None])
     _kernels().qk_norm_rope[(t, _cdiv(store_heads, block_h))](
-        qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, kc, vc, slots,
-        qkv.stride(0), cos.stride(0), sin.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), eps,
+        qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, k_cache, v_cache, slots,
+        qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
         HQ=num_q_heads, HEADS=heads, HKV=num_kv_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        HAS_NORM=has_norm, STORE=kv_cache is not None, PAGE=kc.shape[2] if kv_cache is not None else 1,
+        HAS_NORM=has_norm, STORE=kv_cache is not None, PAGE=k_cache.shape[2] if kv_cache is not None else 1,
         num_warps=4,
     )
