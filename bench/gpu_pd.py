@@ -50,9 +50,9 @@ import torch
 
 from orchestrator.bench import BenchSpec, run_bench, summarize
 from orchestrator.launch.background import EMBEDDED_MODEL, REPO, Cluster, running_cluster
-from transfer.backend import make_backend
 from transfer.config import TransferConfig
 from transfer.contract import KVLayout
+from transfer.factory import make_backend
 
 SHAPE_8B = REPO / "bench" / "models" / "qwen3-8b-shape"
 # KV pages as the workers lay them out (worker/kv_cache.py); page_size 16.

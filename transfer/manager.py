@@ -23,12 +23,13 @@ import grpc
 
 from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
-from protocol.tls import TLSConfig
+from protocol.tls import TLSConfig, add_port
 from protocol.tls import channel as tls_channel
-from transfer.backend import BackendError, TransferBackend, TransferFaults, make_backend
+from transfer.backend import BackendError, TransferBackend, TransferFaults
 from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
+from transfer.factory import make_backend
 from transfer.plan import split_ranges
 from transfer.receiver import KVReceiver, crc_of
 from transfer.room import Room, RoomState, TransferTotals
@@ -37,6 +38,7 @@ from transfer.wire import contract_from_pb, contract_to_pb
 
 CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
 RELEASE_THREADS = 4  # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
+MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
 
 class KVTransferManager:
@@ -104,6 +106,23 @@ class KVTransferManager:
                                    connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
                                    rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
+
+    def serve_bootstrap(self, host: str, port: int) -> tuple[grpc.Server, int]:
+        """Prefill: serve the bootstrap service on its own thread-pool server at host:port
+        (0 = any free port); returns the started server and its port.
+
+        Its own server because a registration stream lives as long as its room and blocks a
+        thread, which must never be the worker's event loop.
+        """
+        pool = ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap")
+        server = grpc.server(pool)
+        self.add_to_server(server)
+        bound = add_port(server, f"{host}:{port}", self.tls)
+        if bound == 0:
+            raise TransferConfigError(f"cannot bind the bootstrap service on {host}:{port}; "
+                                      "set transfer.bootstrap_port to a free port")
+        server.start()
+        return server, bound
 
     def set_tp_bootstrap_addrs(self, addrs: list[str]) -> None:
         """Prefill with TP > 1: every rank's bootstrap address, in rank order.

@@ -25,9 +25,10 @@ import torch
 from orchestrator.config import ClusterConfigError, load_config
 from orchestrator.launch.background import REPO
 from tests.transfer.helpers import layout, wait_finished
-from transfer.backend import BackendError, TransferFaults, make_backend
+from transfer.backend import BackendError, TransferFaults
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.cuda_ipc import CudaIpcBackend, PeerPool, PoolExport, _IpcHandle
+from transfer.factory import make_backend
 from transfer.manager import KVTransferManager
 from transfer.room import RoomState
 

@@ -8,10 +8,11 @@ import pytest
 
 from tests.transfer.fake_backend import FakeBackend
 from tests.transfer.helpers import Cluster, Rank, layout, page_bytes_of, wait_finished
-from transfer.backend import TransferFaults, make_backend
+from transfer.backend import TransferFaults
 from transfer.bootstrap import EpochRegistry, StaleEpochError
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError
+from transfer.factory import make_backend
 from transfer.manager import KVTransferManager
 from transfer.room import RoomState
 

@@ -18,7 +18,8 @@ from tests.worker.conftest import build_tiny_checkpoint
 from worker.batch import ForwardBatch
 from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
 from worker.cuda_graphs import graph_buckets
-from worker.model.attention import TorchSDPABackend, get_attention_backend
+from worker.model.attention import TorchSDPABackend
+from worker.model.backends import get_attention_backend
 from worker.model.triton_attention import num_decode_splits
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
-from worker.model import fused
 
 
 def store_kv(
@@ -191,13 +190,3 @@ def window_attention(
         out[start:end] = oi[0].transpose(0, 1)
     store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping)
     return out
-
-
-def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """The backend for a device: Triton paged kernels on CUDA (when triton is installed), SDPA
-    reference elsewhere. One instance per model: it caches per-batch index tensors."""
-    if fused.available(device):  # CUDA with triton importable
-        from worker.model.triton_attention import TritonPagedBackend
-
-        return TritonPagedBackend()
-    return TorchSDPABackend()

@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import fused
-from worker.model.attention import get_attention_backend
+from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
