@@ -28,6 +28,18 @@ class ContractError(ValueError):
     """A layout description is invalid or two contracts cannot exchange KV; names the fields."""
 
 
+def ring_pages(window: int, page_size: int) -> int:
+    """Pages of a sliding-window ring: ceil(window / page_size) + 1. The one formula for it.
+
+    Token p sits in ring page (p // page_size) % ring_pages. The extra page is what keeps the
+    last `window` tokens whole while the newest page fills: the page recycled when token p
+    starts a new page last held tokens at least (ring_pages - 1) * page_size >= window back.
+    Both sides derive it from (window, page_size), which the contract fixes, so a ring page
+    index means the same token range on prefill and decode.
+    """
+    return -(-window // page_size) + 1
+
+
 class CacheKind(str, enum.Enum):
     """How a cache group keeps its state, which decides what transfer ships for it."""
 
@@ -49,15 +61,8 @@ class CacheGroup:
             raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
 
     def ring_pages(self, page_size: int) -> int:
-        """Pages of a SLIDING_WINDOW group's per-request ring: ceil(window / page_size) + 1.
-
-        Token p sits in ring page (p // page_size) % ring_pages. The extra page is what keeps the
-        last `window` tokens whole while the newest page fills: the page recycled when token p
-        starts a new page last held tokens at least (ring_pages - 1) * page_size >= window back.
-        Both sides derive it from (window, page_size), which the contract fixes, so a ring page
-        index means the same token range on prefill and decode.
-        """
-        return -(-self.window // page_size) + 1
+        """Pages of a SLIDING_WINDOW group's per-request ring (`ring_pages`)."""
+        return ring_pages(self.window, page_size)
 
 
 def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:

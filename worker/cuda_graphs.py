@@ -31,7 +31,7 @@ import torch
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
-from worker.scheduler import ScheduledChunk
+from worker.step import ScheduledChunk
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:

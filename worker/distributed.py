@@ -28,6 +28,7 @@ import datetime
 import enum
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -105,15 +106,16 @@ def init_process_group(parallel: ParallelConfig, where: RankPlace) -> None:
                             world_size=where.world_size, timeout=IDLE_TIMEOUT)
 
 
-def spawn_local_ranks(config: WorkerConfig, first_local_rank: int) -> list[BaseProcess]:
-    """Start this node's ranks from `first_local_rank` on, each running `tp_runner.follower_main`."""
-    from worker.tp_runner import follower_main
-
+def spawn_local_ranks(config: WorkerConfig, target: Callable[[WorkerConfig, int, int], None],
+                      first_local_rank: int) -> list[BaseProcess]:
+    """Start this node's ranks from `first_local_rank` on, each running
+    `target(config, local_rank, parent_pid)` (worker/tp_runner.py's `follower_main`)."""
     ctx = torch.multiprocessing.get_context("spawn")
     per_node = config.parallel.world_size // config.parallel.nnodes
     procs: list[BaseProcess] = []
     for local in range(first_local_rank, per_node):
-        p = ctx.Process(target=follower_main, args=(config, local, os.getpid()), name=f"tandem-rank-l{local}", daemon=False)
+        p = ctx.Process(target=target, args=(config, local, os.getpid()),
+                        name=f"tandem-rank-l{local}", daemon=False)
         p.start()
         procs.append(p)
     return procs

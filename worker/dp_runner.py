@@ -28,7 +28,7 @@ from worker.distributed import (
 from worker.kv_cache import KVCache
 from worker.model.base import CausalLM
 from worker.runner import ModelRunner, forward_logits
-from worker.scheduler import RunOutput, SchedulePlan
+from worker.step import RunOutput, SchedulePlan
 
 
 class DPRunner:

@@ -14,20 +14,22 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from worker.cache_groups import WindowSpec
+from worker.cache_layout import kv_shape, max_model_len
+from worker.cache_manager import KVCacheManager
 from worker.config import ConfigError, WorkerConfig
 from worker.dp_runner import DPRunner
-from worker.kv_cache import KVCache, KVShape
-from worker.model import ModelSpec, load_model
+from worker.kv_cache import KVCache
+from worker.model import load_model
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.runner import InFlight, ModelRunner
-from worker.scheduler import PENDING, RoleHooks, SchedulePlan, Scheduler, WindowCache
-
-if TYPE_CHECKING:
-    from worker.tp_runner import TPLeader
+from worker.sampling import SamplingParams
+from worker.scheduler import RoleHooks, Scheduler
+from worker.step import PENDING, SchedulePlan
+from worker.tp_runner import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +73,19 @@ class Engine:
         self.tp: TPLeader | None = None  # multi-rank worker: this is rank 0 and drives the others
         par = config.parallel
         if par.world_size > 1 or par.nnodes > 1:
-            from worker.tp_runner import TPLeader
-
             self.tp = TPLeader(config)
         self.model, self.spec = load_model(config.model, par)
         if self.tp is not None and par.dp_size == 1:
             self.model = self.tp.wrap_model(self.model)  # broadcasts each batch to the other ranks
-        self.max_model_len = min(
-            config.model.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
-        )
-        num_pages = config.cache.total_pages
-        self.kv = KVCache(kv_shape(self.spec, config, num_pages, self.max_model_len), self.device)
-        shape = self.kv.shape
-        window = None
-        if shape.window_layers:
-            window = WindowCache(shape.window, len(shape.window_layers), shape.ring_pages, shape.num_window_pages)
-        # One scheduler per attention DP group, each over its group's own pool of num_pages pages.
+        self.max_model_len = max_model_len(self.spec, config)
+        self.kv = KVCache(kv_shape(self.spec, config), self.device)
+        # One scheduler per attention DP group, each over its group's own KV cache.
         self.schedulers = [
-            Scheduler(config.scheduler, config.cache, num_pages=num_pages, max_model_len=self.max_model_len,
-                      eos_token_ids=self.spec.eos_token_ids, on_finish=self._on_finish, window=window)
+            Scheduler(config.scheduler, self._cache_manager(), max_model_len=self.max_model_len,
+                      eos_token_ids=self.spec.eos_token_ids, on_output=self._touch)
             for _ in range(par.dp_size)
         ]
-        self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1; roles use it
+        self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1
         self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
         self.hooks: RoleHooks | None = None  # the PD role's (worker/prefill.py, worker/decode.py)
         self.dp: DPRunner | None = None
@@ -107,6 +100,15 @@ class Engine:
         self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
         self.num_overlapped_steps = 0
+
+    def _cache_manager(self) -> KVCacheManager:
+        shape = self.kv.shape
+        window = None
+        if shape.window_layers:
+            window = WindowSpec(shape.window, len(shape.window_layers), shape.page_size)
+        return KVCacheManager(shape.num_pages, shape.page_size,
+                              prefix_cache=self.config.cache.enable_prefix_cache, window=window,
+                              num_window_pages=shape.num_window_pages)
 
     def set_hooks(self, hooks: RoleHooks) -> None:
         self.hooks = hooks
@@ -148,8 +150,7 @@ class Engine:
         if self._inflight is not None and not overlapped:
             self._complete_inflight()  # this plan reads tokens the host must hold first
             for plan in plans:  # a request that stopped on those tokens has given its pages back
-                plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
-                plan.num_tokens = sum(c.num_tokens for c in plan.chunks)
+                plan.drop_finished()
             if all(p.empty for p in plans):
                 self._flush()
                 return True
@@ -208,10 +209,8 @@ class Engine:
         log.error("step failed, failing %d requests:\n%s", sum(len(p.chunks) for p in plans), traceback.format_exc())
         for sched, plan in zip(self.schedulers, plans, strict=False):  # overlap: one plan, one group
             for chunk in plan.chunks:
-                req = chunk.request
-                if req.status is RequestStatus.RUNNING:
-                    sched.running.remove(req)
-                    sched.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+                sched.end(chunk.request.request_id, RequestStatus.FINISHED_ERROR,
+                          f"internal error: {exc}")
         self._flush()
 
     def _complete_inflight(self) -> None:
@@ -250,10 +249,11 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Loop thread: hand a new request to its role (or straight to a scheduler)."""
+        sched = self.scheduler_for(request)  # first: a room's DP group decides its ranks
         if self.hooks is not None:
-            self.hooks.add_request(request)
+            self.hooks.add_request(request, sched)
         else:
-            self.scheduler_for(request).add(request)
+            sched.add(request)
 
     def scheduler_for(self, request: Request) -> Scheduler:
         """The scheduler of the DP group a request lives in, chosen at its first call and kept.
@@ -270,7 +270,8 @@ class Engine:
             if self.config.role == "prefill":
                 group = request.room % len(self.schedulers)
             else:
-                loads = [(len(s.running) + len(s.waiting), -s.pool.num_free) for s in self.schedulers]
+                stats = [s.stats() for s in self.schedulers]
+                loads = [(st.running + st.waiting, -st.free_pages) for st in stats]
                 group = loads.index(min(loads))
             self._group[request.request_id] = group
             if request.room:
@@ -288,13 +289,9 @@ class Engine:
             if self.hooks is not None:
                 self.hooks.abort(request_id, reason)  # closes its room too
 
-    def _on_finish(self, req: Request) -> None:
-        tracked = self._tracked.get(req.request_id)
-        if tracked is not None:
-            self._touched[req.request_id] = tracked
-
-    def emit(self, req: Request) -> None:
-        """Role managers call this when a request has news outside a step (first token landed)."""
+    def _touch(self, req: Request) -> None:
+        """The request has something to stream at the next flush (it finished, or a PD room
+        landed its first token)."""
         tracked = self._tracked.get(req.request_id)
         if tracked is not None:
             self._touched[req.request_id] = tracked
@@ -339,8 +336,6 @@ class Engine:
     # ---- warm-up -------------------------------------------------------------------------------
     def warm_up(self, timeout_s: float = 120.0) -> None:
         """Run one tiny request through the real path before reporting SERVING."""
-        from worker.sampling import SamplingParams
-
         done = threading.Event()
         req = Request("warmup", [0] * min(8, self.max_model_len - 1), SamplingParams(max_tokens=2, ignore_eos=True))
         self._tracked[req.request_id] = _Tracked(req, lambda out: done.set() if out.finished else None)
@@ -352,6 +347,7 @@ class Engine:
             self.step()
         if req.status is RequestStatus.FINISHED_ERROR:
             raise RuntimeError(f"warm-up failed: {req.error}")
+        self.scheduler.prompt_tokens_computed = 0  # count only real requests
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
             self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
@@ -366,47 +362,3 @@ def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
         raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
                           "set scheduler.overlap: auto or off for multi-rank workers")
     return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)
-
-
-WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight
-
-
-def window_layers(spec: ModelSpec, max_model_len: int) -> tuple[tuple[int, ...], int]:
-    """The layers that get a window ring, and their window; ((), 0) = keep every layer in full pages.
-
-    A ring needs a window shorter than the context and at least one full-attention layer (an
-    all-window model would have an empty full page; it keeps today's masked full pages), and
-    one window size for all window layers (one ring geometry per request).
-    """
-    windows = spec.layer_windows
-    layers = tuple(i for i, w in enumerate(windows) if w is not None)
-    sizes = {w for w in windows if w is not None}
-    if not layers or len(layers) == len(windows) or len(sizes) != 1:
-        return (), 0
-    (window,) = sizes
-    if window >= max_model_len:
-        return (), 0  # the window never slides: plain full pages
-    return layers, window
-
-
-def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int, max_model_len: int | None = None) -> KVShape:
-    tp = config.parallel.tp_size
-    # With TP > kv heads each rank keeps a replica of one kv head.
-    kv_heads = max(1, spec.num_kv_heads // tp)
-    layers, window = window_layers(spec, max_model_len or spec.max_position_embeddings)
-    if layers and (config.parallel.world_size > 1 or config.parallel.nnodes > 1):
-        raise ConfigError(
-            f"parallel: a model with sliding-window layers ({len(layers)} of {spec.num_layers}, window {window}) keeps "
-            "window rings that multi-rank workers do not mirror yet; run it with parallel.tp_size=1")
-    ring_pages = -(-window // config.cache.page_size) + 1 if layers else 0
-    return KVShape(
-        num_pages=num_pages,
-        num_layers=spec.num_layers,
-        num_kv_heads=kv_heads,
-        page_size=config.cache.page_size,
-        head_dim=spec.head_dim,
-        dtype=spec.dtype,
-        window_layers=layers,
-        window=window,
-        num_window_pages=ring_pages * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
-    )

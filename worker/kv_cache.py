@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.contract import CacheGroup, CacheKind
+from transfer.contract import CacheGroup, CacheKind, KVLayout, ring_pages
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class KVShape:
 
     @property
     def ring_pages(self) -> int:
-        """Window pages per request: ceil(window / page_size) + 1 (transfer.contract.CacheGroup.ring_pages)."""
-        return -(-self.window // self.page_size) + 1 if self.window_layers else 0
+        """Window pages per request (transfer.contract.ring_pages); 0 without window layers."""
+        return ring_pages(self.window, self.page_size) if self.window_layers else 0
 
     @property
     def page_bytes(self) -> int:
@@ -108,3 +108,14 @@ def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
     full = tuple(i for i in range(shape.num_layers) if i not in shape.window_layers)
     return (CacheGroup(CacheKind.FULL_ATTENTION, full),
             CacheGroup(CacheKind.SLIDING_WINDOW, shape.window_layers, shape.window))
+
+
+def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_size: int) -> KVLayout:
+    """The rank's KV memory described to the transfer layer (plain numbers: transfer never
+    imports the worker). Every rank of a worker builds it the same way."""
+    return KVLayout(
+        num_pages=shape.num_pages, num_layers=shape.num_layers, page_size=shape.page_size,
+        head_dim=shape.head_dim, dtype=str(shape.dtype).removeprefix("torch."),
+        num_kv_heads_total=num_kv_heads_total, tp_rank=tp_rank, tp_size=tp_size,
+        groups=cache_groups(shape), num_window_pages=shape.num_window_pages,
+    )

@@ -21,7 +21,7 @@ from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.request import TokenLogprob
 from worker.sampler import Sampler
-from worker.scheduler import RunOutput, SchedulePlan
+from worker.step import RunOutput, SchedulePlan
 
 
 @dataclass

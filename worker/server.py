@@ -22,6 +22,7 @@ from protocol import tandem_pb2, tandem_pb2_grpc, tls
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestOutput
 from worker.request import Request
+from worker.roles import attach
 from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks
 
@@ -63,7 +64,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         except (InvalidRequest, SamplingParamsError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        if sum(len(s.waiting) for s in engine.schedulers) >= self.config.scheduler.max_waiting:
+        if sum(s.stats().waiting for s in engine.schedulers) >= self.config.scheduler.max_waiting:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue is full; retry later")
             return
         loop = asyncio.get_running_loop()
@@ -144,15 +145,16 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         engine = self.engine
         if engine is None:
             return tandem_pb2.Load()
-        scheds = engine.schedulers  # one per attention DP group: the worker's load is their sum
+        # One scheduler per attention DP group: the worker's load is their sum.
+        stats = [s.stats() for s in engine.schedulers]
         load = tandem_pb2.Load(
-            running=sum(len(s.running) for s in scheds),
-            waiting=sum(len(s.waiting) for s in scheds),
-            kv_used_pages=sum(s.pool.num_used for s in scheds),
-            kv_total_pages=sum(s.pool.num_pages for s in scheds),
-            kv_cached_pages=sum(s.pool.num_cached for s in scheds),
-            prompt_tokens_computed=sum(s.prompt_tokens_computed for s in scheds),
-            kv_window_used_pages=sum(s.window_pool.num_used for s in scheds if s.window_pool is not None),
+            running=sum(st.running for st in stats),
+            waiting=sum(st.waiting for st in stats),
+            kv_used_pages=sum(st.used_pages for st in stats),
+            kv_total_pages=sum(st.total_pages for st in stats),
+            kv_cached_pages=sum(st.cached_pages for st in stats),
+            prompt_tokens_computed=sum(st.prompt_tokens_computed for st in stats),
+            kv_window_used_pages=sum(st.window_used_pages for st in stats),
         )
         if engine.hooks is not None:
             rooms, total_bytes, total_pages, waiting = engine.hooks.load_stats()
@@ -240,8 +242,6 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await loop.run_in_executor(None, engine.warm_up)
-    for sched in engine.schedulers:
-        sched.prompt_tokens_computed = 0  # count only real requests
     if roles is not None:
         engine.set_hooks(roles)  # after warm-up: the warm-up request has no room
     loop_stop = threading.Event()
@@ -259,8 +259,9 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     thread.start()
     service.engine = engine
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)", config.role, address,
-             engine.scheduler.pool.num_pages, config.cache.page_size, len(engine.schedulers))
+    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)",
+             config.role, address, engine.kv.shape.num_pages, config.cache.page_size,
+             len(engine.schedulers))
     try:
         await stop.wait()
     finally:
@@ -279,8 +280,6 @@ def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) ->
     """Give the engine its role's hooks (prefill ships rooms, decode lands them)."""
     if config.role == "both":
         return None
-    from worker.roles import attach
-
     return attach(engine, config, service.role_info)
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from transfer.manager import KVTransferManager
 from worker.batch import ForwardBatch
+from worker.cache_layout import kv_shape
 from worker.config import WorkerConfig
 from worker.distributed import (
     DistributedError,
@@ -38,6 +39,7 @@ from worker.distributed import (
 )
 from worker.dp_runner import follow_dp_step
 from worker.kv_cache import KVCache
+from worker.model import load_model
 from worker.model.base import CausalLM, WeightSlot
 from worker.rank_rooms import FollowerRooms, TPTransferManager, exchange_bootstrap_addrs
 from worker.runner import forward_logits
@@ -56,7 +58,7 @@ class TPLeader:
         where = place(config.parallel, 0)
         if where.global_rank != 0:
             raise DistributedError("TPLeader runs on node 0's first rank; other nodes run run_node()")
-        self.procs = spawn_local_ranks(config, first_local_rank=1)
+        self.procs = spawn_local_ranks(config, follower_main, first_local_rank=1)
         init_process_group(config.parallel, where)
         self.channel = StepChannel(torch.device(config.parallel.device))
         self._closed = False
@@ -132,9 +134,6 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> None:
     """Entry point of a follower rank process (spawned by `spawn_local_ranks`)."""
-    from worker.engine import kv_shape
-    from worker.model import load_model
-
     where = place(config.parallel, local_rank)
     cfg = rank_config(config, where)
     logging.basicConfig(level=logging.INFO,
@@ -147,7 +146,7 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
     try:
         device = torch.device(cfg.parallel.device)
         model, spec = load_model(cfg.model, cfg.parallel)
-        kv = KVCache(kv_shape(spec, cfg, cfg.cache.total_pages), device)
+        kv = KVCache(kv_shape(spec, cfg), device)  # the leader's shape: same max_model_len
         channel = StepChannel(device)
         if cfg.role != "both":
             rooms = FollowerRooms(cfg, kv, spec.num_kv_heads, spec.fingerprint, spec.architecture, where.global_rank)
@@ -186,7 +185,7 @@ def run_node(config: WorkerConfig) -> None:
     par = config.parallel
     if par.node_rank == 0:
         raise DistributedError("run_node is for nodes 1..nnodes-1; node 0 runs the worker server (run_worker)")
-    procs = spawn_local_ranks(config, first_local_rank=0)
+    procs = spawn_local_ranks(config, follower_main, first_local_rank=0)
     codes = []
     for p in procs:
         p.join()

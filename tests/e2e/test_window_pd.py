@@ -127,15 +127,14 @@ def _drained(worker: Worker) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         hooks = sched.hooks
-        window_used = sched.window_pool.num_used if sched.window_pool is not None else 0
-        if not (sched.pool.num_used or window_used or sched.rings or sched.has_work or (hooks and hooks.has_work())):
+        stats = sched.stats()
+        busy = stats.used_pages or stats.window_used_pages or sched.has_work
+        if not (busy or (hooks and hooks.has_work())):
             break
         time.sleep(0.05)
-    # Read on this thread after the loop went quiet: both ledgers balanced, nothing held.
-    sched.pool.assert_drained()
-    assert sched.window_pool is not None
-    sched.window_pool.assert_drained()
-    assert not sched.rings
+    # Read on this thread after the loop went quiet: every ledger balanced, nothing held.
+    assert sched.cache.window is not None
+    sched.assert_drained()
 
 
 @pytest.fixture(scope="module")

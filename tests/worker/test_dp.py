@@ -48,7 +48,7 @@ def _check_dp_engine(path: Path, ep: int) -> None:
         after = [s.prompt_tokens_computed for s in eng.schedulers]
         assert after[0] > served[0] and after[1] > served[1], "both DP groups served requests"
         for sched in eng.schedulers:
-            assert not sched.running and not sched.waiting and sched.pool.num_used == 0
+            assert not sched.running and not sched.waiting and sched.stats().used_pages == 0
             sched.assert_drained()
         assert not eng._group, "every request's group was forgotten when it finished"
     finally:

@@ -94,7 +94,7 @@ def test_batch_invariance_with_chunked_prefill_and_prefix_hits(qwen3_dir: tuple[
     generate(batched_engine, [prompts[0]], max_tokens=2)  # warms the prefix cache with the shared prefix
     batched = generate(batched_engine, prompts, max_tokens=10)
     assert batched == alone
-    assert batched_engine.scheduler.pool.num_cached > 0
+    assert batched_engine.scheduler.stats().cached_pages > 0
     alone_engine.scheduler.assert_drained()
     batched_engine.scheduler.assert_drained()
 

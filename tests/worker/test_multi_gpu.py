@@ -49,7 +49,7 @@ def _check(path: Path, **layout: int) -> None:
         assert generate(eng, prompts[:1], max_tokens=6) == want[:1]  # with DP: group 1 idles on empty batches
         assert generate(eng, prompts, max_tokens=6) == want
         for sched in eng.schedulers:
-            assert sched.pool.num_used == 0
+            assert sched.stats().used_pages == 0
     finally:
         eng.close()
 

@@ -115,7 +115,7 @@ def test_prefix_cache_hit_skips_cached_pages() -> None:
     assert plan.chunks[0].start == 16 and b.num_cached_tokens == 16
     sched.update(plan, fake_run(plan))
     run_to_completion(sched)
-    assert sched.pool.num_cached > 0
+    assert sched.stats().cached_pages > 0
     sched.assert_drained()
 
 
@@ -138,7 +138,8 @@ def test_cache_is_evicted_when_pages_are_needed() -> None:
     for i in range(6):
         sched.add(make_request(prompt=[100 + i] * 12, max_tokens=2))
         run_to_completion(sched)
-    assert sched.pool.num_free + sched.pool.num_cached == 8
+    stats = sched.stats()
+    assert stats.free_pages + stats.cached_pages == 8
     sched.assert_drained()
 
 

@@ -108,16 +108,17 @@ def test_engine_tp2_equals_tp1(tiny_checkpoint) -> None:
         assert got == want
         # Logits: one prefill step through both engines' runners.
         from worker.request import Request
-        from worker.scheduler import ScheduledChunk, SchedulePlan
+        from worker.step import ScheduledChunk, SchedulePlan
 
         rows = []
         for e in (ref_engine, eng):
             req = Request(f"l{id(e)}", prompts[2], SamplingParams(max_tokens=1))
-            req.page_table = e.scheduler.pool.allocate(8, req.request_id)
+            pool = e.scheduler.cache.full.pool  # a page table by hand: no scheduler step
+            req.page_table = pool.allocate(8, req.request_id)
             batch = e.runner.build_batch(SchedulePlan(chunks=[ScheduledChunk(req, 0, len(prompts[2]), True)]))
             with torch.inference_mode():
                 rows.append(e.model.compute_logits(e.model(batch, e.kv)[batch.logits_indices]))
-            e.scheduler.pool.release(req.page_table, req.request_id)
+            pool.release(req.page_table, req.request_id)
         assert float((rows[0] - rows[1]).abs().max()) < 1e-4
     finally:
         eng.close()

@@ -75,7 +75,8 @@ def test_prefix_hit_replays_a_bounded_suffix(window_dir: tuple[Path, torch.nn.Mo
     path, hf = window_dir
     engine = make_engine(path, chunk=16)
     sched = engine.scheduler
-    assert sched.window is not None and sched.window.replay_tokens == 3 * (WINDOW - 1)
+    window = sched.cache.window
+    assert window is not None and window.spec.replay_tokens == 3 * (WINDOW - 1)
     shared = _prompts(1, (48,))[0]
     first, cached0 = _run_one(engine, shared + [5, 6, 7], 6)
     assert cached0 == 0
@@ -117,7 +118,7 @@ def test_batch_with_preemption_and_abort_frees_rings(window_dir: tuple[Path, tor
     engine.submit(Request("gone", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True)), sink)
     engine.step()
     engine.step()
-    assert engine.scheduler.rings  # running: holds its ring
+    assert engine.scheduler.stats().window_used_pages  # running: holds its ring
     engine.abort("gone")
     engine.step()
     assert finished == ["abort"]
@@ -132,4 +133,4 @@ def test_chunk_smaller_than_window_plus_a_page_is_refused(window_dir: tuple[Path
 def test_full_model_twin_has_no_ring(tmp_path: Path) -> None:
     build_window_checkpoint(tmp_path, window=False)
     engine = make_engine(tmp_path, chunk=16)
-    assert engine.kv.shape.window_layers == () and engine.scheduler.window is None
+    assert engine.kv.shape.window_layers == () and engine.scheduler.cache.window is None
