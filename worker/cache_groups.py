@@ -137,3 +137,102 @@ class WindowRings:
     def assert_drained(self) -> None:
         assert not self._rings, f"window rings still held: {sorted(self._rings)}"
         self.pool.assert_drained()
+
+
+def page_keys(token_ids: list[int], page_size: int) -> list[int]:
+    """A key per full page of `token_ids`, each chaining the ones before it: key k names the
+    whole prefix of k + 1 pages, so equal keys mean equal prefixes (Python's hash of int tuples
+    is stable within a process, which is all a snapshot key must be)."""
+    keys, key = [], 0
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        key = hash((key, tuple(token_ids[start : start + page_size])))
+        keys.append(key)
+    return keys
+
+
+class StateSlots:
+    """Recurrent state (linear-attention layers): one fixed-size slot per request, plus snapshot
+    slots that let a later request with the same prefix start from a page boundary.
+
+    A request's slot must hold the state after its computed tokens whenever a chunk of it runs;
+    the manager records how each slot must be initialised (zeroed, or copied from a snapshot)
+    and the runner applies those copies before the next forward (`take_copies`). A snapshot is
+    the state after a whole number of pages, keyed by the prefix it follows (`page_keys`), kept
+    LRU under the holder `snapshot` until its slot is needed.
+    """
+
+    ZERO = -1  # a copy from ZERO clears the destination slot
+
+    def __init__(self, num_slots: int, num_snapshots: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.num_snapshots = num_snapshots
+        self.pool = PagePool(num_slots + num_snapshots)
+        self._slots: dict[str, int] = {}  # request id -> its slot
+        self._snapshots: dict[int, int] = {}  # prefix key -> snapshot slot, oldest first
+        self._copies: list[tuple[int, int]] = []  # (src slot or ZERO, dst slot), in order
+
+    @property
+    def can_take(self) -> bool:
+        return self.pool.num_free - self._spare_for_snapshots() > 0
+
+    def _spare_for_snapshots(self) -> int:
+        """Free slots kept back for snapshots, so requests never starve the snapshot cache."""
+        return max(0, self.num_snapshots - len(self._snapshots))
+
+    def take(self, request_id: str) -> bool:
+        if request_id in self._slots:
+            return True
+        if not self.can_take:
+            return False
+        self._slots[request_id] = self.pool.allocate(1, request_id)[0]
+        return True
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot (-1 when it holds none)."""
+        return self._slots.get(request_id, -1)
+
+    def start(self, request_id: str, from_snapshot: int = ZERO) -> None:
+        """The request's next chunk starts from `from_snapshot`'s state (ZERO: position 0)."""
+        self._copies.append((from_snapshot, self._slots[request_id]))
+
+    def restore_point(self, token_ids: list[int], limit: int) -> tuple[int, int]:
+        """The longest snapshotted prefix of `token_ids` of at most `limit` tokens:
+        (its length in tokens, its snapshot slot); (0, ZERO) when none."""
+        keys = page_keys(token_ids[:limit], self.page_size)
+        for k in range(len(keys) - 1, -1, -1):
+            slot = self._snapshots.get(keys[k])
+            if slot is not None:
+                self._snapshots[keys[k]] = self._snapshots.pop(keys[k])  # most recently used
+                return (k + 1) * self.page_size, slot
+        return 0, self.ZERO
+
+    def snapshot(self, request_id: str, token_ids: list[int]) -> None:
+        """Keep the state the request's slot holds now (after `token_ids`, a whole number of
+        pages) for later requests with that prefix."""
+        key = page_keys(token_ids, self.page_size)[-1]
+        if key in self._snapshots or self.num_snapshots == 0:
+            return
+        if len(self._snapshots) >= self.num_snapshots:
+            oldest = next(iter(self._snapshots))
+            self.pool.uncache(self._snapshots.pop(oldest))
+        dst = self.pool.allocate(1, "snapshot")[0]
+        self.pool.mark_cached(dst)
+        self.pool.release([dst], "snapshot")  # cached: held by no request
+        self._snapshots[key] = dst
+        self._copies.append((self._slots[request_id], dst))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The slot copies to apply before the next forward, in order (the runner's)."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def release(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self.pool.release([slot], request_id)
+            # A copy into the slot that has not run yet must not land in its next owner's state.
+            self._copies = [(s, d) for s, d in self._copies if d != slot]
+
+    def assert_drained(self) -> None:
+        assert not self._slots, f"state slots still held: {sorted(self._slots)}"
+        self.pool.assert_drained()

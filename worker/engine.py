@@ -179,7 +179,7 @@ class Engine:
     def _overlappable(self, plans: list[SchedulePlan]) -> bool:
         """A plan the overlapped path runs: one group, every chunk a decode of a request that
         needs no host view of its newest token (penalties read them; logprobs stay eager)."""
-        if not self.overlap or len(plans) != 1 or plans[0].empty:
+        if not self.overlap or len(plans) != 1 or plans[0].empty or plans[0].state_copies:
             return False
         return all(
             c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties

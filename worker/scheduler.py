@@ -143,7 +143,7 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
             while not self.cache.grow(req, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=req, scheduled=plan)
                 if victim is None:  # nothing left to preempt but the request itself
@@ -158,7 +158,13 @@ class Scheduler:
             budget -= n
         if not preempted:
             self._admit(plan, budget)
+        plan.state_copies = self.cache.take_state_copies()
         return plan
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens the request computes this step: what is left, within the budget, ending where
+        the cache manager needs a chunk to end (a state group's snapshot point)."""
+        return self.cache.chunk_limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
 
     def _admit(self, plan: SchedulePlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -172,7 +178,7 @@ class Scheduler:
                 continue
             if not req.page_table:
                 self._match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
             if not self.cache.admit(req, req.num_computed_tokens + n):
                 self.cache.free(req)  # give back prefix hits; retry next step
                 req.num_computed_tokens = 0
@@ -193,7 +199,7 @@ class Scheduler:
         where = self.cache.chunk_cache(req)
         plan.chunks.append(ScheduledChunk(
             req, start, n, sample=start + n == req.num_tokens, window_pages=where.window_pages,
-            window_from=where.window_from, full_from=where.full_from,
+            window_from=where.window_from, full_from=where.full_from, state_slot=where.state_slot,
         ))
         plan.num_tokens += n
 
@@ -208,6 +214,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # aborted while the step ran
                 continue
             req.num_computed_tokens += chunk.num_tokens
+            self.cache.computed(req)
             computed = min(req.num_prompt_tokens, req.num_computed_tokens)
             self.prompt_tokens_computed += max(0, computed - chunk.start)
             if token is None:

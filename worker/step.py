@@ -29,6 +29,7 @@ class ScheduledChunk:
     window_pages: list[int] = field(default_factory=list)
     window_from: int = 0  # first position the ring holds valid rows for (bounded replay's start)
     full_from: int = 0  # positions below keep their cached full-page KV: not written again
+    state_slot: int = -1  # its recurrent-state slot (models with linear-attention layers)
 
 
 @dataclass
@@ -37,6 +38,9 @@ class SchedulePlan:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0  # sum of chunk lengths: the step's token count
+    # Recurrent-state slot copies (src slot, or -1 = zeros; dst slot) to apply before the
+    # forward: new requests start from zeros or from a prefix snapshot, snapshots are taken.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
