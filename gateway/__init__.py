@@ -4,7 +4,7 @@ Modules, in the order a request meets them:
   app.py           create_app(config): routes, lifespan (owns the pool), error mapping
   server.py        run_gateway(config): uvicorn (+uvloop), until SIGINT/SIGTERM
   serving.py       one generation request: body → prompt ids → SamplingParams → JSON or SSE
-  openai_types.py  pydantic request/response models and value checks
+  openai_types.py  pydantic request models and value checks; openai_responses.py: responses
   tokenizer.py     tokenizer.json + chat template (sandboxed jinja2)
   dispatch.py      mono or PD dispatch of one request, retry before the first token, Abort
   routing.py       round_robin, least_load, cache_aware (page-hash chain)

@@ -14,7 +14,7 @@ text, so spelling it out would force the model to write it character by characte
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,7 @@ def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
     return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
 
 
-def tool_calls_format(parser: str, tools: list[tuple[str, dict[str, Any] | None]],
+def tool_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]],
                       parallel: bool, special_tokens: Collection[str]) -> dict[str, Any]:
     """A format accepting one call (or, with `parallel`, one or more) to any of `tools`
     (name, parameters schema), written the way `parser` reads them."""

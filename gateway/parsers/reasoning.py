@@ -60,7 +60,8 @@ class ThinkParser:
     def feed(self, text: str) -> tuple[str, str]:
         """Consume text; return (reasoning, content) that may be sent now."""
         self._buf += text
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while True:
             st = self.state
             if st is ThinkState.START and not self._start():
