@@ -124,7 +124,8 @@ def _template_kwargs(req: ChatCompletionRequest, tok: Tokenizer) -> dict[str, An
     return kwargs
 
 
-def _check_tools(req: ChatCompletionRequest, parsers: Parsers) -> dict[str, dict[str, Any]]:
+def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
+                 tok: Tokenizer) -> dict[str, dict[str, Any]]:
     """Tool name -> parameters schema; raises for what the request gets wrong."""
     tools = req.tools or []
     choice = req.tool_choice
@@ -144,6 +145,10 @@ def _check_tools(req: ChatCompletionRequest, parsers: Parsers) -> dict[str, dict
         params[name] = t.function.parameters or {"type": "object", "properties": {}}
     if choice == "none":
         return params
+    if "tools" not in tok.template_vars:
+        raise BadRequest("tools: this model's chat template does not render tools, so the "
+                         "model would never see them; send tool_choice \"none\" or serve a "
+                         "model whose template reads `tools`", param="tools")
     if not parsers.tool_call:
         raise BadRequest("tools need a tool-call parser and this gateway has none; start it "
                          "with --tool-call-parser (gateway.tool_call_parser), or send "
@@ -177,7 +182,7 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
     if not req.messages:
         raise BadRequest("messages must hold at least one message", param="messages")
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-    params = _check_tools(req, parsers)
+    params = _check_tools(req, parsers, tok)
     parse_tools = bool(params) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []] \
         if parse_tools else None

@@ -50,12 +50,19 @@ class Constraint:
 
     def to_proto(self, prefix: list[dict[str, Any]]) -> tandem_pb2.StructuredOutput:
         """The wire form; `prefix` (a reasoning block) makes it a structural tag."""
+        try:
+            return self._proto(prefix)
+        except ValueError as exc:  # NaN / Infinity inside a schema: not JSON, not compilable
+            raise BadRequest(f"{self.source}: the schema holds a value JSON cannot carry "
+                             f"({exc}); send finite numbers", param=self.source) from None
+
+    def _proto(self, prefix: list[dict[str, Any]]) -> tandem_pb2.StructuredOutput:
         if prefix or self.kind == "structural_tag":
             return tandem_pb2.StructuredOutput(structural_tag=structural_tag(
                 [*prefix, self.as_format()]))
         if self.kind == "json_schema":
-            return tandem_pb2.StructuredOutput(json_schema=json.dumps(self.schema,
-                                                                      ensure_ascii=False))
+            return tandem_pb2.StructuredOutput(json_schema=json.dumps(
+                self.schema, ensure_ascii=False, allow_nan=False))
         if self.kind == "json_object":
             return tandem_pb2.StructuredOutput(json_object=True)
         if self.kind == "regex":

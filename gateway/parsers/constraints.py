@@ -130,6 +130,7 @@ def reasoning_prefix(parser: str, starts_in_reasoning: bool,
 
 
 def structural_tag(elements: list[dict[str, Any]]) -> str:
-    """The structural-tag JSON text the wire's `StructuredOutput.structural_tag` carries."""
+    """The structural-tag JSON text the wire's `StructuredOutput.structural_tag` carries.
+    Raises ValueError for values JSON cannot carry (NaN or infinite numbers in a schema)."""
     return json.dumps({"type": "structural_tag", "format": _sequence(elements)},
-                      ensure_ascii=False)
+                      ensure_ascii=False, allow_nan=False)
