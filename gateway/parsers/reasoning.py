@@ -52,9 +52,9 @@ class ThinkParser:
 
     @property
     def in_reasoning(self) -> bool:
-        """Inside the block, or at the start of an output that opens one (for token counts)."""
+        """Inside the block (undecided starts count only where the output begins in it)."""
         if self.state is ThinkState.START:
-            return self._always or THINK_OPEN.startswith(self._buf.lstrip()[:len(THINK_OPEN)])
+            return self._always
         return self.state is ThinkState.REASONING
 
     def feed(self, text: str) -> tuple[str, str]:
