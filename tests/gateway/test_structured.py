@@ -127,8 +127,8 @@ def test_forced_tool_call_in_hermes_format(worker: Worker, hermes_dir: Path, cho
     plan = plan_chat(chat(tools=[LOOKUP], tool_choice=choice, parallel_tool_calls=parallel), tok,
                      Parsers(reasoning="qwen3", tool_call="hermes"))
     assert plan.structured is not None
-    call = ('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
-            % (good[0], json.dumps(good[1])))
+    body = json.dumps({"name": good[0], "arguments": good[1]})
+    call = f"<tool_call>\n{body}\n</tool_call>"
     assert worker.accepts(plan.structured, call)
     assert worker.accepts(plan.structured, "<think>\nneed q\n</think>\n\n" + call)
     assert not worker.accepts(plan.structured, bad)
