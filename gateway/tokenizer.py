@@ -101,7 +101,8 @@ class Tokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerLoadError(
-                f"gateway.model_path: {tok_file} not found; point model_path at a HF model directory with tokenizer.json"
+                f"gateway.model_path: {tok_file} not found; point model_path at a HF model "
+                "directory with tokenizer.json"
             )
         try:
             hf = HFTokenizer.from_file(str(tok_file))

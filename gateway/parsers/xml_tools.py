@@ -5,8 +5,9 @@
   Values are written raw; each is typed by the tool's JSON schema (a `string` stays text,
   `integer` / `number` / `boolean` / `object` / `array` are parsed, falling back to text), and
   the call's arguments are streamed as a JSON object, one parameter at a time.
-- `deepseek_v3`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\\n```json\\n{...}\\n```
-  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; `deepseek_v31` (V3.1 and later) writes
+- `deepseek_v3`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
+  \\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
+  `deepseek_v31` (V3.1 on) writes
   `<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
 """
 

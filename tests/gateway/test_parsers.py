@@ -31,7 +31,8 @@ def splits(text: str, seed: int = 0) -> Iterator[list[str]]:
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-def run_tools(make: Callable[[], ToolParser], pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
+def run_tools(make: Callable[[], ToolParser],
+              pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
     p = make()
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
@@ -149,7 +150,8 @@ def run_think(name: str, starts: bool, pieces: list[str]) -> tuple[str, str]:
 THINK_CASES = [
     ("qwen3", False, "<think>\nx = 1, so\n\nx + 1 = 2\n</think>\n\nThe answer is 2.",
      ("x = 1, so\n\nx + 1 = 2", "The answer is 2.")),
-    ("qwen3", False, "The answer is 2 (no <think> here).", ("", "The answer is 2 (no <think> here).")),
+    ("qwen3", False, "The answer is 2 (no <think> here).",
+     ("", "The answer is 2 (no <think> here).")),
     ("qwen3", False, "<think>\ncut short", ("cut short", "")),
     ("qwen3", False, "<thin", ("", "<thin")),
     ("qwen3", True, "already thinking\n</think>\n\nanswer", ("already thinking", "answer")),
