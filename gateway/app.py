@@ -24,11 +24,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.agents import Parsers
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError, NoHealthyWorker, Unauthorized
 from gateway.metrics import Metrics
-from gateway.openai_types import ModelCard, ModelList
+from gateway.openai_responses import ModelCard, ModelList
+from gateway.parsers import (
+    AUTO,
+    NONE,
+    detect_reasoning_parser,
+    detect_tool_call_parser,
+)
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
 from gateway.serving import GenerationHandler, validation_error
@@ -47,12 +54,26 @@ def make_policy(name: str, config: GatewayConfig, page_size: int) -> Policy:
                       load_threshold=config.cache_aware_load_threshold)
 
 
+def resolve_parsers(config: GatewayConfig, tokenizer: Tokenizer) -> Parsers:
+    """The configured parsers, "auto" resolved against the chat template, "none" as ""."""
+    template = tokenizer.template_source
+
+    def pick(value: str, detect: str) -> str:
+        return detect if value == AUTO else "" if value == NONE else value
+
+    return Parsers(reasoning=pick(config.reasoning_parser, detect_reasoning_parser(template)),
+                   tool_call=pick(config.tool_call_parser, detect_tool_call_parser(template)))
+
+
 class Gateway:
     """What the routes need; built by `create_app`, filled in by the lifespan."""
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.parsers = resolve_parsers(config, tokenizer)
+        log.info("gateway: reasoning parser %s, tool-call parser %s",
+                 self.parsers.reasoning or "none", self.parsers.tool_call or "none")
         self.metrics = Metrics()
         self.pool: WorkerPool | None = None
         self._handler: GenerationHandler | None = None
@@ -104,11 +125,12 @@ class Gateway:
         assert self._dispatcher is not None
         lens = [i.max_model_len for i in infos if i.max_model_len > 0]
         vocab = [i.vocab_size for i in infos if i.vocab_size > 0]
-        return GenerationHandler(self.tokenizer, self._dispatcher, self.metrics, self.model_name(),
-                                 max_model_len=min(lens, default=0),
+        return GenerationHandler(self.tokenizer, self._dispatcher, self.metrics,
+                                 self.model_name(), max_model_len=min(lens, default=0),
                                  vocab_size=min(vocab, default=self.tokenizer.vocab_size),
                                  max_request_bytes=self.config.max_request_bytes,
-                                 body_timeout_s=self.config.body_timeout_s)
+                                 body_timeout_s=self.config.body_timeout_s,
+                                 parsers=self.parsers)
 
     def model_name(self) -> str:
         if self.config.served_model_name:

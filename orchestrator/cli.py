@@ -46,6 +46,26 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="override one field, e.g. --set roles.decode.count=2 --set transfer.backend=nixl (repeatable)")
 
 
+def _add_parser_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="split <think> reasoning into reasoning_content: auto (from the chat "
+                        "template) | none | qwen3 | deepseek_r1 (gateway.reasoning_parser)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="parse tool calls into tool_calls: auto | none | hermes | qwen3 | "
+                        "qwen3_coder | llama3_json | mistral | deepseek_v3 | deepseek_v31 "
+                        "(gateway.tool_call_parser)")
+
+
+def _parser_overrides(args: argparse.Namespace) -> list[str]:
+    """--reasoning-parser / --tool-call-parser as `gateway.*` overrides."""
+    extra = []
+    if args.reasoning_parser:
+        extra.append(f"gateway.reasoning_parser={args.reasoning_parser}")
+    if args.tool_call_parser:
+        extra.append(f"gateway.tool_call_parser={args.tool_call_parser}")
+    return extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -63,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
     p.add_argument("--api-key", metavar="KEY", help="clients must send `Authorization: Bearer KEY` (default: no auth)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    _add_parser_args(p)
 
     p = sub.add_parser("worker", help="run one worker process (what launchers start)")
     _add_config_args(p, required=True)
@@ -73,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
     _add_config_args(p, required=True)
+    _add_parser_args(p)
 
     p = sub.add_parser("launch", help="run the launcher the config names (launcher.kind)")
     _add_config_args(p, required=True)
@@ -136,6 +158,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append(f"gateway.api_key={args.api_key}")
     if args.enforce_eager:
         extra.append("model.enforce_eager=true")
+    extra.extend(_parser_overrides(args))
     # `serve` is the local launcher by definition, whatever the file or --set says.
     overrides = [*extra, *args.overrides, "launcher.kind=local"]
     return load_config(resolve_config_path(args.config), overrides)
@@ -164,7 +187,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    config = gateway_config(_load(args))
+    config = gateway_config(_load(args, _parser_overrides(args)))
     config.validate()
     from gateway.server import run_gateway  # lazy: keeps torch-free commands light
 

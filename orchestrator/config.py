@@ -77,6 +77,8 @@ class GatewaySettings:
     cache_aware_load_threshold: float = 8.0
     cache_aware_max_pages: int = 200_000
     log_level: str = "info"
+    reasoning_parser: str = "auto"  # auto | none | qwen3 | deepseek_r1 (auto: from the template)
+    tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_coder | llama3_json | mistral ...
 
 
 # GatewayConfig fields that the orchestrator fills from the rest of the tree, not from YAML.

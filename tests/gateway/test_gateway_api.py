@@ -54,7 +54,8 @@ async def test_sampling_fields_reach_worker(tok_dir):
         r = await c.post("/v1/completions", json={
             "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
             "seed": 123, "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [9], "repetition_penalty": 1.1,
-            "presence_penalty": 0.5, "frequency_penalty": 0.25, "user": "u", "some_unknown_field": {"x": 1}})
+            "presence_penalty": 0.5, "frequency_penalty": 0.25, "user": "u",
+            "logit_bias": {"5": -100, "7": 2.5}})
         assert r.status_code == 200, r.text
         s = w.requests[0].sampling
         assert list(w.requests[0].prompt_token_ids) == [5, 6, 7]
@@ -62,6 +63,7 @@ async def test_sampling_fields_reach_worker(tok_dir):
         assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1)
         assert s.ignore_eos and list(s.stop_token_ids) == [9]
         assert s.repetition_penalty == pytest.approx(1.1) and s.presence_penalty == 0.5
+        assert dict(s.logit_bias) == {5: -100.0, 7: 2.5} and not s.HasField("structured")
         # max_tokens absent: capped to what fits in max_model_len (64)
         r = await c.post("/v1/completions", json={"prompt": [5, 6, 7]})
         assert r.status_code == 200 and w.requests[1].sampling.max_tokens == 61
