@@ -52,8 +52,14 @@ def _tv(samples: Counter[int], probs: torch.Tensor) -> float:
     return 0.5 * sum(abs(samples.get(t, 0) / n - float(probs[t])) for t in range(probs.numel()))
 
 
+TRIALS = 5000
+BOUND = 0.05  # total variation a correct rule stays under at TRIALS draws (noise is ~0.02)
+
+
 @pytest.mark.parametrize("drafter", ["deterministic", "random"])
 def test_rejection_sampling_keeps_the_target_distribution(drafter: str) -> None:
+    """The first emitted token follows row 0 of the target; given the first draft was
+    accepted, the second follows row 1."""
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB) * 1.5  # two drafts
     params = SamplingParams(temperature=0.8, top_k=5, max_tokens=8)
@@ -62,29 +68,27 @@ def test_rejection_sampling_keeps_the_target_distribution(drafter: str) -> None:
     q = torch.softmax(torch.randn(2, VOCAB), dim=-1)
     first: Counter[int] = Counter()
     second: Counter[int] = Counter()
-    trials = 20_000
-    for _ in range(trials):
+    for _ in range(TRIALS):
         if drafter == "random":
             drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
             out = accept(logits, drafts, params, gen, draft_probs=q)
         else:
-            out = accept(logits, [2, 4], params, gen)
+            drafts = [2, 4]
+            out = accept(logits, drafts, params, gen)
         first[out[0]] += 1
-        if out[0] == (2 if drafter == "deterministic" else out[0]) and len(out) > 1:
-            pass
-        if len(out) > 1 and drafter == "deterministic":
-            second[out[1]] += 1  # given the first draft (2) was accepted: row 1's distribution
-    assert _tv(first, p[0]) < 0.02, (first, p[0])
+        if len(out) > 1:  # out[0] was the accepted first draft
+            second[out[1]] += 1
+    assert _tv(first, p[0]) < BOUND, (first, p[0])
     if drafter == "deterministic":
-        assert _tv(second, p[1]) < 0.03, (second, p[1])
+        assert _tv(second, p[1]) < BOUND, (second, p[1])
 
 
 def test_the_bound_catches_a_lossy_rule() -> None:
     """Accepting every draft is the classic lossy bug: the same bound must reject it."""
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
     p = target_probs(logits, SamplingParams(temperature=1.0, max_tokens=4))
-    always = Counter({2: 10_000})  # what "accept every draft 2" would emit
-    assert _tv(always, p[0]) > 0.2
+    always = Counter({2: TRIALS})  # what "accept every draft 2" would emit
+    assert _tv(always, p[0]) > 4 * BOUND
 
 
 def test_min_tokens_bans_eos_on_the_rows_before_it() -> None:
