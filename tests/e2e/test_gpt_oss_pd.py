@@ -24,7 +24,16 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.test_window_pd import PAGE, Leg, _config, _drained, _params, _wait, running, submit_pd
+from tests.e2e.test_window_pd import (
+    PAGE,
+    Leg,
+    _config,
+    _drained,
+    _params,
+    _wait,
+    running,
+    submit_pd,
+)
 from tests.worker.gpt_oss_model import WINDOW, build_gpt_oss_checkpoint
 from tests.worker.test_engine import hf_greedy
 from transfer.backend import TransferFaults
@@ -66,11 +75,16 @@ def test_gpt_oss_pd_equals_mono_and_transformers(checkpoint: tuple[Path, torch.n
             pre, dec = submit_pd(prefill, decode, prompt, f"pd{i}")
             _wait(pre, dec)
             assert dec.finish == "length", dec.error
-            assert dec.tokens == want[i] == hf_greedy(hf, prompt, MAX_TOKENS), f"prompt {i} ({len(prompt)} tokens)"
+            assert dec.tokens == want[i] == hf_greedy(hf, prompt, MAX_TOKENS), (
+                f"prompt {i} ({len(prompt)} tokens)"
+            )
             tail = (len(prompt) - 1) // PAGE - max(0, len(prompt) - WINDOW) // PAGE + 1
             assert dec.transfer is not None
             assert dec.transfer["pages"] == -(-len(prompt) // PAGE) + tail
-            assert dec.transfer["bytes"] == -(-len(prompt) // PAGE) * shape.page_bytes + tail * shape.window_page_bytes
+            assert (
+                dec.transfer["bytes"]
+                == -(-len(prompt) // PAGE) * shape.page_bytes + tail * shape.window_page_bytes
+            )
             if i > len(fresh):  # a hit on `shared`'s pages: 2 window layers * (W-1) tokens re-fed
                 hit = min(len(prompt) - 1, 44) // PAGE * PAGE
                 assert pre.cached == (hit - 2 * (WINDOW - 1)) // PAGE * PAGE > 0
@@ -81,7 +95,9 @@ def test_gpt_oss_pd_equals_mono_and_transformers(checkpoint: tuple[Path, torch.n
         _drained(decode)
 
 
-def test_gpt_oss_pd_frees_everything_on_abort_and_failure(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+def test_gpt_oss_pd_frees_everything_on_abort_and_failure(
+    checkpoint: tuple[Path, torch.nn.Module],
+) -> None:
     path, _ = checkpoint
     prompt = [random.Random(12).randrange(1, 128) for _ in range(30)]
     with running(_config(path, "prefill")) as prefill, running(_config(path, "decode")) as decode:
@@ -104,23 +120,37 @@ def test_gpt_oss_pd_frees_everything_on_abort_and_failure(checkpoint: tuple[Path
         _drained(decode)
 
 
-def test_tandem_serve_gpt_oss_1p1d_equals_transformers(checkpoint: tuple[Path, torch.nn.Module],
-                                                      tmp_path: Path) -> None:
+def test_tandem_serve_gpt_oss_1p1d_equals_transformers(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
     """The acceptance path: the default 1P1D config, the checkpoint by --model, token-id prompts."""
     from orchestrator.launch.background import running_cluster
 
     path, hf = checkpoint
     rng = random.Random(13)
-    prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (6, 21, 70)]  # past the window and a page
+    prompts = [
+        [rng.randrange(3, 128) for _ in range(n)] for n in (6, 21, 70)
+    ]  # past the window and a page
     prompts.append(prompts[2] + [5, 6, 7])  # shares the 70-token prompt's pages: a prefill hit
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    with running_cluster("configs/tiny-1p1d.yaml", "model.dtype=float32", tmp=tmp_path, model=path) as c:
+    with running_cluster(
+        "configs/tiny-1p1d.yaml", "model.dtype=float32", tmp=tmp_path, model=path
+    ) as c:
         for i, prompt in enumerate(prompts):
-            r = httpx.post(f"{c.url}/v1/completions", timeout=60, json={
-                "model": path.name, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-                "skip_special_tokens": False})
+            r = httpx.post(
+                f"{c.url}/v1/completions",
+                timeout=60,
+                json={
+                    "model": path.name,
+                    "prompt": prompt,
+                    "max_tokens": 10,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "skip_special_tokens": False,
+                },
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["usage"]["completion_tokens"] == 10

@@ -24,19 +24,36 @@ WINDOW = 8
 NUM_LAYERS = 4
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tandem-arith"
 TINY_GPT_OSS = dict(
-    hidden_size=64, intermediate_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
-    num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, rms_norm_eps=1e-6,
-    initializer_range=0.2, swiglu_limit=1.5, pad_token_id=0, eos_token_id=2,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=NUM_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=256,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    swiglu_limit=1.5,
+    pad_token_id=0,
+    eos_token_id=2,
     rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 64, "rope_theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
     },
 )
 
 
 def build_gpt_oss_checkpoint(path: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """Save a tiny random GptOssForCausalLM at `path` (with tokenizer files); return the HF model."""
+    """Save a tiny random GptOssForCausalLM at `path` (+ tokenizer files); return the HF model."""
     import transformers
 
     config = transformers.GptOssConfig(**{**TINY_GPT_OSS, **overrides})

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,8 +32,10 @@ from worker.request import Request
 from worker.sampling import SamplingParams
 
 VOCAB = 128
-SEQS = {"a": [random.Random(1).randrange(VOCAB) for _ in range(26)],
-        "b": [random.Random(2).randrange(VOCAB) for _ in range(19)]}
+SEQS = {
+    "a": [random.Random(1).randrange(VOCAB) for _ in range(26)],
+    "b": [random.Random(2).randrange(VOCAB) for _ in range(19)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,9 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def _run(model, spec, seqs: dict[str, list[int]], tp_size: int = 1) -> dict[str, list[tuple[int, torch.Tensor]]]:  # noqa: ANN001
+def _run(
+    model, spec, seqs: dict[str, list[int]], tp_size: int = 1
+) -> dict[str, list[tuple[int, torch.Tensor]]]:  # noqa: ANN001
     """Prefill every sequence in two chunks together, then decode 4 tokens each (teacher-forced)."""
     from tests.worker.conftest import PagedHarness
 
@@ -68,7 +71,9 @@ def _reference(hf: torch.nn.Module, seqs: dict[str, list[int]] = SEQS) -> dict[s
 
 
 def _worst(got: dict[str, list[tuple[int, torch.Tensor]]], ref: dict[str, torch.Tensor]) -> float:
-    return max(float((row - ref[r][pos]).abs().max()) for r, rows in got.items() for pos, row in rows)
+    return max(
+        float((row - ref[r][pos]).abs().max()) for r, rows in got.items() for pos, row in rows
+    )
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -82,11 +87,15 @@ def test_config_reads_the_family(ckpt: tuple[Path, torch.nn.Module]) -> None:
     assert arch.rope.rope_type == "yarn" and arch.rope.factor == 4.0 and not arch.rope.truncate
 
 
-def test_mxfp4_checkpoint_is_refused_in_one_line(ckpt: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+def test_mxfp4_checkpoint_is_refused_in_one_line(
+    ckpt: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
     raw = json.loads((ckpt[0] / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="quantization_config .*'mxfp4'.* not supported") as err:
+    with pytest.raises(
+        ModelLoadError, match="quantization_config .*'mxfp4'.* not supported"
+    ) as err:
         load_arch_config(tmp_path)
     assert "\n" not in str(err.value)
 
@@ -102,7 +111,9 @@ def test_logits_equal_transformers(ckpt: tuple[Path, torch.nn.Module]) -> None:
 
 
 @pytest.mark.parametrize("change", ["sinks", "router_bias", "clamp"])
-def test_each_gpt_oss_piece_changes_the_logits(ckpt: tuple[Path, torch.nn.Module], change: str) -> None:
+def test_each_gpt_oss_piece_changes_the_logits(
+    ckpt: tuple[Path, torch.nn.Module], change: str
+) -> None:
     """A guard on the fixture: were a piece ignored, the equality above would still have to fail."""
     path, hf = ckpt
     model, spec = load_model(ModelConfig(path=str(path)), ParallelConfig())
@@ -121,13 +132,19 @@ def test_each_gpt_oss_piece_changes_the_logits(ckpt: tuple[Path, torch.nn.Module
 def test_engine_keeps_window_layers_in_rings(ckpt: tuple[Path, torch.nn.Module]) -> None:
     engine = make_engine(ckpt[0], chunk=16)
     shape = engine.kv.shape
-    assert shape.window_layers == (0, 2) and shape.window == WINDOW and shape.ring_pages == WINDOW // 4 + 1
+    assert (
+        shape.window_layers == (0, 2)
+        and shape.window == WINDOW
+        and shape.ring_pages == WINDOW // 4 + 1
+    )
 
 
 def test_engine_greedy_equals_transformers(ckpt: tuple[Path, torch.nn.Module]) -> None:
     path, hf = ckpt
     engine = make_engine(path, chunk=16)
-    prompts = _prompts(0, (5, WINDOW, 17, 40, 61))  # shorter and longer than the window and the chunk
+    prompts = _prompts(
+        0, (5, WINDOW, 17, 40, 61)
+    )  # shorter and longer than the window and the chunk
     ours = generate(engine, prompts, max_tokens=12)  # one batch: chunks and decodes mixed
     for prompt, got in zip(prompts, ours, strict=True):
         assert got == hf_greedy(hf, prompt, 12), f"prompt of {len(prompt)} tokens"
@@ -175,7 +192,9 @@ def test_prefix_hits_replay_a_bounded_suffix(ckpt: tuple[Path, torch.nn.Module])
 
 def test_preemption_and_abort_free_pages_and_rings(ckpt: tuple[Path, torch.nn.Module]) -> None:
     path, hf = ckpt
-    engine = make_engine(path, chunk=16, num_pages=30, max_num_seqs=4)  # few pages: the batch preempts
+    engine = make_engine(
+        path, chunk=16, num_pages=30, max_num_seqs=4
+    )  # few pages: the batch preempts
     prompts = _prompts(3, (30, 31, 29, 33))
     ours = generate(engine, prompts, max_tokens=16)
     assert engine.scheduler.num_preemptions > 0
@@ -183,7 +202,11 @@ def test_preemption_and_abort_free_pages_and_rings(ckpt: tuple[Path, torch.nn.Mo
         assert got == hf_greedy(hf, prompt, 16)
     engine.scheduler.assert_drained()
     finished: list[str] = []
-    sink: Callable[[RequestOutput], None] = lambda o: finished.append(o.finish_reason) if o.finished else None  # noqa: E731
+
+    def sink(o: RequestOutput) -> None:
+        if o.finished:
+            finished.append(o.finish_reason)
+
     engine.submit(Request("gone", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True)), sink)
     engine.step()
     engine.step()
@@ -211,20 +234,26 @@ def _rank_main(rank: int, path: str, init_file: str, out_dir: str) -> None:
             block = model.model.layers[0].mlp
             assert isinstance(block, GptOssMoE)
             if name == "ep2":
-                assert list(block.expert_ids()) == [2 * rank, 2 * rank + 1] and block.w13.shape[0] == 2
+                assert (
+                    list(block.expert_ids()) == [2 * rank, 2 * rank + 1] and block.w13.shape[0] == 2
+                )
             else:
                 assert block.w13.shape == (4, 2 * 16, 64) and block.owns_down_bias == (rank == 0)
             assert model.model.layers[0].self_attn.sinks.shape == (2,)  # this rank's 2 of 4 heads
             torch.save(_run(model, spec, SEQS, tp_size=2), f"{out_dir}/{name}-{rank}.pt")
         # Attention DP (tp 1, dp 2): each rank its own sequence; the experts are shared (EP=2).
         model, spec = load_model(cfg, ParallelConfig(tp_size=1, tp_rank=0, dp_size=2, ep_size=2))
-        mine = {"ab"[rank]: SEQS["ab"[rank]][:19]}  # same step count on both ranks: the all-to-alls pair up
+        mine = {
+            "ab"[rank]: SEQS["ab"[rank]][:19]
+        }  # same step count on both ranks: the all-to-alls pair up
         torch.save(_run(model, spec, mine), f"{out_dir}/dp2-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_ep2_moe_tp2_and_dp_attention_equal_transformers(ckpt: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+def test_ep2_moe_tp2_and_dp_attention_equal_transformers(
+    ckpt: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
     import torch.multiprocessing as mp
 
     path, hf = ckpt

@@ -25,11 +25,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_GPU = torch.cuda.is_available() and HAS_TRITON
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
 DEVICE = "cuda" if HAS_GPU else "cpu"
-kernels = pytest.mark.skipif(not (HAS_GPU or INTERPRET), reason="needs CUDA and triton (or TRITON_INTERPRET=1)")
+kernels = pytest.mark.skipif(
+    not (HAS_GPU or INTERPRET), reason="needs CUDA and triton (or TRITON_INTERPRET=1)"
+)
 PAGE, HQ, HKV, D = 4, 4, 2, 16
 
 
-def _batch(lens: list[tuple[int, int]], seed: int) -> tuple[ForwardBatch, KVCache, torch.Tensor, torch.Tensor]:
+def _batch(
+    lens: list[tuple[int, int]], seed: int
+) -> tuple[ForwardBatch, KVCache, torch.Tensor, torch.Tensor]:
     """Requests as (cached tokens, new tokens): a paged cache holding every token's K/V, q of the
     new tokens, and the batch. Returns (batch, kv, q [T, Hq, D], sinks [Hq])."""
     gen = torch.Generator().manual_seed(seed)
@@ -54,22 +58,33 @@ def _batch(lens: list[tuple[int, int]], seed: int) -> tuple[ForwardBatch, KVCach
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
     t = qs[-1]
     batch = ForwardBatch(
-        input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE), positions=torch.tensor(positions, device=DEVICE),
-        query_start=torch.tensor(qs, device=DEVICE), seq_lens=torch.tensor(seq_lens, device=DEVICE),
-        page_table=table, slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=DEVICE),  # K/V already stored
-        logits_indices=torch.tensor(qs[1:], device=DEVICE) - 1, query_start_list=qs, seq_lens_list=seq_lens,
+        input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(positions, device=DEVICE),
+        query_start=torch.tensor(qs, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, device=DEVICE),
+        page_table=table,
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=DEVICE),  # K/V already stored
+        logits_indices=torch.tensor(qs[1:], device=DEVICE) - 1,
+        query_start_list=qs,
+        seq_lens_list=seq_lens,
     )
     q = torch.randn(t, HQ, D, generator=gen).to(DEVICE)
     sinks = (torch.randn(HQ, generator=gen) * 2).to(DEVICE)
     return batch, kv, q, sinks
 
 
-def _reference(batch: ForwardBatch, kv: KVCache, q: torch.Tensor, window: int | None,
-               sinks: torch.Tensor | None) -> torch.Tensor:
+def _reference(
+    batch: ForwardBatch,
+    kv: KVCache,
+    q: torch.Tensor,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     k_cache, v_cache = kv.layer(0)
     empty = q.new_empty(0, HKV, D)
-    return TorchSDPABackend().forward(q, empty, empty, k_cache, v_cache, batch, D**-0.5, window, kv_stored=True,
-                                      sinks=sinks)
+    return TorchSDPABackend().forward(
+        q, empty, empty, k_cache, v_cache, batch, D**-0.5, window, kv_stored=True, sinks=sinks
+    )
 
 
 @kernels
@@ -81,14 +96,32 @@ def test_decode_kernel_with_sinks_equals_reference(window: int | None, splits: i
     batch, kv, q, sinks = _batch([(0, 1), (4, 1), (20, 1), (37, 1)], seed=1)
     k_cache, v_cache = kv.layer(0)
     for s in (sinks, None):
-        got = triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, D**-0.5, window,
-                                  num_splits=splits, sinks=s)
+        got = triton_paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.seq_lens,
+            D**-0.5,
+            window,
+            num_splits=splits,
+            sinks=s,
+        )
         want = _reference(batch, kv, q, window, s)
         assert float((got - want).abs().max()) < 1e-4, f"sinks={s is not None}"
     # The sinks matter: a large sink pulls every output towards zero.
     big = torch.full_like(sinks, 30.0)
-    got = triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, D**-0.5, window,
-                              num_splits=splits, sinks=big)
+    got = triton_paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        batch.page_table,
+        batch.seq_lens,
+        D**-0.5,
+        window,
+        num_splits=splits,
+        sinks=big,
+    )
     assert float(got.abs().max()) < 1e-6
 
 
@@ -103,8 +136,18 @@ def test_prefill_kernel_with_sinks_equals_reference(window: int | None) -> None:
     k_cache, v_cache = kv.layer(0)
     longest = max(n for _, n in lens)
     for s in (sinks, None):
-        got = triton_paged_prefill(q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens,
-                                   longest, D**-0.5, window, s)
+        got = triton_paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.query_start,
+            batch.seq_lens,
+            longest,
+            D**-0.5,
+            window,
+            s,
+        )
         want = _reference(batch, kv, q, window, s)
         assert float((got - want).abs().max()) < 1e-4, f"sinks={s is not None}"
 
@@ -116,8 +159,9 @@ def test_backend_mixed_step_with_sinks_uses_the_prefill_kernel() -> None:
     batch, kv, q, sinks = _batch([(3, 5), (12, 1), (0, 9)], seed=3)
     k_cache, v_cache = kv.layer(0)
     empty = q.new_empty(0, HKV, D)
-    got = TritonPagedBackend().forward(q, empty, empty, k_cache, v_cache, batch, D**-0.5, 6, kv_stored=True,
-                                       sinks=sinks)
+    got = TritonPagedBackend().forward(
+        q, empty, empty, k_cache, v_cache, batch, D**-0.5, 6, kv_stored=True, sinks=sinks
+    )
     assert float((got - _reference(batch, kv, q, 6, sinks)).abs().max()) < 1e-4
 
 
@@ -130,11 +174,14 @@ def test_decode_with_sinks_replays_in_a_cuda_graph() -> None:
     batch, kv, q, sinks = _batch([(10, 1), (30, 1)], seed=4)
     k_cache, v_cache = kv.layer(0)
     static_q = q.clone()
-    triton_paged_decode(static_q, k_cache, v_cache, batch.page_table, batch.seq_lens, D**-0.5, 6, sinks=sinks)
+    triton_paged_decode(
+        static_q, k_cache, v_cache, batch.page_table, batch.seq_lens, D**-0.5, 6, sinks=sinks
+    )
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_paged_decode(static_q, k_cache, v_cache, batch.page_table, batch.seq_lens, D**-0.5, 6,
-                                  sinks=sinks)
+        out = triton_paged_decode(
+            static_q, k_cache, v_cache, batch.page_table, batch.seq_lens, D**-0.5, 6, sinks=sinks
+        )
     for step in range(3):
         static_q.copy_(torch.randn_like(q))
         sinks.add_(step)  # parameters change in place (a reload): the graph sees the new values

@@ -131,11 +131,14 @@ class TorchSDPABackend(AttentionBackend):
             ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
             qi = q[start:end].transpose(0, 1)  # [Hq, n, D]
             mask = context_mask(seq_len, end - start, sliding_window, q.device)
-            oi = sdpa_with_sinks(qi[None], ctx_k[None], ctx_v[None], mask, scale, sinks)  # [1, Hq, n, D]
+            # oi: [1, Hq, n, D]
+            oi = sdpa_with_sinks(qi[None], ctx_k[None], ctx_v[None], mask, scale, sinks)
             out[start:end] = oi[0].transpose(0, 1)
         if decodes:
             rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
-            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window, sinks)
+            out[rows] = self._decode(
+                q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window, sinks
+            )
         return out
 
     @staticmethod
@@ -175,10 +178,12 @@ class TorchSDPABackend(AttentionBackend):
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    batch: ForwardBatch, scale: float, sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+    batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
-    return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window, sinks=sinks)
+    backend = TorchSDPABackend()
+    return backend.forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window, sinks=sinks)
 
 
 def window_attention(

@@ -52,7 +52,9 @@ class GptOssAttention(Attention):
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         assert param == "sinks" and self.sinks is not None
         start = self.tp_rank * self.num_heads  # this rank's query heads, as QKVParallelLinear's
-        _copy_checked(self.sinks.data, source.read(0, start, start + self.num_heads), "self_attn.sinks")
+        _copy_checked(
+            self.sinks.data, source.read(0, start, start + self.num_heads), "self_attn.sinks"
+        )
 
 
 class GptOssMoE(SparseMoEBlock):
@@ -64,14 +66,22 @@ class GptOssMoE(SparseMoEBlock):
     """
 
     def __init__(
-        self, cfg: ArchConfig, family: GptOssArch, par: MoEParallel, dtype: torch.dtype | None = None
+        self,
+        cfg: ArchConfig,
+        family: GptOssArch,
+        par: MoEParallel,
+        dtype: torch.dtype | None = None,
     ) -> None:
         assert cfg.moe is not None
         moe = cfg.moe
-        super().__init__(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, True, par, dtype)
+        super().__init__(
+            cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, True, par, dtype
+        )
         self.alpha, self.limit = family.swiglu_alpha, family.swiglu_limit
         self.gate_bias = _param(moe.num_experts, dtype=dtype)  # router bias [E]
-        self.w13_bias = _param(self.num_local, 2 * self.inter_local, dtype=dtype)  # [E_local, 2I_local]
+        self.w13_bias = _param(
+            self.num_local, 2 * self.inter_local, dtype=dtype
+        )  # [E_local, 2I_local]
         self.w2_bias = _param(self.num_local, self.hidden, dtype=dtype)  # [E_local, H]
         self.owns_down_bias = par.ep or par.rank == 0
 
@@ -83,7 +93,9 @@ class GptOssMoE(SparseMoEBlock):
         if param == "gate_bias":
             _copy_checked(self.gate_bias.data, source.read(), "mlp.router.bias")
             return
-        mine = source.read(0, self.first_expert, self.first_expert + self.num_local)  # [E_local, ...]
+        mine = source.read(
+            0, self.first_expert, self.first_expert + self.num_local
+        )  # [E_local, ...]
         start = 0 if self.par.ep else self.par.rank * self.inter_local
         cols = slice(start, start + self.inter_local)
         if param == "gate_up_proj":  # [E_local, H, 2I], gate|up interleaved on the last dim
@@ -114,7 +126,9 @@ class GptOssMoE(SparseMoEBlock):
         out = torch.empty_like(rows)
         for e in torch.unique(local_ids).tolist():
             sel = (local_ids == e).nonzero(as_tuple=True)[0]
-            gate, up = F.linear(rows[sel], self.w13[e], self.w13_bias[e]).chunk(2, dim=-1)  # [n, I] each
+            gate, up = F.linear(rows[sel], self.w13[e], self.w13_bias[e]).chunk(
+                2, dim=-1
+            )  # [n, I] each
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
             act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # [n, I_local]
@@ -126,12 +140,19 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """GPT-OSS over the paged KV cache (one rank, attention TP, MoE TP or EP)."""
 
     def __init__(
-        self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype,
-        rope_device: torch.device | str = "cpu", moe: MoEParallel | None = None,
+        self,
+        cfg: ArchConfig,
+        tp: TPInfo,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        rope_device: torch.device | str = "cpu",
+        moe: MoEParallel | None = None,
     ) -> None:
         super().__init__(cfg, tp, backend, dtype, rope_device)
         if not isinstance(cfg.family, GptOssArch) or cfg.moe is None:
-            raise AssertionError("GptOssForCausalLM needs an ArchConfig from gpt_oss_config.refine_gpt_oss")
+            raise AssertionError(
+                "GptOssForCausalLM needs an ArchConfig from gpt_oss_config.refine_gpt_oss"
+            )
         par = moe or MoEParallel(size=tp.size, rank=tp.rank, group=tp.group)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = GptOssAttention(cfg, i, tp, backend, dtype)
@@ -144,7 +165,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def weight_slots(self) -> dict[str, WeightSlot]:
         slots = super().weight_slots()
         for i, module in enumerate(self.model.layers):
-            slots[f"model.layers.{i}.self_attn.sinks"] = WeightSlot(cast(DecoderLayer, module).self_attn, "sinks")
+            slots[f"model.layers.{i}.self_attn.sinks"] = WeightSlot(
+                cast(DecoderLayer, module).self_attn, "sinks"
+            )
         return slots
 
     def mlp_slots(self, prefix: str, mlp: nn.Module) -> dict[str, WeightSlot]:

@@ -26,8 +26,13 @@ from worker.model.hf_config import ArchConfig, ModelLoadError, MoEArch, parse_ro
 ARCHITECTURE = "GptOssForCausalLM"
 # transformers' GptOssConfig defaults, used only when config.json leaves a field out.
 DEFAULT_ROPE = {
-    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-    "original_max_position_embeddings": 4096, "rope_theta": 150000.0,
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000.0,
 }
 DEFAULT_SWIGLU_ALPHA = 1.702
 DEFAULT_SWIGLU_LIMIT = 7.0
@@ -48,13 +53,14 @@ def _layer_windows(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[i
     ]
     if len(types) != num_layers:
         raise ModelLoadError(
-            f"{source}: layer_types lists {len(types)} layers but num_hidden_layers is {num_layers}; "
-            "give one entry per layer"
+            f"{source}: layer_types lists {len(types)} layers but num_hidden_layers is "
+            f"{num_layers}; give one entry per layer"
         )
     unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
     if unknown:
         raise ModelLoadError(
-            f"{source}: layer_types has {unknown}; GPT-OSS layers are sliding_attention or full_attention"
+            f"{source}: layer_types has {unknown}; GPT-OSS layers are sliding_attention or "
+            "full_attention"
         )
     if window is None:
         return (None,) * num_layers
@@ -67,8 +73,9 @@ def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchCo
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ModelLoadError(
-            f"{source}: quantization_config (quant_method {method!r}) is not supported: MXFP4 expert "
-            "weights cannot be loaded yet; use a dequantized bfloat16/float32 GptOssForCausalLM checkpoint"
+            f"{source}: quantization_config (quant_method {method!r}) is not supported: MXFP4 "
+            "expert weights cannot be loaded yet; use a dequantized bfloat16/float32 "
+            "GptOssForCausalLM checkpoint"
         )
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
@@ -92,8 +99,11 @@ def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchCo
         rope=rope,
         layer_windows=_layer_windows(cfg, arch.num_layers, source),
         moe=MoEArch(
-            num_experts=experts, top_k=top_k, intermediate_size=arch.intermediate_size,
-            norm_topk_prob=True,  # softmax over the chosen logits = renormalized top-k probabilities
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=arch.intermediate_size,
+            # A softmax over the chosen logits = the renormalized top-k probabilities.
+            norm_topk_prob=True,
             sparse_layers=(True,) * arch.num_layers,
         ),
         family=GptOssArch(

@@ -81,7 +81,7 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
-    family: object = None  # a family's own knobs, parsed by its module (e.g. gpt_oss_config.GptOssArch)
+    family: object = None  # a family's own knobs, from its module (e.g. gpt_oss_config.GptOssArch)
 
     @property
     def sliding_window(self) -> int | None:

@@ -114,7 +114,7 @@ def _get_kernels() -> dict[str, Any]:
 
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
-        if HAS_SINKS:  # noqa: SIM102 - a constexpr test apart: the kernel without sinks has no branch
+        if HAS_SINKS:  # noqa: SIM102 - constexpr apart: the kernel without sinks has no branch
             if split == 0:  # the sink joins one split's softmax: a logit with no value
                 sink = tl.load(sinks_ptr + heads, mask=gmask, other=float("-inf"))
                 m = sink.to(tl.float32) * 1.4426950408889634  # log2 domain, like the scores
@@ -308,13 +308,17 @@ class TritonPagedBackend(AttentionBackend):
         if not kv_stored:
             triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
-            return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
-                                       sinks=sinks)
+            return triton_paged_decode(
+                q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
+                sinks=sinks,
+            )
         if sinks is not None:  # SDPA has no sink term: one paged prefill kernel over the whole step
             qs = batch.query_start_list
             longest = max(qs[i + 1] - qs[i] for i in range(batch.num_requests))
-            return triton_paged_prefill(q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens,
-                                        longest, scale, sliding_window, sinks)
+            return triton_paged_prefill(
+                q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens, longest,
+                scale, sliding_window, sinks,
+            )
         sub = self._split(batch)
         out = torch.empty_like(q)  # [T, Hq, D]
         if sub.token_index.numel():

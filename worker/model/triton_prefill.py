@@ -39,14 +39,34 @@ def _get_kernel() -> Any:
 
     @triton.jit
     def prefill_kernel(
-        q_ptr, kc_ptr, vc_ptr, pt_ptr, qs_ptr, sl_ptr, sinks_ptr, o_ptr,
-        stride_qt, stride_qh,
-        stride_kp, stride_kh, stride_ks,
-        stride_vp, stride_vh, stride_vs,
-        stride_ptb, stride_ot, stride_oh,
-        scale_log2, window,
-        G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        pt_ptr,
+        qs_ptr,
+        sl_ptr,
+        sinks_ptr,
+        o_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kp,
+        stride_kh,
+        stride_ks,
+        stride_vp,
+        stride_vh,
+        stride_vs,
+        stride_ptb,
+        stride_ot,
+        stride_oh,
+        scale_log2,
+        window,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -60,7 +80,8 @@ def _get_kernel() -> Any:
         d = tl.arange(0, D)
         q = tl.load(
             q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
-            mask=row_ok[:, None], other=0.0,
+            mask=row_ok[:, None],
+            other=0.0,
         )  # [BM, D]
         # The keys this block can see: up to its last row's position, from its first row's window.
         first = seq_len - n + tl.program_id(2) * BLOCK_M
@@ -73,7 +94,10 @@ def _get_kernel() -> Any:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_M], tl.float32)
         if HAS_SINKS:
-            m = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+            m = (
+                tl.zeros([BLOCK_M], tl.float32)
+                + tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+            )
             l_sum = tl.zeros([BLOCK_M], tl.float32) + 1.0  # exp2(sink - m) = 1, no value
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
@@ -82,14 +106,26 @@ def _get_kernel() -> Any:
             page = tl.load(pt_ptr + b * stride_ptb + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
             off = kpos % PAGE
             k = tl.load(
-                kc_ptr + page[:, None] * stride_kp + hkv * stride_kh + off[:, None] * stride_ks + d[None, :],
-                mask=k_ok[:, None], other=0.0,
+                kc_ptr
+                + page[:, None] * stride_kp
+                + hkv * stride_kh
+                + off[:, None] * stride_ks
+                + d[None, :],
+                mask=k_ok[:, None],
+                other=0.0,
             )  # [BN, D]
             v = tl.load(
-                vc_ptr + page[:, None] * stride_vp + hkv * stride_vh + off[:, None] * stride_vs + d[None, :],
-                mask=k_ok[:, None], other=0.0,
+                vc_ptr
+                + page[:, None] * stride_vp
+                + hkv * stride_vh
+                + off[:, None] * stride_vs
+                + d[None, :],
+                mask=k_ok[:, None],
+                other=0.0,
             )  # [BN, D]
-            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2  # [BM, BN]
+            s = (
+                tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2
+            )  # [BM, BN]
             seen = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if window > 0:
                 seen = seen & ((q_pos[:, None] - kpos[None, :]) < window)
@@ -99,12 +135,15 @@ def _get_kernel() -> Any:
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(v.dtype), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v.dtype), v.to(v.dtype), input_precision=PRECISION
+            )
             m = m_new
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(
             o_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
-            out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
         )
 
     _kernels["prefill"] = prefill_kernel
@@ -112,9 +151,16 @@ def _get_kernel() -> Any:
 
 
 def triton_paged_prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every request's new tokens over its pages: q [T, Hq, D] → out [T, Hq, D] (q's dtype).
 
@@ -133,14 +179,35 @@ def triton_paged_prefill(
     q = q if q.stride(2) == 1 else q.contiguous()
     grid = (b, hq, -(-max_query_len // _BLOCK_M))
     _get_kernel()[grid](
-        q, k_cache, v_cache, page_table, query_start, seq_lens, q if sinks is None else sinks, out,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E, sliding_window or 0,
-        G=hq // hkv, D=d, PAGE=k_cache.shape[2], BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        HAS_SINKS=sinks is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        query_start,
+        seq_lens,
+        q if sinks is None else sinks,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * _LOG2E,
+        sliding_window or 0,
+        G=hq // hkv,
+        D=d,
+        PAGE=k_cache.shape[2],
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        HAS_SINKS=sinks is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
     )
     return out
