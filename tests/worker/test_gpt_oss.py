@@ -100,6 +100,31 @@ def test_mxfp4_checkpoint_is_refused_in_one_line(
     assert "\n" not in str(err.value)
 
 
+def test_tandem_worker_refuses_mxfp4_in_one_line(
+    ckpt: tuple[Path, torch.nn.Module], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.cli import main
+    from orchestrator.launch.background import free_ports
+
+    raw = json.loads((ckpt[0] / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    argv = [
+        "worker",
+        "--config",
+        "configs/tiny-mono.yaml",
+        "--role",
+        "both",
+        "--set",
+        f"model.path={tmp_path}",
+        "--set",
+        f"roles.both.base_port={free_ports(1)[0]}",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "quantization_config" in err and "\n" not in err
+
+
 # ---- model -----------------------------------------------------------------------------------
 def test_logits_equal_transformers(ckpt: tuple[Path, torch.nn.Module]) -> None:
     path, hf = ckpt
