@@ -300,3 +300,34 @@ def test_ep2_moe_tp2_and_dp_attention_equal_transformers(
     for rank in (0, 1):
         seq = {"ab"[rank]: SEQS["ab"[rank]][:19]}
         assert _worst(torch.load(tmp_path / f"dp2-{rank}.pt"), _reference(hf, seq)) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_engine_tp2_equals_transformers_when_the_window_never_slides(
+    tmp_path: Path, ep: int
+) -> None:
+    """A TP=2 engine (rank 1 a spawned process) with MoE TP (ep 1) or EP=2: greedy tokens equal
+    transformers'. Multi-rank workers refuse window rings, so the window here reaches the whole
+    context (max_position_embeddings = window): the sliding layers stay in masked full pages."""
+    from worker.config import CacheConfig, SchedulerConfig, WorkerConfig
+
+    hf = build_gpt_oss_checkpoint(tmp_path, sliding_window=64, max_position_embeddings=64)
+    engine = Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(tmp_path), dtype="float32"),
+            cache=CacheConfig(page_size=4, num_pages=128),
+            scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=16),
+            parallel=ParallelConfig(tp_size=2, ep_size=ep),
+            num_threads=1,
+        )
+    )
+    try:
+        assert engine.kv.shape.window_layers == ()
+        prompts = _prompts(7, (23, 9, 40))
+        got = generate(engine, prompts, max_tokens=8)
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert tokens == hf_greedy(hf, prompt, 8)
+        engine.scheduler.assert_drained()
+    finally:
+        engine.close()
