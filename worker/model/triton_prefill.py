@@ -19,6 +19,7 @@ reference there).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,13 +28,9 @@ _BLOCK_M = 32  # query rows per program
 _BLOCK_N = 32  # context tokens per inner-loop iteration
 _LOG2E = 1.4426950408889634  # the kernel works in base 2 (exp2 is one instruction)
 
-_kernels: dict[str, Any] = {}
-
-
+@functools.cache
 def _get_kernel() -> Any:
     """Compile-on-first-use: define the kernel only when a GPU (or the interpreter) runs it."""
-    if _kernels:
-        return _kernels["prefill"]
     import triton
     import triton.language as tl
 
@@ -146,7 +143,6 @@ def _get_kernel() -> Any:
             mask=row_ok[:, None],
         )
 
-    _kernels["prefill"] = prefill_kernel
     return prefill_kernel
 
 
