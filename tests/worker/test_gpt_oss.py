@@ -177,13 +177,8 @@ def test_engine_greedy_equals_transformers(ckpt: tuple[Path, torch.nn.Module]) -
 
 
 def _window_pages_held(engine: Engine) -> int:
-    """Window-ring pages held by live requests. Read through the scheduler's stats since the KV
-    cache manager (main 386cb46); through its window pool before it. Drop the fallback once
-    this branch sits on that refactor."""
-    sched = engine.scheduler
-    if hasattr(sched, "stats"):
-        return int(sched.stats().window_used_pages)
-    return int(sched.window_pool.num_used)  # type: ignore[union-attr]
+    """Window-ring pages held by live requests."""
+    return engine.scheduler.stats().window_used_pages
 
 
 def _run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
