@@ -180,9 +180,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         run_node(config)
         return 0
+    from worker.model import ModelLoadError
     from worker.server import run_worker  # lazy: only a worker process loads the engine
 
-    run_worker(config)
+    try:
+        run_worker(config)
+    except ModelLoadError as exc:  # a checkpoint it cannot load: one line naming why, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

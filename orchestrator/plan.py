@@ -26,9 +26,11 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
+from orchestrator.kv_groups import WINDOW, KVGroup, kv_groups
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+_WINDOW_RINGS_PER_SEQ = 2  # worker/engine.py: decode holds rings of rooms in flight too
 # Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -75,12 +77,15 @@ class KVBudget:
     role: str
     page_size: int
     num_pages: int
-    page_bytes: int  # one page, all layers, K and V, summed over the replica's TP ranks
+    # One page: its group's layers (all but ring-kept window layers), K and V, all TP ranks.
+    page_bytes: int
     dtype: str
+    groups: tuple[KVGroup, ...] = ()  # the cache groups (orchestrator/kv_groups.py)
+    window_bytes: int = 0  # the window-ring region (models whose window layers keep rings)
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.page_bytes + self.window_bytes
 
 
 def procs_per_node(rc: RoleConfig) -> int:
@@ -248,7 +253,9 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     if _num_experts(hf) == 0 and inter and inter % tp:
         raise LayoutError(f"{where}: intermediate_size={inter} must be divisible by tp_size={tp} "
                           "(the MLP is sharded over the TP ranks)")
-    moe_inter = int(hf.get("moe_intermediate_size") or 0)
+    # One expert's width: moe_intermediate_size; GPT-OSS's is intermediate_size (all layers MoE).
+    gpt_oss_inter = hf.get("intermediate_size") if hf.get("model_type") == "gpt_oss" else 0
+    moe_inter = int(hf.get("moe_intermediate_size") or gpt_oss_inter or 0)
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
         raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
                           f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
@@ -282,10 +289,25 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
         kv_per_rank = max(1, kv_heads // tp)
-        cache = worker_config(cluster, role, 0).cache
+        wc = worker_config(cluster, role, 0)
+        cache = wc.cache
+        max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
+        max_len = min(wc.model.max_model_len or max_pos, max_pos)
+        groups = tuple(kv_groups(hf, _DTYPE_BYTES[dtype], tp, max_len))
+        window = next((g for g in groups if g.kind == WINDOW), None)
+        full_layers = layers - (len(window.layers) if window else 0)
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
-        page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
-        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes, dtype))
+        layer_page = 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
+        page_bytes = full_layers * layer_page
+        window_bytes = 0
+        if window is not None:  # rings for every seat, twice over (see _WINDOW_RINGS_PER_SEQ)
+            seats = _WINDOW_RINGS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
+            ring_page = len(window.layers) * layer_page
+            window_bytes = window.ring_pages(cache.page_size) * seats * ring_page
+        num_pages = cache.total_pages * rc.parallel.dp_size
+        out.append(
+            KVBudget(role, cache.page_size, num_pages, page_bytes, dtype, groups, window_bytes)
+        )
     return out
 
 
@@ -339,4 +361,9 @@ def format_plan(cluster: ClusterConfig) -> str:
         ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
         [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
     ))
+    group_rows = [[b.role, g.kind, str(len(g.layers)), str(g.bytes_per_token),
+             f"last {g.window} tokens (ring of {g.ring_pages(b.page_size)} pages)" if g.window
+             else "every token"] for b in budgets for g in b.groups]
+    parts += ["", "KV cache groups (bytes per token: K and V of the group's layers, all TP ranks):",
+              _table(["role", "group", "layers", "bytes/token", "kept per request"], group_rows)]
     return "\n".join(parts)

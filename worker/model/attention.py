@@ -9,6 +9,11 @@ replace it without touching the model. Backends receive the per-layer cache view
 Causality with chunked prefill: a request with `seq_len` tokens of context after this step
 and `n` new tokens has its new tokens at positions seq_len-n .. seq_len-1; new token j sees
 every cached token and new tokens 0..j. Decode is the case n = 1 (no mask needed).
+
+Attention sinks (GPT-OSS): a learned logit per query head that joins every softmax's
+denominator and has no value, so a head can attend to "nothing". Every path takes an optional
+`sinks` [Hq] (float32); `sdpa_with_sinks` is the reference form: one extra key whose score is the
+sink (an all-zero key with the sink as its additive mask) and whose value is zero.
 """
 
 from __future__ import annotations
@@ -57,6 +62,31 @@ def context_mask(
     return mask
 
 
+def sdpa_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA (GQA) with optional sinks: q [B, Hq, n, D], k/v [B, Hkv, L, D], mask bool
+    broadcastable to [B, Hq, n, L] (True = may attend) or None → [B, Hq, n, D].
+
+    With sinks the softmax runs over [scores, sink]: the keys get one all-zero column (score 0)
+    whose additive mask is the head's sink logit, and whose value is zero, so it only enlarges
+    the denominator. That needs a float mask per head [B, Hq, n, L+1]; the CPU reference pays
+    for it, the GPU kernels fold the sink into their online softmax instead.
+    """
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    b, hq, n, _ = q.shape
+    length = k.shape[2]
+    k = torch.cat([k, k.new_zeros(b, k.shape[1], 1, k.shape[3])], dim=2)  # [B, Hkv, L+1, D]
+    v = torch.cat([v, v.new_zeros(b, v.shape[1], 1, v.shape[3])], dim=2)  # [B, Hkv, L+1, D]
+    bias = q.new_zeros(b, hq, n, length + 1)  # [B, Hq, n, L+1]
+    if mask is not None:
+        bias[..., :length].masked_fill_(~mask, float("-inf"))
+    bias[..., length] = sinks.to(q.dtype)[None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 class AttentionBackend(ABC):
     """What a layer needs from attention; one instance is shared by all layers."""
 
@@ -64,9 +94,11 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]. k and v go to
-        their slots first, unless the caller stored them already (kv_stored)."""
+        their slots first, unless the caller stored them already (kv_stored). sinks [Hq]: each
+        head's sink logit (GPT-OSS), None = plain softmax."""
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -77,6 +109,7 @@ class TorchSDPABackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -97,19 +130,20 @@ class TorchSDPABackend(AttentionBackend):
             ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
             qi = q[start:end].transpose(0, 1)  # [Hq, n, D]
             mask = context_mask(seq_len, end - start, sliding_window, q.device)
-            oi = F.scaled_dot_product_attention(
-                qi[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
-            )  # [1, Hq, n, D]
+            # oi: [1, Hq, n, D]
+            oi = sdpa_with_sinks(qi[None], ctx_k[None], ctx_v[None], mask, scale, sinks)
             out[start:end] = oi[0].transpose(0, 1)
         if decodes:
             rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
-            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window)
+            out[rows] = self._decode(
+                q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window, sinks
+            )
         return out
 
     @staticmethod
     def _decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, rows: list[int],
-        scale: float, sliding_window: int | None,
+        scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, Hq, D], one token per request → [B, Hq, D] over each request's padded context."""
         page_size = k_cache.shape[2]
@@ -137,23 +171,23 @@ class TorchSDPABackend(AttentionBackend):
             # (0 * NaN = NaN): padding rows (page 0, page tails) may hold anything, so zero them.
             pad = ~mask[:, :, 0, :, None]  # [B, 1, L, 1]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [B, Hq, 1, D]
+        o = sdpa_with_sinks(q[:, :, None], k, v, mask, scale, sinks)  # [B, Hq, 1, D]
         return o[:, :, 0]
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
-    return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window)
+    backend = TorchSDPABackend()
+    return backend.forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window, sinks=sinks)
 
 
 def window_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    batch: ForwardBatch, scale: float, window: int,
+    batch: ForwardBatch, scale: float, window: int, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A window layer over its ring of pages: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D].
 
@@ -161,7 +195,8 @@ def window_attention(
     to its history read from the ring (`window_context_slots`: the up to W-1 tokens before its
     chunk) plus this step's K/V straight from the projections, and the new K/V are stored only
     after every request has read its history (a chunk longer than the ring overwrites slots that
-    its own first queries still need). Works on any device (plain torch ops).
+    its own first queries still need). Works on any device (plain torch ops). sinks [Hq]: as in
+    `sdpa_with_sinks` (GPT-OSS's sliding layers have them too).
     """
     assert batch.window_context_slots is not None and batch.window_context_start is not None
     assert batch.window_slot_mapping is not None
@@ -184,9 +219,8 @@ def window_attention(
             q_pos = torch.arange(h, h + n, device=q.device)[:, None]  # [n, 1], relative to the history start
             k_pos = torch.arange(h + n, device=q.device)[None, :]  # [1, h+n]
             mask = (k_pos <= q_pos) & ((q_pos - k_pos) < window)  # [n, h+n]
-        oi = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [1, Hq, n, D]
+        qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
+        oi = sdpa_with_sinks(qi, ctx_k[None], ctx_v[None], mask, scale, sinks)  # [1, Hq, n, D]
         out[start:end] = oi[0].transpose(0, 1)
     store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping)
     return out

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",  # completed by worker/model/gpt_oss_config.py (the loader calls it)
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -80,6 +81,7 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
+    family: object = None  # a family's own knobs, from its module (e.g. gpt_oss_config.GptOssArch)
 
     @property
     def sliding_window(self) -> int | None:

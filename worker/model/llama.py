@@ -57,6 +57,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # Attention sinks [Hq on this rank] (float32): GPT-OSS sets them (worker/model/gpt_oss.py).
+        self.sinks: nn.Parameter | None = None
         self.fused = False  # one Triton kernel for q/k norm + RoPE (set_fused_kernels)
 
     def forward(
@@ -91,10 +93,10 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if window is not None:  # a ring of the last W tokens
-            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window)
+            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window, self.sinks)
         else:
             o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window,
-                                     kv_stored=store is not None)
+                                     kv_stored=store is not None, sinks=self.sinks)
         return o.reshape(t, q_size)
 
 

@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -29,6 +29,8 @@ from worker.config import ModelConfig, ParallelConfig
 from worker.model import fused
 from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
+from worker.model.gpt_oss import GptOssForCausalLM
+from worker.model.gpt_oss_config import refine_gpt_oss
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
@@ -43,6 +45,11 @@ _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+}
+# Families whose config.json means more than the shared parse reads: (arch, raw, source) -> arch.
+_FAMILY_CONFIGS: dict[str, Callable[[ArchConfig, dict, str], ArchConfig]] = {
+    "GptOssForCausalLM": refine_gpt_oss,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
@@ -80,7 +87,10 @@ def load_arch_config(path: Path) -> ArchConfig:
         raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
-    return parse_arch_config(read_json(path / "config.json"), gen, source=str(path / "config.json"))
+    raw, source = read_json(path / "config.json"), str(path / "config.json")
+    arch = parse_arch_config(raw, gen, source=source)
+    refine = _FAMILY_CONFIGS.get(arch.architecture)
+    return refine(arch, raw, source) if refine is not None else arch
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -15,6 +15,10 @@
 - prefill / mixed steps: the one-token requests go through the decode kernel; each
   multi-token request gathers its cached context into contiguous K/V and calls torch SDPA
   (FlashAttention when there is no cached prefix, lower-right causal otherwise).
+- attention sinks (GPT-OSS, `sinks` [Hq] float32): the decode kernel's split 0 starts its online
+  softmax at the sink (running max = sink, sum = 1, no value), so the merge folds it in like any
+  other split; a mixed step with sinks runs the paged prefill kernel of
+  worker/model/triton_prefill.py over the whole batch (SDPA has no sink term).
 
 Triton is imported lazily so that this module (and its CPU-side helpers) imports without it.
 """
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from worker.batch import ForwardBatch
 from worker.model.attention import AttentionBackend, context_mask, gather_context
 from worker.model.fused import next_pow2
+from worker.model.triton_prefill import triton_paged_prefill
 
 _NUM_SMS_TARGET = 264  # ~2 programs per SM on an H200 (132 SMs); fine for smaller GPUs too
 _MAX_SPLITS = 16
@@ -79,7 +84,7 @@ def _get_kernels() -> dict[str, Any]:
 
     @triton.jit
     def decode_kernel(
-        q_ptr, kc_ptr, vc_ptr, pt_ptr, sl_ptr, o_ptr, op_ptr, lse_ptr,
+        q_ptr, kc_ptr, vc_ptr, pt_ptr, sl_ptr, o_ptr, op_ptr, lse_ptr, sinks_ptr,
         stride_qt, stride_qh,
         stride_kp, stride_kh, stride_ks,
         stride_vp, stride_vh, stride_vs,
@@ -87,7 +92,7 @@ def _get_kernels() -> dict[str, Any]:
         stride_ot, stride_oh,
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -109,6 +114,11 @@ def _get_kernels() -> dict[str, Any]:
 
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
+        if HAS_SINKS:  # noqa: SIM102 - constexpr apart: the kernel without sinks has no branch
+            if split == 0:  # the sink joins one split's softmax: a logit with no value
+                sink = tl.load(sinks_ptr + heads, mask=gmask, other=float("-inf"))
+                m = sink.to(tl.float32) * 1.4426950408889634  # log2 domain, like the scores
+                l_sum = tl.where(gmask, 1.0, 0.0)  # exp2(sink - m) = 1
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -187,11 +197,13 @@ def triton_store_kv(
 def triton_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
 
-    page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). Reads no
-    host value, so it can be captured in a CUDA graph.
+    page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). sinks [Hq]
+    float32 or None. Reads no host value, so it can be captured in a CUDA graph (the sinks are
+    a parameter: a fixed address).
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -209,7 +221,7 @@ def triton_paged_decode(
     else:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
     kern["decode"][(b, hkv, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, out, partial, lse,
+        q, k_cache, v_cache, page_table, seq_lens, out, partial, lse, q if sinks is None else sinks,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -218,7 +230,7 @@ def triton_paged_decode(
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
-        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
+        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, HAS_SINKS=sinks is not None, num_warps=4, num_stages=2,
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=splits)
@@ -291,11 +303,22 @@ class TritonPagedBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not kv_stored:
             triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
-            return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window)
+            return triton_paged_decode(
+                q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
+                sinks=sinks,
+            )
+        if sinks is not None:  # SDPA has no sink term: one paged prefill kernel over the whole step
+            qs = batch.query_start_list
+            longest = max(qs[i + 1] - qs[i] for i in range(batch.num_requests))
+            return triton_paged_prefill(
+                q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens, longest,
+                scale, sliding_window, sinks,
+            )
         sub = self._split(batch)
         out = torch.empty_like(q)  # [T, Hq, D]
         if sub.token_index.numel():
