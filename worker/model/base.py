@@ -60,6 +60,9 @@ class CausalLM(nn.Module, ABC):
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint tensor name → where it loads. The loader requires every name listed."""
 
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Switch to the model's CUDA kernels (the loader's choice on CUDA); none by default."""
+
     def state_layers(self) -> tuple[int, ...]:
         """Layers that keep a recurrent state slot instead of K/V pages (none by default)."""
         return ()

@@ -38,12 +38,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # ---- causal depthwise conv -------------------------------------------------------------------
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
-    query_start_list: list[int],
+    query_start: torch.Tensor, query_start_list: list[int],
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of every request's new inputs, over its conv state.
 
     x [T, C] (this step's inputs), weight [C, K], conv_state [num_slots, K-1, C] (updated in
     place: afterwards it holds each request's last K-1 inputs) → [T, C] in x's dtype.
+    `query_start` [B+1] is the device copy of `query_start_list` (the Triton kernels read it).
     """
     out = torch.empty_like(x)
     decodes = [i for i in range(len(query_start_list) - 1)
@@ -85,7 +86,8 @@ def causal_conv_step(
 # ---- gated delta rule ------------------------------------------------------------------------
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_state: torch.Tensor, state_slots: torch.Tensor, query_start_list: list[int],
+    ssm_state: torch.Tensor, state_slots: torch.Tensor, query_start: torch.Tensor,
+    query_start_list: list[int],
 ) -> torch.Tensor:
     """The rule over a step's tokens.
 

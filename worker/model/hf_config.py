@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",  # its own fields: worker/model/qwen3_next_config.py
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -80,6 +81,8 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
+    # A family's own typed fields, set by its parser (e.g. qwen3_next_config.Qwen3NextArch).
+    family: Any = None
 
     @property
     def sliding_window(self) -> int | None:

@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -34,15 +34,22 @@ from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, check_deepep
 from worker.model.qwen3_moe import Qwen3MoeForCausalLM
+from worker.model.qwen3_next import Qwen3NextForCausalLM
+from worker.model.qwen3_next_config import parse_qwen3_next_config
 
 log = logging.getLogger(__name__)
 
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+_MODEL_CLASSES: dict[str, Callable[..., CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+}
+# Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
+_CONFIG_PARSERS: dict[str, Callable[..., ArchConfig]] = {
+    "Qwen3NextForCausalLM": parse_qwen3_next_config,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
@@ -80,7 +87,10 @@ def load_arch_config(path: Path) -> ArchConfig:
         raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
-    return parse_arch_config(read_json(path / "config.json"), gen, source=str(path / "config.json"))
+    cfg = read_json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
+    return parse(cfg, gen, source=str(path / "config.json"))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -271,5 +281,7 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         fingerprint=fp,
         sliding_window=arch.sliding_window,
         layer_windows=arch.layer_windows,
+        state_layers=lm.state_layers(),
+        state_shape=lm.state_shape(),
     )
     return lm, spec
