@@ -153,7 +153,7 @@ class KVCache:
         windowed, stateful = set(shape.window_layers), set(shape.state_layers)
         # layer -> (in the window region?, index inside its region); state layers: (False, -1)
         self._slot: list[tuple[bool, int]] = []
-        self._state_index: dict[int, int] = {l: i for i, l in enumerate(shape.state_layers)}
+        self._state_index: dict[int, int] = {layer: i for i, layer in enumerate(shape.state_layers)}
         counts = [0, 0]
         for layer in range(shape.num_layers):
             if layer in stateful:

@@ -48,7 +48,7 @@ def build_qwen3_next_checkpoint(path: Path, seed: int = 0, **overrides: object) 
     model = transformers.Qwen3NextForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("_norm.weight") or name == "model.norm.weight":
+            if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
                 p.normal_(0.0, 0.3)  # zero-centred norms: the model uses 1 + w
             elif name.endswith("linear_attn.norm.weight"):
                 p.uniform_(0.5, 1.5)  # the gated norm: a plain weight

@@ -20,7 +20,8 @@ from worker.model import gated_delta_triton as tri
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_GPU = torch.cuda.is_available() and HAS_TRITON
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
-kernels = pytest.mark.skipif(not (HAS_GPU or INTERPRET), reason="needs CUDA and triton (or TRITON_INTERPRET=1)")
+kernels = pytest.mark.skipif(not (HAS_GPU or INTERPRET),
+                             reason="needs CUDA and triton (or TRITON_INTERPRET=1)")
 DEVICE = "cuda" if HAS_GPU else "cpu"
 
 
@@ -51,7 +52,8 @@ def test_chunked_rule_equals_transformers_chunked_and_recurrent(n: int) -> None:
     m = hf_functions()
     q, k, v, g, beta = random_rule_inputs(n, 2, 4, 16, 8)
     s0 = torch.randn(1, 4, 16, 8)
-    kw = dict(g=g[None], beta=beta[None], initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    kw = dict(g=g[None], beta=beta[None], initial_state=s0, output_final_state=True,
+              use_qk_l2norm_in_kernel=True)
     want_o, want_s = m.torch_chunk_gated_delta_rule(q[None], k[None], v[None], **kw)
     rec_o, rec_s = m.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], **kw)
     state = torch.zeros(3, 4, 16, 8)
@@ -93,14 +95,18 @@ def test_conv_in_pieces_equals_transformers_conv(splits: list[int]) -> None:
     rows, pos = [], 0
     for n in splits:
         qs_t, qs = batch_bounds([n])
-        rows.append(ref.causal_conv(x[0].t()[pos : pos + n].contiguous(), w, state, torch.tensor([1]), qs_t, qs))
+        piece = x[0].t()[pos : pos + n].contiguous()  # [n, C]
+        rows.append(ref.causal_conv(piece, w, state, torch.tensor([1]), qs_t, qs))
         pos += n
     assert float((torch.cat(rows) - want).abs().max()) < 1e-5
     assert torch.equal(state[1], x[0].t()[-(k - 1) :])  # the state is the last K-1 inputs
     assert float(state[0].abs().max()) == 0.0
 
 
-def mixed_batch(device: str, dtype: torch.dtype = torch.float32, dims: tuple[int, ...] = (2, 4, 16, 8), seed: int = 0):  # noqa: ANN201
+def mixed_batch(  # noqa: ANN201 - the step's tensors by name
+    device: str, dtype: torch.dtype = torch.float32, dims: tuple[int, ...] = (2, 4, 16, 8),
+    seed: int = 0,
+):
     """A step of 6 requests: prefill chunks (one shorter than K-1), decodes, an empty one."""
     hk, hv, dk, dv = dims
     lengths = [5, 1, 70, 1, 0, 2]
@@ -115,15 +121,20 @@ def mixed_batch(device: str, dtype: torch.dtype = torch.float32, dims: tuple[int
     ssm0 = torch.randn(7, hv, dk, dv, generator=gen)
     move = lambda a: a.to(device)  # noqa: E731
     qs_t, qs = batch_bounds(lengths)
-    return dict(x=move(x).to(dtype), w=move(w).to(dtype), conv0=move(conv0).to(dtype), ssm0=move(ssm0),
-                q=move(q).to(dtype), k=move(k).to(dtype), v=move(v).to(dtype), g=move(g), beta=move(beta),
-                slots=slots, qs_t=qs_t.to(device), qs=qs)
+    named = dict(x=x, w=w, conv0=conv0, q=q, k=k, v=v)
+    low = {name: move(a).to(dtype) for name, a in named.items()}
+    return dict(**low, ssm0=move(ssm0), g=move(g), beta=move(beta), slots=slots,
+                qs_t=qs_t.to(device), qs=qs)
+
+
+OUTPUTS = ("conv out", "conv state", "rule out", "ssm state")
 
 
 def run_mixed(ops, b: dict) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
     conv, ssm = b["conv0"].clone(), b["ssm0"].clone()
     y = ops.causal_conv(b["x"], b["w"], conv, b["slots"], b["qs_t"], b["qs"])
-    o = ops.gated_delta_rule(b["q"], b["k"], b["v"], b["g"], b["beta"], ssm, b["slots"], b["qs_t"], b["qs"])
+    o = ops.gated_delta_rule(b["q"], b["k"], b["v"], b["g"], b["beta"], ssm, b["slots"], b["qs_t"],
+                             b["qs"])
     return y, conv, o, ssm
 
 
@@ -133,13 +144,14 @@ def test_mixed_batch_equals_each_request_alone() -> None:
     qs = b["qs"]
     for i, slot in enumerate(b["slots"].tolist()):
         s, e = qs[i], qs[i + 1]
-        one = {**b, "x": b["x"][s:e], "q": b["q"][s:e], "k": b["k"][s:e], "v": b["v"][s:e], "g": b["g"][s:e],
-               "beta": b["beta"][s:e], "slots": torch.tensor([slot]), "qs_t": torch.tensor([0, e - s]),
-               "qs": [0, e - s]}
+        one = {**b, **{name: b[name][s:e] for name in ("x", "q", "k", "v", "g", "beta")},
+               "slots": torch.tensor([slot]), "qs_t": torch.tensor([0, e - s]), "qs": [0, e - s]}
         y1, conv1, o1, ssm1 = run_mixed(ref, one)
         assert torch.allclose(y[s:e], y1, atol=1e-6) and torch.allclose(o[s:e], o1, atol=1e-5)
-        assert torch.allclose(conv[slot], conv1[slot]) and torch.allclose(ssm[slot], ssm1[slot], atol=1e-5)
-    assert torch.equal(conv[4], b["conv0"][4]) and torch.equal(ssm[4], b["ssm0"][4])  # no request: untouched
+        assert torch.allclose(conv[slot], conv1[slot])
+        assert torch.allclose(ssm[slot], ssm1[slot], atol=1e-5)
+    # Slot 4 belongs to no request of the step: untouched.
+    assert torch.equal(conv[4], b["conv0"][4]) and torch.equal(ssm[4], b["ssm0"][4])
 
 
 @kernels
@@ -147,7 +159,7 @@ def test_triton_kernels_equal_the_reference() -> None:
     b = mixed_batch(DEVICE)
     want = run_mixed(ref, b)
     got = run_mixed(tri, b)
-    for name, w, g in zip(("conv out", "conv state", "rule out", "ssm state"), want, got, strict=True):
+    for name, w, g in zip(OUTPUTS, want, got, strict=True):
         assert float((w - g).abs().max()) < 1e-4, name
 
 
@@ -160,21 +172,23 @@ def test_triton_kernels_at_qwen3_next_shapes_on_gpu(dtype: torch.dtype) -> None:
     want = run_mixed(ref, {**b, **{k: b[k].float() for k in ("x", "w", "conv0", "q", "k", "v")}})
     got = run_mixed(tri, b)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
-    for name, w, g in zip(("conv out", "conv state", "rule out", "ssm state"), want, got, strict=True):
-        assert float((w.float() - g.float()).abs().max()) < tol * max(1.0, float(w.abs().max())), name
+    for name, w, g in zip(OUTPUTS, want, got, strict=True):
+        scale = max(1.0, float(w.abs().max()))
+        assert float((w.float() - g.float()).abs().max()) < tol * scale, name
 
 
 # ---- the state region of the KV cache ----------------------------------------------------------
 def state_shape_for_test() -> KVShape:
     state = StateShape(conv=(3, 10), ssm=(2, 4, 3), conv_dtype=torch.bfloat16)  # 60 B + 96 B
-    return KVShape(num_pages=5, num_layers=4, num_kv_heads=2, page_size=4, head_dim=8, dtype=torch.bfloat16,
-                   state_layers=(0, 2, 3), state=state, num_state_slots=6)
+    return KVShape(num_pages=5, num_layers=4, num_kv_heads=2, page_size=4, head_dim=8,
+                   dtype=torch.bfloat16, state_layers=(0, 2, 3), state=state, num_state_slots=6)
 
 
 def test_state_region_layout_is_slot_major_after_the_pages() -> None:
     shape = state_shape_for_test()
     kv = KVCache(shape)
-    assert shape.num_full_layers == 1 and kv.data.shape == (5, 1, 2, 2, 4, 8)  # only layer 1 has pages
+    assert shape.num_full_layers == 1  # only layer 1 has pages
+    assert kv.data.shape == (5, 1, 2, 2, 4, 8)
     assert shape.state.layer_bytes == 64 + 128  # conv 60 B → 64, ssm 96 B → 128 (STATE_ALIGN)
     assert shape.state_slot_bytes == 3 * shape.state.layer_bytes
     assert shape.state_base % STATE_ALIGN == 0 and shape.state_base >= 5 * shape.page_bytes
@@ -219,12 +233,13 @@ def test_state_and_page_views_refuse_the_other_kind_of_layer() -> None:
     with pytest.raises(ValueError, match="no state slot"):
         kv.state(1)
     with pytest.raises(ValueError, match="state_layers needs KVShape.state"):
-        KVShape(num_pages=1, num_layers=2, num_kv_heads=1, page_size=4, head_dim=8, dtype=torch.float32,
-                state_layers=(0,))
+        KVShape(num_pages=1, num_layers=2, num_kv_heads=1, page_size=4, head_dim=8,
+                dtype=torch.float32, state_layers=(0,))
 
 
 def test_models_without_state_keep_their_exact_allocation() -> None:
-    shape = KVShape(num_pages=7, num_layers=3, num_kv_heads=2, page_size=4, head_dim=8, dtype=torch.float16)
+    shape = KVShape(num_pages=7, num_layers=3, num_kv_heads=2, page_size=4, head_dim=8,
+                    dtype=torch.float16)
     kv = KVCache(shape)
     assert kv.nbytes() == 7 * shape.page_bytes and kv.data.dtype == torch.float16
     assert kv.state_region.shape == (0, 0)

@@ -37,7 +37,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def load(path: Path, **parallel: object):  # noqa: ANN201 - (CausalLM, ModelSpec)
-    return load_model(ModelConfig(path=str(path)), ParallelConfig(**parallel))  # type: ignore[arg-type]
+    parallel_config = ParallelConfig(**parallel)  # type: ignore[arg-type]
+    return load_model(ModelConfig(path=str(path)), parallel_config)
 
 
 def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -65,7 +66,8 @@ def test_whole_prompt_logits_match_transformers(checkpoint) -> None:
 
 
 @pytest.mark.parametrize("sizes", [(1,), (3,), (7, 2), (64,), (5, 1, 17, 3, 64)])
-def test_chunked_prefill_then_decode_matches_transformers(checkpoint, sizes: tuple[int, ...]) -> None:
+def test_chunked_prefill_then_decode_matches_transformers(checkpoint, sizes: tuple[int, ...]
+                                                          ) -> None:
     """The prompt in chunks of the given sizes (cycled), then 6 decode steps of its own tokens."""
     path, hf = checkpoint
     model, spec = load(path)
@@ -127,8 +129,8 @@ def test_greedy_generation_matches_transformers_generate(checkpoint) -> None:
     model, spec = load(path)
     ids = prompt(70, 8)
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
     want = out[0, len(ids) :].tolist()
     harness = StateHarness(model, spec)
     row = harness.step([("r", ids[:33])])
@@ -141,7 +143,8 @@ def test_greedy_generation_matches_transformers_generate(checkpoint) -> None:
 
 
 def test_dummy_weights_run_at_the_checkpoints_shapes(checkpoint) -> None:
-    model, spec = load_model(ModelConfig(path=str(checkpoint[0]), load_format="dummy"), ParallelConfig())
+    config = ModelConfig(path=str(checkpoint[0]), load_format="dummy")
+    model, spec = load_model(config, ParallelConfig())
     logits = StateHarness(model, spec).step([("a", prompt(20)), ("b", prompt(1))])
     assert logits.shape == (2, VOCAB) and bool(torch.isfinite(logits).all())
     assert spec.fingerprint == "dummy:0"
@@ -175,15 +178,17 @@ def _batch_without_slots():  # noqa: ANN202
     from worker.batch import ForwardBatch
 
     one = torch.tensor([0])
-    return ForwardBatch(input_ids=one, positions=one, query_start=torch.tensor([0, 1]), seq_lens=torch.tensor([1]),
-                        page_table=torch.tensor([[1]]), slot_mapping=torch.tensor([4]), logits_indices=one,
+    return ForwardBatch(input_ids=one, positions=one, query_start=torch.tensor([0, 1]),
+                        seq_lens=torch.tensor([1]), page_table=torch.tensor([[1]]),
+                        slot_mapping=torch.tensor([4]), logits_indices=one,
                         query_start_list=[0, 1], seq_lens_list=[1])
 
 
 @pytest.mark.parametrize(("edit", "match"), [
-    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
-     "layer_types must list 4 entries"),
-    ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention",
+                      "linear_attention"]}, "layer_types must list 4 entries"),
+    ({"linear_num_value_heads": 3},
+     r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads"),
     ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim must be a positive integer"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3}},
      "partial_rotary_factor 0.3"),
@@ -207,9 +212,11 @@ def _rank(rank: int, path: str, init_file: str, out_dir: str, ids: list[int], ep
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         model, spec = load(Path(path), tp_size=2, tp_rank=rank, ep_size=ep)
-        assert spec.state_shape is not None and spec.state_shape.ssm == (2, 16, 8)  # half the value heads
+        assert spec.state_shape is not None
+        assert spec.state_shape.ssm == (2, 16, 8)  # half the value heads
         harness = StateHarness(model, spec, tp_size=2)
-        rows = [harness.step([("r", ids[:9]), ("s", ids[:4])]), harness.step([("r", ids[9:-2]), ("s", ids[4:6])])]
+        rows = [harness.step([("r", ids[:9]), ("s", ids[:4])]),
+                harness.step([("r", ids[9:-2]), ("s", ids[4:6])])]
         rows += [harness.step([("r", [t])]) for t in ids[-2:]]
         torch.save(torch.cat(rows), f"{out_dir}/logits{rank}.pt")
     finally:

@@ -54,11 +54,13 @@ def _kernels() -> SimpleNamespace:
         slot = tl.load(slots_ptr + req)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
-            src = t - (K - 1) + j  # the input this tap reads
+            # The input this tap reads, per lane (masks are built from vectors, not scalars).
+            src = tl.zeros([BLOCK], dtype=tl.int64) + (t - (K - 1) + j)
             in_chunk = src >= start
             # Before the chunk: the state holds inputs start-(K-1) .. start-1 at rows 0 .. K-2.
             row = tl.maximum(K - 1 - (start - src), 0)
-            xv = tl.load(x_ptr + tl.maximum(src, 0) * stride_xt + c, mask=cmask & in_chunk, other=0.0)
+            xv = tl.load(x_ptr + tl.maximum(src, 0) * stride_xt + c, mask=cmask & in_chunk,
+                         other=0.0)
             sv = tl.load(state_ptr + slot * stride_ss + row * stride_sk + c,
                          mask=cmask & (src < start), other=0.0)
             w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0)
@@ -80,9 +82,10 @@ def _kernels() -> SimpleNamespace:
         base = state_ptr + tl.load(slots_ptr + req) * stride_ss
         # New row j = input end-(K-1)+j: from the chunk, or old row j+n (> j: not yet overwritten).
         for j in tl.static_range(K - 1):
-            src = end - (K - 1) + j
+            src = tl.zeros([BLOCK], dtype=tl.int64) + (end - (K - 1) + j)
             in_chunk = src >= start
-            xv = tl.load(x_ptr + tl.maximum(src, 0) * stride_xt + c, mask=cmask & in_chunk, other=0.0)
+            xv = tl.load(x_ptr + tl.maximum(src, 0) * stride_xt + c, mask=cmask & in_chunk,
+                         other=0.0)
             old = tl.load(base + tl.minimum(j + n, K - 2) * stride_sk + c,
                           mask=cmask & (src < start), other=0.0)
             val = tl.where(in_chunk, xv.to(tl.float32), old.to(tl.float32))
@@ -109,9 +112,10 @@ def _kernels() -> SimpleNamespace:
         smask = mk[:, None] & mv[None, :]
         s = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)  # [BK, BV]
         for t in range(start, end):
-            q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mk, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=mv, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mk, other=0.0)
+            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mk, other=0.0)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=mv, other=0.0)
+            q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             g = tl.load(g_ptr + t * stride_gt + h)

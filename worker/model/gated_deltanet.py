@@ -76,8 +76,8 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         super().__init__()
         if arch.num_k_heads % tp.size:
-            raise WeightShapeError(
-                f"linear_num_key_heads ({arch.num_k_heads}) must be divisible by tp_size ({tp.size})")
+            raise WeightShapeError(f"linear_num_key_heads ({arch.num_k_heads}) must be divisible "
+                                   f"by tp_size ({tp.size})")
         self.layer = layer
         self.nk = arch.num_k_heads // tp.size  # key heads on this rank
         self.nv = arch.num_v_heads // tp.size  # value heads on this rank
@@ -85,8 +85,9 @@ class GatedDeltaNet(nn.Module):
         self.rep = arch.num_v_heads // arch.num_k_heads  # value heads per key head
         self.conv_kernel = arch.conv_kernel
         group = 2 * self.dk + 2 * self.rep * self.dv  # q, k, v.., z.. of one key head
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, [arch.num_k_heads * group], False, tp, dtype)
-        self.in_proj_ba = ColumnParallelLinear(hidden, [arch.num_k_heads * 2 * self.rep], False, tp, dtype)
+        nk = arch.num_k_heads
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, [nk * group], False, tp, dtype)
+        self.in_proj_ba = ColumnParallelLinear(hidden, [nk * 2 * self.rep], False, tp, dtype)
         self.heads = _HeadSlices(arch, tp, dtype)
         self.norm = RMSNorm(self.dv, eps, dtype)  # the gated norm's weight (plain, not 1 + w)
         self.out_proj = RowParallelLinear(arch.num_v_heads * self.dv, hidden, False, tp, dtype)
@@ -100,7 +101,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]; reads and advances each request's state slot."""
         if batch.state_slots is None:
-            raise ValueError("a Gated DeltaNet layer needs ForwardBatch.state_slots (one per request)")
+            raise ValueError(
+                "a Gated DeltaNet layer needs ForwardBatch.state_slots (one per request)")
         t = x.shape[0]
         qkvz = self.in_proj_qkvz(x).view(t, self.nk, -1)  # [T, Hk, 2Dk + 2 rep Dv]
         rv = self.rep * self.dv
@@ -116,7 +118,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([kd, kd, self.nv * self.dv], dim=-1)
         beta = b.reshape(t, self.nv).sigmoid().float()  # [T, Hv]: how strongly each token writes
         # float32 before exp: in half precision exp(A_log) may overflow.
-        g = -self.heads.A_log.float().exp() * F.softplus(a.reshape(t, self.nv).float() + self.heads.dt_bias)
+        dt = F.softplus(a.reshape(t, self.nv).float() + self.heads.dt_bias)  # [T, Hv]
+        g = -self.heads.A_log.float().exp() * dt  # [T, Hv]: log decay, <= 0
         o = ops.gated_delta_rule(
             q.reshape(t, self.nk, self.dk), k.reshape(t, self.nk, self.dk),
             v.reshape(t, self.nv, self.dv), g, beta, ssm_state, slots, qs, qs_list,

@@ -72,20 +72,23 @@ class GatedAttention(nn.Module):
         super().__init__()
         arch: Qwen3NextArch = cfg.family
         if cfg.num_heads % tp.size:
-            raise WeightShapeError(f"num_attention_heads ({cfg.num_heads}) must be divisible by tp_size ({tp.size})")
+            raise WeightShapeError(
+                f"num_attention_heads ({cfg.num_heads}) must be divisible by tp_size ({tp.size})")
         self.layer, self.backend = layer, backend
         self.head_dim, self.rotary_dim = cfg.head_dim, arch.rotary_dim
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp.size)
         # q_proj yields [q_h | gate_h] per head, so "2 * num_heads" heads of head_dim split evenly.
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, 2 * cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, 2 * cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias,
+                                        tp, dtype)
         self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv: KVCache,
     ) -> torch.Tensor:  # [T, hidden] → [T, hidden]
         t, d = x.shape[0], self.head_dim
         q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
@@ -95,7 +98,8 @@ class GatedAttention(nn.Module):
         k = self._rope(self.k_norm(k.view(t, self.num_kv_heads, d)), cos, sin)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, d)  # [T, Hkv, D]
         k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
-        o = self.backend.forward(q.contiguous(), k.contiguous(), v, k_cache, v_cache, batch, d**-0.5)
+        o = self.backend.forward(q.contiguous(), k.contiguous(), v, k_cache, v_cache, batch,
+                                 d**-0.5)  # [T, Hq, D]
         o = o.reshape(t, self.num_heads * d) * torch.sigmoid(gate.reshape(t, -1))  # the output gate
         return self.o_proj(o)
 
@@ -108,17 +112,20 @@ class GatedAttention(nn.Module):
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts (SparseMoEBlock: TP or EP) + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    """Routed experts (SparseMoEBlock: TP or EP) plus the shared expert, scaled by
+    sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, cfg: ArchConfig, tp: TPInfo, par: MoEParallel, dtype: torch.dtype) -> None:
         super().__init__()
         moe, arch = cfg.moe, cfg.family
         assert moe is not None
-        self.experts = SparseMoEBlock(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                                      moe.norm_topk_prob, par, dtype)
-        shared = dataclasses.replace(cfg, intermediate_size=arch.shared_expert_intermediate_size, mlp_bias=False)
-        self.shared_expert = MLP(shared, tp, dtype)  # column/row parallel over the attention TP group
-        self.shared_expert_gate = ColumnParallelLinear(cfg.hidden_size, [1], False, TPInfo(), dtype)  # replicated
+        self.experts = SparseMoEBlock(cfg.hidden_size, moe.intermediate_size, moe.num_experts,
+                                      moe.top_k, moe.norm_topk_prob, par, dtype)
+        shared = dataclasses.replace(
+            cfg, intermediate_size=arch.shared_expert_intermediate_size, mlp_bias=False)
+        self.shared_expert = MLP(shared, tp, dtype)  # column/row parallel over attention TP
+        # [1, hidden], the same on every rank (a TPInfo of one rank: nothing split)
+        self.shared_expert_gate = ColumnParallelLinear(cfg.hidden_size, [1], False, TPInfo(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
         gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
@@ -127,24 +134,27 @@ class SharedExpertMoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ArchConfig, layer: int, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype,
-        moe: MoEParallel,
+        self, cfg: ArchConfig, layer: int, tp: TPInfo, backend: AttentionBackend,
+        dtype: torch.dtype, moe: MoEParallel,
     ) -> None:
         super().__init__()
         arch: Qwen3NextArch = cfg.family
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
         if arch.linear_layers[layer]:
-            self.linear_attn = GatedDeltaNet(cfg.hidden_size, arch, layer, cfg.rms_norm_eps, tp, dtype)
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, arch, layer, cfg.rms_norm_eps, tp,
+                                             dtype)
         else:
             self.self_attn = GatedAttention(cfg, layer, tp, backend, dtype)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
-        self.mlp: nn.Module = SharedExpertMoE(cfg, tp, moe, dtype) if sparse else MLP(cfg, tp, dtype)
+        self.mlp: nn.Module = (SharedExpertMoE(cfg, tp, moe, dtype) if sparse
+                               else MLP(cfg, tp, dtype))
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv: KVCache,
     ) -> torch.Tensor:  # the residual stream [T, hidden] → the next one
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
@@ -158,7 +168,8 @@ class DecoderLayer(nn.Module):
 
 class Qwen3NextModel(nn.Module):
     def __init__(
-        self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype, moe: MoEParallel
+        self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype,
+        moe: MoEParallel,
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
@@ -179,7 +190,8 @@ class Qwen3NextForCausalLM(CausalLM):
         self.cfg, self.arch, self.dtype = cfg, cfg.family, dtype
         par = moe or MoEParallel(size=tp.size, rank=tp.rank, group=tp.group)
         self.model = Qwen3NextModel(cfg, tp, backend, dtype, par)
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp))
         self.rope = RotaryEmbedding(cfg.rope, self.arch.rotary_dim, rope_device)
 
     @property
@@ -225,7 +237,8 @@ class Qwen3NextForCausalLM(CausalLM):
             assert isinstance(module, DecoderLayer)
             p = f"model.layers.{i}"
             slots[f"{p}.input_layernorm.weight"] = WeightSlot(module.input_layernorm, "weight")
-            slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(module.post_attention_layernorm, "weight")
+            slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(
+                module.post_attention_layernorm, "weight")
             if module.linear_attn is not None:
                 slots.update(_deltanet_slots(f"{p}.linear_attn", module.linear_attn))
             if module.self_attn is not None:
@@ -251,7 +264,8 @@ def _deltanet_slots(p: str, m: GatedDeltaNet) -> dict[str, WeightSlot]:
 
 def _attention_slots(p: str, m: GatedAttention) -> dict[str, WeightSlot]:
     params = ["weight", "bias"] if m.qkv_proj.bias is not None else ["weight"]
-    slots = {f"{p}.{s}_proj.{param}": WeightSlot(m.qkv_proj, param, s) for s in ("q", "k", "v") for param in params}
+    slots = {f"{p}.{s}_proj.{param}": WeightSlot(m.qkv_proj, param, s)
+             for s in ("q", "k", "v") for param in params}
     for param in ["weight", "bias"] if m.o_proj.bias is not None else ["weight"]:
         slots[f"{p}.o_proj.{param}"] = WeightSlot(m.o_proj, param)
     slots[f"{p}.q_norm.weight"] = WeightSlot(m.q_norm, "weight")
@@ -273,5 +287,6 @@ def _moe_slots(p: str, mlp: SharedExpertMoE) -> dict[str, WeightSlot]:
     slots.update(_mlp_slots(f"{p}.shared_expert", mlp.shared_expert))
     for e in experts.expert_ids():  # with EP, only this rank's experts
         for piece in ("gate", "up", "down"):
-            slots[f"{p}.experts.{e}.{piece}_proj.weight"] = WeightSlot(experts, "experts", (e, piece))
+            name = f"{p}.experts.{e}.{piece}_proj.weight"
+            slots[name] = WeightSlot(experts, "experts", (e, piece))
     return slots

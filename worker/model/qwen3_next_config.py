@@ -97,5 +97,6 @@ def parse_qwen3_next_config(
     experts = int(cfg.get("num_experts") or 0)
     moe = parse_moe(cfg, arch.num_layers, source) if experts > 0 else None
     if moe is not None and family.shared_expert_intermediate_size <= 0:
-        raise ModelLoadError(f"{source}: shared_expert_intermediate_size must be > 0 with num_experts > 0")
+        raise ModelLoadError(
+            f"{source}: shared_expert_intermediate_size must be > 0 with num_experts > 0")
     return dataclasses.replace(arch, qk_norm=True, moe=moe, family=family)
