@@ -26,6 +26,7 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
+from orchestrator.kv_groups import group_bytes, paged_layers
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -270,7 +271,7 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
 
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
-    layers = int(hf["num_hidden_layers"])
+    layers = paged_layers(hf)  # recurrent layers (Qwen3-Next) keep a state slot, not pages
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
@@ -327,7 +328,8 @@ def format_plan(cluster: ClusterConfig) -> str:
     parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
              f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
     try:
-        budgets = kv_budget(cluster, read_model_config(cluster.model.path))
+        hf = read_model_config(cluster.model.path)
+        budgets = kv_budget(cluster, hf)
     except LayoutError:
         raise
     except ClusterConfigError as exc:
@@ -339,4 +341,13 @@ def format_plan(cluster: ClusterConfig) -> str:
         ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
         [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
     ))
+    parts += ["", format_groups(hf, budgets[0].dtype)]
     return "\n".join(parts)
+
+
+def format_groups(hf: dict[str, Any], dtype: str) -> str:
+    """KV bytes per token (paged groups) and per request (state groups), whole model."""
+    rows = [[g.group, str(g.num_layers), _human(g.bytes_per_token) if g.bytes_per_token else "-",
+             _human(g.bytes_per_request) if g.bytes_per_request else "-"]
+            for g in group_bytes(hf, _DTYPE_BYTES[dtype])]
+    return _table(["cache group", "layers", "bytes/token", "bytes/request"], rows)
