@@ -37,10 +37,11 @@ def test_dense_models_keep_one_group() -> None:
 
 
 def test_plan_prints_bytes_per_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    hf = {**QWEN3_NEXT_80B, "num_hidden_layers": 4, "layer_types": QWEN3_NEXT_80B["layer_types"][:4],
-          "intermediate_size": 512, "torch_dtype": "float32"}
+    hf = {**QWEN3_NEXT_80B, "num_hidden_layers": 4, "intermediate_size": 512,
+          "layer_types": QWEN3_NEXT_80B["layer_types"][:4], "torch_dtype": "float32"}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    assert main(["plan", "--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={tmp_path}"]) == 0
+    args = ["plan", "--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={tmp_path}"]
+    assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     # 1 full layer * 2 * 2 heads * 16 tokens * 256 dims * 4 B per page (recurrent layers: no pages)
     assert any(line.split()[:4] == ["decode", "1024", "16", "65536"] for line in lines)
