@@ -66,14 +66,14 @@ class StateHarness:
 
     def __init__(
         self, model: CausalLM, spec: ModelSpec, page_size: int = 4, num_pages: int = 128,
-        num_slots: int = 8, tp_size: int = 1, seed: int = 0,
+        num_slots: int = 8, tp_size: int = 1, seed: int = 0, device: str = "cpu",
     ) -> None:
-        self.model, self.page_size = model, page_size
+        self.model, self.page_size, self.device = model, page_size, device
         self.kv = KVCache(KVShape(
             num_pages, spec.num_layers, max(1, spec.num_kv_heads // tp_size), page_size,
             spec.head_dim, spec.dtype, state_layers=spec.state_layers, state=spec.state_shape,
             num_state_slots=num_slots,
-        ))
+        ), device)
         rng = random.Random(seed)
         self.free = list(range(1, num_pages))  # page 0 stays unused: the page_table padding
         rng.shuffle(self.free)
@@ -90,7 +90,7 @@ class StateHarness:
         pages = self.pages[source][: num_tokens // self.page_size]
         self.pages[rid] = list(pages)
         self.slot[rid] = self.free_slots.pop()
-        self.kv.copy_state(torch.tensor([self.slot[source]]), torch.tensor([self.slot[rid]]))
+        self.kv.copy_state(self._t([self.slot[source]]), self._t([self.slot[rid]]))
         self.num_tokens[rid] = num_tokens
 
     def release(self, rid: str) -> None:
@@ -104,7 +104,7 @@ class StateHarness:
             start = self.num_tokens.get(rid, 0)
             if rid not in self.slot:
                 self.slot[rid] = self.free_slots.pop()
-                self.kv.zero_state(torch.tensor([self.slot[rid]]))
+                self.kv.zero_state(self._t([self.slot[rid]]))
             end = start + len(toks)
             pages = self.pages.setdefault(rid, [])
             while len(pages) * self.page_size < end:
@@ -120,14 +120,16 @@ class StateHarness:
             self.num_tokens[rid] = end
         width = max(len(self.pages[rid]) for rid, _ in chunks)
         table = [self.pages[rid] + [0] * (width - len(self.pages[rid])) for rid, _ in chunks]
+        t = self._t
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(positions),
-            query_start=torch.tensor(qs), seq_lens=torch.tensor(seq_lens),
-            page_table=torch.tensor(table), slot_mapping=torch.tensor(slots),
-            logits_indices=torch.tensor(last), query_start_list=qs, seq_lens_list=seq_lens,
-            state_slots=torch.tensor(state_slots),
+            input_ids=t(ids), positions=t(positions), query_start=t(qs), seq_lens=t(seq_lens),
+            page_table=t(table), slot_mapping=t(slots), logits_indices=t(last),
+            query_start_list=qs, seq_lens_list=seq_lens, state_slots=t(state_slots),
         )
         with torch.no_grad():
             hidden = self.model(batch, self.kv)  # [T, hidden]
             rows = hidden if all_rows else hidden[batch.logits_indices]
-            return self.model.compute_logits(rows)
+            return self.model.compute_logits(rows).cpu()
+
+    def _t(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, device=self.device)
