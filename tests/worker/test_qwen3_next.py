@@ -142,6 +142,21 @@ def test_greedy_generation_matches_transformers_generate(checkpoint) -> None:
     assert got == want
 
 
+def test_bfloat16_keeps_the_ssm_state_in_float32_and_follows_transformers(checkpoint) -> None:
+    path, hf = checkpoint
+    model, spec = load_model(ModelConfig(path=str(path), dtype="bfloat16"), ParallelConfig())
+    assert spec.state_shape is not None
+    st = spec.state_shape
+    assert (st.conv_dtype, st.ssm_dtype) == (torch.bfloat16, torch.float32)
+    ids = prompt(60, 13)
+    harness = StateHarness(model, spec)
+    harness.step([("a", ids[:33])])
+    got = harness.step([("a", ids[33:])], all_rows=True)
+    want = hf_logits(hf, ids)[33:]  # float32 transformers: bf16 rounding is the only difference
+    assert float((got - want).abs().max()) < 0.5
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
 def test_dummy_weights_run_at_the_checkpoints_shapes(checkpoint) -> None:
     config = ModelConfig(path=str(checkpoint[0]), load_format="dummy")
     model, spec = load_model(config, ParallelConfig())
