@@ -7,8 +7,11 @@ bench/models/qwen3-next-80b-shape with `--layers` layers (the 3:1 DeltaNet:atten
 kept), prefills `--prompt` tokens per request, then times `--steps` greedy decode steps at each
 batch size (forward, logits, argmax, batch building: the whole step) next to a roofline: the
 bytes one step must read (weights, the routed experts the batch touches, KV, the state read and
-written) over the device's copy bandwidth. Prints one line per batch size and writes
-qwen3_next.json to $OUT (or the current directory).
+written) over the device's copy bandwidth. First it times one DeltaNet layer's delta rule both
+ways at the model's head shapes — the Triton fused recurrent kernel and the torch chunked
+reference — for a long prefill chunk and for a decode batch (which to use for long prefills is
+open). Prints one line per measurement and writes qwen3_next.json to $OUT (or the current
+directory).
 
     python -m bench.qwen3_next                      # H200: 24 layers, batch 1 and 64
     python -m bench.qwen3_next --device cpu --tiny  # a CPU smoke run at tiny shapes
@@ -30,7 +33,7 @@ import torch
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_cache import KVCache, KVShape
-from worker.model import load_model
+from worker.model import gated_delta, gated_delta_triton, load_model
 from worker.model.base import CausalLM, ModelSpec
 
 SHAPE = Path(__file__).resolve().parent / "models" / "qwen3-next-80b-shape" / "config.json"
@@ -97,6 +100,38 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 5 / (time.perf_counter() - t0)
 
 
+def rule_times(
+    cfg: dict[str, Any], device: torch.device, prefill_len: int, decode_batch: int
+) -> dict[str, float]:
+    """ms of one layer's delta rule, torch chunked vs Triton: a prefill chunk, a decode step."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    out: dict[str, float] = {}
+    for case, lengths in (("prefill", [prefill_len]), ("decode", [1] * decode_batch)):
+        t = sum(lengths)
+        q, k = (torch.randn(t, hk, dk, device=device) for _ in range(2))
+        v = torch.randn(t, hv, dv, device=device)
+        g, beta = -torch.rand(t, hv, device=device), torch.rand(t, hv, device=device)
+        ssm = torch.zeros(len(lengths), hv, dk, dv, device=device)
+        slots = torch.arange(len(lengths), device=device)
+        qs = [0]
+        for n in lengths:
+            qs.append(qs[-1] + n)
+        inputs = (q, k, v, g, beta, ssm, slots, torch.tensor(qs, device=device), qs)
+        ops: list[tuple[str, Any]] = [("torch", gated_delta)]
+        if device.type == "cuda":
+            ops.append(("triton", gated_delta_triton))
+        for name, mod in ops:
+            mod.gated_delta_rule(*inputs)  # warm-up (and Triton's compile)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                mod.gated_delta_rule(*inputs)
+            sync(device)
+            out[f"{case}_{name}_ms"] = (time.perf_counter() - t0) / 3 * 1e3
+    return out
+
+
 def step_bytes(
     model: CausalLM, cfg: dict[str, Any], spec: ModelSpec, batch: int, ctx: int
 ) -> float:
@@ -146,6 +181,10 @@ def main() -> None:
         res["load_s"] = time.perf_counter() - t0
     bw = copy_bandwidth(device)
     res["copy_GBps"] = bw / 1e9
+    with torch.no_grad():
+        res["delta_rule"] = rule_times(cfg, device, 256 if args.tiny else 4096, 64)
+    times = ", ".join(f"{k} {v:.2f}" for k, v in res["delta_rule"].items())
+    print(f"delta rule, one layer: {times}", flush=True)
     rng = random.Random(0)
     for b in (int(x) for x in args.batches.split(",")):
         driver = Driver(model, spec, b, args.prompt + args.steps + 1, device)
