@@ -202,6 +202,15 @@ class KVCache:
         """Copy whole slots src [n] → dst [n] (a prefix-cache snapshot or its restore)."""
         self.state_region[dst] = self.state_region[src]
 
+    def apply_state_copies(self, copies: list[tuple[int, int]]) -> None:
+        """The plan's slot initialisations, in order: (src slot, dst slot), src -1 = zeros
+        (SchedulePlan.state_copies); run before the forward that reads the destinations."""
+        for src, dst in copies:
+            if src < 0:
+                self.state_region[dst] = 0
+            else:
+                self.state_region[dst] = self.state_region[src]
+
     def data_ptr(self) -> int:
         return self._buffer.data_ptr()
 

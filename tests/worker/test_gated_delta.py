@@ -226,6 +226,17 @@ def test_zero_and_copy_state_move_whole_slots() -> None:
         assert float(conv[5].abs().max()) == 0.0 and float(ssm[5].abs().max()) == 0.0
 
 
+def test_plan_state_copies_apply_in_order() -> None:
+    """(src, dst) pairs as the cache manager hands them to the runner; src -1 zeroes dst."""
+    kv = KVCache(state_shape_for_test())
+    kv.state_region.copy_(torch.randint(1, 255, kv.state_region.shape, dtype=torch.uint8))
+    before = kv.state_region.clone()
+    kv.apply_state_copies([(2, 0), (-1, 2), (2, 4)])  # 0 <- old 2; 2 <- zeros; 4 <- new 2 (zeros)
+    assert torch.equal(kv.state_region[0], before[2])
+    assert int(kv.state_region[2].max()) == 0 and int(kv.state_region[4].max()) == 0
+    assert torch.equal(kv.state_region[[1, 3, 5]], before[[1, 3, 5]])
+
+
 def test_state_and_page_views_refuse_the_other_kind_of_layer() -> None:
     kv = KVCache(state_shape_for_test())
     with pytest.raises(ValueError, match="recurrent layer"):
