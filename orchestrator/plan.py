@@ -26,11 +26,12 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
-from orchestrator.kv_groups import WINDOW, KVGroup, kv_groups
+from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup, kv_groups, paged_layers
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-_WINDOW_RINGS_PER_SEQ = 2  # worker/engine.py: decode holds rings of rooms in flight too
+_WINDOW_RINGS_PER_SEQ = 2  # worker/cache_layout.py: decode holds rings of rooms in flight too
+_STATE_SLOTS_PER_SEQ = 3  # worker/cache_layout.py: 2 per seat (rooms in flight) + 1 snapshot
 # Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -82,10 +83,11 @@ class KVBudget:
     dtype: str
     groups: tuple[KVGroup, ...] = ()  # the cache groups (orchestrator/kv_groups.py)
     window_bytes: int = 0  # the window-ring region (models whose window layers keep rings)
+    state_bytes: int = 0  # the recurrent-state region: request and snapshot slots
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.window_bytes
+        return self.num_pages * self.page_bytes + self.window_bytes + self.state_bytes
 
 
 def procs_per_node(rc: RoleConfig) -> int:
@@ -277,7 +279,7 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
 
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
-    layers = int(hf["num_hidden_layers"])
+    layers = paged_layers(hf)  # recurrent layers (Qwen3-Next) keep a state slot, not pages
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
@@ -305,9 +307,13 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
             ring_page = len(window.layers) * layer_page
             window_bytes = window.ring_pages(cache.page_size) * seats * ring_page
         num_pages = cache.total_pages * rc.parallel.dp_size
-        out.append(
-            KVBudget(role, cache.page_size, num_pages, page_bytes, dtype, groups, window_bytes)
-        )
+        state = next((g for g in groups if g.kind == RECURRENT), None)
+        state_bytes = 0
+        if state is not None:  # worker/cache_layout.py: state_slots (requests + snapshots)
+            slots = _STATE_SLOTS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
+            state_bytes = slots * state.bytes_per_request
+        out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, dtype, groups,
+                            window_bytes, state_bytes))
     return out
 
 
@@ -349,7 +355,8 @@ def format_plan(cluster: ClusterConfig) -> str:
     parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
              f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
     try:
-        budgets = kv_budget(cluster, read_model_config(cluster.model.path))
+        hf = read_model_config(cluster.model.path)
+        budgets = kv_budget(cluster, hf)
     except LayoutError:
         raise
     except ClusterConfigError as exc:
@@ -361,9 +368,20 @@ def format_plan(cluster: ClusterConfig) -> str:
         ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
         [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
     ))
-    group_rows = [[b.role, g.kind, str(len(g.layers)), str(g.bytes_per_token),
-             f"last {g.window} tokens (ring of {g.ring_pages(b.page_size)} pages)" if g.window
-             else "every token"] for b in budgets for g in b.groups]
-    parts += ["", "KV cache groups (bytes per token: K and V of the group's layers, all TP ranks):",
-              _table(["role", "group", "layers", "bytes/token", "kept per request"], group_rows)]
+    group_rows = [[b.role, g.kind, str(len(g.layers)),
+                   _human(g.bytes_per_token) if g.bytes_per_token else "-",
+                   _human(g.bytes_per_request) if g.bytes_per_request else "-",
+                   _kept(g, b.page_size)] for b in budgets for g in b.groups]
+    parts += ["", "KV cache groups (all TP ranks of a replica together):",
+              _table(["role", "group", "layers", "bytes/token", "bytes/request", "kept per request"],
+                     group_rows)]
     return "\n".join(parts)
+
+
+
+def _kept(group: KVGroup, page_size: int) -> str:
+    if group.kind == WINDOW:
+        return f"last {group.window} tokens (ring of {group.ring_pages(page_size)} pages)"
+    if group.kind == RECURRENT:
+        return "one state slot"
+    return "every token"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from worker.batch import ForwardBatch
-from worker.kv_cache import KVCache
+from worker.kv_cache import KVCache, StateShape
 from worker.model.layers import TensorSource
 
 
@@ -30,6 +30,10 @@ class ModelSpec:
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
+    # Recurrent layers (a fixed-size state slot per request, no K/V pages), ascending, and one
+    # slot of one such layer on one rank (CausalLM.state_shape); () / None without any.
+    state_layers: tuple[int, ...] = ()
+    state_shape: StateShape | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,18 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint tensor name → where it loads. The loader requires every name listed."""
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Switch to the model's CUDA kernels (the loader's choice on CUDA); none by default."""
+
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers that keep a recurrent state slot instead of K/V pages (none by default)."""
+        return ()
+
+    def state_shape(self) -> StateShape | None:
+        """One state slot of one recurrent layer on this rank: conv and ssm shapes and dtypes
+        (KVCache.state's views). None for attention-only models."""
+        return None
 
     @property
     def supports_cuda_graphs(self) -> bool:

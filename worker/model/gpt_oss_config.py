@@ -21,7 +21,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from worker.model.hf_config import ArchConfig, ModelLoadError, MoEArch, parse_rope
+from worker.model.hf_config import (
+    ArchConfig,
+    ModelLoadError,
+    MoEArch,
+    parse_arch_config,
+    parse_rope,
+)
 
 ARCHITECTURE = "GptOssForCausalLM"
 # transformers' GptOssConfig defaults, used only when config.json leaves a field out.
@@ -65,6 +71,12 @@ def _layer_windows(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[i
     if window is None:
         return (None,) * num_layers
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def parse_gpt_oss_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None,
+                         source: str = "config.json") -> ArchConfig:
+    """Validate a GptOssForCausalLM config.json: the shared fields, then its family's."""
+    return refine_gpt_oss(parse_arch_config(cfg, generation_cfg, source), cfg, source)
 
 
 def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchConfig:

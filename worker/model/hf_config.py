@@ -20,7 +20,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
-    "GptOssForCausalLM",  # completed by worker/model/gpt_oss_config.py (the loader calls it)
+    "GptOssForCausalLM",  # its own fields: worker/model/gpt_oss_config.py
+    "Qwen3NextForCausalLM",  # its own fields: worker/model/qwen3_next_config.py
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -81,7 +82,8 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
-    family: object = None  # a family's own knobs, from its module (e.g. gpt_oss_config.GptOssArch)
+    # A family's own typed fields, set by its parser (e.g. gpt_oss_config.GptOssArch).
+    family: Any = None
 
     @property
     def sliding_window(self) -> int | None:

@@ -30,26 +30,30 @@ from worker.model import fused
 from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
 from worker.model.gpt_oss import GptOssForCausalLM
-from worker.model.gpt_oss_config import refine_gpt_oss
+from worker.model.gpt_oss_config import parse_gpt_oss_config
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, check_deepep
 from worker.model.qwen3_moe import Qwen3MoeForCausalLM
+from worker.model.qwen3_next import Qwen3NextForCausalLM
+from worker.model.qwen3_next_config import parse_qwen3_next_config
 
 log = logging.getLogger(__name__)
 
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+_MODEL_CLASSES: dict[str, Callable[..., CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
-# Families whose config.json means more than the shared parse reads: (arch, raw, source) -> arch.
-_FAMILY_CONFIGS: dict[str, Callable[[ArchConfig, dict, str], ArchConfig]] = {
-    "GptOssForCausalLM": refine_gpt_oss,
+# Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
+_CONFIG_PARSERS: dict[str, Callable[..., ArchConfig]] = {
+    "GptOssForCausalLM": parse_gpt_oss_config,
+    "Qwen3NextForCausalLM": parse_qwen3_next_config,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
@@ -87,10 +91,10 @@ def load_arch_config(path: Path) -> ArchConfig:
         raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
-    raw, source = read_json(path / "config.json"), str(path / "config.json")
-    arch = parse_arch_config(raw, gen, source=source)
-    refine = _FAMILY_CONFIGS.get(arch.architecture)
-    return refine(arch, raw, source) if refine is not None else arch
+    cfg = read_json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
+    return parse(cfg, gen, source=str(path / "config.json"))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -281,5 +285,7 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         fingerprint=fp,
         sliding_window=arch.sliding_window,
         layer_windows=arch.layer_windows,
+        state_layers=lm.state_layers(),
+        state_shape=lm.state_shape(),
     )
     return lm, spec
