@@ -409,4 +409,5 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int, max_model_le
         window_layers=layers,
         window=window,
         num_window_pages=ring_pages * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
+        latent_dim=spec.kv_latent_dim,  # MLA latent pages (num_kv_heads 1, head_dim the latent)
     )

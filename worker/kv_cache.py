@@ -15,6 +15,11 @@ keeps only its last W tokens instead of the whole context.
 
 Both regions are views of one allocation, full first, so the transfer backend registers one
 block of memory once at start-up; the window region starts at byte `num_pages * page_bytes`.
+
+MLA latent pages (DeepSeek, `latent_dim > 0`): `data[num_pages, num_layers, page_size,
+latent_dim]`: per token per layer one latent row (the compressed kv of kv_lora_rank elements,
+then the shared rope key), no heads and no K/V pair, the same on every TP rank. Still
+page-major, so a run of pages is one transfer range; read it through `latent(layer)`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,21 @@ class KVShape:
     window_layers: tuple[int, ...] = ()  # layers kept in the window region (ascending); () = none
     window: int = 0  # tokens a window layer attends to (its sliding window)
     num_window_pages: int = 0  # pages of the window region (rings of all live requests)
+    # MLA: elements of the one latent row per token per layer (kv_lora_rank + qk_rope_head_dim);
+    # then num_kv_heads is 1 and head_dim is latent_dim. 0 = K/V heads.
+    latent_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.latent_dim and (self.num_kv_heads, self.head_dim, self.window_layers) != (
+                1, self.latent_dim, ()):
+            raise ValueError(f"KVShape: an MLA latent cache has num_kv_heads 1, head_dim = "
+                             f"latent_dim "
+                             f"({self.latent_dim}) and no window layers; got {self}")
+
+    @property
+    def planes(self) -> int:
+        """Rows per layer per token: K and V (2), or the one MLA latent (1)."""
+        return 1 if self.latent_dim else 2
 
     @property
     def num_full_layers(self) -> int:
@@ -58,7 +78,8 @@ class KVShape:
 
     @property
     def _layer_page_bytes(self) -> int:
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+        rows = self.planes * self.num_kv_heads * self.page_size  # K|V (or the latent) per head
+        return rows * self.head_dim * self.dtype.itemsize
 
 
 class KVCache:
@@ -67,11 +88,15 @@ class KVCache:
     def __init__(self, shape: KVShape, device: torch.device | str = "cpu") -> None:
         self.shape = shape
         h, s, d = shape.num_kv_heads, shape.page_size, shape.head_dim
-        full = shape.num_pages * shape.num_full_layers * 2 * h * s * d
+        full = shape.num_pages * shape.num_full_layers * shape.planes * h * s * d
         window = shape.num_window_pages * len(shape.window_layers) * 2 * h * s * d
         self._buffer = torch.zeros(full + window, dtype=shape.dtype, device=device)
-        # data: [num_pages, num_full_layers, 2, num_kv_heads, page_size, head_dim]
-        self.data = self._buffer[:full].view(shape.num_pages, shape.num_full_layers, 2, h, s, d)
+        if shape.latent_dim:
+            # data: [num_pages, num_layers, page_size, latent_dim]
+            self.data = self._buffer.view(shape.num_pages, shape.num_layers, s, d)
+        else:
+            # data: [num_pages, num_full_layers, 2, num_kv_heads, page_size, head_dim]
+            self.data = self._buffer[:full].view(shape.num_pages, shape.num_full_layers, 2, h, s, d)
         # window: [num_window_pages, num_window_layers, 2, num_kv_heads, page_size, head_dim]
         self.window = self._buffer[full:].view(shape.num_window_pages, len(shape.window_layers), 2, h, s, d)
         windowed = set(shape.window_layers)
@@ -89,9 +114,17 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer: each [pages of its region, num_kv_heads, page_size, head_dim]."""
+        if self.shape.latent_dim:
+            raise TypeError("an MLA latent cache has no K/V views; read it through latent(layer)")
         w, i = self._slot[layer]
         region = self.window if w else self.data
         return region[:, i, 0], region[:, i, 1]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """MLA: one layer's latent rows [num_pages, page_size, latent_dim] (a strided view)."""
+        if not self.shape.latent_dim:
+            raise TypeError("latent(layer) is for MLA latent caches (KVShape.latent_dim > 0)")
+        return self.data[:, layer]
 
     def data_ptr(self) -> int:
         return self._buffer.data_ptr()
@@ -103,6 +136,9 @@ class KVCache:
 def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
     """The layout contract's cache groups: () when every layer lives in full pages (as before
     window rings existed, so such contracts hash as they always did)."""
+    if shape.latent_dim:
+        return (CacheGroup(CacheKind.MLA_LATENT, tuple(range(shape.num_layers)),
+                           latent_dim=shape.latent_dim),)
     if not shape.window_layers:
         return ()
     full = tuple(i for i in range(shape.num_layers) if i not in shape.window_layers)

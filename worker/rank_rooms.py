@@ -36,7 +36,7 @@ from worker.distributed import (
     to_i64,
     unpack_str,
 )
-from worker.kv_cache import KVCache
+from worker.kv_cache import KVCache, cache_groups
 
 _STATES = list(RoomState)
 
@@ -314,6 +314,7 @@ def kv_layout_of(kv: KVCache, num_kv_heads_total: int, config: WorkerConfig) -> 
         num_pages=shape.num_pages, num_layers=shape.num_layers, page_size=shape.page_size, head_dim=shape.head_dim,
         dtype=str(shape.dtype).removeprefix("torch."), num_kv_heads_total=num_kv_heads_total,
         tp_rank=config.parallel.tp_rank, tp_size=config.parallel.tp_size,
+        groups=cache_groups(shape),  # MLA latent pages; () for K/V (multi-rank refuses windows)
     )
 
 

@@ -30,6 +30,9 @@ class ModelSpec:
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
+    # MLA (DeepSeek): the KV cache keeps one latent row of this width per token per layer (no heads,
+    # no K/V pair; num_kv_heads is then 1 and head_dim this width). 0 = K/V heads.
+    kv_latent_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class CausalLM(nn.Module, ABC):
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode step can be captured once and replayed (no per-step host logic)."""
         return True
+
+    def drop_unloaded(self, loaded: set[str]) -> None:
+        """After a checkpoint load, with the names it filled: let go of optional modules the
+        checkpoint did not carry (DeepSeek's MTP layers), so that `weight_slots` lists only what
+        must be there. Most models have none."""
 
     def load_weight(self, name: str, source: TensorSource) -> None:
         slot = self.weight_slots()[name]

@@ -10,9 +10,12 @@ inside; older checkpoints write top-level `rope_theta` plus an optional `rope_sc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.model.deepseek_config import DeepseekArch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -20,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",  # config.json read by worker/model/deepseek_config.py (see loader.py)
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -80,6 +84,12 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
+    deepseek: DeepseekArch | None = None  # DeepSeek-V3's MLA + routing knobs (deepseek_config.py)
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """MLA: width of the one latent row per token per layer the KV cache keeps; 0 = K/V."""
+        return self.deepseek.mla.latent_dim if self.deepseek is not None else 0
 
     @property
     def sliding_window(self) -> int | None:

@@ -29,6 +29,8 @@ from worker.config import ModelConfig, ParallelConfig
 from worker.model import fused
 from worker.model.attention import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
+from worker.model.deepseek_config import parse_deepseek_v3
+from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
@@ -37,13 +39,16 @@ from worker.model.qwen3_moe import Qwen3MoeForCausalLM
 
 log = logging.getLogger(__name__)
 
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[DeepseekV3ForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
+# Families whose config.json has its own reader (the rest: hf_config.parse_arch_config).
+_CONFIG_PARSERS = {"DeepseekV3ForCausalLM": parse_deepseek_v3}
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
 _FP_SAMPLES, _FP_SAMPLE = 16, 4096  # data samples per file for the fingerprint, bytes each
@@ -80,7 +85,10 @@ def load_arch_config(path: Path) -> ArchConfig:
         raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
-    return parse_arch_config(read_json(path / "config.json"), gen, source=str(path / "config.json"))
+    cfg = read_json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
+    return parse(cfg, gen, source=str(path / "config.json"))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -161,7 +169,8 @@ def load_checkpoint(model: CausalLM, files: list[Path]) -> None:
                 continue
             slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
             loaded.add(name)
-    missing = sorted(set(slots) - loaded)
+    model.drop_unloaded(loaded)  # optional modules the checkpoint lacks (DeepSeek's MTP layers)
+    missing = sorted(set(model.weight_slots()) - loaded)
     if missing:
         raise ModelLoadError(
             f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
@@ -271,5 +280,6 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         fingerprint=fp,
         sliding_window=arch.sliding_window,
         layer_windows=arch.layer_windows,
+        kv_latent_dim=arch.kv_latent_dim,
     )
     return lm, spec
