@@ -59,7 +59,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         page = tl.maximum(slot, 0) // PAGE
         off = tl.maximum(slot, 0) % PAGE
         i = tl.arange(0, BLOCK)
-        m = (i < L) & (slot >= 0)  # slot -1: nothing is written
+        m = i < tl.where(slot >= 0, L, 0)  # slot -1: nothing is written
         x = tl.load(x_ptr + t * stride_xt + i, mask=m)
         tl.store(
             c_ptr + page * stride_cp + off * stride_cs + i, x.to(c_ptr.dtype.element_ty), mask=m
