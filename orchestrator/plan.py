@@ -83,6 +83,17 @@ class KVBudget:
         return self.num_pages * self.page_bytes
 
 
+@dataclass(frozen=True)
+class GroupBytes:
+    """One cache group's KV bytes per token (all its layers), as `tandem plan` prints them."""
+
+    role: str
+    group: str  # the transfer contract's cache kind: full_attention | mla_latent
+    layers: int
+    per_rank: int  # bytes one rank keeps (and a decode rank receives) per token
+    per_replica: int  # over the replica's TP ranks: an MLA latent is replicated, tp copies
+
+
 def procs_per_node(rc: RoleConfig) -> int:
     """Rank processes of one replica on each of its nodes."""
     p = rc.parallel
@@ -229,6 +240,14 @@ def _check_moe(cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, 
             raise LayoutError(f"{where}.ep_size={p.ep_size} must divide the model's {experts} experts")
 
 
+def mla_latent_dim(hf: dict[str, Any]) -> int:
+    """DeepSeek MLA: the KV cache keeps kv_lora_rank + qk_rope_head_dim elements per token per
+    layer (one latent, no heads, the same on every TP rank); 0 for K/V models."""
+    if not hf.get("kv_lora_rank"):
+        return 0
+    return int(hf["kv_lora_rank"]) + int(hf.get("qk_rope_head_dim") or 0)
+
+
 def _num_experts(hf: dict[str, Any]) -> int:
     return next((int(hf[k]) for k in _EXPERT_KEYS if hf.get(k)), 0)
 
@@ -239,7 +258,9 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if heads % tp:
         raise LayoutError(f"{where}={tp} must divide num_attention_heads={heads}")
-    if kv_heads % tp and tp % kv_heads:
+    if mla_latent_dim(hf):
+        _check_mla(where, tp, hf)
+    elif kv_heads % tp and tp % kv_heads:
         raise LayoutError(f"{where}={tp} must divide num_key_value_heads={kv_heads} "
                           "or be a multiple of it (KV heads are then replicated)")
     # A dense MLP is split over its DP group's TP ranks; TP-sharded experts over the whole world.
@@ -252,6 +273,19 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
         raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
                           f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
+
+
+def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:
+    """DeepSeek: no kv heads to split (the latent is replicated); its dense layers and shared
+    experts are SwiGLUs split over the attention TP ranks."""
+    inter = int(hf.get("intermediate_size") or 0)
+    if inter % tp:
+        raise LayoutError(f"{where}: intermediate_size={inter} must be divisible by tp_size={tp} "
+                          "(the first_k_dense_replace dense layers are sharded over the TP ranks)")
+    shared = int(hf.get("n_shared_experts") or 0) * int(hf.get("moe_intermediate_size") or 0)
+    if shared % tp:
+        raise LayoutError(f"{where}: n_shared_experts*moe_intermediate_size={shared} must be "
+                          f"divisible by tp_size={tp} (shared experts are split over the TP ranks)")
 
 
 def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
@@ -270,22 +304,38 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
 
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
-    layers = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     dtype = _kv_dtype(cluster, hf)
     if dtype not in _DTYPE_BYTES:
         raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; set model.dtype to float32 or bfloat16")
     check_layout(cluster, hf)
     out: list[KVBudget] = []
+    groups = kv_group_bytes(cluster, hf)
+    for role, rc in cluster.roles.present():
+        cache = worker_config(cluster, role, 0).cache
+        per_token = sum(g.per_replica for g in groups if g.role == role)  # all TP ranks
+        # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
+        page_bytes = per_token * cache.page_size
+        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes, dtype))
+    return out
+
+
+def kv_group_bytes(cluster: ClusterConfig, hf: dict[str, Any]) -> list[GroupBytes]:
+    """KV bytes per token of each cache group, per role (from the HF config.json `hf`)."""
+    layers = int(hf["num_hidden_layers"])
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+    item = _DTYPE_BYTES[_kv_dtype(cluster, hf)]
+    latent = mla_latent_dim(hf)
+    out: list[GroupBytes] = []
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
-        kv_per_rank = max(1, kv_heads // tp)
-        cache = worker_config(cluster, role, 0).cache
-        # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
-        page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
-        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes, dtype))
+        if latent:  # one latent row per layer, whole on every rank
+            per_rank = layers * latent * item
+            out.append(GroupBytes(role, "mla_latent", layers, per_rank, per_rank * tp))
+        else:  # K and V of this rank's kv heads (a replica each when tp > kv heads)
+            per_rank = layers * 2 * max(1, kv_heads // tp) * head_dim * item
+            out.append(GroupBytes(role, "full_attention", layers, per_rank, per_rank * tp))
     return out
 
 
@@ -339,4 +389,9 @@ def format_plan(cluster: ClusterConfig) -> str:
         ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
         [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
     ))
+    groups = kv_group_bytes(cluster, read_model_config(cluster.model.path))
+    parts += ["", _table(
+        ["role", "cache group", "layers", "KV bytes/token/rank", "KV bytes/token/worker"],
+        [[g.role, g.group, str(g.layers), str(g.per_rank), str(g.per_replica)] for g in groups],
+    )]
     return "\n".join(parts)
