@@ -220,3 +220,35 @@ def test_mla_pd_frees_pages_on_failure_and_abort(
                     ends.append(e.code().name)  # type: ignore[attr-defined]
         assert ends[1] == "abort", ends
         _wait_drained(prefill), _wait_drained(decode)
+
+
+def measure(out_dir: Path) -> None:
+    """Figures for docs/transfer.md: KV bytes shipped per request, read from the transfer
+    counters, for the tiny DeepSeek-V3 (MLA latent pages) and dense Qwen3 twins with the same
+    layers, hidden size and query heads (MHA: 4 kv heads; GQA: 2), TP1 -> TP1 and TP1 -> TP2."""
+    from tests.worker.deepseek_model import build_dense_twin
+
+    models = {"deepseek-mla": out_dir / "mla", "qwen3-mha": out_dir / "mha",
+              "qwen3-gqa": out_dir / "gqa"}
+    build_deepseek_checkpoint(models["deepseek-mla"], tokenizer=False)
+    build_dense_twin(models["qwen3-mha"], kv_heads=4)
+    build_dense_twin(models["qwen3-gqa"], kv_heads=2)
+    rng = random.Random(0)
+    prompts = {n: [rng.randrange(3, 128) for _ in range(n)] for n in (16, 64, 200)}
+    for name, path in models.items():
+        for decode_tp in (1, 2):
+            with served(_config(path, "prefill", 1)) as prefill, \
+                    served(_config(path, "decode", decode_tp)) as decode:
+                bootstrap = prefill.GetInfo(tandem_pb2.GetInfoRequest(), timeout=5).bootstrap_addr
+                for n, prompt in prompts.items():
+                    _, dec = generate_pd(prefill, decode, bootstrap, prompt)
+                    t = dec[-1].transfer
+                    print(f"{name:12s} TP1->TP{decode_tp} prompt {n:3d} tokens: {t.pages:3d} pages "
+                          f"{t.bytes:8d} bytes ({t.bytes / n:6.0f} B/token)")
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        measure(Path(tmp))

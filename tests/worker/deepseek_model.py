@@ -123,9 +123,9 @@ def build_deepseek_checkpoint(
     return model
 
 
-def build_dense_twin(path: Path, *, seed: int = 0) -> torch.nn.Module:
-    """A Qwen3 with the same layers, hidden size and heads (GQA 4:2, head_dim 16), for the
-    bytes-shipped-per-request comparison against MLA latent pages."""
+def build_dense_twin(path: Path, *, kv_heads: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A Qwen3 with the same layers, hidden size and query heads (head_dim 16; MHA with
+    kv_heads=4, GQA with 2), for the bytes-shipped-per-request comparison against MLA."""
     from tests.worker.conftest import build_tiny_checkpoint
 
     model = build_tiny_checkpoint(
@@ -136,7 +136,7 @@ def build_dense_twin(path: Path, *, seed: int = 0) -> torch.nn.Module:
         hidden_size=CONFIG["hidden_size"],
         num_hidden_layers=CONFIG["num_hidden_layers"],
         num_attention_heads=CONFIG["num_attention_heads"],
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=16,
         max_position_embeddings=CONFIG["max_position_embeddings"],
     )

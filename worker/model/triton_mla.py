@@ -44,15 +44,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def store_latent_kernel(
-        x_ptr,
-        c_ptr,
-        slot_ptr,
-        stride_xt,
-        stride_cp,
-        stride_cs,
-        L: tl.constexpr,
-        BLOCK: tl.constexpr,
-        PAGE: tl.constexpr,
+        x_ptr, c_ptr, slot_ptr, stride_xt, stride_cp, stride_cs,
+        L: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
@@ -61,36 +54,17 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         i = tl.arange(0, BLOCK)
         m = i < tl.where(slot >= 0, L, 0)  # slot -1: nothing is written
         x = tl.load(x_ptr + t * stride_xt + i, mask=m)
-        tl.store(
-            c_ptr + page * stride_cp + off * stride_cs + i, x.to(c_ptr.dtype.element_ty), mask=m
-        )
+        at = c_ptr + page * stride_cp + off * stride_cs + i
+        tl.store(at, x.to(c_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def decode_kernel(
-        q_ptr,
-        c_ptr,
-        pt_ptr,
-        sl_ptr,
-        o_ptr,
-        op_ptr,
-        lse_ptr,
-        stride_qb,
-        stride_qh,
-        stride_cp,
-        stride_cs,
-        stride_ptb,
-        stride_ob,
-        stride_oh,
+        q_ptr, c_ptr, pt_ptr, sl_ptr, o_ptr, op_ptr, lse_ptr,
+        stride_qb, stride_qh, stride_cp, stride_cs, stride_ptb, stride_ob, stride_oh,
         scale_log2,
-        H: tl.constexpr,
-        KV: tl.constexpr,
-        ROPE: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        H: tl.constexpr, KV: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -108,9 +82,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         rm = r < ROPE
         q_row = q_ptr + b * stride_qb + h[:, None] * stride_qh
         q_c = tl.load(q_row + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)  # [BH, BC]
-        q_r = tl.load(
-            q_row + KV + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0
-        )  # [BH, BR]
+        q_r = tl.load(q_row + KV + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0)  # [BH,BR]
 
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -121,16 +93,17 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             page = tl.load(pt_ptr + b * stride_ptb + n // PAGE, mask=valid, other=0).to(tl.int64)
             row = c_ptr + page * stride_cp + (n % PAGE) * stride_cs  # [BN] latent rows
             lat_c = tl.load(row[:, None] + c[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
-            lat_r = tl.load(
-                row[:, None] + KV + r[None, :], mask=valid[:, None] & rm[None, :], other=0.0
-            )
-            s = tl.dot(q_c, tl.trans(lat_c)) + tl.dot(q_r, tl.trans(lat_r))  # [BH, BN]
+            rmask = valid[:, None] & rm[None, :]
+            lat_r = tl.load(row[:, None] + KV + r[None, :], mask=rmask, other=0.0)  # [BN, BR]
+            s = tl.dot(q_c, tl.trans(lat_c), input_precision=PRECISION)  # [BH, BN]
+            s += tl.dot(q_r, tl.trans(lat_r), input_precision=PRECISION)
             s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # log2 domain
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(lat_c.dtype), lat_c)  # [BH, BC]
+            pv = tl.dot(p.to(lat_c.dtype), lat_c, input_precision=PRECISION)  # [BH, BC]
+            acc = acc * alpha[:, None] + pv
             m = m_new
 
         has = l_sum > 0
@@ -147,15 +120,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit
     def merge_kernel(
-        op_ptr,
-        lse_ptr,
-        o_ptr,
-        stride_ob,
-        stride_oh,
-        H: tl.constexpr,
-        KV: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        op_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,
+        H: tl.constexpr, KV: tl.constexpr, BLOCK_C: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -168,9 +134,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         parts = tl.load(op_ptr + slot[:, None] * BLOCK_C + c[None, :])  # [NS, BC]
         den = tl.sum(w, 0)
         out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-        tl.store(
-            o_ptr + b * stride_ob + h * stride_oh + c, out.to(o_ptr.dtype.element_ty), mask=c < KV
-        )
+        o_at = o_ptr + b * stride_ob + h * stride_oh + c
+        tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=c < KV)
 
     return SimpleNamespace(store=store_latent_kernel, decode=decode_kernel, merge=merge_kernel)
 
@@ -188,26 +153,14 @@ def triton_store_latent(
         return
     assert latent.stride(1) == 1 and cache.stride(2) == 1 and cache.shape[2] == width
     _get().store[(t,)](
-        latent,
-        cache,
-        slot_mapping,
-        latent.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        L=width,
-        BLOCK=next_pow2(width),
-        PAGE=cache.shape[1],
+        latent, cache, slot_mapping, latent.stride(0), cache.stride(0), cache.stride(1),
+        L=width, BLOCK=next_pow2(width), PAGE=cache.shape[1],
     )
 
 
 def triton_mla_decode(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_lora_rank: int,
-    scale: float,
-    num_splits: int | None = None,
+    q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+    kv_lora_rank: int, scale: float, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: q [B, H, kv_lora + rope] (q_nope W_UK | q_pe) over each request's
     latent pages cache [P, S, kv_lora + rope] → the softmax-weighted latents [B, H, kv_lora]
@@ -228,55 +181,25 @@ def triton_mla_decode(
         partial = lse = out  # not read by the kernel when NUM_SPLITS == 1
     kern = _get()
     kern.decode[(b, head_blocks, splits)](
-        q,
-        cache,
-        page_table,
-        seq_lens,
-        out,
-        partial,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        cache.stride(0),
-        cache.stride(1),
-        page_table.stride(0),
-        out.stride(0),
-        out.stride(1),
+        q, cache, page_table, seq_lens, out, partial, lse,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1),
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
-        H=h,
-        KV=kv_lora_rank,
-        ROPE=rope,
-        BLOCK_H=BLOCK_H,
-        BLOCK_C=block_c,
-        BLOCK_R=max(16, next_pow2(rope)),
-        PAGE=cache.shape[1],
-        BLOCK_N=BLOCK_N,
-        NUM_SPLITS=splits,
-        num_warps=4,
-        num_stages=2,
+        H=h, KV=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_C=block_c,
+        BLOCK_R=max(16, next_pow2(rope)), PAGE=cache.shape[1], BLOCK_N=BLOCK_N, NUM_SPLITS=splits,
+        # float32 pools (tests, the CPU-equal engine) keep full precision; tf32 would round them.
+        PRECISION="ieee" if cache.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
     )
     if splits > 1:
-        kern.merge[(b, h)](
-            partial,
-            lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            H=h,
-            KV=kv_lora_rank,
-            BLOCK_C=block_c,
-            NUM_SPLITS=splits,
-        )
+        kern.merge[(b, h)](partial, lse, out, out.stride(0), out.stride(1),
+                           H=h, KV=kv_lora_rank, BLOCK_C=block_c, NUM_SPLITS=splits)
     return out
 
 
 def mla_decode_absorbed(
-    attn: MLAAttention,
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    attn: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor,
 ) -> torch.Tensor:
     """One token per request: q_nope [B, Hl, nope], q_pe [B, Hl, rope] → [B, Hl, v]."""
     q = attn.absorb_query(q_nope, q_pe).to(cache.dtype)  # [B, Hl, kv_lora + rope]
@@ -288,13 +211,8 @@ class TritonMLABackend(MLABackend):
     """CUDA: Triton store + absorbed split-K decode; decompressed SDPA for multi-token chunks."""
 
     def forward(
-        self,
-        attn: MLAAttention,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        cache: torch.Tensor,
-        batch: ForwardBatch,
+        self, attn: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+        cache: torch.Tensor, batch: ForwardBatch,
     ) -> torch.Tensor:
         triton_store_latent(latent, cache, batch.slot_mapping)
         if batch.num_tokens == batch.num_requests:  # pure decode: no host reads
@@ -306,13 +224,11 @@ class TritonMLABackend(MLABackend):
         if dec:
             idx = torch.tensor(dec, device=q_nope.device)
             rows = torch.tensor([qs[i] for i in dec], device=q_nope.device)
-            out[rows] = mla_decode_absorbed(
-                attn, q_nope[rows], q_pe[rows], cache, batch.page_table[idx], batch.seq_lens[idx]
-            )
+            out[rows] = mla_decode_absorbed(attn, q_nope[rows], q_pe[rows], cache,
+                                            batch.page_table[idx], batch.seq_lens[idx])
         for i in range(batch.num_requests):
             if qs[i + 1] - qs[i] > 1:
                 pages = batch.page_table[i, : -(-lens[i] // page_size)]
                 out[qs[i] : qs[i + 1]] = prefill_decompressed(
-                    attn, q_nope[qs[i] : qs[i + 1]], q_pe[qs[i] : qs[i + 1]], cache, pages, lens[i]
-                )
+                    attn, q_nope[qs[i] : qs[i + 1]], q_pe[qs[i] : qs[i + 1]], cache, pages, lens[i])
         return out
