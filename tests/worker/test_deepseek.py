@@ -97,11 +97,11 @@ def test_chunked_prefill_and_decode_logits_match_transformers(case: str, tmp_pat
     assert worst < 1e-4, f"{case}: max |logit diff| {worst}"
 
 
-def _engine(path: Path) -> Engine:
+def _engine(path: Path, num_pages: int = 96) -> Engine:
     return Engine(
         WorkerConfig(
             model=ModelConfig(path=str(path), dtype="float32"),
-            cache=CacheConfig(page_size=4, num_pages=96),
+            cache=CacheConfig(page_size=4, num_pages=num_pages),
             scheduler=SchedulerConfig(
                 max_num_seqs=4, chunked_prefill_size=16
             ),  # prompts span chunks
@@ -134,6 +134,20 @@ def test_engine_greedy_equals_transformers_generate_with_prefix_hits(
     total = sum(len(p) for p in prompts)
     assert engine.scheduler.prompt_tokens_computed <= total - (36 + 24)
     engine.scheduler.assert_drained()
+
+
+def test_preemption_recomputes_latent_pages_exactly(v3: tuple[Path, torch.nn.Module]) -> None:
+    """Out of latent pages, the newest request is preempted and recomputed: same tokens, no leak."""
+    from tests.worker.test_engine import generate
+
+    path, _ = v3
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 128) for _ in range(14)] for _ in range(4)]
+    roomy = generate(_engine(path), prompts, max_tokens=18)
+    tight = _engine(path, num_pages=20)  # 4 x 32 tokens need 32 pages of 4
+    assert generate(tight, prompts, max_tokens=18) == roomy
+    assert tight.scheduler.num_preemptions > 0
+    tight.scheduler.assert_drained()
 
 
 def test_mtp_layer_loads_when_present_and_is_dropped_when_absent(
