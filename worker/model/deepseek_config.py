@@ -185,6 +185,12 @@ def parse_deepseek_v3(
         raise ModelLoadError(
             f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16"
         )
+    quant = cfg.get("quantization_config")
+    if quant:  # e.g. DeepSeek's release: fp8 blocks with weight_scale_inv tensors beside them
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ModelLoadError(
+            f"{source}: quantization_config (quant_method {method!r}) is not supported; serve a "
+            "bf16 checkpoint (DeepSeek's inference/fp8_cast_bf16.py converts the fp8 release)")
     rope = parse_rope(cfg, source)
     mla = parse_mla(cfg, rope, source)
     moe = parse_moe(cfg, num_layers, source)
