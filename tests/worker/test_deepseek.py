@@ -40,6 +40,9 @@ CASES = {
         "norm_topk_prob": False,
     },
     "all-dense-tied": {"first_k_dense_replace": 3, "tie_word_embeddings": True},
+    # DeepseekV3Config's default num_key_value_heads (128) is written even for 4 heads: MLA
+    # has no kv heads, so the parser must not apply the K/V models' heads % kv_heads rule.
+    "kv-heads-left-at-128": {"num_key_value_heads": 128},
 }
 
 
