@@ -38,11 +38,12 @@ CASES = {
         "n_group": 1,
         "topk_group": 1,
         "norm_topk_prob": False,
+        "attention_bias": True,  # kv_a_proj_with_mqa and o_proj biases (q_proj has none)
     },
     "all-dense-tied": {"first_k_dense_replace": 3, "tie_word_embeddings": True},
     # DeepseekV3Config's default num_key_value_heads (128) is written even for 4 heads: MLA
     # has no kv heads, so the parser must not apply the K/V models' heads % kv_heads rule.
-    "kv-heads-left-at-128": {"num_key_value_heads": 128},
+    "kv-heads-left-at-128": {"num_key_value_heads": 128, "attention_bias": True},  # + q_a_proj bias
 }
 
 
