@@ -8,6 +8,8 @@ docs/recurrent-state.md):
 - `sliding_window`: only the last W tokens, in a ring of ceil(W / page_size) + 1 pages per
   request — when the model mixes window and full layers with one window shorter than its
   context (the engine's `window_layers` rule). Otherwise window layers stay in full pages;
+- `mla_latent` (DeepSeek's MLA): one latent row per token per layer (kv_lora_rank +
+  qk_rope_head_dim elements), in pages, the same on every TP rank (each rank keeps it whole);
 - `recurrent` (Qwen3-Next's Gated DeltaNet, `layer_types` "linear_attention"): a fixed-size
   state per request whatever its length: the conv state (the last K-1 inputs of q|k|v, model
   dtype) and the delta-rule state (value heads x head_k_dim x head_v_dim, float32), per layer.
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FULL, WINDOW, RECURRENT = "full_attention", "sliding_window", "recurrent"
+FULL, WINDOW, RECURRENT, MLA = "full_attention", "sliding_window", "recurrent", "mla_latent"
 LINEAR_ATTENTION = "linear_attention"  # layer_types entry of a recurrent layer
 SSM_STATE_BYTES = 4  # the delta-rule state is float32 whatever the model dtype
 
@@ -40,6 +42,14 @@ class KVGroup:
 
     def ring_pages(self, page_size: int) -> int:
         return -(-self.window // page_size) + 1 if self.window else 0
+
+
+def mla_latent_dim(hf: dict[str, Any]) -> int:
+    """DeepSeek MLA: the KV cache keeps kv_lora_rank + qk_rope_head_dim elements per token per
+    layer (one latent, no heads, the same on every TP rank); 0 for K/V models."""
+    if not hf.get("kv_lora_rank"):
+        return 0
+    return int(hf["kv_lora_rank"]) + int(hf.get("qk_rope_head_dim") or 0)
 
 
 def linear_layers(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -84,6 +94,10 @@ def kv_groups(
     hf: dict[str, Any], dtype_bytes: int, tp_size: int = 1, max_model_len: int = 1 << 62
 ) -> list[KVGroup]:
     """The groups a worker with `tp_size` ranks keeps for this checkpoint (see module doc)."""
+    latent = mla_latent_dim(hf)
+    if latent:  # every rank keeps each page whole: the replica holds tp_size copies
+        layers = tuple(range(int(hf["num_hidden_layers"])))
+        return [KVGroup(MLA, layers, len(layers) * latent * dtype_bytes * tp_size)]
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)

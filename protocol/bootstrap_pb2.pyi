@@ -26,14 +26,16 @@ class RoomReleased(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., waited_ms: _Optional[float] = ...) -> None: ...
 
 class CacheGroup(_message.Message):
-    __slots__ = ("kind", "layers", "window")
+    __slots__ = ("kind", "layers", "window", "latent_dim")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
     kind: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     window: int
-    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ...) -> None: ...
+    latent_dim: int
+    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ..., latent_dim: _Optional[int] = ...) -> None: ...
 
 class LayoutContract(_message.Message):
     __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash")

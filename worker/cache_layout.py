@@ -77,6 +77,7 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
         window_layers=layers,
         window=window,
         num_window_pages=rings * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
+        latent_dim=spec.kv_latent_dim,  # MLA latent pages (num_kv_heads 1, head_dim the latent)
         state_layers=spec.state_layers,
         state=spec.state_shape,
         num_state_slots=requests + snapshots,

@@ -27,6 +27,11 @@ is float32 whatever the model dtype); each piece starts on a `STATE_ALIGN`-byte 
 All regions are views of one byte allocation (full, window, then state), so the transfer
 backend registers one block of memory once at start-up; the window region starts at byte
 `num_pages * page_bytes`, the state region at `KVShape.state_base`.
+
+MLA latent pages (DeepSeek, `latent_dim > 0`): `data[num_pages, num_layers, page_size,
+latent_dim]`: per token per layer one latent row (the compressed kv of kv_lora_rank elements,
+then the shared rope key), no heads and no K/V pair, the same on every TP rank. Still
+page-major, so a run of pages is one transfer range; read it through `latent(layer)`.
 """
 
 from __future__ import annotations
@@ -85,6 +90,9 @@ class KVShape:
     window_layers: tuple[int, ...] = ()  # layers kept in the window region (ascending); () = none
     window: int = 0  # tokens a window layer attends to (its sliding window)
     num_window_pages: int = 0  # pages of the window region (rings of all live requests)
+    # MLA: elements of the one latent row per token per layer (kv_lora_rank + qk_rope_head_dim);
+    # then num_kv_heads is 1 and head_dim is latent_dim. 0 = K/V heads.
+    latent_dim: int = 0
     # Recurrent layers (no K/V rows; a state slot per request in the state region), ascending.
     state_layers: tuple[int, ...] = ()
     state: StateShape | None = None  # one slot of one state layer; needed when state_layers
@@ -95,6 +103,15 @@ class KVShape:
             raise ValueError("KVShape.state_layers needs KVShape.state (the model's state_shape())")
         if set(self.state_layers) & set(self.window_layers):
             raise ValueError("KVShape: a layer cannot be both in window_layers and state_layers")
+        if self.latent_dim and (self.num_kv_heads, self.head_dim, self.window_layers) != (
+                1, self.latent_dim, ()):
+            raise ValueError(f"KVShape: an MLA latent cache has num_kv_heads 1, head_dim = "
+                             f"latent_dim ({self.latent_dim}) and no window layers; got {self}")
+
+    @property
+    def planes(self) -> int:
+        """Rows per layer per token: K and V (2), or the one MLA latent (1)."""
+        return 1 if self.latent_dim else 2
 
     @property
     def num_full_layers(self) -> int:
@@ -127,7 +144,8 @@ class KVShape:
 
     @property
     def _layer_page_bytes(self) -> int:
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.dtype.itemsize
+        rows = self.planes * self.num_kv_heads * self.page_size  # K|V (or the latent) per head
+        return rows * self.head_dim * self.dtype.itemsize
 
 
 class KVCache:
@@ -141,9 +159,14 @@ class KVCache:
         state = shape.num_state_slots * shape.state_slot_bytes
         # One byte allocation, viewed per region in its dtype (the state mixes dtypes).
         self._buffer = torch.zeros(shape.state_base + state, dtype=torch.uint8, device=device)
-        # data: [num_pages, num_full_layers, 2, num_kv_heads, page_size, head_dim]
-        self.data = self._buffer[:full].view(shape.dtype).view(
-            shape.num_pages, shape.num_full_layers, 2, h, s, d)
+        if shape.latent_dim:
+            # data: [num_pages, num_layers, page_size, latent_dim]
+            self.data = self._buffer[:full].view(shape.dtype).view(
+                shape.num_pages, shape.num_layers, s, d)
+        else:
+            # data: [num_pages, num_full_layers, 2, num_kv_heads, page_size, head_dim]
+            self.data = self._buffer[:full].view(shape.dtype).view(
+                shape.num_pages, shape.num_full_layers, 2, h, s, d)
         # window: [num_window_pages, num_window_layers, 2, num_kv_heads, page_size, head_dim]
         self.window = self._buffer[full : full + window].view(shape.dtype).view(
             shape.num_window_pages, len(shape.window_layers), 2, h, s, d)
@@ -169,6 +192,8 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer: each [pages of its region, num_kv_heads, page_size, head_dim]."""
+        if self.shape.latent_dim:
+            raise TypeError("an MLA latent cache has no K/V views; read it through latent(layer)")
         w, i = self._slot[layer]
         if i < 0:
             raise ValueError(
@@ -211,6 +236,12 @@ class KVCache:
             else:
                 self.state_region[dst] = self.state_region[src]
 
+    def latent(self, layer: int) -> torch.Tensor:
+        """MLA: one layer's latent rows [num_pages, page_size, latent_dim] (a strided view)."""
+        if not self.shape.latent_dim:
+            raise TypeError("latent(layer) is for MLA latent caches (KVShape.latent_dim > 0)")
+        return self.data[:, layer]
+
     def data_ptr(self) -> int:
         return self._buffer.data_ptr()
 
@@ -221,6 +252,9 @@ class KVCache:
 def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
     """The layout contract's cache groups: () when every layer lives in full pages (as before
     window rings existed, so such contracts hash as they always did)."""
+    if shape.latent_dim:
+        return (CacheGroup(CacheKind.MLA_LATENT, tuple(range(shape.num_layers)),
+                           latent_dim=shape.latent_dim),)
     if not shape.window_layers:
         return ()
     full = tuple(i for i in range(shape.num_layers) if i not in shape.window_layers)

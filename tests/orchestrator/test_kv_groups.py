@@ -92,8 +92,9 @@ def test_plan_budget_equals_the_workers_allocation(tmp_path: Path) -> None:
         "configs/tiny-1p1d.yaml", [f"model.path={tmp_path / 'gpt-oss'}", "model.dtype=float32"]
     )
     text = format_plan(cluster)
-    assert any(line.split()[1:] == ["sliding_window", "2", "512", "B", "-", "last", "8", "tokens",
-                                    "(ring", "of", "2", "pages)"] for line in text.splitlines())
+    assert any(line.split()[1:] == ["sliding_window", "2", "512", "B", "512", "B", "-", "last",
+                                    "8", "tokens", "(ring", "of", "2", "pages)"]
+               for line in text.splitlines()), text
     for budget in kv_budget(cluster, read_model_config(cluster.model.path)):
         engine = Engine(worker_config(cluster, budget.role, 0))
         assert budget.total_bytes == engine.kv.nbytes(), budget.role
@@ -135,9 +136,9 @@ def test_plan_prints_bytes_per_group(tmp_path: Path, capsys: pytest.CaptureFixtu
     lines = capsys.readouterr().out.splitlines()
     # 1 full layer * 2 * 2 heads * 16 tokens * 256 dims * 4 B per page (recurrent layers: no pages)
     assert any(line.split()[:4] == ["decode", "1024", "16", "65536"] for line in lines)
-    assert any(line.split()[:6] == ["decode", "full_attention", "1", "4.0", "KiB", "-"]
+    assert any(line.split()[:5] == ["decode", "full_attention", "1", "4.0", "KiB"]
                for line in lines), lines
     per_layer = 3 * 8192 * 4 + 32 * 128 * 128 * 4
     mib = f"{3 * per_layer / 2**20:.1f}"
-    assert any(line.split()[:6] == ["decode", "recurrent", "3", "-", mib, "MiB"]
+    assert any(line.split()[:7] == ["decode", "recurrent", "3", "-", "-", mib, "MiB"]
                for line in lines), lines

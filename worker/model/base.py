@@ -34,6 +34,9 @@ class ModelSpec:
     # slot of one such layer on one rank (CausalLM.state_shape); () / None without any.
     state_layers: tuple[int, ...] = ()
     state_shape: StateShape | None = None
+    # MLA (DeepSeek): the KV cache keeps one latent row of this width per token per layer (no heads,
+    # no K/V pair; num_kv_heads is then 1 and head_dim this width). 0 = K/V heads.
+    kv_latent_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,11 @@ class CausalLM(nn.Module, ABC):
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode step can be captured once and replayed (no per-step host logic)."""
         return True
+
+    def drop_unloaded(self, loaded: set[str]) -> None:
+        """After a checkpoint load, with the names it filled: let go of optional modules the
+        checkpoint did not carry (DeepSeek's MTP layers), so that `weight_slots` lists only what
+        must be there. Most models have none."""
 
     def load_weight(self, name: str, source: TensorSource) -> None:
         slot = self.weight_slots()[name]

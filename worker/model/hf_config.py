@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",  # its own fields: worker/model/gpt_oss_config.py
     "Qwen3NextForCausalLM",  # its own fields: worker/model/qwen3_next_config.py
+    "DeepseekV3ForCausalLM",  # config.json read by worker/model/deepseek_config.py (see loader.py)
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -82,8 +83,15 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
-    # A family's own typed fields, set by its parser (e.g. gpt_oss_config.GptOssArch).
+    # A family's own typed fields, set by its parser (e.g. gpt_oss_config.GptOssArch,
+    # deepseek_config.DeepseekArch, qwen3_next_config.Qwen3NextArch).
     family: Any = None
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """MLA: width of the one latent row per token per layer the KV cache keeps; 0 = K/V."""
+        mla = getattr(self.family, "mla", None)  # DeepseekArch.mla
+        return int(mla.latent_dim) if mla is not None else 0
 
     @property
     def sliding_window(self) -> int | None:

@@ -29,6 +29,8 @@ from worker.config import ModelConfig, ParallelConfig
 from worker.model import fused
 from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
+from worker.model.deepseek_config import parse_deepseek_v3
+from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from worker.model.gpt_oss import GptOssForCausalLM
 from worker.model.gpt_oss_config import parse_gpt_oss_config
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
@@ -49,11 +51,13 @@ _MODEL_CLASSES: dict[str, Callable[..., CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 # Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
 _CONFIG_PARSERS: dict[str, Callable[..., ArchConfig]] = {
     "GptOssForCausalLM": parse_gpt_oss_config,
     "Qwen3NextForCausalLM": parse_qwen3_next_config,
+    "DeepseekV3ForCausalLM": parse_deepseek_v3,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
@@ -175,7 +179,8 @@ def load_checkpoint(model: CausalLM, files: list[Path]) -> None:
                 continue
             slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
             loaded.add(name)
-    missing = sorted(set(slots) - loaded)
+    model.drop_unloaded(loaded)  # optional modules the checkpoint lacks (DeepSeek's MTP layers)
+    missing = sorted(set(model.weight_slots()) - loaded)
     if missing:
         raise ModelLoadError(
             f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
@@ -287,5 +292,6 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         layer_windows=arch.layer_windows,
         state_layers=lm.state_layers(),
         state_shape=lm.state_shape(),
+        kv_latent_dim=arch.kv_latent_dim,
     )
     return lm, spec
