@@ -26,10 +26,13 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's (deduplicated)
-    dtype: torch.dtype  # the dtype the weights were loaded in (also the KV cache's)
+    dtype: torch.dtype  # the dtype the weights compute in (the KV cache's too unless kv_cache_dtype is set)
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
+    # The checkpoint's K/V cache scales for FP8 pages (worker/model/fp8.py KVScales.label): "1.0"
+    # when it has none, else "checkpoint per-tensor|per-head sha256:…".
+    kv_scales: str = "1.0"
 
 
 @dataclass(frozen=True)
