@@ -75,6 +75,8 @@ class SafetensorsSource:
         return str(self._slice.get_dtype()).startswith("F8")
 
     def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if not self.shape:  # a scalar (e.g. a per-tensor K/V cache scale) has nothing to slice
+            return self._slice[()]
         stop = self.shape[dim] if stop is None else stop
         index = (slice(None),) * dim + (slice(start, stop),)
         return self._slice[index]
