@@ -157,8 +157,9 @@ def test_kv_pool_is_one_byte_per_element(tmp_path: Path) -> None:
 
 def test_fp8_pages_serve_the_embedded_model_like_float32_pages() -> None:
     """The harness decodes arith prompts with FP8 and float32 pages: the same greedy answers."""
-    from orchestrator.tasks import arith
     from tokenizers import Tokenizer
+
+    from orchestrator.tasks import arith
 
     tok = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
     model, spec = load_model(ModelConfig(path=str(EMBEDDED)), ParallelConfig())

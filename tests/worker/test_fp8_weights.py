@@ -19,7 +19,13 @@ from worker.config import ModelConfig, ParallelConfig
 from worker.model import fp8
 from worker.model.fp8 import BlockFp8Config, BlockFp8Source
 from worker.model.hf_config import ModelLoadError
-from worker.model.layers import ColumnParallelLinear, InMemorySource, QKVParallelLinear, RowParallelLinear, TPInfo
+from worker.model.layers import (
+    ColumnParallelLinear,
+    InMemorySource,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPInfo,
+)
 from worker.model.loader import load_model
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tandem-arith"
@@ -161,8 +167,9 @@ def test_fp8_copy_of_a_checkpoint_serves_close_to_the_original(tmp_path: Path) -
 
 def test_fp8_copy_of_the_embedded_model_answers_the_same(tmp_path: Path) -> None:
     """The embedded model (hidden 128) in FP8: the same greedy answers on arith prompts."""
-    from orchestrator.tasks import arith
     from tokenizers import Tokenizer
+
+    from orchestrator.tasks import arith
 
     convert(EMBEDDED, tmp_path / "fp8")
     assert (tmp_path / "fp8" / "tokenizer.json").exists()
