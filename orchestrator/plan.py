@@ -26,9 +26,12 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
+from orchestrator.weights import WeightBytes, weight_bytes
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# cache.kv_cache_dtype → the pages' dtype and bytes per element ("auto": the model dtype's).
+_KV_CACHE_DTYPES = {"fp8_e4m3": ("float8_e4m3fn", 1)}
 # Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -76,7 +79,8 @@ class KVBudget:
     page_size: int
     num_pages: int
     page_bytes: int  # one page, all layers, K and V, summed over the replica's TP ranks
-    dtype: str
+    dtype: str  # of the KV pages (cache.kv_cache_dtype)
+    weights: WeightBytes | None = None  # the replica's weights in the dtype it holds them in
 
     @property
     def total_bytes(self) -> int:
@@ -282,10 +286,14 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
         kv_per_rank = max(1, kv_heads // tp)
-        cache = worker_config(cluster, role, 0).cache
+        wc = worker_config(cluster, role, 0)
+        cache = wc.cache
+        kv_dtype, item = _KV_CACHE_DTYPES.get(cache.kv_cache_dtype, (dtype, _DTYPE_BYTES[dtype]))
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
-        page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
-        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes, dtype))
+        page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * item * tp
+        weights = weight_bytes(cluster.model.path, hf, dtype, wc.parallel.device)
+        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes,
+                            kv_dtype, weights))
     return out
 
 
@@ -336,7 +344,15 @@ def format_plan(cluster: ClusterConfig) -> str:
         parts.append(f"KV budget: unknown ({exc})")
         return "\n".join(parts)
     parts.append(_table(
-        ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
-        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
+        ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype", "weights/worker",
+         "weights dtype"],
+        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype,
+          _weights_cell(b.weights), b.weights.dtype if b.weights else "-"] for b in budgets],
     ))
     return "\n".join(parts)
+
+
+def _weights_cell(w: WeightBytes | None) -> str:
+    if w is None:
+        return "-"
+    return _human(w.total) + ("" if w.exact else " (est.)")
