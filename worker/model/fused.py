@@ -138,8 +138,10 @@ def _kernels() -> SimpleNamespace:
             is_v = h >= HEADS
             k_at = kc_ptr + page * stride_kcp + off * stride_kcs + (h - HQ)[:, None] * stride_kch + i[None, :]
             v_at = vc_ptr + page * stride_vcp + off * stride_vcs + (h - HEADS)[:, None] * stride_vch + i[None, :]
-            kmask = is_k[:, None] & mask & (slot >= 0)
-            vmask = is_v[:, None] & mask & (slot >= 0)
+            # Comparisons only (Triton's interpreter widens `bool & scalar bool` to int32).
+            live = (h < tl.where(slot >= 0, HEADS + HKV, 0))[:, None]  # slot -1: no head stores
+            kmask = is_k[:, None] & mask & live
+            vmask = is_v[:, None] & mask & live
             cache = kc_ptr.dtype.element_ty
             k1, k2 = y1.to(tl.float32), y2.to(tl.float32)
             v1, v2 = x1.to(dtype).to(tl.float32), x2.to(dtype).to(tl.float32)

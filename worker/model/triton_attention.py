@@ -77,7 +77,10 @@ def _get_kernels() -> dict[str, Any]:
         off = tl.maximum(slot, 0) % PAGE
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
-        hm = (h < HKV)[:, None] & (slot >= 0)  # slot -1: a CUDA-graph padding row writes nothing
+        # [BH, D]; slot -1: a CUDA-graph padding row writes nothing (no heads). Built from
+        # comparisons only: Triton's interpreter widens `bool & scalar bool` to int32.
+        live = tl.where(slot >= 0, HKV, 0)
+        hm = (h < live)[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=hm)  # [BH, D]
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=hm)
         if SCALED:  # FP8 pages: value / its head's scale, saturated at the largest e4m3 value
