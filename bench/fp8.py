@@ -93,31 +93,41 @@ def fp8_matmul_rate() -> float:
     return 2 * 8192**3 / t / 1e12
 
 
-def gemm() -> dict[str, Any]:
-    from worker.model.fp8 import BlockFp8Config, quantize_blockwise
+def _gemm_row(m: int, wq: torch.Tensor, ws: torch.Tensor, wb: torch.Tensor) -> dict[str, Any]:
+    """One projection at M tokens: Triton block GEMM, cuBLAS blockwise scaled_mm, bf16 cuBLAS."""
+    from worker.model.fp8 import BlockFp8Config
     from worker.model.fp8_gemm import block_fp8_matmul, quantize_activations
 
-    quant, out = BlockFp8Config(), {}
+    n, k = wq.shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_activations(x)
+    flops = 2 * m * n * k
+    quant = BlockFp8Config()
+    row: dict[str, Any] = {
+        "triton_TFLOPs": flops / cuda_time(lambda: block_fp8_matmul(xq, xs, wq, ws, quant, None, torch.bfloat16),
+                                           10) / 1e12,
+        "quant_act_us": cuda_time(lambda: quantize_activations(x), 10) * 1e6,
+        "bf16_TFLOPs": flops / cuda_time(lambda: x @ wb.t(), 10) / 1e12,
+    }
+    try:  # cuBLAS blockwise: A scales 1x128 (M-major), B scales 128x128
+        sa, sb = xs.t().contiguous().t(), ws.t()
+        row["scaled_mm_TFLOPs"] = flops / cuda_time(
+            lambda: torch._scaled_mm(xq, wq.t(), sa, sb, out_dtype=torch.bfloat16), 10) / 1e12
+    except Exception as exc:  # not every torch / CUDA build has the blockwise recipe
+        row["scaled_mm_error"] = str(exc).splitlines()[0][:160]
+    return row
+
+
+def gemm() -> dict[str, Any]:
+    from worker.model.fp8 import quantize_blockwise
+
+    out = {}
     for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
                          "down": (4096, 12288)}.items():
         wq, ws = quantize_blockwise(torch.randn(n, k) * 0.02)
-        wq, ws = wq.cuda(), ws.cuda()
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in (64, 8192):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xq, xs = quantize_activations(x)
-            flops = 2 * m * n * k
-            row = {"triton_TFLOPs": flops / cuda_time(lambda: block_fp8_matmul(xq, xs, wq, ws, quant, None,
-                                                                               torch.bfloat16), 10) / 1e12,
-                   "quant_act_us": cuda_time(lambda: quantize_activations(x), 10) * 1e6,
-                   "bf16_TFLOPs": flops / cuda_time(lambda: x @ wb.t(), 10) / 1e12}
-            try:  # cuBLAS blockwise: A scales 1x128 (M-major), B scales 128x128
-                sa, sb = xs.t().contiguous().t(), ws.t()
-                row["scaled_mm_TFLOPs"] = flops / cuda_time(
-                    lambda: torch._scaled_mm(xq, wq.t(), sa, sb, out_dtype=torch.bfloat16), 10) / 1e12
-            except Exception as exc:  # not every torch / CUDA build has the blockwise recipe
-                row["scaled_mm_error"] = str(exc).splitlines()[0][:160]
-            out[f"{name}_m{m}"] = row
+            out[f"{name}_m{m}"] = _gemm_row(m, wq.cuda(), ws.cuda(), wb)
     return out
 
 
@@ -131,14 +141,17 @@ def split_sweep(ctx: int, batch: int) -> dict[str, float]:
     table = torch.randperm(pages, device="cuda").view(batch, -1)
     lens = torch.full((batch,), ctx, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    def rate(kc: torch.Tensor, vc: torch.Tensor, scales: Any, splits: int) -> float:
+        t = cuda_time(lambda: triton_paged_decode(q, kc, vc, table, lens, d**-0.5, None, num_splits=splits,
+                                                  kv_scales=scales), 20)
+        return 2 * kc.numel() * kc.element_size() / t / 1e9
+
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
         kc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
         vc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
         scales = (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda")) if name == "fp8" else None
         for splits in (8, 16, 32, 64):
-            t = cuda_time(lambda s=splits: triton_paged_decode(q, kc, vc, table, lens, d**-0.5, None,
-                                                               num_splits=s, kv_scales=scales), 20)
-            out[f"{name}_splits{splits}_GBps"] = 2 * kc.numel() * kc.element_size() / t / 1e9
+            out[f"{name}_splits{splits}_GBps"] = rate(kc, vc, scales, splits)
         del kc, vc
     return out
 
