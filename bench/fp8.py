@@ -39,8 +39,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import MODEL_DIR, ceilings, cuda_time, model_sizes, random_prompts, run_requests  # noqa: E402
-from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
+from bench.gpu import (  # noqa: E402
+    MODEL_DIR,
+    ceilings,
+    cuda_time,
+    model_sizes,
+    random_prompts,
+    run_requests,
+)
+from worker.config import (  # noqa: E402
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
 from worker.engine import Engine  # noqa: E402
 
 SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "longctx")
@@ -51,8 +64,12 @@ def fp8_model_dir() -> Path:
     """The 8B-shape config with a block-scaled FP8 quantization_config (dummy weights)."""
     out = Path(tempfile.mkdtemp(prefix="qwen3-8b-fp8-"))
     cfg = json.loads((MODEL_DIR / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     for f in MODEL_DIR.iterdir():
         if f.name != "config.json" and f.is_file():
@@ -61,12 +78,15 @@ def fp8_model_dir() -> Path:
 
 
 def engine(path: Path, kv: str, max_len: int, seqs: int, tokens: int) -> Engine:
-    e = Engine(WorkerConfig(
-        model=ModelConfig(path=str(path), load_format="dummy", max_model_len=max_len),
-        cache=CacheConfig(page_size=16, max_total_tokens=tokens, kv_cache_dtype=kv),  # type: ignore[arg-type]
-        scheduler=SchedulerConfig(max_num_seqs=seqs, chunked_prefill_size=PREFILL_LEN),
-        parallel=ParallelConfig(device="cuda"),
-    ))
+    e = Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(path), load_format="dummy", max_model_len=max_len),
+            cache=CacheConfig(page_size=16, max_total_tokens=tokens,
+                              kv_cache_dtype=kv),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(max_num_seqs=seqs, chunked_prefill_size=PREFILL_LEN),
+            parallel=ParallelConfig(device="cuda"),
+        )
+    )
     e.warm_up()
     return e
 
@@ -76,13 +96,20 @@ def kv_bytes_per_token(e: Engine) -> int:
     return s.num_layers * 2 * s.num_kv_heads * s.head_dim * s.dtype.itemsize
 
 
-def decode(e: Engine, batch: int, prompt_len: int, new: int, bw: float, seed: int) -> dict[str, float]:
+def decode(
+    e: Engine, batch: int, prompt_len: int, new: int, bw: float, seed: int
+) -> dict[str, float]:
     prompts = random_prompts(batch, prompt_len, e.spec.vocab_size, seed)
     _, t = run_requests(e, prompts, new)
     tok_s = batch * (new - 1) / t
     weights = model_sizes(e)["weight_bytes_per_step"]
     roof = batch / ((weights + batch * (prompt_len + new / 2) * kv_bytes_per_token(e)) / bw)
-    return {"tok_s": tok_s, "roofline_tok_s": roof, "pct": 100 * tok_s / roof, "weight_GB": weights / 1e9}
+    return {
+        "tok_s": tok_s,
+        "roofline_tok_s": roof,
+        "pct": 100 * tok_s / roof,
+        "weight_GB": weights / 1e9,
+    }
 
 
 def fp8_matmul_rate() -> float:
@@ -104,15 +131,19 @@ def _gemm_row(m: int, wq: torch.Tensor, ws: torch.Tensor, wb: torch.Tensor) -> d
     flops = 2 * m * n * k
     quant = BlockFp8Config()
     row: dict[str, Any] = {
-        "triton_TFLOPs": flops / cuda_time(lambda: block_fp8_matmul(xq, xs, wq, ws, quant, None, torch.bfloat16),
-                                           10) / 1e12,
+        "triton_TFLOPs": flops
+        / cuda_time(lambda: block_fp8_matmul(xq, xs, wq, ws, quant, None, torch.bfloat16), 10)
+        / 1e12,
         "quant_act_us": cuda_time(lambda: quantize_activations(x), 10) * 1e6,
         "bf16_TFLOPs": flops / cuda_time(lambda: x @ wb.t(), 10) / 1e12,
     }
     try:  # cuBLAS blockwise: A scales 1x128 (M-major), B scales 128x128
         sa, sb = xs.t().contiguous().t(), ws.t()
-        row["scaled_mm_TFLOPs"] = flops / cuda_time(
-            lambda: torch._scaled_mm(xq, wq.t(), sa, sb, out_dtype=torch.bfloat16), 10) / 1e12
+        row["scaled_mm_TFLOPs"] = (
+            flops
+            / cuda_time(lambda: torch._scaled_mm(xq, wq.t(), sa, sb, out_dtype=torch.bfloat16), 10)
+            / 1e12
+        )
     except Exception as exc:  # not every torch / CUDA build has the blockwise recipe
         row["scaled_mm_error"] = str(exc).splitlines()[0][:160]
     return row
@@ -122,8 +153,12 @@ def gemm() -> dict[str, Any]:
     from worker.model.fp8 import quantize_blockwise
 
     out = {}
-    for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-                         "down": (4096, 12288)}.items():
+    for name, (n, k) in {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (24576, 4096),
+        "down": (4096, 12288),
+    }.items():
         wq, ws = quantize_blockwise(torch.randn(n, k) * 0.02)
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in (64, 8192):
@@ -141,15 +176,24 @@ def split_sweep(ctx: int, batch: int) -> dict[str, float]:
     table = torch.randperm(pages, device="cuda").view(batch, -1)
     lens = torch.full((batch,), ctx, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+
     def rate(kc: torch.Tensor, vc: torch.Tensor, scales: Any, splits: int) -> float:
-        t = cuda_time(lambda: triton_paged_decode(q, kc, vc, table, lens, d**-0.5, None, num_splits=splits,
-                                                  kv_scales=scales), 20)
+        t = cuda_time(
+            lambda: triton_paged_decode(
+                q, kc, vc, table, lens, d**-0.5, None, num_splits=splits, kv_scales=scales
+            ),
+            20,
+        )
         return 2 * kc.numel() * kc.element_size() / t / 1e9
 
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
         kc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
         vc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
-        scales = (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda")) if name == "fp8" else None
+        scales = (
+            (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda"))
+            if name == "fp8"
+            else None
+        )
         for splits in (8, 16, 32, 64):
             out[f"{name}_splits{splits}_GBps"] = rate(kc, vc, scales, splits)
         del kc, vc
@@ -159,7 +203,9 @@ def split_sweep(ctx: int, batch: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    ap.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}"
+    )
     args = ap.parse_args()
     chosen = set(args.sections.split(","))
     if chosen - set(SECTIONS):
@@ -173,14 +219,20 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             res[name] = fn()
-            print(f"[{name}] {time.perf_counter() - t0:.1f}s {json.dumps(res[name], default=str)[:700]}", flush=True)
+            print(
+                f"[{name}] {time.perf_counter() - t0:.1f}s "
+                f"{json.dumps(res[name], default=str)[:700]}",
+                flush=True,
+            )
             return res[name]
         except Exception:
             errors[name] = traceback.format_exc()
             print(f"[{name}] FAILED\n{errors[name]}", flush=True)
             return None
         finally:
-            (out_dir / "fp8.json").write_text(json.dumps({**res, "errors": errors}, indent=1, default=str))
+            (out_dir / "fp8.json").write_text(
+                json.dumps({**res, "errors": errors}, indent=1, default=str)
+            )
 
     ceil = section("ceilings", lambda: {**ceilings(), "fp8_matmul_TFLOPs": fp8_matmul_rate()}) or {}
     bw = ceil.get("copy_GBps", 4200.0) * 1e9
@@ -194,18 +246,29 @@ def main() -> None:
             section("fp8_weights_fp8_kv_b64", lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
 
         def prefill() -> dict[str, float]:
-            t = min(run_requests(e8, random_prompts(1, PREFILL_LEN, e8.spec.vocab_size, s), 1)[0] for s in (7, 8))
+            t = min(
+                run_requests(e8, random_prompts(1, PREFILL_LEN, e8.spec.vocab_size, s), 1)[0]
+                for s in (7, 8)
+            )
             s = e8.spec
-            flops = 2 * model_sizes(e8)["layer_matmul_params"] * PREFILL_LEN \
+            flops = (
+                2 * model_sizes(e8)["layer_matmul_params"] * PREFILL_LEN
                 + 4 * (PREFILL_LEN**2 / 2) * s.head_dim * s.num_heads * s.num_layers
+            )
             rate = ceil.get("fp8_matmul_TFLOPs", 1600.0)
-            return {"tok_s": PREFILL_LEN / t, "TFLOPs": flops / t / 1e12, "pct_of_fp8_matmul": 100 * flops / t / 1e12 / rate}
+            return {
+                "tok_s": PREFILL_LEN / t,
+                "TFLOPs": flops / t / 1e12,
+                "pct_of_fp8_matmul": 100 * flops / t / 1e12 / rate,
+            }
 
         if "prefill" in chosen:
             section("prefill_8k_fp8", prefill)
         if "room" in chosen:
             page = e8.kv.shape.page_bytes / e8.kv.shape.page_size
-            section("room_bytes_per_token", lambda: {"fp8_kv": page, "bf16_kv": 2 * page, "ratio": 0.5})
+            section(
+                "room_bytes_per_token", lambda: {"fp8_kv": page, "bf16_kv": 2 * page, "ratio": 0.5}
+            )
         del e8
         torch.cuda.empty_cache()
     if "decode" in chosen:
@@ -218,8 +281,12 @@ def main() -> None:
             el = engine(MODEL_DIR, kv, 32768 + 256, 8, 8 * (32768 + new) + PREFILL_LEN)
             for ctx in (16384, 32768):
                 for b in (1, 8):
-                    section(f"longctx_{kv}_{ctx // 1024}k_b{b}", lambda el=el, ctx=ctx, b=b:
-                            decode(el, b, ctx - new, min(new, 64), bw, ctx + b))
+                    section(
+                        f"longctx_{kv}_{ctx // 1024}k_b{b}",
+                        lambda el=el, ctx=ctx, b=b: decode(
+                            el, b, ctx - new, min(new, 64), bw, ctx + b
+                        ),
+                    )
             del el
             torch.cuda.empty_cache()
         for b in (1, 8):
@@ -227,11 +294,16 @@ def main() -> None:
 
     print("\n== summary (one process) ==")
     if ceil:
-        print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f}, "
-              f"FP8 matmul {ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s")
+        print(
+            f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul "
+            f"{ceil['matmul_TFLOPs']:.0f}, "
+            f"FP8 matmul {ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s"
+        )
     for key, value in res.items():
         if isinstance(value, dict) and "tok_s" in value:
-            pct = f" ({value['pct']:.1f}% of {value['roofline_tok_s']:.0f})" if "pct" in value else ""
+            pct = (
+                f" ({value['pct']:.1f}% of {value['roofline_tok_s']:.0f})" if "pct" in value else ""
+            )
             print(f"{key:<28}{value['tok_s']:>10.1f} tok/s{pct}")
     if errors:
         print("errors in:", ", ".join(errors))

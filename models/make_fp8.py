@@ -35,18 +35,29 @@ KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "router")
 
 def quantized(name: str, tensor: torch.Tensor, skip: tuple[str, ...]) -> bool:
     """Whether a checkpoint tensor is a linear weight to store in FP8."""
-    return (name.endswith(".weight") and tensor.dim() == 2 and ".layers." in name
-            and not any(k in name for k in (*KEEP, *skip)))
+    return (
+        name.endswith(".weight")
+        and tensor.dim() == 2
+        and ".layers." in name
+        and not any(k in name for k in (*KEEP, *skip))
+    )
 
 
-def convert(src: Path, dst: Path, block: tuple[int, int] = (128, 128), skip: tuple[str, ...] = ()) -> int:
+def convert(
+    src: Path, dst: Path, block: tuple[int, int] = (128, 128), skip: tuple[str, ...] = ()
+) -> int:
     """Write the FP8 copy of `src` into `dst`; returns how many tensors were quantized."""
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
-        raise SystemExit(f"{src}/config.json already has a quantization_config; convert the unquantized checkpoint")
+        raise SystemExit(
+            f"{src}/config.json already has a quantization_config; convert the unquantized "
+            "checkpoint"
+        )
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        raise SystemExit(f"{src}: no *.safetensors files; save the checkpoint with safetensors first")
+        raise SystemExit(
+            f"{src}: no *.safetensors files; save the checkpoint with safetensors first"
+        )
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     count = 0
@@ -66,29 +77,54 @@ def convert(src: Path, dst: Path, block: tuple[int, int] = (128, 128), skip: tup
     index = src / "model.safetensors.index.json"
     if index.exists():
         meta = json.loads(index.read_text()).get("metadata", {})
-        (dst / index.name).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2))
+        (dst / index.name).write_text(
+            json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2)
+        )
     config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": list(block), "modules_to_not_convert": ["lm_head", *skip],
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head", *skip],
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for other in src.iterdir():
-        if other.is_file() and other.suffix != ".safetensors" and other.name not in ("config.json", index.name):
+        if (
+            other.is_file()
+            and other.suffix != ".safetensors"
+            and other.name not in ("config.json", index.name)
+        ):
             shutil.copy(other, dst / other.name)
     return count
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", type=Path, help="HF checkpoint directory (bf16 / fp16 / fp32 safetensors)")
+    ap.add_argument(
+        "src", type=Path, help="HF checkpoint directory (bf16 / fp16 / fp32 safetensors)"
+    )
     ap.add_argument("dst", type=Path, help="output directory (created)")
-    ap.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("N", "K"),
-                    help="weight_block_size: output rows x input columns per scale (default 128 128)")
-    ap.add_argument("--skip", nargs="*", default=[], metavar="NAME",
-                    help="more tensor-name substrings to keep unquantized (listed in modules_to_not_convert)")
+    ap.add_argument(
+        "--block",
+        type=int,
+        nargs=2,
+        default=[128, 128],
+        metavar=("N", "K"),
+        help="weight_block_size: output rows x input columns per scale (default 128 128)",
+    )
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        metavar="NAME",
+        help="more tensor-name substrings to keep unquantized (listed in modules_to_not_convert)",
+    )
     args = ap.parse_args(argv)
     n = convert(args.src, args.dst, (args.block[0], args.block[1]), tuple(args.skip))
-    print(f"wrote {args.dst}: {n} linear weights in FP8 with {args.block[0]}x{args.block[1]} block scales")
+    print(
+        f"wrote {args.dst}: {n} linear weights in FP8 with {args.block[0]}x{args.block[1]} block "
+        "scales"
+    )
     return 0
 
 

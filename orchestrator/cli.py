@@ -49,8 +49,10 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="|".join(KV_CACHE_DTYPES),
-                   help="KV cache storage (= --set cache.kv_cache_dtype=...): auto = the model dtype, "
-                        "fp8_e4m3 = one byte per element with the checkpoint's K/V scales (else 1.0)")
+                   help="KV cache storage (= --set cache.kv_cache_dtype=...): auto = the model "
+                        "dtype, "
+                        "fp8_e4m3 = one byte per element with the checkpoint's K/V scales (else "
+                        "1.0)")
 
 
 def _kv_dtype_override(args: argparse.Namespace) -> list[str]:
@@ -92,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=True)
     _add_kv_dtype_arg(p)
 
-    p = sub.add_parser("plan", help="print the process table, KV budget and weight bytes of a config")
+    p = sub.add_parser("plan",
+        help="print the process table, KV budget and weight bytes of a config")
     _add_config_args(p, required=True)
     _add_kv_dtype_arg(p)
 

@@ -292,7 +292,8 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
         page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * item * tp
         weights = weight_bytes(cluster.model.path, hf, dtype, wc.parallel.device)
-        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes,
+        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size,
+            page_bytes,
                             kv_dtype, weights))
     return out
 
@@ -344,9 +345,11 @@ def format_plan(cluster: ClusterConfig) -> str:
         parts.append(f"KV budget: unknown ({exc})")
         return "\n".join(parts)
     parts.append(_table(
-        ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype", "weights/worker",
+        ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype",
+            "weights/worker",
          "weights dtype"],
-        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype,
+        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes),
+            b.dtype,
           _weights_cell(b.weights), b.weights.dtype if b.weights else "-"] for b in budgets],
     ))
     return "\n".join(parts)

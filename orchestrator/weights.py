@@ -27,7 +27,7 @@ class WeightBytes:
 
 
 def _headers(path: Path) -> dict[str, dict[str, Any]]:
-    """Every tensor's header entry ({dtype, shape, ...}) across the checkpoint's safetensors files."""
+    """Every tensor's header entry ({dtype, shape, ...}) across the checkpoint's files."""
     out: dict[str, dict[str, Any]] = {}
     for f in sorted(path.glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -64,7 +64,9 @@ def _estimated_params(hf: dict[str, Any]) -> tuple[int, int]:
     return layers * (attn + mlp), embeddings + norms + layers * router
 
 
-def weight_bytes(model_path: str, hf: dict[str, Any], dtype: str, device: str) -> WeightBytes | None:
+def weight_bytes(
+    model_path: str, hf: dict[str, Any], dtype: str, device: str
+) -> WeightBytes | None:
     """The weights one replica holds with compute dtype `dtype` on `device` (cpu | cuda...);
     None when there are no safetensors and config.json lacks a shape field to estimate from."""
     item = DTYPE_BYTES.get(dtype, 4)

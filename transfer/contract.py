@@ -210,7 +210,8 @@ class LayoutContract:
     tp_size: int
     backend: str
     groups: tuple[CacheGroup, ...] = field(default=())
-    kv_scales: str = ""  # KVLayout.kv_scales; left out of the canonical form when "" (old hashes hold)
+    # KVLayout.kv_scales; left out of the canonical form when "" (old hashes hold)
+    kv_scales: str = ""
 
     @classmethod
     def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:

@@ -52,7 +52,8 @@ class CacheConfig:
 
     def validate(self, prefix: str = "cache") -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"{prefix}.kv_cache_dtype must be one of {'|'.join(KV_CACHE_DTYPES)}, "
+            raise ConfigError(f"{prefix}.kv_cache_dtype must be one of "
+                              f"{'|'.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"{prefix}.page_size must be a positive power of two, got {self.page_size}")

@@ -120,5 +120,6 @@ def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_si
         num_pages=shape.num_pages, num_layers=shape.num_layers, page_size=shape.page_size,
         head_dim=shape.head_dim, dtype=str(shape.dtype).removeprefix("torch."),
         num_kv_heads_total=num_kv_heads_total, tp_rank=tp_rank, tp_size=tp_size,
-        groups=cache_groups(shape), num_window_pages=shape.num_window_pages, kv_scales=shape.kv_scales,
+        groups=cache_groups(shape), num_window_pages=shape.num_window_pages,
+            kv_scales=shape.kv_scales,
     )

@@ -262,7 +262,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     shape = engine.kv.shape
     log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups; KV %s%s)",
              config.role, address, shape.num_pages, config.cache.page_size, len(engine.schedulers),
-             str(shape.dtype).removeprefix("torch."), f", K/V scales {shape.kv_scales}" if shape.kv_scales else "")
+             str(shape.dtype).removeprefix("torch."),
+                 f", K/V scales {shape.kv_scales}" if shape.kv_scales else "")
     try:
         await stop.wait()
     finally:

@@ -18,8 +18,12 @@ def _fp8(scales: str = "1.0") -> object:
 
 
 def _contract(lay: object) -> LayoutContract:
-    return LayoutContract.from_layout(lay, model_name="tiny", model_fingerprint="fp",  # type: ignore[arg-type]
-                                      backend="mooncake")
+    return LayoutContract.from_layout(
+        lay,
+        model_name="tiny",
+        model_fingerprint="fp",  # type: ignore[arg-type]
+        backend="mooncake",
+    )
 
 
 def test_kv_dtype_and_scales_are_compatibility_fields() -> None:
@@ -27,7 +31,9 @@ def test_kv_dtype_and_scales_are_compatibility_fields() -> None:
     assert f8.layout().itemsize == 1 and f8.layout().page_bytes * 4 == plain.layout().page_bytes
     with pytest.raises(ContractError) as e:
         plain.check_compatible(f8)
-    assert "dtype: 'float32' != 'float8_e4m3fn'" in str(e.value) and "kv_scales: '' != '1.0'" in str(e.value)
+    assert "dtype: 'float32' != 'float8_e4m3fn'" in str(
+        e.value
+    ) and "kv_scales: '' != '1.0'" in str(e.value)
     with pytest.raises(ContractError, match=r"kv_scales: '1.0' != 'checkpoint per-head sha256:ab'"):
         f8.check_compatible(_contract(_fp8("checkpoint per-head sha256:ab")))
     assert contract_from_pb(contract_to_pb(f8)) == f8  # the label crosses the wire, hash checked
@@ -35,12 +41,17 @@ def test_kv_dtype_and_scales_are_compatibility_fields() -> None:
     assert "kv_scales" not in plain.canonical() and '"kv_scales":"1.0"' in f8.canonical()
 
 
-@pytest.mark.parametrize("prefill_layout,decode_layout", [
-    (layout(), _fp8()),  # float32 prefill, FP8 decode
-    (_fp8(), _fp8("checkpoint per-tensor sha256:00")),  # both FP8, other scales
-])
-def test_bootstrap_refuses_a_decode_with_other_kv_pages(prefill_layout: object, decode_layout: object) -> None:
-    """Over a real backend: the room fails at registration with INVALID_ARGUMENT naming the field."""
+@pytest.mark.parametrize(
+    "prefill_layout,decode_layout",
+    [
+        (layout(), _fp8()),  # float32 prefill, FP8 decode
+        (_fp8(), _fp8("checkpoint per-tensor sha256:00")),  # both FP8, other scales
+    ],
+)
+def test_bootstrap_refuses_a_decode_with_other_kv_pages(
+    prefill_layout: object, decode_layout: object
+) -> None:
+    """Over a real backend: the room fails at registration, INVALID_ARGUMENT naming the field."""
     c = make_cluster("mooncake", prefill_layout, decode_layout)  # type: ignore[arg-type]
     try:
         send = c.prefill[0].manager.create_sender(7)

@@ -26,8 +26,13 @@ from worker.model.attention import store_kv
 from worker.model.fp8 import BlockFp8Config
 
 DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
-stores_e4m3 = pytest.mark.skipif(INTERPRET, reason="the interpreter rounds float32 → e4m3 wrongly (module doc)")
-SCALES = (torch.tensor([0.02, 0.05, 0.01, 0.03]), torch.tensor([0.04, 0.01, 0.02, 0.05]))  # per kv head
+stores_e4m3 = pytest.mark.skipif(
+    INTERPRET, reason="the interpreter rounds float32 → e4m3 wrongly (module doc)"
+)
+SCALES = (
+    torch.tensor([0.02, 0.05, 0.01, 0.03]),
+    torch.tensor([0.04, 0.01, 0.02, 0.05]),
+)  # per kv head
 
 
 def _dev(t: torch.Tensor) -> torch.Tensor:
@@ -70,16 +75,39 @@ def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int) -> None:
     num_pages = 16
     k_deq = torch.randn(num_pages, hkv, page, d, generator=g)
     v_deq = torch.randn(num_pages, hkv, page, d, generator=g)
-    k_cache = fp8.quantize_kv(k_deq.transpose(1, 2).reshape(-1, hkv, d), SCALES[0] * 40).reshape(
-        num_pages, page, hkv, d).transpose(1, 2).contiguous()  # [P, Hkv, S, D] e4m3
-    v_cache = fp8.quantize_kv(v_deq.transpose(1, 2).reshape(-1, hkv, d), SCALES[1] * 40).reshape(
-        num_pages, page, hkv, d).transpose(1, 2).contiguous()
+    k_cache = (
+        fp8.quantize_kv(k_deq.transpose(1, 2).reshape(-1, hkv, d), SCALES[0] * 40)
+        .reshape(num_pages, page, hkv, d)
+        .transpose(1, 2)
+        .contiguous()
+    )  # [P, Hkv, S, D] e4m3
+    v_cache = (
+        fp8.quantize_kv(v_deq.transpose(1, 2).reshape(-1, hkv, d), SCALES[1] * 40)
+        .reshape(num_pages, page, hkv, d)
+        .transpose(1, 2)
+        .contiguous()
+    )
     ks, vs = SCALES[0] * 40, SCALES[1] * 40
-    table = torch.tensor([[3, 0, 0, 0, 0, 0, 0, 0, 0], [5, 1, 0, 0, 0, 0, 0, 0, 0],
-                          [2, 4, 6, 7, 8, 9, 10, 11, 12], [0] * 9])
+    table = torch.tensor(
+        [
+            [3, 0, 0, 0, 0, 0, 0, 0, 0],
+            [5, 1, 0, 0, 0, 0, 0, 0, 0],
+            [2, 4, 6, 7, 8, 9, 10, 11, 12],
+            [0] * 9,
+        ]
+    )
     q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
-    out = triton_paged_decode(_dev(q), _dev(k_cache), _dev(v_cache), _dev(table), _dev(torch.tensor(seq_lens)),
-                              d**-0.5, None, num_splits=splits, kv_scales=(_dev(ks), _dev(vs))).cpu()
+    out = triton_paged_decode(
+        _dev(q),
+        _dev(k_cache),
+        _dev(v_cache),
+        _dev(table),
+        _dev(torch.tensor(seq_lens)),
+        d**-0.5,
+        None,
+        num_splits=splits,
+        kv_scales=(_dev(ks), _dev(vs)),
+    ).cpu()
     kf = k_cache.double() * ks.double()[None, :, None, None]  # the dequantized pages, float64
     vf = v_cache.double() * vs.double()[None, :, None, None]
     for i, n in enumerate(seq_lens[:-1]):
@@ -110,11 +138,23 @@ def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype) -> None:
     kc, vc = (torch.zeros(4, hkv, page, d, dtype=fp8.FP8, device=DEVICE) for _ in range(2))
     ref_k, ref_v = (torch.zeros(4, hkv, page, d, dtype=fp8.FP8) for _ in range(2))
     unfused = qkv.clone()
-    fused.qk_norm_rope(qkv, hq, hkv, cos, sin, qn.weight, kn.weight, 1e-6, kv_cache=(kc, vc, slots),
-                       kv_scales=_scales())
-    fused.qk_norm_rope(unfused, hq, hkv, cos, sin, qn.weight, kn.weight, 1e-6)  # the same rotation, no store
-    k = unfused[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d).cpu()
-    v = unfused[:, (hq + hkv) * d:].reshape(t, hkv, d).cpu()
+    fused.qk_norm_rope(
+        qkv,
+        hq,
+        hkv,
+        cos,
+        sin,
+        qn.weight,
+        kn.weight,
+        1e-6,
+        kv_cache=(kc, vc, slots),
+        kv_scales=_scales(),
+    )
+    fused.qk_norm_rope(
+        unfused, hq, hkv, cos, sin, qn.weight, kn.weight, 1e-6
+    )  # the same rotation, no store
+    k = unfused[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d).cpu()
+    v = unfused[:, (hq + hkv) * d :].reshape(t, hkv, d).cpu()
     keep = slots.cpu() >= 0
     store_kv(k[keep], v[keep], ref_k, ref_v, slots.cpu()[keep], SCALES)
     assert torch.equal(qkv, unfused)  # q/k rotated in place exactly as without the store
@@ -135,7 +175,9 @@ def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", [(1, 256, 384), (5, 200, 300), (64, 384, 256), (130, 256, 1024)])
-def test_block_fp8_gemm_matches_its_dequantized_reference(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+def test_block_fp8_gemm_matches_its_dequantized_reference(
+    dtype: torch.dtype, m: int, n: int, k: int
+) -> None:
     from worker.model.fp8_gemm import block_fp8_matmul, fp8_linear, quantize_activations
 
     w, ws, w_ref = _fp8_weight(n, k, seed=m + n)
@@ -146,13 +188,21 @@ def test_block_fp8_gemm_matches_its_dequantized_reference(dtype: torch.dtype, m:
     if not INTERPRET:  # the Triton quantizer (CUDA) gives the same bytes and scales
         gq, gs = quantize_activations(x)
         assert torch.allclose(gs, xs) and (gq.float() == xq.float()).float().mean() > 0.99
-    x_deq = xq.cpu().float() * xs.cpu().repeat_interleave(128, 1)[:, :k]  # what the kernel multiplies
+    x_deq = (
+        xq.cpu().float() * xs.cpu().repeat_interleave(128, 1)[:, :k]
+    )  # what the kernel multiplies
     assert _rel(x_deq, x.cpu().float()) < 0.04
     out = block_fp8_matmul(xq, xs, w, ws, BLOCK, bias, dtype)
     exact = F.linear(x_deq, w_ref, bias.cpu().float())  # the same operands, float32
     assert out.dtype == dtype and _rel(out.cpu(), exact) < 1e-2
     # The layer's entry point: within FP8's rounding of x and w of the unquantized product.
-    assert _rel(fp8_linear(x, w, ws, bias, BLOCK).cpu(), F.linear(x.cpu().float(), w_ref, bias.cpu().float())) < 0.06
+    assert (
+        _rel(
+            fp8_linear(x, w, ws, bias, BLOCK).cpu(),
+            F.linear(x.cpu().float(), w_ref, bias.cpu().float()),
+        )
+        < 0.06
+    )
 
 
 @pytest.mark.gpu
@@ -167,7 +217,13 @@ def test_fp8_gemv_folds_the_block_scales_in(dtype: torch.dtype, n: int, k: int) 
     w, ws, w_ref = _fp8_weight(n, k, seed=k)
     x = _dev(torch.randn(1, k, generator=g).to(dtype))
     ref = F.linear(x.cpu().float(), w_ref)
-    out = gemv.gemv(x, w, w_scale=ws, block=(128, 128), out=torch.empty(1, n, dtype=torch.float32, device=DEVICE))
+    out = gemv.gemv(
+        x,
+        w,
+        w_scale=ws,
+        block=(128, 128),
+        out=torch.empty(1, n, dtype=torch.float32, device=DEVICE),
+    )
     assert _rel(out.cpu(), ref) < 1e-2
     if k <= gemv.MAX_K_ONE_BLOCK:  # the norm folded in, and the gate|up pair with SiLU·mul
         norm = _norm(k, dtype, g)
@@ -207,33 +263,56 @@ def test_gpu_engine_serves_an_fp8_checkpoint_with_fp8_kv(tmp_path: Path) -> None
     from worker.engine import Engine
 
     src, dst = tmp_path / "src", tmp_path / "fp8"
-    build_tiny_checkpoint(src, "qwen3", hidden_size=256, intermediate_size=384, head_dim=128,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    build_tiny_checkpoint(
+        src,
+        "qwen3",
+        hidden_size=256,
+        intermediate_size=384,
+        head_dim=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
     convert(src, dst)
     rng = random.Random(0)
     prompts = [[rng.randrange(97) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
 
     def engine(device: str) -> Engine:
-        return Engine(WorkerConfig(
-            model=ModelConfig(path=str(dst), dtype="bfloat16"),
-            cache=CacheConfig(page_size=16, num_pages=256, kv_cache_dtype="fp8_e4m3"),
-            scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=64), parallel=ParallelConfig(device=device)))
+        return Engine(
+            WorkerConfig(
+                model=ModelConfig(path=str(dst), dtype="bfloat16"),
+                cache=CacheConfig(page_size=16, num_pages=256, kv_cache_dtype="fp8_e4m3"),
+                scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=64),
+                parallel=ParallelConfig(device=device),
+            )
+        )
 
     gpu_engine = engine("cuda")
     layer = gpu_engine.model.model.layers[0]  # type: ignore[union-attr, index]
     assert layer.mlp.down_proj.weight.dtype == fp8.FP8 and gpu_engine.kv.shape.dtype == fp8.FP8
     gpu_engine.runner.enable_cuda_graphs(8, 256)
-    gpu_tokens = generate(gpu_engine, prompts, max_tokens=16) + generate(gpu_engine, prompts[:1], max_tokens=16)
+    gpu_tokens = generate(gpu_engine, prompts, max_tokens=16) + generate(
+        gpu_engine, prompts[:1], max_tokens=16
+    )
     cpu_engine = engine("cpu")
-    cpu_tokens = generate(cpu_engine, prompts, max_tokens=16) + generate(cpu_engine, prompts[:1], max_tokens=16)
+    cpu_tokens = generate(cpu_engine, prompts, max_tokens=16) + generate(
+        cpu_engine, prompts[:1], max_tokens=16
+    )
     first = sum(a[0] == b[0] for a, b in zip(gpu_tokens, cpu_tokens, strict=True))
-    assert first >= 5, f"{first}/7 first tokens equal"  # bf16 + FP8 activations vs the CPU's float32 path
+    assert first >= 5, (
+        f"{first}/7 first tokens equal"
+    )  # bf16 + FP8 activations vs the CPU's float32 path
 
 
-_INTERPRETER_E4M3 = ([31.9, 1.99, 500.0], [16.0, 1.0, 256.0])  # what triton 3.9's interpreter stores
+_INTERPRETER_E4M3 = (
+    [31.9, 1.99, 500.0],
+    [16.0, 1.0, 256.0],
+)  # what triton 3.9's interpreter stores
 
 
-@pytest.mark.skipif(not INTERPRET, reason="pins the interpreter's e4m3 rounding (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(
+    not INTERPRET, reason="pins the interpreter's e4m3 rounding (TRITON_INTERPRET=1)"
+)
 def test_the_interpreter_still_rounds_e4m3_wrongly() -> None:
     """Why the store tests skip under the interpreter; fails once Triton fixes it (then drop
     `stores_e4m3`)."""

@@ -45,7 +45,9 @@ def test_config_key_is_validated() -> None:
         CacheConfig(kv_cache_dtype="fp8").validate()  # type: ignore[arg-type]
 
 
-def _fp8_cache(num_pages: int, heads: int, page: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_cache(
+    num_pages: int, heads: int, page: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_pages, heads, page, dim)
     return torch.zeros(shape, dtype=fp8.FP8), torch.zeros(shape, dtype=fp8.FP8)
 
@@ -72,17 +74,25 @@ def test_reference_attention_reads_fp8_pages_as_float32() -> None:
             store_kv(k, v, k_ref, v_ref, slots)
     t = sum(news)
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
-    slot = [tables[i][p // page] * page + p % page for i, (n, new) in enumerate(zip(lens, news, strict=True))
-            for p in range(n - new, n)]
+    slot = [
+        tables[i][p // page] * page + p % page
+        for i, (n, new) in enumerate(zip(lens, news, strict=True))
+        for p in range(n - new, n)
+    ]
     table = torch.zeros(3, 3, dtype=torch.int64)
     for i, tb in enumerate(tables):
         table[i, : len(tb)] = torch.tensor(tb)
     qs = [0, 9, 10, 11]
     batch = ForwardBatch(
-        input_ids=torch.zeros(t, dtype=torch.int64), positions=torch.zeros(t, dtype=torch.int64),
-        query_start=torch.tensor(qs), seq_lens=torch.tensor(lens), page_table=table,
-        slot_mapping=torch.tensor(slot), logits_indices=torch.tensor([8, 9, 10]),
-        query_start_list=qs, seq_lens_list=lens,
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=torch.zeros(t, dtype=torch.int64),
+        query_start=torch.tensor(qs),
+        seq_lens=torch.tensor(lens),
+        page_table=table,
+        slot_mapping=torch.tensor(slot),
+        logits_indices=torch.tensor([8, 9, 10]),
+        query_start_list=qs,
+        seq_lens_list=lens,
     )
     out = paged_attention(q, k, v, k_cache, v_cache, batch, d**-0.5, kv_scales=scales)
     # The same step over float32 caches holding the dequantized FP8 values (this step's K/V
@@ -116,27 +126,42 @@ def test_kv_scales_from_the_checkpoint(tmp_path: Path) -> None:
     attn = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
     assert torch.equal(attn.k_scale, torch.ones(2)) and torch.equal(attn.v_scale, torch.ones(2))
 
-    per_head = _with_kv_scales(tmp_path / "heads", torch.tensor([0.02, 0.05]), torch.tensor([0.03, 0.01]))
+    per_head = _with_kv_scales(
+        tmp_path / "heads", torch.tensor([0.02, 0.05]), torch.tensor([0.03, 0.01])
+    )
     model, spec = load_model(ModelConfig(path=str(per_head)), ParallelConfig())
     assert spec.kv_scales.startswith("checkpoint per-head sha256:")
     attn = model.model.layers[3].self_attn  # type: ignore[union-attr, index]
-    assert torch.equal(attn.k_scale, torch.tensor([0.02, 0.05])) and torch.equal(attn.v_scale, torch.tensor([0.03, 0.01]))
+    assert torch.equal(attn.k_scale, torch.tensor([0.02, 0.05])) and torch.equal(
+        attn.v_scale, torch.tensor([0.03, 0.01])
+    )
 
-    legacy = _with_kv_scales(tmp_path / "legacy", torch.tensor(0.04), torch.tensor(0.0), legacy=True)
+    legacy = _with_kv_scales(
+        tmp_path / "legacy", torch.tensor(0.04), torch.tensor(0.0), legacy=True
+    )
     model, spec = load_model(ModelConfig(path=str(legacy)), ParallelConfig())
     attn = model.model.layers[1].self_attn  # type: ignore[union-attr, index]
     assert spec.kv_scales.startswith("checkpoint per-tensor")
-    assert torch.equal(attn.k_scale, torch.full((2,), 0.04)) and torch.equal(attn.v_scale, attn.k_scale)
+    assert torch.equal(attn.k_scale, torch.full((2,), 0.04)) and torch.equal(
+        attn.v_scale, attn.k_scale
+    )
 
-    # The contract label differs with the values: prefill and decode with other scales refuse to pair.
-    other = _with_kv_scales(tmp_path / "other", torch.tensor([0.02, 0.06]), torch.tensor([0.03, 0.01]))
-    assert load_model(ModelConfig(path=str(other)), ParallelConfig())[1].kv_scales != \
-        load_model(ModelConfig(path=str(per_head)), ParallelConfig())[1].kv_scales
+    # The contract label differs with the values: prefill and decode with other scales refuse to
+    # pair.
+    other = _with_kv_scales(
+        tmp_path / "other", torch.tensor([0.02, 0.06]), torch.tensor([0.03, 0.01])
+    )
+    assert (
+        load_model(ModelConfig(path=str(other)), ParallelConfig())[1].kv_scales
+        != load_model(ModelConfig(path=str(per_head)), ParallelConfig())[1].kv_scales
+    )
 
 
 def test_bad_kv_scales_are_refused_naming_the_tensor() -> None:
     scales = fp8.KVScales(num_layers=2, num_kv_heads=4)
-    with pytest.raises(fp8.Fp8Error, match=r"model.layers.1.self_attn.k_scale: .* one per kv head \(4\)"):
+    with pytest.raises(
+        fp8.Fp8Error, match=r"model.layers.1.self_attn.k_scale: .* one per kv head \(4\)"
+    ):
         scales.add("model.layers.1.self_attn.k_scale", torch.ones(3))
     with pytest.raises(fp8.Fp8Error, match="finite and > 0"):
         scales.add("model.layers.0.self_attn.v_proj.v_scale", torch.tensor(0.0))
@@ -148,7 +173,9 @@ def test_bad_kv_scales_are_refused_naming_the_tensor() -> None:
 def test_kv_pool_is_one_byte_per_element(tmp_path: Path) -> None:
     _, spec = load_model(ModelConfig(path=str(EMBEDDED)), ParallelConfig())
     auto = kv_shape(spec, WorkerConfig(cache=CacheConfig(max_total_tokens=1024)))
-    f8 = kv_shape(spec, WorkerConfig(cache=CacheConfig(max_total_tokens=1024, kv_cache_dtype="fp8_e4m3")))
+    f8 = kv_shape(
+        spec, WorkerConfig(cache=CacheConfig(max_total_tokens=1024, kv_cache_dtype="fp8_e4m3"))
+    )
     assert auto.dtype == torch.float32 and auto.kv_scales == ""
     assert f8.dtype == torch.float8_e4m3fn and f8.kv_scales == "1.0"
     assert f8.page_bytes * 4 == auto.page_bytes == 4 * 2 * 2 * 16 * 32 * 4
@@ -174,7 +201,9 @@ def test_fp8_pages_serve_the_embedded_model_like_float32_pages() -> None:
             nxt = logits.argmax(-1).tolist()
             for i, tok_id in enumerate(nxt):
                 out[i].append(tok_id)
-            logits = h.step([(f"r{i}", [tok_id]) for i, tok_id in enumerate(nxt)])  # one batched decode
+            logits = h.step(
+                [(f"r{i}", [tok_id]) for i, tok_id in enumerate(nxt)]
+            )  # one batched decode
         return [o[: o.index(2) + 1] if 2 in o else o for o in out]  # up to eos (id 2): the answer
 
     f8, ref = answers(torch.float8_e4m3fn), answers(torch.float32)
@@ -183,15 +212,27 @@ def test_fp8_pages_serve_the_embedded_model_like_float32_pages() -> None:
 
 
 def test_config_json_quantization_errors_name_the_field() -> None:
-    with pytest.raises(fp8.Fp8Error, match=r"quantization_config.quant_method 'awq' is not supported"):
+    with pytest.raises(
+        fp8.Fp8Error, match=r"quantization_config.quant_method 'awq' is not supported"
+    ):
         fp8.parse_quantization_config({"quant_method": "awq"}, "config.json")
     with pytest.raises(fp8.Fp8Error, match="weight_block_size must be two positive ints"):
         fp8.parse_quantization_config({"quant_method": "fp8"}, "config.json")
     with pytest.raises(fp8.Fp8Error, match="activation_scheme 'static'"):
-        fp8.parse_quantization_config({"quant_method": "fp8", "activation_scheme": "static",
-                                       "weight_block_size": [128, 128]}, "config.json")
-    cfg = fp8.parse_quantization_config(json.loads('{"quant_method": "fp8", "fmt": "e4m3", '
-                                                   '"weight_block_size": [128, 64], "modules_to_not_convert": '
-                                                   '["lm_head", "layers.0.mlp"]}'), "x")
+        fp8.parse_quantization_config(
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "config.json",
+        )
+    cfg = fp8.parse_quantization_config(
+        json.loads(
+            '{"quant_method": "fp8", "fmt": "e4m3", '
+            '"weight_block_size": [128, 64], "modules_to_not_convert": '
+            '["lm_head", "layers.0.mlp"]}'
+        ),
+        "x",
+    )
     assert cfg is not None and (cfg.block_n, cfg.block_k) == (128, 64)
-    assert cfg.for_module("model.layers.0.mlp.down_proj") is None and cfg.for_module("model.layers.1.mlp") is cfg
+    assert (
+        cfg.for_module("model.layers.0.mlp.down_proj") is None
+        and cfg.for_module("model.layers.1.mlp") is cfg
+    )

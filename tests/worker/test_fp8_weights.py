@@ -63,10 +63,14 @@ def test_source_reads_any_slice_dequantized_and_aligned_slices_quantized() -> No
     assert torch.equal(fp8.dequantize_weight(wq, sq, (128, 128)), full[128:256])
     wq, sq = src.read_quantized(1, 256)  # the last, short block of columns
     assert wq.shape == (384, 64) and sq.shape == (3, 1)
-    with pytest.raises(fp8.Fp8Error, match=r"slice \[100, 228\) of dim 0 does not start and end on 128-wide"):
+    with pytest.raises(
+        fp8.Fp8Error, match=r"slice \[100, 228\) of dim 0 does not start and end on 128-wide"
+    ):
         src.read_quantized(0, 100, 228)
     with pytest.raises(fp8.Fp8Error, match=r"_scale_inv has shape \(2, 3\).*needs \(3, 3\)"):
-        BlockFp8Source("x.weight", InMemorySource(w.to(fp8.FP8)), InMemorySource(torch.ones(2, 3)), Q)
+        BlockFp8Source(
+            "x.weight", InMemorySource(w.to(fp8.FP8)), InMemorySource(torch.ones(2, 3)), Q
+        )
 
 
 def test_fp8_linears_shard_weights_and_scales_over_tp_ranks() -> None:
@@ -75,19 +79,31 @@ def test_fp8_linears_shard_weights_and_scales_over_tp_ranks() -> None:
     dequantized weight; the forward is F.linear over the dequantized weight."""
     g = torch.Generator().manual_seed(2)
     hidden, head_dim, heads, kv_heads = 256, 128, 4, 2
-    pieces = {s: torch.randn(n * head_dim, hidden, generator=g) for s, n in (("q", heads), ("k", kv_heads),
-                                                                             ("v", kv_heads))}
-    ranks = [QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, TPInfo(2, r), torch.float32, Q)
-             for r in range(2)]
+    pieces = {
+        s: torch.randn(n * head_dim, hidden, generator=g)
+        for s, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+    }
+    ranks = [
+        QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, TPInfo(2, r), torch.float32, Q)
+        for r in range(2)
+    ]
     for lin in ranks:
-        assert lin.quant is Q and lin.weight.dtype == fp8.FP8 and lin.weight_scale_inv.shape == (4, 2)
+        assert (
+            lin.quant is Q and lin.weight.dtype == fp8.FP8 and lin.weight_scale_inv.shape == (4, 2)
+        )
         for s, w in pieces.items():
             lin.load("weight", _source(w), s)
     for s, w in pieces.items():
         want = _source(w).read()
         i = QKVParallelLinear.SHARDS.index(s)
-        got = torch.cat([fp8.dequantize_weight(lin.weight, lin.weight_scale_inv, (128, 128))
-                         .narrow(0, lin.offsets[i], lin.local_sizes[i]) for lin in ranks])
+        got = torch.cat(
+            [
+                fp8.dequantize_weight(lin.weight, lin.weight_scale_inv, (128, 128)).narrow(
+                    0, lin.offsets[i], lin.local_sizes[i]
+                )
+                for lin in ranks
+            ]
+        )
         assert torch.equal(got, want)
     x = torch.randn(5, hidden, generator=g)
     ref = F.linear(x, fp8.dequantize_weight(ranks[0].weight, ranks[0].weight_scale_inv, (128, 128)))
@@ -97,7 +113,9 @@ def test_fp8_linears_shard_weights_and_scales_over_tp_ranks() -> None:
     rows = [RowParallelLinear(512, 192, False, TPInfo(2, r), torch.float32, Q) for r in range(2)]
     for lin in rows:
         lin.load("weight", _source(w))
-    got = torch.cat([fp8.dequantize_weight(lin.weight, lin.weight_scale_inv, (128, 128)) for lin in rows], 1)
+    got = torch.cat(
+        [fp8.dequantize_weight(lin.weight, lin.weight_scale_inv, (128, 128)) for lin in rows], 1
+    )
     assert torch.equal(got, _source(w).read())
 
 
@@ -109,7 +127,9 @@ def test_unaligned_pieces_fall_back_to_the_model_dtype() -> None:
     w = torch.randn(64, 128)
     lin.load("weight", _source(w), "k")
     assert torch.equal(lin.weight[128:192], _source(w).read())
-    col = ColumnParallelLinear(128, [100], False, TPInfo(), torch.float32, Q)  # one piece, one rank: any size
+    col = ColumnParallelLinear(
+        128, [100], False, TPInfo(), torch.float32, Q
+    )  # one piece, one rank: any size
     assert col.quant is Q
     with pytest.raises(ValueError, match="has no weight_scale_inv"):
         col.load("weight", InMemorySource(torch.randn(100, 128)))
@@ -120,7 +140,9 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _greedy(model: torch.nn.Module, spec: object, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+def _greedy(
+    model: torch.nn.Module, spec: object, prompts: list[list[int]], steps: int
+) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy continuations (one batched step per token) and the prompts' last-token logits."""
     h = PagedHarness(model, spec, page_size=16, num_pages=256)  # type: ignore[arg-type]
     first = h.step([(f"r{i}", p) for i, p in enumerate(prompts)])  # [B, V]
@@ -140,8 +162,15 @@ def test_fp8_copy_of_a_checkpoint_serves_close_to_the_original(tmp_path: Path) -
     moves its logits by 0.7%; e4m3 keeps 5 fewer mantissa bits (measured 12%, first tokens
     81% equal). The trained embedded model is the realistic one (next test: every answer equal)."""
     src, dst = tmp_path / "src", tmp_path / "fp8"
-    build_tiny_checkpoint(src, "qwen3", hidden_size=256, intermediate_size=384, head_dim=64,
-                          vocab_size=101, max_position_embeddings=256)
+    build_tiny_checkpoint(
+        src,
+        "qwen3",
+        hidden_size=256,
+        intermediate_size=384,
+        head_dim=64,
+        vocab_size=101,
+        max_position_embeddings=256,
+    )
     assert convert(src, dst) == 2 * 7  # q, k, v, o, gate, up, down of two layers
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
@@ -157,10 +186,14 @@ def test_fp8_copy_of_a_checkpoint_serves_close_to_the_original(tmp_path: Path) -
     ref_tokens, ref_logits = _greedy(ref_model, ref_spec, prompts, 8)
     q_tokens, q_logits = _greedy(q_model, q_spec, prompts, 8)
     err = _rel(q_logits, ref_logits)
-    first_equal = sum(int(a[0] == b[0]) for a, b in zip(q_tokens, ref_tokens, strict=True)) / len(prompts)
+    first_equal = sum(int(a[0] == b[0]) for a, b in zip(q_tokens, ref_tokens, strict=True)) / len(
+        prompts
+    )
     all_equal = sum(int(a == b) for a, b in zip(q_tokens, ref_tokens, strict=True)) / len(prompts)
-    print(f"FP8 copy: logits rel. error {err:.4f}, first token equal {first_equal:.2f}, "
-          f"8 greedy tokens equal {all_equal:.2f}")
+    print(
+        f"FP8 copy: logits rel. error {err:.4f}, first token equal {first_equal:.2f}, "
+        f"8 greedy tokens equal {all_equal:.2f}"
+    )
     assert err < 0.2  # measured 0.121
     assert first_equal >= 0.7  # measured 0.81 (8 tokens all equal: 0.25, greedy paths diverge)
 
@@ -175,8 +208,12 @@ def test_fp8_copy_of_the_embedded_model_answers_the_same(tmp_path: Path) -> None
     assert (tmp_path / "fp8" / "tokenizer.json").exists()
     tok = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
     prompts = [tok.encode(p.prompt).ids for p in arith.make_problems(24, seed=5)]
-    ref_tokens, ref_logits = _greedy(*load_model(ModelConfig(path=str(EMBEDDED)), ParallelConfig()), prompts, 10)
-    q_tokens, q_logits = _greedy(*load_model(ModelConfig(path=str(tmp_path / "fp8")), ParallelConfig()), prompts, 10)
+    ref_tokens, ref_logits = _greedy(
+        *load_model(ModelConfig(path=str(EMBEDDED)), ParallelConfig()), prompts, 10
+    )
+    q_tokens, q_logits = _greedy(
+        *load_model(ModelConfig(path=str(tmp_path / "fp8")), ParallelConfig()), prompts, 10
+    )
     err = _rel(q_logits, ref_logits)
     print(f"embedded model in FP8: logits rel. error {err:.4f}")
     assert err < 0.05  # measured 0.012
@@ -194,14 +231,18 @@ def test_broken_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path: Path) ->
     tensors = load_file(str(ckpt / "model.safetensors"))
     scale = tensors.pop("model.layers.1.mlp.up_proj.weight_scale_inv")
     save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight is FP8 but the checkpoint has no"):
+    with pytest.raises(
+        ModelLoadError, match="model.layers.1.mlp.up_proj.weight is FP8 but the checkpoint has no"
+    ):
         load_model(ModelConfig(path=str(ckpt)), ParallelConfig())
     tensors["model.layers.1.mlp.up_proj.weight_scale_inv"] = scale
     save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((ckpt / "config.json").read_text())
     del config["quantization_config"]
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="has block scales .* but config.json has no quantization_config"):
+    with pytest.raises(
+        ModelLoadError, match="has block scales .* but config.json has no quantization_config"
+    ):
         load_model(ModelConfig(path=str(ckpt)), ParallelConfig())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (ckpt / "config.json").write_text(json.dumps(config))

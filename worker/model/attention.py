@@ -30,7 +30,8 @@ KVScales = tuple[torch.Tensor, torch.Tensor] | None  # (k_scale, v_scale) [Hkv] 
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     kv_scales: KVScales = None,
 ) -> None:
     """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache
@@ -43,7 +44,8 @@ def store_kv(
     offsets = slot_mapping % page_size  # [T]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
     if kv_scales is not None:
-        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1], v_cache.dtype)
+        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1],
+            v_cache.dtype)
     k_cache[pages, :, offsets] = k.to(k_cache.dtype)
     v_cache[pages, :, offsets] = v.to(v_cache.dtype)
 
@@ -112,8 +114,10 @@ class TorchSDPABackend(AttentionBackend):
                 continue
             num_pages = -(-seq_len // page_size)
             pages = batch.page_table[i, :num_pages]
-            ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype)  # [Hkv, L, D]
-            ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype)  # [Hkv, L, D]
+            # [Hkv, L, D]
+            ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype)
+            # [Hkv, L, D]
+            ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype)
             qi = q[start:end].transpose(0, 1)  # [Hq, n, D]
             mask = context_mask(seq_len, end - start, sliding_window, q.device)
             oi = F.scaled_dot_product_attention(
@@ -122,7 +126,8 @@ class TorchSDPABackend(AttentionBackend):
             out[start:end] = oi[0].transpose(0, 1)
         if decodes:
             rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
-            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window,
+            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale,
+                sliding_window,
                                      kv_scales)
         return out.to(out_dtype)
 
@@ -167,7 +172,8 @@ class TorchSDPABackend(AttentionBackend):
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_scales: KVScales = None,
+    batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
     return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window,
@@ -196,8 +202,10 @@ def window_attention(
         q, k, v = q.float(), k.float(), v.float()
     ks, vs = (None, None) if kv_scales is None else kv_scales
     # [C, Hkv, D] each (dequantize_kv wants heads before tokens: transpose around it)
-    hist_k = dequantize_kv(k_cache[hist_pages, :, hist_offsets].transpose(0, 1), ks, q.dtype).transpose(0, 1)
-    hist_v = dequantize_kv(v_cache[hist_pages, :, hist_offsets].transpose(0, 1), vs, q.dtype).transpose(0, 1)
+    hist_k = dequantize_kv(k_cache[hist_pages, :, hist_offsets].transpose(0, 1), ks,
+        q.dtype).transpose(0, 1)
+    hist_v = dequantize_kv(v_cache[hist_pages, :, hist_offsets].transpose(0, 1), vs,
+        q.dtype).transpose(0, 1)
     out = torch.empty_like(q)  # [T, Hq, D]
     qs, hs = batch.query_start_list, batch.window_context_start
     for i in range(batch.num_requests):

@@ -26,7 +26,8 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's (deduplicated)
-    dtype: torch.dtype  # the dtype the weights compute in (the KV cache's too unless kv_cache_dtype is set)
+    # the dtype the weights compute in (the KV cache's too unless kv_cache_dtype is set)
+    dtype: torch.dtype
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention

@@ -38,15 +38,19 @@ KV_CACHE_DTYPES = {"fp8_e4m3": FP8}  # cache.kv_cache_dtype → storage dtype ("
 # `self_attn.kv_scale` for both. Each is a dequantization multiplier, per tensor ([] or [1]) or
 # per kv head ([num_kv_heads]).
 KV_SCALE_SUFFIXES = {
-    "self_attn.k_scale": "k", "self_attn.v_scale": "v",
-    "self_attn.k_proj.k_scale": "k", "self_attn.v_proj.v_scale": "v",
+    "self_attn.k_scale": "k",
+    "self_attn.v_scale": "v",
+    "self_attn.k_proj.k_scale": "k",
+    "self_attn.v_proj.v_scale": "v",
     "self_attn.kv_scale": "kv",
 }
-_KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, KV_SCALE_SUFFIXES)) + r")$")
+_KV_SCALE_NAME = re.compile(
+    r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, KV_SCALE_SUFFIXES)) + r")$"
+)
 
 
 class Fp8Error(ValueError):
-    """An FP8 checkpoint or setting cannot be used; the message names the tensor or field and the fix."""
+    """An FP8 checkpoint or setting cannot be used; the message names the tensor or field."""
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -54,7 +58,10 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise Fp8Error(f"cache.kv_cache_dtype {kv_cache_dtype!r} is not one of auto|{'|'.join(KV_CACHE_DTYPES)}")
+        raise Fp8Error(
+            f"cache.kv_cache_dtype {kv_cache_dtype!r} is not one of "
+            f"auto|{'|'.join(KV_CACHE_DTYPES)}"
+        )
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
@@ -104,11 +111,15 @@ class KVScales:
         layer, which = target
         flat = tensor.detach().float().reshape(-1)
         if flat.numel() not in (1, self.num_kv_heads) or layer >= self.num_layers:
-            raise Fp8Error(f"{name}: a K/V cache scale must be one value or one per kv head "
-                           f"({self.num_kv_heads}) of one of {self.num_layers} layers; got shape "
-                           f"{tuple(tensor.shape)}")
+            raise Fp8Error(
+                f"{name}: a K/V cache scale must be one value or one per kv head "
+                f"({self.num_kv_heads}) of one of {self.num_layers} layers; got shape "
+                f"{tuple(tensor.shape)}"
+            )
         if not bool(torch.isfinite(flat).all()) or bool((flat <= 0).any()):
-            raise Fp8Error(f"{name}: K/V cache scales must be finite and > 0, got {flat.tolist()[:4]}")
+            raise Fp8Error(
+                f"{name}: K/V cache scales must be finite and > 0, got {flat.tolist()[:4]}"
+            )
         full = flat.expand(self.num_kv_heads).clone()
         for side in ("k", "v") if which == "kv" else (which,):
             getattr(self, side)[layer] = full
@@ -160,23 +171,38 @@ def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockF
     where = f"{source}: quantization_config"
     method = cfg.get("quant_method")
     if method != "fp8":
-        raise Fp8Error(f"{where}.quant_method {method!r} is not supported; Tandem loads block-scaled FP8 "
-                       "checkpoints (quant_method fp8, weight_block_size [128, 128]); convert others with "
-                       "models/make_fp8.py or serve the unquantized checkpoint")
+        raise Fp8Error(
+            f"{where}.quant_method {method!r} is not supported; Tandem loads block-scaled FP8 "
+            "checkpoints (quant_method fp8, weight_block_size [128, 128]); convert others with "
+            "models/make_fp8.py or serve the unquantized checkpoint"
+        )
     if str(cfg.get("fmt", "e4m3")) != "e4m3":
         raise Fp8Error(f"{where}.fmt {cfg.get('fmt')!r} is not supported; only e4m3 weights are")
     if str(cfg.get("activation_scheme", "dynamic")) != "dynamic":
-        raise Fp8Error(f"{where}.activation_scheme {cfg.get('activation_scheme')!r} is not supported; "
-                       "only dynamic (per-token-group) activation scaling is")
+        raise Fp8Error(
+            f"{where}.activation_scheme {cfg.get('activation_scheme')!r} is not supported; "
+            "only dynamic (per-token-group) activation scaling is"
+        )
     block = cfg.get("weight_block_size")
-    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise Fp8Error(f"{where}.weight_block_size must be two positive ints (e.g. [128, 128]), got {block!r}; "
-                       "per-tensor FP8 checkpoints are not supported")
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise Fp8Error(
+            f"{where}.weight_block_size must be two positive ints (e.g. [128, 128]), got "
+            f"{block!r}; "
+            "per-tensor FP8 checkpoints are not supported"
+        )
     skip = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
-    return BlockFp8Config(block_n=int(block[0]), block_k=int(block[1]), modules_to_not_convert=tuple(skip))
+    return BlockFp8Config(
+        block_n=int(block[0]), block_k=int(block[1]), modules_to_not_convert=tuple(skip)
+    )
 
 
-def quantize_blockwise(w: torch.Tensor, block_n: int = 128, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    w: torch.Tensor, block_n: int = 128, block_k: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] → (FP8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] float32) with
     w ≈ fp8 · scale_inv per block; each block's largest |value| maps to 448 (a zero block: 1)."""
     n, k = w.shape
@@ -190,12 +216,14 @@ def quantize_blockwise(w: torch.Tensor, block_n: int = 128, block_k: int = 128) 
     return q.view(rows * block_n, cols * block_k)[:n, :k].contiguous(), scale_inv
 
 
-def _expand(scale: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+def _expand(
+    scale: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], block: tuple[int, int]
+) -> torch.Tensor:
     """The per-element scales of weight rows [r0, r1) × cols [c0, c1) from the block grid."""
     (r0, r1), (c0, c1), (bn, bk) = rows, cols, block
-    grid = scale[r0 // bn: -(-r1 // bn), c0 // bk: -(-c1 // bk)].float()
+    grid = scale[r0 // bn : -(-r1 // bn), c0 // bk : -(-c1 // bk)].float()
     full = grid.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-    return full[r0 - (r0 // bn) * bn:][: r1 - r0, c0 - (c0 // bk) * bk:][:, : c1 - c0]
+    return full[r0 - (r0 // bn) * bn :][: r1 - r0, c0 - (c0 // bk) * bk :][:, : c1 - c0]
 
 
 class BlockFp8Source:
@@ -208,14 +236,18 @@ class BlockFp8Source:
         n, k = self.shape
         want = (-(-n // config.block_n), -(-k // config.block_k))
         if len(self.shape) != 2 or tuple(scale.shape) != want:
-            raise Fp8Error(f"{name}_scale_inv has shape {tuple(scale.shape)}, but a weight of shape "
-                           f"{self.shape} with weight_block_size {list(self.block)} needs {want}")
+            raise Fp8Error(
+                f"{name}_scale_inv has shape {tuple(scale.shape)}, but a weight of shape "
+                f"{self.shape} with weight_block_size {list(self.block)} needs {want}"
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self._w.shape)
 
-    def _range(self, dim: int, start: int, stop: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    def _range(
+        self, dim: int, start: int, stop: int | None
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
         n, k = self.shape
         stop = self.shape[dim] if stop is None else stop
         return ((start, stop), (0, k)) if dim == 0 else ((0, n), (start, stop))
@@ -226,18 +258,26 @@ class BlockFp8Source:
         w = self._w.read(dim, start, stop).float()
         return w * _expand(self._s.read(), rows, cols, self.block)
 
-    def read_quantized(self, dim: int, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_quantized(
+        self, dim: int, start: int = 0, stop: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(FP8 slice, its scale rows or columns) of a slice that starts on a block boundary."""
         b = self.block[dim]
         stop = self.shape[dim] if stop is None else stop
         if start % b or (stop % b and stop != self.shape[dim]):
-            raise Fp8Error(f"{self.name}: slice [{start}, {stop}) of dim {dim} does not start and end on "
-                           f"{b}-wide scale blocks; this layer must be dequantized (tensor parallel size?)")
+            raise Fp8Error(
+                f"{self.name}: slice [{start}, {stop}) of dim {dim} does not start and end on "
+                f"{b}-wide scale blocks; this layer must be dequantized (tensor parallel size?)"
+            )
         return self._w.read(dim, start, stop), self._s.read(dim, start // b, -(-stop // b))
 
 
-def dequantize_weight(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_weight(
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """FP8 w [N, K] and its block scales → the weight in `dtype` (the GEMM/GEMV reference)."""
     n, k = w.shape
     return (w.float() * _expand(scale_inv, (0, n), (0, k), block)).to(dtype)

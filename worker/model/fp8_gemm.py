@@ -48,10 +48,26 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def gemm_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
-        stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-        BLOCK_SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        a_ptr,
+        as_ptr,
+        b_ptr,
+        bs_ptr,
+        bias_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_asm,
+        stride_bn,
+        stride_bsn,
+        stride_cm,
+        BLOCK_SCALE_N: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
     ):
         # Grouped program order: GROUP_M row tiles share each column tile's weights in L2.
         pid = tl.program_id(0)
@@ -66,14 +82,20 @@ def _kernels() -> SimpleNamespace:
         kk = tl.arange(0, BLOCK_K)
         m_mask, n_mask = m < M, n < N
         a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_am  # [BM, 1]
-        b_cols = b_ptr + n.to(tl.int64)[None, :] * stride_bn  # [1, BN]: W is [N, K], read as [K, BN]
+        b_cols = (
+            b_ptr + n.to(tl.int64)[None, :] * stride_bn
+        )  # [1, BN]: W is [N, K], read as [K, BN]
         bs_rows = bs_ptr + (n // BLOCK_SCALE_N) * stride_bsn  # [BN]: each column's weight scale row
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):  # BLOCK_K = the scale block: one scale per step
             k = kb * BLOCK_K + kk
             k_mask = k < K
-            a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            b = tl.load(b_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+            a = tl.load(
+                a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )  # [BM, BK]
+            b = tl.load(
+                b_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0
+            )  # [BK, BN]
             a_s = tl.load(as_ptr + m * stride_asm + kb, mask=m_mask, other=0.0)  # [BM]
             b_s = tl.load(bs_rows + kb, mask=n_mask, other=0.0)  # [BN]
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -91,7 +113,9 @@ def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tenso
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, -(-k // group)), dtype=torch.float32, device=x.device)
-    if x.device.type != "cuda":  # torch ops (also under Triton's interpreter, whose e4m3 rounding is off)
+    if (
+        x.device.type != "cuda"
+    ):  # torch ops (also under Triton's interpreter, whose e4m3 rounding is off)
         xg = F.pad(x.float(), (0, s.shape[1] * group - k)).view(m, -1, group)  # [M, G, group]
         s.copy_(xg.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
         q.copy_((xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8))
@@ -99,7 +123,9 @@ def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tenso
     if x.stride(1) != 1:
         x = x.contiguous()
     if m:
-        _kernels().act_quant[(m, s.shape[1])](x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP=group)
+        _kernels().act_quant[(m, s.shape[1])](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP=group
+        )
     return q, s
 
 
@@ -120,40 +146,73 @@ def _config(m: int) -> dict[str, int]:
 
 
 def block_fp8_matmul(
-    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, quant: BlockFp8Config,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, **config: int,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    quant: BlockFp8Config,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    **config: int,
 ) -> torch.Tensor:
     """xq [M, K] e4m3 with scales xs [M, K/bk], w [N, K] e4m3 with block scales ws
     [N/bn, K/bk] → (xq·xs) (w·ws)^T (+ bias) [M, N] in out_dtype, float32 accumulation."""
     m, k = xq.shape
     n = w.shape[0]
     if w.shape[1] != k or not w.is_contiguous() or xq.stride(1) != 1:
-        raise ValueError(f"block_fp8_matmul: w must be a contiguous [N, K={k}], got {tuple(w.shape)} "
-                         f"strides {tuple(w.stride())}")
-    if ws.shape != (-(-n // quant.block_n), -(-k // quant.block_k)) or xs.shape != (m, -(-k // quant.block_k)):
-        raise ValueError(f"block_fp8_matmul: scales {tuple(xs.shape)} / {tuple(ws.shape)} do not match "
-                         f"M={m}, N={n}, K={k} with blocks {quant.block_n}x{quant.block_k}")
+        raise ValueError(
+            f"block_fp8_matmul: w must be a contiguous [N, K={k}], got {tuple(w.shape)} "
+            f"strides {tuple(w.stride())}"
+        )
+    if ws.shape != (-(-n // quant.block_n), -(-k // quant.block_k)) or xs.shape != (
+        m,
+        -(-k // quant.block_k),
+    ):
+        raise ValueError(
+            f"block_fp8_matmul: scales {tuple(xs.shape)} / {tuple(ws.shape)} do not match "
+            f"M={m}, N={n}, K={k} with blocks {quant.block_n}x{quant.block_k}"
+        )
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
     cfg = _config(m) | config
     grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
     _kernels().gemm[grid](
-        xq, xs, w, ws, out if bias is None else bias, out, m, n, k,
-        xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
-        BLOCK_SCALE_N=quant.block_n, HAS_BIAS=bias is not None, BLOCK_K=quant.block_k, **cfg,
+        xq,
+        xs,
+        w,
+        ws,
+        out if bias is None else bias,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        out.stride(0),
+        BLOCK_SCALE_N=quant.block_n,
+        HAS_BIAS=bias is not None,
+        BLOCK_K=quant.block_k,
+        **cfg,
     )
     return out
 
 
 def fp8_linear(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, quant: BlockFp8Config,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    quant: BlockFp8Config,
 ) -> torch.Tensor:
     """x [..., K] @ dequant(w [N, K], w_scale)^T (+ bias) → [..., N] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x.device.type != "cuda" and not _interpreting():
-        return F.linear(x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype),
-                        bias).view(*lead, -1)
+        return F.linear(
+            x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype), bias
+        ).view(*lead, -1)
     xq, xs = quantize_activations(x2, quant.block_k)
     return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)

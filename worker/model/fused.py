@@ -291,7 +291,8 @@ def qk_norm_rope(
     block_h = min(next_pow2(store_heads), max(1, _ROPE_TILE // (2 * block_half)))
     _kernels().qk_norm_rope[(t, _cdiv(store_heads, block_h))](
         qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, k_cache, v_cache, slots,
-        ks, vs, qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks, vs, qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
         HQ=num_q_heads, HEADS=heads, HKV=num_kv_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
         HAS_NORM=has_norm, STORE=kv_cache is not None, PAGE=k_cache.shape[2] if kv_cache is not None else 1,

@@ -65,7 +65,8 @@ def _kernels() -> SimpleNamespace:
         k = tl.arange(0, BLOCK_K)  # [BK]
         n_mask = n < N
         dtype = x_ptr.dtype.element_ty
-        SUB: tl.constexpr = BLOCK_K // SCALE_COLS  # columns per scale (block_k, or BLOCK_K if smaller)
+        # columns per scale (block_k, or BLOCK_K if smaller)
+        SUB: tl.constexpr = BLOCK_K // SCALE_COLS
         sc_col = tl.arange(0, SCALE_COLS)  # [SC] this tile's scale columns, from the first below
         s_rows = s_ptr + (n // SCALE_N)[:, None] * stride_s  # [BN, 1]: w's scale row per output
         su_rows = s_ptr + ((n + N) // SCALE_N)[:, None] * stride_s  # the up half's rows (PAIR)
@@ -80,11 +81,13 @@ def _kernels() -> SimpleNamespace:
             if SCALED:  # FP8 tile [BN, BK] → float32 times its block scales [BN, SC]
                 sc_mask = n_mask[:, None] & (sc_col * SUB < K)[None, :]
                 sc = tl.load(s_rows + sc_col[None, :], mask=sc_mask, other=0.0)
-                w = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :, None],
+                w = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :,
+                    None],
                                [BLOCK_N, BLOCK_K])
                 if PAIR:
                     su = tl.load(su_rows + sc_col[None, :], mask=sc_mask, other=0.0)
-                    u = tl.reshape(tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * su[:, :, None],
+                    u = tl.reshape(tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * su[:,
+                        :, None],
                                    [BLOCK_N, BLOCK_K])
             x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             if NORM:  # as layers.RMSNorm: float32 statistics; normalized, rounded, times the weight, rounded
@@ -107,7 +110,8 @@ def _kernels() -> SimpleNamespace:
                 sc_mask = n_mask[:, None] & (cols * SUB < K)[None, :]
                 if SCALED:
                     sc = tl.load(s_rows + cols[None, :], mask=sc_mask, other=0.0)
-                    w = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :, None],
+                    w = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:,
+                        :, None],
                                    [BLOCK_N, BLOCK_K])
                 acc += w.to(tl.float32) * x
                 if PAIR:
@@ -115,7 +119,8 @@ def _kernels() -> SimpleNamespace:
                                 eviction_policy="evict_first")
                     if SCALED:
                         su = tl.load(su_rows + cols[None, :], mask=sc_mask, other=0.0)
-                        u = tl.reshape(tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * su[:, :, None],
+                        u = tl.reshape(tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS,
+                            SUB]) * su[:, :, None],
                                        [BLOCK_N, BLOCK_K])
                     acc_up += u.to(tl.float32) * x
             y = tl.sum(acc, 1)
@@ -145,7 +150,8 @@ def _row(t: torch.Tensor, width: int, name: str) -> None:
 def gemv(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, pair: bool = False,
     norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, w_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128),
+    out: torch.Tensor | None = None, w_scale: torch.Tensor | None = None, block: tuple[int,
+        int] = (128, 128),
     **config: int,
 ) -> torch.Tensor:
     """y = x w^T (+ bias) for one row x [1, K] and a contiguous w [N, K] of x's dtype → [1, N]
@@ -155,12 +161,14 @@ def gemv(
     rows, k = w.shape
     _row(x, k, "x")
     if not w.is_contiguous() or (x.dtype != w.dtype and w_scale is None):
-        raise ValueError(f"w must be a contiguous [N, K] of x's dtype {x.dtype} (or FP8 with w_scale); got "
+        raise ValueError(f"w must be a contiguous [N, K] of x's dtype {x.dtype} (or FP8 with "
+                         "w_scale); got "
                          f"{w.dtype} strides {tuple(w.stride())}")
     if w_scale is not None and (w_scale.shape != (-(-rows // block[0]), -(-k // block[1]))
                                 or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1
                                 or block[1] & (block[1] - 1)):
-        raise ValueError(f"w_scale must be float32 [{-(-rows // block[0])}, {-(-k // block[1])}] (blocks {block}, "
+        raise ValueError(f"w_scale must be float32 [{-(-rows // block[0])}, {-(-k // block[1])}] "
+                         f"(blocks {block}, "
                          f"block[1] a power of two), got {tuple(w_scale.shape)} {w_scale.dtype}")
     if pair and rows % 2:
         raise ValueError(f"gemv(pair=True) needs the fused gate|up weight (an even row count), got {rows}")

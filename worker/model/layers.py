@@ -85,7 +85,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _fp8_params(module: nn.Module, rows: int, cols: int, scale_rows: int, quant: BlockFp8Config) -> None:
+def _fp8_params(module: nn.Module, rows: int, cols: int, scale_rows: int,
+    quant: BlockFp8Config) -> None:
     """An FP8 weight [rows, cols] and its block scales [scale_rows, cols / block_k] on `module`."""
     module.weight = _param(rows, cols, dtype=FP8)
     module.weight_scale_inv = _param(scale_rows, _cdiv(cols, quant.block_k), dtype=torch.float32)
@@ -93,8 +94,10 @@ def _fp8_params(module: nn.Module, rows: int, cols: int, scale_rows: int, quant:
 
 def _fp8_source(source: TensorSource, name: str) -> BlockFp8Source:
     if not isinstance(source, BlockFp8Source):
-        raise WeightShapeError(f"{name}: the layer is FP8 (config.json quantization_config) but its checkpoint "
-                               "tensor has no weight_scale_inv; list the module in modules_to_not_convert")
+        raise WeightShapeError(f"{name}: the layer is FP8 (config.json quantization_config) but "
+                               "its checkpoint "
+                               "tensor has no weight_scale_inv; list the module in "
+                               "modules_to_not_convert")
     return source
 
 
@@ -149,7 +152,8 @@ class ColumnParallelLinear(nn.Module):
     weight_scale_inv: nn.Parameter  # FP8 only: [rows / block_n, in / block_k] float32
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo, dtype: torch.dtype | None = None,
+        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo,
+            dtype: torch.dtype | None = None,
         quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
@@ -162,10 +166,12 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(self.local_sizes)
         # FP8 only where every piece's rows on this rank are whole scale blocks (see module doc).
         whole = len(output_sizes) == 1 and tp.size == 1
-        self.quant = quant if quant and (whole or all(s % quant.block_n == 0 for s in self.local_sizes)) else None
+        aligned = quant is not None and all(s % quant.block_n == 0 for s in self.local_sizes)
+        self.quant = quant if quant and (whole or aligned) else None
         if self.quant is not None:
             scale_rows = sum(_cdiv(s, self.quant.block_n) for s in self.local_sizes)
-            _fp8_params(self, out_local, in_features, scale_rows, self.quant)  # [out_local, in] e4m3
+            # [out_local, in] e4m3
+            _fp8_params(self, out_local, in_features, scale_rows, self.quant)
         else:
             self.weight = _param(out_local, in_features, dtype=dtype)  # [out_local, in]
         self.bias = _param(out_local, dtype=dtype) if bias else None  # [out_local]
@@ -187,10 +193,12 @@ class ColumnParallelLinear(nn.Module):
         local = self.local_sizes[i]
         start = self._rank_start(i)
         name = f"{type(self).__name__}.{param}[{shard_id}]"
-        if self.quant is not None and param == "weight":  # FP8 rows and their scale rows, as they are
+        # FP8 rows and their scale rows, as they are
+        if self.quant is not None and param == "weight":
             w, s = _fp8_source(source, name).read_quantized(0, start, start + local)
             _copy_checked(self.weight.data.narrow(0, self.offsets[i], local), w, name)
-            scales = self.weight_scale_inv.data.narrow(0, self.offsets[i] // self.quant.block_n, s.shape[0])
+            scales = self.weight_scale_inv.data.narrow(0, self.offsets[i] // self.quant.block_n,
+                s.shape[0])
             _copy_checked(scales, s, name + ".weight_scale_inv")
             return
         dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
@@ -247,7 +255,8 @@ class RowParallelLinear(nn.Module):
     weight_scale_inv: nn.Parameter  # FP8 only: [out / block_n, in_local / block_k] float32
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype: torch.dtype | None = None,
+        self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
+            dtype: torch.dtype | None = None,
         quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
@@ -256,9 +265,11 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_local = in_features // tp.size
         # FP8 only where this rank's input columns are whole scale blocks (see module doc).
-        self.quant = quant if quant and (tp.size == 1 or self.in_local % quant.block_k == 0) else None
+        aligned = quant is not None and self.in_local % quant.block_k == 0
+        self.quant = quant if quant and (tp.size == 1 or aligned) else None
         if self.quant is not None:
-            _fp8_params(self, out_features, self.in_local, _cdiv(out_features, self.quant.block_n), self.quant)
+            _fp8_params(self, out_features, self.in_local, _cdiv(out_features, self.quant.block_n),
+                self.quant)
         else:
             self.weight = _param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
         self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
@@ -278,7 +289,8 @@ class RowParallelLinear(nn.Module):
             return
         start = self.tp.rank * self.in_local
         if self.quant is not None:  # FP8 columns and their scale columns, as they are
-            w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(1, start, start + self.in_local)
+            w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(1, start,
+                start + self.in_local)
             _copy_checked(self.weight.data, w, "RowParallelLinear.weight")
             _copy_checked(self.weight_scale_inv.data, s, "RowParallelLinear.weight_scale_inv")
             return

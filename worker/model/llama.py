@@ -52,12 +52,15 @@ class Attention(nn.Module):
         self.num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp.size)
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_windows[layer]
-        p = f"model.layers.{layer}.self_attn."  # checkpoint names, for quantization_config's skip list
+        # checkpoint names, for quantization_config's skip list
+        p = f"model.layers.{layer}.self_attn."
         qkv_quant = cfg.quant and cfg.quant.for_module(p + "q_proj", p + "k_proj", p + "v_proj")
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype, qkv_quant
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp,
+                dtype, qkv_quant
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype,
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias,
+            tp, dtype,
                                         cfg.quant and cfg.quant.for_module(p + "o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -81,7 +84,8 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
         window = self.sliding_window if self.sliding_window is not None and kv.is_window(self.layer) else None
-        scales = (cast(torch.Tensor, self.k_scale), cast(torch.Tensor, self.v_scale)) if fp8.is_fp8(k_cache) else None
+        scales = (cast(torch.Tensor, self.k_scale), cast(torch.Tensor,
+            self.v_scale)) if fp8.is_fp8(k_cache) else None
         # Fused: q/k norm (Qwen3), RoPE and (outside a window's ring of pages) the K/V store in one kernel.
         store = (k_cache, v_cache, batch.slot_mapping) if self.fused and window is None else None
         if self.fused:
@@ -89,7 +93,8 @@ class Attention(nn.Module):
                 qkv, self.num_heads, self.num_kv_heads, cos, sin,
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
-                self.q_norm.eps if self.q_norm is not None else 0.0, kv_cache=store, kv_scales=scales,
+                self.q_norm.eps if self.q_norm is not None else 0.0, kv_cache=store,
+                    kv_scales=scales,
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # [T, *] views
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -100,7 +105,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if window is not None:  # a ring of the last W tokens
-            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window, kv_scales=scales)
+            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window,
+                kv_scales=scales)
         else:
             o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window,
                                      kv_stored=store is not None, kv_scales=scales)
@@ -115,7 +121,8 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         p = f"model.layers.{layer}.mlp."  # checkpoint names, for quantization_config's skip list
         quant = cfg.quant and cfg.quant.for_module(p + "gate_proj", p + "up_proj")
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype, quant)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp,
+            dtype, quant)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype,
                                            cfg.quant and cfg.quant.for_module(p + "down_proj"))
         self.fused = False  # one Triton kernel for silu(gate) * up (set_fused_kernels)
@@ -160,13 +167,16 @@ class DecoderLayer(nn.Module):
         residual add inside the GEMV before it, SiLU·mul inside gate|up."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight, pre.eps),
+        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight,
+            pre.eps),
                         **gemv_scales(attn.qkv_proj))  # FP8 weights: their block scales
         o = attn.attend(qkv, cos, sin, batch, kv)
-        gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream, **gemv_scales(attn.o_proj))
+        gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream,
+            **gemv_scales(attn.o_proj))
         act = gemv.gemv(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pair=True,
                         norm=(post.weight, post.eps), **gemv_scales(mlp.gate_up_proj))
-        gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream, **gemv_scales(mlp.down_proj))
+        gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream,
+            **gemv_scales(mlp.down_proj))
 
 
 class LlamaModel(nn.Module):

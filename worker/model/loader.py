@@ -57,7 +57,8 @@ _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
 _FP_SAMPLES, _FP_SAMPLE = 16, 4096  # data samples per file for the fingerprint, bytes each
 _DUMMY_BLOCK = 1 << 24  # elements drawn per randn call (64 MiB of float32)
-_DUMMY_FP8_STD = 16.0  # dummy FP8 weights: e4m3 values of this spread, their scales bring them to N(0, 0.02)
+# dummy FP8 weights: e4m3 values of this spread, their scales bring them to N(0, 0.02)
+_DUMMY_FP8_STD = 16.0
 
 
 class SafetensorsSource:
@@ -177,15 +178,20 @@ def iter_checkpoint(
         scale = handles.get(name + _SCALE_INV)
         if scale is None:
             if source.is_fp8:
-                raise ModelLoadError(f"{name} is FP8 but the checkpoint has no {name}{_SCALE_INV}; only "
-                                     "block-scaled FP8 checkpoints are supported (models/make_fp8.py makes one)")
+                raise ModelLoadError(f"{name} is FP8 but the checkpoint has no {name}{_SCALE_INV}; "
+                                     "only "
+                                     "block-scaled FP8 checkpoints are supported "
+                                     "(models/make_fp8.py makes one)")
             yield name, source
         elif quant is None:
-            raise ModelLoadError(f"{name} has block scales ({name}{_SCALE_INV}) but config.json has no "
-                                 "quantization_config; is this an FP8 checkpoint with its config.json?")
+            raise ModelLoadError(f"{name} has block scales ({name}{_SCALE_INV}) but config.json "
+                                 "has no "
+                                 "quantization_config; is this an FP8 checkpoint with its "
+                                 "config.json?")
         else:
             try:
-                yield name, fp8.BlockFp8Source(name, source, SafetensorsSource(scale, name + _SCALE_INV), quant)
+                yield name, fp8.BlockFp8Source(name, source, SafetensorsSource(scale,
+                    name + _SCALE_INV), quant)
             except fp8.Fp8Error as exc:
                 raise ModelLoadError(str(exc)) from None
 
@@ -296,19 +302,21 @@ def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
     if arch.quant is None:
         return arch
     if fused.available(device):
-        log.info("FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights (Triton GEMM/GEMV)",
-                 arch.quant.block_n, arch.quant.block_k)
+        log.info("FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights "
+                 "(Triton GEMM/GEMV)", arch.quant.block_n, arch.quant.block_k)
         return arch
-    log.info("FP8 block-scaled checkpoint: weights dequantized at load to the model dtype (%s has no FP8 "
-             "kernels)", device.type)
+    log.info("FP8 block-scaled checkpoint: weights dequantized at load to the model dtype "
+             "(%s has no FP8 kernels)", device.type)
     return dataclasses.replace(arch, quant=None)
 
 
 def set_kv_scales(model: CausalLM, scales: fp8.KVScales, tp: TPInfo) -> None:
-    """Give every attention layer its rank's K/V cache scales (1.0 where the checkpoint has none)."""
+    """Give every attention layer its rank's K/V cache scales (1.0 where the checkpoint has
+    none)."""
     heads = heads_of_rank(scales.num_kv_heads, tp.size, tp.rank)
     for module in model.modules():
-        if isinstance(getattr(module, "k_scale", None), torch.Tensor) and isinstance(getattr(module, "layer", None), int):
+        if isinstance(getattr(module, "k_scale", None),
+            torch.Tensor) and isinstance(getattr(module, "layer", None), int):
             layer: int = module.layer  # type: ignore[assignment]
             for side in ("k", "v"):
                 buf: torch.Tensor = getattr(module, f"{side}_scale")

@@ -198,7 +198,8 @@ def _scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def triton_store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     kv_scales: KVScales = None,
 ) -> None:
     """k, v [T, Hkv, D] → their slots in k_cache / v_cache [P, Hkv, S, D]; slot < 0 is skipped.
@@ -273,8 +274,10 @@ def sdpa_prefill(
     """
     n, hq, d = q.shape
     ks, vs = (None, None) if kv_scales is None else kv_scales
-    ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype).to(q.dtype)[None]  # [1, Hkv, L, D]
-    ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype).to(q.dtype)[None]  # [1, Hkv, L, D]
+    # [1, Hkv, L, D]
+    ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype).to(q.dtype)[None]
+    # [1, Hkv, L, D]
+    ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype).to(q.dtype)[None]
     qi = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     if sliding_window is not None and seq_len > sliding_window:
         mask = context_mask(seq_len, n, sliding_window, q.device)
@@ -333,7 +336,8 @@ class TritonPagedBackend(AttentionBackend):
         if not kv_stored:
             triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping, kv_scales)
         if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
-            return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
+            return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
+                scale, sliding_window,
                                        kv_scales=kv_scales)
         sub = self._split(batch)
         out = torch.empty_like(q)  # [T, Hq, D]
@@ -347,6 +351,7 @@ class TritonPagedBackend(AttentionBackend):
         for i in sub.prefills:
             pages = batch.page_table[i, : -(-lens[i] // page_size)]
             out[qs[i] : qs[i + 1]] = sdpa_prefill(
-                q[qs[i] : qs[i + 1]], k_cache, v_cache, pages, lens[i], scale, sliding_window, kv_scales
+                q[qs[i] : qs[i + 1]], k_cache, v_cache, pages, lens[i], scale, sliding_window,
+                    kv_scales
             )
         return out
