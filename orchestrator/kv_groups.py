@@ -91,9 +91,12 @@ def _recurrent(hf: dict[str, Any], layers: tuple[int, ...], dtype_bytes: int) ->
 
 
 def kv_groups(
-    hf: dict[str, Any], dtype_bytes: int, tp_size: int = 1, max_model_len: int = 1 << 62
+    hf: dict[str, Any], dtype_bytes: int, tp_size: int = 1, max_model_len: int = 1 << 62,
+    state_dtype_bytes: int = 0,
 ) -> list[KVGroup]:
-    """The groups a worker with `tp_size` ranks keeps for this checkpoint (see module doc)."""
+    """The groups a worker with `tp_size` ranks keeps for this checkpoint (see module doc), for
+    KV pages of `dtype_bytes`-byte elements (a recurrent conv state: `state_dtype_bytes`, the
+    model dtype's, default the same)."""
     latent = mla_latent_dim(hf)
     if latent:  # every rank keeps each page whole: the replica holds tp_size copies
         layers = tuple(range(int(hf["num_hidden_layers"])))
@@ -104,7 +107,7 @@ def kv_groups(
     # With TP > kv heads each rank keeps a replica of one head: the replica's bytes grow.
     per_layer = 2 * max(1, kv_heads // tp_size) * tp_size * head_dim * dtype_bytes
     linear = linear_layers(hf)
-    tail = [_recurrent(hf, linear, dtype_bytes)] if linear else []
+    tail = [_recurrent(hf, linear, state_dtype_bytes or dtype_bytes)] if linear else []
     windows = [w for i, w in enumerate(layer_windows(hf)) if i not in linear]
     attention = [i for i in range(int(hf["num_hidden_layers"])) if i not in linear]
     slid = tuple(i for i, w in zip(attention, windows, strict=True) if w is not None)

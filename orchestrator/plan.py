@@ -27,9 +27,12 @@ from orchestrator.config import (
     worker_config,
 )
 from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
+from orchestrator.weights import WeightBytes, weight_bytes
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# cache.kv_cache_dtype → the pages' dtype and bytes per element ("auto": the model dtype's).
+_KV_CACHE_DTYPES = {"fp8_e4m3": ("float8_e4m3fn", 1)}
 _WINDOW_RINGS_PER_SEQ = 2  # worker/cache_layout.py: decode holds rings of rooms in flight too
 _STATE_SLOTS_PER_SEQ = 3  # worker/cache_layout.py: 2 per seat (rooms in flight) + 1 snapshot
 # Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
@@ -80,11 +83,12 @@ class KVBudget:
     num_pages: int
     # One page: its group's layers (all but ring-kept window layers), K and V, all TP ranks.
     page_bytes: int
-    dtype: str
+    dtype: str  # of the KV pages (cache.kv_cache_dtype)
     groups: tuple[KVGroup, ...] = ()  # the cache groups (orchestrator/kv_groups.py)
     window_bytes: int = 0  # the window-ring region (models whose window layers keep rings)
     state_bytes: int = 0  # the recurrent-state region: request and snapshot slots
     tp_size: int = 1  # ranks of one replica (the groups' bytes/token count all of them)
+    weights: WeightBytes | None = None  # the replica's weights in the dtype it holds them in
 
     @property
     def total_bytes(self) -> int:
@@ -305,9 +309,10 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
         tp = rc.parallel.tp_size
         wc = worker_config(cluster, role, 0)
         cache = wc.cache
+        kv_dtype, item = _KV_CACHE_DTYPES.get(cache.kv_cache_dtype, (dtype, _DTYPE_BYTES[dtype]))
         max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
         max_len = min(wc.model.max_model_len or max_pos, max_pos)
-        groups = tuple(kv_groups(hf, _DTYPE_BYTES[dtype], tp, max_len))
+        groups = tuple(kv_groups(hf, item, tp, max_len, state_dtype_bytes=_DTYPE_BYTES[dtype]))
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
         paged = next(g for g in groups if g.kind in (FULL, MLA))
         page_bytes = paged.bytes_per_token * cache.page_size
@@ -323,8 +328,9 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
         if state is not None:  # worker/cache_layout.py: state_slots (requests + snapshots)
             slots = _STATE_SLOTS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
             state_bytes = slots * state.bytes_per_request
-        out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, dtype, groups,
-                            window_bytes, state_bytes, tp))
+        weights = weight_bytes(cluster.model.path, hf, dtype, wc.parallel.device)
+        out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, kv_dtype, groups,
+                            window_bytes, state_bytes, tp, weights))
     return out
 
 
@@ -376,8 +382,11 @@ def format_plan(cluster: ClusterConfig) -> str:
         parts.append(f"KV budget: unknown ({exc})")
         return "\n".join(parts)
     parts.append(_table(
-        ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
-        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
+        ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype",
+         "weights/worker", "weights dtype"],
+        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes),
+          b.dtype, _weights_cell(b.weights), b.weights.dtype if b.weights else "-"]
+         for b in budgets],
     ))
     group_rows = [[b.role, g.kind, str(len(g.layers)),
                    _human(g.bytes_per_token) if g.bytes_per_token else "-",
@@ -391,10 +400,15 @@ def format_plan(cluster: ClusterConfig) -> str:
     return "\n".join(parts)
 
 
-
 def _kept(group: KVGroup, page_size: int) -> str:
     if group.kind == WINDOW:
         return f"last {group.window} tokens (ring of {group.ring_pages(page_size)} pages)"
     if group.kind == RECURRENT:
         return "one state slot"
     return "every token"
+
+
+def _weights_cell(w: WeightBytes | None) -> str:
+    if w is None:
+        return "-"
+    return _human(w.total) + ("" if w.exact else " (est.)")

@@ -114,6 +114,9 @@ class KVLayout:
     # registered memory: `window[num_window_pages, num_window_layers, 2, heads, page_size, head_dim]`
     # at byte `window_base`. 0 = no window region (window layers, if any, live in full pages).
     num_window_pages: int = 0
+    # FP8 pages: a label of the K/V scales that dequantize them ("1.0", or the checkpoint's
+    # scales' digest); "" for pages that are not FP8. Both sides must agree (COMPATIBLE_FIELDS).
+    kv_scales: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
@@ -234,7 +237,7 @@ def _canonical_group(g: CacheGroup) -> dict[str, object]:
 # Fields that must be equal between prefill and decode (tp_rank/tp_size/heads per rank may differ).
 COMPATIBLE_FIELDS = (
     "model_name", "model_fingerprint", "num_layers", "page_size", "head_dim", "dtype",
-    "num_kv_heads_total", "groups", "backend",
+    "num_kv_heads_total", "groups", "backend", "kv_scales",
 )
 
 
@@ -254,6 +257,8 @@ class LayoutContract:
     tp_size: int
     backend: str
     groups: tuple[CacheGroup, ...] = field(default=())
+    # KVLayout.kv_scales; left out of the canonical form when "" (old hashes hold)
+    kv_scales: str = ""
 
     @classmethod
     def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:
@@ -263,6 +268,7 @@ class LayoutContract:
             page_size=layout.page_size, num_kv_heads_total=layout.num_kv_heads_total,
             num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim, dtype=layout.dtype,
             tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
+            kv_scales=layout.kv_scales,
         )
 
     def layout(self, num_pages: int = 1, num_window_pages: int = 0) -> KVLayout:
@@ -271,12 +277,15 @@ class LayoutContract:
             num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
             dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
             tp_size=self.tp_size, groups=self.groups, num_window_pages=num_window_pages,
+            kv_scales=self.kv_scales,
         )
 
     def canonical(self) -> str:
         """Canonical JSON: sorted keys, enums as values, tuples as lists."""
         d = asdict(self)
         d["groups"] = [_canonical_group(g) for g in self.groups]
+        if not self.kv_scales:
+            del d["kv_scales"]  # pages that are not FP8 hash as they did before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
@@ -285,7 +294,8 @@ class LayoutContract:
     def compat_hash(self) -> str:
         """Hash over the fields both sides must share (equal across TP ranks and TP sizes)."""
         d = json.loads(self.canonical())
-        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS}, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS if k in d},
+                                         sort_keys=True).encode()).hexdigest()
 
     def mismatches(self, other: LayoutContract) -> list[str]:
         """`field: ours != theirs` for every field that must match and does not."""

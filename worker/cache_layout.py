@@ -11,6 +11,7 @@ from transfer.contract import ring_pages
 from worker.config import ConfigError, WorkerConfig
 from worker.kv_cache import KVShape
 from worker.model.base import ModelSpec
+from worker.model.fp8 import is_fp8, kv_storage_dtype
 
 WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight
 STATE_SLOTS_PER_SEQ = 2  # state slots per running seat, for the same reason
@@ -67,13 +68,14 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
             "run it with parallel.tp_size=1 (and dp_size=1)")
     requests, snapshots = state_slots(spec, config)
     rings = ring_pages(window, config.cache.page_size) if layers else 0
+    dtype = kv_storage_dtype(config.cache.kv_cache_dtype, spec.dtype)  # the model's, or FP8
     return KVShape(
         num_pages=config.cache.total_pages,
         num_layers=spec.num_layers,
         num_kv_heads=kv_heads,
         page_size=config.cache.page_size,
         head_dim=spec.head_dim,
-        dtype=spec.dtype,
+        dtype=dtype,
         window_layers=layers,
         window=window,
         num_window_pages=rings * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
@@ -81,4 +83,5 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
         state_layers=spec.state_layers,
         state=spec.state_shape,
         num_state_slots=requests + snapshots,
+        kv_scales=spec.kv_scales if is_fp8(dtype) else "",
     )

@@ -86,10 +86,13 @@ class KVShape:
     num_kv_heads: int  # on this rank
     page_size: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the KV storage dtype: the model's, or float8_e4m3fn (cache.kv_cache_dtype)
     window_layers: tuple[int, ...] = ()  # layers kept in the window region (ascending); () = none
     window: int = 0  # tokens a window layer attends to (its sliding window)
     num_window_pages: int = 0  # pages of the window region (rings of all live requests)
+    # FP8 pages: which K/V scales dequantize them (worker/model/fp8.py KVScales.label, e.g. "1.0");
+    # "" when the pages are not FP8. Part of the layout contract: both sides must use the same.
+    kv_scales: str = ""
     # MLA: elements of the one latent row per token per layer (kv_lora_rank + qk_rope_head_dim);
     # then num_kv_heads is 1 and head_dim is latent_dim. 0 = K/V heads.
     latent_dim: int = 0
@@ -270,4 +273,5 @@ def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_si
         head_dim=shape.head_dim, dtype=str(shape.dtype).removeprefix("torch."),
         num_kv_heads_total=num_kv_heads_total, tp_rank=tp_rank, tp_size=tp_size,
         groups=cache_groups(shape), num_window_pages=shape.num_window_pages,
+            kv_scales=shape.kv_scales,
     )

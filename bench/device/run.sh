@@ -5,6 +5,7 @@
 #   bash bench/device/run.sh c   # GPT-OSS: its gpu tests, then bench/gpt_oss.py on GPU 0
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
+#   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -43,6 +44,13 @@ elif [[ $1 == e ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/deepseek.py > "$OUT/deepseek_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/deepseek_bench.txt"
   tail -30 "$OUT/mla_gpu_tests.txt"; tail -30 "$OUT/deepseek_bench.txt"
+elif [[ $1 == f ]]; then
+  timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
+    tests/worker/test_gpu.py tests/worker/test_fused_gpu.py tests/worker/test_gemv_gpu.py > "$OUT/fp8_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/fp8_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
+  tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"

@@ -26,7 +26,8 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's (deduplicated)
-    dtype: torch.dtype  # the dtype the weights were loaded in (also the KV cache's)
+    # the dtype the weights compute in (the KV cache's too unless kv_cache_dtype is set)
+    dtype: torch.dtype
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
@@ -37,6 +38,9 @@ class ModelSpec:
     # MLA (DeepSeek): the KV cache keeps one latent row of this width per token per layer (no heads,
     # no K/V pair; num_kv_heads is then 1 and head_dim this width). 0 = K/V heads.
     kv_latent_dim: int = 0
+    # The checkpoint's K/V cache scales for FP8 pages (worker/model/fp8.py KVScales.label): "1.0"
+    # when it has none, else "checkpoint per-tensor|per-head sha256:…".
+    kv_scales: str = "1.0"
 
 
 @dataclass(frozen=True)
