@@ -27,6 +27,7 @@ from orchestrator.config import (
 )
 
 EXIT_USAGE = 2  # bad flags or config, unreachable server
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # worker/config.py KV_CACHE_DTYPES (no worker import here)
 
 
 def resolve_config_path(path: str | None) -> Path:
@@ -66,6 +67,19 @@ def _parser_overrides(args: argparse.Namespace) -> list[str]:
     return extra
 
 
+def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="|".join(KV_CACHE_DTYPES),
+                   help="KV cache storage (= --set cache.kv_cache_dtype=...): auto = the model "
+                        "dtype, "
+                        "fp8_e4m3 = one byte per element with the checkpoint's K/V scales (else "
+                        "1.0)")
+
+
+def _kv_dtype_override(args: argparse.Namespace) -> list[str]:
+    value = getattr(args, "kv_cache_dtype", None)
+    return [f"cache.kv_cache_dtype={value}"] if value else []
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -84,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", metavar="KEY", help="clients must send `Authorization: Bearer KEY` (default: no auth)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     _add_parser_args(p)
+    _add_kv_dtype_arg(p)
 
     p = sub.add_parser("worker", help="run one worker process (what launchers start)")
     _add_config_args(p, required=True)
@@ -91,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica", type=int, default=0, metavar="I", help="replica index within the role (default 0)")
     p.add_argument("--node-rank", type=int, default=0, metavar="K",
                    help="which of the replica's parallel.nnodes nodes this is (0 serves gRPC; default 0)")
+    _add_kv_dtype_arg(p)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
     _add_config_args(p, required=True)
@@ -98,9 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="run the launcher the config names (launcher.kind)")
     _add_config_args(p, required=True)
+    _add_kv_dtype_arg(p)
 
-    p = sub.add_parser("plan", help="print the process table and KV budget of a config")
+    p = sub.add_parser("plan",
+        help="print the process table, KV budget and weight bytes of a config")
     _add_config_args(p, required=True)
+    _add_kv_dtype_arg(p)
 
     gate = EvalGate()
     p = sub.add_parser("eval", help="score a task through /v1/completions; non-zero below the bar",
@@ -138,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, extra: list[str] | None = None) -> ClusterConfig:
     """The config of args.config with the named flags' overrides (`extra`), then --set ones."""
-    return load_config(resolve_config_path(args.config), [*(extra or []), *args.overrides])
+    named = [*(extra or []), *_kv_dtype_override(args)]
+    return load_config(resolve_config_path(args.config), [*named, *args.overrides])
 
 
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
@@ -159,6 +179,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     if args.enforce_eager:
         extra.append("model.enforce_eager=true")
     extra.extend(_parser_overrides(args))
+    extra += _kv_dtype_override(args)
     # `serve` is the local launcher by definition, whatever the file or --set says.
     overrides = [*extra, *args.overrides, "launcher.kind=local"]
     return load_config(resolve_config_path(args.config), overrides)

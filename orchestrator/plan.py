@@ -26,11 +26,15 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
-from orchestrator.kv_groups import WINDOW, KVGroup, kv_groups
+from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
+from orchestrator.weights import WeightBytes, weight_bytes
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-_WINDOW_RINGS_PER_SEQ = 2  # worker/engine.py: decode holds rings of rooms in flight too
+# cache.kv_cache_dtype → the pages' dtype and bytes per element ("auto": the model dtype's).
+_KV_CACHE_DTYPES = {"fp8_e4m3": ("float8_e4m3fn", 1)}
+_WINDOW_RINGS_PER_SEQ = 2  # worker/cache_layout.py: decode holds rings of rooms in flight too
+_STATE_SLOTS_PER_SEQ = 3  # worker/cache_layout.py: 2 per seat (rooms in flight) + 1 snapshot
 # Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -79,13 +83,16 @@ class KVBudget:
     num_pages: int
     # One page: its group's layers (all but ring-kept window layers), K and V, all TP ranks.
     page_bytes: int
-    dtype: str
+    dtype: str  # of the KV pages (cache.kv_cache_dtype)
     groups: tuple[KVGroup, ...] = ()  # the cache groups (orchestrator/kv_groups.py)
     window_bytes: int = 0  # the window-ring region (models whose window layers keep rings)
+    state_bytes: int = 0  # the recurrent-state region: request and snapshot slots
+    tp_size: int = 1  # ranks of one replica (the groups' bytes/token count all of them)
+    weights: WeightBytes | None = None  # the replica's weights in the dtype it holds them in
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.window_bytes
+        return self.num_pages * self.page_bytes + self.window_bytes + self.state_bytes
 
 
 def procs_per_node(rc: RoleConfig) -> int:
@@ -244,7 +251,9 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if heads % tp:
         raise LayoutError(f"{where}={tp} must divide num_attention_heads={heads}")
-    if kv_heads % tp and tp % kv_heads:
+    if mla_latent_dim(hf):
+        _check_mla(where, tp, hf)
+    elif kv_heads % tp and tp % kv_heads:
         raise LayoutError(f"{where}={tp} must divide num_key_value_heads={kv_heads} "
                           "or be a multiple of it (KV heads are then replicated)")
     # A dense MLP is split over its DP group's TP ranks; TP-sharded experts over the whole world.
@@ -259,6 +268,19 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
         raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
                           f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
+
+
+def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:
+    """DeepSeek: no kv heads to split (the latent is replicated); its dense layers and shared
+    experts are SwiGLUs split over the attention TP ranks."""
+    inter = int(hf.get("intermediate_size") or 0)
+    if inter % tp:
+        raise LayoutError(f"{where}: intermediate_size={inter} must be divisible by tp_size={tp} "
+                          "(the first_k_dense_replace dense layers are sharded over the TP ranks)")
+    shared = int(hf.get("n_shared_experts") or 0) * int(hf.get("moe_intermediate_size") or 0)
+    if shared % tp:
+        raise LayoutError(f"{where}: n_shared_experts*moe_intermediate_size={shared} must be "
+                          f"divisible by tp_size={tp} (shared experts are split over the TP ranks)")
 
 
 def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
@@ -277,37 +299,38 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
 
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
-    layers = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     dtype = _kv_dtype(cluster, hf)
     if dtype not in _DTYPE_BYTES:
-        raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; set model.dtype to float32 or bfloat16")
+        raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; "
+                                 "set model.dtype to float32 or bfloat16")
     check_layout(cluster, hf)
     out: list[KVBudget] = []
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
-        kv_per_rank = max(1, kv_heads // tp)
         wc = worker_config(cluster, role, 0)
         cache = wc.cache
+        kv_dtype, item = _KV_CACHE_DTYPES.get(cache.kv_cache_dtype, (dtype, _DTYPE_BYTES[dtype]))
         max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
         max_len = min(wc.model.max_model_len or max_pos, max_pos)
-        groups = tuple(kv_groups(hf, _DTYPE_BYTES[dtype], tp, max_len))
-        window = next((g for g in groups if g.kind == WINDOW), None)
-        full_layers = layers - (len(window.layers) if window else 0)
+        groups = tuple(kv_groups(hf, item, tp, max_len, state_dtype_bytes=_DTYPE_BYTES[dtype]))
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
-        layer_page = 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
-        page_bytes = full_layers * layer_page
+        paged = next(g for g in groups if g.kind in (FULL, MLA))
+        page_bytes = paged.bytes_per_token * cache.page_size
+        window = next((g for g in groups if g.kind == WINDOW), None)
         window_bytes = 0
         if window is not None:  # rings for every seat, twice over (see _WINDOW_RINGS_PER_SEQ)
             seats = _WINDOW_RINGS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
-            ring_page = len(window.layers) * layer_page
+            ring_page = window.bytes_per_token * cache.page_size
             window_bytes = window.ring_pages(cache.page_size) * seats * ring_page
         num_pages = cache.total_pages * rc.parallel.dp_size
-        out.append(
-            KVBudget(role, cache.page_size, num_pages, page_bytes, dtype, groups, window_bytes)
-        )
+        state = next((g for g in groups if g.kind == RECURRENT), None)
+        state_bytes = 0
+        if state is not None:  # worker/cache_layout.py: state_slots (requests + snapshots)
+            slots = _STATE_SLOTS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
+            state_bytes = slots * state.bytes_per_request
+        weights = weight_bytes(cluster.model.path, hf, dtype, wc.parallel.device)
+        out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, kv_dtype, groups,
+                            window_bytes, state_bytes, tp, weights))
     return out
 
 
@@ -349,7 +372,8 @@ def format_plan(cluster: ClusterConfig) -> str:
     parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
              f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
     try:
-        budgets = kv_budget(cluster, read_model_config(cluster.model.path))
+        hf = read_model_config(cluster.model.path)
+        budgets = kv_budget(cluster, hf)
     except LayoutError:
         raise
     except ClusterConfigError as exc:
@@ -358,12 +382,33 @@ def format_plan(cluster: ClusterConfig) -> str:
         parts.append(f"KV budget: unknown ({exc})")
         return "\n".join(parts)
     parts.append(_table(
-        ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
-        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
+        ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype",
+         "weights/worker", "weights dtype"],
+        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes),
+          b.dtype, _weights_cell(b.weights), b.weights.dtype if b.weights else "-"]
+         for b in budgets],
     ))
-    group_rows = [[b.role, g.kind, str(len(g.layers)), str(g.bytes_per_token),
-             f"last {g.window} tokens (ring of {g.ring_pages(b.page_size)} pages)" if g.window
-             else "every token"] for b in budgets for g in b.groups]
-    parts += ["", "KV cache groups (bytes per token: K and V of the group's layers, all TP ranks):",
-              _table(["role", "group", "layers", "bytes/token", "kept per request"], group_rows)]
+    group_rows = [[b.role, g.kind, str(len(g.layers)),
+                   _human(g.bytes_per_token) if g.bytes_per_token else "-",
+                   _human(g.bytes_per_token // b.tp_size) if g.bytes_per_token else "-",
+                   _human(g.bytes_per_request) if g.bytes_per_request else "-",
+                   _kept(g, b.page_size)] for b in budgets for g in b.groups]
+    parts += ["", "KV cache groups (bytes/token: all TP ranks of a replica; an MLA latent is whole "
+              "on every rank):",
+              _table(["role", "group", "layers", "bytes/token", "per rank", "bytes/request",
+                      "kept per request"], group_rows)]
     return "\n".join(parts)
+
+
+def _kept(group: KVGroup, page_size: int) -> str:
+    if group.kind == WINDOW:
+        return f"last {group.window} tokens (ring of {group.ring_pages(page_size)} pages)"
+    if group.kind == RECURRENT:
+        return "one state slot"
+    return "every token"
+
+
+def _weights_cell(w: WeightBytes | None) -> str:
+    if w is None:
+        return "-"
+    return _human(w.total) + ("" if w.exact else " (est.)")

@@ -46,6 +46,9 @@ class CacheKind(str, enum.Enum):
     FULL_ATTENTION = "full_attention"  # one page per page_size tokens, all retained: ship pages
     SLIDING_WINDOW = "sliding_window"  # a ring of the last `window` tokens: ship the replay tail
     RECURRENT = "recurrent"  # a fixed-size state per request (mamba/linear attn): ship the state
+    # MLA (DeepSeek): one latent row per token per layer, no heads and no K/V pair, the same on
+    # every TP rank; all retained, so ship pages, one copy to each decode rank.
+    MLA_LATENT = "mla_latent"
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,14 @@ class CacheGroup:
     kind: CacheKind
     layers: tuple[int, ...]  # layer indices of this group, ascending
     window: int = 0  # tokens kept, for SLIDING_WINDOW; 0 otherwise
+    latent_dim: int = 0  # MLA_LATENT: elements per token per layer (kv_lora_rank + rope dim)
 
     def __post_init__(self) -> None:
         if self.kind is CacheKind.SLIDING_WINDOW and self.window <= 0:
             raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
+        if (self.kind is CacheKind.MLA_LATENT) != (self.latent_dim > 0):
+            raise ContractError(f"CacheGroup.latent_dim must be > 0 for an mla_latent group and 0 "
+                                f"for any other kind, got {self.latent_dim} for {self.kind.value}")
 
     def ring_pages(self, page_size: int) -> int:
         """Pages of a SLIDING_WINDOW group's per-request ring (`ring_pages`)."""
@@ -87,6 +94,11 @@ class KVLayout:
     """One rank's KV pool: `data[num_pages, num_layers, 2, num_kv_heads_local, page_size, head_dim]`.
 
     Built by the worker from plain numbers; the transfer layer computes byte offsets from it.
+
+    MLA latent pages (one MLA_LATENT group over every layer): `data[num_pages, num_layers,
+    page_size, latent_dim]`, described as one plane (no K/V pair) of one kv "head" of width
+    `head_dim = latent_dim` that every TP rank holds whole (`num_kv_heads_total = 1`, replicated),
+    so page bytes, offsets and the head-slice plan follow from the same formulas.
     """
 
     num_pages: int
@@ -102,6 +114,9 @@ class KVLayout:
     # registered memory: `window[num_window_pages, num_window_layers, 2, heads, page_size, head_dim]`
     # at byte `window_base`. 0 = no window region (window layers, if any, live in full pages).
     num_window_pages: int = 0
+    # FP8 pages: a label of the K/V scales that dequantize them ("1.0", or the checkpoint's
+    # scales' digest); "" for pages that are not FP8. Both sides must agree (COMPATIBLE_FIELDS).
+    kv_scales: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
@@ -121,6 +136,21 @@ class KVLayout:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ContractError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
         heads_of_rank(self.num_kv_heads_total, self.tp_size, self.tp_rank)  # divisibility check
+        self._check_latent()
+
+    def _check_latent(self) -> None:
+        """An MLA_LATENT group is the whole pool: every layer, one replicated latent 'head'."""
+        latent = [g for g in self.groups if g.kind is CacheKind.MLA_LATENT]
+        if not latent:
+            return
+        group = latent[0]
+        if len(self.groups) != 1 or group.layers != tuple(range(self.num_layers)):
+            raise ContractError("KVLayout.groups: an mla_latent group must be the only group and "
+                                f"list every layer 0..{self.num_layers - 1} (one latent per layer)")
+        if self.head_dim != group.latent_dim or self.num_kv_heads_total != 1:
+            raise ContractError(f"KVLayout: an mla_latent pool has head_dim = latent_dim "
+                                f"({group.latent_dim}) and num_kv_heads_total = 1, got head_dim "
+                                f"{self.head_dim} and num_kv_heads_total {self.num_kv_heads_total}")
 
     @property
     def itemsize(self) -> int:
@@ -141,6 +171,16 @@ class KVLayout:
         return self.page_size * self.head_dim * self.itemsize
 
     @property
+    def latent_group(self) -> CacheGroup | None:
+        """The MLA_LATENT group (None for K/V pools)."""
+        return next((g for g in self.groups if g.kind is CacheKind.MLA_LATENT), None)
+
+    @property
+    def planes(self) -> int:
+        """Rows per (layer, head) in a page: K and V (2), or the one MLA latent (1)."""
+        return 1 if self.latent_group is not None else 2
+
+    @property
     def window_group(self) -> CacheGroup | None:
         """The SLIDING_WINDOW group kept in its own region (None without a window region)."""
         if not self.num_window_pages:
@@ -155,8 +195,8 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """One full page: every full-region layer's K and V."""
-        return self.num_full_layers * 2 * self.num_kv_heads_local * self.head_bytes
+        """One full page: every full-region layer's K and V (or its MLA latent)."""
+        return self.num_full_layers * self.planes * self.num_kv_heads_local * self.head_bytes
 
     @property
     def window_base(self) -> int:
@@ -181,13 +221,23 @@ class KVLayout:
 
     def offset(self, page: int, layer: int = 0, kv: int = 0, local_head: int = 0) -> int:
         """Byte offset of (page, layer, K|V, head) from the pool's base pointer."""
-        return page * self.page_bytes + ((layer * 2 + kv) * self.num_kv_heads_local + local_head) * self.head_bytes
+        row = (layer * self.planes + kv) * self.num_kv_heads_local + local_head
+        return page * self.page_bytes + row * self.head_bytes
+
+
+def _canonical_group(g: CacheGroup) -> dict[str, object]:
+    """A group's canonical fields; latent_dim only where set, so the hashes of contracts without
+    an MLA group stay what they were before MLA existed."""
+    d: dict[str, object] = {"kind": g.kind.value, "layers": list(g.layers), "window": g.window}
+    if g.latent_dim:
+        d["latent_dim"] = g.latent_dim
+    return d
 
 
 # Fields that must be equal between prefill and decode (tp_rank/tp_size/heads per rank may differ).
 COMPATIBLE_FIELDS = (
     "model_name", "model_fingerprint", "num_layers", "page_size", "head_dim", "dtype",
-    "num_kv_heads_total", "groups", "backend",
+    "num_kv_heads_total", "groups", "backend", "kv_scales",
 )
 
 
@@ -207,6 +257,8 @@ class LayoutContract:
     tp_size: int
     backend: str
     groups: tuple[CacheGroup, ...] = field(default=())
+    # KVLayout.kv_scales; left out of the canonical form when "" (old hashes hold)
+    kv_scales: str = ""
 
     @classmethod
     def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:
@@ -216,6 +268,7 @@ class LayoutContract:
             page_size=layout.page_size, num_kv_heads_total=layout.num_kv_heads_total,
             num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim, dtype=layout.dtype,
             tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
+            kv_scales=layout.kv_scales,
         )
 
     def layout(self, num_pages: int = 1, num_window_pages: int = 0) -> KVLayout:
@@ -224,12 +277,15 @@ class LayoutContract:
             num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
             dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
             tp_size=self.tp_size, groups=self.groups, num_window_pages=num_window_pages,
+            kv_scales=self.kv_scales,
         )
 
     def canonical(self) -> str:
         """Canonical JSON: sorted keys, enums as values, tuples as lists."""
         d = asdict(self)
-        d["groups"] = [{"kind": g.kind.value, "layers": list(g.layers), "window": g.window} for g in self.groups]
+        d["groups"] = [_canonical_group(g) for g in self.groups]
+        if not self.kv_scales:
+            del d["kv_scales"]  # pages that are not FP8 hash as they did before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
@@ -238,7 +294,8 @@ class LayoutContract:
     def compat_hash(self) -> str:
         """Hash over the fields both sides must share (equal across TP ranks and TP sizes)."""
         d = json.loads(self.canonical())
-        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS}, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS if k in d},
+                                         sort_keys=True).encode()).hexdigest()
 
     def mismatches(self, other: LayoutContract) -> list[str]:
         """`field: ours != theirs` for every field that must match and does not."""

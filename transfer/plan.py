@@ -8,6 +8,11 @@ Heterogeneous TP: a page holds, per (layer, K|V), the rank's heads as contiguous
 `page_size*head_dim` elements. A source rank sends to a destination rank exactly the heads
 both hold; with TP > total kv heads a head is replicated on several ranks and only its first
 replica (the lowest source rank holding it) sends, so every destination byte is written once.
+
+MLA latent pages (an MLA_LATENT group): every rank holds the same latent, so a destination rank
+needs exactly one copy of each page, and gets it from source rank `dst.tp_rank % src.tp_size`
+(TP2 -> TP1: rank 0 sends, rank 1 sends nothing; TP1 -> TP2: rank 0 sends to both; TP2 -> TP2:
+each source rank feeds its own counterpart, so the copies are spread over the source ranks).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ def head_runs(src: KVLayout, dst: KVLayout) -> list[tuple[int, int, int]]:
     """Heads `src` sends to `dst` as runs (src_local_head, dst_local_head, num_heads)."""
     if src.num_kv_heads_total != dst.num_kv_heads_total:
         raise PlanError(f"num_kv_heads_total differs: src {src.num_kv_heads_total} vs dst {dst.num_kv_heads_total}")
+    if (src.latent_group is None) != (dst.latent_group is None):
+        raise PlanError("one side keeps MLA latent pages, the other K/V pages; check the contract")
+    if src.latent_group is not None:  # replicated latent: one source rank per destination rank
+        return [(0, 0, 1)] if dst.tp_rank % src.tp_size == src.tp_rank else []
     dst_pos = {h: i for i, h in enumerate(dst.heads)}
     runs: list[tuple[int, int, int]] = []
     for s_i, h in enumerate(src.heads):
@@ -112,7 +121,7 @@ def plan_segments(
             segs.append(Range(src.offset(s_page), dst.offset(d_page), src.page_bytes))  # same heads: whole page
         else:
             for layer in range(src.num_full_layers):
-                for kv in (0, 1):
+                for kv in range(src.planes):  # K and V, or the one MLA latent
                     for s_h, d_h, n in runs:
                         segs.append(Range(src.offset(s_page, layer, kv, s_h), dst.offset(d_page, layer, kv, d_h), n * hb))
         out.append(segs)

@@ -11,8 +11,10 @@ from transfer.contract import ring_pages
 from worker.config import ConfigError, WorkerConfig
 from worker.kv_cache import KVShape
 from worker.model.base import ModelSpec
+from worker.model.fp8 import is_fp8, kv_storage_dtype
 
 WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight
+STATE_SLOTS_PER_SEQ = 2  # state slots per running seat, for the same reason
 
 
 def max_model_len(spec: ModelSpec, config: WorkerConfig) -> int:
@@ -39,25 +41,47 @@ def window_layers(spec: ModelSpec, max_len: int) -> tuple[tuple[int, ...], int]:
     return layers, window
 
 
+def state_slots(spec: ModelSpec, config: WorkerConfig) -> tuple[int, int]:
+    """(request slots, snapshot slots) of a model with recurrent layers; (0, 0) without."""
+    if not spec.state_layers:
+        return 0, 0
+    seats = config.scheduler.max_num_seqs
+    snapshots = seats if config.cache.enable_prefix_cache else 0  # one per recent prompt
+    return STATE_SLOTS_PER_SEQ * seats, snapshots
+
+
 def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
     """The KV pool of one rank of this worker (`config.cache.total_pages` pages per DP group)."""
     # With TP > kv heads each rank keeps a replica of one kv head.
     kv_heads = max(1, spec.num_kv_heads // config.parallel.tp_size)
     layers, window = window_layers(spec, max_model_len(spec, config))
-    if layers and (config.parallel.world_size > 1 or config.parallel.nnodes > 1):
+    multi_rank = config.parallel.world_size > 1 or config.parallel.nnodes > 1
+    if layers and multi_rank:
         raise ConfigError(
             f"parallel: a model with sliding-window layers ({len(layers)} of {spec.num_layers}, "
             f"window {window}) keeps window rings that multi-rank workers do not mirror yet; "
             "run it with parallel.tp_size=1")
+    if spec.state_layers and multi_rank:
+        raise ConfigError(
+            f"parallel: a model with recurrent layers ({len(spec.state_layers)} of "
+            f"{spec.num_layers}) keeps state slots that multi-rank workers do not mirror yet; "
+            "run it with parallel.tp_size=1 (and dp_size=1)")
+    requests, snapshots = state_slots(spec, config)
     rings = ring_pages(window, config.cache.page_size) if layers else 0
+    dtype = kv_storage_dtype(config.cache.kv_cache_dtype, spec.dtype)  # the model's, or FP8
     return KVShape(
         num_pages=config.cache.total_pages,
         num_layers=spec.num_layers,
         num_kv_heads=kv_heads,
         page_size=config.cache.page_size,
         head_dim=spec.head_dim,
-        dtype=spec.dtype,
+        dtype=dtype,
         window_layers=layers,
         window=window,
         num_window_pages=rings * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
+        latent_dim=spec.kv_latent_dim,  # MLA latent pages (num_kv_heads 1, head_dim the latent)
+        state_layers=spec.state_layers,
+        state=spec.state_shape,
+        num_state_slots=requests + snapshots,
+        kv_scales=spec.kv_scales if is_fp8(dtype) else "",
     )

@@ -17,6 +17,10 @@ from transfer.config import TransferConfig
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
+# KV cache storage: auto = the model dtype; fp8_e4m3 = float8_e4m3fn pages with per-tensor or
+# per-head K/V scales from the checkpoint (1.0 where it has none). See docs/config.md.
+KVCacheDType = Literal["auto", "fp8_e4m3"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -44,8 +48,13 @@ class CacheConfig:
     num_pages: int = 0  # 0 = derive from max_total_tokens
     max_total_tokens: int = 65536  # KV capacity in tokens when num_pages is 0
     enable_prefix_cache: bool = True
+    kv_cache_dtype: KVCacheDType = "auto"  # auto = the model dtype; fp8_e4m3 = 1 byte per element
 
     def validate(self, prefix: str = "cache") -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"{prefix}.kv_cache_dtype must be one of "
+                              f"{'|'.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"{prefix}.page_size must be a positive power of two, got {self.page_size}")
         if self.num_pages < 0:

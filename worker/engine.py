@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.cache_groups import WindowSpec
-from worker.cache_layout import kv_shape, max_model_len
+from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
 from worker.config import ConfigError, WorkerConfig
 from worker.dp_runner import DPRunner
@@ -114,9 +114,11 @@ class Engine:
         window = None
         if shape.window_layers:
             window = WindowSpec(shape.window, len(shape.window_layers), shape.page_size)
+        requests, snapshots = state_slots(self.spec, self.config)
         return KVCacheManager(shape.num_pages, shape.page_size,
                               prefix_cache=self.config.cache.enable_prefix_cache, window=window,
-                              num_window_pages=shape.num_window_pages)
+                              num_window_pages=shape.num_window_pages,
+                              num_state_slots=requests, num_state_snapshots=snapshots)
 
     def set_hooks(self, hooks: RoleHooks) -> None:
         self.hooks = hooks

@@ -98,6 +98,8 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         window = self._window_fields(plan, dev) if self.kv.shape.window_layers else {}
+        if self.kv.shape.state_layers:
+            window["state_slots"] = dev([c.state_slot for c in plan.chunks])
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -147,6 +149,8 @@ class ModelRunner:
         `prev` (overlapped decode): an input still PENDING is the previous step's token for that
         request, read from `prev.tokens` on the device.
         """
+        if plan.state_copies:  # new requests' state slots: zeroed or restored from a snapshot
+            self.kv.apply_state_copies(plan.state_copies)
         sampling = sum(c.sample for c in plan.chunks)
         src = [prev.rows.get(id(c.request), -1) for c in plan.chunks] if prev is not None else None
         graphs = self.decode_graphs

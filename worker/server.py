@@ -266,9 +266,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     thread.start()
     service.engine = engine
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)",
-             config.role, address, engine.kv.shape.num_pages, config.cache.page_size,
-             len(engine.schedulers))
+    shape = engine.kv.shape
+    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups; KV %s%s)",
+             config.role, address, shape.num_pages, config.cache.page_size, len(engine.schedulers),
+             str(shape.dtype).removeprefix("torch."),
+                 f", K/V scales {shape.kv_scales}" if shape.kv_scales else "")
     try:
         await stop.wait()
     finally:

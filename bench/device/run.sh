@@ -3,6 +3,9 @@
 #   bash bench/device/run.sh a   # pytest -m gpu (one and two GPUs), then bench/gemv.py and bench/gpu.py on GPU 0
 #   bash bench/device/run.sh b   # bench/gpu_pd.py: 1P1D vs mono on GPU 0 (cuda_ipc)
 #   bash bench/device/run.sh c   # GPT-OSS: its gpu tests, then bench/gpt_oss.py on GPU 0
+#   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
+#   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
+#   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,6 +30,27 @@ elif [[ $1 == c ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/gpt_oss.py > "$OUT/gpt_oss_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/gpt_oss_bench.txt"
   tail -20 "$OUT/gpt_oss_tests.txt"; cat "$OUT/gpt_oss_bench.txt"
+elif [[ $1 == d ]]; then
+  TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/worker/test_gated_delta.py \
+    tests/worker/test_qwen3_next.py -k "not tp2" > "$OUT/qwen3_next_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/qwen3_next_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.qwen3_next > "$OUT/qwen3_next_bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/qwen3_next_bench.txt"
+  tail -20 "$OUT/qwen3_next_tests.txt"; cat "$OUT/qwen3_next_bench.txt"
+elif [[ $1 == e ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_mla_triton.py \
+    > "$OUT/mla_gpu_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/mla_gpu_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/deepseek.py > "$OUT/deepseek_bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/deepseek_bench.txt"
+  tail -30 "$OUT/mla_gpu_tests.txt"; tail -30 "$OUT/deepseek_bench.txt"
+elif [[ $1 == f ]]; then
+  timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
+    tests/worker/test_gpu.py tests/worker/test_fused_gpu.py tests/worker/test_gemv_gpu.py > "$OUT/fp8_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/fp8_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
+  tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"

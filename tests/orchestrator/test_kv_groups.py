@@ -1,15 +1,18 @@
-"""KV cache groups in the planner (orchestrator/kv_groups.py): which layers keep a window ring,
-bytes per token per group, and `tandem plan`'s KV budget equal to what a worker allocates."""
+"""KV cache groups in the planner (orchestrator/kv_groups.py): which layers keep a window ring
+or a recurrent state, bytes per token (and per request) per group, and `tandem plan`'s KV budget
+equal to what a worker allocates."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from orchestrator.cli import main
 from orchestrator.config import config_from_dict, load_config, worker_config
-from orchestrator.kv_groups import FULL, WINDOW, kv_groups, layer_windows
+from orchestrator.kv_groups import FULL, RECURRENT, WINDOW, KVGroup, kv_groups, layer_windows
 from orchestrator.plan import LayoutError, check_layout, format_plan, kv_budget, read_model_config
 
 # openai/gpt-oss-120b's shapes (only the keys the planner reads).
@@ -89,8 +92,53 @@ def test_plan_budget_equals_the_workers_allocation(tmp_path: Path) -> None:
         "configs/tiny-1p1d.yaml", [f"model.path={tmp_path / 'gpt-oss'}", "model.dtype=float32"]
     )
     text = format_plan(cluster)
-    assert "sliding_window  2       512          last 8 tokens (ring of 2 pages)" in text
+    assert any(line.split()[1:] == ["sliding_window", "2", "512", "B", "512", "B", "-", "last",
+                                    "8", "tokens", "(ring", "of", "2", "pages)"]
+               for line in text.splitlines()), text
     for budget in kv_budget(cluster, read_model_config(cluster.model.path)):
         engine = Engine(worker_config(cluster, budget.role, 0))
         assert budget.total_bytes == engine.kv.nbytes(), budget.role
         assert budget.page_bytes == engine.kv.shape.page_bytes
+
+
+# Qwen3-Next-80B-A3B's config.json, the keys the planner reads: 48 layers, every 4th full.
+QWEN3_NEXT_80B = {
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "hidden_size": 2048, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "torch_dtype": "bfloat16",
+}
+QWEN3_NEXT_80B["layer_types"] = QWEN3_NEXT_80B["layer_types"] * 12  # type: ignore[operator]
+
+
+def test_qwen3_next_has_a_paged_group_and_a_recurrent_group() -> None:
+    full, state = kv_groups(QWEN3_NEXT_80B, dtype_bytes=2)
+    # 12 full layers * K,V * 2 kv heads * 256 dims * 2 bytes
+    assert full == KVGroup(FULL, tuple(range(3, 48, 4)), 12 * 2 * 2 * 256 * 2)
+    # per linear layer: conv 3 inputs * (2*16*128 + 32*128) channels * 2 B + ssm 32*128*128 * 4 B
+    per_layer = 3 * 8192 * 2 + 32 * 128 * 128 * 4
+    assert state.kind == RECURRENT and len(state.layers) == 36
+    assert state.bytes_per_request == 36 * per_layer and state.bytes_per_token == 0
+
+
+def test_dense_models_keep_one_group() -> None:
+    hf = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "hidden_size": 128}
+    assert kv_groups(hf, 4) == [KVGroup(FULL, (0, 1, 2, 3), 4 * 2 * 2 * 32 * 4)]
+
+
+def test_plan_prints_bytes_per_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = {**QWEN3_NEXT_80B, "num_hidden_layers": 4, "intermediate_size": 512,
+          "layer_types": QWEN3_NEXT_80B["layer_types"][:4], "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    args = ["plan", "--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={tmp_path}"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 1 full layer * 2 * 2 heads * 16 tokens * 256 dims * 4 B per page (recurrent layers: no pages)
+    assert any(line.split()[:4] == ["decode", "1024", "16", "65536"] for line in lines)
+    assert any(line.split()[:5] == ["decode", "full_attention", "1", "4.0", "KiB"]
+               for line in lines), lines
+    per_layer = 3 * 8192 * 4 + 32 * 128 * 128 * 4
+    mib = f"{3 * per_layer / 2**20:.1f}"
+    assert any(line.split()[:7] == ["decode", "recurrent", "3", "-", "-", mib, "MiB"]
+               for line in lines), lines

@@ -6,6 +6,11 @@ The seam: model code calls an `AttentionBackend`; `TorchSDPABackend` is the CPU 
 replace it without touching the model. Backends receive the per-layer cache views of
 `KVCache.layer(l)`: k_cache, v_cache [num_pages, num_kv_heads, page_size, head_dim].
 
+FP8 KV (`cache.kv_cache_dtype: fp8_e4m3`): the caches are float8_e4m3fn and `kv_scales` =
+(k_scale, v_scale), each [num_kv_heads] float32 (worker/model/fp8.py). The store divides by the
+scale and saturates; every read dequantizes to float32 (times the scale) and attention then runs
+in float32, the output cast back to q's dtype.
+
 Causality with chunked prefill: a request with `seq_len` tokens of context after this step
 and `n` new tokens has its new tokens at positions seq_len-n .. seq_len-1; new token j sees
 every cached token and new tokens 0..j. Decode is the case n = 1 (no mask needed).
@@ -24,12 +29,18 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
+from worker.model.fp8 import dequantize_kv, quantize_kv
+
+KVScales = tuple[torch.Tensor, torch.Tensor] | None  # (k_scale, v_scale) [Hkv] each; None = not FP8
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    kv_scales: KVScales = None,
 ) -> None:
-    """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache."""
+    """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache
+    (FP8 caches: divided by their scales and saturated)."""
     page_size = k_cache.shape[2]
     keep = slot_mapping >= 0  # [T]: a negative slot is not stored (its KV is cached already)
     if not bool(keep.all()):
@@ -37,6 +48,9 @@ def store_kv(
     pages = slot_mapping // page_size  # [T]
     offsets = slot_mapping % page_size  # [T]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1],
+            v_cache.dtype)
     k_cache[pages, :, offsets] = k.to(k_cache.dtype)
     v_cache[pages, :, offsets] = v.to(v_cache.dtype)
 
@@ -94,11 +108,12 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]. k and v go to
         their slots first, unless the caller stored them already (kv_stored). sinks [Hq]: each
-        head's sink logit (GPT-OSS), None = plain softmax."""
+        head's sink logit (GPT-OSS), None = plain softmax. kv_scales: the FP8 caches'
+        (k_scale, v_scale), see the module docstring."""
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -109,11 +124,15 @@ class TorchSDPABackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, kv_scales)
         page_size = k_cache.shape[2]
+        out_dtype = q.dtype
+        if kv_scales is not None:
+            q = q.float()  # FP8 pages are read as float32: attention runs in float32
+        ks, vs = (None, None) if kv_scales is None else kv_scales
         out = torch.empty_like(q)  # [T, Hq, D]
         qs = batch.query_start_list
         decodes: list[int] = []
@@ -126,8 +145,10 @@ class TorchSDPABackend(AttentionBackend):
                 continue
             num_pages = -(-seq_len // page_size)
             pages = batch.page_table[i, :num_pages]
-            ctx_k = gather_context(k_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
-            ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
+            # [Hkv, L, D]
+            ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype)
+            # [Hkv, L, D]
+            ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype)
             qi = q[start:end].transpose(0, 1)  # [Hq, n, D]
             mask = context_mask(seq_len, end - start, sliding_window, q.device)
             # oi: [1, Hq, n, D]
@@ -135,15 +156,15 @@ class TorchSDPABackend(AttentionBackend):
             out[start:end] = oi[0].transpose(0, 1)
         if decodes:
             rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
-            out[rows] = self._decode(
-                q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window, sinks
-            )
-        return out
+            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale,
+                                     sliding_window, sinks, kv_scales)
+        return out.to(out_dtype)
 
     @staticmethod
     def _decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, rows: list[int],
         scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
+        kv_scales: KVScales = None,
     ) -> torch.Tensor:
         """q [B, Hq, D], one token per request → [B, Hq, D] over each request's padded context."""
         page_size = k_cache.shape[2]
@@ -152,10 +173,11 @@ class TorchSDPABackend(AttentionBackend):
         num_pages = -(-max_len // page_size)
         pages = batch.page_table[rows, :num_pages]  # [B, n]; padding entries point at page 0, masked below
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:
+        def gather(cache: torch.Tensor, head_scale: torch.Tensor | None) -> torch.Tensor:
             picked = cache[pages]  # [B, n, Hkv, S, D]
             b, n, hkv, s, d = picked.shape
-            return picked.transpose(1, 2).reshape(b, hkv, n * s, d)[:, :, :max_len].to(q.dtype)  # [B, Hkv, L, D]
+            ctx = picked.transpose(1, 2).reshape(b, hkv, n * s, d)[:, :, :max_len]  # [B, Hkv, L, D]
+            return dequantize_kv(ctx, head_scale, q.dtype)
 
         mask = None  # every key visible: equal lengths and no window in reach
         if min(seq_lens) < max_len or (sliding_window is not None and max_len > sliding_window):
@@ -165,7 +187,8 @@ class TorchSDPABackend(AttentionBackend):
             if sliding_window is not None:
                 keep &= (lens - 1 - k_pos) < sliding_window
             mask = keep[:, None, None, :]  # [B, 1, 1, L]
-        k, v = gather(k_cache), gather(v_cache)
+        ks, vs = (None, None) if kv_scales is None else kv_scales
+        k, v = gather(k_cache, ks), gather(v_cache, vs)
         if mask is not None:
             # A masked key still enters the scores (NaN + -inf = NaN) and its value the sum
             # (0 * NaN = NaN): padding rows (page 0, page tails) may hold anything, so zero them.
@@ -178,16 +201,17 @@ class TorchSDPABackend(AttentionBackend):
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch: ForwardBatch, scale: float, sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
-    backend = TorchSDPABackend()
-    return backend.forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window, sinks=sinks)
+    return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window,
+                                      sinks=sinks, kv_scales=kv_scales)
 
 
 def window_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch: ForwardBatch, scale: float, window: int, sinks: torch.Tensor | None = None,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """A window layer over its ring of pages: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D].
 
@@ -203,8 +227,15 @@ def window_attention(
     page_size = k_cache.shape[2]
     hist_pages = batch.window_context_slots // page_size  # [C]
     hist_offsets = batch.window_context_slots % page_size  # [C]
-    hist_k = k_cache[hist_pages, :, hist_offsets].to(q.dtype)  # [C, Hkv, D]
-    hist_v = v_cache[hist_pages, :, hist_offsets].to(q.dtype)  # [C, Hkv, D]
+    out_dtype = q.dtype
+    if kv_scales is not None:  # FP8 ring pages: history and this step's K/V in float32
+        q, k, v = q.float(), k.float(), v.float()
+    ks, vs = (None, None) if kv_scales is None else kv_scales
+    # [C, Hkv, D] each (dequantize_kv wants heads before tokens: transpose around it)
+    hist_k = dequantize_kv(k_cache[hist_pages, :, hist_offsets].transpose(0, 1), ks,
+        q.dtype).transpose(0, 1)
+    hist_v = dequantize_kv(v_cache[hist_pages, :, hist_offsets].transpose(0, 1), vs,
+        q.dtype).transpose(0, 1)
     out = torch.empty_like(q)  # [T, Hq, D]
     qs, hs = batch.query_start_list, batch.window_context_start
     for i in range(batch.num_requests):
@@ -222,5 +253,5 @@ def window_attention(
         qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
         oi = sdpa_with_sinks(qi, ctx_k[None], ctx_v[None], mask, scale, sinks)  # [1, Hq, n, D]
         out[start:end] = oi[0].transpose(0, 1)
-    store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping)
-    return out
+    store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping, kv_scales)
+    return out.to(out_dtype)

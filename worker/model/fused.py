@@ -13,7 +13,9 @@ time as the weight matmuls they sit between. Here each job is one kernel:
   step's cos/sin — so every RoPE variant of worker/model/rope.py (default, linear, llama3,
   yarn, dynamic) takes this path, as all of them end in the same cos/sin table. Given the
   layer's caches and slots (`kv_cache=`), it also writes the new k and v to their slots, so
-  the attention backend's store kernel is skipped.
+  the attention backend's store kernel is skipped. FP8 caches (`kv_scales=`): each value is
+  divided by its head's scale and saturated at ±448 before the e4m3 store, as
+  attention.store_kv does.
 
 Numerics follow the torch reference step by step (layers.py `RMSNorm`, rope.py `apply_rope`,
 llama.py `MLP`): float32 math, rounded to the model dtype wherever the reference rounds (the
@@ -91,11 +93,12 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def qk_norm_rope_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
+        qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
         stride_t, stride_cos, stride_sin, stride_kcp, stride_kch, stride_kcs, stride_vcp, stride_vch, stride_vcs,
         eps,
         HQ: tl.constexpr, HEADS: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
         BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] head index: q heads, k, then v
@@ -135,13 +138,22 @@ def _kernels() -> SimpleNamespace:
             is_v = h >= HEADS
             k_at = kc_ptr + page * stride_kcp + off * stride_kcs + (h - HQ)[:, None] * stride_kch + i[None, :]
             v_at = vc_ptr + page * stride_vcp + off * stride_vcs + (h - HEADS)[:, None] * stride_vch + i[None, :]
-            kmask = is_k[:, None] & mask & (slot >= 0)
-            vmask = is_v[:, None] & mask & (slot >= 0)
+            # Comparisons only (Triton's interpreter widens `bool & scalar bool` to int32).
+            live = (h < tl.where(slot >= 0, HEADS + HKV, 0))[:, None]  # slot -1: no head stores
+            kmask = is_k[:, None] & mask & live
+            vmask = is_v[:, None] & mask & live
             cache = kc_ptr.dtype.element_ty
-            tl.store(k_at, y1.to(cache), mask=kmask)
-            tl.store(k_at + HALF, y2.to(cache), mask=kmask)
-            tl.store(v_at, x1.to(cache), mask=vmask)
-            tl.store(v_at + HALF, x2.to(cache), mask=vmask)
+            k1, k2 = y1.to(tl.float32), y2.to(tl.float32)
+            v1, v2 = x1.to(dtype).to(tl.float32), x2.to(dtype).to(tl.float32)
+            if SCALED:  # FP8: value / its head's scale, saturated at the largest e4m3 value
+                ks = tl.load(ks_ptr + (h - HQ), mask=is_k, other=1.0)[:, None]
+                vs = tl.load(vs_ptr + (h - HEADS), mask=is_v, other=1.0)[:, None]
+                k1, k2 = tl.clamp(k1 / ks, -448.0, 448.0), tl.clamp(k2 / ks, -448.0, 448.0)
+                v1, v2 = tl.clamp(v1 / vs, -448.0, 448.0), tl.clamp(v2 / vs, -448.0, 448.0)
+            tl.store(k_at, k1.to(cache), mask=kmask)
+            tl.store(k_at + HALF, k2.to(cache), mask=kmask)
+            tl.store(v_at, v1.to(cache), mask=vmask)
+            tl.store(v_at + HALF, v2.to(cache), mask=vmask)
 
     return SimpleNamespace(rms_norm=rms_norm_kernel, silu_mul=silu_mul_kernel, qk_norm_rope=qk_norm_rope_kernel)
 
@@ -228,6 +240,7 @@ def qk_norm_rope(
     qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """In place on qkv [T, (Hq + 2 Hkv) * D] (q heads | k heads | v heads, D = head_dim):
     RMSNorm each q and k head (when q_weight / k_weight [D] are given: Qwen3), then rotate it by
@@ -235,7 +248,8 @@ def qk_norm_rope(
     `RotaryEmbedding.cos_sin` makes them). v is left as it is. With kv_cache = (k_cache,
     v_cache [P, Hkv, page_size, D], slot_mapping [T]) the rotated k and the v of each token also
     go to its cache slot (page * page_size + offset; a negative slot is skipped), as
-    attention.store_kv does: one kernel for both jobs."""
+    attention.store_kv does: one kernel for both jobs. kv_scales = (k_scale, v_scale) [Hkv]
+    float32 for FP8 caches (the stored value is divided by its head's scale, saturated)."""
     t = qkv.shape[0]
     head_dim = cos.shape[-1]
     heads = num_q_heads + num_kv_heads
@@ -262,6 +276,13 @@ def qk_norm_rope(
     else:  # placeholders the kernel ignores (4-D, for the cache strides)
         k_cache = v_cache = cos[None, None]
         slots = cos
+    scaled = kv_cache is not None and kv_scales is not None
+    if scaled:
+        assert kv_scales is not None
+        if any(s.shape != (num_kv_heads,) or s.dtype != torch.float32 for s in kv_scales):
+            raise ValueError(f"kv_scales must be two float32 [{num_kv_heads}] tensors, got "
+                             f"{[(tuple(s.shape), s.dtype) for s in kv_scales]}")
+    ks, vs = kv_scales if scaled and kv_scales is not None else (cos, cos)
     if t == 0:
         return
     half = head_dim // 2
@@ -270,9 +291,10 @@ def qk_norm_rope(
     block_h = min(next_pow2(store_heads), max(1, _ROPE_TILE // (2 * block_half)))
     _kernels().qk_norm_rope[(t, _cdiv(store_heads, block_h))](
         qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, k_cache, v_cache, slots,
-        qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks, vs, qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps,
         HQ=num_q_heads, HEADS=heads, HKV=num_kv_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
         HAS_NORM=has_norm, STORE=kv_cache is not None, PAGE=k_cache.shape[2] if kv_cache is not None else 1,
-        num_warps=4,
+        SCALED=scaled, num_warps=4,
     )

@@ -21,7 +21,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from worker.model.hf_config import ArchConfig, ModelLoadError, MoEArch, parse_rope
+from worker.model.hf_config import (
+    ArchConfig,
+    ModelLoadError,
+    MoEArch,
+    parse_arch_config,
+    parse_rope,
+)
 
 ARCHITECTURE = "GptOssForCausalLM"
 # transformers' GptOssConfig defaults, used only when config.json leaves a field out.
@@ -67,16 +73,23 @@ def _layer_windows(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[i
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
-def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchConfig:
-    """The shared `ArchConfig` of a GPT-OSS config.json, completed with its family's meaning."""
+def parse_gpt_oss_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None,
+                         source: str = "config.json") -> ArchConfig:
+    """Validate a GptOssForCausalLM config.json: its release format first (MXFP4, refused with
+    the fix), then the shared fields, then its family's."""
     quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    if quant and method != "fp8":
         raise ModelLoadError(
             f"{source}: quantization_config (quant_method {method!r}) is not supported: MXFP4 "
             "expert weights cannot be loaded yet; use a dequantized bfloat16/float32 "
             "GptOssForCausalLM checkpoint"
         )
+    return refine_gpt_oss(parse_arch_config(cfg, generation_cfg, source), cfg, source)
+
+
+def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchConfig:
+    """The shared `ArchConfig` of a GPT-OSS config.json, completed with its family's meaning."""
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if experts <= 0 or not 0 < top_k <= experts:

@@ -14,13 +14,17 @@ from typing import Any
 
 import torch
 
+from worker.model.fp8 import BlockFp8Config, Fp8Error, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
-    "GptOssForCausalLM",  # completed by worker/model/gpt_oss_config.py (the loader calls it)
+    "GptOssForCausalLM",  # its own fields: worker/model/gpt_oss_config.py
+    "Qwen3NextForCausalLM",  # its own fields: worker/model/qwen3_next_config.py
+    "DeepseekV3ForCausalLM",  # config.json read by worker/model/deepseek_config.py (see loader.py)
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -81,7 +85,18 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
-    family: object = None  # a family's own knobs, from its module (e.g. gpt_oss_config.GptOssArch)
+    # Block-scaled FP8 checkpoint (quantization_config); None = unquantized weights. The loader
+    # clears it where FP8 linears do not run (CPU: the weights are dequantized at load).
+    quant: BlockFp8Config | None = None
+    # A family's own typed fields, set by its parser (e.g. gpt_oss_config.GptOssArch,
+    # deepseek_config.DeepseekArch, qwen3_next_config.Qwen3NextArch).
+    family: Any = None
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """MLA: width of the one latent row per token per layer the KV cache keeps; 0 = K/V."""
+        mla = getattr(self.family, "mla", None)  # DeepseekArch.mla
+        return int(mla.latent_dim) if mla is not None else 0
 
     @property
     def sliding_window(self) -> int | None:
@@ -186,6 +201,10 @@ def parse_arch_config(
     attention_bias = bool(cfg.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
     eos = _as_id_tuple((generation_cfg or {}).get("eos_token_id")) + _as_id_tuple(cfg.get("eos_token_id"))
+    try:
+        quant = parse_quantization_config(cfg.get("quantization_config"), source)
+    except Fp8Error as exc:
+        raise ModelLoadError(str(exc)) from None
     return ArchConfig(
         architecture=arch,
         num_layers=num_layers,
@@ -207,6 +226,7 @@ def parse_arch_config(
         torch_dtype=_DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
         moe=parse_moe(cfg, num_layers, source) if arch == "Qwen3MoeForCausalLM" else None,
+        quant=quant,
     )
 
 
