@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.spec_metrics import SpecCollector
 from protocol import tandem_pb2
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -54,7 +55,11 @@ class Metrics:
         self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
         self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
 
+        self.spec = SpecCollector()
+        r.register(self.spec)
+
     def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
+        self.spec.observe(pool, url, load)
         self.worker_running.labels(pool, url).set(load.running)
         self.worker_waiting.labels(pool, url).set(load.waiting)
         self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.client import ServerError, error_text, first_model, make_client
 
@@ -219,18 +220,44 @@ def format_summary(s: dict[str, Any]) -> str:
     for kind, g in s.get("groups", {}).items():
         lines.append(f"[{kind}] {g['completed']} ok, {g['failed']} failed")
         lines += [f"  {lat('TTFT ms', g['ttft_ms'])}", f"  {lat('ITL ms', g['itl_ms'])}", f"  {lat('E2E ms', g['e2e_ms'])}"]
+    if "spec_mean_accepted_length" in s:
+        lines.append(f"speculative: mean accepted length {s['spec_mean_accepted_length']:.2f} "
+                     "tokens per verify step")
     for e in s["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)
 
 
+def spec_totals(url: str, api_key: str = "") -> tuple[float, float]:
+    """(accepted draft tokens, request verify steps) summed over the gateway's workers, from
+    its /metrics (speculative decoding's tandem_spec_* series); (0, 0) without speculation."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    accepted = steps = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_spec_accepted_tokens_total":
+                accepted += sample.value
+            elif sample.name == "tandem_spec_accepted_length_count":
+                steps += sample.value
+    return accepted, steps
+
+
 def bench_main(url: str, spec: BenchSpec, as_json: bool, out: IO[str], err: IO[str]) -> int:
     """Run and print; 0 when every request completed, 1 otherwise, 2 if the server is unreachable."""
+    before = spec_totals(url, spec.api_key)
     try:
         results, duration = asyncio.run(run_bench(url, spec))
     except ServerError as exc:
         print(f"error: {exc}", file=err)
         return 2
     summary = summarize(results, duration, spec)
+    time.sleep(0.6)  # the gateway's GetLoad refresh (gateway.load_interval_s) catches up
+    accepted, steps = (a - b for a, b in zip(spec_totals(url, spec.api_key), before, strict=True))
+    if steps > 0:  # tokens per verify step: accepted drafts + the one every step emits
+        summary["spec_mean_accepted_length"] = round((accepted + steps) / steps, 3)
     print(json.dumps(summary) if as_json else format_summary(summary), file=out)
     return 0 if summary["failed"] == 0 else 1

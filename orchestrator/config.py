@@ -9,6 +9,7 @@
       roles      RolesConfig        prefill + decode (PD) or a single `both` (monolithic)
       launcher   LauncherConfig     local | slurm | ray, log dir, readiness deadline
       eval       EvalGate           the accuracy gate `tandem eval` applies by default
+      speculative SpeculativeConfig (worker/config.py) drafts verified by decode and mono workers
 
 Frozen dataclasses, composed. `load_config` reads YAML, applies `--set a.b=c` overrides, and
 validates every part plus the cross-field rules. `worker_config` and `gateway_config` derive
@@ -35,6 +36,7 @@ from worker.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     WorkerConfig,
 )
 
@@ -196,6 +198,8 @@ class ClusterConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     eval: EvalGate = field(default_factory=EvalGate)
     tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC link (off: plaintext on loopback)
+    # Decode and mono workers draft and verify; prefill workers ship what the drafter needs.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def role(self, name: str) -> RoleConfig:
         rc = getattr(self.roles, name, None) if name in ROLE_NAMES else None
@@ -223,6 +227,7 @@ class ClusterConfig:
                     rc.scheduler.validate(f"roles.{name}.scheduler")
             gateway_config(self).validate("gateway")
             self.tls.validate("tls")
+            self.speculative.validate("speculative")
         except (ConfigError, TransferConfigError, GatewayConfigError, TLSConfigError) as exc:
             raise ClusterConfigError(str(exc)) from None
         _validate_launcher_and_eval(self)
@@ -411,6 +416,7 @@ def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> Worker
         transfer=cluster.transfer,
         num_threads=rc.num_threads,
         tls=cluster.tls,
+        speculative=cluster.speculative,
     )
 
 

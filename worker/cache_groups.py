@@ -75,6 +75,13 @@ class FullPages:
             tokens = req.all_token_ids()[: req.num_computed_tokens]
             self.prefix_cache.insert(tokens, req.page_table)
 
+    def shrink(self, req: Request, num_tokens: int) -> None:
+        """Give back the pages past the first `num_tokens` tokens (rejected draft tokens')."""
+        keep = self.pages_for(num_tokens)
+        if len(req.page_table) > keep:
+            self.pool.release(req.page_table[keep:], req.request_id)
+            del req.page_table[keep:]
+
     def release(self, req: Request) -> None:
         if req.page_table:
             self.pool.release(req.page_table, req.request_id)

@@ -152,6 +152,10 @@ class KVCacheManager:
         """Pages for the request's first `num_tokens` tokens (its next chunk)."""
         return self.full.grow(req, num_tokens)
 
+    def shrink(self, req: Request, num_tokens: int) -> None:
+        """Pages past the request's first `num_tokens` tokens go back (rejected drafts)."""
+        self.full.shrink(req, num_tokens)
+
     def chunk_limit(self, req: Request, num_tokens: int) -> int:
         """How many of the next `num_tokens` tokens one chunk may take: with a state group a
         prompt chunk ends at the prompt's last page boundary, where its state is snapshotted."""

@@ -136,6 +136,37 @@ class ParallelConfig:
                               f"got {self.dist_init_addr!r}")
 
 
+SpecMethod = Literal["none", "ngram", "draft", "eagle", "mtp"]
+SPEC_METHODS: tuple[str, ...] = ("none", "ngram", "draft", "eagle", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (worker/spec/): a drafter proposes up to num_speculative_tokens
+    tokens per decode step and the target verifies them in one forward. Decode and mono workers
+    draft; a prefill worker ships what the decode side's drafter needs (docs/speculative.md)."""
+
+    method: SpecMethod = "none"  # none | ngram (prompt lookup) | draft | eagle | mtp
+    num_speculative_tokens: int = 3  # drafts per step at most
+    ngram_min: int = 1  # prompt lookup: the shortest n-gram matched
+    ngram_max: int = 4  # ... and the longest (tried first)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def validate(self, prefix: str = "speculative") -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"{prefix}.method must be one of {' | '.join(SPEC_METHODS)}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"{prefix}.num_speculative_tokens must be in [1, 16], "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"{prefix}: need 1 <= ngram_min <= ngram_max, got "
+                              f"{self.ngram_min} and {self.ngram_max}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: Role = "both"
@@ -147,6 +178,7 @@ class WorkerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # used by prefill/decode roles
     tls: TLSConfig = field(default_factory=TLSConfig)  # the Worker and bootstrap services, and bootstrap clients
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     def validate(self) -> None:
@@ -158,6 +190,7 @@ class WorkerConfig:
         self.parallel.validate()
         self.transfer.validate()
         self.tls.validate()
+        self.speculative.validate()
 
     def replace(self, **changes: object) -> WorkerConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -28,6 +28,8 @@ from worker.request import Request, RequestStatus, TokenLogprob
 from worker.runner import InFlight, ModelRunner
 from worker.sampling import SamplingParams
 from worker.scheduler import RoleHooks, Scheduler
+from worker.spec import make_drafter
+from worker.spec.counters import SpecCounters
 from worker.step import PENDING, SchedulePlan
 from worker.tp_runner import TPLeader
 
@@ -80,9 +82,15 @@ class Engine:
         self.max_model_len = max_model_len(self.spec, config)
         self.kv = KVCache(kv_shape(self.spec, config), self.device)
         # One scheduler per attention DP group, each over its group's own KV cache.
+        # Decode and mono workers draft (speculative decoding); prefill only ships prompts.
+        drafts = config.role != "prefill" and config.speculative.enabled
+        self.drafter = make_drafter(config.speculative) if drafts else None
+        self.spec_counters = SpecCounters()
         self.schedulers = [
             Scheduler(config.scheduler, self._cache_manager(), max_model_len=self.max_model_len,
-                      eos_token_ids=self.spec.eos_token_ids, on_output=self._touch)
+                      eos_token_ids=self.spec.eos_token_ids, on_output=self._touch,
+                      num_speculative_tokens=config.speculative.num_speculative_tokens
+                      if drafts else 0, spec_counters=self.spec_counters)
             for _ in range(par.dp_size)
         ]
         self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1
@@ -148,6 +156,11 @@ class Engine:
         if self.hooks is not None:
             self.hooks.poll()  # rooms that ended, pages reserved, requests seated
         plans = [s.schedule() for s in self.schedulers]
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            for plan in plans:
+                self.drafter.draft(plan)
+            self.spec_counters.draft_seconds += time.perf_counter() - t0
         overlapped = self._overlappable(plans)
         if self._inflight is not None and not overlapped:
             self._complete_inflight()  # this plan reads tokens the host must hold first
@@ -161,11 +174,16 @@ class Engine:
             return False
         if overlapped:
             return self._overlap_step(plans[0])
+        verify = any(c.drafts for p in plans for c in p.chunks)
+        t0 = time.perf_counter()
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
         except Exception as exc:
             self._fail(plans, exc)
             return True
+        if verify:
+            self.spec_counters.verify_seconds += time.perf_counter() - t0
+            self.spec_counters.verify_steps += 1
         for sched, plan, out in zip(self.schedulers, plans, outs, strict=True):
             if plan.empty:
                 continue
@@ -363,4 +381,10 @@ def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
     if mode == "on" and multi_rank:
         raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
                           "set scheduler.overlap: auto or off for multi-rank workers")
+    if mode == "on" and config.speculative.enabled:
+        raise ConfigError("scheduler.overlap=on cannot run with speculative decoding (each step's "
+                          "drafts come from the tokens the last one accepted); set "
+                          "scheduler.overlap: auto or off")
+    if config.speculative.enabled:
+        return False
     return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)

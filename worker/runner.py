@@ -21,7 +21,8 @@ from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.request import TokenLogprob
 from worker.sampler import Sampler
-from worker.step import RunOutput, SchedulePlan
+from worker.spec.verify import accept, ban_rows
+from worker.step import RunOutput, ScheduledChunk, SchedulePlan
 
 
 @dataclass
@@ -80,7 +81,7 @@ class ModelRunner:
         for i, chunk in enumerate(plan.chunks):
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             table = req.page_table
-            input_ids.extend(req.all_token_ids()[start : start + n])
+            input_ids.extend(chunk.input_ids())
             pos = range(start, start + n)
             positions.extend(pos)
             # A replayed token (below full_from) already has its full-layer KV in a shared cached
@@ -88,8 +89,9 @@ class ModelRunner:
             slots.extend(table[p // page_size] * page_size + p % page_size if p >= chunk.full_from else -1 for p in pos)
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
-            if chunk.sample:
-                logits_indices.append(query_start[-1] - 1)
+            # A verify chunk needs a row per draft + 1; any other sampling chunk its last row.
+            end = query_start[-1]
+            logits_indices.extend(range(end - chunk.num_logits, end))
             page_table[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
 
         def dev(values: list[int]) -> torch.Tensor:
@@ -183,11 +185,36 @@ class ModelRunner:
         return InFlight(plan, tokens, host, copied, {id(r): i for i, r in enumerate(reqs)})
 
     def sample(self, plan: SchedulePlan, logits: torch.Tensor | None) -> RunOutput:
-        """The next token (and logprobs) of every chunk that samples, from its logits row."""
-        sampling = [c.request for c in plan.chunks if c.sample]
+        """The next token (and logprobs) of every chunk that samples, from its logits rows; a
+        verify chunk (with drafts) emits its accepted drafts and one more (worker/spec)."""
+        chunks = [c for c in plan.chunks if c.sample]
+        if not chunks:
+            return RunOutput(token_ids=[], logprobs=[])
+        assert logits is not None and logits.shape[0] == sum(c.num_logits for c in chunks)
+        if not any(c.drafts for c in chunks):
+            return self._sample_rows(chunks, logits)
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + c.num_logits)
+        plain = [i for i, c in enumerate(chunks) if not c.drafts]
+        out = self._sample_rows([chunks[i] for i in plain], logits[[starts[i] for i in plain]])
+        tokens: list[list[int]] = [[] for _ in chunks]
+        for j, i in enumerate(plain):
+            tokens[i] = [out.token_ids[j]]
+        for i, c in enumerate(chunks):
+            if c.drafts:
+                req = c.request
+                rows = ban_rows(logits[starts[i] : starts[i + 1]], req.sampling,
+                                len(req.output_token_ids), self.eos_token_ids)
+                tokens[i] = accept(rows, c.drafts, req.sampling, req.generator)
+        return RunOutput(token_ids=[t[0] for t in tokens], logprobs=[None] * len(chunks),
+                         more_token_ids=[t[1:] for t in tokens])
+
+    def _sample_rows(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> RunOutput:
+        """One token per chunk from its one row of logits (the plain sampler)."""
+        sampling = [c.request for c in chunks]
         if not sampling:
             return RunOutput(token_ids=[], logprobs=[])
-        assert logits is not None and logits.shape[0] == len(sampling)
         out = self.sampler.sample(
             logits,
             [r.sampling for r in sampling],

@@ -58,7 +58,7 @@ def _banned_ids(p: SamplingParams, generated: int, eos_token_ids: Sequence[int])
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
 
 
-def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask tokens outside top_k / top_p / min_p to -inf, row by row. x: [R, V] (tempered)."""
     r, vocab = x.shape
     device = x.device
@@ -156,7 +156,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
         x = logits / temps[:, None]  # [R, V]
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            x = _truncate(x, params)
+            x = truncate(x, params)
         probs = x.softmax(dim=-1)  # [R, V]
         out = torch.empty(len(params), dtype=torch.long, device=logits.device)
         for j, gen in enumerate(generators):

@@ -33,6 +33,8 @@ from typing import Protocol
 from worker.cache_manager import CacheHold, Holdings, KVCacheManager
 from worker.config import ConfigError, SchedulerConfig
 from worker.request import Request, RequestStatus, TokenLogprob
+from worker.spec.counters import SpecCounters
+from worker.spec.eligible import speculable
 from worker.step import PENDING, RunOutput, ScheduledChunk, SchedulePlan
 
 
@@ -94,6 +96,8 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int],
         on_output: OutputCallback,
+        num_speculative_tokens: int = 0,
+        spec_counters: SpecCounters | None = None,
     ) -> None:
         self.config = scheduler
         self.cache = cache
@@ -106,6 +110,8 @@ class Scheduler:
         self._on_output = on_output  # a request has news outside a step's tokens (landed, finished)
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
+        self.num_speculative_tokens = num_speculative_tokens  # drafts per decode step at most
+        self.spec_counters = spec_counters or SpecCounters()  # shared by a worker's schedulers
         window = cache.window.spec if cache.window is not None else None
         if window is not None and scheduler.chunked_prefill_size < window.window + self.page_size:
             raise ConfigError(
@@ -144,7 +150,8 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
             n = self._chunk_len(req, budget)
-            while not self.cache.grow(req, req.num_computed_tokens + n):
+            k = self._num_drafts(req, n, budget - n)
+            while not self.cache.grow(req, req.num_computed_tokens + n + k):
                 victim = self._pick_victim(exclude=req, scheduled=plan)
                 if victim is None:  # nothing left to preempt but the request itself
                     victim = req
@@ -154,12 +161,25 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            self._add_chunk(plan, req, n)
-            budget -= n
+            self._add_chunk(plan, req, n, k)
+            budget -= n + k
         if not preempted:
             self._admit(plan, budget)
         plan.state_copies = self.cache.take_state_copies()
         return plan
+
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Room for draft tokens after a decode chunk (speculative decoding): at most
+        `num_speculative_tokens`, within the budget, the request's max_tokens and the context;
+        0 for prompt chunks and for requests whose sampling speculation cannot serve."""
+        k = self.num_speculative_tokens
+        if not k or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        if not req.output_token_ids or not speculable(req):
+            return 0
+        left = req.sampling.max_tokens - len(req.output_token_ids) - 1
+        room = self.max_model_len - req.num_tokens - 1
+        return max(0, min(k, budget, left, room))
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """Tokens the request computes this step: what is left, within the budget, ending where
@@ -194,27 +214,36 @@ class Scheduler:
         if not req.output_token_ids and req.num_preemptions == 0:
             req.num_cached_tokens = req.num_computed_tokens
 
-    def _add_chunk(self, plan: SchedulePlan, req: Request, n: int) -> None:
+    def _add_chunk(self, plan: SchedulePlan, req: Request, n: int, max_drafts: int = 0) -> None:
         start = req.num_computed_tokens
         where = self.cache.chunk_cache(req)
         plan.chunks.append(ScheduledChunk(
             req, start, n, sample=start + n == req.num_tokens, window_pages=where.window_pages,
             window_from=where.window_from, full_from=where.full_from, state_slot=where.state_slot,
+            max_drafts=max_drafts,
         ))
         plan.num_tokens += n
 
     # ---- step 3: update ---------------------------------------------------------------------
     def update(self, plan: SchedulePlan, out: RunOutput) -> None:
+        more = iter(out.more_token_ids) if out.more_token_ids is not None else None
         sampled = iter(zip(out.token_ids, out.logprobs, strict=True))
         for chunk in plan.chunks:
             req = chunk.request
             token = logprob = None
+            extra: list[int] = []
             if chunk.sample:
                 token, logprob = next(sampled)
+                extra = next(more) if more is not None else []
             if req.status is not RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            if chunk.drafts:
+                self._verified(req, chunk, [token, *extra])  # type: ignore[list-item]
                 continue
             req.num_computed_tokens += chunk.num_tokens
             self.cache.computed(req)
+            if chunk.max_drafts:  # room was kept for drafts the drafter did not propose
+                self.cache.shrink(req, req.num_tokens + 1)
             computed = min(req.num_prompt_tokens, req.num_computed_tokens)
             self.prompt_tokens_computed += max(0, computed - chunk.start)
             if token is None:
@@ -235,6 +264,21 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self.finish(req, status)
+
+    def _verified(self, req: Request, chunk: ScheduledChunk, tokens: list[int]) -> None:
+        """A verify step emitted `tokens` (accepted drafts, then one more): append them up to the
+        first that stops the request. The KV of the last token and of each accepted draft is
+        valid; the rejected drafts' pages are given back at once."""
+        self.spec_counters.record(len(chunk.drafts), len(tokens) - 1)
+        for token in tokens:
+            req.num_computed_tokens += 1  # the token before this one now has valid KV
+            req.output_token_ids.append(token)
+            status = self.stop_status(req)
+            if status is not None:
+                self.running.remove(req)
+                self.finish(req, status)
+                return
+        self.cache.shrink(req, req.num_tokens)
 
     # ---- overlapped decode (the engine's overlap schedule) ------------------------------------
     def advance(self, plan: SchedulePlan) -> None:

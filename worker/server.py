@@ -156,6 +156,13 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             prompt_tokens_computed=sum(st.prompt_tokens_computed for st in stats),
             kv_window_used_pages=sum(st.window_used_pages for st in stats),
         )
+        spec = engine.spec_counters
+        if spec.request_steps:
+            load.spec.CopyFrom(tandem_pb2.SpecLoad(
+                draft_tokens=spec.drafted, accepted_tokens=spec.accepted,
+                request_steps=spec.request_steps, verify_steps=spec.verify_steps,
+                draft_seconds=spec.draft_seconds, verify_seconds=spec.verify_seconds,
+                accepted_hist=list(spec.accepted_hist)))
         if engine.hooks is not None:
             rooms, total_bytes, total_pages, waiting = engine.hooks.load_stats()
             load.rooms.update(rooms)

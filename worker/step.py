@@ -30,6 +30,21 @@ class ScheduledChunk:
     window_from: int = 0  # first position the ring holds valid rows for (bounded replay's start)
     full_from: int = 0  # positions below keep their cached full-page KV: not written again
     state_slot: int = -1  # its recurrent-state slot (models with linear-attention layers)
+    # Speculative decoding: a decode chunk reserves room for up to max_drafts draft tokens; the
+    # drafter fills `drafts` after scheduling (num_tokens grows by their number), the verify
+    # step scores the request's last token and its drafts in one forward.
+    max_drafts: int = 0
+    drafts: list[int] = field(default_factory=list)
+
+    def input_ids(self) -> list[int]:
+        """The tokens this chunk feeds: its span of the request's tokens, then its drafts."""
+        n = self.num_tokens - len(self.drafts)
+        return self.request.all_token_ids()[self.start : self.start + n] + self.drafts
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the chunk needs: none, its last token's, or one per draft + 1."""
+        return (1 + len(self.drafts)) if self.sample else 0
 
 
 @dataclass
@@ -56,5 +71,8 @@ class SchedulePlan:
 class RunOutput:
     """The runner's answer: one entry per chunk with `sample=True`, in plan order."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # each sampling chunk's first new token
     logprobs: list[TokenLogprob | None]
+    # Speculative decoding: the further tokens a verify step emitted (accepted drafts after the
+    # first, then the correction or bonus token); [] per chunk otherwise. None = no chunk had any.
+    more_token_ids: list[list[int]] | None = None

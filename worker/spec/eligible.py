@@ -1,0 +1,12 @@
+"""Which requests speculative decoding serves (a leaf module: the scheduler imports it)."""
+
+from __future__ import annotations
+
+from worker.request import Request
+
+
+def speculable(req: Request) -> bool:
+    """Drafts are verified for requests whose sampling reads nothing per step but the logits:
+    penalties count the tokens so far, logprobs are reported per token (not here yet)."""
+    params = req.sampling
+    return not (params.has_penalties or params.logprobs or params.top_logprobs)
