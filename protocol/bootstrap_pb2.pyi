@@ -38,7 +38,7 @@ class CacheGroup(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ..., latent_dim: _Optional[int] = ...) -> None: ...
 
 class LayoutContract(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash", "kv_scales")
+    __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash", "kv_scales", "speculative")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class LayoutContract(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     num_layers: int
@@ -67,7 +68,8 @@ class LayoutContract(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[CacheGroup]
     hash: str
     kv_scales: str
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    speculative: str
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ..., kv_scales: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class RoomRegistration(_message.Message):
     __slots__ = ("room", "peer_id", "epoch", "agent_name", "agent_metadata", "kv_base", "kv_nbytes", "dst_pages", "skip_pages", "num_tokens", "contract", "num_window_pages", "window_dst_pages")
@@ -120,7 +122,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
-    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs")
+    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs", "draft_hidden")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RoomEvent.Kind]
@@ -146,6 +148,7 @@ class RoomEvent(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     kind: RoomEvent.Kind
     reason: str
     contract: LayoutContract
@@ -157,4 +160,5 @@ class RoomEvent(_message.Message):
     bytes: int
     duration_ms: float
     rank_addrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    draft_hidden: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ..., draft_hidden: _Optional[_Iterable[float]] = ...) -> None: ...

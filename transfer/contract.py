@@ -117,6 +117,10 @@ class KVLayout:
     # FP8 pages: a label of the K/V scales that dequantize them ("1.0", or the checkpoint's
     # scales' digest); "" for pages that are not FP8. Both sides must agree (COMPATIBLE_FIELDS).
     kv_scales: str = ""
+    # Speculative decoding's drafter whose KV rides in the pages as extra layers (the last
+    # ones of num_layers), e.g. "eagle:1:<fingerprint>"; "" = none. Both sides must agree: a
+    # decode drafter reads the KV and hidden state prefill's drafter computed.
+    speculative: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
@@ -237,7 +241,7 @@ def _canonical_group(g: CacheGroup) -> dict[str, object]:
 # Fields that must be equal between prefill and decode (tp_rank/tp_size/heads per rank may differ).
 COMPATIBLE_FIELDS = (
     "model_name", "model_fingerprint", "num_layers", "page_size", "head_dim", "dtype",
-    "num_kv_heads_total", "groups", "backend", "kv_scales",
+    "num_kv_heads_total", "groups", "backend", "kv_scales", "speculative",
 )
 
 
@@ -259,6 +263,8 @@ class LayoutContract:
     groups: tuple[CacheGroup, ...] = field(default=())
     # KVLayout.kv_scales; left out of the canonical form when "" (old hashes hold)
     kv_scales: str = ""
+    # KVLayout.speculative; left out of the canonical form when "" (old hashes hold)
+    speculative: str = ""
 
     @classmethod
     def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:
@@ -268,7 +274,7 @@ class LayoutContract:
             page_size=layout.page_size, num_kv_heads_total=layout.num_kv_heads_total,
             num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim, dtype=layout.dtype,
             tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
-            kv_scales=layout.kv_scales,
+            kv_scales=layout.kv_scales, speculative=layout.speculative,
         )
 
     def layout(self, num_pages: int = 1, num_window_pages: int = 0) -> KVLayout:
@@ -277,7 +283,7 @@ class LayoutContract:
             num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
             dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
             tp_size=self.tp_size, groups=self.groups, num_window_pages=num_window_pages,
-            kv_scales=self.kv_scales,
+            kv_scales=self.kv_scales, speculative=self.speculative,
         )
 
     def canonical(self) -> str:
@@ -286,6 +292,8 @@ class LayoutContract:
         d["groups"] = [_canonical_group(g) for g in self.groups]
         if not self.kv_scales:
             del d["kv_scales"]  # pages that are not FP8 hash as they did before the field existed
+        if not self.speculative:
+            del d["speculative"]  # likewise without a drafter
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
@@ -310,5 +318,6 @@ class LayoutContract:
         if diffs:
             raise ContractError(
                 "KV layout contracts differ: " + "; ".join(diffs)
-                + " (prefill and decode must serve the same model with the same kv dtype, page size and groups)"
+                + " (prefill and decode must serve the same model with the same kv dtype, page "
+                "size, groups and speculative section)"
             )

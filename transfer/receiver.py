@@ -69,6 +69,9 @@ class KVReceiver(Room):
         self.first_token: int | None = None
         self.first_logprob: float | None = None
         self.top_logprobs: list[tuple[int, float]] = []
+        # speculative eagle/mtp: the draft head's feature at the prompt's last position (one
+        # prefill rank sends it); None when no DONE carried one
+        self.draft_hidden: list[float] | None = None
         for i, addr in enumerate(addrs):
             self._open(i, addr)
 
@@ -160,6 +163,8 @@ class KVReceiver(Room):
         self.first_token = first.first_token if first.first_token >= 0 else None
         self.first_logprob = first.first_logprob
         self.top_logprobs = [(t.token_id, t.logprob) for t in first.top_logprobs]
+        self.draft_hidden = next((list(ev.draft_hidden) for _, ev in sorted(self._done.items())
+                                  if ev.draft_hidden), None)
         self.stats.duration_ms = (time.monotonic() - self._t0) * 1e3
         self._finish(RoomState.SUCCESS, None)
 

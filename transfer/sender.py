@@ -88,6 +88,7 @@ class KVSender(Room):
         self.first_token: int | None = None
         self.first_logprob: float | None = None
         self.top_logprobs: list[tuple[int, float]] = []
+        self.draft_hidden: list[float] = []  # speculative eagle/mtp: the head's last feature
 
     # ---- engine-facing ----------------------------------------------------------------
 
@@ -95,8 +96,12 @@ class KVSender(Room):
         self, src_pages: list[int], *, start_page: int, last: bool, first_token: int | None = None,
         first_logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None,
         window_ring: list[int] | None = None, num_tokens: int = 0,
+        draft_hidden: list[float] | None = None,
     ) -> None:
         """Ship `src_pages` (request positions start_page...) to decode; never blocks.
+
+        `draft_hidden` (last send, speculative eagle/mtp): the draft head's feature at the
+        prompt's last position, sent on DONE beside the first token.
 
         With `last=True` on a layout with a window region, `window_ring` (our ring, in ring
         order) and `num_tokens` (tokens computed) add the ring's retained tail: the pages of its
@@ -112,6 +117,7 @@ class KVSender(Room):
                 self._last = True
                 self.first_token, self.first_logprob = first_token, first_logprob
                 self.top_logprobs = list(top_logprobs or [])
+                self.draft_hidden = list(draft_hidden or [])
             if src_pages:
                 self._chunks.append(_Chunk(list(src_pages), start_page))
             group = self._layout.window_group
@@ -230,6 +236,7 @@ class KVSender(Room):
                 first_logprob=self.first_logprob or 0.0,
                 top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top_logprobs],
                 checksums=peer.checksums, pages=peer.pages, bytes=peer.bytes, duration_ms=self.stats.duration_ms,
+                draft_hidden=self.draft_hidden,
             ))
         self._finish(RoomState.SUCCESS, None)
 

@@ -13,7 +13,7 @@ def contract_to_pb(c: LayoutContract) -> pb.LayoutContract:
         head_dim=c.head_dim, dtype=c.dtype, tp_rank=c.tp_rank, tp_size=c.tp_size, backend=c.backend,
         groups=[pb.CacheGroup(kind=g.kind.value, layers=list(g.layers), window=g.window,
                               latent_dim=g.latent_dim) for g in c.groups],
-        hash=c.hash(), kv_scales=c.kv_scales,
+        hash=c.hash(), kv_scales=c.kv_scales, speculative=c.speculative,
     )
 
 
@@ -30,7 +30,7 @@ def contract_from_pb(m: pb.LayoutContract) -> LayoutContract:
         model_name=m.model_name, model_fingerprint=m.model_fingerprint, num_layers=m.num_layers,
         page_size=m.page_size, num_kv_heads_total=m.num_kv_heads_total, num_kv_heads_local=m.num_kv_heads_local,
         head_dim=m.head_dim, dtype=m.dtype, tp_rank=m.tp_rank, tp_size=m.tp_size, backend=m.backend,
-        groups=groups, kv_scales=m.kv_scales,
+        groups=groups, kv_scales=m.kv_scales, speculative=m.speculative,
     )
     if m.hash != c.hash():
         raise ContractError(f"contract.hash {m.hash[:12]}... does not match its fields ({c.hash()[:12]}...); "

@@ -27,10 +27,12 @@ from worker.request import Request
 class FullPages:
     """The request's `page_table`: pages for its tokens so far, shared through the prefix cache."""
 
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool,
+                 drop_last: bool = False) -> None:
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self.prefix_cache = PrefixCache(self.pool, page_size) if prefix_cache else None
+        self.drop_last = drop_last  # a hit leaves its last page to be recomputed
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -64,6 +66,8 @@ class FullPages:
         tokens = req.all_token_ids()
         pages = self.prefix_cache.match(tokens)
         while pages and len(pages) * self.page_size >= len(tokens):
+            pages.pop()
+        if self.drop_last and pages:
             pages.pop()
         self.pool.share(pages, req.request_id)
         req.page_table = list(pages)

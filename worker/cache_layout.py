@@ -50,8 +50,12 @@ def state_slots(spec: ModelSpec, config: WorkerConfig) -> tuple[int, int]:
     return STATE_SLOTS_PER_SEQ * seats, snapshots
 
 
-def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
-    """The KV pool of one rank of this worker (`config.cache.total_pages` pages per DP group)."""
+def kv_shape(spec: ModelSpec, config: WorkerConfig, draft_layers: int = 0,
+             speculative: str = "") -> KVShape:
+    """The KV pool of one rank of this worker (`config.cache.total_pages` pages per DP group).
+
+    `draft_layers`: a model drafter's layers (worker/spec/), appended after the model's own as
+    full layers; `speculative` is its label in the layout contract."""
     # With TP > kv heads each rank keeps a replica of one kv head.
     kv_heads = max(1, spec.num_kv_heads // config.parallel.tp_size)
     layers, window = window_layers(spec, max_model_len(spec, config))
@@ -71,7 +75,7 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
     dtype = kv_storage_dtype(config.cache.kv_cache_dtype, spec.dtype)  # the model's, or FP8
     return KVShape(
         num_pages=config.cache.total_pages,
-        num_layers=spec.num_layers,
+        num_layers=spec.num_layers + draft_layers,
         num_kv_heads=kv_heads,
         page_size=config.cache.page_size,
         head_dim=spec.head_dim,
@@ -84,4 +88,6 @@ def kv_shape(spec: ModelSpec, config: WorkerConfig) -> KVShape:
         state=spec.state_shape,
         num_state_slots=requests + snapshots,
         kv_scales=spec.kv_scales if is_fp8(dtype) else "",
+        draft_layers=draft_layers,
+        speculative=speculative,
     )

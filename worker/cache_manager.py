@@ -77,9 +77,11 @@ class _Replay:
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, *, prefix_cache: bool,
                  window: WindowSpec | None = None, num_window_pages: int = 0,
-                 num_state_slots: int = 0, num_state_snapshots: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_snapshots: int = 0,
+                 hit_drops_last_page: bool = False) -> None:
         self.page_size = page_size
-        self.full = FullPages(num_pages, page_size, prefix_cache)
+        # speculative eagle/mtp: a hit keeps all but its last page (worker/engine.py says why)
+        self.full = FullPages(num_pages, page_size, prefix_cache, drop_last=hit_drops_last_page)
         self.window = WindowRings(window, num_window_pages) if window is not None else None
         self.state: StateSlots | None = None
         if num_state_slots:

@@ -150,6 +150,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # drafts per step at most
     ngram_min: int = 1  # prompt lookup: the shortest n-gram matched
     ngram_max: int = 4  # ... and the longest (tried first)
+    # draft | eagle: the drafter's HF-format directory; "" = <model.path>/<method> (the embedded
+    # model ships models/tandem-arith/eagle and models/tandem-arith/draft). mtp reads the
+    # target checkpoint's own MTP layers and takes no model.
+    model: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -165,6 +169,15 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"{prefix}: need 1 <= ngram_min <= ngram_max, got "
                               f"{self.ngram_min} and {self.ngram_max}")
+        if self.model and self.method not in ("draft", "eagle"):
+            raise ConfigError(f"{prefix}.model is the drafter checkpoint of method draft or "
+                              f"eagle; method {self.method} takes none (unset it)")
+
+    def drafter_path(self, model_path: str) -> str:
+        """Where the draft | eagle drafter's checkpoint lives ("" for the other methods)."""
+        if self.method not in ("draft", "eagle"):
+            return ""
+        return self.model or f"{model_path.rstrip('/')}/{self.method}"
 
 
 @dataclass(frozen=True)

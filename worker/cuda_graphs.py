@@ -62,7 +62,9 @@ class DecodeGraphs:
         self._turn = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # bucket → static logits [bucket, vocab] fp32
+        self._hidden: dict[int, torch.Tensor] = {}  # bucket → static hidden [bucket, hidden]
         self.num_replays = 0
+        self._last_bs = 0  # the bucket replayed last (for `hidden`)
 
     def _batch(self, bs: int) -> ForwardBatch:
         """The static ForwardBatch of one bucket (host lists are placeholders: decode reads none)."""
@@ -78,9 +80,9 @@ class DecodeGraphs:
             seq_lens_list=[1] * bs,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self._batch(bs), self.kv)  # [bs, hidden]
-        return self.model.compute_logits(hidden)  # [bs, vocab] fp32
+        return hidden, self.model.compute_logits(hidden)  # [bs, vocab] fp32
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -98,7 +100,7 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[bs] = self._forward(bs)
+                self._hidden[bs], self._logits[bs] = self._forward(bs)
             self._graphs[bs] = graph
         torch.cuda.synchronize()
 
@@ -152,4 +154,10 @@ class DecodeGraphs:
             ids_dev.copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids_dev))
         self._graphs[bs].replay()
         self.num_replays += 1
+        self._last_bs = bs
         return self._logits[bs][:n]
+
+    def hidden(self, n: int) -> torch.Tensor:
+        """The last replay's final hidden states [n, hidden] (a speculative drafter's input;
+        a view into graph memory, valid until the next replay)."""
+        return self._hidden[self._last_bs][:n]

@@ -27,10 +27,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from transfer.manager import KVReceiver, KVTransferManager
 from transfer.room import RoomState
 from worker.cache_manager import CacheHold
-from worker.request import Request, RequestStatus, TokenLogprob, room_error_code
+from worker.request import DraftState, Request, RequestStatus, TokenLogprob, room_error_code
 from worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,11 @@ class DecodeRole:
         logprob = None
         if rx.first_logprob is not None and (req.sampling.logprobs or req.sampling.top_logprobs):
             logprob = TokenLogprob(rx.first_token, rx.first_logprob, list(rx.top_logprobs))
+        # A model drafter's KV for the prompt came in the pages; eagle/mtp's last feature with
+        # the first token: its first drafts start there (worker/spec/drafter.py).
+        hidden = getattr(rx, "draft_hidden", None)
+        req.draft = DraftState(req.num_prompt_tokens,
+                               torch.tensor(hidden) if hidden else None)
         if sched.land(req, rx.first_token, logprob):
             self._landed.append(_Pending(req, sched))
 

@@ -13,6 +13,8 @@ broadcast of a small int64 header `[kind, payload_len]` and then an int64 payloa
 - ROOMS: PD room commands (create sender / receiver with the same page ids, send pages,
          abort), followed by an all-gather of every rank's room end states (`tp_runner`).
 - STOP:  followers close their transfer manager and exit.
+- DRAFT: a draft head's call (speculative decoding, worker/spec/tp.py): its packed batch, then
+         its hidden input as a broadcast of its own.
 - DP_STEP: attention DP (`dp_size > 1`): one packed `ForwardBatch` per DP group (an empty one
          for an idle group, which still joins the MoE collectives); each rank runs its group's
          batch, and each group's first rank sends its logits rows to rank 0 (worker/dp_runner.py).
@@ -52,6 +54,7 @@ class MessageKind(enum.IntEnum):
     ROOMS = 2
     STOP = 3
     DP_STEP = 4
+    DRAFT = 5  # a speculative-decoding draft head call (worker/spec/tp.py)
 
 
 @dataclass(frozen=True)

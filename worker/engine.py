@@ -30,6 +30,9 @@ from worker.sampling import SamplingParams
 from worker.scheduler import RoleHooks, Scheduler
 from worker.spec import make_drafter
 from worker.spec.counters import SpecCounters
+from worker.spec.drafter import ModelDrafter
+from worker.spec.load import load_head
+from worker.spec.tp import leader_head_run
 from worker.step import PENDING, SchedulePlan
 from worker.tp_runner import TPLeader
 
@@ -77,15 +80,28 @@ class Engine:
         if par.world_size > 1 or par.nnodes > 1:
             self.tp = TPLeader(config)
         self.model, self.spec = load_model(config.model, par)
+        if config.speculative.enabled and self.spec.state_layers:
+            # A verify advances a recurrent state over every draft, the rejected ones too.
+            raise ConfigError(
+                f"speculative.method={config.speculative.method}: {self.spec.architecture} keeps "
+                f"recurrent state ({len(self.spec.state_layers)} Gated DeltaNet layers) that a "
+                "verify would advance past rejected drafts (per-draft state checkpoints are not "
+                "built yet); set speculative.method: none")
+        # A model drafter (draft | eagle | mtp) is loaded on every role: prefill computes its
+        # KV for the prompt (in the pages it ships) and its last feature (sent with the token).
+        self.draft_head = load_head(config, self.model, self.spec)
         if self.tp is not None and par.dp_size == 1:
             self.model = self.tp.wrap_model(self.model)  # broadcasts each batch to the other ranks
         self.max_model_len = max_model_len(self.spec, config)
-        self.kv = KVCache(kv_shape(self.spec, config), self.device)
+        layers, label = ((self.draft_head.head.num_layers, self.draft_head.label) if self.draft_head
+                         else (0, ""))
+        self.kv = KVCache(kv_shape(self.spec, config, layers, label), self.device)
+        self.spec_counters = SpecCounters()
+        model_drafter = self._model_drafter()
         # One scheduler per attention DP group, each over its group's own KV cache.
         # Decode and mono workers draft (speculative decoding); prefill only ships prompts.
         drafts = config.role != "prefill" and config.speculative.enabled
-        self.drafter = make_drafter(config.speculative) if drafts else None
-        self.spec_counters = SpecCounters()
+        self.drafter = make_drafter(config.speculative, model_drafter) if drafts else None
         self.schedulers = [
             Scheduler(config.scheduler, self._cache_manager(), max_model_len=self.max_model_len,
                       eos_token_ids=self.spec.eos_token_ids, on_output=self._touch,
@@ -95,6 +111,7 @@ class Engine:
         ]
         self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1
         self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
+        self.runner.drafter = model_drafter  # catches up after every forward, on every role
         self.hooks: RoleHooks | None = None  # the PD role's (worker/prefill.py, worker/decode.py)
         self.dp: DPRunner | None = None
         if par.dp_size > 1:
@@ -109,16 +126,30 @@ class Engine:
         self.num_steps = 0
         self.num_overlapped_steps = 0
 
+    def _model_drafter(self) -> ModelDrafter | None:
+        if self.draft_head is None:
+            return None
+        head, run = self.draft_head.head, None
+        if self.tp is not None:  # every rank runs each head call on its shard
+            run = leader_head_run(head, self.kv, self.tp.channel)
+        return ModelDrafter(head, self.kv, self.device, self.spec.dtype,
+                            counters=self.spec_counters, run=run)
+
     def _cache_manager(self) -> KVCacheManager:
         shape = self.kv.shape
         window = None
         if shape.window_layers:
             window = WindowSpec(shape.window, len(shape.window_layers), shape.page_size)
         requests, snapshots = state_slots(self.spec, self.config)
+        # An eagle/mtp head's KV at a prefix hit's last position was computed with the token
+        # after it, which this request may not share: the hit gives back its last page, which
+        # is recomputed (target and head), as vLLM does for EAGLE.
+        drop_last = self.draft_head is not None and self.draft_head.head.needs_hidden
         return KVCacheManager(shape.num_pages, shape.page_size,
                               prefix_cache=self.config.cache.enable_prefix_cache, window=window,
                               num_window_pages=shape.num_window_pages,
-                              num_state_slots=requests, num_state_snapshots=snapshots)
+                              num_state_slots=requests, num_state_snapshots=snapshots,
+                              hit_drops_last_page=drop_last)
 
     def set_hooks(self, hooks: RoleHooks) -> None:
         self.hooks = hooks
@@ -175,14 +206,15 @@ class Engine:
         if overlapped:
             return self._overlap_step(plans[0])
         verify = any(c.drafts for p in plans for c in p.chunks)
-        t0 = time.perf_counter()
+        t0, drafting = time.perf_counter(), self.spec_counters.draft_seconds
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
         except Exception as exc:
             self._fail(plans, exc)
             return True
-        if verify:
-            self.spec_counters.verify_seconds += time.perf_counter() - t0
+        if verify:  # the drafter's catch-up inside the run counts as drafting
+            caught_up = self.spec_counters.draft_seconds - drafting
+            self.spec_counters.verify_seconds += time.perf_counter() - t0 - caught_up
             self.spec_counters.verify_steps += 1
         for sched, plan, out in zip(self.schedulers, plans, outs, strict=True):
             if plan.empty:

@@ -100,6 +100,12 @@ class KVShape:
     state_layers: tuple[int, ...] = ()
     state: StateShape | None = None  # one slot of one state layer; needed when state_layers
     num_state_slots: int = 0  # slots of the state region (one per live request, plus snapshots)
+    # Speculative decoding's model drafter (worker/spec/): its layers are the last
+    # `draft_layers` of num_layers, kept in the full pages like any full layer (same page ids:
+    # the page table, the prefix cache and PD carry them); `speculative` labels the drafter
+    # for the layout contract ("eagle:1:<fingerprint>"), "" without one.
+    draft_layers: int = 0
+    speculative: str = ""
 
     def __post_init__(self) -> None:
         if self.state_layers and self.state is None:
@@ -273,5 +279,5 @@ def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_si
         head_dim=shape.head_dim, dtype=str(shape.dtype).removeprefix("torch."),
         num_kv_heads_total=num_kv_heads_total, tp_rank=tp_rank, tp_size=tp_size,
         groups=cache_groups(shape), num_window_pages=shape.num_window_pages,
-            kv_scales=shape.kv_scales,
+        kv_scales=shape.kv_scales, speculative=shape.speculative,
     )

@@ -10,7 +10,8 @@ Lifecycle of one request on a prefill worker:
 3. The last chunk samples the first token. The request leaves the running batch (the
    scheduler marks it TRANSFERRING) and its remaining pages, the first token and its logprobs
    are shipped — for a hybrid model
-   also the retained tail of its window ring (docs/hybrid-cache.md); the room completes once
+   also the retained tail of its window ring (docs/hybrid-cache.md); with a speculative
+   eagle/mtp head, its last feature (its KV rides in the pages); the room completes once
    every write is confirmed. A prefix hit on a hybrid model re-feeds a bounded suffix first
    (the scheduler's bounded replay), so the ring it ships is exact.
 4. `poll` (every step) sees the room end: success → the request finishes and its pages go back
@@ -41,6 +42,13 @@ class _Room:
     sched: Scheduler  # of the DP group computing the prompt
     pages_sent: int = 0  # leading pages of page_table already handed to the sender
     chunks_since_send: int = 0
+
+
+def _feature(request: Request) -> list[float] | None:
+    state = request.draft
+    if state is None or state.feature is None:
+        return None
+    return state.feature.float().tolist()  # type: ignore[no-any-return]
 
 
 class PrefillRole:
@@ -74,6 +82,8 @@ class PrefillRole:
             # Hybrid models: the window ring's retained tail travels too (decode never re-feeds).
             window_ring=held.window_ring or None,
             num_tokens=request.num_computed_tokens,
+            # Speculative eagle/mtp: the draft head's last feature, where decode's drafts start.
+            draft_hidden=_feature(request),
         )
         room.pages_sent = len(held.page_table)
         return True

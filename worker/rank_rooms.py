@@ -165,6 +165,12 @@ class TPRoom:
     def top_logprobs(self) -> list[tuple[int, float]]:
         return self._first.top
 
+    @property
+    def draft_hidden(self) -> list[float] | None:
+        """Speculative eagle/mtp: the feature rank 0's receiver got (decode keeps its drafter
+        state on rank 0 only; a room of another DP group has none, nor do DP workers draft)."""
+        return getattr(self.local, "draft_hidden", None)
+
 
 class TPTransferManager:
     """What the PD roles see on rank 0 of a multi-rank worker (the same calls as one rank's manager).

@@ -43,6 +43,19 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass
+class DraftState:
+    """Where a request's model drafter stands between steps (worker/spec/drafter.py).
+
+    The drafter's KV is computed for positions below `position`; a request is ready to draft
+    when that is every token but its last (`position == num_tokens - 1`). eagle / mtp also keep
+    their output feature at `position - 1`, the hidden input (and logits) of the first draft.
+    A decode worker's request gets it from prefill (the room's DONE event)."""
+
+    position: int
+    feature: torch.Tensor | None = None  # [hidden] in the model dtype; None for a draft model
+
+
 @dataclass(eq=False)  # an entity: compared and hashed by identity (lists of them are searched every step)
 class Request:
     request_id: str
@@ -62,6 +75,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # per-request seeded sampling
     transfer_stats: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of its room
+    draft: DraftState | None = None  # speculative decoding's model drafter, between steps
 
     @property
     def num_prompt_tokens(self) -> int:

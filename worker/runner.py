@@ -21,6 +21,7 @@ from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.request import TokenLogprob
 from worker.sampler import Sampler
+from worker.spec.drafter import ModelDrafter
 from worker.spec.verify import accept, ban_rows
 from worker.step import RunOutput, ScheduledChunk, SchedulePlan
 
@@ -61,6 +62,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (CUDA only)
+        # speculative decoding's model drafter: it catches up on each step's target hidden
+        # states after sampling (worker/spec/drafter.py); None without one
+        self.drafter: ModelDrafter | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (call after warm-up)."""
@@ -141,7 +145,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan) -> RunOutput:
-        return self.sample(plan, self.forward(plan))
+        if self.drafter is None:
+            return self.sample(plan, self.forward(plan))
+        hidden, logits = self.forward_hidden(plan)
+        out = self.sample(plan, logits)
+        # Before the scheduler's update: no page of the plan has been given back yet.
+        self.drafter.catch_up(plan, hidden if self.drafter.head.needs_hidden else None, out)
+        return out
 
     def forward(self, plan: SchedulePlan, prev: InFlight | None = None) -> torch.Tensor | None:
         """One forward pass; the logits [B, vocab] fp32 of the chunks that sample (None: none do).
@@ -149,6 +159,11 @@ class ModelRunner:
         `prev` (overlapped decode): an input still PENDING is the previous step's token for that
         request, read from `prev.tokens` on the device.
         """
+        return self.forward_hidden(plan, prev)[1]
+
+    def forward_hidden(self, plan: SchedulePlan, prev: InFlight | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, also returning the final hidden states [T, hidden] of every token."""
         if plan.state_copies:  # new requests' state slots: zeroed or restored from a snapshot
             self.kv.apply_state_copies(plan.state_copies)
         sampling = sum(c.sample for c in plan.chunks)
@@ -160,13 +175,17 @@ class ModelRunner:
             and all(c.num_tokens == 1 for c in plan.chunks)  # pure decode
             and graphs.bucket_for(sampling) is not None
         ):
-            return graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)  # replayed
+            logits = graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)
+            return graphs.hidden(len(plan.chunks)), logits  # replayed
         batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
         if prev is not None and src is not None:
             rows = torch.tensor(src, device=self.device)
             ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], batch.input_ids)
             batch = dataclasses.replace(batch, input_ids=ids)
-        return forward_logits(self.model, self.kv, batch)
+        hidden = self.model(batch, self.kv)  # [T, hidden]
+        if not batch.logits_indices.numel():
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
 
     @torch.inference_mode()
     def launch(self, plan: SchedulePlan, prev: InFlight | None) -> InFlight:
@@ -206,7 +225,7 @@ class ModelRunner:
                 req = c.request
                 rows = ban_rows(logits[starts[i] : starts[i + 1]], req.sampling,
                                 len(req.output_token_ids), self.eos_token_ids)
-                tokens[i] = accept(rows, c.drafts, req.sampling, req.generator)
+                tokens[i] = accept(rows, c.drafts, req.sampling, req.generator, c.draft_probs)
         return RunOutput(token_ids=[t[0] for t in tokens], logprobs=[None] * len(chunks),
                          more_token_ids=[t[1:] for t in tokens])
 

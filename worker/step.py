@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from worker.request import Request, RequestStatus, TokenLogprob
 
 PENDING = -1  # an output slot whose token is still on the device (overlapped decode)
@@ -35,6 +37,9 @@ class ScheduledChunk:
     # step scores the request's last token and its drafts in one forward.
     max_drafts: int = 0
     drafts: list[int] = field(default_factory=list)
+    # The drafter's distribution for each draft [len(drafts), vocab] when it sampled them (a
+    # model drafter, sampling requests); None = drawn deterministically (n-gram, greedy).
+    draft_probs: torch.Tensor | None = None
 
     def input_ids(self) -> list[int]:
         """The tokens this chunk feeds: its span of the request's tokens, then its drafts."""

@@ -43,6 +43,8 @@ from worker.model import load_model
 from worker.model.base import CausalLM, WeightSlot
 from worker.rank_rooms import FollowerRooms, TPTransferManager, exchange_bootstrap_addrs
 from worker.runner import forward_logits
+from worker.spec.load import load_head
+from worker.spec.tp import follow_draft
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +148,17 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
     try:
         device = torch.device(cfg.parallel.device)
         model, spec = load_model(cfg.model, cfg.parallel)
-        kv = KVCache(kv_shape(spec, cfg), device)  # the leader's shape: same max_model_len
+        drafter = load_head(cfg, model, spec)  # speculative decoding's head, as rank 0 loads it
+        layers, label = (drafter.head.num_layers, drafter.label) if drafter else (0, "")
+        kv = KVCache(kv_shape(spec, cfg, layers, label), device)  # the leader's shape
         channel = StepChannel(device)
         if cfg.role != "both":
             rooms = FollowerRooms(cfg, kv, spec.num_kv_heads, spec.fingerprint, spec.architecture, where.global_rank)
             exchange_bootstrap_addrs(channel, rooms.bootstrap_addr, cfg.parallel.tp_size)
-        serve_follower(channel, model, kv, rooms, device, cfg.parallel.tp_size)
+        head = drafter.head if drafter else None
+        serve_follower(channel, model, kv, rooms, device, cfg.parallel.tp_size,
+                       lambda payload: follow_draft(payload, head, kv, device, channel,
+                                                    spec.hidden_size, spec.dtype))
     finally:
         if rooms is not None:
             rooms.close()
@@ -161,11 +168,15 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
 
 @torch.inference_mode()
 def serve_follower(channel: StepChannel, model: CausalLM, kv: KVCache, rooms: FollowerRooms | None,
-                   device: torch.device, tp_size: int) -> None:
-    """Obey rank 0 until STOP: forwards on our shard, room commands, reports."""
+                   device: torch.device, tp_size: int,
+                   draft: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Obey rank 0 until STOP: forwards on our shard, draft head calls, room commands, reports."""
     while True:
         kind, payload = channel.recv()
-        if kind is MessageKind.DP_STEP:
+        if kind is MessageKind.DRAFT:
+            assert payload is not None and draft is not None
+            draft(payload)
+        elif kind is MessageKind.DP_STEP:
             assert payload is not None
             follow_dp_step(payload, model, kv, device, channel, tp_size)
         elif kind is MessageKind.STEP:

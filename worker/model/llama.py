@@ -14,6 +14,7 @@ the torch code is the reference and the CPU path, with the same sums in the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -250,30 +251,45 @@ class LlamaForCausalLM(CausalLM):
             slots["lm_head.weight"] = WeightSlot(self.lm_head, "weight")
         for i, module in enumerate(self.model.layers):
             layer = cast(DecoderLayer, module)
-            p = f"model.layers.{i}"
-            attn, mlp = layer.self_attn, layer.mlp
-            params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
-            for shard in ("q", "k", "v"):
-                for param in params:
-                    slots[f"{p}.self_attn.{shard}_proj.{param}"] = WeightSlot(attn.qkv_proj, param, shard)
-            for param in ["weight", "bias"] if attn.o_proj.bias is not None else ["weight"]:
-                slots[f"{p}.self_attn.o_proj.{param}"] = WeightSlot(attn.o_proj, param)
-            if attn.q_norm is not None and attn.k_norm is not None:
-                slots[f"{p}.self_attn.q_norm.weight"] = WeightSlot(attn.q_norm, "weight")
-                slots[f"{p}.self_attn.k_norm.weight"] = WeightSlot(attn.k_norm, "weight")
-            slots.update(self.mlp_slots(p, mlp))
-            slots[f"{p}.input_layernorm.weight"] = WeightSlot(layer.input_layernorm, "weight")
-            slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(layer.post_attention_layernorm, "weight")
+            slots.update(layer_slots(f"model.layers.{i}", layer, self.mlp_slots))
         return slots
 
     def mlp_slots(self, prefix: str, mlp: nn.Module) -> dict[str, WeightSlot]:
         """One layer's MLP tensors (a subclass with other MLPs, e.g. MoE, overrides this)."""
-        assert isinstance(mlp, MLP)
-        params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
-        slots = {}
-        for index, name in enumerate(("gate_proj", "up_proj")):
-            for param in params:
-                slots[f"{prefix}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, index)
+        return dense_mlp_slots(prefix, mlp)
+
+
+def dense_mlp_slots(prefix: str, mlp: nn.Module) -> dict[str, WeightSlot]:
+    """A SwiGLU MLP's checkpoint tensors under `prefix`.mlp (gate|up fused)."""
+    assert isinstance(mlp, MLP)
+    params = ["weight", "bias"] if mlp.gate_up_proj.bias is not None else ["weight"]
+    slots = {}
+    for index, name in enumerate(("gate_proj", "up_proj")):
         for param in params:
-            slots[f"{prefix}.mlp.down_proj.{param}"] = WeightSlot(mlp.down_proj, param)
-        return slots
+            slots[f"{prefix}.mlp.{name}.{param}"] = WeightSlot(mlp.gate_up_proj, param, index)
+    for param in params:
+        slots[f"{prefix}.mlp.down_proj.{param}"] = WeightSlot(mlp.down_proj, param)
+    return slots
+
+
+def layer_slots(p: str, layer: DecoderLayer,
+                mlp_slots: Callable[[str, nn.Module], dict[str, WeightSlot]] = dense_mlp_slots,
+                ) -> dict[str, WeightSlot]:
+    """One decoder layer's checkpoint tensors under prefix `p` (e.g. model.layers.3; an EAGLE
+    head's layers.0 reuses it)."""
+    attn = layer.self_attn
+    slots: dict[str, WeightSlot] = {}
+    params = ["weight", "bias"] if attn.qkv_proj.bias is not None else ["weight"]
+    for shard in ("q", "k", "v"):
+        for param in params:
+            slots[f"{p}.self_attn.{shard}_proj.{param}"] = WeightSlot(attn.qkv_proj, param, shard)
+    for param in ["weight", "bias"] if attn.o_proj.bias is not None else ["weight"]:
+        slots[f"{p}.self_attn.o_proj.{param}"] = WeightSlot(attn.o_proj, param)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        slots[f"{p}.self_attn.q_norm.weight"] = WeightSlot(attn.q_norm, "weight")
+        slots[f"{p}.self_attn.k_norm.weight"] = WeightSlot(attn.k_norm, "weight")
+    slots.update(mlp_slots(p, layer.mlp))
+    slots[f"{p}.input_layernorm.weight"] = WeightSlot(layer.input_layernorm, "weight")
+    slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(
+        layer.post_attention_layernorm, "weight")
+    return slots

@@ -18,6 +18,7 @@ output is scaled by sigmoid(shared_expert_gate(x)); layers in `mlp_only_layers` 
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 from torch import nn
@@ -141,12 +142,13 @@ class DecoderLayer(nn.Module):
         arch: Qwen3NextArch = cfg.family
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: GatedAttention | None = None
-        if arch.linear_layers[layer]:
+        # An MTP layer (layer >= num_layers) is full attention, its MLP built like the last one.
+        if layer < cfg.num_layers and arch.linear_layers[layer]:
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, arch, layer, cfg.rms_norm_eps, tp,
                                              dtype)
         else:
             self.self_attn = GatedAttention(cfg, layer, tp, backend, dtype)
-        sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[min(layer, cfg.num_layers - 1)]
         self.mlp: nn.Module = (SharedExpertMoE(cfg, tp, moe, dtype) if sparse
                                else MLP(cfg, tp, dtype))
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -164,6 +166,39 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, batch, kv)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextMTP(nn.Module):
+    """The checkpoint's multi-token-prediction layer (`mtp.*`), for speculative.method=mtp:
+    norm(layer(fc([norm_e(embed(x_{p+1})) | norm_h(h_p)]))), a gated-attention MoE layer whose
+    KV is KV-cache layer num_layers; the logits are the model's LM head of it. Shares the
+    model's embedding and LM head."""
+
+    def __init__(self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend,
+                 dtype: torch.dtype, moe: MoEParallel) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = OffsetRMSNorm(h, eps, dtype)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(h, eps, dtype)
+        self.fc = ColumnParallelLinear(2 * h, [h], False, TPInfo(), dtype)  # replicated
+        self.layers = nn.ModuleList([DecoderLayer(cfg, cfg.num_layers, tp, backend, dtype, moe)])
+        self.norm = OffsetRMSNorm(h, eps, dtype)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """emb, hidden [T, H] → the feature [T, H] (the next draft step's hidden input)."""
+        x = torch.cat([self.pre_fc_norm_embedding(emb),
+                       self.pre_fc_norm_hidden(hidden.to(emb.dtype))], dim=-1)  # [T, 2H]
+        return self.norm(self.layers[0](self.fc(x), cos, sin, batch, kv))
+
+    def slots(self, p: str = "mtp") -> dict[str, WeightSlot]:
+        slots = {f"{p}.fc.weight": WeightSlot(self.fc, "weight"),
+                 f"{p}.norm.weight": WeightSlot(self.norm, "weight"),
+                 f"{p}.pre_fc_norm_embedding.weight": WeightSlot(self.pre_fc_norm_embedding,
+                                                                 "weight"),
+                 f"{p}.pre_fc_norm_hidden.weight": WeightSlot(self.pre_fc_norm_hidden, "weight")}
+        slots.update(_layer_slots(f"{p}.layers.0", cast(DecoderLayer, self.layers[0])))
+        return slots
 
 
 class Qwen3NextModel(nn.Module):
@@ -193,6 +228,9 @@ class Qwen3NextForCausalLM(CausalLM):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp))
         self.rope = RotaryEmbedding(cfg.rope, self.arch.rotary_dim, rope_device)
+        # Kept for speculative decoding (worker/spec/heads.py) when the checkpoint has it.
+        self.mtp: Qwen3NextMTP | None = (Qwen3NextMTP(cfg, tp, backend, dtype, par)
+                                         if self.arch.num_mtp_layers else None)
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -234,20 +272,31 @@ class Qwen3NextForCausalLM(CausalLM):
         if self.lm_head is not None:
             slots["lm_head.weight"] = WeightSlot(self.lm_head, "weight")
         for i, module in enumerate(self.model.layers):
-            assert isinstance(module, DecoderLayer)
-            p = f"model.layers.{i}"
-            slots[f"{p}.input_layernorm.weight"] = WeightSlot(module.input_layernorm, "weight")
-            slots[f"{p}.post_attention_layernorm.weight"] = WeightSlot(
-                module.post_attention_layernorm, "weight")
-            if module.linear_attn is not None:
-                slots.update(_deltanet_slots(f"{p}.linear_attn", module.linear_attn))
-            if module.self_attn is not None:
-                slots.update(_attention_slots(f"{p}.self_attn", module.self_attn))
-            if isinstance(module.mlp, SharedExpertMoE):
-                slots.update(_moe_slots(f"{p}.mlp", module.mlp))
-            else:
-                slots.update(_mlp_slots(f"{p}.mlp", module.mlp))
+            slots.update(_layer_slots(f"model.layers.{i}", cast(DecoderLayer, module)))
+        if self.mtp is not None:
+            slots.update(self.mtp.slots())
         return slots
+
+    def drop_unloaded(self, loaded: set[str]) -> None:
+        """Keep the MTP layer only when the checkpoint carries it (config.json may declare
+        mtp_num_hidden_layers for a checkpoint saved without it)."""
+        if self.mtp is not None and not any(n.startswith("mtp.") for n in loaded):
+            self.mtp = None
+
+
+def _layer_slots(p: str, module: DecoderLayer) -> dict[str, WeightSlot]:
+    slots = {f"{p}.input_layernorm.weight": WeightSlot(module.input_layernorm, "weight"),
+             f"{p}.post_attention_layernorm.weight": WeightSlot(module.post_attention_layernorm,
+                                                                "weight")}
+    if module.linear_attn is not None:
+        slots.update(_deltanet_slots(f"{p}.linear_attn", module.linear_attn))
+    if module.self_attn is not None:
+        slots.update(_attention_slots(f"{p}.self_attn", module.self_attn))
+    if isinstance(module.mlp, SharedExpertMoE):
+        slots.update(_moe_slots(f"{p}.mlp", module.mlp))
+    else:
+        slots.update(_mlp_slots(f"{p}.mlp", module.mlp))
+    return slots
 
 
 def _deltanet_slots(p: str, m: GatedDeltaNet) -> dict[str, WeightSlot]:

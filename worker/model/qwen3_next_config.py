@@ -33,6 +33,9 @@ class Qwen3NextArch:
     conv_kernel: int  # linear_conv_kernel_dim: taps of the causal depthwise conv
     rotary_dim: int  # dims of each full-attention q/k head that RoPE rotates (even)
     shared_expert_intermediate_size: int  # the MoE's always-on expert (0 = dense model)
+    # mtp_num_hidden_layers: multi-token-prediction layers the checkpoint declares (`mtp.*`);
+    # speculative.method=mtp drafts with the first (loaded only when the checkpoint has them)
+    num_mtp_layers: int = 0
 
     @property
     def state_layers(self) -> tuple[int, ...]:
@@ -89,6 +92,8 @@ def parse_qwen3_next_config(
         conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4, source),
         rotary_dim=rotary_dim,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        num_mtp_layers=int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers")
+                           or 0),
     )
     if family.num_v_heads % family.num_k_heads:
         raise ModelLoadError(

@@ -3,9 +3,10 @@
 One engine step with speculation (worker/engine.py):
 
     plan = scheduler.schedule()   # decode chunks keep room for up to k drafts (max_drafts)
-    drafter.draft(plan)           # fills chunk.drafts (n-gram lookup; a model for draft/eagle)
+    drafter.draft(plan)           # fills chunk.drafts (n-gram lookup, or a draft head's steps)
     out = runner.run(plan)        # one forward over each request's last token + its drafts;
-                                  # worker/spec/verify.py accepts drafts and adds one token
+                                  # worker/spec/verify.py accepts drafts and adds one token; a
+                                  # model drafter then catches up (worker/spec/drafter.py)
     scheduler.update(plan, out)   # appends what was accepted, frees rejected drafts' pages
 
 Greedy acceptance emits exactly what plain greedy decoding emits; rejection sampling keeps the
@@ -45,11 +46,14 @@ class NgramDrafter:
             plan.num_tokens += len(drafts)
 
 
-def make_drafter(config: SpeculativeConfig) -> Drafter | None:
-    """The drafter `speculative.method` names; None when speculation is off."""
+def make_drafter(config: SpeculativeConfig, model: Drafter | None = None) -> Drafter | None:
+    """The drafter `speculative.method` names; None when speculation is off. `model`: the
+    engine's model drafter (worker/spec/drafter.py) for draft | eagle | mtp."""
     if not config.enabled:
         return None
     if config.method == "ngram":
         return NgramDrafter(config)
-    raise ConfigError(f"speculative.method={config.method!r} is not available in this build; "
-                      "use ngram (or none)")
+    if model is None:
+        raise ConfigError(f"speculative.method={config.method} needs its drafter model loaded "
+                          "(worker/spec/load.py); use ngram (or none)")
+    return model

@@ -1,0 +1,261 @@
+"""Model drafters (speculative.method draft | eagle | mtp): heads over the target's pages.
+
+- The engine's EAGLE head computes what its training module (models/train_eagle.py, in
+  transformers' layers) computes, position by position, over paged KV.
+- Greedy output with each method equals the output without speculation, token for token, in
+  one engine (mono), with max_tokens ending requests mid-draft, eos inside accepted drafts and
+  aborts; every page comes back. The shipped heads of the embedded model really draft
+  (accepted > 0); DeepSeek-V3's MTP layer (random weights) runs its steps.
+- A prefix hit with an eagle head gives back its last page (recomputed): the output holds.
+- Drafters that cannot share the target's pages, and methods a model cannot run, are refused
+  in one line naming the field.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.launch.background import EMBEDDED_MODEL
+from tests.worker.conftest import build_tiny_checkpoint
+from tests.worker.test_spec import _generate
+from transfer.contract import KVLayout, LayoutContract
+from worker.batch import ForwardBatch
+from worker.cache_layout import kv_shape
+from worker.config import ConfigError, ModelConfig, SpeculativeConfig, WorkerConfig
+from worker.engine import Engine
+from worker.kv_cache import KVCache
+from worker.model import load_model
+from worker.request import Request
+from worker.sampling import SamplingParams
+from worker.spec.load import load_head
+
+EAGLE = Path(EMBEDDED_MODEL) / "eagle"
+DRAFT = Path(EMBEDDED_MODEL) / "draft"
+
+
+def _config(method: str, path: str | Path = EMBEDDED_MODEL, k: int = 4, model: str = "",
+            **kw: object) -> WorkerConfig:
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model=model)  # type: ignore[arg-type]
+    return WorkerConfig(model=ModelConfig(path=str(path)), speculative=spec, num_threads=1,
+                        **kw)  # type: ignore[arg-type]
+
+
+def _dense_batch(tokens: list[int], pages: list[int], page_size: int) -> ForwardBatch:
+    """One request's first chunk: every token at positions 0.. over the given pages."""
+    n = len(tokens)
+    slots = [pages[p // page_size] * page_size + p % page_size for p in range(n)]
+    return ForwardBatch(
+        input_ids=torch.tensor(tokens), positions=torch.arange(n),
+        query_start=torch.tensor([0, n]), seq_lens=torch.tensor([n]),
+        page_table=torch.tensor([pages]), slot_mapping=torch.tensor(slots),
+        logits_indices=torch.tensor([n - 1]), query_start_list=[0, n], seq_lens_list=[n])
+
+
+def test_eagle_head_computes_what_its_training_module_computes(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from models.train_eagle import random_head, ttt_mask
+
+    ref = random_head(Path(EMBEDDED_MODEL), tmp_path / "eagle", seed=3).eval()
+    config = _config("eagle", model=str(tmp_path / "eagle"))
+    target, spec = load_model(config.model, config.parallel)
+    loaded = load_head(config, target, spec)
+    assert loaded is not None and loaded.label.startswith("eagle:1:")
+    kv = KVCache(kv_shape(spec, config, loaded.head.num_layers, loaded.label))
+    assert kv.shape.num_layers == spec.num_layers + 1
+    rng = random.Random(0)
+    tokens = [rng.randrange(6, 100) for _ in range(37)]
+    pages = [9, 3, 14]  # out of order: the head writes where the target's pages are
+    with torch.inference_mode():
+        hidden = target(_dense_batch(tokens, pages, 16), kv)  # [37, H]
+        # The head at p reads x_{p+1} and h_p: positions 0..35.
+        feats = loaded.head(_dense_batch(tokens[1:], pages, 16), kv, hidden[:-1])
+        logits = loaded.head.compute_logits(feats)
+    with torch.no_grad():  # the training module's parameters are not inference tensors
+        hf = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
+        ids = torch.tensor([tokens])
+        h_ref = hf.model(input_ids=ids).last_hidden_state  # [1, 37, H]
+        n = len(tokens) - 1
+        want = ref(hf.model.embed_tokens(ids[:, 1:]), h_ref[:, :-1], torch.arange(n)[None],
+                   ttt_mask(n, 1))[0]
+        want_logits = hf.lm_head(want)
+    assert torch.allclose(hidden, h_ref[0], atol=1e-4)
+    assert torch.allclose(feats, want, atol=1e-4), (feats - want).abs().max()
+    assert torch.allclose(logits, want_logits, atol=1e-3)
+
+
+def _lengths(i: int) -> SamplingParams:
+    # max_tokens varies so requests end mid-draft; the answers end on eos inside drafts.
+    return SamplingParams(temperature=0.0, max_tokens=5 + 2 * i)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft"])
+def test_shipped_heads_equal_plain_greedy_token_for_token(
+        method: str, arith_prompts: list[list[int]]) -> None:
+    plain = _generate(Engine(_config("none")), arith_prompts, _lengths)
+    engine = Engine(_config(method))
+    got = _generate(engine, arith_prompts, _lengths, abort={2})
+    assert got[2][1] == "abort"
+    assert [g for i, g in enumerate(got) if i != 2] == [g for i, g in enumerate(plain) if i != 2]
+    counters = engine.spec_counters
+    assert counters.accepted > 0 and counters.drafted > counters.accepted
+    engine.scheduler.assert_drained()
+
+
+@pytest.fixture(scope="module")
+def arith_prompts() -> list[list[int]]:
+    from gateway.tokenizer import Tokenizer
+    from orchestrator.tasks import arith
+
+    tok = Tokenizer.from_dir(Path(EMBEDDED_MODEL))
+    return [tok.encode(p.prompt) for p in arith.make_problems(8, seed=11)]
+
+
+def test_deepseek_mtp_layer_drafts_and_greedy_holds(tmp_path: Path) -> None:
+    from tests.worker.deepseek_model import build_deepseek_checkpoint
+
+    build_deepseek_checkpoint(tmp_path, mtp=True)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (9, 23, 40)]
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
+
+    plain = _generate(Engine(_config("none", tmp_path)), prompts, params)
+    engine = Engine(_config("mtp", tmp_path, k=3))
+    assert engine.kv.shape.latent_dim and engine.kv.shape.draft_layers == 1
+    assert _generate(engine, prompts, params) == plain
+    assert engine.spec_counters.drafted > 0
+    engine.scheduler.assert_drained()
+
+
+def test_prefix_hit_with_eagle_recomputes_the_last_page_and_holds(
+        arith_prompts: list[list[int]]) -> None:
+    engine = Engine(_config("eagle", k=3))
+    prompt = arith_prompts[0]
+    outs: list[tuple[list[int], int]] = []
+    for i in range(2):  # one after the other: the second hits the first's cached pages
+        got: list[int] = []
+        cached: list[int] = []
+
+        def sink(o: object, got: list[int] = got, cached: list[int] = cached) -> None:
+            got.extend(o.token_ids)  # type: ignore[attr-defined]
+            if o.num_cached_tokens:  # type: ignore[attr-defined]
+                cached.append(o.num_cached_tokens)  # type: ignore[attr-defined]
+
+        engine.submit(Request(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12)),
+                      sink)
+        while engine.step() or engine.has_pending_work():
+            pass
+        outs.append((got, cached[0] if cached else 0))
+    page = engine.kv.shape.page_size
+    assert outs[0][1] == 0
+    assert outs[1][1] == ((len(prompt) - 1) // page - 1) * page  # all full pages but the last
+    assert outs[1][0] == outs[0][0]
+    engine.scheduler.assert_drained()
+
+
+def test_seeded_sampling_with_eagle_reproduces_and_leaves_nothing(
+        arith_prompts: list[list[int]]) -> None:
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=14)
+
+    runs = []
+    for _ in range(2):
+        engine = Engine(_config("eagle", k=3))
+        runs.append(_generate(engine, arith_prompts[:4], params))
+        assert engine.spec_counters.drafted > 0  # drafts drawn from the head's distribution
+        engine.scheduler.assert_drained()
+    assert runs[0] == runs[1]
+
+
+def test_draft_model_with_another_kv_geometry_is_refused(tmp_path: Path) -> None:
+    build_tiny_checkpoint(tmp_path / "d", "qwen3", vocab_size=128, num_key_value_heads=4,
+                          head_dim=16, max_position_embeddings=512)
+    with pytest.raises(ConfigError, match=r"speculative.model.*num_key_value_heads 4 != "
+                                          r"the target's 2, head_dim 16 != the target's 32"):
+        Engine(_config("draft", model=str(tmp_path / "d")))
+
+
+def test_methods_a_model_cannot_run_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="speculative.method=mtp.*has no MTP layer"):
+        Engine(_config("mtp"))
+    with pytest.raises(ConfigError, match="speculative.model.*has no config.json"):
+        Engine(_config("eagle", model=str(tmp_path)))
+    with pytest.raises(ConfigError, match="speculative.model is the drafter checkpoint"):
+        SpeculativeConfig(method="ngram", model="x").validate()
+
+
+def test_a_drafter_enters_the_layout_contract() -> None:
+    base = KVLayout(num_pages=8, num_layers=5, page_size=16, head_dim=32, dtype="float32",
+                    num_kv_heads_total=2)
+    plain = KVLayout(num_pages=8, num_layers=4, page_size=16, head_dim=32, dtype="float32",
+                     num_kv_heads_total=2)
+
+    def contract(layout: KVLayout, label: str = "") -> LayoutContract:
+        from dataclasses import replace
+
+        return LayoutContract.from_layout(replace(layout, speculative=label), model_name="m",
+                                          model_fingerprint="f", backend="mooncake")
+
+    eagle = contract(base, "eagle:1:abc")
+    assert any(d.startswith("speculative: 'eagle:1:abc' != ''") for d in
+               eagle.mismatches(contract(plain)))
+    assert any(d.startswith("speculative:") for d in eagle.mismatches(contract(base,
+                                                                               "draft:1:abc")))
+    assert contract(plain).hash() == LayoutContract.from_layout(
+        plain, model_name="m", model_fingerprint="f", backend="mooncake").hash()
+    assert not eagle.mismatches(contract(base, "eagle:1:abc"))
+
+
+def test_recurrent_models_refuse_speculation(tmp_path: Path) -> None:
+    from tests.worker.qwen3_next_model import build_qwen3_next_checkpoint
+
+    build_qwen3_next_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="speculative.method=ngram.*recurrent state"):
+        Engine(_config("ngram", tmp_path))
+
+
+
+def test_qwen3_next_mtp_layer_loads_and_runs_over_its_page_layer(tmp_path: Path) -> None:
+    """The `mtp.*` tensors load into Qwen3NextForCausalLM.mtp (built like a full-attention MoE
+    layer, its KV in the layer after the model's); the head runs a paged chunk."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.worker.qwen3_next_model import CONFIG as QN, build_qwen3_next_checkpoint
+    from worker.spec.heads import Qwen3NextMTPHead
+
+    build_qwen3_next_checkpoint(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    h = QN["hidden_size"]
+    for name, t in list(tensors.items()):  # layer 2 is full attention: the MTP layer's shapes
+        if name.startswith("model.layers.2."):
+            tensors["mtp.layers.0." + name[len("model.layers.2."):]] = torch.randn(
+                t.shape, generator=gen) * 0.1
+    for name, shape in (("fc.weight", (h, 2 * h)), ("norm.weight", (h,)),
+                        ("pre_fc_norm_embedding.weight", (h,)),
+                        ("pre_fc_norm_hidden.weight", (h,))):
+        tensors[f"mtp.{name}"] = torch.randn(shape, generator=gen) * 0.1
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    model, spec = load_model(ModelConfig(path=str(tmp_path)), _config("none").parallel)
+    assert model.mtp is not None  # type: ignore[attr-defined]
+    assert torch.equal(model.mtp.fc.weight, tensors["mtp.fc.weight"])  # type: ignore[attr-defined]
+    head = Qwen3NextMTPHead(model)  # type: ignore[arg-type]
+    shape = kv_shape(spec, _config("none", tmp_path), head.num_layers, "mtp:1")
+    kv = KVCache(shape)
+    assert shape.num_full_layers == 2  # the model's one attention layer, then the MTP layer's
+    tokens = [5, 9, 17, 33, 2, 8]
+    batch = _dense_batch(tokens, [1], 16)
+    with torch.inference_mode():
+        feats = head(batch, kv, torch.randn(len(tokens), h))
+        assert head.compute_logits(feats).shape == (len(tokens), QN["vocab_size"])
+    assert kv.layer(spec.num_layers)[0][1].abs().sum() > 0  # its K landed in page 1

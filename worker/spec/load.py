@@ -1,0 +1,203 @@
+"""Load the model drafter `speculative.method` names, next to the target it drafts for.
+
+Every rank of a worker (and both sides of a PD pair) loads the same head the same way: its
+layer count sizes the KV cache (`KVShape.draft_layers`) and its label enters the layout
+contract, so a prefill and a decode worker with different drafters are refused at bootstrap.
+
+- eagle: an EAGLE head directory (`speculative.model`, default `<model.path>/eagle`):
+  config.json with `"model_type": "eagle"`, the target's layer config and `target_architecture`
+  (models/train_eagle.py writes one), model.safetensors with `fc.weight`, `layers.0.*`,
+  `norm.weight`.
+- draft: an HF checkpoint of the Llama / Qwen family (default `<model.path>/draft`) with the
+  target's tokenizer and KV head geometry (its KV lives in the target's pages).
+- mtp: the target checkpoint's own MTP layer (DeepSeek-V3, Qwen3-Next).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.cache_layout import max_model_len
+from worker.config import ConfigError, ModelConfig, WorkerConfig
+from worker.model import fused
+from worker.model.backends import get_attention_backend
+from worker.model.base import CausalLM, ModelSpec
+from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
+from worker.model.hf_config import ModelLoadError, parse_arch_config
+from worker.model.layers import Embedding, RMSNorm
+from worker.model.llama import MLP, Attention, LlamaForCausalLM
+from worker.model.loader import (
+    fingerprint,
+    iter_checkpoint,
+    load_model,
+    read_json,
+    tp_info,
+    weight_files,
+)
+from worker.model.qwen3_next import Qwen3NextForCausalLM
+from worker.spec.heads import (
+    DeepseekMTPHead,
+    DraftHead,
+    DraftLM,
+    EagleHead,
+    Qwen3NextMTPHead,
+    target_parts,
+)
+
+log = logging.getLogger(__name__)
+
+MODEL_METHODS = ("draft", "eagle", "mtp")
+# The dense families an EAGLE head is built for (one decoder layer of the target's kind).
+EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class LoadedHead:
+    head: DraftHead
+    label: str  # the layout contract's `speculative`: method, layers, the head's fingerprint
+
+
+def load_head(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> LoadedHead | None:
+    """The drafter network of a model method (None for none / ngram). Every error names the
+    field and the fix (ConfigError)."""
+    method = config.speculative.method
+    if method not in MODEL_METHODS:
+        return None
+    if config.parallel.dp_size > 1:
+        raise ConfigError(f"speculative.method={method} cannot run with parallel.dp_size="
+                          f"{config.parallel.dp_size} (attention DP steps no drafter); set "
+                          "parallel.dp_size: 1 or speculative.method: ngram")
+    if method == "mtp":
+        return _mtp(config, target, spec)
+    path = Path(config.speculative.drafter_path(config.model.path))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"speculative.model: {str(path)!r} has no config.json; point "
+                          f"speculative.model at the {method} drafter's directory")
+    try:
+        if method == "eagle":
+            head, files = _eagle(path, config, target, spec)
+        else:
+            head, files = _draft(path, config, spec)
+    except ModelLoadError as exc:
+        raise ConfigError(f"speculative.model {str(path)!r}: {exc}") from None
+    digest = hashlib.sha256(fingerprint(path, files).encode()).hexdigest()[:16]
+    return LoadedHead(head, f"{method}:{head.num_layers}:{digest}")
+
+
+def _mtp(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> LoadedHead:
+    head: DraftHead
+    if isinstance(target, DeepseekV3ForCausalLM) and len(target.mtp):
+        head = DeepseekMTPHead(target)
+    elif isinstance(target, Qwen3NextForCausalLM) and target.mtp is not None:
+        head = Qwen3NextMTPHead(target)
+    else:
+        raise ConfigError(f"speculative.method=mtp: {config.model.path} ({spec.architecture}) "
+                          "has no MTP layer (DeepSeek-V3 model.layers.{num_hidden_layers}.*, "
+                          "Qwen3-Next mtp.*); use speculative.method eagle, draft or ngram")
+    return LoadedHead(head, f"mtp:{head.num_layers}")
+
+
+def _eagle(path: Path, config: WorkerConfig, target: CausalLM,
+           spec: ModelSpec) -> tuple[DraftHead, list[Path]]:
+    raw = read_json(path / "config.json")
+    source = str(path / "config.json")
+    if raw.get("model_type") != "eagle":
+        raise ConfigError(f"speculative.model: {source} is not an EAGLE head (model_type "
+                          f"{raw.get('model_type')!r}, want 'eagle'); models/train_eagle.py "
+                          "writes one")
+    if spec.architecture not in EAGLE_TARGETS or not isinstance(target, LlamaForCausalLM):
+        raise ConfigError(f"speculative.method=eagle: heads are built for {', '.join(EAGLE_TARGETS)};"
+                          f" {spec.architecture} is not one; use speculative.method mtp or ngram")
+    arch = parse_arch_config({**raw, "architectures": [spec.architecture]}, None, source)
+    _check_geometry(source, spec, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+                    num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+    if raw.get("target_fingerprint") not in (None, spec.fingerprint):
+        log.warning("the EAGLE head at %s was trained against another checkpoint than %s "
+                    "(target_fingerprint differs): drafts stay lossless but fewer are accepted; "
+                    "re-run models/train_eagle.py", path, config.model.path)
+    device = torch.device(config.parallel.device)
+    tp = tp_info(config.parallel)
+    with torch.device("meta"):
+        head = EagleHead(arch, target_parts(target), spec.num_layers, tp,
+                         get_attention_backend(device), spec.dtype)
+    head = head.to_empty(device=device)
+    for module in head.modules():
+        if isinstance(module, Attention):  # FP8 KV scales: the head's layer has none (1.0)
+            module.k_scale.fill_(1.0)  # type: ignore[operator]
+            module.v_scale.fill_(1.0)  # type: ignore[operator]
+    files = weight_files(path)
+    _fill(head, files)
+    if fused.available(device):  # the target's CUDA kernels for the head's layer too
+        for module in head.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP, Embedding)):
+                module.fused = True
+    return head.eval(), files
+
+
+def _fill(head: nn.Module, files: list[Path]) -> None:
+    """Every tensor the head names, exactly once."""
+    slots = head.weight_slots()  # type: ignore[operator]
+    loaded: set[str] = set()
+    with ExitStack() as stack:
+        for name, source in iter_checkpoint(files, stack):
+            slot = slots.get(name)
+            if slot is not None:
+                slot.module.load(slot.param, source, slot.shard_id)
+                loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        raise ModelLoadError(f"the head's checkpoint lacks {len(missing)} tensors, e.g. "
+                             f"{missing[:3]}; re-run models/train_eagle.py")
+
+
+def _draft(path: Path, config: WorkerConfig, spec: ModelSpec) -> tuple[DraftHead, list[Path]]:
+    if spec.kv_latent_dim:
+        raise ConfigError(f"speculative.method=draft: {spec.architecture} keeps MLA latent "
+                          "pages, which a draft model's K/V cannot share; use speculative."
+                          "method mtp")
+    dtype = _DTYPE_NAMES.get(spec.dtype)
+    if dtype is None:
+        raise ConfigError(f"speculative.method=draft: the target runs in {spec.dtype}; a draft "
+                          "model needs float32, bfloat16 or float16")
+    model_cfg = ModelConfig(path=str(path), dtype=dtype)  # type: ignore[arg-type]
+    lm, dspec = load_model(model_cfg, config.parallel)
+    if not isinstance(lm, LlamaForCausalLM) or dspec.state_layers or any(dspec.layer_windows):
+        raise ConfigError(f"speculative.model {str(path)!r}: {dspec.architecture} with window "
+                          "or recurrent layers cannot draft; use a dense Llama / Qwen model")
+    source = str(path / "config.json")
+    _check_geometry(source, spec, vocab_size=dspec.vocab_size,
+                    num_key_value_heads=dspec.num_kv_heads, head_dim=dspec.head_dim)
+    need = max_model_len(spec, config)
+    if dspec.max_position_embeddings < need:
+        raise ConfigError(f"speculative.model: {source} max_position_embeddings "
+                          f"{dspec.max_position_embeddings} < the target's context {need}; "
+                          "lower model.max_model_len or train the draft longer")
+    _check_tokenizer(path, Path(config.model.path))
+    return DraftLM(lm, spec.num_layers), weight_files(path)
+
+
+def _check_geometry(source: str, spec: ModelSpec, **theirs: int) -> None:
+    """The drafter's KV shares the target's pages: its head count, head dim (and for a head
+    fed the target's hidden state, its width and vocabulary) must equal the target's."""
+    ours = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+            "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
+    diffs = [f"{k} {v} != the target's {ours[k]}" for k, v in theirs.items() if v != ours[k]]
+    if diffs:
+        raise ConfigError(f"speculative.model: {source} cannot share the target's KV pages: "
+                          f"{', '.join(diffs)}; train the drafter for this target")
+
+
+def _check_tokenizer(draft: Path, target: Path) -> None:
+    mine, theirs = draft / "tokenizer.json", target / "tokenizer.json"
+    if mine.is_file() and theirs.is_file() and mine.read_bytes() != theirs.read_bytes():
+        raise ConfigError(f"speculative.model: {mine} differs from the target's {theirs}; a "
+                          "draft model must use the target's tokenizer")
