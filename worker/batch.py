@@ -42,6 +42,12 @@ class ForwardBatch:
     # reads it and leaves the state after the chunk in the same slot.
     state_slots: torch.Tensor | None = None
 
+    # > 0: every request has exactly this many new tokens and the device tensors are all that
+    # may be read (a CUDA-graph verify step, worker/cuda_graphs.py `VerifyGraphs`): the CUDA
+    # backend then runs one paged kernel over them instead of a per-request loop. The host
+    # lists above are placeholders then. 0 = a step built by the runner.
+    uniform_query_len: int = 0
+
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_list)

@@ -400,9 +400,12 @@ class Engine:
         if req.status is RequestStatus.FINISHED_ERROR:
             raise RuntimeError(f"warm-up failed: {req.error}")
         self.scheduler.prompt_tokens_computed = 0  # count only real requests
+        self.spec_counters.reset()
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
-            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+            k = self.config.speculative.num_speculative_tokens if self.drafter is not None else 0
+            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len,
+                                           k)
 
 
 def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:

@@ -17,8 +17,10 @@ import torch
 
 from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs
+from worker.verify_graphs import VerifyGraphs
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
+from worker.model.fp8 import is_fp8
 from worker.request import TokenLogprob
 from worker.sampler import Sampler
 from worker.spec.drafter import ModelDrafter
@@ -62,15 +64,24 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (CUDA only)
+        self.verify_graphs: VerifyGraphs | None = None  # the same, for verify steps (drafts)
         # speculative decoding's model drafter: it catches up on each step's target hidden
         # states after sampling (worker/spec/drafter.py); None without one
         self.drafter: ModelDrafter | None = None
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode graphs for batch sizes up to max_num_seqs (call after warm-up)."""
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                           num_speculative_tokens: int = 0) -> None:
+        """Capture decode graphs for batch sizes up to max_num_seqs (call after warm-up); with
+        speculative decoding also verify graphs at k + 1 tokens per request (not over FP8 KV
+        pages: their paged kernel reads no scales)."""
         graphs = DecodeGraphs(self.model, self.kv, max_num_seqs, max_model_len)
         graphs.capture()
         self.decode_graphs = graphs
+        if num_speculative_tokens and not is_fp8(self.kv.data):
+            verify = VerifyGraphs(self.model, self.kv, max_num_seqs, max_model_len,
+                                  num_speculative_tokens)
+            verify.capture()
+            self.verify_graphs = verify
 
     def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         page_size = self.page_size
@@ -177,6 +188,9 @@ class ModelRunner:
         ):
             logits = graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)
             return graphs.hidden(len(plan.chunks)), logits  # replayed
+        verify = self.verify_graphs
+        if verify is not None and any(c.drafts for c in plan.chunks) and verify.fits(plan.chunks):
+            return verify.run(plan.chunks)  # replayed: B x (k + 1) tokens
         batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
         if prev is not None and src is not None:
             rows = torch.tensor(src, device=self.device)

@@ -259,3 +259,41 @@ def test_qwen3_next_mtp_layer_loads_and_runs_over_its_page_layer(tmp_path: Path)
         feats = head(batch, kv, torch.randn(len(tokens), h))
         assert head.compute_logits(feats).shape == (len(tokens), QN["vocab_size"])
     assert kv.layer(spec.num_layers)[0][1].abs().sum() > 0  # its K landed in page 1
+
+
+def _verify_plan(engine: Engine, prompts: list[list[int]], drafts: list[list[int]]) -> object:
+    """Prompts run to their first token, then one verify plan with the given drafts."""
+    for i, p in enumerate(prompts):
+        engine.scheduler.add(Request(f"v{i}", p, SamplingParams(temperature=0.0, max_tokens=9)))
+    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        plan = engine.scheduler.schedule()
+        engine.scheduler.update(plan, engine.runner.run(plan))
+    plan = engine.scheduler.schedule()
+    for chunk, ds in zip(plan.chunks, drafts, strict=True):
+        chunk.drafts = list(ds)
+        chunk.num_tokens += len(ds)
+        plan.num_tokens += len(ds)
+    return plan
+
+
+def test_verify_graph_padding_gives_the_plain_verify_rows(arith_prompts: list[list[int]]) -> None:
+    """The padded batch a verify graph replays (requests with 3, 1 and 0 drafts at k = 3)
+    scores the real rows as the plain verify step does, and writes only their KV."""
+    from worker.verify_graphs import VerifyGraphs
+
+    engine = Engine(_config("none"))
+    engine.scheduler.num_speculative_tokens = 3
+    plan = _verify_plan(engine, arith_prompts[:3], [[61, 62, 63], [64], []])
+    with torch.inference_mode():
+        hidden, logits = engine.runner.forward_hidden(plan)  # type: ignore[arg-type]
+        before = engine.kv.data.clone()
+        graphs = VerifyGraphs(engine.model, engine.kv, 8, engine.max_model_len, 3)
+        assert graphs.fits(plan.chunks) is False  # nothing captured on the CPU
+        g_hidden, g_logits = graphs.eager(plan.chunks)  # type: ignore[attr-defined]
+    assert logits is not None and g_logits.shape == logits.shape == (4 + 2 + 1, 128)
+    assert torch.allclose(g_hidden, hidden, atol=1e-5)
+    assert torch.allclose(g_logits, logits, atol=1e-4)
+    assert torch.allclose(engine.kv.data, before, atol=1e-4)  # padding rows stored nothing
+    for req in list(engine.scheduler.running):
+        engine.scheduler.abort(req.request_id)
+    engine.scheduler.assert_drained()

@@ -354,6 +354,12 @@ class TritonPagedBackend(AttentionBackend):
                 q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
                 sinks=sinks, kv_scales=kv_scales,
             )
+        if batch.uniform_query_len and kv_scales is None:
+            # A captured verify step (k + 1 tokens per request): device tensors only, one launch.
+            return triton_paged_prefill(
+                q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens,
+                batch.uniform_query_len, scale, sliding_window, sinks,
+            )
         if sinks is not None:  # SDPA has no sink term: one paged prefill kernel over the whole step
             if kv_scales is not None:
                 raise ValueError("attention sinks (GPT-OSS) over FP8 KV pages have no CUDA prefill "

@@ -24,3 +24,9 @@ class SpecCounters:
         if len(self.accepted_hist) <= accepted:
             self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
         self.accepted_hist[accepted] += 1
+
+    def reset(self) -> None:
+        """Back to zero in place (the engine's warm-up request is not counted; the schedulers
+        and the model drafter keep this same object)."""
+        fresh = SpecCounters()
+        self.__dict__.update(fresh.__dict__)
