@@ -101,3 +101,14 @@ def test_batched_decode_ignores_whatever_padding_rows_hold() -> None:
     nan = torch.full((NUM_PAGES, HKV, PAGE, D), float("nan"))
     requests = [(9, 1, [4, 7, 12]), (2, 1, [6])]  # 10 and 3 tokens: the short one pads with page 0
     check_against_naive(requests, nan.clone(), nan.clone(), None)
+
+
+def test_short_chunks_of_one_length_attend_in_one_batched_call() -> None:
+    """Speculative verify steps: requests feeding k + 1 = 4 tokens each at different context
+    lengths (one of 2 tokens beside them) attend batched; whatever the padding of the others'
+    contexts holds (NaN here) stays out."""
+    torch.manual_seed(1)
+    requests = [(3, 4, [9, 3]), (13, 4, [17, 2, 30, 6, 7]), (0, 4, [5]), (7, 2, [11, 12, 13])]
+    nan = float("nan")
+    check_against_naive(requests, torch.full((NUM_PAGES, HKV, PAGE, D), nan),
+                        torch.full((NUM_PAGES, HKV, PAGE, D), nan), None)

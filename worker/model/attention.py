@@ -116,10 +116,14 @@ class AttentionBackend(ABC):
         (k_scale, v_scale), see the module docstring."""
 
 
+BATCHED_QUERY_LEN = 17  # chunks up to this long attend batched: verify steps (k + 1 <= 17)
+
+
 class TorchSDPABackend(AttentionBackend):
     """Reference backend on torch SDPA (GQA native). Requests decoding one token attend in one
     batched call over their padded, masked contexts (a per-request loop costs a call per
-    request per layer, which dominates a CPU decode step); multi-token chunks loop."""
+    request per layer, which dominates a CPU decode step); so do short chunks of one length
+    (speculative decoding's verify steps: the last token and k drafts); longer chunks loop."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -136,12 +140,16 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(q)  # [T, Hq, D]
         qs = batch.query_start_list
         decodes: list[int] = []
+        short: dict[int, list[int]] = {}  # chunk length -> requests (batched below)
         for i, seq_len in enumerate(batch.seq_lens_list):
             start, end = qs[i], qs[i + 1]
             if end - start == 1:
                 decodes.append(i)
                 continue
             if end == start:
+                continue
+            if end - start <= BATCHED_QUERY_LEN and sliding_window is None:
+                short.setdefault(end - start, []).append(i)
                 continue
             num_pages = -(-seq_len // page_size)
             pages = batch.page_table[i, :num_pages]
@@ -158,7 +166,43 @@ class TorchSDPABackend(AttentionBackend):
             rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
             out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale,
                                      sliding_window, sinks, kv_scales)
+        for n, reqs in short.items():
+            idx = torch.tensor([qs[i] + j for i in reqs for j in range(n)], device=q.device)
+            out[idx] = self._short(q[idx], k_cache, v_cache, batch, reqs, n, scale, sinks,
+                                   kv_scales)
         return out.to(out_dtype)
+
+    @staticmethod
+    def _short(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        rows: list[int], n: int, scale: float, sinks: torch.Tensor | None,
+        kv_scales: KVScales,
+    ) -> torch.Tensor:
+        """q [B*n, Hq, D]: n new tokens per request, each at the end of its context →
+        [B*n, Hq, D], one SDPA call over the padded contexts (causal inside each)."""
+        page_size = k_cache.shape[2]
+        seq_lens = [batch.seq_lens_list[i] for i in rows]
+        max_len = max(seq_lens)
+        pages = batch.page_table[rows, : -(-max_len // page_size)]  # [B, n_pages]
+        ks, vs = (None, None) if kv_scales is None else kv_scales
+
+        def gather(cache: torch.Tensor, head_scale: torch.Tensor | None) -> torch.Tensor:
+            picked = cache[pages]  # [B, n_pages, Hkv, S, D]
+            b, m, hkv, s, d = picked.shape
+            ctx = picked.transpose(1, 2).reshape(b, hkv, m * s, d)[:, :, :max_len]  # [B, Hkv, L, D]
+            return dequantize_kv(ctx, head_scale, q.dtype)
+
+        lens = torch.tensor(seq_lens, device=q.device)[:, None, None]  # [B, 1, 1]
+        q_pos = lens - n + torch.arange(n, device=q.device)[None, :, None]  # [B, n, 1]
+        k_pos = torch.arange(max_len, device=q.device)[None, None, :]  # [1, 1, L]
+        mask = (k_pos <= q_pos)[:, None]  # [B, 1, n, L]
+        pad = (k_pos >= lens)[:, :, :, None]  # [B, 1, L, 1]: past a request's context
+        # Zero the padding (it may hold anything, and 0 * NaN = NaN even where masked).
+        k = gather(k_cache, ks).masked_fill(pad, 0.0)
+        v = gather(v_cache, vs).masked_fill(pad, 0.0)
+        qb = q.view(len(rows), n, q.shape[1], q.shape[2]).transpose(1, 2)  # [B, Hq, n, D]
+        o = sdpa_with_sinks(qb, k, v, mask, scale, sinks)  # [B, Hq, n, D]
+        return o.transpose(1, 2).reshape(len(rows) * n, q.shape[1], q.shape[2])
 
     @staticmethod
     def _decode(

@@ -1,0 +1,120 @@
+"""Speculative decoding on this CPU, every method in one run: decode tok/s and acceptance.
+
+    python -m bench.spec [--requests 16] [--k 3] [--threads 1] [--json out.json]
+
+The embedded model in-process (worker.engine.Engine, no gateway), greedy, arith prompts, each
+answer to its eos (~11 tokens). For each method (off, ngram, eagle, draft) and batch size 1
+(requests one after another) and 16 (all at once): the output tokens per second of the decode
+phase (from the step where every request of the batch holds its first token to the end, so the
+prompt's prefill is not in it), the mean accepted length (tokens a request emits per verify
+step: accepted drafts + 1; 1.0 without speculation) and the acceptance rate (accepted /
+drafted). The outputs of every method must equal speculation-off's, token for token (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from gateway.tokenizer import Tokenizer
+from orchestrator.launch.background import EMBEDDED_MODEL
+from orchestrator.tasks import arith
+from worker.config import ModelConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig
+from worker.engine import Engine, RequestOutput
+from worker.request import Request
+from worker.sampling import SamplingParams
+
+METHODS = ("none", "ngram", "eagle", "draft")
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], tag: str) -> tuple[list[list[int]], float]:
+    """Run prompts together; returns outputs and the decode phase's seconds."""
+    outs: dict[str, list[int]] = {}
+
+    def sink(o: RequestOutput) -> None:
+        outs.setdefault(o.request_id, []).extend(o.token_ids)
+
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.submit(Request(rid, p, SamplingParams(temperature=0.0, max_tokens=32)), sink)
+    t_decode = None
+    while engine.step() or engine.has_pending_work():
+        if t_decode is None and all(outs.get(r) for r in ids):
+            t_decode = time.perf_counter()  # every request holds its first token
+    end = time.perf_counter()
+    return [outs[r] for r in ids], end - (t_decode or end)
+
+
+def measure(method: str, prompts: list[list[int]], k: int, threads: int) -> dict[str, Any]:
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k)  # type: ignore[arg-type]
+    engine = Engine(WorkerConfig(model=ModelConfig(path=str(EMBEDDED_MODEL)), speculative=spec,
+                                 scheduler=SchedulerConfig(max_num_seqs=16), num_threads=threads))
+    engine.warm_up()
+    result: dict[str, Any] = {"method": method}
+    outputs: list[list[int]] = []
+    for batch in (1, len(prompts)):
+        engine.spec_counters.reset()
+        tokens, seconds = 0, 0.0
+        got: list[list[int]] = []
+        for start in range(0, len(prompts), batch):
+            outs, s = run_batch(engine, prompts[start : start + batch], f"b{batch}-{start}")
+            got += outs
+            tokens += sum(len(o) - 1 for o in outs)  # the first token is the prefill's
+            seconds += s
+        c = engine.spec_counters
+        result[f"b{batch}"] = {
+            "decode_tok_s": tokens / seconds,
+            "mean_accepted_length": (c.accepted + c.request_steps) / c.request_steps
+            if c.request_steps else 1.0,
+            "acceptance": c.accepted / c.drafted if c.drafted else 0.0,
+        }
+        outputs = got
+    engine.scheduler.assert_drained()
+    result["outputs"] = outputs
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--k", type=int, default=3, help="speculative.num_speculative_tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared CPU)")
+    p.add_argument("--seed", type=int, default=41)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    tok = Tokenizer.from_dir(Path(EMBEDDED_MODEL))
+    prompts = [tok.encode(q.prompt) for q in arith.make_problems(args.requests, seed=args.seed)]
+    results = [measure(m, prompts, args.k, args.threads) for m in METHODS]
+    plain = results[0]["outputs"]
+    lossless = all(r["outputs"] == plain for r in results)
+    load = os.getloadavg()[0]
+    print(f"# bench.spec {date.today()}: {platform.machine()} {os.cpu_count()} CPUs, load "
+          f"{load:.1f}, torch threads {args.threads}, k={args.k}, {args.requests} arith prompts, "
+          f"greedy to eos; outputs equal speculation off: {lossless}")
+    print("| method | b=1 tok/s | b=1 accepted length | b=16 tok/s | b=16 accepted length | "
+          "acceptance |")
+    print("|---|---|---|---|---|---|")
+    base = results[0]
+    for r in results:
+        b1, b16 = r["b1"], r[f"b{args.requests}"]
+        print(f"| {r['method']} | {b1['decode_tok_s']:.0f} "
+              f"({b1['decode_tok_s'] / base['b1']['decode_tok_s']:.2f}x) | "
+              f"{b1['mean_accepted_length']:.2f} | {b16['decode_tok_s']:.0f} "
+              f"({b16['decode_tok_s'] / base[f'b{args.requests}']['decode_tok_s']:.2f}x) | "
+              f"{b16['mean_accepted_length']:.2f} | {b16['acceptance']:.2f} |")
+    if args.json:
+        for r in results:
+            r.pop("outputs")
+        args.json.write_text(json.dumps({"k": args.k, "results": results,
+                                         "lossless": lossless}, indent=2) + "\n")
+    return 0 if lossless else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
