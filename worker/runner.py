@@ -17,7 +17,6 @@ import torch
 
 from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs
-from worker.verify_graphs import VerifyGraphs
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.model.fp8 import is_fp8
@@ -26,6 +25,7 @@ from worker.sampler import Sampler
 from worker.spec.drafter import ModelDrafter
 from worker.spec.verify import accept, ban_rows
 from worker.step import RunOutput, ScheduledChunk, SchedulePlan
+from worker.verify_graphs import VerifyGraphs
 
 
 @dataclass

@@ -35,6 +35,7 @@ from worker.model.layers import Embedding, RMSNorm
 from worker.model.llama import MLP, Attention, LlamaForCausalLM
 from worker.model.loader import (
     fingerprint,
+    init_dummy,
     iter_checkpoint,
     load_model,
     read_json,
@@ -89,7 +90,10 @@ def load_head(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> Loaded
             head, files = _draft(path, config, spec)
     except ModelLoadError as exc:
         raise ConfigError(f"speculative.model {str(path)!r}: {exc}") from None
-    digest = hashlib.sha256(fingerprint(path, files).encode()).hexdigest()[:16]
+    if files:
+        digest = hashlib.sha256(fingerprint(path, files).encode()).hexdigest()[:16]
+    else:  # dummy weights: the seed names them, as the target's "dummy:<seed>" does
+        digest = f"dummy{config.model.seed + 1}"
     return LoadedHead(head, f"{method}:{head.num_layers}:{digest}")
 
 
@@ -134,8 +138,12 @@ def _eagle(path: Path, config: WorkerConfig, target: CausalLM,
         if isinstance(module, Attention):  # FP8 KV scales: the head's layer has none (1.0)
             module.k_scale.fill_(1.0)  # type: ignore[operator]
             module.v_scale.fill_(1.0)  # type: ignore[operator]
-    files = weight_files(path)
-    _fill(head, files)
+    if config.model.load_format == "dummy":  # benchmarks at real shapes: config.json only
+        init_dummy(head, config.model.seed + 1)  # type: ignore[arg-type]
+        files: list[Path] = []
+    else:
+        files = weight_files(path)
+        _fill(head, files)
     if fused.available(device):  # the target's CUDA kernels for the head's layer too
         for module in head.modules():
             if isinstance(module, (RMSNorm, Attention, MLP, Embedding)):
@@ -168,7 +176,9 @@ def _draft(path: Path, config: WorkerConfig, spec: ModelSpec) -> tuple[DraftHead
     if dtype is None:
         raise ConfigError(f"speculative.method=draft: the target runs in {spec.dtype}; a draft "
                           "model needs float32, bfloat16 or float16")
-    model_cfg = ModelConfig(path=str(path), dtype=dtype)  # type: ignore[arg-type]
+    # A dummy target gets a dummy draft (benchmarks at real shapes; config.json only).
+    model_cfg = ModelConfig(path=str(path), dtype=dtype,  # type: ignore[arg-type]
+                            load_format=config.model.load_format, seed=config.model.seed + 1)
     lm, dspec = load_model(model_cfg, config.parallel)
     if not isinstance(lm, LlamaForCausalLM) or dspec.state_layers or any(dspec.layer_windows):
         raise ConfigError(f"speculative.model {str(path)!r}: {dspec.architecture} with window "
@@ -182,7 +192,8 @@ def _draft(path: Path, config: WorkerConfig, spec: ModelSpec) -> tuple[DraftHead
                           f"{dspec.max_position_embeddings} < the target's context {need}; "
                           "lower model.max_model_len or train the draft longer")
     _check_tokenizer(path, Path(config.model.path))
-    return DraftLM(lm, spec.num_layers), weight_files(path)
+    files = weight_files(path) if config.model.load_format != "dummy" else []
+    return DraftLM(lm, spec.num_layers), files
 
 
 def _check_geometry(source: str, spec: ModelSpec, **theirs: int) -> None:
