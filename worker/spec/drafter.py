@@ -149,11 +149,15 @@ class ModelDrafter:
                 if feats is not None and new is not None:
                     feats[live] = new.to(feats.dtype)
             assert logits is not None
+            greedy = logits.argmax(dim=-1).tolist()  # one device sync for the greedy rows
             for j, i in enumerate(live):
-                token, q = self._pick(logits[j], ready[i].request)
+                req = ready[i].request
+                if req.sampling.greedy:
+                    drafts[i].append(greedy[j])
+                    continue
+                token, q = self._sample(logits[j], req)
                 drafts[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
+                probs[i].append(q)
         for c, ds, ps in zip(ready, drafts, probs, strict=True):
             c.drafts = ds
             c.draft_probs = torch.stack(ps) if ps else None  # [k, V]
@@ -167,13 +171,11 @@ class ModelDrafter:
             return False  # e.g. just recomputed after a preemption: its next catch-up mends it
         return state.feature is not None or not self.head.needs_hidden
 
-    def _pick(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        """One draft token from one row of head logits [V]: the argmax for greedy requests,
-        else a draw from the head's distribution under the request's knobs (returned too)."""
-        params = req.sampling
-        if params.greedy:
-            return int(logits.argmax()), None
-        q = target_probs(logits[None].float(), params)[0]  # [V]
+    @staticmethod
+    def _sample(logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor]:
+        """A sampling request's draft from one row of head logits [V]: a draw from the head's
+        distribution under the request's knobs, returned with it (rejection sampling's q)."""
+        q = target_probs(logits[None].float(), req.sampling)[0]  # [V]
         return int(torch.multinomial(q, 1, generator=req.generator)[0]), q
 
     def _batch(self, rows: list[_Row], logits: bool) -> ForwardBatch:
