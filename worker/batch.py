@@ -41,6 +41,9 @@ class ForwardBatch:
     # (zeros at p = 0: the cache manager zeroes or restores it before the step); the model
     # reads it and leaves the state after the chunk in the same slot.
     state_slots: torch.Tensor | None = None
+    # Speculative verify steps over recurrent layers: the requests whose chunk holds drafts;
+    # their layers keep the state after each token, for CausalLM.commit_verified.
+    verify_requests: list[int] | None = None
 
     # > 0: every request has exactly this many new tokens and the device tensors are all that
     # may be read (a CUDA-graph verify step, worker/cuda_graphs.py `VerifyGraphs`): the CUDA

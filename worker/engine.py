@@ -80,13 +80,6 @@ class Engine:
         if par.world_size > 1 or par.nnodes > 1:
             self.tp = TPLeader(config)
         self.model, self.spec = load_model(config.model, par)
-        if config.speculative.enabled and self.spec.state_layers:
-            # A verify advances a recurrent state over every draft, the rejected ones too.
-            raise ConfigError(
-                f"speculative.method={config.speculative.method}: {self.spec.architecture} keeps "
-                f"recurrent state ({len(self.spec.state_layers)} Gated DeltaNet layers) that a "
-                "verify would advance past rejected drafts (per-draft state checkpoints are not "
-                "built yet); set speculative.method: none")
         # A model drafter (draft | eagle | mtp) is loaded on every role: prefill computes its
         # KV for the prompt (in the pages it ships) and its last feature (sent with the token).
         self.draft_head = load_head(config, self.model, self.spec)

@@ -115,6 +115,7 @@ class ModelRunner:
         window = self._window_fields(plan, dev) if self.kv.shape.window_layers else {}
         if self.kv.shape.state_layers:
             window["state_slots"] = dev([c.state_slot for c in plan.chunks])
+            window["verify_requests"] = [i for i, c in enumerate(plan.chunks) if c.drafts]
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -157,12 +158,26 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: SchedulePlan) -> RunOutput:
         if self.drafter is None:
-            return self.sample(plan, self.forward(plan))
+            out = self.sample(plan, self.forward(plan))
+            self._commit_states(plan, out)
+            return out
         hidden, logits = self.forward_hidden(plan)
         out = self.sample(plan, logits)
+        self._commit_states(plan, out)
         # Before the scheduler's update: no page of the plan has been given back yet.
         self.drafter.catch_up(plan, hidden if self.drafter.head.needs_hidden else None, out)
         return out
+
+    def _commit_states(self, plan: SchedulePlan, out: RunOutput) -> None:
+        """Recurrent layers: after a verify, each request's state is the one after its last
+        accepted token (the forward left it past every draft)."""
+        if not self.kv.shape.state_layers or out.more_token_ids is None:
+            return
+        sampling = [c for c in plan.chunks if c.sample]
+        accepted = {c.state_slot: len(more) for c, more in zip(sampling, out.more_token_ids,
+                                                                strict=True) if c.drafts}
+        if accepted:
+            self.model.commit_verified(self.kv, accepted)
 
     def forward(self, plan: SchedulePlan, prev: InFlight | None = None) -> torch.Tensor | None:
         """One forward pass; the logits [B, vocab] fp32 of the chunks that sample (None: none do).

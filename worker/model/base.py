@@ -79,6 +79,11 @@ class CausalLM(nn.Module, ABC):
         (KVCache.state's views). None for attention-only models."""
         return None
 
+    def commit_verified(self, kv: KVCache, accepted: dict[int, int]) -> None:
+        """After a verify step (ForwardBatch.verify_requests): state slot -> index of the last
+        accepted token of its chunk. A model with recurrent layers keeps the state after that
+        token (the forward left the state after every draft); others have nothing to do."""
+
     @property
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode step can be captured once and replayed (no per-step host logic)."""

@@ -92,6 +92,39 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, eps, dtype)  # the gated norm's weight (plain, not 1 + w)
         self.out_proj = RowParallelLinear(arch.num_v_heads * self.dv, hidden, False, tp, dtype)
         self.fused = False  # Triton conv + delta rule (set by the model's set_fused_kernels)
+        # Speculative verify steps: the state after each token of a verify chunk, by slot, so
+        # `commit` can keep the one after the last accepted draft (the step leaves the state
+        # after every draft, rejected ones too). Set by each forward that verifies.
+        self._traces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _trace(self, conv0: torch.Tensor, ssm0: torch.Tensor, conv_in: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify chunk's state after each of its n tokens, from the state before it:
+        conv [n, K-1, C] (the last K-1 inputs up to each token) and ssm [n, Hv, Dk, Dv] (the
+        recurrence of worker/model/gated_delta.py, token by token; a few tokens)."""
+        keep = self.conv_kernel - 1
+        history = torch.cat([conv0.to(conv_in.dtype), conv_in])  # [K-1+n, C]
+        n = conv_in.shape[0]
+        conv = torch.stack([history[j + 1 : j + 1 + keep] for j in range(n)])  # [n, K-1, C]
+        k = gated_delta.l2norm(k.float()).repeat_interleave(self.rep, dim=1)  # [n, Hv, Dk]
+        state = ssm0.float().clone()[None]  # [1, Hv, Dk, Dv]
+        states = []
+        for j in range(n):  # q only makes the output: k stands in for it
+            gated_delta.recurrent_step(k[j, None], k[j, None], v[j, None].float(), g[j, None],
+                                       beta[j, None], state)
+            states.append(state[0].clone())
+        return conv, torch.stack(states)
+
+    def commit(self, kv: KVCache, accepted: dict[int, int]) -> None:
+        """After a verify: slot -> index of its last accepted token; its state becomes the
+        one after that token."""
+        conv_state, ssm_state = kv.state(self.layer)
+        for slot, j in accepted.items():
+            conv, ssm = self._traces[slot]
+            conv_state[slot] = conv[j].to(conv_state.dtype)
+            ssm_state[slot] = ssm[j].to(ssm_state.dtype)
+        self._traces = {}
 
     def state_shape(self, dtype: torch.dtype) -> StateShape:
         conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
@@ -113,6 +146,11 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = kv.state(self.layer)  # [S, K-1, C], [S, Hv, Dk, Dv]
         ops = gated_delta_triton if self.fused else gated_delta  # one contract, two backends
         slots, qs, qs_list = batch.state_slots, batch.query_start, batch.query_start_list
+        self._traces = {}
+        entry = {i: (conv_state[s].clone(), ssm_state[s].clone())  # before the verify's tokens
+                 for i, s in zip(batch.verify_requests, slots[batch.verify_requests].tolist(),
+                                 strict=True)} if batch.verify_requests else {}
+        conv_in = mixed
         mixed = ops.causal_conv(mixed, self.heads.conv, conv_state, slots, qs, qs_list)
         kd = self.nk * self.dk
         q, k, v = mixed.split([kd, kd, self.nv * self.dv], dim=-1)
@@ -124,6 +162,11 @@ class GatedDeltaNet(nn.Module):
             q.reshape(t, self.nk, self.dk), k.reshape(t, self.nk, self.dk),
             v.reshape(t, self.nv, self.dv), g, beta, ssm_state, slots, qs, qs_list,
         ).to(x.dtype)  # [T, Hv, Dv]
+        for i, (conv0, ssm0) in entry.items():
+            rows = slice(qs_list[i], qs_list[i + 1])
+            self._traces[int(slots[i])] = self._trace(
+                conv0, ssm0, conv_in[rows], k[rows].reshape(-1, self.nk, self.dk),
+                v[rows].reshape(-1, self.nv, self.dv), g[rows], beta[rows])
         o = (self.norm(o) * F.silu(z.reshape(t, self.nv, self.dv).float())).to(x.dtype)
         return self.out_proj(o.reshape(t, self.nv * self.dv))
 

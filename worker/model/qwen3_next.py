@@ -254,6 +254,12 @@ class Qwen3NextForCausalLM(CausalLM):
             x = layer(x, cos, sin, batch, kv)
         return self.model.norm(x)  # [T, hidden]
 
+    def commit_verified(self, kv: KVCache, accepted: dict[int, int]) -> None:
+        for layer in self.model.layers:
+            deltanet = cast(DecoderLayer, layer).linear_attn
+            if deltanet is not None:
+                deltanet.commit(kv, accepted)
+
     def set_fused_kernels(self, enabled: bool) -> None:
         """CUDA: the DeltaNet's conv and delta rule as Triton kernels, SiLU·mul fused in the
         dense MLPs. The zero-centred norms and the attention gate stay torch ops."""
