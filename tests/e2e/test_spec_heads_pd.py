@@ -1,8 +1,8 @@
 """Model drafters under PD: the drafter's KV rides in the pages, eagle's last feature on DONE.
 
 - 1P1D with eagle and with the draft model: greedy output equals a cluster without
-  speculation, token for token; decode drafts (and accepts) yet never runs a prompt token
-  through the target, and prefill never drafts.
+  speculation, token for token, also when prefill's prefix cache hits; decode drafts (and
+  accepts) yet never runs a prompt token through the target, and prefill never drafts.
 - Heterogeneous TP with eagle (prefill TP=2 → decode TP=1, and TP=1 → TP=2): each rank's
   share of the head's KV pages lands where the decode ranks read it; the output equals mono's,
   and decode's acceptance is that of a mono worker running the same head (a lost feature or a
@@ -57,8 +57,11 @@ def test_model_drafter_1p1d_equals_plain_greedy(method: str, prompts: list[str],
     with running_cluster("configs/tiny-1p1d.yaml", f"speculative.method={method}",
                          "speculative.num_speculative_tokens=3", tmp=tmp_path) as c:
         got = asyncio.run(complete_all(c.url, prompts, MAX_TOKENS))
+        # Again: prefill's prefix cache hits now (eagle: all but the hit's last page, which it
+        # recomputes with the head), and what it ships still decodes to the same answers.
+        again = asyncio.run(complete_all(c.url, prompts, MAX_TOKENS))
         loads = c.wait_drained()
-    assert got == plain
+    assert got == plain and again == plain
     decode, prefill = loads["decode-0"], loads["prefill-0"]
     assert decode.spec.accepted_tokens > 0
     assert decode.prompt_tokens_computed == 0  # decode never runs the prompt
