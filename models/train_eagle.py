@@ -229,7 +229,8 @@ def train(args: argparse.Namespace) -> None:
     while time.monotonic() - start < budget and step < args.max_steps:
         frac = (time.monotonic() - start) / budget
         for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+            warm = min(1.0, (step + 1) / 50)
+            g["lr"] = args.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         batch = rng.sample(seqs, args.batch)
         ids, lens = pad_batch([s for s, _ in batch], pad)
         loss, _ = step_losses(head, target, ids, lens, args.steps, args.feature_weight)

@@ -78,8 +78,10 @@ def _worker(role: str, tp: int, method: str = "eagle") -> WorkerConfig:
         cache=CacheConfig(page_size=16, num_pages=96, enable_prefix_cache=role != "decode"),
         scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=256),
         parallel=ParallelConfig(tp_size=tp),
-        transfer=TransferConfig(backend="mooncake", protocol="tcp", checksum=True),  # type: ignore[arg-type]
-        speculative=SpeculativeConfig(method=method, num_speculative_tokens=3),  # type: ignore[arg-type]
+        transfer=TransferConfig(backend="mooncake", protocol="tcp",  # type: ignore[arg-type]
+                                checksum=True),
+        speculative=SpeculativeConfig(method=method,  # type: ignore[arg-type]
+                                      num_speculative_tokens=3),
         num_threads=1,
     )
 
@@ -110,7 +112,8 @@ def pd_generate(prefill: tandem_pb2_grpc.WorkerStub, decode: tandem_pb2_grpc.Wor
     return [t for m in decode_msgs for t in m.token_ids], decode_msgs[-1]
 
 
-def _mono(config: WorkerConfig, prompts: list[list[int]]) -> tuple[list[list[int]], tandem_pb2.Load]:
+def _mono(config: WorkerConfig,
+          prompts: list[list[int]]) -> tuple[list[list[int]], tandem_pb2.Load]:
     with served(config) as mono:
         outs = []
         for p in prompts:

@@ -35,7 +35,8 @@ def _config(method: str) -> WorkerConfig:
         cache=CacheConfig(page_size=16, num_pages=256),
         scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=256),
         parallel=ParallelConfig(device="cuda"),
-        speculative=SpeculativeConfig(method=method, num_speculative_tokens=3),  # type: ignore[arg-type]
+        speculative=SpeculativeConfig(method=method,  # type: ignore[arg-type]
+                                      num_speculative_tokens=3),
     )
 
 

@@ -39,7 +39,8 @@ DRAFT = Path(EMBEDDED_MODEL) / "draft"
 
 def _config(method: str, path: str | Path = EMBEDDED_MODEL, k: int = 4, model: str = "",
             **kw: object) -> WorkerConfig:
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model=model)  # type: ignore[arg-type]
+    spec = SpeculativeConfig(method=method,  # type: ignore[arg-type]
+                             num_speculative_tokens=k, model=model)
     return WorkerConfig(model=ModelConfig(path=str(path)), speculative=spec, num_threads=1,
                         **kw)  # type: ignore[arg-type]
 

@@ -67,6 +67,12 @@ class _Row:
     full_from: int = 0  # positions below keep their cached KV (shared pages): not written
 
 
+def _feature(chunk: ScheduledChunk) -> torch.Tensor:
+    state = chunk.request.draft
+    assert state is not None and state.feature is not None  # `_ready` checked it
+    return state.feature
+
+
 class ModelDrafter:
     """Drives a draft head over the target's pages (see the module docstring)."""
 
@@ -127,7 +133,7 @@ class ModelDrafter:
         eagle = self.head.needs_hidden
         feats: torch.Tensor | None = None
         if eagle:  # a landed feature arrives as float32 on the host: to the model's dtype
-            feats = torch.stack([c.request.draft.feature.to(self.device, self.dtype)  # type: ignore[union-attr]
+            feats = torch.stack([_feature(c).to(self.device, self.dtype)
                                  for c in ready])  # [B, H]
         drafts: list[list[int]] = [[] for _ in ready]
         probs: list[list[torch.Tensor]] = [[] for _ in ready]

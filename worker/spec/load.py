@@ -119,8 +119,9 @@ def _eagle(path: Path, config: WorkerConfig, target: CausalLM,
                           f"{raw.get('model_type')!r}, want 'eagle'); models/train_eagle.py "
                           "writes one")
     if spec.architecture not in EAGLE_TARGETS or not isinstance(target, LlamaForCausalLM):
-        raise ConfigError(f"speculative.method=eagle: heads are built for {', '.join(EAGLE_TARGETS)};"
-                          f" {spec.architecture} is not one; use speculative.method mtp or ngram")
+        raise ConfigError(f"speculative.method=eagle: heads are built for "
+                          f"{', '.join(EAGLE_TARGETS)}; {spec.architecture} is not one; use "
+                          "speculative.method mtp or ngram")
     arch = parse_arch_config({**raw, "architectures": [spec.architecture]}, None, source)
     _check_geometry(source, spec, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
                     num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim)
