@@ -56,13 +56,15 @@ PROMPT_LEN, MAX_K, BATCHES = 512, 8, (1, 16)
 MAX_MODEL_LEN = 2048
 
 
-def engine_for(method: str) -> Engine:
+def engine_for(method: str, model: Path, device: str) -> Engine:
+    dummy = model == MODEL
     cfg = WorkerConfig(
-        model=ModelConfig(path=str(MODEL), load_format="dummy", dtype="bfloat16",
-                          max_model_len=MAX_MODEL_LEN),
+        model=ModelConfig(path=str(model), load_format="dummy" if dummy else "auto",
+                          dtype="bfloat16" if dummy else "auto",
+                          max_model_len=MAX_MODEL_LEN if dummy else 0),
         cache=CacheConfig(page_size=16, num_pages=16 * (MAX_MODEL_LEN // 16) + 64),
         scheduler=SchedulerConfig(max_num_seqs=16, chunked_prefill_size=8192),
-        parallel=ParallelConfig(device="cuda"),
+        parallel=ParallelConfig(device=device),
         speculative=SpeculativeConfig(method=method,  # type: ignore[arg-type]
                                       num_speculative_tokens=MAX_K),
     )
@@ -71,11 +73,12 @@ def engine_for(method: str) -> Engine:
     return engine
 
 
-def prefill(engine: Engine, batch: int) -> None:
-    """`batch` requests with 512-token prompts, each to its first token (then they decode)."""
+def prefill(engine: Engine, batch: int, prompt_len: int) -> None:
+    """`batch` requests with prompts of `prompt_len` tokens, each to its first token."""
     rng = random.Random(batch)
+    vocab = engine.spec.vocab_size
     for i in range(batch):
-        prompt = [rng.randrange(1000, 100000) for _ in range(PROMPT_LEN)]
+        prompt = [rng.randrange(vocab // 100, vocab - 10) for _ in range(prompt_len)]
         engine.scheduler.add(Request(f"r{batch}-{i}", prompt,
                                      SamplingParams(temperature=0.0, max_tokens=1000,
                                                     ignore_eos=True)))
@@ -90,20 +93,26 @@ def verify_plan(engine: Engine, k: int) -> SchedulePlan:
     engine.scheduler.num_speculative_tokens = k
     plan = engine.scheduler.schedule()
     rng = random.Random(k)
+    vocab = engine.spec.vocab_size
     for c in plan.chunks:
-        c.drafts = [rng.randrange(1000, 100000) for _ in range(c.max_drafts)]
+        c.drafts = [rng.randrange(vocab // 100, vocab - 10) for _ in range(c.max_drafts)]
         c.num_tokens += len(c.drafts)
         plan.num_tokens += len(c.drafts)
     return plan
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def wall_ms(fn: Any, iters: int = 20) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / iters * 1e3
 
 
@@ -113,14 +122,19 @@ def step_costs(engine: Engine, batch: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     plan = verify_plan(engine, 0)  # forward + sampling (a drafter's catch-up is timed apart)
     out["decode_ms"] = wall_ms(lambda: runner.sample(plan, runner.forward_hidden(plan)[1]))
+    cuda = engine.device.type == "cuda"
     for k in range(1, MAX_K + 1):
         graphs = VerifyGraphs(engine.model, engine.kv, 16, engine.max_model_len, k)
-        graphs.capture()
-        runner.verify_graphs = graphs
+        if cuda:  # (a CPU smoke run, --device cpu, times the eager verify instead)
+            graphs.capture()
+            runner.verify_graphs = graphs
         plan = verify_plan(engine, k)
-        out[f"verify_ms_k{k}"] = wall_ms(lambda plan=plan: runner.sample(  # type: ignore[misc]
-            plan, runner.forward_hidden(plan)[1]))
-        assert graphs.num_replays > 0
+
+        def verify(plan: SchedulePlan = plan) -> None:
+            runner.sample(plan, runner.forward_hidden(plan)[1])
+
+        out[f"verify_ms_k{k}"] = wall_ms(verify)
+        assert graphs.num_replays > 0 or not cuda
     return out
 
 
@@ -178,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--acceptance", type=Path, help="bench/spec.py --json output")
     p.add_argument("--alpha", action="append", default=[], help="method=rate overrides")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--model", type=Path, default=MODEL,
+                   help="the 8B shape (dummy); another directory: its real weights and drafters")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     args = p.parse_args(argv)
     alpha: dict[str, float] = {"ngram": 0.5, "eagle": 0.7, "draft": 0.7}
     if args.acceptance:
@@ -189,20 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         alpha[name] = float(value)
     costs: dict[str, Any] = {}
     for method in ("ngram", "eagle", "draft"):
-        engine = engine_for(method)
+        engine = engine_for(method, args.model, args.device)
         costs[method] = {}
         for b in BATCHES:
-            prefill(engine, b)
+            prefill(engine, b, args.prompt_len)
             costs[method][f"b{b}"] = {**step_costs(engine, b), **draft_costs(engine, method)}
             for req in list(engine.scheduler.running):
                 engine.scheduler.abort(req.request_id)
         engine.scheduler.assert_drained()
         del engine
-        torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "costs": costs,
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result = {"device": name, "costs": costs,
               "speedups": speedups(costs, alpha)}
-    print(f"# bench.spec_gpu on {result['device']}: qwen3-8b shape, dummy bf16, prompts "
-          f"{PROMPT_LEN}, CUDA graphs")
+    print(f"# bench.spec_gpu on {result['device']}: {args.model.name}, prompts "
+          f"{args.prompt_len}, CUDA graphs for decode and verify steps")
     c = costs["ngram"]
     print("| batch | decode ms | " + " | ".join(f"verify k={k}" for k in range(1, MAX_K + 1))
           + " |")

@@ -6,6 +6,8 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
+#   bash bench/device/run.sh g   # speculative decoding (issue 21): its GPU tests (verify graphs),
+#                                #   then bench/spec_gpu.py on GPU 0 (bench/spec-cpu.json: acceptance)
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,6 +53,14 @@ elif [[ $1 == f ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
   tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"
+elif [[ $1 == g ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_spec_gpu.py \
+    tests/worker/test_gpu.py > "$OUT/spec_gpu_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/spec_gpu_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.spec_gpu \
+    --acceptance bench/spec-cpu.json --out "$OUT" > "$OUT/spec_gpu_bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/spec_gpu_bench.txt"
+  tail -20 "$OUT/spec_gpu_tests.txt"; cat "$OUT/spec_gpu_bench.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"
