@@ -23,6 +23,11 @@ runs the same math over paged KV). It is trained by self-distillation against th
 4. Saves config.json (`model_type: eagle`, the target's layer config, `target_fingerprint`),
    model.safetensors (`fc.weight`, `layers.0.*`, `norm.weight`) and training_log.json with the
    held-out agreement of each step's argmax with the target's (a proxy for acceptance).
+
+`--layout mtp` trains the same way an MTP module in DeepSeek-V3's layout (enorm / hnorm before
+`eh_proj`, the logits after `shared_head.norm`, no feature loss: its feature is the block's
+un-normalized output) for `speculative.method=mtp` on a target without MTP layers; it is saved
+with `model_type: mtp` to `<target>/mtp` by default.
 """
 
 from __future__ import annotations
@@ -50,24 +55,45 @@ NEG = float("-inf")
 
 
 class TrainHead(nn.Module):
-    """The EAGLE head in transformers' modules, for training (names = the checkpoint's)."""
+    """The head in transformers' modules, for training (names = the checkpoint's).
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    layout "eagle": feature = norm(layer(fc([emb | h]))), logits = lm_head(feature).
+    layout "mtp" (DeepSeek-V3's MTP module): feature = layer(eh_proj([enorm(emb) | hnorm(h)])),
+    logits = lm_head(shared_head.norm(feature)).
+    """
+
+    def __init__(self, config: PretrainedConfig, layout: str = "eagle") -> None:
         super().__init__()
-        h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.layout = layout
+        if layout == "mtp":
+            self.enorm = modeling_qwen3.Qwen3RMSNorm(h, eps=eps)
+            self.hnorm = modeling_qwen3.Qwen3RMSNorm(h, eps=eps)
+            self.eh_proj = nn.Linear(2 * h, h, bias=False)
+            self.shared_head = nn.Module()
+            self.shared_head.norm = modeling_qwen3.Qwen3RMSNorm(h, eps=eps)
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=False)
+            self.norm = modeling_qwen3.Qwen3RMSNorm(h, eps=eps)
         self.layers = nn.ModuleList([modeling_qwen3.Qwen3DecoderLayer(config, layer_idx=0)])
-        self.norm = modeling_qwen3.Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary = modeling_qwen3.Qwen3RotaryEmbedding(config)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """emb, hidden [B, L, H], positions [1, L], mask [1, 1, L, L] additive → [B, L, H]."""
-        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        """emb, hidden [B, L, H], positions [1, L], mask [1, 1, L, L] additive → the features
+        [B, L, H] (the next step's hidden input)."""
+        if self.layout == "mtp":
+            x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        else:
+            x = self.fc(torch.cat([emb, hidden], dim=-1))
         cos_sin = self.rotary(x, positions)
         x = self.layers[0](x, attention_mask=mask, position_ids=positions,
                            position_embeddings=cos_sin)
-        return self.norm(x)  # type: ignore[no-any-return]
+        return x if self.layout == "mtp" else self.norm(x)  # type: ignore[no-any-return]
+
+    def logits_input(self, feature: torch.Tensor) -> torch.Tensor:
+        """What the target's LM head reads."""
+        return self.shared_head.norm(feature) if self.layout == "mtp" else feature  # type: ignore[no-any-return]
 
 
 def head_config(target: PretrainedConfig) -> PretrainedConfig:
@@ -176,11 +202,12 @@ def step_losses(head: TrainHead, target: nn.Module, ids: torch.Tensor, lens: tor
         # Counted: positions with a feature before them (t >= s) inside the real sequence.
         pos = torch.arange(length)[None]
         valid = (pos >= s) & (pos < (lens - 2)[:, None])  # [B, L]
-        logits = target.lm_head(f).float()  # type: ignore[operator]
+        logits = target.lm_head(head.logits_input(f)).float()  # type: ignore[operator]
         kl = F.kl_div(F.log_softmax(logits, -1), want_logp, log_target=True, reduction="none")
         kl = kl.sum(-1)[valid].mean()
-        reg = F.smooth_l1_loss(f[valid], want_feat[valid])
-        loss = loss + kl + feature_weight * reg
+        loss = loss + kl
+        if head.layout == "eagle":  # its feature stands for the target's next hidden state
+            loss = loss + feature_weight * F.smooth_l1_loss(f[valid], want_feat[valid])
         agree.append((logits.argmax(-1) == want_logp.argmax(-1), valid))
     return loss, agree
 
@@ -188,7 +215,8 @@ def step_losses(head: TrainHead, target: nn.Module, ids: torch.Tensor, lens: tor
 def save(head: TrainHead, target_dir: Path, out: Path, log: dict[str, object]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((target_dir / "config.json").read_text())
-    cfg.update(architectures=["EagleHead"], model_type="eagle", num_hidden_layers=1,
+    arch = "EagleHead" if head.layout == "eagle" else "MTPHead"
+    cfg.update(architectures=[arch], model_type=head.layout, num_hidden_layers=1,
                layer_types=["full_attention"], target_architecture=cfg["architectures"][0],
                target_fingerprint=fingerprint(target_dir, weight_files(target_dir)))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -198,12 +226,12 @@ def save(head: TrainHead, target_dir: Path, out: Path, log: dict[str, object]) -
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
 
 
-def random_head(target_dir: Path, out: Path, seed: int = 0) -> TrainHead:
+def random_head(target_dir: Path, out: Path, seed: int = 0, layout: str = "eagle") -> TrainHead:
     """An untrained head for `target_dir`, saved in the engine's format (tests: any target)."""
     from transformers import AutoConfig
 
     torch.manual_seed(seed)
-    head = TrainHead(head_config(AutoConfig.from_pretrained(target_dir)))
+    head = TrainHead(head_config(AutoConfig.from_pretrained(target_dir)), layout)
     save(head, target_dir, out, {"steps": 0, "note": "random weights"})
     return head
 
@@ -222,7 +250,7 @@ def train(args: argparse.Namespace) -> None:
                              args.new_tokens, pad)
     held = continue_greedily(target, render_prompts(tok, args.eval, 3), args.new_tokens, pad)
     print(f"data: {len(seqs)} sequences in {time.monotonic() - t0:.0f} s", flush=True)
-    head = TrainHead(head_config(target.config))
+    head = TrainHead(head_config(target.config), args.layout)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     budget, start, step = args.minutes * 60, time.monotonic(), 0
     rng = random.Random(args.seed)
@@ -248,6 +276,7 @@ def train(args: argparse.Namespace) -> None:
     save(head, target_dir, Path(args.out), {
         "steps": step, "minutes": round((time.monotonic() - start) / 60, 2), "batch": args.batch,
         "lr": args.lr, "draft_steps_trained": args.steps, "pool": args.pool,
+        "layout": args.layout,
         "held_out_agreement_per_step": agree, "seed": args.seed,
     })
     print(f"saved to {args.out}", flush=True)
@@ -299,7 +328,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="1 ran 5-10x faster than 2 on a CPU shared with busy processes")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--layout", choices=("eagle", "mtp"), default="eagle",
+                   help="eagle (speculative.method=eagle) or an MTP module in DeepSeek-V3's "
+                        "layout for a target without one (speculative.method=mtp)")
+    args = p.parse_args(argv)
+    if args.layout == "mtp" and args.out == p.get_default("out"):
+        args.out = str(Path(args.target) / "mtp")
+    return args
 
 
 if __name__ == "__main__":

@@ -151,8 +151,8 @@ class SpeculativeConfig:
     ngram_min: int = 1  # prompt lookup: the shortest n-gram matched
     ngram_max: int = 4  # ... and the longest (tried first)
     # draft | eagle: the drafter's HF-format directory; "" = <model.path>/<method> (the embedded
-    # model ships models/tandem-arith/eagle and models/tandem-arith/draft). mtp reads the
-    # target checkpoint's own MTP layers and takes no model.
+    # model ships models/tandem-arith/{eagle,draft,mtp}). mtp reads the target checkpoint's own
+    # MTP layers; a dense target without any takes an MTP module from here (<model.path>/mtp).
     model: str = ""
 
     @property
@@ -169,13 +169,13 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"{prefix}: need 1 <= ngram_min <= ngram_max, got "
                               f"{self.ngram_min} and {self.ngram_max}")
-        if self.model and self.method not in ("draft", "eagle"):
-            raise ConfigError(f"{prefix}.model is the drafter checkpoint of method draft or "
-                              f"eagle; method {self.method} takes none (unset it)")
+        if self.model and self.method not in ("draft", "eagle", "mtp"):
+            raise ConfigError(f"{prefix}.model is the drafter checkpoint of method draft, "
+                              f"eagle or mtp; method {self.method} takes none (unset it)")
 
     def drafter_path(self, model_path: str) -> str:
-        """Where the draft | eagle drafter's checkpoint lives ("" for the other methods)."""
-        if self.method not in ("draft", "eagle"):
+        """Where the draft | eagle | (side-trained) mtp drafter lives ("" for the others)."""
+        if self.method not in ("draft", "eagle", "mtp"):
             return ""
         return self.model or f"{model_path.rstrip('/')}/{self.method}"
 

@@ -4,8 +4,9 @@
   transformers' layers) computes, position by position, over paged KV.
 - Greedy output with each method equals the output without speculation, token for token, in
   one engine (mono), with max_tokens ending requests mid-draft, eos inside accepted drafts and
-  aborts; every page comes back. The shipped heads of the embedded model really draft
-  (accepted > 0); DeepSeek-V3's MTP layer (random weights) runs its steps.
+  aborts; every page comes back. The shipped drafters of the embedded model (eagle, draft, and
+  mtp: an MTP module trained beside it) really draft (accepted > 0); DeepSeek-V3's and
+  Qwen3-Next's MTP layers (random weights) run their steps.
 - A prefix hit with an eagle head gives back its last page (recomputed): the output holds.
 - Drafters that cannot share the target's pages, and methods a model cannot run, are refused
   in one line naming the field.
@@ -56,16 +57,18 @@ def _dense_batch(tokens: list[int], pages: list[int], page_size: int) -> Forward
         logits_indices=torch.tensor([n - 1]), query_start_list=[0, n], seq_lens_list=[n])
 
 
-def test_eagle_head_computes_what_its_training_module_computes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["eagle", "mtp"])
+def test_a_head_computes_what_its_training_module_computes(layout: str, tmp_path: Path) -> None:
+    """eagle, and the MTP module in DeepSeek's layout for a dense target (method mtp)."""
     from transformers import AutoModelForCausalLM
 
     from models.train_eagle import random_head, ttt_mask
 
-    ref = random_head(Path(EMBEDDED_MODEL), tmp_path / "eagle", seed=3).eval()
-    config = _config("eagle", model=str(tmp_path / "eagle"))
+    ref = random_head(Path(EMBEDDED_MODEL), tmp_path / layout, seed=3, layout=layout).eval()
+    config = _config(layout, model=str(tmp_path / layout))
     target, spec = load_model(config.model, config.parallel)
     loaded = load_head(config, target, spec)
-    assert loaded is not None and loaded.label.startswith("eagle:1:")
+    assert loaded is not None and loaded.label.startswith(f"{layout}:1:")
     kv = KVCache(kv_shape(spec, config, loaded.head.num_layers, loaded.label))
     assert kv.shape.num_layers == spec.num_layers + 1
     rng = random.Random(0)
@@ -83,7 +86,7 @@ def test_eagle_head_computes_what_its_training_module_computes(tmp_path: Path) -
         n = len(tokens) - 1
         want = ref(hf.model.embed_tokens(ids[:, 1:]), h_ref[:, :-1], torch.arange(n)[None],
                    ttt_mask(n, 1))[0]
-        want_logits = hf.lm_head(want)
+        want_logits = hf.lm_head(ref.logits_input(want))
     assert torch.allclose(hidden, h_ref[0], atol=1e-4)
     assert torch.allclose(feats, want, atol=1e-4), (feats - want).abs().max()
     assert torch.allclose(logits, want_logits, atol=1e-3)
@@ -94,7 +97,7 @@ def _lengths(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=5 + 2 * i)
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft"])
+@pytest.mark.parametrize("method", ["eagle", "draft", "mtp"])
 def test_shipped_heads_equal_plain_greedy_token_for_token(
         method: str, arith_prompts: list[list[int]]) -> None:
     plain = _generate(Engine(_config("none")), arith_prompts, _lengths)
@@ -183,8 +186,9 @@ def test_draft_model_with_another_kv_geometry_is_refused(tmp_path: Path) -> None
 
 
 def test_methods_a_model_cannot_run_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="speculative.method=mtp.*has no MTP layer"):
-        Engine(_config("mtp"))
+    with pytest.raises(ConfigError, match="speculative.method=mtp.*has no MTP layer.*holds no "
+                                          "MTP module"):
+        Engine(_config("mtp", model=str(tmp_path)))
     with pytest.raises(ConfigError, match="speculative.model.*has no config.json"):
         Engine(_config("eagle", model=str(tmp_path)))
     with pytest.raises(ConfigError, match="speculative.model is the drafter checkpoint"):

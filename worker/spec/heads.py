@@ -11,9 +11,11 @@ What a head computes at position p, and what `feature` (its output) feeds:
   family, then a norm: a feature that predicts the target's h_{p+1}; logits = the target's LM
   head of it. h_p is the target's final hidden state (after its norm) on the catch-up, and the
   head's own previous feature on the draft steps after the first (feature extrapolation).
-- `MTPHead` (mtp): the same shape with the checkpoint's own MTP layer (DeepSeek-V3:
-  eh_proj([enorm(embed) | hnorm(h)]) through a decoder block, logits after shared_head.norm;
-  Qwen3-Next: fc([norm(embed) | norm(h)]), a gated-attention layer, mtp.norm).
+- mtp: the same shape with the checkpoint's own MTP layer (`DeepseekMTPHead`: eh_proj([enorm(
+  embed) | hnorm(h)]) through a decoder block, logits after shared_head.norm;
+  `Qwen3NextMTPHead`: fc([norm(embed) | norm(h)]), a gated-attention layer, mtp.norm), or, for
+  a dense target without one, an MTP module in DeepSeek's layout trained beside it
+  (`DenseMTPHead`).
 - `DraftLM` (draft): a small LM of its own over x_p (no hidden state), with the target's
   tokenizer and KV head geometry.
 """
@@ -125,6 +127,41 @@ class EagleHead(DraftHead):
         slots = layer_slots("layers.0", cast(DecoderLayer, self.layers[0]))
         slots["fc.weight"] = WeightSlot(self.fc, "weight")
         slots["norm.weight"] = WeightSlot(self.norm, "weight")
+        return slots
+
+
+class DenseMTPHead(EagleHead):
+    """An MTP module in DeepSeek-V3's layout for a dense target without one of its own (trained
+    beside it: models/train_eagle.py --layout mtp): block(eh_proj([enorm(embed(x_{p+1})) |
+    hnorm(h_p)])) with a decoder layer of the target's family; the feature is the block's
+    output before `shared_head.norm`, which the logits (the target's LM head) read."""
+
+    def __init__(self, cfg: ArchConfig, parts: TargetParts, first_layer: int, tp: TPInfo,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__(cfg, parts, first_layer, tp, backend, dtype)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        # self.fc is eh_proj and self.norm is shared_head.norm (names in weight_slots)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache,
+                hidden: torch.Tensor | None) -> torch.Tensor:
+        assert hidden is not None, "an MTP module is fed the target's hidden states"
+        cos, sin = rope_of(self.parts, batch)  # [T, D] each
+        emb = self.enorm(self.parts.embed(batch.input_ids))  # [T, H]
+        x = self.fc(torch.cat([emb, self.hnorm(hidden.to(emb.dtype))], dim=-1))  # [T, H]
+        out, residual = self.layers[0](x, None, cos, sin, batch, kv)
+        return out + residual  # [T, H]: before shared_head.norm
+
+    def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.parts.logits(self.norm(feature))
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        slots = layer_slots("layers.0", cast(DecoderLayer, self.layers[0]))
+        slots["eh_proj.weight"] = WeightSlot(self.fc, "weight")
+        slots["enorm.weight"] = WeightSlot(self.enorm, "weight")
+        slots["hnorm.weight"] = WeightSlot(self.hnorm, "weight")
+        slots["shared_head.norm.weight"] = WeightSlot(self.norm, "weight")
         return slots
 
 

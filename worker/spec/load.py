@@ -10,7 +10,9 @@ contract, so a prefill and a decode worker with different drafters are refused a
   `norm.weight`.
 - draft: an HF checkpoint of the Llama / Qwen family (default `<model.path>/draft`) with the
   target's tokenizer and KV head geometry (its KV lives in the target's pages).
-- mtp: the target checkpoint's own MTP layer (DeepSeek-V3, Qwen3-Next).
+- mtp: the target checkpoint's own MTP layer (DeepSeek-V3, Qwen3-Next); for a dense target
+  without one, an MTP module in DeepSeek's layout trained beside it (default `<model.path>/mtp`,
+  `"model_type": "mtp"`, `eh_proj`, `enorm`, `hnorm`, `layers.0.*`, `shared_head.norm`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from worker.model.loader import (
 from worker.model.qwen3_next import Qwen3NextForCausalLM
 from worker.spec.heads import (
     DeepseekMTPHead,
+    DenseMTPHead,
     DraftHead,
     DraftLM,
     EagleHead,
@@ -85,55 +88,71 @@ def load_head(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> Loaded
                           f"speculative.model at the {method} drafter's directory")
     try:
         if method == "eagle":
-            head, files = _eagle(path, config, target, spec)
+            head, files = _dense_head(path, config, target, spec, "eagle")
         else:
             head, files = _draft(path, config, spec)
     except ModelLoadError as exc:
         raise ConfigError(f"speculative.model {str(path)!r}: {exc}") from None
-    if files:
-        digest = hashlib.sha256(fingerprint(path, files).encode()).hexdigest()[:16]
-    else:  # dummy weights: the seed names them, as the target's "dummy:<seed>" does
-        digest = f"dummy{config.model.seed + 1}"
-    return LoadedHead(head, f"{method}:{head.num_layers}:{digest}")
+    return LoadedHead(head, f"{method}:{head.num_layers}:{_digest(path, files, config)}")
 
 
 def _mtp(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> LoadedHead:
+    """The checkpoint's own MTP layer; for a dense target without one, an MTP module trained
+    beside it (`speculative.model`, default `<model.path>/mtp`)."""
     head: DraftHead
     if isinstance(target, DeepseekV3ForCausalLM) and len(target.mtp):
         head = DeepseekMTPHead(target)
     elif isinstance(target, Qwen3NextForCausalLM) and target.mtp is not None:
         head = Qwen3NextMTPHead(target)
     else:
-        raise ConfigError(f"speculative.method=mtp: {config.model.path} ({spec.architecture}) "
-                          "has no MTP layer (DeepSeek-V3 model.layers.{num_hidden_layers}.*, "
-                          "Qwen3-Next mtp.*); use speculative.method eagle, draft or ngram")
+        path = Path(config.speculative.drafter_path(config.model.path))
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"speculative.method=mtp: {config.model.path} ({spec.architecture}) has no MTP "
+                "layer (DeepSeek-V3 model.layers.{num_hidden_layers}.*, Qwen3-Next mtp.*) and "
+                f"{path} holds no MTP module; set speculative.model or use speculative.method "
+                "eagle, draft or ngram")
+        try:
+            head, files = _dense_head(path, config, target, spec, "mtp")
+        except ModelLoadError as exc:
+            raise ConfigError(f"speculative.model {str(path)!r}: {exc}") from None
+        return LoadedHead(head, f"mtp:{head.num_layers}:{_digest(path, files, config)}")
     return LoadedHead(head, f"mtp:{head.num_layers}")
 
 
-def _eagle(path: Path, config: WorkerConfig, target: CausalLM,
-           spec: ModelSpec) -> tuple[DraftHead, list[Path]]:
+def _digest(path: Path, files: list[Path], config: WorkerConfig) -> str:
+    """The drafter checkpoint's identity for the contract (dummy weights: their seed)."""
+    if files:
+        return hashlib.sha256(fingerprint(path, files).encode()).hexdigest()[:16]
+    return f"dummy{config.model.seed + 1}"
+
+
+def _dense_head(path: Path, config: WorkerConfig, target: CausalLM, spec: ModelSpec,
+                layout: str) -> tuple[DraftHead, list[Path]]:
+    """An EAGLE head, or a side-trained MTP module (`layout`), for a dense target."""
     raw = read_json(path / "config.json")
     source = str(path / "config.json")
-    if raw.get("model_type") != "eagle":
-        raise ConfigError(f"speculative.model: {source} is not an EAGLE head (model_type "
-                          f"{raw.get('model_type')!r}, want 'eagle'); models/train_eagle.py "
-                          "writes one")
+    if raw.get("model_type") != layout:
+        raise ConfigError(f"speculative.model: {source} is not an {layout} head (model_type "
+                          f"{raw.get('model_type')!r}, want {layout!r}); models/train_eagle.py "
+                          f"--layout {layout} writes one")
     if spec.architecture not in EAGLE_TARGETS or not isinstance(target, LlamaForCausalLM):
-        raise ConfigError(f"speculative.method=eagle: heads are built for "
+        raise ConfigError(f"speculative.method={layout}: heads are built for "
                           f"{', '.join(EAGLE_TARGETS)}; {spec.architecture} is not one; use "
-                          "speculative.method mtp or ngram")
+                          "speculative.method ngram")
     arch = parse_arch_config({**raw, "architectures": [spec.architecture]}, None, source)
     _check_geometry(source, spec, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
                     num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim)
     if raw.get("target_fingerprint") not in (None, spec.fingerprint):
-        log.warning("the EAGLE head at %s was trained against another checkpoint than %s "
+        log.warning("the head at %s was trained against another checkpoint than %s "
                     "(target_fingerprint differs): drafts stay lossless but fewer are accepted; "
                     "re-run models/train_eagle.py", path, config.model.path)
     device = torch.device(config.parallel.device)
     tp = tp_info(config.parallel)
+    cls = EagleHead if layout == "eagle" else DenseMTPHead
     with torch.device("meta"):
-        head = EagleHead(arch, target_parts(target), spec.num_layers, tp,
-                         get_attention_backend(device), spec.dtype)
+        head = cls(arch, target_parts(target), spec.num_layers, tp,
+                   get_attention_backend(device), spec.dtype)
     head = head.to_empty(device=device)
     for module in head.modules():
         if isinstance(module, Attention):  # FP8 KV scales: the head's layer has none (1.0)
