@@ -3,7 +3,7 @@
     python -m bench.spec [--requests 16] [--k 3] [--threads 1] [--json out.json]
 
 The embedded model in-process (worker.engine.Engine, no gateway), greedy, arith prompts, each
-answer to its eos (~11 tokens). For each method (off, ngram, eagle, draft) and batch size 1
+answer to its eos (~11 tokens). For each method (off, ngram, eagle, mtp, draft) and batch size 1
 (requests one after another) and 16 (all at once): the output tokens per second of the decode
 phase (from the step where every request of the batch holds its first token to the end, so the
 prompt's prefill is not in it), the mean accepted length (tokens a request emits per verify
@@ -34,7 +34,7 @@ from worker.engine import Engine, RequestOutput
 from worker.request import Request
 from worker.sampling import SamplingParams
 
-METHODS = ("none", "ngram", "eagle", "draft")
+METHODS = ("none", "ngram", "eagle", "mtp", "draft")
 
 
 def run_batch(engine: Engine, prompts: list[list[int]],

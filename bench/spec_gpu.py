@@ -9,7 +9,8 @@ CUDA graphs for decode and for verify steps), with 512-token prompts, at batch 1
    (one forward over k + 1 tokens each, acceptance included): the verify's cost over decode's.
 2. ms per step of each method's drafting at k: ngram (the host lookup over 512-token
    histories), eagle (an EAGLE head of the 8B shape, bench/models/qwen3-8b-shape/eagle: k - 1
-   head steps and k LM-head rows, plus the catch-up over the verified tokens), draft (a model
+   head steps and k LM-head rows, plus the catch-up over the verified tokens), mtp (the same for
+   an MTP module of that size in DeepSeek-V3's layout, .../mtp), draft (a model
    of Qwen3-0.6B's shape, .../draft: k steps; its catch-up over the verified tokens too).
 3. The decode speed-up at each method's measured acceptance rate a (accepted / drafted, from
    bench/spec.py's --json on the embedded model, or --alpha method=a): tokens per step
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     args = p.parse_args(argv)
-    alpha: dict[str, float] = {"ngram": 0.5, "eagle": 0.7, "draft": 0.7}
+    alpha: dict[str, float] = {"ngram": 0.5, "eagle": 0.7, "mtp": 0.7, "draft": 0.7}
     if args.acceptance:
         for r in json.loads(args.acceptance.read_text())["results"]:
             if r["method"] in alpha:
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         name, value = item.split("=")
         alpha[name] = float(value)
     costs: dict[str, Any] = {}
-    for method in ("ngram", "eagle", "draft"):
+    for method in ("ngram", "eagle", "mtp", "draft"):
         engine = engine_for(method, args.model, args.device)
         costs[method] = {}
         for b in BATCHES:
