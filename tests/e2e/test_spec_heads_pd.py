@@ -1,6 +1,7 @@
 """Model drafters under PD: the drafter's KV rides in the pages, eagle's last feature on DONE.
 
-- 1P1D with eagle and with the draft model: greedy output equals a cluster without
+- 1P1D with eagle, mtp (the embedded model's side-trained MTP module) and the draft model:
+  greedy output equals a cluster without
   speculation, token for token, also when prefill's prefix cache hits; decode drafts (and
   accepts) yet never runs a prompt token through the target, and prefill never drafts.
 - Heterogeneous TP with eagle (prefill TP=2 → decode TP=1, and TP=1 → TP=2): each rank's
@@ -51,7 +52,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory, prompts: list[str]) -> list[
         return asyncio.run(complete_all(c.url, prompts, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft"])
+@pytest.mark.parametrize("method", ["eagle", "mtp", "draft"])
 def test_model_drafter_1p1d_equals_plain_greedy(method: str, prompts: list[str],
                                                 plain: list[str], tmp_path: Path) -> None:
     with running_cluster("configs/tiny-1p1d.yaml", f"speculative.method={method}",
