@@ -64,6 +64,7 @@ class PrefillRole:
         room = self._rooms[request.request_id]
         first = request.output_logprobs[0] if request.output_logprobs else None
         held = room.sched.holdings(request)
+        state = {"state_slot": held.state_slot} if held.state_slot >= 0 else {}
         room.sender.send(
             held.page_table[room.pages_sent :],
             start_page=room.pages_sent,
@@ -74,6 +75,7 @@ class PrefillRole:
             # Hybrid models: the window ring's retained tail travels too (decode never re-feeds).
             window_ring=held.window_ring or None,
             num_tokens=request.num_computed_tokens,
+            **state,  # type: ignore[arg-type]  # recurrent models: the state after the prompt
         )
         room.pages_sent = len(held.page_table)
         return True

@@ -56,7 +56,7 @@ def test_groups_are_part_of_the_contract() -> None:
 
 
 def test_wire_round_trip_and_tampered_hash() -> None:
-    c = _contract(groups=(CacheGroup(CacheKind.RECURRENT, (0, 1, 2, 3)),))
+    c = _contract(groups=(CacheGroup(CacheKind.RECURRENT, (0, 1, 2, 3), state_bytes=4096),))
     m = contract_to_pb(c)
     assert contract_from_pb(m) == c
     m.page_size = 8

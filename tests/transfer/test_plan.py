@@ -161,6 +161,6 @@ def test_sliding_window_tail_is_the_last_window_tokens(num_tokens: int, window: 
 def test_replay_tail_by_kind() -> None:
     assert replay_tail(CacheGroup(CacheKind.FULL_ATTENTION, (0,)), 100) == []
     assert replay_tail(CacheGroup(CacheKind.SLIDING_WINDOW, (1,), window=4), 10) == [TokenRun(2, 6, 2), TokenRun(0, 8, 2)]
-    assert replay_tail(CacheGroup(CacheKind.RECURRENT, (2,)), 10) == [TokenRun(0, 9, 1)]
+    assert replay_tail(CacheGroup(CacheKind.RECURRENT, (2,), state_bytes=64), 10) == [TokenRun(0, 9, 1)]
     assert tail_ranges([TokenRun(2, 6, 2), TokenRun(0, 8, 2)], 1000, 5000, 16) == [
         Range(1032, 5032, 32), Range(1000, 5000, 32)]
