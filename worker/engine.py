@@ -20,10 +20,13 @@ import torch
 
 from worker.config import ConfigError, WorkerConfig
 from worker.dp_runner import DPRunner
+from worker.grammar import Grammars
 from worker.kv_cache import KVCache, KVShape
 from worker.model import ModelSpec, load_model
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.runner import InFlight, ModelRunner
+from worker.sampler import GrammarViolation
+from worker.sampling import SamplingParamsError
 from worker.scheduler import PENDING, RoleHooks, SchedulePlan, Scheduler, WindowCache
 
 if TYPE_CHECKING:
@@ -107,6 +110,8 @@ class Engine:
         self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
         self.num_overlapped_steps = 0
+        # Constrained decoding (worker/grammar.py): xgrammar loads with the first grammar.
+        self.grammars = Grammars(config.model.path, self.spec.vocab_size, self.spec.eos_token_ids)
 
     def set_hooks(self, hooks: RoleHooks) -> None:
         self.hooks = hooks
@@ -160,6 +165,11 @@ class Engine:
             return self._overlap_step(plans[0])
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
+        except GrammarViolation as exc:  # that request fails; the others advanced nothing: rerun
+            self.schedulers[self._group.get(exc.request_id, 0)].end(
+                exc.request_id, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+            self._flush()
+            return True
         except Exception as exc:
             self._fail(plans, exc)
             return True
@@ -183,6 +193,7 @@ class Engine:
         return all(
             c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties
             and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
+            and c.request.grammar is None  # its next mask needs this step's token on the host
             for c in plans[0].chunks
         )
 
@@ -242,6 +253,12 @@ class Engine:
             self._tracked[a.request_id] = _Tracked(a, b)  # type: ignore[arg-type]
             if a.sampling.seed is not None:
                 a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
+            try:
+                self.grammars.attach(a)  # its matcher, when it has sampling.structured
+            except SamplingParamsError as exc:
+                self.scheduler_for(a).finish(a, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
+                self._flush()
+                return
             self.add_request(a)
         elif kind == "abort":
             self.abort_now(str(a), str(b))
@@ -289,6 +306,7 @@ class Engine:
                 self.hooks.abort(request_id, reason)  # closes its room too
 
     def _on_finish(self, req: Request) -> None:
+        self.grammars.release(req)  # every end (stop, length, abort, error) frees the matcher
         tracked = self._tracked.get(req.request_id)
         if tracked is not None:
             self._touched[req.request_id] = tracked
