@@ -71,7 +71,7 @@ TAG_REGEX = r"call <tool_call>(.*)</tool_call>"
 class Case:
     name: str
     structured: StructuredOutput
-    bias: str = ""  # characters whose token gets +5 (json_object: the model would not close)
+    bias: str = ""  # characters whose token gets +20 (json_object: the model would not close)
 
 
 def corpus() -> list[Case]:
@@ -88,7 +88,7 @@ def corpus() -> list[Case]:
 
 
 def logit_bias(tok: Tokenizer, case: Case) -> tuple[tuple[int, float], ...]:
-    return tuple(sorted((tok.token_to_id(c), 5.0) for c in case.bias))
+    return tuple(sorted((tok.token_to_id(c), 20.0) for c in case.bias))
 
 
 def tokenizer() -> Tokenizer:
