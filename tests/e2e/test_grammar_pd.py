@@ -111,7 +111,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def test_greedy_pd_equals_mono_under_every_grammar(mono: Cluster, pd: Cluster) -> None:
     with grpc.insecure_channel(pd.workers["prefill-0"]) as ch:
-        bootstrap = tandem_pb2_grpc.WorkerStub(ch).GetInfo(tandem_pb2.GetInfoRequest()).bootstrap_addr
+        info = tandem_pb2_grpc.WorkerStub(ch).GetInfo(tandem_pb2.GetInfoRequest())
+    bootstrap = info.bootstrap_addr
     cases = corpus() + FORCED
     jobs = [(c, text, f"{c.name}#{i}") for c in cases for i, text in enumerate(PROMPTS)]
     with ThreadPoolExecutor(8) as pool:  # concurrent, as a gateway would send them
