@@ -17,6 +17,6 @@ mkdir -p .whl/pd
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_31_x86_64 --platform any -d .whl/pd \
-  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1 jsonschema jsonschema_specifications \
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1 jsonschema jsonschema_specifications \
   referencing rpds_py attrs
 ls .whl/pd | wc -l

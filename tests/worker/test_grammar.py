@@ -244,7 +244,7 @@ def test_sampler_masks_rows_biases_and_keeps_masked_tokens_out_of_top_logprobs()
 
 
 def test_length_bounded_json_strings_refuse_raw_control_characters() -> None:
-    """xgrammar 0.2.8's minLength/maxLength strings (its issue 800) as mended here: a raw tab
+    """xgrammar 0.2.9's minLength/maxLength strings (its issue 800) as mended here: a raw tab
     would be invalid JSON (strict parsers refuse it)."""
     backend, tok, eos = backend_for("embedded")
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}},
