@@ -306,7 +306,6 @@ class Engine:
                 self.hooks.abort(request_id, reason)  # closes its room too
 
     def _on_finish(self, req: Request) -> None:
-        self.grammars.release(req)  # every end (stop, length, abort, error) frees the matcher
         tracked = self._tracked.get(req.request_id)
         if tracked is not None:
             self._touched[req.request_id] = tracked
@@ -344,6 +343,7 @@ class Engine:
                 )
             )
             if done:
+                self.grammars.release(req)  # every end (stop, length, abort, error) frees it
                 del self._tracked[rid]
                 self._group.pop(rid, None)
                 self._room_group.pop(req.room, None)

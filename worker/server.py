@@ -67,8 +67,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         if sum(len(s.waiting) for s in engine.schedulers) >= self.config.scheduler.max_waiting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "worker queue is full; retry later")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue is full; retry later")
             return
         loop = asyncio.get_running_loop()
         if req.sampling.structured is not None:
@@ -173,8 +172,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             kv_total_pages=sum(s.pool.num_pages for s in scheds),
             kv_cached_pages=sum(s.pool.num_cached for s in scheds),
             prompt_tokens_computed=sum(s.prompt_tokens_computed for s in scheds),
-            kv_window_used_pages=sum(s.window_pool.num_used for s in scheds
-                                     if s.window_pool is not None),
+            kv_window_used_pages=sum(s.window_pool.num_used for s in scheds if s.window_pool is not None),
         )
         if engine.hooks is not None:
             rooms, total_bytes, total_pages, waiting = engine.hooks.load_stats()
@@ -283,8 +281,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
     thread.start()
     service.engine = engine
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)",
-             config.role, address,
+    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)", config.role, address,
              engine.scheduler.pool.num_pages, config.cache.page_size, len(engine.schedulers))
     try:
         await stop.wait()

@@ -2,7 +2,6 @@
 # One device call each (device tool, carry [".whl"], after bench/device/fetch-wheels.sh):
 #   bash bench/device/run.sh a   # pytest -m gpu (one and two GPUs), then bench/gemv.py and bench/gpu.py on GPU 0
 #   bash bench/device/run.sh b   # bench/gpu_pd.py: 1P1D vs mono on GPU 0 (cuda_ipc)
-#   bash bench/device/run.sh c   # grammar: pytest tests/worker/test_grammar_gpu.py, then bench/grammar.py
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,14 +19,6 @@ if [[ $1 == a ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/gpu.py > "$OUT/gpu_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/gpu_bench.txt"
   tail -30 "$OUT/gpu_tests.txt"; cat "$OUT/gemv_bench.txt"; tail -40 "$OUT/gpu_bench.txt"
-elif [[ $1 == c ]]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
-    tests/worker/test_grammar_gpu.py > "$OUT/grammar_tests.txt" 2>&1
-  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/grammar_tests.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.grammar --device cuda \
-    --threads 8 --out "$OUT" > "$OUT/grammar_bench.txt" 2>&1
-  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/grammar_bench.txt"
-  tail -20 "$OUT/grammar_tests.txt"; tail -12 "$OUT/grammar_bench.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"

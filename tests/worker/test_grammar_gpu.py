@@ -2,7 +2,7 @@
 what the CPU kernel masks (padding beyond the tokenizer included), and a CUDA engine (graphs,
 overlapped decode on) serves constrained requests beside unconstrained ones with the tokens of
 plain steps. Skipped where there is no GPU (the lead runs them on an H200:
-bench/device/run.sh c)."""
+bench/device/grammar.sh)."""
 
 from __future__ import annotations
 
