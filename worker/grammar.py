@@ -26,14 +26,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from worker.request import Request
-from worker.sampling import SamplingParamsError, StructuredOutput
+from worker.sampling import GrammarError, StructuredOutput
 
 if TYPE_CHECKING:
     from worker.grammar_xgr import GrammarBackend
 
-
-class GrammarError(SamplingParamsError):
-    """A grammar cannot be compiled here; `field` names it (the server's INVALID_ARGUMENT)."""
+__all__ = ["GrammarError", "Grammars"]
 
 
 class Grammars:

@@ -37,9 +37,8 @@ import tokenizers
 import torch
 import xgrammar as xgr
 
-from worker.grammar import GrammarError
 from worker.sampler import GrammarViolation
-from worker.sampling import StructuredKind, StructuredOutput
+from worker.sampling import GrammarError, StructuredKind, StructuredOutput
 
 # Compiled grammars kept, in bytes (an 8-field schema is ~0.2 MB at a 120k-token vocabulary).
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024

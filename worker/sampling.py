@@ -36,6 +36,12 @@ class StructuredKind(enum.Enum):
     STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural-tag JSON
 
 
+class GrammarError(SamplingParamsError):
+    """A grammar cannot be compiled here (worker/grammar_xgr.py); `field` names it (the server's
+    INVALID_ARGUMENT). Defined here so the grammar engine and its handle share it without one
+    importing the other's module at the top."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match. Hashable: compiled grammars are cached by it."""
