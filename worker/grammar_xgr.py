@@ -4,9 +4,9 @@ Loaded only through worker/grammar.py (the engine's handle, which says when each
 The pieces, in the order a constrained request meets them:
 1. `GrammarBackend.for_model(dir, vocab_size, eos)` reads `tokenizer.json` with `tokenizers`
    (no transformers) into xgrammar's `TokenizerInfo`, sized to the model's vocab: ids past the
-   tokenizer's (embedding padding) are empty strings, which xgrammar never allows, and so are
-   the added tokens marked special (the gateway's detokenizer drops those, so a grammar must
-   not spend them on text).
+   tokenizer's (embedding padding) are empty strings, which xgrammar never allows. Added
+   tokens keep their text, as `from_huggingface` has them: a structural tag's
+   `{"type": "token", "token": "[TOOL_CALLS]"}` finds a special marker by it.
 2. `compile(structured)` (the server calls it on a thread pool at submit): a compiled grammar,
    from an LRU cache bounded in bytes; a bad schema/regex/grammar raises `GrammarError` naming
    the wire field (the server answers INVALID_ARGUMENT).
@@ -63,11 +63,10 @@ def tokenizer_info(tokenizer_json: str, vocab_size: int,
     matches it without transformers (tests/worker/test_grammar.py compares the two).
     """
     tok = tokenizers.Tokenizer.from_str(tokenizer_json)
-    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-    encoded = [""] * vocab_size
+    encoded = [""] * vocab_size  # padding rows stay "": never allowed
     vocab = tok.get_vocab(with_added_tokens=True)
     for token, idx in vocab.items():
-        if idx < vocab_size and token not in special:
+        if idx < vocab_size:
             encoded[idx] = token
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
     # As from_huggingface does: when the vocabulary itself says byte-fallback or byte-level,
