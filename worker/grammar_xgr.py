@@ -40,7 +40,7 @@ import xgrammar as xgr
 from worker.sampler import GrammarViolation
 from worker.sampling import GrammarError, StructuredKind, StructuredOutput
 
-# Compiled grammars kept, in bytes (an 8-field schema is ~0.2 MB at a 120k-token vocabulary).
+# Compiled grammars kept, in bytes (a tool-call schema is ~1 MB at a 120k-token vocabulary).
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 MAX_ERROR_CHARS = 400  # xgrammar's messages may quote the whole schema
 JSON_OBJECT_SCHEMA = '{"type": "object"}'

@@ -6,8 +6,8 @@
    whole grammar corpus, including grammars whose first token (sampled on prefill) is forced;
    decode never runs a prompt token, and both workers drain.
 2. Two engines in this process (prefill and decode, real transfer) where the matchers can be
-   counted: a constrained request aborted on either side while its room is in flight, or while
-   it decodes, leaves no matcher and no page on either worker.
+   counted: a constrained request aborted while its room is in flight or while it decodes, or
+   whose room's writes fail, leaves no matcher and no page on either worker.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def _drained(worker: Worker) -> None:
     sched.assert_drained()
 
 
-def test_abort_of_a_constrained_request_frees_matchers_and_pages_on_both_sides() -> None:
+def test_abort_or_failure_of_a_constrained_request_frees_matchers_and_pages() -> None:
     endless = StructuredOutput(StructuredKind.REGEX, "(ab)+")
     with running("prefill") as prefill, running("decode") as decode:
         manager = prefill.engine.scheduler.hooks.manager  # type: ignore[union-attr]
@@ -240,7 +240,13 @@ def test_abort_of_a_constrained_request_frees_matchers_and_pages_on_both_sides()
         decode.engine.abort("decoding", "client left")
         assert dec.done.wait(30) and dec.finish == "abort"
         assert TOK.decode(dec.tokens).startswith("abab")
-        # 3. And a constrained request still runs to its end across the split.
+        # 3. A room whose writes fail: both legs fail, and both matchers go.
+        manager.faults = TransferFaults(fail=1.0)
+        pre, dec = submit_pd(prefill, decode, endless, "failed")
+        assert dec.done.wait(30) and pre.done.wait(30)
+        assert dec.finish == pre.finish == "error"
+        manager.faults = TransferFaults()
+        # 4. And a constrained request still runs to its end across the split.
         choice = StructuredOutput(StructuredKind.CHOICE, choices=("yes", "no"))
         pre, dec = submit_pd(prefill, decode, choice, "fine", max_tokens=8)
         assert dec.done.wait(30)

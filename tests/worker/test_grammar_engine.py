@@ -200,6 +200,25 @@ def test_a_refused_token_fails_only_its_request(engine: Engine) -> None:
     assert_clean(engine)
 
 
+def test_a_failed_step_frees_its_matchers(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device or model error fails the step's requests (engine._fail): their matchers go."""
+    regex = Case("regex", StructuredOutput(StructuredKind.REGEX, REGEX))
+    req = constrained(regex, "doomed")
+    res = Result()
+    engine.grammars.compile(regex.structured)
+    engine.submit(req, res.sink())
+    engine.step()  # prefill and the first token, for real
+    assert engine.grammars.num_live == 1
+
+    def broken(plan: object, prev: object = None) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "forward", broken)  # the failure injected, nothing faked
+    engine.step()
+    assert res.finish == "error" and "device lost" in res.error
+    assert_clean(engine)
+
+
 def test_a_grammar_refused_in_the_engine_ends_its_request(engine: Engine) -> None:
     bad = Request("bad", prompt(TOK), SamplingParams(
         max_tokens=5, structured=StructuredOutput(StructuredKind.REGEX, "(unclosed")))
