@@ -22,11 +22,13 @@ from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
 from worker.config import ConfigError, WorkerConfig
 from worker.dp_runner import DPRunner
+from worker.grammar import Grammars
 from worker.kv_cache import KVCache
 from worker.model import load_model
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.runner import InFlight, ModelRunner
-from worker.sampling import SamplingParams
+from worker.sampler import GrammarViolation
+from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks, Scheduler
 from worker.spec import make_drafter
 from worker.spec.counters import SpecCounters
@@ -108,6 +110,8 @@ class Engine:
         self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
         self.num_overlapped_steps = 0
+        # Constrained decoding (worker/grammar.py): xgrammar loads with the first grammar.
+        self.grammars = Grammars(config.model.path, self.spec.vocab_size, self.spec.eos_token_ids)
 
     def _cache_manager(self) -> KVCacheManager:
         shape = self.kv.shape
@@ -178,6 +182,12 @@ class Engine:
         t0 = time.perf_counter()
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
+        except GrammarViolation as exc:  # that request fails; the others advanced nothing: rerun
+            why = f"internal error: {exc}" if exc.error_code == "internal" else str(exc)
+            self.schedulers[self._group.get(exc.request_id, 0)].end(
+                exc.request_id, RequestStatus.FINISHED_ERROR, why, exc.error_code)
+            self._flush()
+            return True
         except Exception as exc:
             self._fail(plans, exc)
             return True
@@ -204,6 +214,7 @@ class Engine:
         return all(
             c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties
             and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
+            and c.request.grammar is None  # its next mask needs this step's token on the host
             for c in plans[0].chunks
         )
 
@@ -261,6 +272,12 @@ class Engine:
             self._tracked[a.request_id] = _Tracked(a, b)  # type: ignore[arg-type]
             if a.sampling.seed is not None:
                 a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
+            try:
+                self.grammars.attach(a)  # its matcher, when it has sampling.structured
+            except SamplingParamsError as exc:
+                self.scheduler_for(a).finish(a, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
+                self._flush()
+                return
             self.add_request(a)
         elif kind == "abort":
             self.abort_now(str(a), str(b))
@@ -343,6 +360,7 @@ class Engine:
                 )
             )
             if done:
+                self.grammars.release(req)  # every end (stop, length, abort, error) frees it
                 del self._tracked[rid]
                 self._group.pop(rid, None)
                 self._room_group.pop(req.room, None)

@@ -33,7 +33,8 @@ STATUS_BY_ERROR = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere, not our fault
+    # The room's other side failed it: retry elsewhere, not our fault.
+    "peer": grpc.StatusCode.ABORTED,
     "internal": grpc.StatusCode.INTERNAL,
 }
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -48,13 +49,15 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         self.config = config
         self.engine: Engine | None = None  # set once weights are loaded
         self.role_info: dict[str, str] = {}  # bootstrap_addr, transfer_backend (PD roles)
-        self.epoch = secrets.randbits(64) or 1  # this incarnation; PD roles use the transfer manager's
+        # This incarnation; PD roles use the transfer manager's.
+        self.epoch = secrets.randbits(64) or 1
         self._ids = itertools.count()
         self._by_external: dict[str, set[str]] = defaultdict(set)  # gateway request id -> ours
         self._by_room: dict[int, str] = {}
 
     # ---- Generate ------------------------------------------------------------------------------
-    async def Generate(self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
+    async def Generate(  # type: ignore[override]
+            self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self._ready_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is starting up")
@@ -68,6 +71,12 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue is full; retry later")
             return
         loop = asyncio.get_running_loop()
+        if req.sampling.structured is not None:
+            try:  # compiled off the event loop (a big schema takes a while); cached for the engine
+                await loop.run_in_executor(None, engine.grammars.compile, req.sampling.structured)
+            except SamplingParamsError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
@@ -77,7 +86,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         self._by_external[external].add(req.request_id)
         if req.room:
             self._by_room[req.room] = req.request_id
-        log.debug("request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens)
+        log.debug("request %s (%s): %d prompt tokens", external, req.request_id,
+                  req.num_prompt_tokens)
         engine.submit(req, sink)
         finished = False
         try:
@@ -86,7 +96,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
                 if out.finish_reason == "error":
                     finished = True
                     log.info("request %s failed: %s", external, out.error)
-                    await context.abort(STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL), out.error)
+                    code = STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL)
+                    await context.abort(code, out.error)
                     return
                 finished = out.finished
                 yield to_message(out)
@@ -112,6 +123,10 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         if bad:
             raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         sampling = sampling_from_message(message.sampling)
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"sampling.logit_bias: token ids out of the vocabulary "
+                                 f"[0, {vocab}): {bad[:5]}")
         if len(prompt) + sampling.max_tokens > engine.max_model_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
@@ -120,7 +135,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         role = self.config.role
         has_room = message.HasField("disagg") and message.disagg.room != 0
         if role != "both" and not has_room:
-            raise InvalidRequest(f"this is a {role} worker: requests need disagg.room and disagg.bootstrap_addr")
+            raise InvalidRequest(f"this is a {role} worker: requests need disagg.room and "
+                                 "disagg.bootstrap_addr")
         rid = f"{message.request_id or 'req'}#{next(self._ids)}"
         return Request(
             request_id=rid,
@@ -131,7 +147,9 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         )
 
     # ---- the other calls -------------------------------------------------------------------------
-    async def Abort(self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:  # type: ignore[override]
+    async def Abort(  # type: ignore[override]
+            self, request: tandem_pb2.AbortRequest,
+            context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:
         engine = self._ready_engine()
         ids = set(self._by_external.get(request.request_id, ()))
         if request.room and request.room in self._by_room:
@@ -141,7 +159,9 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
                 engine.abort(rid, "aborted")
         return tandem_pb2.AbortResponse(found=bool(ids))
 
-    async def GetLoad(self, request: tandem_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.Load:  # type: ignore[override]
+    async def GetLoad(  # type: ignore[override]
+            self, request: tandem_pb2.GetLoadRequest,
+            context: grpc.aio.ServicerContext) -> tandem_pb2.Load:
         engine = self.engine
         if engine is None:
             return tandem_pb2.Load()
@@ -171,7 +191,9 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             load.waiting += waiting
         return load
 
-    async def GetInfo(self, request: tandem_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.WorkerInfo:  # type: ignore[override]
+    async def GetInfo(  # type: ignore[override]
+            self, request: tandem_pb2.GetInfoRequest,
+            context: grpc.aio.ServicerContext) -> tandem_pb2.WorkerInfo:
         engine = self._ready_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is starting up")
@@ -294,7 +316,8 @@ def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) ->
 
 def run_worker(config: WorkerConfig) -> None:
     """Blocking entry point of `tandem worker`: serve until SIGINT/SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {config.role} %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -12,4 +12,11 @@ mkdir -p .whl/pd
   opentelemetry_api packaging pluggy prometheus_client protobuf==7.36.2 pydantic==2.14.4 \
   pydantic_core==2.50.5 pygments pytest pytest_timeout pyyaml sniffio starlette==1.10.0 \
   typing_extensions typing_inspection uvicorn==0.54.0
+# The grammar engine (binary wheels: xgrammar links apache-tvm-ffi) and llguidance for
+# bench/grammar.py's comparison.
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform any -d .whl/pd \
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1 jsonschema jsonschema_specifications \
+  referencing rpds_py attrs
 ls .whl/pd | wc -l

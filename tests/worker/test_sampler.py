@@ -121,3 +121,27 @@ def test_from_proto_resolves_wire_defaults() -> None:
     assert (p.top_k, p.top_p, p.repetition_penalty, p.seed, p.stop_token_ids) == (0, 1.0, 1.0, 9, (4,))
     assert SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1)).seed is None
     p.validate()
+
+
+def test_from_proto_reads_logit_bias_and_structured() -> None:
+    from protocol import tandem_pb2
+    from worker.sampling import StructuredKind, StructuredOutput
+
+    msg = tandem_pb2.SamplingParams(max_tokens=4, logit_bias={7: -2.5, 3: 1.0},
+                                    structured=tandem_pb2.StructuredOutput(regex="a+"))
+    p = SamplingParams.from_proto(msg)
+    assert p.logit_bias == ((3, 1.0), (7, -2.5))  # sorted: equal requests, equal params
+    assert p.structured == StructuredOutput(StructuredKind.REGEX, "a+")
+    assert p.structured.field == "structured.regex"
+    choice = tandem_pb2.StructuredOutput(choice=tandem_pb2.ChoiceList(choices=["x", "y"]))
+    q = SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1, structured=choice))
+    assert q.structured == StructuredOutput(StructuredKind.CHOICE, choices=("x", "y"))
+    assert SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1)).structured is None
+    obj = tandem_pb2.StructuredOutput(json_object=True)
+    r = SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1, structured=obj))
+    assert r.structured == StructuredOutput(StructuredKind.JSON_OBJECT)
+    for bad in (SamplingParams(logit_bias=((1, float("nan")),)),
+                SamplingParams(logit_bias=((-1, 1.0),)),
+                SamplingParams(structured=StructuredOutput(StructuredKind.EBNF, "  "))):
+        with pytest.raises(SamplingParamsError):
+            bad.validate()
