@@ -50,7 +50,8 @@ MAX_LIVE_ROOMS = 1024  # bootstrap threads: registrations served at once
 def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHooks:
     """Open the transfer manager for `config.role` and return the role's hooks.
 
-    `info` receives what GetInfo reports: bootstrap_addr (prefill), transfer_backend, epoch.
+    `info` receives what GetInfo reports: bootstrap_addr (prefill), transfer_backend, epoch,
+    contract_hash.
     """
     manager = KVTransferManager(
         config.transfer,
@@ -66,6 +67,7 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
     )
     info["transfer_backend"] = config.transfer.backend
     info["epoch"] = str(manager.epoch)
+    info["contract_hash"] = manager.contract.compat_hash()  # GetInfo: what a gateway compares
     role: RoleHooks
     if config.role == "prefill":
         server = grpc.server(ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap"))
