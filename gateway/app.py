@@ -1,13 +1,15 @@
 """The gateway's HTTP app: `create_app(config)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /health (200 when every pool has a healthy worker, else 503), GET /metrics (Prometheus),
-GET /workers (per-worker health and load). A lifespan owns the worker pool (gRPC channels,
-health and load tasks). Every error leaves as `{"error": {...}}` with a real status code.
+GET /health (200 when every pool has a healthy worker, else 503), and behind the admin key
+(gateway/admin.py): GET /metrics (Prometheus), GET/POST /workers and DELETE /workers/{url}
+(the pools at run time). A lifespan owns the worker pool (gRPC channels, health and load
+tasks). Every error leaves as `{"error": {...}}` with a real status code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -24,6 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway import admin
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError, NoHealthyWorker, Unauthorized
@@ -64,6 +67,7 @@ class Gateway:
         cfg = self.config
         pool = self.pool = WorkerPool(cfg)
         pool.on_load(self._on_load)
+        pool.on_remove(self._on_remove)
         await pool.start()
         if cfg.startup_wait_s > 0 and not await pool.wait_ready(cfg.startup_wait_s):
             log.warning("gateway: not every pool has a healthy worker after %.0f s; serving anyway "
@@ -131,6 +135,14 @@ class Gateway:
     def _on_load(self, w: Worker) -> None:
         self.metrics.observe_load(w.pool, w.url, w.load, w.healthy)
 
+    def _on_remove(self, w: Worker) -> None:
+        """A removed worker's series leave /metrics with it."""
+        m = self.metrics
+        for gauge in (m.worker_running, m.worker_waiting, m.worker_kv_used, m.worker_kv_total,
+                      m.worker_transfer_bytes, m.worker_healthy):
+            with contextlib.suppress(KeyError):  # never observed
+                gauge.remove(w.pool, w.url)
+
 
 def _error_response(err: ApiError) -> Response:
     return Response(err.json_bytes(), status_code=err.status, media_type=_JSON)
@@ -196,11 +208,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         body = {"status": "ok" if ready else "unavailable", "healthy_workers": pools}
         return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type=_JSON)
 
+    auth = admin.AdminAuth(config)
+
     async def workers(request: Request) -> Response:
-        ws = gw.pool.all() if gw.pool else []
-        return Response(json.dumps([w.as_json() for w in ws]).encode(), media_type=_JSON)
+        return await admin.list_workers(auth, gw.pool, request)
+
+    async def add_worker(request: Request) -> Response:
+        return await admin.add_worker(auth, gw.pool, request)
+
+    async def remove_worker(request: Request) -> Response:
+        return await admin.remove_worker(auth, gw.pool, request)
 
     async def metrics(request: Request) -> Response:
+        auth.check(request, metrics=True)
         m = gw.metrics
         if gw.pool is not None:
             for name, ws in gw.pool.pools.items():
@@ -215,5 +235,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/workers", workers, methods=["GET"])
+    app.add_route("/workers", add_worker, methods=["POST"])
+    app.add_route("/workers/{url:path}", remove_worker, methods=["DELETE"])
     app.add_route("/metrics", metrics, methods=["GET"])
     return app

@@ -21,6 +21,15 @@ class GatewayConfig:
     model_path: str = ""  # tokenizer files (tokenizer.json, tokenizer_config.json) live here
     served_model_name: str = ""  # "" = the workers' served name
     api_key: str = ""  # "" = no auth; else clients send `Authorization: Bearer <key>`
+    # /workers (GET, POST, DELETE) and /metrics take this key instead; "" = the admin routes
+    # that change the pools are off (403), and with an api_key set /workers and /metrics too.
+    admin_key: str = ""
+    metrics_public: bool = False  # /metrics answers anyone (a Prometheus scraper without a key)
+    # Identity every worker must report in GetInfo ("" = not checked: a gateway run by hand).
+    cluster_id: str = ""
+    model_fingerprint: str = ""  # protocol.identity.model_fingerprint of the served model
+    # DELETE /workers/{id}: how long the drained worker may take before it is dropped anyway.
+    drain_timeout_s: float = 30.0
     # Workers as host:port. Mono: `workers` (role both). PD: `prefill` and `decode`.
     workers: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
@@ -71,6 +80,12 @@ class GatewayConfig:
         for name in ("health_fail_threshold", "health_ok_threshold", "max_request_bytes", "cache_aware_max_pages"):
             if getattr(self, name) < 1:
                 raise GatewayConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.admin_key and self.admin_key == self.api_key:
+            raise GatewayConfigError(f"{prefix}.admin_key must differ from {prefix}.api_key: "
+                                     "a client key must not administer the pools")
+        if self.drain_timeout_s <= 0:
+            raise GatewayConfigError(f"{prefix}.drain_timeout_s must be > 0 seconds, "
+                                     f"got {self.drain_timeout_s}")
         if self.startup_wait_s < 0:
             raise GatewayConfigError(f"{prefix}.startup_wait_s must be >= 0 (0 = do not wait), got {self.startup_wait_s}")
 
