@@ -54,11 +54,12 @@ class Holdings:
 class Drainer:
     """The worker's drain state machine (owned by the gRPC service, driven by serve())."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, on_start: Callable[[], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self.state = DrainState.SERVING
         self.reason = ""
         self.requested = asyncio.Event()  # serve() waits on it beside its stop event
+        self._on_start = on_start  # e.g. a joined worker tells its gateway it leaves
 
     @property
     def draining(self) -> bool:
@@ -72,6 +73,8 @@ class Drainer:
             log.info("draining (%s): refusing new requests; up to %.0f s to finish the rest",
                      reason, self.timeout_s)
             self.requested.set()
+            if self._on_start is not None:
+                self._on_start()
 
     async def run(self, holdings: Callable[[], Holdings],
                   abort_all: Callable[[str], int]) -> Holdings:

@@ -18,6 +18,7 @@ import secrets
 import signal
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -392,17 +393,18 @@ def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) ->
     return attach(engine, config, service.role_info)
 
 
-def run_worker(config: WorkerConfig) -> None:
+def run_worker(config: WorkerConfig, on_drain: Callable[[], None] | None = None) -> None:
     """Blocking entry point of `tandem worker`: serve until drained (SIGTERM/SIGINT or Drain).
 
-    A second signal while draining stops at once. Raises BindError when the port is taken.
+    A second signal while draining stops at once. `on_drain` runs (on the event loop) when the
+    drain starts. Raises BindError when the port is taken.
     """
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {config.role} %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
         stop = asyncio.Event()
-        drainer = Drainer(config.drain_timeout_s)
+        drainer = Drainer(config.drain_timeout_s, on_start=on_drain)
         loop = asyncio.get_running_loop()
 
         def on_signal(name: str) -> None:
