@@ -129,5 +129,7 @@ def test_cluster_specs_follow_the_plan(tmp_path: Path) -> None:
     assert [w.name for w in workers] == ["prefill-0", "prefill-1", "decode-0"]
     assert [w.grpc_address for w in workers] == ["127.0.0.1:51000", "127.0.0.1:51010", "127.0.0.1:52000"]
     assert workers[1].argv[-6:] == ["--config", str(tmp_path / "cluster.yaml"), "--role", "prefill", "--replica", "1"]
-    assert workers[2].log_path == tmp_path / "decode-0.log"
-    assert gateway.log_path == tmp_path / "lb.log" and gateway.health_url == "http://127.0.0.1:8000/health"
+    run = tmp_path / "8000"  # the run directory: <log_dir>/<gateway port>
+    assert workers[2].log_path == run / "decode-0.log"
+    assert gateway.log_path == run / "lb.log" and gateway.health_url == "http://127.0.0.1:8000/health"
+    assert workers[2].identity is not None and workers[2].identity.role == "decode"
