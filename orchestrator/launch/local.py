@@ -376,12 +376,19 @@ def prepare_launch(cluster: ClusterConfig) -> ClusterConfig:
     Raises ClusterConfigError (PortInUseError: a taken port) before anything starts.
     """
     read_model_config(cluster.model.path)  # a missing checkpoint: one line, not a log tail
-    launcher = cluster.launcher
-    if not launcher.cluster_id:
-        launcher = dataclasses.replace(launcher, cluster_id=secrets.token_hex(4))
-    cluster = resolve_ports(dataclasses.replace(cluster, launcher=launcher))
+    cluster = resolve_ports(with_cluster_id(cluster))
     check_ports(cluster)
     return cluster
+
+
+def with_cluster_id(cluster: ClusterConfig, cluster_id: str = "") -> ClusterConfig:
+    """The config with its launch's cluster id: launcher.cluster_id if set, else `cluster_id`,
+    else a fresh random one."""
+    if cluster.launcher.cluster_id:
+        return cluster
+    launcher = dataclasses.replace(cluster.launcher,
+                                   cluster_id=cluster_id or secrets.token_hex(4))
+    return dataclasses.replace(cluster, launcher=launcher)
 
 
 def ready_line(cluster: ClusterConfig, workers: list[ProcessSpec], run_dir: Path) -> str:

@@ -129,3 +129,12 @@ def choose_port(host: str, rng: random.Random | None = None) -> int:
         if is_free(host, port):
             return port
     raise PortInUseError(f"no free port on {host} in {lo}..{hi}; pass --port N")
+
+
+def require_pinned(cluster: ClusterConfig, launcher: str) -> None:
+    """Multi-node launchers dial workers on other nodes: their ports must be in the config."""
+    for name, rc in cluster.roles.present():
+        if not rc.base_port:
+            raise ClusterConfigError(
+                f"roles.{name}.base_port is unset: the {launcher} launcher needs explicit worker "
+                f"ports (peers on other nodes dial them); set roles.{name}.base_port")

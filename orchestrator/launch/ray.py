@@ -35,8 +35,18 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
-from orchestrator.launch.local import LaunchError, LocalCluster, cluster_specs, stop_on_signals
-from orchestrator.launch.readiness import HealthWatch
+from orchestrator.launch.local import (
+    LaunchError,
+    LocalCluster,
+    cluster_specs,
+    expected_identity,
+    fresh_run_dir,
+    run_dir_of,
+    stop_on_signals,
+    with_cluster_id,
+)
+from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.launch.slurm import run_gate
 from orchestrator.plan import check_layout, procs_per_node, read_model_config
 from protocol.tls import TLSConfig
@@ -150,7 +160,7 @@ def _place(cluster: ClusterConfig, timeout_s: float) -> list[_Replica]:
             name = f"{role}-{i}"
             actor = WorkerHost.options(  # type: ignore[attr-defined]
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(name, cluster.launcher.log_dir)
+            ).remote(name, str(run_dir_of(cluster)))
             out.append(_Replica(role, i, name, pg, actor))
     for r in out:
         ready, _ = ray.wait([r.pg.ready()], timeout=timeout_s)
@@ -178,7 +188,8 @@ def _resolve(cluster: ClusterConfig, replicas: list[_Replica]) -> ClusterConfig:
     return resolved
 
 
-def _wait_serving(replicas: list[_Replica], deadline: float, tail_lines: int, err: IO[str], tls: TLSConfig) -> None:
+def _wait_serving(cluster: ClusterConfig, replicas: list[_Replica], deadline: float,
+                  tail_lines: int, err: IO[str], tls: TLSConfig) -> None:
     wake = threading.Event()
     watches = [HealthWatch(r.address, wake, tls) for r in replicas]
     exits = {r.name: r.actor.wait.remote(max(0.1, deadline - time.monotonic())) for r in replicas}
@@ -197,13 +208,20 @@ def _wait_serving(replicas: list[_Replica], deadline: float, tail_lines: int, er
     finally:
         for w in watches:
             w.close()
+    for r in replicas:  # SERVING is not enough: it must be the worker this launch started
+        problem = identity_problem(r.address, expected_identity(cluster, r.role, r.replica), tls)
+        if problem:
+            raise LaunchError(problem)
 
 
 def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the cluster on Ray in the foreground; returns the exit status."""
     out, err = out or sys.stdout, err or sys.stderr
     check_layout(cluster)
+    require_pinned(cluster, "ray")
     read_model_config(cluster.model.path)
+    cluster = with_cluster_id(cluster)
+    run_dir = fresh_run_dir(run_dir_of(cluster))
     launcher, t0 = cluster.launcher, time.monotonic()
     deadline = t0 + launcher.ready_timeout_s
     local = _connect(cluster)
@@ -214,19 +232,19 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
         resolved = _resolve(cluster, replicas)
         text = dump_config(resolved)
         ray.get([r.actor.start.remote(text, r.role, r.replica) for r in replicas])
-        _wait_serving(replicas, deadline, launcher.log_tail_lines, err, cluster.tls)
-        log_dir = Path(launcher.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        config_file = (log_dir / "cluster.yaml").resolve()
+        _wait_serving(resolved, replicas, deadline, launcher.log_tail_lines, err, cluster.tls)
+        config_file = (run_dir / "cluster.yaml").resolve()
         config_file.write_text(text)
-        _, gw_spec = cluster_specs(resolved, config_file)
+        config_file.chmod(0o600)  # it holds the api and admin keys
+        _, gw_spec = cluster_specs(resolved, config_file, run_dir)
         gateway = LocalCluster([], gw_spec, max(1.0, deadline - time.monotonic()), launcher.stop_grace_s,
                                launcher.log_tail_lines, err=err)
         with stop_on_signals(gateway):
             gateway.start()
             gw = cluster.gateway
             print(f"[{time.monotonic() - t0:6.1f}s] ready: http://{dial_address(gw.host, gw.port)} "
-                  f"({len(replicas)} workers on Ray)", file=out, flush=True)
+                  f"({len(replicas)} workers on Ray; cluster {launcher.cluster_id}; logs {run_dir})",
+                  file=out, flush=True)
             if launcher.eval_on_ready:
                 code = run_gate(cluster, out, err)
                 print(f"[{time.monotonic() - t0:6.1f}s] gate done: exit {code}", file=out, flush=True)

@@ -47,10 +47,14 @@ from orchestrator.launch.local import (
     LocalCluster,
     ProcessSpec,
     cluster_specs,
+    expected_identity,
+    prepare_launch,
     stop_on_signals,
     tail,
+    with_cluster_id,
 )
-from orchestrator.launch.readiness import HealthWatch
+from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.plan import ProcessRow, check_layout, num_nodes, plan_processes, read_model_config
 from protocol.tls import TLSConfig
 
@@ -149,6 +153,7 @@ def node_specs(cluster: ClusterConfig, node: int, config_file: Path, run_dir: Pa
             # A node > 0 of a multi-node replica serves nothing itself: it is ready when its
             # replica (node 0's gRPC server, which waits for every rank) is.
             grpc_address=dial_address(rc.host_of(row.replica), rc.port(row.replica)),
+            identity=expected_identity(cluster, row.role, row.replica),
         ))
     return specs
 
@@ -169,17 +174,22 @@ def _wait_files(run_dir: Path, names: list[str], deadline: float, err: IO[str], 
         time.sleep(FILE_POLL_S)
 
 
-def _check_health(addresses: list[str], deadline: float, tls: TLSConfig) -> None:
-    """Every worker answers gRPC health SERVING from this node (cross-node reachability)."""
+def _check_health(specs: list[ProcessSpec], deadline: float, tls: TLSConfig) -> None:
+    """Every worker answers gRPC health SERVING from this node (cross-node reachability), and
+    is the worker this job started (a worker of an earlier job may still listen there)."""
     wake = threading.Event()
-    watches = [HealthWatch(a, wake, tls) for a in addresses]
+    watches = [HealthWatch(s.grpc_address, wake, tls) for s in specs]
     try:
         for w in watches:
             w.start(max(0.1, deadline - time.monotonic()))
-        for w in watches:
+        for w, spec in zip(watches, specs, strict=True):
             if not w.ready.wait(max(0.0, deadline - time.monotonic())):
-                raise LaunchError(f"worker {w.address} is not SERVING from node 0 (last health: {w.last_status}); "
-                                  "check the nodes' network and the role's host/port")
+                raise LaunchError(f"worker {w.address} is not SERVING from node 0 (last health: "
+                                  f"{w.last_status}); check the nodes' network and the role's "
+                                  "host/port")
+            problem = identity_problem(spec.grpc_address, spec.identity, tls) if spec.identity else ""
+            if problem:
+                raise LaunchError(problem)
     finally:
         for w in watches:
             w.close()
@@ -224,9 +234,11 @@ def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
         raise SlurmEnvError(f"the plan needs {need} nodes (one per replica node, PD_SLURM=1) but the allocation has "
                             f"{len(env.nodes)} ({','.join(env.nodes)}); submit with -N {need} (submit.sh does)")
     check_layout(cluster)
+    require_pinned(cluster, "slurm")
     read_model_config(cluster.model.path)  # a missing checkpoint fails here, before any process
     addresses = tuple(socket.gethostbyname(n) for n in env.nodes)
-    resolved = with_node_hosts(cluster, addresses)
+    # Every node derives the same cluster id from the job, so they agree without talking.
+    resolved = with_node_hosts(with_cluster_id(cluster, f"slurm-{env.run_name}"), addresses)
     config_file = run_dir / f"cluster.node{env.node_id}.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     config_file.write_text(dump_config(resolved))
@@ -259,11 +271,11 @@ def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file:
         try:
             all_workers = [s.name for n in range(num_nodes(cluster)) for s in node_specs(cluster, n, config_file, run_dir)]
             _wait_files(run_dir, all_workers, deadline, err, launcher.log_tail_lines)
-            _check_health([s.grpc_address for n in range(num_nodes(cluster))
-                           for s in node_specs(cluster, n, config_file, run_dir)], deadline, cluster.tls)
+            _check_health([s for n in range(num_nodes(cluster))
+                           for s in node_specs(cluster, n, config_file, run_dir)], deadline,
+                          cluster.tls)
             print(f"{clock()} node 0: every worker SERVING across nodes; starting the gateway", file=out, flush=True)
-            _, gw_spec = cluster_specs(cluster, config_file)
-            gw_spec = dataclasses.replace(gw_spec, log_path=run_dir / "lb.log")
+            _, gw_spec = cluster_specs(cluster, config_file, run_dir)
             gateway = LocalCluster([], gw_spec, max(1.0, deadline - time.monotonic()), launcher.stop_grace_s,
                                    launcher.log_tail_lines, err=err)
             gateway.start()
@@ -318,14 +330,14 @@ def _serve_until_done(workers: LocalCluster, run_dir: Path, err: IO[str]) -> int
 
 def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str], err: IO[str]) -> int:
     """Without PD_SLURM=1: the whole cluster on this one node, as the local launcher runs it."""
-    launcher = dataclasses.replace(cluster.launcher, kind="local", log_dir=str(run_dir))
+    launcher = dataclasses.replace(cluster.launcher, kind="local", run_dir=str(run_dir))
     local = dataclasses.replace(cluster, launcher=launcher)
     check_layout(local)
-    read_model_config(local.model.path)
+    local = prepare_launch(with_cluster_id(local, f"slurm-{env.run_name}"))
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "cluster.yaml"
     config_file.write_text(dump_config(local))
-    workers, gateway = cluster_specs(local, config_file)
+    workers, gateway = cluster_specs(local, config_file, run_dir)
     lc = LocalCluster(workers, gateway, launcher.ready_timeout_s, launcher.stop_grace_s, launcher.log_tail_lines, err=err)
     with stop_on_signals(lc):
         try:

@@ -60,6 +60,7 @@ def ray_head() -> Iterator[str]:
 
 
 def launch(tmp_path: Path, model: Path, address: str, *sets: str) -> tuple[int, str, float]:
+    """`tandem launch` on Ray; its run directory is tmp_path/<gateway port>."""
     gw, p, d = free_port(), free_port(), free_port()
     args = [sys.executable, "-m", "orchestrator.cli", "launch", "--config", "configs/tiny-1p1d.yaml",
             "--set", "launcher.kind=ray", "--set", f"launcher.ray_address={address}",
@@ -79,9 +80,10 @@ def test_ray_1p1d_serves_and_runs_the_gate(ray_head: str, model_dir: Path, tmp_p
     samples = 100 if real_model_present() else 24
     rc, out, _ = launch(tmp_path, model_dir, ray_head, "--set", f"eval.samples={samples}")
     print(out)
-    assert "ready: http://127.0.0.1:" in out and "(2 workers on Ray)" in out
+    assert "ready: http://127.0.0.1:" in out and "(2 workers on Ray; cluster " in out
     assert f"/{samples})" in out and "failed requests" not in out  # every request was answered
-    assert {"prefill-0.log", "decode-0.log", "lb.log"} <= {p.name for p in tmp_path.iterdir()}
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]  # logs/<gateway port>/
+    assert {"prefill-0.log", "decode-0.log", "lb.log", "cluster.yaml"} <= {p.name for p in run_dir.iterdir()}
     if real_model_present():
         assert rc == 0, out  # the gate passes on the embedded model
     else:
