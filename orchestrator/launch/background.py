@@ -103,15 +103,18 @@ class Cluster:
 @contextlib.contextmanager
 def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBEDDED_MODEL,
                     env: dict[str, str] | None = None, ready_timeout_s: float = 180.0,
-                    tls: TLSConfig | None = None, admin_key: str = "") -> Iterator[Cluster]:
+                    tls: TLSConfig | None = None, admin_key: str = "",
+                    logs: Path | None = None) -> Iterator[Cluster]:
     """`tls`: serve every gRPC link with it (and dial the workers with it). `admin_key`: the
-    gateway's (`--admin-key`), also sent by the Cluster's own calls to /workers."""
+    gateway's (`--admin-key`), also sent by the Cluster's own calls to /workers. `logs`: the
+    launcher's log_dir (default DIR/logs); two clusters may share one."""
     tls = tls or TLSConfig()
     load_config(_config_path(config))  # a bad config fails here, not after a launch
     (gw,) = free_ports(1)
-    log_dir = tmp / "logs" / str(gw)
-    sets = [f"gateway.port={gw}", f"launcher.log_dir={tmp / 'logs'}",
-            "launcher.ready_timeout_s=170", *overrides]
+    logs = logs or tmp / "logs"
+    log_dir = logs / str(gw)
+    sets = [f"gateway.port={gw}", f"launcher.log_dir={logs}", "launcher.ready_timeout_s=170",
+            *overrides]
     if admin_key:
         sets.append(f"gateway.admin_key={admin_key}")
     if tls.enabled:
