@@ -17,6 +17,7 @@ import logging
 import secrets
 import signal
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -365,15 +366,21 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
                 log.warning("stopping before the drain finished (%s)",
                             service.holdings().describe())
     finally:
+        t0 = time.monotonic()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
+        t1 = time.monotonic()
         loop_stop.set()
         if thread is not None:
             thread.join(timeout=10)
+        t2 = time.monotonic()
         if roles is not None:
             roles.close()
+        t3 = time.monotonic()
         if engine is not None:
             engine.close()  # multi-rank worker: stop the other ranks
+        log.info("stopped in %.2f s (server %.2f s, engine loop %.2f s, transfer %.2f s)",
+                 time.monotonic() - t0, t1 - t0, t2 - t1, t3 - t2)
     if crashed:
         raise RuntimeError("the engine loop died (see the log above)") from crashed[0]
 
