@@ -113,6 +113,21 @@ def test_ports_args_and_probes_agree_with_the_config(overlay: str) -> None:
         wc.validate()
 
 
+def test_each_deployment_has_its_own_cluster_id_and_workers_have_time_to_drain() -> None:
+    ids = {}
+    for overlay in OVERLAYS:
+        docs = render(overlay)
+        cluster = cluster_of(docs)
+        ids[overlay] = cluster.launcher.cluster_id  # the gateway serves only pods reporting it
+        for name, tmpl in pod_templates(docs).items():
+            if "gateway" in name:
+                continue
+            role = cluster.role(name.split("/")[0].removeprefix("tandem-"))
+            # SIGTERM drains a worker: the kubelet must not kill it before the drain can end.
+            assert tmpl["spec"]["terminationGracePeriodSeconds"] > role.drain_timeout_s, name
+    assert all(ids.values()) and len(set(ids.values())) == len(ids), ids
+
+
 def _check_lws(docs: list[dict[str, Any]], role: str, rc: Any) -> None:
     """A multi-node worker: one group per replica, one pod per node; followers join node 0."""
     lws = by_kind(docs, LWS_KIND)[f"tandem-{role}"]
