@@ -74,6 +74,7 @@ def gen(c, **headers: str):  # type: ignore[no-untyped-def]
 async def test_admin_routes_refuse_without_the_admin_key_and_with_the_api_key(tok_dir):
     w = Member()
     async with workers(w), running_app(config(tok_dir, workers=(w.url,))) as c:
+        await until(c, w.url, "serving")
         routes = [("GET", "/workers", None), ("POST", "/workers", {"url": "127.0.0.1:1", "role": "both"}),
                   ("DELETE", f"/workers/{w.url}", None), ("GET", "/metrics", None)]
         for method, path, body in routes:
@@ -109,6 +110,7 @@ async def test_without_an_admin_key_the_pools_cannot_be_changed(tok_dir):
 async def test_stale_worker_is_refused_at_start_and_on_reconnect(tok_dir, caplog):
     good, stale = Member(), Member(cluster_id="c-old")
     async with workers(good, stale), running_app(config(tok_dir, workers=(good.url, stale.url))) as c:
+        await until(c, good.url, "serving")
         ws = await until(c, stale.url, "refused")
         line = (f"refusing the worker at {stale.url}: expected cluster c1 role both model {MODEL}, "
                 f"found cluster c-old role both model {MODEL} (a worker of another cluster or model "
@@ -141,6 +143,7 @@ async def test_stale_worker_is_refused_at_start_and_on_reconnect(tok_dir, caplog
 async def test_post_workers_adds_after_the_identity_check(tok_dir):
     a, b, stale = Member(), Member(), Member(cluster_id="c-old")
     async with workers(a, b, stale), running_app(config(tok_dir, workers=(a.url,))) as c:
+        await until(c, a.url, "serving")
         r = await c.post("/workers", json={"url": b.url, "role": "both"}, headers=ADMIN)
         assert r.status_code == 201, r.text
         assert r.json()["source"] == "joined" and r.json()["cluster_id"] == CLUSTER
@@ -167,6 +170,7 @@ async def test_post_workers_adds_after_the_identity_check(tok_dir):
 async def test_delete_drains_stops_routing_at_once_then_removes(tok_dir):
     a, b = Member(), Member()
     async with workers(a, b), running_app(config(tok_dir, workers=(a.url, b.url))) as c:
+        await until(c, a.url, "serving")
         await until(c, b.url, "serving")
         r = await c.delete(f"/workers/{b.url}", headers=ADMIN)
         assert r.status_code == 202 and r.json()["state"] == "draining"
