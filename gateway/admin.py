@@ -59,23 +59,31 @@ class AdminAuth:
             return
         if not self._admin:
             if change:
-                raise Forbidden("admin routes are off: start the gateway with --admin-key KEY "
-                                "(gateway.admin_key) and send `Authorization: Bearer KEY`",
-                                code="admin_disabled")
+                raise Forbidden(
+                    "admin routes are off: start the gateway with --admin-key KEY "
+                    "(gateway.admin_key) and send `Authorization: Bearer KEY`",
+                    code="admin_disabled",
+                )
             if self._api_key_set:
                 what = "/metrics" if metrics else "/workers"
-                raise Forbidden(f"{what} needs the admin key while an API key is set: start the "
-                                "gateway with --admin-key KEY"
-                                + (" (or gateway.metrics_public: true)" if metrics else ""),
-                                code="admin_disabled")
+                raise Forbidden(
+                    f"{what} needs the admin key while an API key is set: start the "
+                    "gateway with --admin-key KEY"
+                    + (" (or gateway.metrics_public: true)" if metrics else ""),
+                    code="admin_disabled",
+                )
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthorized("this route needs the admin key: send `Authorization: Bearer "
-                               "<admin key>`", code="missing_admin_key")
+            raise Unauthorized(
+                "this route needs the admin key: send `Authorization: Bearer <admin key>`",
+                code="missing_admin_key",
+            )
         if not hmac.compare_digest(token.strip().encode(), self._admin):
-            raise Forbidden("wrong key for an admin route (the API key is not the admin key)",
-                            code="invalid_admin_key")
+            raise Forbidden(
+                "wrong key for an admin route (the API key is not the admin key)",
+                code="invalid_admin_key",
+            )
 
 
 def _json(body: object, status: int = 200) -> Response:
@@ -86,8 +94,12 @@ def check_url(url: str) -> str:
     """`host:port` with a numeric port in range; BadRequest names the fix."""
     host, sep, port = url.rpartition(":")
     if "/" in url or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadRequest(f"url: give the worker's gRPC address as host:port (as GET /workers "
-                         f"shows it), got {url!r}", param="url", code="invalid_value")
+        raise BadRequest(
+            f"url: give the worker's gRPC address as host:port (as GET /workers "
+            f"shows it), got {url!r}",
+            param="url",
+            code="invalid_value",
+        )
     return url
 
 
@@ -99,8 +111,9 @@ async def list_workers(auth: AdminAuth, pool: WorkerPool | None, request: Reques
 async def add_worker(auth: AdminAuth, pool: WorkerPool | None, request: Request) -> Response:
     auth.check(request, change=True)
     if pool is None:
-        raise ApiError("the gateway is starting; retry shortly", status=503,
-                       type="service_unavailable")
+        raise ApiError(
+            "the gateway is starting; retry shortly", status=503, type="service_unavailable"
+        )
     raw = await request.body()
     if len(raw) > _MAX_BODY:
         raise BadRequest(f"body over {_MAX_BODY} bytes", code="invalid_value")
@@ -109,20 +122,27 @@ async def add_worker(auth: AdminAuth, pool: WorkerPool | None, request: Request)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise BadRequest(f"{where}: {first.get('msg', 'invalid value')} (POST /workers takes "
-                         '{"url": "host:port", "role": "prefill|decode|both"})',
-                         param=where, code="invalid_value") from None
+        raise BadRequest(
+            f"{where}: {first.get('msg', 'invalid value')} (POST /workers takes "
+            '{"url": "host:port", "role": "prefill|decode|both"})',
+            param=where,
+            code="invalid_value",
+        ) from None
     url = check_url(body.url)
     try:
         w = await pool.add(url, body.role)
     except ValueError as exc:
-        raise ApiError(str(exc), status=409, type="invalid_request_error",
-                       code="worker_conflict") from None
+        raise ApiError(
+            str(exc), status=409, type="invalid_request_error", code="worker_conflict"
+        ) from None
     except IdentityRefused as exc:
-        raise ApiError(str(exc), status=409, type="invalid_request_error",
-                       code="identity_mismatch") from None
+        raise ApiError(
+            str(exc), status=409, type="invalid_request_error", code="identity_mismatch"
+        ) from None
     except WorkerUnreachable as exc:
-        raise ApiError(str(exc), status=502, type="bad_gateway", code="worker_unreachable") from None
+        raise ApiError(
+            str(exc), status=502, type="bad_gateway", code="worker_unreachable"
+        ) from None
     return _json(w.as_json(), status=201)
 
 
@@ -132,7 +152,9 @@ async def remove_worker(auth: AdminAuth, pool: WorkerPool | None, request: Reque
     w = pool.find(url) if pool else None
     if pool is None or w is None:
         listed = ", ".join(x.url for x in pool.all()) if pool else ""
-        raise NotFound(f"no worker {url!r} in the pools (GET /workers lists: {listed or 'none'})",
-                       code="worker_not_found")
+        raise NotFound(
+            f"no worker {url!r} in the pools (GET /workers lists: {listed or 'none'})",
+            code="worker_not_found",
+        )
     pool.remove(w)
     return _json(w.as_json(), status=202)

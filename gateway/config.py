@@ -64,30 +64,51 @@ class GatewayConfig:
     def validate(self, prefix: str = "gateway") -> None:
         if not (self.workers or (self.prefill and self.decode)):
             raise GatewayConfigError(
-                f"{prefix}: name worker addresses: `workers` for monolithic serving, or both `prefill` and `decode`"
+                f"{prefix}: name worker addresses: `workers` for monolithic serving, "
+                "or both `prefill` and `decode`"
             )
         if self.workers and (self.prefill or self.decode):
-            raise GatewayConfigError(f"{prefix}: set either `workers` (mono) or `prefill`+`decode` (PD), not both")
+            raise GatewayConfigError(
+                f"{prefix}: set either `workers` (mono) or `prefill`+`decode` (PD), not both"
+            )
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in ("round_robin", "least_load", "cache_aware"):
                 raise GatewayConfigError(
-                    f"{prefix}.{name} must be round_robin | least_load | cache_aware, got {getattr(self, name)!r}"
+                    f"{prefix}.{name} must be round_robin | least_load | cache_aware, "
+                    f"got {getattr(self, name)!r}"
                 )
-        for name in ("health_interval_s", "load_interval_s", "request_timeout_s", "first_token_timeout_s",
-                     "body_timeout_s"):
+        for name in (
+            "health_interval_s",
+            "load_interval_s",
+            "request_timeout_s",
+            "first_token_timeout_s",
+            "body_timeout_s",
+        ):
             if getattr(self, name) <= 0:
-                raise GatewayConfigError(f"{prefix}.{name} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("health_fail_threshold", "health_ok_threshold", "max_request_bytes", "cache_aware_max_pages"):
+                raise GatewayConfigError(
+                    f"{prefix}.{name} must be > 0 seconds, got {getattr(self, name)}"
+                )
+        for name in (
+            "health_fail_threshold",
+            "health_ok_threshold",
+            "max_request_bytes",
+            "cache_aware_max_pages",
+        ):
             if getattr(self, name) < 1:
                 raise GatewayConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
         if self.admin_key and self.admin_key == self.api_key:
-            raise GatewayConfigError(f"{prefix}.admin_key must differ from {prefix}.api_key: "
-                                     "a client key must not administer the pools")
+            raise GatewayConfigError(
+                f"{prefix}.admin_key must differ from {prefix}.api_key: "
+                "a client key must not administer the pools"
+            )
         if self.drain_timeout_s <= 0:
-            raise GatewayConfigError(f"{prefix}.drain_timeout_s must be > 0 seconds, "
-                                     f"got {self.drain_timeout_s}")
+            raise GatewayConfigError(
+                f"{prefix}.drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}"
+            )
         if self.startup_wait_s < 0:
-            raise GatewayConfigError(f"{prefix}.startup_wait_s must be >= 0 (0 = do not wait), got {self.startup_wait_s}")
+            raise GatewayConfigError(
+                f"{prefix}.startup_wait_s must be >= 0 (0 = do not wait), got {self.startup_wait_s}"
+            )
 
     @property
     def pd(self) -> bool:

@@ -124,11 +124,18 @@ class Worker:
     def as_json(self) -> dict[str, Any]:
         ld, info = self.load, self.info
         return {
-            "url": self.url, "role": info.role if info else ROLE_OF_POOL[self.pool],
-            "pool": self.pool, "healthy": self.healthy, "state": self.state.value,
-            "source": self.source, "running": ld.running, "waiting": ld.waiting,
-            "kv_used_pages": ld.kv_used_pages, "kv_total_pages": ld.kv_total_pages,
-            "kv_cached_pages": ld.kv_cached_pages, "inflight": self.inflight,
+            "url": self.url,
+            "role": info.role if info else ROLE_OF_POOL[self.pool],
+            "pool": self.pool,
+            "healthy": self.healthy,
+            "state": self.state.value,
+            "source": self.source,
+            "running": ld.running,
+            "waiting": ld.waiting,
+            "kv_used_pages": ld.kv_used_pages,
+            "kv_total_pages": ld.kv_total_pages,
+            "kv_cached_pages": ld.kv_cached_pages,
+            "inflight": self.inflight,
             "cluster_id": info.cluster_id if info else "",
             "replica": info.replica if info else -1,
             "model_fingerprint": info.model_fingerprint if info else "",
@@ -159,10 +166,20 @@ class WorkerPool:
     def _make(self, url: str, pool: str, source: str = "config") -> Worker:
         ch = aio_channel(url, self.config.tls, options=_CHANNEL_OPTIONS)
         # Replicas are not checked here: a Kubernetes pool's pods all run one command line.
-        expected = WorkerIdentity(cluster_id=self.config.cluster_id, role=ROLE_OF_POOL[pool],
-                                  model_fingerprint=self.config.model_fingerprint)
-        return Worker(url=url, pool=pool, channel=ch, stub=tandem_pb2_grpc.WorkerStub(ch),
-                      health_stub=health_pb2_grpc.HealthStub(ch), expected=expected, source=source)
+        expected = WorkerIdentity(
+            cluster_id=self.config.cluster_id,
+            role=ROLE_OF_POOL[pool],
+            model_fingerprint=self.config.model_fingerprint,
+        )
+        return Worker(
+            url=url,
+            pool=pool,
+            channel=ch,
+            stub=tandem_pb2_grpc.WorkerStub(ch),
+            health_stub=health_pb2_grpc.HealthStub(ch),
+            expected=expected,
+            source=source,
+        )
 
     def all(self) -> list[Worker]:
         return [w for ws in self.pools.values() for w in ws]
@@ -258,24 +275,34 @@ class WorkerPool:
             return
         w.member = Membership.DRAINING
         self._set_health(w, False)
-        log.info("worker %s (%s): draining on request; %d requests in flight here",
-                 w.url, w.pool, w.inflight)
+        log.info(
+            "worker %s (%s): draining on request; %d requests in flight here",
+            w.url,
+            w.pool,
+            w.inflight,
+        )
         self.spawn(self._drain_and_drop(w))
 
     async def _drain_and_drop(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s + _REMOVE_GRACE_S
         try:
-            await w.stub.Drain(tandem_pb2.DrainRequest(reason="DELETE /workers on the gateway"),
-                               timeout=self.config.health_timeout_s)
+            await w.stub.Drain(
+                tandem_pb2.DrainRequest(reason="DELETE /workers on the gateway"),
+                timeout=self.config.health_timeout_s,
+            )
         except grpc.aio.AioRpcError as exc:  # already gone: nothing left to drain there
-            log.info("worker %s: Drain failed (%s); dropping it once idle here", w.url,
-                     exc.code().name)
+            log.info(
+                "worker %s: Drain failed (%s); dropping it once idle here", w.url, exc.code().name
+            )
         while loop.time() < deadline and (w.inflight or await self._answers(w)):
             await asyncio.sleep(_REMOVE_POLL_S)
         if w.inflight:
-            log.warning("worker %s: dropped with %d requests in flight after the drain timeout",
-                        w.url, w.inflight)
+            log.warning(
+                "worker %s: dropped with %d requests in flight after the drain timeout",
+                w.url,
+                w.inflight,
+            )
         self._drop(w)
 
     async def _answers(self, w: Worker) -> bool:
@@ -303,22 +330,30 @@ class WorkerPool:
 
     async def _fetch_info(self, w: Worker) -> tandem_pb2.WorkerInfo:
         try:
-            return await w.stub.GetInfo(tandem_pb2.GetInfoRequest(),
-                                        timeout=self.config.health_timeout_s)
+            return await w.stub.GetInfo(
+                tandem_pb2.GetInfoRequest(), timeout=self.config.health_timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
-            raise WorkerUnreachable(f"cannot reach the worker at {w.url}: GetInfo failed with "
-                                    f"{exc.code().name} ({exc.details()})") from None
+            raise WorkerUnreachable(
+                f"cannot reach the worker at {w.url}: GetInfo failed with "
+                f"{exc.code().name} ({exc.details()})"
+            ) from None
 
     def _accept(self, w: Worker, info: tandem_pb2.WorkerInfo) -> None:
         """Check `info` against what `w` must be; IdentityRefused names the difference."""
         line = w.expected.mismatch(w.url, info)
         if not line and self.config.pd and info.contract_hash:
-            others = {o.info.contract_hash for o in self.all()
-                      if o is not w and o.info is not None and o.info.contract_hash}
+            others = {
+                o.info.contract_hash
+                for o in self.all()
+                if o is not w and o.info is not None and o.info.contract_hash
+            }
             have = self.contract_hash or next(iter(others), "")
             if have and info.contract_hash != have:
-                line = (f"refusing the worker at {w.url}: expected KV contract {have[:16]}, found "
-                        f"{info.contract_hash[:16]} (another model, dtype, page size or backend)")
+                line = (
+                    f"refusing the worker at {w.url}: expected KV contract {have[:16]}, found "
+                    f"{info.contract_hash[:16]} (another model, dtype, page size or backend)"
+                )
         if line:
             raise IdentityRefused(line)
         if self.config.pd and info.contract_hash and not self.contract_hash:
@@ -343,8 +378,9 @@ class WorkerPool:
             log.info("worker %s: the expected worker answers again", w.url)
             w.refusal = ""
         if w.pool == "prefill" and not info.bootstrap_addr:
-            log.error("prefill worker %s reports no bootstrap_addr; decode workers cannot reach it",
-                      w.url)
+            log.error(
+                "prefill worker %s reports no bootstrap_addr; decode workers cannot reach it", w.url
+            )
         if w.info is not None and info.epoch != w.info.epoch:
             log.info("worker %s restarted (new epoch)", w.url)
         w.info = info
@@ -365,8 +401,9 @@ class WorkerPool:
     def _set_health(self, w: Worker, healthy: bool) -> None:
         if w.healthy != healthy:
             w.healthy = healthy
-            log.info("worker %s (%s) is now %s", w.url, w.pool,
-                     "healthy" if healthy else "unhealthy")
+            log.info(
+                "worker %s (%s) is now %s", w.url, w.pool, "healthy" if healthy else "unhealthy"
+            )
             self._changed.set()
 
     def _record_check(self, w: Worker, ok: bool) -> None:
@@ -391,8 +428,9 @@ class WorkerPool:
         if w.draining:
             return None
         try:
-            resp = await w.health_stub.Check(health_pb2.HealthCheckRequest(service=""),
-                                             timeout=self.config.health_timeout_s)
+            resp = await w.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.config.health_timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return True if resp.status == health_pb2.HealthCheckResponse.SERVING else None

@@ -23,58 +23,86 @@ def validate_roles(cluster: ClusterConfig) -> None:
     roles = cluster.roles
     if roles.both is not None and (roles.prefill is not None or roles.decode is not None):
         raise ClusterConfigError(
-            "roles: give either `both` (monolithic) or `prefill` and `decode` (disaggregated), not both kinds"
+            "roles: give either `both` (monolithic) or `prefill` and `decode` (disaggregated), "
+            "not both kinds"
         )
     if roles.both is None and (roles.prefill is None or roles.decode is None):
         missing = "prefill" if roles.prefill is None else "decode"
         raise ClusterConfigError(
-            f"roles: disaggregated serving needs both `prefill` and `decode`; `{missing}` is missing. "
+            "roles: disaggregated serving needs both `prefill` and `decode`; "
+            f"`{missing}` is missing. "
             f"Add roles.{missing}, or use a single roles.both for monolithic serving"
         )
     for name, rc in roles.present():
         where = f"roles.{name}"
         if rc.count < 1:
-            raise ClusterConfigError(f"{where}.count must be >= 1, got {rc.count} (remove the role instead)")
+            raise ClusterConfigError(
+                f"{where}.count must be >= 1, got {rc.count} (remove the role instead)"
+            )
         if rc.port_stride < 0:
-            raise ClusterConfigError(f"{where}.port_stride must be >= 0 (0 = every replica on base_port, "
-                                     f"each on its own host), got {rc.port_stride}")
+            raise ClusterConfigError(
+                f"{where}.port_stride must be >= 0 (0 = every replica on base_port, "
+                f"each on its own host), got {rc.port_stride}"
+            )
         if rc.base_port < 0 or rc.port(rc.count - 1) > 65535:
             raise ClusterConfigError(
-                f"{where}: ports {rc.base_port}..{rc.port(rc.count - 1)} leave 1..65535; lower base_port or port_stride"
+                f"{where}: ports {rc.base_port}..{rc.port(rc.count - 1)} leave 1..65535; "
+                "lower base_port or port_stride"
             )
         if rc.parallel.tp_size < 1:
-            raise ClusterConfigError(f"{where}.parallel.tp_size must be >= 1, got {rc.parallel.tp_size}")
+            raise ClusterConfigError(
+                f"{where}.parallel.tp_size must be >= 1, got {rc.parallel.tp_size}"
+            )
         if rc.hosts and len(rc.hosts) != rc.count:
-            raise ClusterConfigError(f"{where}.hosts lists {len(rc.hosts)} hosts for count={rc.count} replicas; "
-                                     "give one host per replica or leave it empty")
+            raise ClusterConfigError(
+                f"{where}.hosts lists {len(rc.hosts)} hosts for count={rc.count} replicas; "
+                "give one host per replica or leave it empty"
+            )
         for fname in ("dp_size", "ep_size", "nnodes", "deepep_max_tokens_per_rank"):
             if getattr(rc.parallel, fname) < 1:
-                raise ClusterConfigError(f"{where}.parallel.{fname} must be >= 1, got {getattr(rc.parallel, fname)}")
+                raise ClusterConfigError(
+                    f"{where}.parallel.{fname} must be >= 1, got {getattr(rc.parallel, fname)}"
+                )
         if rc.parallel.procs_per_node < 0:
-            raise ClusterConfigError(f"{where}.parallel.procs_per_node must be >= 0 (0 = world / nnodes), "
-                                     f"got {rc.parallel.procs_per_node}")
+            raise ClusterConfigError(
+                f"{where}.parallel.procs_per_node must be >= 0 (0 = world / nnodes), "
+                f"got {rc.parallel.procs_per_node}"
+            )
         dev = rc.parallel.device
         if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise ClusterConfigError(f"{where}.parallel.device must be cpu, cuda or cuda:N, got {dev!r}")
+            raise ClusterConfigError(
+                f"{where}.parallel.device must be cpu, cuda or cuda:N, got {dev!r}"
+            )
         if rc.num_threads < 0:
-            raise ClusterConfigError(f"{where}.num_threads must be >= 0 (0 = torch's default), got {rc.num_threads}")
+            raise ClusterConfigError(
+                f"{where}.num_threads must be >= 0 (0 = torch's default), got {rc.num_threads}"
+            )
         if rc.drain_timeout_s <= 0:
-            raise ClusterConfigError(f"{where}.drain_timeout_s must be > 0 seconds, "
-                                     f"got {rc.drain_timeout_s}")
+            raise ClusterConfigError(
+                f"{where}.drain_timeout_s must be > 0 seconds, got {rc.drain_timeout_s}"
+            )
 
 
 def validate_launcher_and_eval(cluster: ClusterConfig) -> None:
     if cluster.launcher.ready_timeout_s <= 0:
-        raise ClusterConfigError(f"launcher.ready_timeout_s must be > 0, got {cluster.launcher.ready_timeout_s}")
+        raise ClusterConfigError(
+            f"launcher.ready_timeout_s must be > 0, got {cluster.launcher.ready_timeout_s}"
+        )
     if cluster.launcher.stop_grace_s < 0:
-        raise ClusterConfigError(f"launcher.stop_grace_s must be >= 0, got {cluster.launcher.stop_grace_s}")
+        raise ClusterConfigError(
+            f"launcher.stop_grace_s must be >= 0, got {cluster.launcher.stop_grace_s}"
+        )
     ev = cluster.eval
     if ev.samples < 1 or ev.concurrency < 1:
-        raise ClusterConfigError(f"eval.samples and eval.concurrency must be >= 1, got {ev.samples} and {ev.concurrency}")
+        raise ClusterConfigError(
+            f"eval.samples and eval.concurrency must be >= 1, got {ev.samples} and {ev.concurrency}"
+        )
     if not 0.0 <= ev.min_accuracy <= 1.0:
         raise ClusterConfigError(f"eval.min_accuracy must be within 0..1, got {ev.min_accuracy}")
     if not 1 <= cluster.gateway.port <= 65535:
-        raise ClusterConfigError(f"gateway.port must be within 1..65535, got {cluster.gateway.port}")
+        raise ClusterConfigError(
+            f"gateway.port must be within 1..65535, got {cluster.gateway.port}"
+        )
 
 
 def same_host(a: str, b: str) -> bool:
@@ -85,7 +113,9 @@ def same_host(a: str, b: str) -> bool:
 
 def validate_ports(cluster: ClusterConfig) -> None:
     """No two listeners (gateway, every worker replica) on the same host:port."""
-    taken: list[tuple[str, int, str]] = [(cluster.gateway.host, cluster.gateway.port, "gateway.port")]
+    taken: list[tuple[str, int, str]] = [
+        (cluster.gateway.host, cluster.gateway.port, "gateway.port")
+    ]
     for name, rc in cluster.roles.present():
         for i in range(rc.count if rc.base_port else 0):  # unpinned: chosen free at launch
             taken.append((rc.host_of(i), rc.port(i), f"roles.{name} replica {i}"))

@@ -20,8 +20,9 @@ from protocol import tandem_pb2
 _CONFIG_HASH_HEX = 16  # enough to tell checkpoints apart, short enough to read in one line
 
 
-def model_fingerprint(served_name: str, model_path: str, load_format: str = "auto",
-                      seed: int = 0) -> str:
+def model_fingerprint(
+    served_name: str, model_path: str, load_format: str = "auto", seed: int = 0
+) -> str:
     """`<served name>:<sha256 of config.json, 16 hex>`, plus `:dummy<seed>` for dummy weights.
 
     Computable without torch and without the weights (the gateway may run on a node that has
@@ -65,8 +66,9 @@ class WorkerIdentity:
             cluster_id=(info.cluster_id or "(none)") if self.cluster_id else "",
             role=(info.role or "(none)") if self.role else "",
             replica=info.replica if self.replica >= 0 else -1,
-            model_fingerprint=((info.model_fingerprint or "(none)")
-                               if self.model_fingerprint else ""),
+            model_fingerprint=(
+                (info.model_fingerprint or "(none)") if self.model_fingerprint else ""
+            ),
         )
 
     def mismatch(self, address: str, info: tandem_pb2.WorkerInfo) -> str:
@@ -75,5 +77,7 @@ class WorkerIdentity:
         found = self.found_in(info)
         if found == self:
             return ""
-        return (f"refusing the worker at {address}: expected {self.describe()}, "
-                f"found {found.describe()} (a worker of another cluster or model answers there)")
+        return (
+            f"refusing the worker at {address}: expected {self.describe()}, "
+            f"found {found.describe()} (a worker of another cluster or model answers there)"
+        )

@@ -53,5 +53,8 @@ def no_listener_survives_the_module() -> Iterator[None]:
         for pid in sorted({ln.pid for ln in left}):
             with contextlib.suppress(ProcessLookupError):  # it went away meanwhile
                 os.kill(pid, signal.SIGKILL)
-        pytest.fail("listeners of this test session survived the module: "
-                    + "; ".join(str(ln) for ln in left), pytrace=False)
+        pytest.fail(
+            "listeners of this test session survived the module: "
+            + "; ".join(str(ln) for ln in left),
+            pytrace=False,
+        )

@@ -56,8 +56,12 @@ def shim_library(environ: Mapping[str, str] | None = None) -> Path:
         raise ShimUnavailable("no C compiler (cc) to build transfer/bind_host.c; install gcc")
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
-    out = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(SOURCE), "-ldl"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(SOURCE), "-ldl"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode != 0:
         tmp.unlink(missing_ok=True)
         first = (out.stderr.strip().splitlines() or ["no output"])[0]
@@ -74,8 +78,9 @@ def bind_address(host: str) -> str:
         return host
 
 
-def worker_env(backend: str, role: str, host: str,
-               environ: Mapping[str, str]) -> dict[str, str] | None:
+def worker_env(
+    backend: str, role: str, host: str, environ: Mapping[str, str]
+) -> dict[str, str] | None:
     """The environment a worker must re-execute with, or None when it needs no shim (mono,
     not Mooncake, a wildcard host) or already has it. Raises ShimUnavailable."""
     if backend != "mooncake" or role == "both" or host in _WILDCARD:
@@ -86,8 +91,14 @@ def worker_env(backend: str, role: str, host: str,
     lib = shim_library(environ)
     preload = " ".join(p for p in (str(lib), environ.get("LD_PRELOAD", "")) if p)
     lo, hi = PORT_RANGE
-    return {**environ, "LD_PRELOAD": preload, HOST_ENV: address, PORTS_ENV: f"{lo}-{hi}",
-            "MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(hi)}
+    return {
+        **environ,
+        "LD_PRELOAD": preload,
+        HOST_ENV: address,
+        PORTS_ENV: f"{lo}-{hi}",
+        "MC_MIN_RPC_PORT": str(lo),
+        "MC_MAX_RPC_PORT": str(hi),
+    }
 
 
 def shim_loaded(host: str) -> bool:

@@ -89,13 +89,15 @@ class NixlBackend(TransferBackend):
         if agent_name in self._peers:
             return
         if not metadata:
-            raise BackendError(f"nixl: no agent metadata for peer {agent_name!r}; "
-                               "the registration must carry it")
+            raise BackendError(
+                f"nixl: no agent metadata for peer {agent_name!r}; the registration must carry it"
+            )
         added = self._agent.add_remote_agent(metadata)
         name = added.decode() if isinstance(added, bytes) else added
         if name != agent_name:
-            raise BackendError(f"nixl: metadata names agent {name!r}, "
-                               f"registration says {agent_name!r}")
+            raise BackendError(
+                f"nixl: metadata names agent {name!r}, registration says {agent_name!r}"
+            )
         self._peers.add(agent_name)
 
     def forget(self, agent_name: str) -> None:

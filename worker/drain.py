@@ -47,8 +47,10 @@ class Holdings:
         return not (self.calls or self.running or self.waiting or self.rooms or self.used_pages)
 
     def describe(self) -> str:
-        return (f"{self.calls} calls, {self.running} running, {self.waiting} waiting, "
-                f"{self.rooms} rooms, {self.used_pages} used pages")
+        return (
+            f"{self.calls} calls, {self.running} running, {self.waiting} waiting, "
+            f"{self.rooms} rooms, {self.used_pages} used pages"
+        )
 
 
 class Drainer:
@@ -70,14 +72,18 @@ class Drainer:
         if self.state is DrainState.SERVING:
             self.state = DrainState.DRAINING
             self.reason = reason
-            log.info("draining (%s): refusing new requests; up to %.0f s to finish the rest",
-                     reason, self.timeout_s)
+            log.info(
+                "draining (%s): refusing new requests; up to %.0f s to finish the rest",
+                reason,
+                self.timeout_s,
+            )
             self.requested.set()
             if self._on_start is not None:
                 self._on_start()
 
-    async def run(self, holdings: Callable[[], Holdings],
-                  abort_all: Callable[[str], int]) -> Holdings:
+    async def run(
+        self, holdings: Callable[[], Holdings], abort_all: Callable[[str], int]
+    ) -> Holdings:
         """Wait (bounded) until nothing is held; abort the leftovers at the deadline.
 
         Returns what was still held at the end (idle unless even the aborts did not free it).
@@ -91,8 +97,12 @@ class Drainer:
             held = holdings()
         if not held.idle:
             n = abort_all(f"worker drain timed out after {self.timeout_s:g} s")
-            log.warning("drain: timed out after %.0f s holding %s; aborted %d requests",
-                        self.timeout_s, held.describe(), n)
+            log.warning(
+                "drain: timed out after %.0f s holding %s; aborted %d requests",
+                self.timeout_s,
+                held.describe(),
+                n,
+            )
             grace = time.monotonic() + _ABORT_GRACE_S
             while not held.idle and time.monotonic() < grace:
                 await asyncio.sleep(_POLL_S)

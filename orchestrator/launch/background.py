@@ -72,11 +72,22 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while True:
             loads = {name: self.load(name) for name in self.workers}
-            busy: dict[str, object] = {n: ld for n, ld in loads.items()
-                                       if ld.kv_used_pages or ld.kv_window_used_pages or ld.running
-                                       or ld.waiting or any(ld.rooms.values())}
-            busy.update({f"gateway -> {w['url']}": f"{w['inflight']} in flight"
-                         for w in self.list_workers() if w.get("inflight")})
+            busy: dict[str, object] = {
+                n: ld
+                for n, ld in loads.items()
+                if ld.kv_used_pages
+                or ld.kv_window_used_pages
+                or ld.running
+                or ld.waiting
+                or any(ld.rooms.values())
+            }
+            busy.update(
+                {
+                    f"gateway -> {w['url']}": f"{w['inflight']} in flight"
+                    for w in self.list_workers()
+                    if w.get("inflight")
+                }
+            )
             if not busy:
                 return loads
             if time.monotonic() > deadline:
@@ -87,8 +98,12 @@ class Cluster:
         """The pid of one worker process of this cluster (its command line names the run's
         config)."""
         config = self.log_dir / "cluster.yaml"
-        out = subprocess.run(["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
-                             capture_output=True, text=True, check=False).stdout.split()
+        out = subprocess.run(
+            ["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
         assert len(out) == 1, f"expected one {role}-{replica} process, found {out}"
         return int(out[0])
 
@@ -101,10 +116,17 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBEDDED_MODEL,
-                    env: dict[str, str] | None = None, ready_timeout_s: float = 180.0,
-                    tls: TLSConfig | None = None, admin_key: str = "",
-                    logs: Path | None = None) -> Iterator[Cluster]:
+def running_cluster(
+    config: str,
+    *overrides: str,
+    tmp: Path,
+    model: Path = EMBEDDED_MODEL,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 180.0,
+    tls: TLSConfig | None = None,
+    admin_key: str = "",
+    logs: Path | None = None,
+) -> Iterator[Cluster]:
     """`tls`: serve every gRPC link with it (and dial the workers with it). `admin_key`: the
     gateway's (`--admin-key`), also sent by the Cluster's own calls to /workers. `logs`: the
     launcher's log_dir (default DIR/logs); two clusters may share one."""
@@ -113,37 +135,60 @@ def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBED
     (gw,) = free_ports(1)
     logs = logs or tmp / "logs"
     log_dir = logs / str(gw)
-    sets = [f"gateway.port={gw}", f"launcher.log_dir={logs}", "launcher.ready_timeout_s=170",
-            *overrides]
+    sets = [
+        f"gateway.port={gw}",
+        f"launcher.log_dir={logs}",
+        "launcher.ready_timeout_s=170",
+        *overrides,
+    ]
     if admin_key:
         sets.append(f"gateway.admin_key={admin_key}")
     if tls.enabled:
-        sets += [f"tls.cert_file={tls.cert_file}", f"tls.key_file={tls.key_file}",
-                 f"tls.ca_file={tls.ca_file}"]
-    argv = [sys.executable, "-m", "orchestrator.cli", "serve", "--config", config,
-            "--model", str(model)]
+        sets += [
+            f"tls.cert_file={tls.cert_file}",
+            f"tls.key_file={tls.key_file}",
+            f"tls.ca_file={tls.ca_file}",
+        ]
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "serve",
+        "--config",
+        config,
+        "--model",
+        str(model),
+    ]
     for s in sets:
         argv += ["--set", s]
     out = (tmp / "serve.out").open("wb")
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{gw}"
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"cluster exited with {proc.returncode}:\n"
-                                     f"{(tmp / 'serve.out').read_text()}")
+                raise AssertionError(
+                    f"cluster exited with {proc.returncode}:\n{(tmp / 'serve.out').read_text()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise AssertionError(f"cluster not ready in {ready_timeout_s}s:\n"
-                                     f"{(tmp / 'serve.out').read_text()}")
+                raise AssertionError(
+                    f"cluster not ready in {ready_timeout_s}s:\n{(tmp / 'serve.out').read_text()}"
+                )
             time.sleep(0.2)
-        cluster = Cluster(url=url, log_dir=log_dir, workers={}, proc=proc, tls=tls,
-                          admin_key=admin_key)
+        cluster = Cluster(
+            url=url, log_dir=log_dir, workers={}, proc=proc, tls=tls, admin_key=admin_key
+        )
         for w in cluster.list_workers():
             role = str(w["role"])
             index = sum(1 for n in cluster.workers if n.startswith(role))

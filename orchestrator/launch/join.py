@@ -57,8 +57,10 @@ class Join:
             if resp.status_code == 201:
                 log.info("joined %s as %s %s", self.gateway_url, self.role, self.worker_url)
                 return
-            raise JoinRefused(f"{self.gateway_url} refused {self.worker_url}: HTTP "
-                              f"{resp.status_code}: {_message(resp)}")
+            raise JoinRefused(
+                f"{self.gateway_url} refused {self.worker_url}: HTTP "
+                f"{resp.status_code}: {_message(resp)}"
+            )
         raise JoinRefused(f"{self.gateway_url} did not answer POST /workers in time ({last})")
 
     def leave(self) -> None:
@@ -70,11 +72,13 @@ class Join:
             log.warning("leaving %s: %s", self.gateway_url, exc)
             return
         if resp.status_code not in (202, 404):
-            log.warning("leaving %s: HTTP %d: %s", self.gateway_url, resp.status_code,
-                        _message(resp))
+            log.warning(
+                "leaving %s: HTTP %d: %s", self.gateway_url, resp.status_code, _message(resp)
+            )
 
     def start(self, tls: TLSConfig, on_refused: Callable[[str], None]) -> threading.Thread:
         """Register in the background once the worker is SERVING; `on_refused(reason)` else."""
+
         def run() -> None:
             deadline = time.monotonic() + self.timeout_s
             wake = threading.Event()

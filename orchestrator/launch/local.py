@@ -130,12 +130,18 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         # start_new_session: its own process group, so Ctrl-C in the terminal reaches only us
         # and we stop the children in order; killpg also reaches anything the child spawned.
-        proc = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            spec.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         child = Child(spec, proc, log)
-        threading.Thread(target=self._reap, args=(proc,), name=f"wait-{spec.name}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._reap, args=(proc,), name=f"wait-{spec.name}", daemon=True
+        ).start()
         return child
 
     def _reap(self, proc: subprocess.Popen[bytes]) -> None:
@@ -144,8 +150,9 @@ class LocalCluster:
 
     def report_failure(self, child: Child, what: str) -> LaunchError:
         text = tail(child.spec.log_path, self.log_tail_lines)
-        print(f"error: {child.spec.name} {what}; last lines of {child.spec.log_path}:",
-              file=self.err)
+        print(
+            f"error: {child.spec.name} {what}; last lines of {child.spec.log_path}:", file=self.err
+        )
         print(text or "(log is empty)", file=self.err)
         return LaunchError(f"{child.spec.name} {what} (log: {child.spec.log_path})")
 
@@ -177,17 +184,22 @@ class LocalCluster:
             return
         self._gateway = self._spawn(self.gateway_spec)
         gw = self._gateway
-        ok = http_ready(gw.spec.health_url, deadline,
-                        keep_waiting=lambda: gw.proc.poll() is None and not self._stop_requested,
-                        interrupt=self._wake)
+        ok = http_ready(
+            gw.spec.health_url,
+            deadline,
+            keep_waiting=lambda: gw.proc.poll() is None and not self._stop_requested,
+            interrupt=self._wake,
+        )
         if self._stop_requested:
             return
         if gw.proc.poll() is not None:
-            raise self.report_failure(gw, f"exited with code {gw.proc.returncode} "
-                                          "before it was ready")
+            raise self.report_failure(
+                gw, f"exited with code {gw.proc.returncode} before it was ready"
+            )
         if not ok:
-            raise self.report_failure(gw, f"did not answer 200 on {gw.spec.health_url} "
-                                          f"within {self.ready_timeout_s:g} s")
+            raise self.report_failure(
+                gw, f"did not answer 200 on {gw.spec.health_url} within {self.ready_timeout_s:g} s"
+            )
         dead = self.dead_child()
         if dead is not None:
             raise self.report_failure(dead, f"exited with code {dead.proc.returncode}")
@@ -197,14 +209,16 @@ class LocalCluster:
         while not self._stop_requested:
             dead = self.dead_child()
             if dead is not None:
-                raise self.report_failure(dead, f"exited with code {dead.proc.returncode} "
-                                                "before it was ready")
+                raise self.report_failure(
+                    dead, f"exited with code {dead.proc.returncode} before it was ready"
+                )
             for i, (c, w) in enumerate(zip(self._workers, watches, strict=True)):
                 if w.ready.is_set() and i not in checked:
                     self._check_identity(c)
                     checked.add(i)
-            pending = [(c, w) for c, w in zip(self._workers, watches, strict=True)
-                       if not w.ready.is_set()]
+            pending = [
+                (c, w) for c, w in zip(self._workers, watches, strict=True) if not w.ready.is_set()
+            ]
             if not pending:
                 return
             remaining = deadline - time.monotonic()
@@ -247,13 +261,21 @@ class LocalCluster:
                 # Drained and exited on purpose (DELETE /workers, SIGTERM): it left.
                 self._workers.remove(dead)
                 self._left.append(dead)
-                print(f"{dead.spec.name} drained and left the cluster (exit 0); serving on with "
-                      f"{len(self._workers)} launched workers", file=self.err, flush=True)
+                print(
+                    f"{dead.spec.name} drained and left the cluster (exit 0); serving on with "
+                    f"{len(self._workers)} launched workers",
+                    file=self.err,
+                    flush=True,
+                )
                 continue
             if dead is not None and dead in self._workers and self.restarts_left > 0:
                 self.restarts_left -= 1
-                print(f"{dead.spec.name} exited with code {dead.proc.returncode}; restarting it "
-                      f"({self.restarts_left} restarts left)", file=self.err, flush=True)
+                print(
+                    f"{dead.spec.name} exited with code {dead.proc.returncode}; restarting it "
+                    f"({self.restarts_left} restarts left)",
+                    file=self.err,
+                    flush=True,
+                )
                 dead.log.close()
                 self._workers[self._workers.index(dead)] = self._spawn(dead.spec)
                 continue
@@ -285,8 +307,10 @@ class LocalCluster:
             try:
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"{c.spec.name} ignored SIGTERM for {self.stop_grace_s:g} s; killing it",
-                      file=self.err)
+                print(
+                    f"{c.spec.name} ignored SIGTERM for {self.stop_grace_s:g} s; killing it",
+                    file=self.err,
+                )
                 _signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait()
         for c in children:
@@ -336,12 +360,14 @@ def expected_identity(cluster: ClusterConfig, role: str, replica: int) -> Worker
     """What the launch's worker `role`-`replica` must report in GetInfo."""
     m = cluster.model
     fp = model_fingerprint(cluster.served_model_name, m.path, m.load_format, m.seed)
-    return WorkerIdentity(cluster_id=cluster.launcher.cluster_id, role=role, replica=replica,
-                          model_fingerprint=fp)
+    return WorkerIdentity(
+        cluster_id=cluster.launcher.cluster_id, role=role, replica=replica, model_fingerprint=fp
+    )
 
 
-def cluster_specs(cluster: ClusterConfig, config_file: Path,
-                  log_dir: Path | None = None) -> tuple[list[ProcessSpec], ProcessSpec]:
+def cluster_specs(
+    cluster: ClusterConfig, config_file: Path, log_dir: Path | None = None
+) -> tuple[list[ProcessSpec], ProcessSpec]:
     """Worker and gateway process specs for a resolved config file written at `config_file`;
     logs in `log_dir` (default: the cluster's run directory)."""
     log_dir = log_dir or run_dir_of(cluster)
@@ -349,8 +375,16 @@ def cluster_specs(cluster: ClusterConfig, config_file: Path,
     workers = [
         ProcessSpec(
             name=row.name,
-            argv=[*base, "worker", "--config", str(config_file), "--role", row.role,
-                  "--replica", str(row.replica)],
+            argv=[
+                *base,
+                "worker",
+                "--config",
+                str(config_file),
+                "--role",
+                row.role,
+                "--replica",
+                str(row.replica),
+            ],
             log_path=log_dir / f"{row.name}.log",
             grpc_address=dial_address(row.host, row.port),
             tls=cluster.tls,
@@ -386,8 +420,7 @@ def with_cluster_id(cluster: ClusterConfig, cluster_id: str = "") -> ClusterConf
     else a fresh random one."""
     if cluster.launcher.cluster_id:
         return cluster
-    launcher = dataclasses.replace(cluster.launcher,
-                                   cluster_id=cluster_id or secrets.token_hex(4))
+    launcher = dataclasses.replace(cluster.launcher, cluster_id=cluster_id or secrets.token_hex(4))
     return dataclasses.replace(cluster, launcher=launcher)
 
 
@@ -401,13 +434,16 @@ def ready_line(cluster: ClusterConfig, workers: list[ProcessSpec], run_dir: Path
         ranks = role.parallel.world_size
         names.append(spec.name + (f" ({ranks} ranks)" if ranks > 1 else ""))
     transfer = cluster.transfer.backend if cluster.roles.is_pd else "mono"
-    return (f"ready: http://{dial_address(gw.host, gw.port)} (model {cluster.served_model_name}; "
-            f"workers {', '.join(names)}; {transfer}; cluster {cluster.launcher.cluster_id}; "
-            f"logs {run_dir})")
+    return (
+        f"ready: http://{dial_address(gw.host, gw.port)} (model {cluster.served_model_name}; "
+        f"workers {', '.join(names)}; {transfer}; cluster {cluster.launcher.cluster_id}; "
+        f"logs {run_dir})"
+    )
 
 
-def run_local(cluster: ClusterConfig, out: IO[str] | None = None,
-              err: IO[str] | None = None) -> int:
+def run_local(
+    cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None
+) -> int:
     """Run the cluster in the foreground until Ctrl-C / SIGTERM (0) or a child's death (1)."""
     out, err = out or sys.stdout, err or sys.stderr
     cluster = prepare_launch(cluster)
@@ -419,8 +455,15 @@ def run_local(cluster: ClusterConfig, out: IO[str] | None = None,
     workers, gateway = cluster_specs(cluster, config_file, run_dir)
     launcher = cluster.launcher
     restarts = launcher.max_restarts if launcher.on_worker_exit == "restart" else 0
-    lc = LocalCluster(workers, gateway, launcher.ready_timeout_s, launcher.stop_grace_s,
-                      launcher.log_tail_lines, err=err, restart_workers=restarts)
+    lc = LocalCluster(
+        workers,
+        gateway,
+        launcher.ready_timeout_s,
+        launcher.stop_grace_s,
+        launcher.log_tail_lines,
+        err=err,
+        restart_workers=restarts,
+    )
     with stop_on_signals(lc):
         try:
             lc.start()
@@ -437,6 +480,9 @@ def run_local(cluster: ClusterConfig, out: IO[str] | None = None,
             lc.report_failure(dead, f"exited unexpectedly with code {dead.proc.returncode}")
             code = 1
         stopped = lc.stop()
-    print(f"stopped: {', '.join(stopped) or 'nothing was running'}; logs in {run_dir}",
-          file=out, flush=True)
+    print(
+        f"stopped: {', '.join(stopped) or 'nothing was running'}; logs in {run_dir}",
+        file=out,
+        flush=True,
+    )
     return code

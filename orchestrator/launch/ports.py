@@ -55,8 +55,10 @@ def is_free(host: str, port: int) -> bool:
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 return False
-            raise ClusterConfigError(f"cannot bind {host}:{port} to check it: {exc.strerror}; "
-                                     "is the host an address of this machine?") from None
+            raise ClusterConfigError(
+                f"cannot bind {host}:{port} to check it: {exc.strerror}; "
+                "is the host an address of this machine?"
+            ) from None
     return True
 
 
@@ -66,15 +68,22 @@ def listeners(cluster: ClusterConfig) -> list[Listener]:
     out = [Listener(gw.host, gw.port, "gateway", "gateway.port (or --port)")]
     for name, rc in cluster.roles.present():
         for i in range(rc.count):
-            out.append(Listener(rc.host_of(i), rc.port(i), f"{name}-{i}",
-                                f"roles.{name}.base_port"))
+            out.append(
+                Listener(rc.host_of(i), rc.port(i), f"{name}-{i}", f"roles.{name}.base_port")
+            )
     boot = cluster.transfer.bootstrap_port
     if boot and cluster.roles.prefill is not None:
         rc = cluster.roles.prefill
         for i in range(rc.count):
             for r in range(rc.parallel.world_size):
-                out.append(Listener(rc.host_of(i), boot + r, f"prefill-{i} bootstrap (rank {r})",
-                                    "transfer.bootstrap_port"))
+                out.append(
+                    Listener(
+                        rc.host_of(i),
+                        boot + r,
+                        f"prefill-{i} bootstrap (rank {r})",
+                        "transfer.bootstrap_port",
+                    )
+                )
     return out
 
 
@@ -86,12 +95,16 @@ def check_ports(cluster: ClusterConfig) -> None:
             continue
         other = seen.get((ln.host, ln.port))
         if other is not None:
-            raise PortInUseError(f"port {ln.port}: {ln.who} and {other.who} would both listen "
-                                 f"on {ln.host}:{ln.port}; change {ln.key} (0 = a free port)")
+            raise PortInUseError(
+                f"port {ln.port}: {ln.who} and {other.who} would both listen "
+                f"on {ln.host}:{ln.port}; change {ln.key} (0 = a free port)"
+            )
         seen[(ln.host, ln.port)] = ln
         if not is_free(ln.host, ln.port):
-            raise PortInUseError(f"port {ln.port} ({ln.who}, {ln.key}) is in use on {ln.host}: "
-                                 f"another cluster? change {ln.key}")
+            raise PortInUseError(
+                f"port {ln.port} ({ln.who}, {ln.key}) is in use on {ln.host}: "
+                f"another cluster? change {ln.key}"
+            )
 
 
 def _choose_base(rc: RoleConfig, taken: set[int], rng: random.Random) -> int:
@@ -104,8 +117,9 @@ def _choose_base(rc: RoleConfig, taken: set[int], rng: random.Random) -> int:
         if not taken.intersection(ports) and all(map(is_free, hosts, ports)):
             taken.update(ports)
             return base
-    raise PortInUseError(f"no free ports for {rc.count} replicas in {lo}..{hi}; "
-                         "pin them with base_port")
+    raise PortInUseError(
+        f"no free ports for {rc.count} replicas in {lo}..{hi}; pin them with base_port"
+    )
 
 
 def resolve_ports(cluster: ClusterConfig, rng: random.Random | None = None) -> ClusterConfig:
@@ -137,4 +151,5 @@ def require_pinned(cluster: ClusterConfig, launcher: str) -> None:
         if not rc.base_port:
             raise ClusterConfigError(
                 f"roles.{name}.base_port is unset: the {launcher} launcher needs explicit worker "
-                f"ports (peers on other nodes dial them); set roles.{name}.base_port")
+                f"ports (peers on other nodes dial them); set roles.{name}.base_port"
+            )

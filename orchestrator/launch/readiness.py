@@ -48,7 +48,9 @@ class HealthWatch:
         stub = health_pb2_grpc.HealthStub(self._channel)
         # wait_for_ready: the call waits for the server's port to open instead of failing
         # at once with UNAVAILABLE while the worker is still loading.
-        call = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s, wait_for_ready=True)
+        call = stub.Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s, wait_for_ready=True
+        )
         with self._lock:
             if self._closed:
                 call.cancel()
@@ -78,7 +80,11 @@ class HealthWatch:
 
 
 def http_ready(
-    url: str, deadline: float, keep_waiting: Callable[[], bool], interrupt: threading.Event, interval_s: float = 0.1
+    url: str,
+    deadline: float,
+    keep_waiting: Callable[[], bool],
+    interrupt: threading.Event,
+    interval_s: float = 0.1,
 ) -> bool:
     """Poll GET `url` until it answers 200 (True); False once `deadline` (time.monotonic)
     passes or `keep_waiting()` turns False. `interrupt` cuts an interval short (stop request)."""
@@ -93,14 +99,18 @@ def http_ready(
     return False
 
 
-def identity_problem(address: str, expected: WorkerIdentity, tls: TLSConfig | None = None,
-                     timeout_s: float = 5.0) -> str:
+def identity_problem(
+    address: str, expected: WorkerIdentity, tls: TLSConfig | None = None, timeout_s: float = 5.0
+) -> str:
     """'' when the worker at `address` is `expected`; else the one-line refusal."""
     with channel(address, tls or TLSConfig()) as ch:
         try:
-            info = tandem_pb2_grpc.WorkerStub(ch).GetInfo(tandem_pb2.GetInfoRequest(),
-                                                          timeout=timeout_s)
+            info = tandem_pb2_grpc.WorkerStub(ch).GetInfo(
+                tandem_pb2.GetInfoRequest(), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
-            return (f"refusing the worker at {address}: it answers health but not GetInfo "
-                    f"({exc.code().name}); expected {expected.describe()}")
+            return (
+                f"refusing the worker at {address}: it answers health but not GetInfo "
+                f"({exc.code().name}); expected {expected.describe()}"
+            )
     return expected.mismatch(address, info)

@@ -85,7 +85,9 @@ class SlurmEnv:
 
 def expand_nodelist(nodelist: str) -> tuple[str, ...]:
     """`n[1-2]` -> ("n1", "n2") through scontrol (Slurm's own grammar, not ours)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         raise SlurmEnvError(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
     return tuple(out.stdout.split())
@@ -94,8 +96,10 @@ def expand_nodelist(nodelist: str) -> tuple[str, ...]:
 def read_slurm_env(environ: Mapping[str, str]) -> SlurmEnv:
     job = environ.get("SLURM_JOB_ID", "")
     if not job:
-        raise SlurmEnvError("launcher.kind=slurm runs inside a Slurm allocation (SLURM_JOB_ID is unset); "
-                            "submit with deploy/slurm/submit.sh JOB.yaml, or use launcher.kind=local")
+        raise SlurmEnvError(
+            "launcher.kind=slurm runs inside a Slurm allocation (SLURM_JOB_ID is unset); "
+            "submit with deploy/slurm/submit.sh JOB.yaml, or use launcher.kind=local"
+        )
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
     return SlurmEnv(
         job_id=job,
@@ -116,7 +120,11 @@ def clear_topology_env(environ: MutableMapping[str, str]) -> list[str]:
 
 def with_node_hosts(cluster: ClusterConfig, addresses: tuple[str, ...]) -> ClusterConfig:
     """Each replica's host = the address of its node 0 (plan order); the gateway stays put."""
-    first = {(r.role, r.replica): r.node for r in plan_processes(cluster) if r.rank == 0 and r.role != "gateway"}
+    first = {
+        (r.role, r.replica): r.node
+        for r in plan_processes(cluster)
+        if r.rank == 0 and r.role != "gateway"
+    }
     roles = cluster.roles
     for name, rc in roles.present():
         hosts = tuple(addresses[first[(name, i)]] for i in range(rc.count))
@@ -138,7 +146,9 @@ def publish(path: Path, data: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
-def node_specs(cluster: ClusterConfig, node: int, config_file: Path, run_dir: Path) -> list[ProcessSpec]:
+def node_specs(
+    cluster: ClusterConfig, node: int, config_file: Path, run_dir: Path
+) -> list[ProcessSpec]:
     """The worker processes node `node` starts; readiness = its replica's gRPC SERVING."""
     base = [sys.executable, "-m", "orchestrator.cli", "worker", "--config", str(config_file)]
     specs = []
@@ -146,31 +156,49 @@ def node_specs(cluster: ClusterConfig, node: int, config_file: Path, run_dir: Pa
         if row.role == "gateway" or row.node != node or not row.starts_node:
             continue
         rc = cluster.role(row.role)
-        specs.append(ProcessSpec(
-            name=log_name(row, rc.count),
-            argv=[*base, "--role", row.role, "--replica", str(row.replica), "--node-rank", str(row.node_rank)],
-            log_path=run_dir / f"{log_name(row, rc.count)}.log",
-            # A node > 0 of a multi-node replica serves nothing itself: it is ready when its
-            # replica (node 0's gRPC server, which waits for every rank) is.
-            grpc_address=dial_address(rc.host_of(row.replica), rc.port(row.replica)),
-            identity=expected_identity(cluster, row.role, row.replica),
-        ))
+        specs.append(
+            ProcessSpec(
+                name=log_name(row, rc.count),
+                argv=[
+                    *base,
+                    "--role",
+                    row.role,
+                    "--replica",
+                    str(row.replica),
+                    "--node-rank",
+                    str(row.node_rank),
+                ],
+                log_path=run_dir / f"{log_name(row, rc.count)}.log",
+                # A node > 0 of a multi-node replica serves nothing itself: it is ready when its
+                # replica (node 0's gRPC server, which waits for every rank) is.
+                grpc_address=dial_address(rc.host_of(row.replica), rc.port(row.replica)),
+                identity=expected_identity(cluster, row.role, row.replica),
+            )
+        )
     return specs
 
 
-def _wait_files(run_dir: Path, names: list[str], deadline: float, err: IO[str], tail_lines: int) -> None:
+def _wait_files(
+    run_dir: Path, names: list[str], deadline: float, err: IO[str], tail_lines: int
+) -> None:
     """Until ready/<name>.json exists for every name; LaunchError on a failed/ file or timeout."""
     ready, failed = run_dir / "ready", run_dir / "failed"
     while True:
         for f in sorted(failed.glob("*.json")) if failed.is_dir() else []:
             info = json.loads(f.read_text())
-            print(f"--- last lines of {info.get('log')} ---\n{info.get('tail') or '(log is empty)'}", file=err, flush=True)
+            print(
+                f"--- last lines of {info.get('log')} ---\n{info.get('tail') or '(log is empty)'}",
+                file=err,
+                flush=True,
+            )
             raise LaunchError(f"{f.stem} failed on node {info.get('node')}: {info.get('error')}")
         missing = [n for n in names if not (ready / f"{n}.json").is_file()]
         if not missing:
             return
         if time.monotonic() > deadline:
-            raise LaunchError(f"no readiness file from {', '.join(missing)} in {ready} before the deadline")
+            raise LaunchError(
+                f"no readiness file from {', '.join(missing)} in {ready} before the deadline"
+            )
         time.sleep(FILE_POLL_S)
 
 
@@ -184,10 +212,14 @@ def _check_health(specs: list[ProcessSpec], deadline: float, tls: TLSConfig) -> 
             w.start(max(0.1, deadline - time.monotonic()))
         for w, spec in zip(watches, specs, strict=True):
             if not w.ready.wait(max(0.0, deadline - time.monotonic())):
-                raise LaunchError(f"worker {w.address} is not SERVING from node 0 (last health: "
-                                  f"{w.last_status}); check the nodes' network and the role's "
-                                  "host/port")
-            problem = identity_problem(spec.grpc_address, spec.identity, tls) if spec.identity else ""
+                raise LaunchError(
+                    f"worker {w.address} is not SERVING from node 0 (last health: "
+                    f"{w.last_status}); check the nodes' network and the role's "
+                    "host/port"
+                )
+            problem = (
+                identity_problem(spec.grpc_address, spec.identity, tls) if spec.identity else ""
+            )
             if problem:
                 raise LaunchError(problem)
     finally:
@@ -202,8 +234,14 @@ def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
 
     gw, ev = cluster.gateway, cluster.eval
     url = f"http://127.0.0.1:{gw.port}"
-    print(f"eval: {ev.task} x{ev.samples} at concurrency {ev.concurrency} against {url}", file=out, flush=True)
-    result = asyncio.run(run_eval(url, get_task(ev.task), ev.samples, ev.concurrency, ev.seed, "", gw.api_key))  # type: ignore[arg-type]
+    print(
+        f"eval: {ev.task} x{ev.samples} at concurrency {ev.concurrency} against {url}",
+        file=out,
+        flush=True,
+    )
+    result = asyncio.run(
+        run_eval(url, get_task(ev.task), ev.samples, ev.concurrency, ev.seed, "", gw.api_key)
+    )  # type: ignore[arg-type]
     return report(result, ev.min_accuracy, out, err)
 
 
@@ -218,8 +256,12 @@ class _Timer:
         return f"[{time.time() - self.t0:6.1f}s]"
 
 
-def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None,
-              environ: MutableMapping[str, str] | None = None) -> int:
+def run_slurm(
+    cluster: ClusterConfig,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+    environ: MutableMapping[str, str] | None = None,
+) -> int:
     """One node's part of a Slurm run; returns this task's exit status."""
     out, err = out or sys.stdout, err or sys.stderr
     environ = os.environ if environ is None else environ
@@ -231,8 +273,11 @@ def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
         return _run_smoke(cluster, env, run_dir, out, err) if env.node_id == 0 else 0
     need = num_nodes(cluster)
     if len(env.nodes) < need:
-        raise SlurmEnvError(f"the plan needs {need} nodes (one per replica node, PD_SLURM=1) but the allocation has "
-                            f"{len(env.nodes)} ({','.join(env.nodes)}); submit with -N {need} (submit.sh does)")
+        raise SlurmEnvError(
+            f"the plan needs {need} nodes (one per replica node, PD_SLURM=1) "
+            "but the allocation has "
+            f"{len(env.nodes)} ({','.join(env.nodes)}); submit with -N {need} (submit.sh does)"
+        )
     check_layout(cluster)
     require_pinned(cluster, "slurm")
     read_model_config(cluster.model.path)  # a missing checkpoint fails here, before any process
@@ -242,52 +287,117 @@ def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
     config_file = run_dir / f"cluster.node{env.node_id}.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     config_file.write_text(dump_config(resolved))
-    print(f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}", file=out, flush=True)
-    return _run_node(resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", "")))
+    print(
+        f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}",
+        file=out,
+        flush=True,
+    )
+    return _run_node(
+        resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", ""))
+    )
 
 
-def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file: Path,
-              out: IO[str], err: IO[str], clock: _Timer) -> int:
+def _run_node(
+    cluster: ClusterConfig,
+    env: SlurmEnv,
+    run_dir: Path,
+    config_file: Path,
+    out: IO[str],
+    err: IO[str],
+    clock: _Timer,
+) -> int:
     launcher = cluster.launcher
     deadline = time.monotonic() + launcher.ready_timeout_s
     specs = node_specs(cluster, env.node_id, config_file, run_dir)
-    workers = LocalCluster(specs, None, launcher.ready_timeout_s, launcher.stop_grace_s, launcher.log_tail_lines, err=err)
+    workers = LocalCluster(
+        specs,
+        None,
+        launcher.ready_timeout_s,
+        launcher.stop_grace_s,
+        launcher.log_tail_lines,
+        err=err,
+    )
     gateway: LocalCluster | None = None
     with stop_on_signals(workers):
         try:
             workers.start()
         except LaunchError as exc:
             for s in specs:
-                publish(run_dir / "failed" / f"{s.name}.json", {
-                    "node": env.node_id, "error": str(exc), "log": str(s.log_path),
-                    "tail": tail(s.log_path, launcher.log_tail_lines)})
+                publish(
+                    run_dir / "failed" / f"{s.name}.json",
+                    {
+                        "node": env.node_id,
+                        "error": str(exc),
+                        "log": str(s.log_path),
+                        "tail": tail(s.log_path, launcher.log_tail_lines),
+                    },
+                )
             print(f"error: node {env.node_id}: {exc}", file=err, flush=True)
             return 1
         for s in specs:
-            publish(run_dir / "ready" / f"{s.name}.json", {"node": env.node_id, "address": s.grpc_address})
-        print(f"{clock()} node {env.node_id}: {', '.join(s.name for s in specs) or 'no workers'} ready", file=out, flush=True)
+            publish(
+                run_dir / "ready" / f"{s.name}.json",
+                {"node": env.node_id, "address": s.grpc_address},
+            )
+        print(
+            f"{clock()} node {env.node_id}: "
+            f"{', '.join(s.name for s in specs) or 'no workers'} ready",
+            file=out,
+            flush=True,
+        )
         if env.node_id != 0:
             return _serve_until_done(workers, run_dir, err)
         try:
-            all_workers = [s.name for n in range(num_nodes(cluster)) for s in node_specs(cluster, n, config_file, run_dir)]
+            all_workers = [
+                s.name
+                for n in range(num_nodes(cluster))
+                for s in node_specs(cluster, n, config_file, run_dir)
+            ]
             _wait_files(run_dir, all_workers, deadline, err, launcher.log_tail_lines)
-            _check_health([s for n in range(num_nodes(cluster))
-                           for s in node_specs(cluster, n, config_file, run_dir)], deadline,
-                          cluster.tls)
-            print(f"{clock()} node 0: every worker SERVING across nodes; starting the gateway", file=out, flush=True)
+            _check_health(
+                [
+                    s
+                    for n in range(num_nodes(cluster))
+                    for s in node_specs(cluster, n, config_file, run_dir)
+                ],
+                deadline,
+                cluster.tls,
+            )
+            print(
+                f"{clock()} node 0: every worker SERVING across nodes; starting the gateway",
+                file=out,
+                flush=True,
+            )
             _, gw_spec = cluster_specs(cluster, config_file, run_dir)
-            gateway = LocalCluster([], gw_spec, max(1.0, deadline - time.monotonic()), launcher.stop_grace_s,
-                                   launcher.log_tail_lines, err=err)
+            gateway = LocalCluster(
+                [],
+                gw_spec,
+                max(1.0, deadline - time.monotonic()),
+                launcher.stop_grace_s,
+                launcher.log_tail_lines,
+                err=err,
+            )
             gateway.start()
         except LaunchError as exc:
             print(f"error: cluster did not start: {exc}", file=err, flush=True)
             publish(run_dir / "done.json", {"status": 1})
             workers.stop()
             return 1
-        publish(run_dir / "ready" / "lb.json", {"node": 0, "url": f"http://127.0.0.1:{cluster.gateway.port}"})
-        print(f"{clock()} ready: http://{dial_address(cluster.gateway.host, cluster.gateway.port)}", file=out, flush=True)
+        publish(
+            run_dir / "ready" / "lb.json",
+            {"node": 0, "url": f"http://127.0.0.1:{cluster.gateway.port}"},
+        )
+        print(
+            f"{clock()} ready: http://{dial_address(cluster.gateway.host, cluster.gateway.port)}",
+            file=out,
+            flush=True,
+        )
         try:
-            code = run_gate(cluster, out, err) if launcher.eval_on_ready else _serve_forever(workers, gateway)
+            code = (
+                run_gate(cluster, out, err)
+                if launcher.eval_on_ready
+                else _serve_forever(workers, gateway)
+            )
             print(f"{clock()} gate done: exit {code}", file=out, flush=True)
         finally:
             publish(run_dir / "done.json", {"status": 0})
@@ -298,6 +408,7 @@ def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file:
 
 def _serve_forever(workers: LocalCluster, gateway: LocalCluster) -> int:
     """Without a gate: serve until a signal (0) or a process's death (1)."""
+
     def gateway_gone() -> None:
         gateway.watch()
         workers.request_stop()
@@ -328,7 +439,9 @@ def _serve_until_done(workers: LocalCluster, run_dir: Path, err: IO[str]) -> int
     return code
 
 
-def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str], err: IO[str]) -> int:
+def _run_smoke(
+    cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str], err: IO[str]
+) -> int:
     """Without PD_SLURM=1: the whole cluster on this one node, as the local launcher runs it."""
     launcher = dataclasses.replace(cluster.launcher, kind="local", run_dir=str(run_dir))
     local = dataclasses.replace(cluster, launcher=launcher)
@@ -338,15 +451,27 @@ def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str
     config_file = run_dir / "cluster.yaml"
     config_file.write_text(dump_config(local))
     workers, gateway = cluster_specs(local, config_file, run_dir)
-    lc = LocalCluster(workers, gateway, launcher.ready_timeout_s, launcher.stop_grace_s, launcher.log_tail_lines, err=err)
+    lc = LocalCluster(
+        workers,
+        gateway,
+        launcher.ready_timeout_s,
+        launcher.stop_grace_s,
+        launcher.log_tail_lines,
+        err=err,
+    )
     with stop_on_signals(lc):
         try:
             lc.start()
         except LaunchError as exc:
             print(f"error: cluster did not start: {exc}", file=err, flush=True)
             return 1
-        print(f"ready: http://{dial_address(local.gateway.host, local.gateway.port)} (single-node smoke, "
-              f"run dir {run_dir})", file=out, flush=True)
+        print(
+            f"ready: http://{dial_address(local.gateway.host, local.gateway.port)} "
+            "(single-node smoke, "
+            f"run dir {run_dir})",
+            file=out,
+            flush=True,
+        )
         try:
             if launcher.eval_on_ready:
                 return run_gate(local, out, err)
@@ -357,7 +482,8 @@ def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.launch.slurm nodes --config X.yaml [--set k=v]`: what submit.sh asks."""
+    """`python -m orchestrator.launch.slurm nodes --config X.yaml [--set k=v]`: what
+    submit.sh asks."""
     import argparse
 
     from orchestrator.cli import resolve_config_path

@@ -28,8 +28,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if real_model_present():
         return EMBEDDED_MODEL
     out = tmp_path_factory.mktemp("arith-plumbing")
-    cmd = [sys.executable, str(REPO_ROOT / "models" / "train_arith.py"), "--out", str(out),
-           "--max-steps", "1", "--final-eval", "1", "--eval-samples", "1", "--threads", "1"]
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "models" / "train_arith.py"),
+        "--out",
+        str(out),
+        "--max-steps",
+        "1",
+        "--final-eval",
+        "1",
+        "--eval-samples",
+        "1",
+        "--threads",
+        "1",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=240, cwd=REPO_ROOT)
     return out
 
@@ -48,13 +60,27 @@ def slurm_cluster() -> Iterator[None]:
         pytest.skip("no Slurm and no apt-get to install it")
     # Session-wide infrastructure: its daemons must not count as this module's leftovers.
     env = without_session_marker()
-    was_up = subprocess.run(["bash", str(LOCAL_CLUSTER), "status"], capture_output=True,
-                            text=True, timeout=60, env=env).returncode == 0
-    up = subprocess.run(["bash", str(LOCAL_CLUSTER), "up"], capture_output=True, text=True,
-                        timeout=300, env=env)
+    was_up = (
+        subprocess.run(
+            ["bash", str(LOCAL_CLUSTER), "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        ).returncode
+        == 0
+    )
+    up = subprocess.run(
+        ["bash", str(LOCAL_CLUSTER), "up"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     yield
     if not was_up:
-        down = subprocess.run(["bash", str(LOCAL_CLUSTER), "down"], capture_output=True,
-                              text=True, timeout=300, env=env)
+        down = subprocess.run(
+            ["bash", str(LOCAL_CLUSTER), "down"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert down.returncode == 0, down.stdout + down.stderr

@@ -43,9 +43,14 @@ pytestmark = pytest.mark.slow
 def two_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Cluster]]:
     logs = tmp_path_factory.mktemp("checkout") / "logs"  # one log_dir, as in one checkout
     with ExitStack() as stack:
-        a, b = (stack.enter_context(running_cluster("configs/tiny-1p1d.yaml", logs=logs, model=MODEL,
-                                                    tmp=tmp_path_factory.mktemp(n)))
-                for n in ("a", "b"))
+        a, b = (
+            stack.enter_context(
+                running_cluster(
+                    "configs/tiny-1p1d.yaml", logs=logs, model=MODEL, tmp=tmp_path_factory.mktemp(n)
+                )
+            )
+            for n in ("a", "b")
+        )
         yield a, b
 
 
@@ -54,13 +59,14 @@ def cluster_id(c: Cluster) -> str:
 
 
 def accuracy(c: Cluster, samples: int = 16) -> float:
-    result = asyncio.run(run_eval(c.url, get_task("arith"), samples, 4, 7, "", ""))  # type: ignore[arg-type]
+    result = asyncio.run(run_eval(c.url, get_task("arith"), samples, 4, 7, "", ""))
     assert result.failed == 0, result.errors
     return result.accuracy
 
 
 def test_both_serve_correctly_with_disjoint_workers_and_separate_logs(
-        two_clusters: tuple[Cluster, Cluster]) -> None:
+    two_clusters: tuple[Cluster, Cluster],
+) -> None:
     a, b = two_clusters
     assert accuracy(a) >= 0.8 and accuracy(b) >= 0.8
     ids = {cluster_id(a), cluster_id(b)}
@@ -80,25 +86,46 @@ def test_both_serve_correctly_with_disjoint_workers_and_separate_logs(
 
 
 def test_a_pinned_port_the_other_cluster_holds_is_refused_before_ready(
-        two_clusters: tuple[Cluster, Cluster], tmp_path: Path) -> None:
+    two_clusters: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
     a, _ = two_clusters
     taken = int(a.workers["prefill-0"].rsplit(":", 1)[1])
     (gw,) = free_ports(1)
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(gw),
-                          "--model", str(MODEL), "--set", f"roles.prefill.base_port={taken}",
-                          "--set", f"launcher.log_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "serve",
+            "--port",
+            str(gw),
+            "--model",
+            str(MODEL),
+            "--set",
+            f"roles.prefill.base_port={taken}",
+            "--set",
+            f"launcher.log_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 2 and "ready:" not in out.stdout, out.stdout + out.stderr
-    assert out.stderr.strip() == (f"error: port {taken} (prefill-0, roles.prefill.base_port) is in "
-                                  "use on 127.0.0.1: another cluster? change roles.prefill.base_port")
+    assert out.stderr.strip() == (
+        f"error: port {taken} (prefill-0, roles.prefill.base_port) is in "
+        "use on 127.0.0.1: another cluster? change roles.prefill.base_port"
+    )
     assert time.monotonic() - t0 < 30 and not any(tmp_path.iterdir()), "nothing was started"
 
 
 def assert_listens_only_on_loopback(c: Cluster) -> None:
     found = listeners(descendants(c.proc.pid))
-    kinds = {ln.command.split(" --role ")[1].split()[0] if " --role " in ln.command else "other"
-             for ln in found}
+    kinds = {
+        ln.command.split(" --role ")[1].split()[0] if " --role " in ln.command else "other"
+        for ln in found
+    }
     assert {"prefill", "decode"} <= kinds, found
     wrong = [str(ln) for ln in found if ln.address != "127.0.0.1"]
     assert not wrong, f"listeners on addresses the config did not name: {wrong}"
@@ -107,16 +134,21 @@ def assert_listens_only_on_loopback(c: Cluster) -> None:
 
 
 def test_no_listener_binds_an_address_the_config_did_not_name(
-        two_clusters: tuple[Cluster, Cluster]) -> None:
+    two_clusters: tuple[Cluster, Cluster],
+) -> None:
     for c in two_clusters:
         assert_listens_only_on_loopback(c)
 
 
 def test_nixl_listeners_bind_only_the_configured_host(tmp_path: Path) -> None:
-    with running_cluster("configs/tiny-1p1d.yaml", "transfer.backend=nixl", tmp=tmp_path,
-                         model=MODEL) as c:
-        r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL.name, "prompt": "a=1;\na?",
-                                                        "max_tokens": 3}, timeout=60)
+    with running_cluster(
+        "configs/tiny-1p1d.yaml", "transfer.backend=nixl", tmp=tmp_path, model=MODEL
+    ) as c:
+        r = httpx.post(
+            f"{c.url}/v1/completions",
+            json={"model": MODEL.name, "prompt": "a=1;\na?", "max_tokens": 3},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         found = listeners(descendants(c.proc.pid))
         wrong = [str(ln) for ln in found if ln.address != "127.0.0.1"]
@@ -124,7 +156,8 @@ def test_nixl_listeners_bind_only_the_configured_host(tmp_path: Path) -> None:
 
 
 def test_a_stranger_on_a_workers_address_is_refused_on_reconnect(
-        two_clusters: tuple[Cluster, Cluster], tmp_path: Path) -> None:
+    two_clusters: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
     """Destructive (A loses its decode worker): the module's last test."""
     a, _ = two_clusters
     url = a.workers["decode-0"]
@@ -135,9 +168,25 @@ def test_a_stranger_on_a_workers_address_is_refused_on_reconnect(
         time.sleep(0.1)
     log = (tmp_path / "stranger.log").open("wb")
     stranger = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "worker", "--config", str(a.log_dir / "cluster.yaml"),
-         "--role", "decode", "--replica", "0", "--set", "launcher.cluster_id=another"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "worker",
+            "--config",
+            str(a.log_dir / "cluster.yaml"),
+            "--role",
+            "decode",
+            "--replica",
+            "0",
+            "--set",
+            "launcher.cluster_id=another",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -146,13 +195,18 @@ def test_a_stranger_on_a_workers_address_is_refused_on_reconnect(
                 break
             assert stranger.poll() is None and time.monotonic() < deadline, w
             time.sleep(0.1)
-        line = (f"refusing the worker at {url}: expected cluster {cluster_id(a)} role decode model "
-                f"{MODEL.name}:")
+        line = (
+            f"refusing the worker at {url}: expected cluster {cluster_id(a)} role decode model "
+            f"{MODEL.name}:"
+        )
         assert w["error"].startswith(line) and "found cluster another role decode" in w["error"]
         assert w["error"] in a.log("lb"), "the gateway logs the one-line refusal"
         for _ in range(3):
-            r = httpx.post(f"{a.url}/v1/completions", json={"model": MODEL.name, "prompt": "a=1;\na?",
-                                                            "max_tokens": 3}, timeout=30)
+            r = httpx.post(
+                f"{a.url}/v1/completions",
+                json={"model": MODEL.name, "prompt": "a=1;\na?", "max_tokens": 3},
+                timeout=30,
+            )
             assert r.status_code == 503, r.text  # no decode worker of its own is left
         assert a.load("decode-0").transfer_pages == 0 and a.load("decode-0").running == 0
     finally:

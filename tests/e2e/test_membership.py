@@ -49,8 +49,13 @@ class Load:
         while not self._stop.is_set():
             n += 1
             stream = (i + n) % 2 == 0
-            body = {"model": MODEL.name, "prompt": f"k={10 + n % 80};b={i}{n % 10};\nk?",
-                    "max_tokens": 16, "ignore_eos": True, "stream": stream}
+            body = {
+                "model": MODEL.name,
+                "prompt": f"k={10 + n % 80};b={i}{n % 10};\nk?",
+                "max_tokens": 16,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             try:
                 r = await client.post("/v1/completions", json=body)
                 text = r.text
@@ -88,7 +93,7 @@ class Joined:
     log: Path
 
 
-def wait_for(what: str, check, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+def wait_for(what: str, check, timeout_s: float = 120.0):
     deadline = time.monotonic() + timeout_s
     while True:
         got = check()
@@ -104,9 +109,23 @@ def join(c: Cluster, role: str, tmp: Path, name: str) -> Joined:
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "worker", "--config",
-             str(c.log_dir / "cluster.yaml"), "--role", role, "--join", c.url],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "worker",
+                "--config",
+                str(c.log_dir / "cluster.yaml"),
+                "--role",
+                role,
+                "--join",
+                c.url,
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def serving() -> str:
         assert proc.poll() is None, log.read_text()
@@ -147,15 +166,24 @@ def held(c: Cluster) -> dict[str, str]:
     for w in c.list_workers():
         ld = load_of(str(w["url"]))
         if ld.kv_used_pages or ld.running or ld.waiting or any(ld.rooms.values()) or w["inflight"]:
-            out[str(w["url"])] = f"{ld.kv_used_pages} pages, rooms {dict(ld.rooms)}, {w['inflight']} in flight"
+            out[str(w["url"])] = (
+                f"{ld.kv_used_pages} pages, rooms {dict(ld.rooms)}, {w['inflight']} in flight"
+            )
     return out
 
 
 def test_join_remove_and_rolling_restart_under_load_fail_nothing(tmp_path: Path) -> None:
-    with running_cluster("configs/tiny-2p2d.yaml", "gateway.health_interval_s=0.5", tmp=tmp_path,
-                         model=MODEL, admin_key=ADMIN_KEY) as c:
-        launched = {name: (url, c.pid(name.split("-")[0], int(name.split("-")[1])))
-                    for name, url in c.workers.items()}
+    with running_cluster(
+        "configs/tiny-2p2d.yaml",
+        "gateway.health_interval_s=0.5",
+        tmp=tmp_path,
+        model=MODEL,
+        admin_key=ADMIN_KEY,
+    ) as c:
+        launched = {
+            name: (url, c.pid(name.split("-")[0], int(name.split("-")[1])))
+            for name, url in c.workers.items()
+        }
         joined: list[Joined] = []
         load = Load(c.url).start()
         removals: list[tuple[str, float, int]] = []
@@ -163,8 +191,10 @@ def test_join_remove_and_rolling_restart_under_load_fail_nothing(tmp_path: Path)
             # 1. A third decode worker joins and takes requests.
             extra = join(c, "decode", tmp_path, "decode-joined")
             joined.append(extra)
-            wait_for("the joined decode worker to take requests",
-                     lambda: load_of(extra.url).transfer_pages > 0)
+            wait_for(
+                "the joined decode worker to take requests",
+                lambda: load_of(extra.url).transfer_pages > 0,
+            )
             # 2. One decode worker is removed: drained, exited, gone.
             url, pid = launched.pop("decode-0")
             removals.append(("decode-0", *remove(c, url, pid)))
@@ -179,10 +209,14 @@ def test_join_remove_and_rolling_restart_under_load_fail_nothing(tmp_path: Path)
         finally:
             load.stop()
         try:
-            assert not load.failures, f"{len(load.failures)} failed of {load.ok + len(load.failures)}: " \
-                                      f"{load.failures[:3]}"
+            assert not load.failures, (
+                f"{len(load.failures)} failed of {load.ok + len(load.failures)}: "
+                f"{load.failures[:3]}"
+            )
             assert load.ok > 50, f"too little load to prove anything ({load.ok} requests)"
-            wait_for("every page free, no room, nothing in flight", lambda: not held(c), timeout_s=30)
+            wait_for(
+                "every page free, no room, nothing in flight", lambda: not held(c), timeout_s=30
+            )
             for name in ("decode-0", "decode-1", "prefill-0", "prefill-1"):
                 assert "drained in" in c.log(name) and "every page free" in c.log(name), name
             assert "every page free" in old.log.read_text()
@@ -195,9 +229,11 @@ def test_join_remove_and_rolling_restart_under_load_fail_nothing(tmp_path: Path)
             for j in joined:
                 j.proc.wait(timeout=60)
         times = [t for _, t, _ in removals]
-        print(f"\nmembership under load (tiny-2p2d, {CONCURRENCY} clients): {load.ok} requests, "
-              f"{len(load.failures)} failed; {len(removals)} workers removed; DELETE -> drained and "
-              f"exited: median {statistics.median(times):.2f} s, max {max(times):.2f} s; in flight "
-              f"at DELETE: {[n for _, _, n in removals]}")
+        print(
+            f"\nmembership under load (tiny-2p2d, {CONCURRENCY} clients): {load.ok} requests, "
+            f"{len(load.failures)} failed; {len(removals)} workers removed; DELETE -> drained and "
+            f"exited: median {statistics.median(times):.2f} s, max {max(times):.2f} s; in flight "
+            f"at DELETE: {[n for _, _, n in removals]}"
+        )
         for name, t, n in removals:
             print(f"  {name}: {t:.2f} s, {n} in flight")

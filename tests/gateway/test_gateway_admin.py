@@ -23,9 +23,15 @@ BODY = {"prompt": "x", "max_tokens": 2}
 class Member(ScriptedWorker):
     """A scripted worker with an identity (cluster id, model, KV contract) that drains."""
 
-    def __init__(self, role: str = "both", cluster_id: str = CLUSTER, model_fp: str = MODEL,
-                 contract: str = "", **kw: object) -> None:
-        super().__init__(role=role, script=Script(tokens=[70, 71], finish_reason="stop"), **kw)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        role: str = "both",
+        cluster_id: str = CLUSTER,
+        model_fp: str = MODEL,
+        contract: str = "",
+        **kw: object,
+    ) -> None:
+        super().__init__(role=role, script=Script(tokens=[70, 71], finish_reason="stop"), **kw)
         self.cluster_id, self.model_fp, self.contract = cluster_id, model_fp, contract
         self.draining = False
         self.drains: list[str] = []
@@ -43,19 +49,25 @@ class Member(ScriptedWorker):
         return tandem_pb2.DrainResponse()
 
 
-def config(tok_dir, **kw):  # type: ignore[no-untyped-def]
-    base = dict(cluster_id=CLUSTER, model_fingerprint=MODEL, admin_key="adm", api_key="api",
-                prefill_policy="round_robin", health_ok_threshold=1)
+def config(tok_dir, **kw):
+    base = dict(
+        cluster_id=CLUSTER,
+        model_fingerprint=MODEL,
+        admin_key="adm",
+        api_key="api",
+        prefill_policy="round_robin",
+        health_ok_threshold=1,
+    )
     return fast_config(tok_dir, **{**base, **kw})
 
 
-async def listed(c, **kw) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+async def listed(c, **kw) -> dict[str, dict]:
     resp = await c.get("/workers", headers=ADMIN)
     assert resp.status_code == 200, resp.text
     return {w["url"]: w for w in resp.json()}
 
 
-async def until(c, url: str, state: str, timeout: float = 5.0) -> dict:  # type: ignore[no-untyped-def]
+async def until(c, url: str, state: str, timeout: float = 5.0) -> dict:
     """Poll GET /workers until `url` is in `state` (or gone, for state 'gone')."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -67,7 +79,7 @@ async def until(c, url: str, state: str, timeout: float = 5.0) -> dict:  # type:
         await asyncio.sleep(0.02)
 
 
-def gen(c, **headers: str):  # type: ignore[no-untyped-def]
+def gen(c, **headers: str):
     return c.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer api", **headers})
 
 
@@ -75,14 +87,20 @@ async def test_admin_routes_refuse_without_the_admin_key_and_with_the_api_key(to
     w = Member()
     async with workers(w), running_app(config(tok_dir, workers=(w.url,))) as c:
         await until(c, w.url, "serving")
-        routes = [("GET", "/workers", None), ("POST", "/workers", {"url": "127.0.0.1:1", "role": "both"}),
-                  ("DELETE", f"/workers/{w.url}", None), ("GET", "/metrics", None)]
+        routes = [
+            ("GET", "/workers", None),
+            ("POST", "/workers", {"url": "127.0.0.1:1", "role": "both"}),
+            ("DELETE", f"/workers/{w.url}", None),
+            ("GET", "/metrics", None),
+        ]
         for method, path, body in routes:
             none = await c.request(method, path, json=body)
             assert none.status_code == 401, (method, path)
             assert none.json()["error"]["code"] == "missing_admin_key"
             for key in ("api", "wrong"):  # the API key is not the admin key
-                r = await c.request(method, path, json=body, headers={"Authorization": f"Bearer {key}"})
+                r = await c.request(
+                    method, path, json=body, headers={"Authorization": f"Bearer {key}"}
+                )
                 assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
         assert (await c.get("/metrics", headers=ADMIN)).status_code == 200
         assert (await c.get("/health")).status_code == 200  # probes need no key
@@ -92,29 +110,41 @@ async def test_admin_routes_refuse_without_the_admin_key_and_with_the_api_key(to
 
 async def test_without_an_admin_key_the_pools_cannot_be_changed(tok_dir):
     w = Member()
-    async with workers(w), running_app(config(tok_dir, workers=(w.url,), admin_key="", api_key="")) as c:
+    async with (
+        workers(w),
+        running_app(config(tok_dir, workers=(w.url,), admin_key="", api_key="")) as c,
+    ):
         assert (await c.get("/workers")).status_code == 200  # no key anywhere: the dev default
         for method, path in (("POST", "/workers"), ("DELETE", f"/workers/{w.url}")):
             r = await c.request(method, path, json={"url": "127.0.0.1:1", "role": "both"})
             assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
-    async with workers(Member()) as (w2,), running_app(config(tok_dir, workers=(w2.url,),
-                                                               admin_key="")) as c:
+    async with (
+        workers(Member()) as (w2,),
+        running_app(config(tok_dir, workers=(w2.url,), admin_key="")) as c,
+    ):
         r = await c.get("/workers", headers={"Authorization": "Bearer api"})
         assert r.status_code == 403  # an API key is set: worker addresses are not for clients
         assert (await c.get("/metrics")).status_code == 403
-    async with workers(Member()) as (w3,), running_app(config(tok_dir, workers=(w3.url,),
-                                                               metrics_public=True)) as c:
+    async with (
+        workers(Member()) as (w3,),
+        running_app(config(tok_dir, workers=(w3.url,), metrics_public=True)) as c,
+    ):
         assert (await c.get("/metrics")).status_code == 200  # a scraper without a key
 
 
 async def test_stale_worker_is_refused_at_start_and_on_reconnect(tok_dir, caplog):
     good, stale = Member(), Member(cluster_id="c-old")
-    async with workers(good, stale), running_app(config(tok_dir, workers=(good.url, stale.url))) as c:
+    async with (
+        workers(good, stale),
+        running_app(config(tok_dir, workers=(good.url, stale.url))) as c,
+    ):
         await until(c, good.url, "serving")
         ws = await until(c, stale.url, "refused")
-        line = (f"refusing the worker at {stale.url}: expected cluster c1 role both model {MODEL}, "
-                f"found cluster c-old role both model {MODEL} (a worker of another cluster or model "
-                "answers there)")
+        line = (
+            f"refusing the worker at {stale.url}: expected cluster c1 role both model {MODEL}, "
+            f"found cluster c-old role both model {MODEL} (a worker of another cluster or model "
+            "answers there)"
+        )
         assert ws["error"] == line and not ws["healthy"] and ws["cluster_id"] == ""
         assert line in caplog.text
         for _ in range(4):
@@ -153,15 +183,18 @@ async def test_post_workers_adds_after_the_identity_check(tok_dir):
         assert len(a.requests) == 2 and len(b.requests) == 2  # round robin over both
         r = await c.post("/workers", json={"url": stale.url, "role": "both"}, headers=ADMIN)
         assert r.status_code == 409 and r.json()["error"]["code"] == "identity_mismatch"
-        assert r.json()["error"]["message"].startswith(f"refusing the worker at {stale.url}: expected "
-                                                       "cluster c1")
+        assert r.json()["error"]["message"].startswith(
+            f"refusing the worker at {stale.url}: expected cluster c1"
+        )
         assert stale.url not in await listed(c)
-        bad = [({"url": b.url, "role": "both"}, 409, "worker_conflict"),  # already there
-               ({"url": "127.0.0.1:1", "role": "both"}, 502, "worker_unreachable"),
-               ({"url": b.url}, 400, "invalid_value"),  # role missing
-               ({"url": b.url, "role": "both", "weight": 2}, 400, "invalid_value"),  # not honoured
-               ({"url": "http://127.0.0.1:5", "role": "both"}, 400, "invalid_value"),
-               ({"url": "127.0.0.1:5", "role": "prefill"}, 409, "worker_conflict")]  # not a PD gateway
+        bad = [
+            ({"url": b.url, "role": "both"}, 409, "worker_conflict"),  # already there
+            ({"url": "127.0.0.1:1", "role": "both"}, 502, "worker_unreachable"),
+            ({"url": b.url}, 400, "invalid_value"),  # role missing
+            ({"url": b.url, "role": "both", "weight": 2}, 400, "invalid_value"),  # not honoured
+            ({"url": "http://127.0.0.1:5", "role": "both"}, 400, "invalid_value"),
+            ({"url": "127.0.0.1:5", "role": "prefill"}, 409, "worker_conflict"),
+        ]  # not a PD gateway
         for body, status, code in bad:
             r = await c.post("/workers", json=body, headers=ADMIN)
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
@@ -192,10 +225,14 @@ async def test_pd_workers_must_share_one_kv_contract(tok_dir):
     p = Member(role="prefill", contract="a" * 64)
     d = Member(role="decode", contract="a" * 64)
     odd = Member(role="decode", contract="b" * 64)
-    async with workers(p, d, odd), running_app(config(tok_dir, prefill=(p.url,), decode=(d.url,))) as c:
+    async with (
+        workers(p, d, odd),
+        running_app(config(tok_dir, prefill=(p.url,), decode=(d.url,))) as c,
+    ):
         await until(c, d.url, "serving")
         r = await c.post("/workers", json={"url": odd.url, "role": "decode"}, headers=ADMIN)
         assert r.status_code == 409
         assert r.json()["error"]["message"] == (
             f"refusing the worker at {odd.url}: expected KV contract {'a' * 16}, found {'b' * 16} "
-            "(another model, dtype, page size or backend)")
+            "(another model, dtype, page size or backend)"
+        )

@@ -1,6 +1,7 @@
 """Process doubles for the local launcher's tests (run as scripts, in their own processes).
 
-    python proc_double.py grpc --port P --status SERVING|NOT_SERVING [--exit-after S [--exit-code N]]
+    python proc_double.py grpc --port P --status SERVING|NOT_SERVING
+                          [--exit-after S [--exit-code N]]
                           [--cluster-id C --role R --replica I --model M]
         a real grpc.health.v1 server and the Worker service's GetInfo (that identity), like a
         worker's; optionally exits (code 7, or N: 0 is a worker that drained) after S s
@@ -37,8 +38,12 @@ def run_grpc(args: argparse.Namespace) -> int:
     from protocol import tandem_pb2, tandem_pb2_grpc
 
     port, status, exit_after = args.port, args.status, args.exit_after
-    info = tandem_pb2.WorkerInfo(cluster_id=args.cluster_id, role=args.role, replica=args.replica,
-                                 model_fingerprint=args.model)
+    info = tandem_pb2.WorkerInfo(
+        cluster_id=args.cluster_id,
+        role=args.role,
+        replica=args.replica,
+        model_fingerprint=args.model,
+    )
 
     class Info(tandem_pb2_grpc.WorkerServicer):
         def GetInfo(self, request, context):  # noqa: N802 (gRPC method name)

@@ -47,14 +47,19 @@ class Running:
 
 
 @pytest.fixture
-def make_worker(checkpoint: Path) -> Iterator:  # type: ignore[type-arg]
+def make_worker(checkpoint: Path) -> Iterator:
     started: list[tuple[Running, grpc.Channel]] = []
 
     def start(**kw: object) -> Running:
-        config = WorkerConfig(port=free_port(), model=ModelConfig(path=str(checkpoint)),
-                              cache=CacheConfig(page_size=4, num_pages=256),
-                              scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=32),
-                              cluster_id="c1", replica=3, **kw)  # type: ignore[arg-type]
+        config = WorkerConfig(
+            port=free_port(),
+            model=ModelConfig(path=str(checkpoint)),
+            cache=CacheConfig(page_size=4, num_pages=256),
+            scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=32),
+            cluster_id="c1",
+            replica=3,
+            **kw,
+        )
         loop, stop, errors = asyncio.new_event_loop(), asyncio.Event(), []
 
         def run() -> None:
@@ -66,8 +71,14 @@ def make_worker(checkpoint: Path) -> Iterator:  # type: ignore[type-arg]
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{config.port}")
-        running = Running(tandem_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel),
-                          thread, stop, loop, errors)
+        running = Running(
+            tandem_pb2_grpc.WorkerStub(channel),
+            health_pb2_grpc.HealthStub(channel),
+            thread,
+            stop,
+            loop,
+            errors,
+        )
         started.append((running, channel))
         deadline = time.monotonic() + 60
         while status(running) != "SERVING":
@@ -92,12 +103,14 @@ def status(w: Running) -> str:
 
 
 def long_request(rid: str, max_tokens: int) -> tandem_pb2.GenerateRequest:
-    return tandem_pb2.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3, 4, 5],
-                                      sampling=tandem_pb2.SamplingParams(max_tokens=max_tokens,
-                                                                         ignore_eos=True))
+    return tandem_pb2.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=[1, 2, 3, 4, 5],
+        sampling=tandem_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
-def test_getinfo_reports_identity(make_worker, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
+def test_getinfo_reports_identity(make_worker, checkpoint: Path) -> None:
     w = make_worker()
     info = w.stub.GetInfo(tandem_pb2.GetInfoRequest())
     assert (info.cluster_id, info.role, info.replica, info.draining) == ("c1", "both", 3, False)
@@ -105,7 +118,7 @@ def test_getinfo_reports_identity(make_worker, checkpoint: Path) -> None:  # typ
     assert info.contract_hash == ""  # mono: no KV transfer, no contract
 
 
-def test_drain_finishes_held_requests_refuses_new_ones_frees_pages_and_exits(make_worker) -> None:  # type: ignore[no-untyped-def]
+def test_drain_finishes_held_requests_refuses_new_ones_frees_pages_and_exits(make_worker) -> None:
     w = make_worker()
     stream = w.stub.Generate(long_request("held", 120))
     first = next(stream)
@@ -116,7 +129,10 @@ def test_drain_finishes_held_requests_refuses_new_ones_frees_pages_and_exits(mak
     assert w.stub.GetInfo(tandem_pb2.GetInfoRequest()).draining
     with pytest.raises(grpc.RpcError) as refused:
         list(w.stub.Generate(long_request("new", 3)))
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+    assert (
+        refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        and "draining" in refused.value.details()
+    )
     rest = list(stream)  # the held request runs to its end
     tokens = len(first.token_ids) + sum(len(m.token_ids) for m in rest)
     assert rest[-1].finish_reason == "length" and tokens == 120
@@ -126,7 +142,7 @@ def test_drain_finishes_held_requests_refuses_new_ones_frees_pages_and_exits(mak
     assert status(w) == "UNREACHABLE"
 
 
-def test_drain_deadline_aborts_what_is_left(make_worker) -> None:  # type: ignore[no-untyped-def]
+def test_drain_deadline_aborts_what_is_left(make_worker) -> None:
     w = make_worker(drain_timeout_s=0.3)
     stream = w.stub.Generate(long_request("too-long", 400))
     next(stream)
