@@ -286,16 +286,22 @@ class WorkerPool:
     async def _drain_and_drop(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s + _REMOVE_GRACE_S
-        try:
-            await w.stub.Drain(
-                tandem_pb2.DrainRequest(reason="DELETE /workers on the gateway"),
-                timeout=self.config.health_timeout_s,
-            )
-        except grpc.aio.AioRpcError as exc:  # already gone: nothing left to drain there
-            log.info(
-                "worker %s: Drain failed (%s); dropping it once idle here", w.url, exc.code().name
-            )
-        while loop.time() < deadline and (w.inflight or await self._answers(w)):
+        ours = await self._still_ours(w)
+        if ours:
+            try:
+                await w.stub.Drain(
+                    tandem_pb2.DrainRequest(reason="DELETE /workers on the gateway"),
+                    timeout=self.config.health_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:  # already gone: nothing left to drain there
+                log.info(
+                    "worker %s: Drain failed (%s); dropping it once idle here",
+                    w.url,
+                    exc.code().name,
+                )
+        # A stranger (or nothing) at the address is never told to drain; wait only for our
+        # own requests there.
+        while loop.time() < deadline and (w.inflight or (ours and await self._answers(w))):
             await asyncio.sleep(_REMOVE_POLL_S)
         if w.inflight:
             log.warning(
@@ -304,6 +310,16 @@ class WorkerPool:
                 w.inflight,
             )
         self._drop(w)
+
+    async def _still_ours(self, w: Worker) -> bool:
+        """Whether the process at w.url right now is the worker we accepted (a DELETE must
+        never drain another cluster's worker that took the address)."""
+        try:
+            info = await self._fetch_info(w)
+            self._accept(w, info)
+        except (WorkerUnreachable, IdentityRefused):
+            return False
+        return True
 
     async def _answers(self, w: Worker) -> bool:
         """Whether the worker process still answers (a drained worker exits)."""

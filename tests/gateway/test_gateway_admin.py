@@ -236,3 +236,18 @@ async def test_pd_workers_must_share_one_kv_contract(tok_dir):
             f"refusing the worker at {odd.url}: expected KV contract {'a' * 16}, found {'b' * 16} "
             "(another model, dtype, page size or backend)"
         )
+
+
+async def test_delete_never_drains_a_stranger_on_the_address(tok_dir):
+    good, stale = Member(), Member(cluster_id="c-old")
+    async with (
+        workers(good, stale),
+        running_app(config(tok_dir, workers=(good.url, stale.url))) as c,
+    ):
+        await until(c, good.url, "serving")
+        await until(c, stale.url, "refused")
+        r = await c.delete(f"/workers/{stale.url}", headers=ADMIN)
+        assert r.status_code == 202
+        await until(c, stale.url, "gone")
+        assert stale.drains == [] and not stale.draining  # another cluster's worker is left alone
+        assert (await gen(c)).status_code == 200
