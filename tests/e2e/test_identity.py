@@ -155,6 +155,39 @@ def test_nixl_listeners_bind_only_the_configured_host(tmp_path: Path) -> None:
         assert not wrong, f"listeners on addresses the config did not name: {wrong}"
 
 
+def test_join_refused_by_the_gateway_exits_1_with_the_reason(
+    two_clusters: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
+    a, _ = two_clusters  # started without --admin-key: the pools cannot be changed
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "worker",
+            "--config",
+            str(a.log_dir / "cluster.yaml"),
+            "--role",
+            "decode",
+            "--join",
+            a.url,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-2000:]  # one line, the gateway's reason in it
+    assert errors[0].startswith(f"error: --join: {a.url} refused 127.0.0.1:")
+    assert errors[0].endswith(
+        ": HTTP 403: admin routes are off: start the gateway with --admin-key KEY "
+        "(gateway.admin_key) and send `Authorization: Bearer KEY`"
+    )
+    assert {w["url"] for w in a.list_workers()} == set(a.workers.values())
+
+
 def test_a_stranger_on_a_workers_address_is_refused_on_reconnect(
     two_clusters: tuple[Cluster, Cluster], tmp_path: Path
 ) -> None:
