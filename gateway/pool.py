@@ -5,7 +5,8 @@ Watching: a task per worker calls `GetInfo` and `grpc.health.v1` Check every
 checked against the identity the gateway expects (cluster id, role, model fingerprint, and
 one KV contract hash across the PD pools; the launcher checks replicas), so a worker of
 another cluster or model answering on an expected address, at start or after a reconnect, is
-refused with one line and never routed to. Health has hysteresis for failed checks:
+refused with one line and never routed to. A health Watch stream takes a worker out the moment
+it says NOT_SERVING (a drain starting). Health has hysteresis for failed checks:
 `health_fail_threshold` consecutive failures take a worker out, `health_ok_threshold`
 consecutive good checks bring it back; an explicit NOT_SERVING (a draining worker) takes it out
 at once. A request that fails with UNAVAILABLE takes the worker out at once too; a client's
@@ -211,7 +212,11 @@ class WorkerPool:
             self._watch_worker(w)
 
     def _watch_worker(self, w: Worker) -> None:
-        w.tasks = [self.spawn(self._watch(w)), self.spawn(self._refresh_load(w))]
+        w.tasks = [
+            self.spawn(self._watch(w)),
+            self.spawn(self._refresh_load(w)),
+            self.spawn(self._follow_health(w)),
+        ]
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) until `ready()`; the readiness signal is a health flip, not a sleep."""
@@ -459,6 +464,23 @@ class WorkerPool:
                 self._set_health(w, False)
             else:
                 self._record_check(w, ok)
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _follow_health(self, w: Worker) -> None:
+        """A health Watch stream: a worker that turns NOT_SERVING (it starts to drain) is
+        taken out the moment it says so, not at the next check. Coming back is the checks'
+        business (they re-check its identity first)."""
+        req = health_pb2.HealthCheckRequest(service="")
+        while w.member is not Membership.REMOVED:
+            try:
+                async for reply in w.health_stub.Watch(req):
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING and w.healthy:
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                        log.info("worker %s (%s) says %s", w.url, w.pool, status)
+                        w.oks = 0
+                        self._set_health(w, False)
+            except grpc.aio.AioRpcError as exc:  # unreachable or restarting: watch again soon
+                log.debug("health watch on %s ended: %s", w.url, exc.code().name)
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _refresh_load(self, w: Worker) -> None:

@@ -251,3 +251,22 @@ async def test_delete_never_drains_a_stranger_on_the_address(tok_dir):
         await until(c, stale.url, "gone")
         assert stale.drains == [] and not stale.draining  # another cluster's worker is left alone
         assert (await gen(c)).status_code == 200
+
+
+async def test_a_worker_that_starts_draining_is_taken_out_at_once(tok_dir):
+    a, b = Member(), Member()
+    # Checks every 5 s: only the health Watch stream can take b out within half a second.
+    async with (
+        workers(a, b),
+        running_app(config(tok_dir, workers=(a.url, b.url), health_interval_s=5.0)) as c,
+    ):
+        await until(c, a.url, "serving", timeout=15)
+        await until(c, b.url, "serving", timeout=15)
+        await asyncio.sleep(0.3)  # the Watch streams are open
+        await b.set_serving(False)  # what SIGTERM does first on a real worker
+        ws = await until(c, b.url, "dead", timeout=0.5)
+        assert not ws["healthy"]
+        n_b = len(b.requests)
+        for _ in range(3):
+            assert (await gen(c)).status_code == 200
+        assert len(b.requests) == n_b
