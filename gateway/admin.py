@@ -26,7 +26,8 @@ from starlette.responses import Response
 
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, BadRequest, NotFound, Unauthorized
-from gateway.pool import IdentityRefused, WorkerPool, WorkerUnreachable
+from gateway.pool import WorkerPool
+from gateway.workers import IdentityRefused, WorkerUnreachable
 
 _JSON = "application/json"
 _MAX_BODY = 64 * 1024
