@@ -25,7 +25,8 @@ def launch(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | No
 
         return run_local(cluster, out=out, err=err)
     if kind == "slurm":
-        from orchestrator.launch.slurm import SlurmEnvError, run_slurm
+        from orchestrator.launch.slurm import run_slurm
+        from orchestrator.launch.slurm_env import SlurmEnvError
 
         try:
             return run_slurm(cluster, out=out, err=err)

@@ -36,16 +36,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
 from orchestrator.launch.local import (
-    LaunchError,
-    LocalCluster,
     cluster_specs,
     expected_identity,
     fresh_run_dir,
     run_dir_of,
-    stop_on_signals,
     with_cluster_id,
 )
 from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.processes import LaunchError, LocalCluster, stop_on_signals
 from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.launch.slurm import run_gate
 from orchestrator.plan import check_layout, procs_per_node, read_model_config

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import REPO_ROOT, config_from_dict
-from orchestrator.launch.slurm import (
+from orchestrator.launch.slurm import node_specs
+from orchestrator.launch.slurm_env import (
     SlurmEnvError,
     clear_topology_env,
     log_name,
-    node_specs,
     publish,
     read_slurm_env,
     with_node_hosts,

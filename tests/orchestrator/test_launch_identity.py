@@ -20,14 +20,9 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import config_from_dict
-from orchestrator.launch.local import (
-    LaunchError,
-    LocalCluster,
-    ProcessSpec,
-    fresh_run_dir,
-    run_dir_of,
-)
+from orchestrator.launch.local import fresh_run_dir, run_dir_of
 from orchestrator.launch.ports import PortInUseError, check_ports, is_free, resolve_ports
+from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec
 from protocol.identity import WorkerIdentity
 from tests.orchestrator.test_launch_local import DOUBLE, free_port, grpc_worker, http_gateway
 

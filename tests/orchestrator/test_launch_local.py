@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import config_from_dict
-from orchestrator.launch.local import LaunchError, LocalCluster, ProcessSpec, cluster_specs
+from orchestrator.launch.local import cluster_specs
+from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec
 
 DOUBLE = str(Path(__file__).with_name("proc_double.py"))
 
