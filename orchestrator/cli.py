@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -190,10 +191,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         def stop_refused(reason: str) -> None:
             print(f"error: --join: {reason}", file=sys.stderr, flush=True)
             refused.append(reason)
-            os.kill(os.getpid(), 15)  # SIGTERM: drain (nothing is held yet) and exit
+            os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is held yet) and exit
+
+        def leave() -> None:  # on the event loop: the HTTP call runs on a thread of its own
+            threading.Thread(target=join.leave, name="leave", daemon=True).start()
 
         join.start(config.tls, stop_refused)
-        on_drain = lambda: threading.Thread(target=join.leave, daemon=True).start()  # noqa: E731
+        on_drain = leave
     try:
         run_worker(config, on_drain=on_drain)
     except BindError as exc:
