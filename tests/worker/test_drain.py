@@ -143,8 +143,8 @@ def test_drain_finishes_held_requests_refuses_new_ones_frees_pages_and_exits(mak
 
 
 def test_drain_deadline_aborts_what_is_left(make_worker) -> None:
-    w = make_worker(drain_timeout_s=0.3)
-    stream = w.stub.Generate(long_request("too-long", 400))
+    w = make_worker(drain_timeout_s=0.05)
+    stream = w.stub.Generate(long_request("too-long", 500))
     next(stream)
     t0 = time.monotonic()
     w.stub.Drain(tandem_pb2.DrainRequest())
