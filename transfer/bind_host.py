@@ -71,11 +71,15 @@ def shim_library(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def bind_address(host: str) -> str:
-    """The numeric address the shim binds (it cannot resolve names itself)."""
-    try:
-        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
-    except OSError:
-        return host
+    """The numeric address the shim binds (it cannot resolve names itself). IPv4 first:
+    Mooncake's handshake socket is IPv4, and `localhost` may resolve to ::1 first."""
+    for family in (socket.AF_INET, socket.AF_UNSPEC):
+        try:
+            infos = socket.getaddrinfo(host, None, family=family, type=socket.SOCK_STREAM)
+        except OSError:
+            continue
+        return str(infos[0][4][0])
+    return host
 
 
 def worker_env(
