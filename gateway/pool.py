@@ -308,6 +308,7 @@ class WorkerPool:
             self._accept(w, info)
         except WorkerUnreachable as exc:
             log.debug("%s", exc)
+            w.draining = False  # a drained worker that exited is gone, not draining
             return False
         except IdentityRefused as exc:
             if w.refusal != str(exc):

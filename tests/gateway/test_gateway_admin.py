@@ -270,3 +270,14 @@ async def test_a_worker_that_starts_draining_is_taken_out_at_once(tok_dir):
         for _ in range(3):
             assert (await gen(c)).status_code == 200
         assert len(b.requests) == n_b
+
+
+async def test_a_worker_that_drained_and_exited_shows_dead(tok_dir):
+    a, b = Member(), Member()
+    async with workers(a, b), running_app(config(tok_dir, workers=(a.url, b.url))) as c:
+        await until(c, b.url, "serving")
+        b.draining = True  # what a SIGTERM does: it says so in GetInfo ...
+        await b.set_serving(False)
+        await until(c, b.url, "draining")
+        await b.stop()  # ... and exits once drained
+        await until(c, b.url, "dead")
