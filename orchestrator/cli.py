@@ -12,32 +12,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from orchestrator.config import (
     DEFAULT_CONFIG,
-    REPO_ROOT,
     ClusterConfig,
     ClusterConfigError,
     EvalGate,
     gateway_config,
     load_config,
+    resolve_config_path,
     worker_config,
 )
+from worker.config import WorkerConfig
 
 EXIT_USAGE = 2  # bad flags or config, unreachable server
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # worker/config.py KV_CACHE_DTYPES (no worker import here)
-
-
-def resolve_config_path(path: str | None) -> Path:
-    """--config as given; a relative path missing here is looked up in the repository."""
-    if path is None:
-        return DEFAULT_CONFIG
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        return REPO_ROOT / p
-    return p
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -96,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
     p.add_argument("--api-key", metavar="KEY", help="clients must send `Authorization: Bearer KEY` (default: no auth)")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help="key of the admin routes (/workers, /metrics); separate from --api-key")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
     _add_parser_args(p)
     _add_kv_dtype_arg(p)
@@ -107,9 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0, metavar="K",
                    help="which of the replica's parallel.nnodes nodes this is (0 serves gRPC; default 0)")
     _add_kv_dtype_arg(p)
+    p.add_argument("--host", metavar="H", help="bind and be dialed here (default: the role's host)")
+    p.add_argument("--port", type=int, metavar="N",
+                   help="gRPC port (default: the replica's; with --join a free one)")
+    p.add_argument("--join", metavar="URL",
+                   help="add this worker to the running gateway at URL (POST /workers) once it "
+                        "is SERVING, and leave it when draining; use the run's cluster.yaml "
+                        "(logs/<port>/cluster.yaml) so the cluster id matches")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help="the gateway's admin key for --join (default: gateway.admin_key)")
 
     p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
     _add_config_args(p, required=True)
+    p.add_argument("--admin-key", metavar="KEY", help="key of the admin routes (/workers, /metrics)")
     _add_parser_args(p)
 
     p = sub.add_parser("launch", help="run the launcher the config names (launcher.kind)")
@@ -176,6 +182,8 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append(f"gateway.port={args.port}")
     if args.api_key:
         extra.append(f"gateway.api_key={args.api_key}")
+    if args.admin_key:
+        extra.append(f"gateway.admin_key={args.admin_key}")
     if args.enforce_eager:
         extra.append("model.enforce_eager=true")
     extra.extend(_parser_overrides(args))
@@ -192,28 +200,110 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    config = worker_config(_load(args), args.role, args.replica)
-    if args.node_rank:
-        config = config.replace(parallel=dataclasses.replace(config.parallel, node_rank=args.node_rank))
+    cluster = _load(args)
+    config = _worker_process_config(cluster, args)
     config.validate()
+    if args.reexec:
+        _reexec_with_bind_shim(config)
     if args.node_rank:
         from worker.tp_runner import run_node  # nodes 1..nnodes-1 run ranks only, no server
 
         run_node(config)
         return 0
     from worker.model import ModelLoadError
-    from worker.server import run_worker  # lazy: only a worker process loads the engine
+    from worker.server import BindError, run_worker  # lazy: only a worker process loads the engine
 
+    refused: list[str] = []
+    on_drain = None
+    if args.join:
+        from orchestrator.config import dial_address
+        from orchestrator.launch.join import Join
+
+        admin_key = args.admin_key or cluster.gateway.admin_key
+        join = Join(args.join, dial_address(config.host, config.port), config.role, admin_key,
+                    cluster.launcher.ready_timeout_s)
+
+        def stop_refused(reason: str) -> None:
+            print(f"error: --join: {reason}", file=sys.stderr, flush=True)
+            refused.append(reason)
+            os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is held yet) and exit
+
+        def leave() -> None:  # on the event loop: the HTTP call runs on a thread of its own
+            threading.Thread(target=join.leave, name="leave", daemon=True).start()
+
+        join.start(config.tls, stop_refused)
+        on_drain = leave
     try:
-        run_worker(config)
+        run_worker(config, on_drain=on_drain)
+    except BindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except ModelLoadError as exc:  # a checkpoint it cannot load: one line naming why, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return 0
+    code = 1 if refused else 0
+    if args.reexec:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End a worker process that has stopped cleanly without the interpreter's teardown.
+
+    By now the server is stopped, the engine closed and the KV memory deregistered; what is
+    left is module and C++ static teardown (torch, gRPC, the transfer engines), measured at
+    0.5-5 s on this machine, which only delays the moment a drained worker is gone.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _worker_process_config(cluster: ClusterConfig, args: argparse.Namespace) -> WorkerConfig:
+    """The WorkerConfig of this process: its replica's, with --host/--port; with --join a
+    replica beyond the configured ones on a free port."""
+    rc = cluster.role(args.role)
+    replica = rc.count if args.join and not args.replica else args.replica
+    # A joining worker takes the role's settings (replica 0's); it reports its own replica.
+    config = worker_config(cluster, args.role, 0 if args.join else replica)
+    config = config.replace(replica=replica, host=args.host or config.host)
+    if args.port is not None or args.join:
+        from orchestrator.launch.ports import choose_port
+
+        config = config.replace(port=args.port if args.port is not None
+                                else choose_port(config.host))
+    if not config.port:
+        raise ClusterConfigError(f"roles.{args.role}.base_port is unset: pass --port N, set the "
+                                 "base_port, or use the run's cluster.yaml (logs/<port>/), "
+                                 "where the local launcher wrote the ports it chose")
+    if args.node_rank:
+        config = config.replace(parallel=dataclasses.replace(config.parallel,
+                                                             node_rank=args.node_rank))
+    return config
+
+
+def _reexec_with_bind_shim(config: WorkerConfig) -> None:
+    """Run this worker again with Mooncake's listeners held to its host (transfer/bind_host.py).
+
+    Only from the real command line (a test calling main() must not be replaced)."""
+    from transfer.bind_host import ShimUnavailable, worker_env
+
+    try:
+        env = worker_env(config.transfer.backend, config.role, config.host, os.environ)
+    except ShimUnavailable as exc:
+        print(f"warning: mooncake's listeners will bind every interface: {exc}", file=sys.stderr)
+        return
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "orchestrator.cli", *sys.argv[1:]], env)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    config = gateway_config(_load(args, _parser_overrides(args)))
+    extra = [f"gateway.admin_key={args.admin_key}"] if args.admin_key else []
+    config = gateway_config(_load(args, [*extra, *_parser_overrides(args)]))
     config.validate()
     from gateway.server import run_gateway  # lazy: keeps torch-free commands light
 
@@ -303,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     from orchestrator.launch import LauncherUnavailableError
 
+    # A worker may re-execute itself (the bind-host shim) only when run as a program.
+    args.reexec = argv is None
     try:
         return COMMANDS[args.command](args)
     except (ClusterConfigError, LauncherUnavailableError) as exc:

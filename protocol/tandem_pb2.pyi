@@ -209,7 +209,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend")
+    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend", "cluster_id", "replica", "model_fingerprint", "contract_hash", "draining")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,11 @@ class WorkerInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     max_model_len: int
@@ -230,4 +235,23 @@ class WorkerInfo(_message.Message):
     tp_size: int
     epoch: int
     transfer_backend: str
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    cluster_id: str
+    replica: int
+    model_fingerprint: str
+    contract_hash: str
+    draining: bool
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., cluster_id: _Optional[str] = ..., replica: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., contract_hash: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("running", "waiting")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...

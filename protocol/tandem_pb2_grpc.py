@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=protocol_dot_tandem__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=protocol_dot_tandem__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.v1.Worker/Drain',
+                request_serializer=protocol_dot_tandem__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protocol_dot_tandem__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -93,6 +98,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain, then exit: health turns NOT_SERVING at once, new requests (and so new rooms) are
+        refused with UNAVAILABLE, held ones finish within the worker's drain_timeout_s (the rest
+        are aborted), every page is freed, and the process exits 0. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +129,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=protocol_dot_tandem__pb2.GetInfoRequest.FromString,
                     response_serializer=protocol_dot_tandem__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protocol_dot_tandem__pb2.DrainRequest.FromString,
+                    response_serializer=protocol_dot_tandem__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +246,33 @@ class Worker:
             '/tandem.v1.Worker/GetInfo',
             protocol_dot_tandem__pb2.GetInfoRequest.SerializeToString,
             protocol_dot_tandem__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/Drain',
+            protocol_dot_tandem__pb2.DrainRequest.SerializeToString,
+            protocol_dot_tandem__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,7 +66,7 @@ class KVTransferManager:
         self.faults = faults if faults is not None else TransferFaults.from_env()
         adv = config.advertise_host or host
         label = f"tandem-{role}-{adv}-tp{layout.tp_rank}-{self.epoch:016x}"
-        self.backend = backend or make_backend(config, adv, label)
+        self.backend = backend or make_backend(config, adv, label, bind_host=host)
         self.backend.register(kv_ptr, kv_nbytes)
         # peer_id names this rank across restarts (the worker passes its gRPC address).
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"

@@ -2,23 +2,41 @@
 
 Mooncake reports every failure as return code -1, never an exception, so each call's code is
 checked here and turned into BackendError naming the call.
+
+Listen address: Mooncake binds its handshake daemon and TCP data port to every interface and
+offers no setting for it; the worker loads transfer/bind_host.c (see transfer/bind_host.py) so
+they bind the worker's host. Without it this backend says so in the log, once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from transfer.backend import BackendError, Span, TransferBackend, WriteStatus
+from transfer.bind_host import shim_loaded
 from transfer.config import TransferConfigError
+
+log = logging.getLogger(__name__)
 
 
 class MooncakeBackend(TransferBackend):
     name = "mooncake"
 
-    def __init__(self, host: str, *, protocol: str = "tcp", ib_device: str = "") -> None:
+    def __init__(
+        self, host: str, *, protocol: str = "tcp", ib_device: str = "", bind_host: str = ""
+    ) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO logs flood worker output
         from mooncake.engine import TransferEngine
+
+        if not shim_loaded(bind_host or host):
+            log.warning(
+                "mooncake: its handshake and TCP listeners bind every interface, not %s: "
+                "the bind-host shim is not loaded (start workers with `tandem worker`, "
+                "which loads it)",
+                bind_host or host,
+            )
 
         if protocol == "rdma" and not ib_device:
             raise TransferConfigError(
@@ -26,9 +44,13 @@ class MooncakeBackend(TransferBackend):
                 "rdma needs the RDMA device names (e.g. mlx5_0,mlx5_1), or use protocol tcp"
             )
         self._te: Any = TransferEngine()
-        rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, ib_device if protocol == "rdma" else "")
+        rc = self._te.initialize(
+            host, "P2PHANDSHAKE", protocol, ib_device if protocol == "rdma" else ""
+        )
         if rc != 0:
-            raise BackendError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+            raise BackendError(
+                f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"
+            )
         self._name = f"{host}:{self._te.get_rpc_port()}"
         self._registered: list[int] = []
 

@@ -180,10 +180,18 @@ class WorkerConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)  # the Worker and bootstrap services, and bootstrap clients
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Identity reported in GetInfo: the launch's cluster id ("" = none) and the replica index.
+    cluster_id: str = ""
+    replica: int = 0
+    # A drain (SIGTERM, or Drain from the gateway) finishes held requests within this, then
+    # aborts what is left and exits.
+    drain_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ConfigError(f"worker.role must be one of both|prefill|decode, got {self.role!r}")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()

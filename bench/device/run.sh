@@ -6,6 +6,7 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
+#   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,7 +15,12 @@ mkdir -p /tmp/deps
 python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/deps') for w in glob.glob('.whl/pd/*.whl')]"
 export PYTHONPATH=/tmp/deps:$PWD
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; nproc; } > "$OUT/env.txt" 2>&1
-if [[ $1 == a ]]; then
+if [[ $1 == t ]]; then
+  timeout ${2:-500} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ --timeout 240 \
+    > "$OUT/gpu_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/gpu_tests.txt"
+  grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests.txt" | tail -40
+elif [[ $1 == a ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_gpu.py tests/worker/test_fused_gpu.py tests/worker/test_gemv_gpu.py \
     tests/worker/test_multi_gpu.py tests/worker/test_overlap.py tests/transfer/test_cuda_ipc.py \
     tests/worker/test_gpt_oss_kernels.py > "$OUT/gpu_tests.txt" 2>&1

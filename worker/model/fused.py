@@ -148,8 +148,11 @@ def _kernels() -> SimpleNamespace:
             if SCALED:  # FP8: value / its head's scale, saturated at the largest e4m3 value
                 ks = tl.load(ks_ptr + (h - HQ), mask=is_k, other=1.0)[:, None]
                 vs = tl.load(vs_ptr + (h - HEADS), mask=is_v, other=1.0)[:, None]
-                k1, k2 = tl.clamp(k1 / ks, -448.0, 448.0), tl.clamp(k2 / ks, -448.0, 448.0)
-                v1, v2 = tl.clamp(v1 / vs, -448.0, 448.0), tl.clamp(v2 / vs, -448.0, 448.0)
+                # div_rn: IEEE division, as the torch reference divides.
+                k1 = tl.clamp(tl.math.div_rn(k1, ks), -448.0, 448.0)
+                k2 = tl.clamp(tl.math.div_rn(k2, ks), -448.0, 448.0)
+                v1 = tl.clamp(tl.math.div_rn(v1, vs), -448.0, 448.0)
+                v2 = tl.clamp(tl.math.div_rn(v2, vs), -448.0, 448.0)
             tl.store(k_at, k1.to(cache), mask=kmask)
             tl.store(k_at + HALF, k2.to(cache), mask=kmask)
             tl.store(v_at, v1.to(cache), mask=vmask)
