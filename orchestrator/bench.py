@@ -233,16 +233,21 @@ def spec_totals(url: str, api_key: str = "") -> tuple[float, float]:
     its /metrics (speculative decoding's tandem_spec_* series); (0, 0) without speculation."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        text = httpx.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=10).text
+        r = httpx.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=10)
     except httpx.HTTPError:
         return 0.0, 0.0
+    if r.status_code != 200:  # another server, or metrics behind an admin key: no figure
+        return 0.0, 0.0
     accepted = steps = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "tandem_spec_accepted_tokens_total":
-                accepted += sample.value
-            elif sample.name == "tandem_spec_accepted_length_count":
-                steps += sample.value
+    try:
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name == "tandem_spec_accepted_tokens_total":
+                    accepted += sample.value
+                elif sample.name == "tandem_spec_accepted_length_count":
+                    steps += sample.value
+    except ValueError:  # not Prometheus text
+        return 0.0, 0.0
     return accepted, steps
 
 

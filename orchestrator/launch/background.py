@@ -191,7 +191,11 @@ def running_cluster(
         )
         for w in cluster.list_workers():
             role = str(w["role"])
-            index = sum(1 for n in cluster.workers if n.startswith(role))
+            # Named by the replica the worker reports (its process's --replica), not by the
+            # order /workers lists them in: pid(role, replica) must name the same worker.
+            replica = w.get("replica")
+            index = replica if isinstance(replica, int) else sum(
+                1 for n in cluster.workers if n.startswith(role))
             cluster.workers[f"{role}-{index}"] = str(w["url"])
         yield cluster
     finally:
