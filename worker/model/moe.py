@@ -16,10 +16,16 @@ every group's tokens), the TP rule runs on all of them, and each rank keeps its 
 
 The all-to-all runs through torch.distributed (gloo on CPU, NCCL on GPU), or through DeepEP's
 normal kernels when `backend="deepep"` (CUDA + the deep_ep package; refused clearly otherwise).
+
+Inside a CUDA graph (`graph_shapes`) every block takes the static-shape path of
+worker/model/moe_static.py instead: no host sync, fixed-capacity all-to-alls (torch's, also
+under `deepep`, whose normal kernels read counts on the host).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.layers import TensorSource, WeightShapeError, _copy_checked, _param
+from worker.model.moe_static import forward_static
 
 
 class MoEConfigError(ValueError):
@@ -78,6 +85,14 @@ class SparseMoEBlock(nn.Module):
         self.w13 = _param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)  # [E_local, 2I, H]: gate|up
         self.w2 = _param(self.num_local, hidden, self.inter_local, dtype=dtype)  # [E_local, H, I]
         self._deepep: Any = None  # deep_ep.Buffer, built at the first dispatch
+        # True only inside `graph_shapes` (a decode graph's warm-up, capture or CPU replay): the
+        # path a CUDA graph can hold. Every rank enters it for the same steps.
+        self.static_shapes = False
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """Whether `experts` is this class's plain SwiGLU (what the graph-safe kernel computes)."""
+        return type(self).experts is SparseMoEBlock.experts
 
     # ---- loading -----------------------------------------------------------------------------
     def expert_ids(self) -> range:
@@ -118,6 +133,8 @@ class SparseMoEBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] → [T, H]
+        if self.static_shapes:
+            return forward_static(self, x)
         if not self.par.ep and not self.par.tokens_replicated and self.par.size > 1:
             return self._tp_over_dp(x)
         ids, weights = self.route(x)
@@ -219,3 +236,16 @@ class SparseMoEBlock(nn.Module):
                 out[sel] += rows * recv_w[sel, slot, None].to(rows.dtype)
         combined, _, _ = buf.combine(out, handle)
         return combined  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def graph_shapes(model: nn.Module) -> Iterator[None]:
+    """Every SparseMoEBlock of `model` on its static-shape path while inside (decode graphs)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoEBlock)]
+    for b in blocks:
+        b.static_shapes = True
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.static_shapes = False
