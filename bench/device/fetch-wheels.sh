@@ -11,5 +11,5 @@ mkdir -p .whl/pd
   grpcio==1.85.3 grpcio_health_checking==1.85.1 h11 httpcore httptools httpx idna iniconfig \
   opentelemetry_api packaging pluggy prometheus_client protobuf==7.36.2 pydantic==2.14.4 \
   pydantic_core==2.50.5 pygments pytest pytest_timeout pyyaml sniffio starlette==1.10.0 \
-  typing_extensions typing_inspection uvicorn==0.54.0
+  typing_extensions typing_inspection uvicorn==0.54.0 ninja  # ninja: DeepEP's parallel build
 ls .whl/pd | wc -l

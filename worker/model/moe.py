@@ -213,30 +213,41 @@ class SparseMoEBlock(nn.Module):
         return self._combine_local(x, ids, weights, rows)
 
     def _ep_deepep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """DeepEP normal-mode dispatch / combine (CUDA). Weighted on the expert side: combine sums."""
+        """DeepEP normal-mode dispatch / combine (CUDA, intranode over NVLink). Weighted on the
+        expert side: combine sums. DeepEP moves bfloat16 rows (its combine kernel has no other
+        type), so a float32 model's rows travel as bfloat16 and come back in x's dtype."""
         import deep_ep
 
         if self._deepep is None:
             group = self.par.group or dist.group.WORLD
-            hidden_bytes = self.hidden * max(x.element_size(), 2)
-            cfgs = (deep_ep.Buffer.get_dispatch_config(self.par.size), deep_ep.Buffer.get_combine_config(self.par.size))
+            hidden_bytes = self.hidden * 2  # bfloat16 rows
+            cfgs = (deep_ep.Buffer.get_dispatch_config(self.par.size),
+                    deep_ep.Buffer.get_combine_config(self.par.size))
             nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, self.par.size) for c in cfgs)
             self._deepep = deep_ep.Buffer(group, nvl, 0)
         buf = self._deepep
+        if not x.shape[0]:  # an idle DP group still joins: one token that selects no expert
+            one = self._ep_deepep(x.new_zeros(1, self.hidden), ids.new_full((1, self.top_k), -1),
+                                  weights.new_zeros(1, self.top_k))
+            return one[:0]
+        ids = ids.contiguous()  # [T, k] int64 (deep_ep.topk_idx_t); -1 selects no expert
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
-            x, topk_idx=ids, topk_weights=weights.float(), num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            x.to(torch.bfloat16).contiguous(), topk_idx=ids,
+            topk_weights=weights.float().contiguous(), num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
         )
-        out = torch.zeros_like(recv_x)  # [R, H]: each received token, summed over its experts here
+        # [R, H]: each received token, summed over its experts on this rank (recv_ids holds
+        # local expert ids, -1 where that slot's expert is elsewhere)
+        out = torch.zeros(recv_x.shape, dtype=x.dtype, device=x.device)
         for slot in range(recv_ids.shape[1]):
-            sel = (recv_ids[:, slot] >= 0).nonzero(as_tuple=True)[0]  # -1: that expert is elsewhere
+            sel = (recv_ids[:, slot] >= 0).nonzero(as_tuple=True)[0]
             if sel.numel():
-                rows = self.experts(recv_x[sel], recv_ids[sel, slot].to(torch.int64))
+                rows = self.experts(recv_x[sel].to(x.dtype), recv_ids[sel, slot].to(torch.int64))
                 out[sel] += rows * recv_w[sel, slot, None].to(rows.dtype)
-        combined, _, _ = buf.combine(out, handle)
-        return combined  # type: ignore[no-any-return]
-
+        combined, _, _ = buf.combine(out.to(torch.bfloat16), handle)
+        return combined.to(x.dtype)  # type: ignore[no-any-return]
 
 @contextlib.contextmanager
 def graph_shapes(model: nn.Module) -> Iterator[None]:
