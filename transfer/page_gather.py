@@ -42,9 +42,15 @@ def gather_kernel(src, dst, table, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     d = tl.multiple_of(tl.load(table + row + 1), 4)
     n = tl.multiple_of(tl.load(table + row + 2), 4)
     start = tl.program_id(1).to(tl.int64) * CHUNK
-    end = tl.minimum(start + CHUNK, n)
-    for off in range(start, end, BLOCK):
+    end = tl.multiple_of(tl.minimum(start + CHUNK, n), 4)
+    full = start + (end - start) // BLOCK * BLOCK
+    # Whole blocks unmasked: nothing stops 16-byte vectors (a mask whose alignment the compiler
+    # cannot prove would split them into 4-byte accesses).
+    for off in range(start, full, BLOCK):
         idx = off + tl.arange(0, BLOCK)  # [BLOCK] word offsets inside the piece
+        tl.store(dst + d + idx, tl.load(src + s + idx))
+    if full < end:  # the tail: under one block, a whole number of 16-byte vectors
+        idx = full + tl.arange(0, BLOCK)
         mask = idx < end
         tl.store(dst + d + idx, tl.load(src + s + idx, mask=mask), mask=mask)
 
