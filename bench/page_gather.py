@@ -16,6 +16,10 @@ part overlaps the device's). Cases, all on the same bytes:
 - `head slices`: prefill TP 1 → decode TP 2's rank 0: half the kv heads of every (page, layer,
   K|V), the spans of heterogeneous TP (transfer/plan.py).
 
+Then the kernel alone (`sweep`), in this process over torch tensors, timed with CUDA events
+(no host part): the shuffled-pages room with a few (chunk, block, warps) settings, so the
+defaults in transfer/page_gather.py can be set from one call.
+
 GB/s are bytes moved (the room's size) per second; the ceiling is the same. Every case is
 verified once: the decode process checksums the bytes its spans cover. Writes page_gather.json
 and page_gather.md to --out (default $OUT or the current directory).
@@ -24,6 +28,7 @@ and page_gather.md to --out (default $OUT or the current directory).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -190,6 +195,43 @@ def _case(backend: CudaIpcBackend, peer: str, room: int, spans: list[Span], src:
             "back_to_back_GBps": round(room / b2b / 1e6, 1), "verified": verified}
 
 
+SWEEP = ((16384, 2048, 4), (16384, 1024, 4), (32768, 2048, 8), (8192, 2048, 4), (65536, 4096, 8))
+
+
+def kernel_sweep(dst_device: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The gather kernel alone on the shuffled-pages room, GPU 0 → `dst_device`, per setting."""
+    import numpy as np
+
+    from transfer.page_gather import gather_kernel, grid, plan
+
+    lay = KVLayout(num_pages=1, **LAYOUTS[args.layout])  # type: ignore[arg-type]
+    pages = -(-args.tokens // lay.page_size)
+    src = torch.randint(0, 256, (2 * pages * lay.page_bytes,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src, device=dst_device)
+    dst[:16].copy_(src[:16])  # torch's peer copy enables GPU 0's access to dst's GPU
+    room, spans = cases(args.layout, args.tokens, src.data_ptr(), dst.data_ptr())["shuffled pages"]
+    table = plan(np.array(spans, dtype=np.int64), src.data_ptr(), dst.data_ptr())
+    rows = torch.from_numpy(table).to("cuda:0")
+    src_w, dst_w = src.view(torch.int32), dst.view(torch.int32)
+    out = []
+    for chunk, block, warps in SWEEP:
+        launch = functools.partial(gather_kernel[grid(table, chunk)], src_w, dst_w, rows,
+                                   CHUNK=chunk, BLOCK=block, num_warps=warps)
+        launch()  # compile
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.repeats):
+            launch()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / args.repeats
+        out.append({"chunk_words": chunk, "block_words": block, "warps": warps,
+                    "ms": round(ms, 4), "GBps": round(room / ms / 1e6, 1)})
+        print(f"[page_gather] sweep GPU 0 -> {dst_device}: {out[-1]}", flush=True)
+    return out
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [f"### cuda_ipc page gather ({r['date']}, {r['machine']})", "",
              "| placement | case | spans | kernel GB/s (room ms) | kernel back to back | "
@@ -206,6 +248,12 @@ def table(r: dict[str, Any]) -> str:
                          f"{k['back_to_back_GBps']} | {m['GBps']} ({m['room_ms']}) | "
                          f"{k['GBps'] / ceil:.2f}, {k['back_to_back_GBps'] / ceil:.2f} | "
                          f"{k['verified'] and m['verified']} |")
+    for p in r["placements"]:
+        if p.get("sweep"):
+            lines += ["", f"kernel alone, shuffled pages, GPU 0 → {p['dst']} (ceiling "
+                          f"{p['ceiling_GBps']} GB/s): " + ", ".join(
+                              f"chunk {s['chunk_words']} / block {s['block_words']} / "
+                              f"{s['warps']} warps {s['GBps']} GB/s" for s in p["sweep"])]
     lines += [f"error: {e}" for e in r.get("errors", [])]
     return "\n".join(lines) + "\n"
 
@@ -225,6 +273,7 @@ def main() -> None:
     for dst in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
         try:
             result["placements"].append(placement(dst, args))
+            result["placements"][-1]["sweep"] = kernel_sweep(dst, args)
         except Exception as e:  # keep the other placement's figures; the error is in the report
             result["errors"].append(f"{dst}: {type(e).__name__}: {str(e)[-2000:]}")
         (args.out / "page_gather.json").write_text(json.dumps(result, indent=1))
