@@ -341,8 +341,8 @@ def serving(
                 record(name, summarize(results, duration, spec))
             record("transfer", transfer_figures(before, transfer_snapshot(up["1P1D"])))
     finally:  # the workers' and gateways' logs go with the figures (their last 20 kB each)
-        for log in tmp.glob("*/logs/*.log"):
-            dst = args.out / "logs" / f"{log.parent.parent.name}-{log.name}"
+        for log in tmp.glob("*/logs/*/*.log"):  # <run>/logs/<gateway port>/<process>.log
+            dst = args.out / "logs" / f"{log.parents[2].name}-{log.name}"
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_text(log.read_text(errors="replace")[-20_000:])
 

@@ -6,13 +6,13 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
-# Issue 23 (g on one GPU or two; t, p and y need two GPUs: nvidia-h200-x2):
+# Results land in $OUT (the device tool brings them back).
+# Issue 23 (g on one GPU or two; m, p and y need two GPUs: nvidia-h200-x2):
 #   bash bench/device/run.sh g   # cuda_ipc gather + static MoE GPU tests, bench/page_gather.py
-#   bash bench/device/run.sh t   # multi-GPU tests (TP/DP/EP, eager and graphs), bench/tp_gpu.py
+#   bash bench/device/run.sh m   # multi-GPU tests (TP/DP/EP, eager and graphs), bench/tp_gpu.py
 #   bash bench/device/run.sh p   # bench/gpu_pd.py --placement two-gpus (1P1D GPU0->GPU1 vs DP=2)
 #   bash bench/device/run.sh x   # build DeepEP (carry .deps/DeepEP too), then y if time is left
 #   bash bench/device/run.sh y   # DeepEP EP=2 vs the torch all-to-all (after x on this machine)
-# Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset PYTORCH_CUDA_ALLOC_CONF
@@ -64,7 +64,7 @@ elif [[ $1 == g ]]; then
   timeout $((575 - SECONDS)) python3 bench/page_gather.py --out "$OUT" > "$OUT/page_gather.txt" 2>&1
   echo "page_gather rc=$? at ${SECONDS}s" >> "$OUT/page_gather.txt"
   tail -20 "$OUT/gather_tests.txt"; tail -5 "$OUT/page_gather.txt"; cat "$OUT/page_gather.md"
-elif [[ $1 == t ]]; then
+elif [[ $1 == m ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_multi_gpu.py \
     tests/worker/test_moe_static.py > "$OUT/multi_gpu_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/multi_gpu_tests.txt"
