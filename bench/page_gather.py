@@ -103,7 +103,8 @@ def cases(layout: str, tokens: int, src: int, dst: int) -> dict[str, tuple[int, 
     lay = KVLayout(num_pages=1, **LAYOUTS[layout])  # type: ignore[arg-type]
     pages = -(-tokens // lay.page_size)
     full = KVLayout(num_pages=2 * pages, **LAYOUTS[layout])  # type: ignore[arg-type]
-    half = KVLayout(num_pages=2 * pages, tp_rank=0, tp_size=2, **LAYOUTS[layout])  # type: ignore[arg-type]
+    half = KVLayout(num_pages=2 * pages, tp_rank=0, tp_size=2,  # decode TP 2's rank 0
+                    **LAYOUTS[layout])  # type: ignore[arg-type]
     rng = random.Random(0)
     src_pages = rng.sample(range(2 * pages), pages)
     dst_pages = rng.sample(range(2 * pages), pages)
