@@ -4,7 +4,8 @@ CPU: `align` puts every row with an expert in exactly one block of that expert (
 are R, unused blocks -1); the static block equals the eager one on one rank; the grouped GEMM
 kernel under Triton's interpreter (a subprocess with TRITON_INTERPRET=1) equals the per-expert
 reference, empty slots (-1) coming out zero. GPU (marker `gpu`): the kernel in bf16 and float32,
-and a captured CUDA graph of the static block, replayed on new inputs, equal to eager.
+a captured CUDA graph of the static block, replayed on new inputs, equal to eager, and a
+one-GPU Qwen3-MoE engine with decode graphs giving the eager engine's greedy tokens.
 The multi-rank layouts (EP=2 under TP and DP, MoE TP under DP) run inside the engines of
 tests/worker/test_rank_graphs.py.
 """
@@ -15,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +142,53 @@ def test_a_captured_graph_of_the_static_block_equals_eager() -> None:
         with torch.no_grad():
             want = block(x)
         assert torch.allclose(y, want, atol=1e-4), float((y - want).abs().max())
+
+
+def _check_engine_graphs(tmp_path: Path, device: str) -> None:
+    """A one-rank Qwen3-MoE engine with decode graphs gives the eager engine's greedy tokens."""
+    import random
+
+    from models.make_tiny_moe import make_tiny_moe
+    from tests.worker.test_engine import generate
+    from worker.config import (
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        WorkerConfig,
+    )
+    from worker.engine import Engine
+
+    make_tiny_moe(tmp_path / "moe")
+
+    def engine() -> Engine:
+        return Engine(WorkerConfig(
+            model=ModelConfig(path=str(tmp_path / "moe"), dtype="float32", enforce_eager=True),
+            cache=CacheConfig(page_size=4, num_pages=96),
+            scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=16, overlap="off"),
+            parallel=ParallelConfig(device=device),
+            num_threads=1,
+        ))
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(97) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    want = generate(engine(), prompts, max_tokens=10)
+    eng = engine()
+    eng.enable_decode_graphs()
+    assert generate(eng, prompts, max_tokens=10) == want
+    graphs = eng.runner.decode_graphs
+    assert graphs is not None and graphs.replays == (device == "cuda")
+    assert graphs.num_replays > 5
+    assert eng.scheduler.stats().used_pages == 0
+
+
+def test_one_rank_moe_engine_graph_steps_equal_eager(tmp_path: Path) -> None:
+    """On a CPU the graph steps run eagerly over the static buffers, MoE on its static path."""
+    _check_engine_graphs(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@gpu
+def test_one_gpu_moe_engine_with_graphs_equals_eager(tmp_path: Path) -> None:
+    """Qwen3-MoE now captures decode graphs on one GPU (the static path inside)."""
+    _check_engine_graphs(tmp_path, "cuda")
