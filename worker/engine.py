@@ -388,7 +388,13 @@ class Engine:
         self.scheduler.prompt_tokens_computed = 0  # count only real requests
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
-            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+            self.enable_decode_graphs()
+
+    def enable_decode_graphs(self) -> None:
+        """Capture the decode graphs; a multi-rank worker's ranks all capture the same buckets
+        (worker/cuda_graphs.py). On a CPU the same static-buffer steps run eagerly (tests)."""
+        target = self.dp if self.dp is not None else self.runner
+        target.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
 
 
 def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:

@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .whl/pd
+# ninja: DeepEP's parallel build on the GPU machine (bench/device/build-deepep.sh)
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl/pd ninja
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl/pd \
   annotated_doc==0.0.7 annotated_types==0.8.0 anyio==4.16.0 certifi click fastapi==0.165.0 \

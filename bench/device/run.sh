@@ -9,6 +9,12 @@
 #   bash bench/device/run.sh g   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 # Results land in $OUT (the device tool brings them back).
+# Issue 23 (g on one GPU or two; m, p and y need two GPUs: nvidia-h200-x2):
+#   bash bench/device/run.sh g   # cuda_ipc gather + static MoE GPU tests, bench/page_gather.py
+#   bash bench/device/run.sh m   # multi-GPU tests (TP/DP/EP, eager and graphs), bench/tp_gpu.py
+#   bash bench/device/run.sh p   # bench/gpu_pd.py --placement two-gpus (1P1D GPU0->GPU1 vs DP=2)
+#   bash bench/device/run.sh x   # build DeepEP (carry .deps/DeepEP too), then y if time is left
+#   bash bench/device/run.sh y   # DeepEP EP=2 vs the torch all-to-all (after x on this machine)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset PYTORCH_CUDA_ALLOC_CONF
@@ -69,6 +75,35 @@ elif [[ $1 == f ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
   tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"
+elif [[ $1 == g ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/transfer/test_cuda_ipc.py \
+    tests/transfer/test_page_gather.py tests/worker/test_moe_static.py > "$OUT/gather_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/gather_tests.txt"
+  timeout $((575 - SECONDS)) python3 bench/page_gather.py --out "$OUT" > "$OUT/page_gather.txt" 2>&1
+  echo "page_gather rc=$? at ${SECONDS}s" >> "$OUT/page_gather.txt"
+  tail -20 "$OUT/gather_tests.txt"; tail -5 "$OUT/page_gather.txt"; cat "$OUT/page_gather.md"
+elif [[ $1 == m ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_multi_gpu.py \
+    tests/worker/test_moe_static.py > "$OUT/multi_gpu_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/multi_gpu_tests.txt"
+  timeout $((575 - SECONDS)) python3 bench/tp_gpu.py --out "$OUT" > "$OUT/tp_gpu.txt" 2>&1
+  echo "tp_gpu rc=$? at ${SECONDS}s" >> "$OUT/tp_gpu.txt"
+  tail -20 "$OUT/multi_gpu_tests.txt"; tail -5 "$OUT/tp_gpu.txt"; cat "$OUT/tp_gpu.md"
+elif [[ $1 == p ]]; then
+  timeout 560 python3 -m bench.gpu_pd --placement two-gpus --out "$OUT" --deadline-s 540 \
+    > "$OUT/gpu_pd.txt" 2>&1
+  echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"
+  tail -40 "$OUT/gpu_pd.txt"; cat "$OUT/gpu_pd.md" 2>/dev/null
+elif [[ $1 == x || $1 == y ]]; then
+  if [[ $1 == x ]]; then
+    bash bench/device/build-deepep.sh; echo "build rc=$? at ${SECONDS}s"
+  fi
+  if [[ -d .deps/deepep-build && ( $1 == y || SECONDS -lt 360 ) ]]; then
+    PYTHONPATH=$PWD/.deps/deepep-build:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m pytest \
+      -q -s -p no:cacheprovider -rfE -m gpu tests/worker/test_deepep_gpu.py > "$OUT/deepep_tests.txt" 2>&1
+    echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/deepep_tests.txt"
+    tail -30 "$OUT/deepep_tests.txt"
+  fi
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"
