@@ -6,7 +6,7 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
-#   bash bench/device/run.sh g   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
+#   bash bench/device/run.sh h   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 # Results land in $OUT (the device tool brings them back).
 # Issue 23 (g on one GPU or two; m, p and y need two GPUs: nvidia-h200-x2):
@@ -22,7 +22,7 @@ mkdir -p /tmp/deps
 python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/deps') for w in glob.glob('.whl/pd/*.whl')]"
 export PYTHONPATH=/tmp/deps:$PWD
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; nproc; } > "$OUT/env.txt" 2>&1
-if [[ $1 == g ]]; then
+if [[ $1 == h ]]; then
   run() {  # name, seconds, command...: each bench bounded, its output kept whatever happens
     local name=$1 secs=$2; shift 2
     CUDA_VISIBLE_DEVICES=0 timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
@@ -34,7 +34,7 @@ if [[ $1 == g ]]; then
   run gpt_oss $((570 - SECONDS)) python3 bench/gpt_oss.py
   tail -n 25 "$OUT"/fp8.txt "$OUT"/deepseek.txt "$OUT"/qwen3_next.txt "$OUT"/gpt_oss.txt
 elif [[ $1 == t ]]; then
-  timeout ${2:-500} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/ --timeout 240 \
+  timeout ${2:-500} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker tests/transfer --timeout 240 \
     > "$OUT/gpu_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/gpu_tests.txt"
   grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests.txt" | tail -40
