@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a whole cluster here in the foreground (local launcher)",
                        description="Start every worker and the gateway on this machine; Ctrl-C stops them in order.")
     _add_config_args(p, required=False)
-    p.add_argument("--model", metavar="DIR", help="HF-format model directory (served name = its name)")
+    p.add_argument("--model", metavar="DIR|ORG/NAME",
+                   help="HF-format model directory, or a Hugging Face name in the local cache "
+                        "(HF_HOME; offline); served as the directory's name or ORG/NAME")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
@@ -120,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the process table, KV budget and weight bytes of a config")
     _add_config_args(p, required=True)
     _add_kv_dtype_arg(p)
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="plan for a machine with N CUDA GPUs (default: probe this one)")
 
     gate = EvalGate()
     p = sub.add_parser("eval", help="score a task through /v1/completions; non-zero below the bar",
@@ -166,8 +170,12 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     extra: list[str] = []
     if args.model:
         model_dir = Path(args.model).expanduser()
-        extra.append(f"model.path={model_dir.resolve() if model_dir.exists() else model_dir}")
-        extra.append(f"model.served_model_name={args.served_model_name or model_dir.resolve().name}")
+        if model_dir.exists():
+            name = args.served_model_name or model_dir.resolve().name
+            extra += [f"model.path={model_dir.resolve()}", f"model.served_model_name={name}"]
+        else:  # a Hugging Face name (ORG/NAME): the config resolves it from the local cache
+            extra.append(f"model.path={args.model}")
+            extra.append(f"model.served_model_name={args.served_model_name or ''}")
     elif args.served_model_name:
         extra.append(f"model.served_model_name={args.served_model_name}")
     if args.dtype:
@@ -228,9 +236,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from orchestrator.devices import cuda_status
     from orchestrator.plan import format_plan
 
-    print(format_plan(_load(args)))
+    if args.gpus is not None and args.gpus < 1:
+        print(f"error: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_plan(_load(args), cuda_status(args.gpus)))
     return 0
 
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from orchestrator.checkpoint import preflight
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
 from orchestrator.launch.readiness import HealthWatch, http_ready
-from orchestrator.plan import plan_processes, read_model_config
+from orchestrator.plan import plan_processes
 from protocol.tls import TLSConfig
 
 
@@ -289,9 +290,10 @@ def cluster_specs(cluster: ClusterConfig, config_file: Path) -> tuple[list[Proce
 def run_local(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the cluster in the foreground until Ctrl-C / SIGTERM (0) or a child's death (1)."""
     out, err = out or sys.stdout, err or sys.stderr
-    # Fail before anything starts when the checkpoint is missing (ClusterConfigError names it),
-    # instead of after a worker's start-up and a log tail.
-    read_model_config(cluster.model.path)
+    # Fail before anything starts when the checkpoint or the layout is wrong (one line naming
+    # the file and field), instead of after a worker's start-up and a log tail.
+    for note in preflight(cluster):
+        print(note, file=out, flush=True)
     log_dir = Path(cluster.launcher.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     config_file = (log_dir / "cluster.yaml").resolve()
