@@ -39,7 +39,7 @@ from gateway.parsers import (
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
 from gateway.serving import GenerationHandler, validation_error
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 _JSON = "application/json"
@@ -163,7 +163,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     config.validate()
     if not config.model_path:
         raise GatewayConfigError("gateway.model_path: set it to the model directory that holds tokenizer.json")
-    gw = Gateway(config, Tokenizer.from_dir(config.model_path))
+    gw = Gateway(config, load_tokenizer(config.model_path))  # token-id mode without one
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
