@@ -6,6 +6,7 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
+#   bash bench/device/run.sh g   # issue 19: bench/pd_vs_mono.py, tandem bench's sweep 1P1D vs mono, 8B shape
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,6 +52,15 @@ elif [[ $1 == f ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
   tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"
+elif [[ $1 == g ]]; then
+  # Both workers on GPU 0 (one H200): cuda_ipc within the GPU; 8B-shape dummy weights.
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m bench.pd_vs_mono --pd configs/gpu-8b-1p1d.yaml \
+    --mono configs/gpu-8b-mono.yaml --model bench/models/qwen3-8b-shape \
+    --set model.load_format=dummy --pd-set roles.decode.parallel.device=cuda:0 \
+    --pd-set cache.max_total_tokens=131072 --concurrency 1,8,32,64 --num-requests 128 \
+    --input-len 1024 --output-len 128 --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
+  echo "pd_vs_mono rc=$? at ${SECONDS}s" >> "$OUT/pd_vs_mono.txt"
+  tail -20 "$OUT/pd_vs_mono.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"
