@@ -8,10 +8,11 @@ Lifecycle:
   3. Wait until each worker's gRPC health says SERVING, up to launcher.ready_timeout_s. On
      timeout or an early exit: stop everything, print the failed process's log tail, fail.
   4. Start the gateway (`lb.log`), wait for HTTP /health 200 within the same deadline.
-  5. Print `ready: http://HOST:PORT (N workers)` and watch: a child that exits ends the
+  5. Print `ready: http://HOST:PORT (model; workers, ranks, devices; transfer; logs)`
+     (orchestrator/launch/describe.py) and watch: a child that exits ends the
      cluster with a non-zero status naming it; SIGINT/SIGTERM end it cleanly.
   6. Ordered shutdown: the gateway first (no new requests), then the workers; SIGTERM, then
-     SIGKILL after launcher.stop_grace_s.
+     SIGKILL after launcher.stop_grace_s; print `stopped:` with what was running.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import IO
 
 from orchestrator.checkpoint import preflight
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
+from orchestrator.launch.describe import ready_line, stopped_line
 from orchestrator.launch.readiness import HealthWatch, http_ready
 from orchestrator.plan import plan_processes
 from protocol.tls import TLSConfig
@@ -312,12 +314,14 @@ def run_local(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
         if lc.stop_requested:
             lc.stop()
             return 0
-        gw = cluster.gateway
-        print(f"ready: http://{dial_address(gw.host, gw.port)} ({len(workers)} workers)", file=out, flush=True)
+        print(ready_line(cluster, log_dir), file=out, flush=True)
         dead = lc.watch()
         code = 0
         if dead is not None:
             lc.report_failure(dead, f"exited unexpectedly with code {dead.proc.returncode}")
             code = 1
+        running = [c.spec.name for c in (lc.children()[-1:] + lc.children()[:-1])
+                   if c.proc.poll() is None]  # the order stop() takes: the gateway first
         lc.stop()
+    print(stopped_line(running, log_dir), file=out, flush=True)
     return code

@@ -15,6 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.config import REPO_ROOT
+from orchestrator.devices import cuda_status
 from orchestrator.launch.background import EMBEDDED_MODEL, running_cluster
 from orchestrator.tasks import arith
 
@@ -92,3 +93,27 @@ def test_a_checkpoint_without_a_tokenizer_serves_token_ids_1p1d(tmp_path: Path) 
         assert loads["decode-0"].transfer_pages > 0 and loads["decode-0"].kv_used_pages == 0
     out = (tmp_path / "serve.out").read_text()
     assert "has no tokenizer files: the gateway takes token-id prompts" in out
+
+
+def test_ready_and_stopped_lines_and_a_clean_multi_rank_shutdown(tmp_path: Path) -> None:
+    """configs/tiny-1p1d-hetero-tp.yaml (prefill TP 2): the ready line names the model, each
+    worker's ranks and device, the transfer backend and the logs; SIGTERM to the launcher (as
+    Ctrl-C) stops it all and says so, with no traceback in any log (gloo's "Connection closed
+    by peer" came from the second rank dying on the group's signal before rank 0's STOP)."""
+    with running_cluster("configs/tiny-1p1d-hetero-tp.yaml", tmp=tmp_path) as c:
+        r = httpx.post(f"{c.url}/v1/completions", timeout=60,
+                       json={"prompt": "a=1;b=2;\na?", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        c.wait_drained()
+        log_dir = c.log_dir
+    out = (tmp_path / "serve.out").read_text()
+    ready = next(line for line in out.splitlines() if line.startswith("ready: "))
+    gpu = cuda_status().available  # device auto: the GPUs in order where there are some
+    devices = ("cuda:0-1", "cuda:2") if gpu else ("cpu", "cpu")
+    assert ready.endswith(f"(model tandem-arith; prefill-0 [tp 2, {devices[0]}], decode-0 "
+                          f"[{devices[1]}]; mooncake tcp; logs {log_dir.resolve()})")
+    assert f"stopped: lb, prefill-0, decode-0; logs in {log_dir.resolve()}" in out
+    for log in log_dir.glob("*.log"):
+        text = log.read_text()
+        assert "Traceback" not in text and "Connection closed by peer" not in text, log.name
+        assert "Local segment descriptor not found" not in text, log.name
