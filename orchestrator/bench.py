@@ -172,9 +172,9 @@ async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = Non
                     res = RequestResult(s.kind)
                     results.append(res)
                     body: dict[str, Any] = {
-                        "model": model, "prompt": s.prompt(turn, history), "max_tokens": s.max_tokens,
-                        "temperature": 0.0, "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                        "model": model, "prompt": s.prompt(turn, history),
+                        "max_tokens": s.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
                     if spec.return_token_ids:
                         body["return_token_ids"] = True
                     await stream_one(client, body, res)

@@ -75,8 +75,8 @@ async def run_eval(
     """Send `samples` problems of `task` to `url`, `concurrency` at a time; score them."""
     problems = task.make_problems(samples, seed)
     result = EvalResult(total=len(problems))
-    progress = Progress(len(problems), f"eval {getattr(task, '__name__', 'task').rsplit('.', 1)[-1]}",
-                        progress_stream or sys.stderr)  # drawn only on a terminal
+    task_name = getattr(task, "__name__", "task").rsplit(".", 1)[-1]  # a task is a module
+    progress = Progress(len(problems), f"eval {task_name}", progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
     async with make_client(url, api_key, timeout_s, concurrency) as client:
         name = model or await first_model(client)  # ServerError if unreachable: nothing to score

@@ -6,7 +6,7 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
-#   bash bench/device/run.sh g   # issue 19: bench/pd_vs_mono.py, tandem bench's sweep 1P1D vs mono, 8B shape
+#   bash bench/device/run.sh g   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -208,7 +208,8 @@ def test_datasets_shared_prefix_turns_and_jsonl(tmp_path: Path) -> None:
         prefix = prompts[0].split("\n")[0]
         assert all(p.startswith(prefix) for p in prompts)  # one group: one system prompt
         turn3 = max(prompts, key=len)
-        assert turn3.count("assistant: ") == 3 and "assistant: aa\nuser:" in turn3  # answers fed back
+        # the answers the server gave are fed back in the later turns
+        assert turn3.count("assistant: ") == 3 and "assistant: aa\nuser:" in turn3
         lines = [json.dumps({"prompt": "hello", "max_tokens": 3}), json.dumps({"prompt": [1, 2]})]
         (tmp_path / "d.jsonl").write_text("\n".join(lines))
         state.requests.clear()
