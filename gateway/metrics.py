@@ -9,6 +9,7 @@ against /metrics.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -73,6 +74,15 @@ class Metrics:
         self.worker_kv_total.labels(pool, url).set(load.kv_total_pages)
         self.worker_healthy.labels(pool, url).set(1 if healthy else 0)
 
+    def remove_worker(self, pool: str, url: str) -> None:
+        """A worker left the pool: its series leave /metrics with it (gauges, totals, spec)."""
+        for gauge in (self.worker_running, self.worker_waiting, self.worker_kv_used,
+                      self.worker_kv_total, self.worker_healthy):
+            with contextlib.suppress(KeyError):  # never observed
+                gauge.remove(pool, url)
+        self.totals.forget(pool, url)
+        self.spec.forget(pool, url)
+
     def observe_transfer(self, stats: tandem_pb2.TransferStats) -> None:
         self.kv_transfer_bytes.inc(stats.bytes)
         self.kv_transfer_pages.inc(stats.pages)
@@ -102,6 +112,9 @@ class WorkerTotals(Collector):
 
     def observe(self, pool: str, url: str, load: tandem_pb2.Load) -> None:
         self._loads[(pool, url)] = load
+
+    def forget(self, pool: str, url: str) -> None:
+        self._loads.pop((pool, url), None)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         for name, (doc, field) in self._COUNTERS.items():
