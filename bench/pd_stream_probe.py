@@ -12,8 +12,13 @@ held back and then all leave within a millisecond, at the moment prefill's leg e
 
 so the client sees TTFT ~ E2E and an ITL of ~0 ms (what `tandem bench` reports as ITL p50
 0.01 ms for 1P1D at c=1); in other runs the tokens stream ~1.1 ms apart. The gateway is not
-involved (this probe bypasses it). Printed per run: prefill's messages (ms, ids, finish) and
-decode's first and last three messages (ms, tokens).
+involved (this probe bypasses it). With `--max-tokens 200` the stream flows (~1.1-1.5 ms per
+token) with stalls of 30-100 ms now and then (in 4 of 15 requests): a short request fits in one
+stall. With `--set transfer.backend=nixl` every 30-token request was one burst. py-spy showed
+decode's asyncio thread idle in epoll and its engine thread stepping meanwhile; suspected: the
+event loop thread waiting on the GIL while the engine thread runs back-to-back steps (DESIGN.md's
+"engine core apart from the network" is the cure). Printed per run: prefill's messages (ms, ids,
+finish) and decode's first and last three messages (ms, tokens).
 """
 
 from __future__ import annotations
@@ -63,9 +68,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=30)
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="config overrides, e.g. transfer.backend=nixl")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
-            running_cluster("configs/tiny-1p1d.yaml", tmp=Path(tmp)) as c:
+            running_cluster("configs/tiny-1p1d.yaml", *args.sets, tmp=Path(tmp)) as c:
         asyncio.run(probe(c.workers["prefill-0"], c.workers["decode-0"], args.runs,
                           args.max_tokens))
     return 0
