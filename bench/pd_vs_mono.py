@@ -93,7 +93,7 @@ def main() -> int:
     meta = {"date": date.today().isoformat(), "machine": platform.node(), "pd": args.pd,
             "mono": args.mono, "model": str(args.model), "sets": args.sets,
             "spec": dataclasses.asdict(spec)}
-    (args.out / "bench.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
+    (args.out / "bench.json").write_text(json.dumps({**meta, "runs": runs}))  # compact
     print(markdown(runs))
     try:
         plot(args.out, runs, meta["spec"])
