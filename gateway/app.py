@@ -9,7 +9,6 @@ tasks). Every error leaves as `{"error": {...}}` with a real status code.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
@@ -42,7 +41,7 @@ from gateway.parsers import (
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
 from gateway.serving import GenerationHandler, validation_error
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 _JSON = "application/json"
@@ -174,17 +173,7 @@ class Gateway:
 
     def _on_remove(self, w: Worker) -> None:
         """A removed worker's series leave /metrics with it."""
-        m = self.metrics
-        for gauge in (
-            m.worker_running,
-            m.worker_waiting,
-            m.worker_kv_used,
-            m.worker_kv_total,
-            m.worker_transfer_bytes,
-            m.worker_healthy,
-        ):
-            with contextlib.suppress(KeyError):  # never observed
-                gauge.remove(w.pool, w.url)
+        self.metrics.remove_worker(w.pool, w.url)
 
 
 def _error_response(err: ApiError) -> Response:
@@ -199,7 +188,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         raise GatewayConfigError(
             "gateway.model_path: set it to the model directory that holds tokenizer.json"
         )
-    gw = Gateway(config, Tokenizer.from_dir(config.model_path))
+    gw = Gateway(config, load_tokenizer(config.model_path))  # token-id mode without one
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -6,10 +6,14 @@ Disaggregated (PD), for one attempt:
  1. Pick a prefill worker (its policy sees the prompt) and a decode worker; draw a random
     64-bit `room`; take the prefill worker's `bootstrap_addr` from its GetInfo.
  2. Send `Generate(disagg={room, bootstrap_addr})` to both at once.
- 3. The prefill leg yields one message (the first token, `num_cached_tokens`) and ends; it is
-    read by a task that keeps `num_cached_tokens` for usage and watches for errors.
+ 3. The prefill leg yields the first token (with `num_cached_tokens`) and, once the room has
+    ended, a last message with the KV transfer stats; it is read by a task that keeps
+    `num_cached_tokens` for usage, counts the transfer in the metrics and watches for errors.
+    The transfer is counted from this leg because it ends with the room, before or while the
+    decode leg streams: a request the gateway ends early (a stop string, a client gone) never
+    reads the decode leg's last message, but its prefill leg is left a moment to finish.
  4. The decode leg streams all output tokens; its first message carries the token prefill
-    sampled, and its last one the KV transfer stats.
+    sampled.
  5. If either leg fails before the first token reaches the client, both calls are cancelled,
     `Abort(request_id, room)` goes to both workers, and — when the failure is the worker's
     fault (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL) — one retry runs on a new pair without
@@ -210,11 +214,16 @@ class RequestRun:
     async def _prefill_leg(self, call: Any, w: Worker) -> None:
         first = await self._read_first(call, w, "prefill")
         self.num_cached_tokens = first.num_cached_tokens
+        self._count_transfer(first)
         try:
-            while await call.read() is not _EOF:
-                pass
+            while (msg := await call.read()) is not _EOF:
+                self._count_transfer(msg)
         except grpc.aio.AioRpcError as exc:
             raise self._fail(exc, w, "prefill") from None
+
+    def _count_transfer(self, msg: tandem_pb2.GenerateResponse) -> None:
+        if msg.HasField("transfer") and msg.transfer.bytes:
+            self._d.metrics.observe_transfer(msg.transfer)
 
     # ---- after the first token ----
 
@@ -256,8 +265,14 @@ class RequestRun:
 
     def _end_attempt(self, abort: bool) -> None:
         task = self._prefill_task
+        draining: Any = None  # the prefill call left to deliver its last message
         if task is not None:
-            if not task.done():
+            if not task.done() and self._stream is not None and self.room:
+                # Past the first token the room is done or about to be: let the prefill leg
+                # read its last message (the transfer stats) rather than cut it off.
+                draining = next((c for w, c in self._legs if c is not self._stream), None)
+                self._d.pool.spawn(_drain(task, draining))
+            elif not task.done():
                 task.cancel()
             else:
                 exc = None if task.cancelled() else task.exception()  # also marks it retrieved
@@ -267,12 +282,23 @@ class RequestRun:
         req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room) if abort else None
         for w, call in self._legs:
             w.inflight -= 1
-            if not call.done():
+            if not call.done() and call is not draining:
                 call.cancel()
             if req is not None:
                 self._d.pool.spawn(_send_abort(w, req))
         self._legs.clear()
         self._stream = None
+
+
+async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
+    """Wait a bounded time for a prefill leg to end by itself, then cut it off."""
+    await asyncio.wait({task}, timeout=timeout_s)
+    if not task.done():
+        task.cancel()
+        if call is not None:
+            call.cancel()
+    elif not task.cancelled():
+        task.exception()  # retrieved: an error after the answer is complete changes nothing
 
 
 async def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:

@@ -33,6 +33,9 @@ class OutputAssembler:
                  stops: list[str], num_top_logprobs: int, metrics: Metrics,
                  keep_token_ids: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
+        self.prompt_ids = prompt_ids
+        # Completions with return_token_ids, or token-id mode: choices carry token_ids.
+        self.return_token_ids = False
         # Special tokens dropped before detokenizing, when some must keep their text.
         self._drop: frozenset[int] = frozenset()
         if skip_special_tokens and keep_token_ids:
@@ -48,6 +51,7 @@ class OutputAssembler:
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.logprobs: list[tandem_pb2.TokenLogprob] = []  # all of them (non-streaming responses)
+        self.token_ids: list[int] = []  # every output id (return_token_ids, token-id mode)
 
     @property
     def finished(self) -> bool:
@@ -60,10 +64,13 @@ class OutputAssembler:
     def add_pieces(self, msg: tandem_pb2.GenerateResponse, per_token: bool = True) -> list[str]:
         """Feed one worker message; its text as pieces (one per token with `per_token`)."""
         self.completion_tokens += len(msg.token_ids)
-        if msg.HasField("transfer") and msg.transfer.bytes:
-            self._metrics.observe_transfer(msg.transfer)
         if self.want_logprobs:
             self.logprobs.extend(msg.logprobs)
+        self.token_ids.extend(msg.token_ids)
+        if not self._tok.has_text:  # token-id mode: ids only, no text to cut or stop on
+            if msg.finish_reason:
+                self.finish_reason = msg.finish_reason
+            return []
         ids = [t for t in msg.token_ids if t not in self._drop] if self._drop else msg.token_ids
         if per_token:
             pieces = [self._detok.step((t,)) for t in ids]
@@ -104,6 +111,8 @@ class OutputAssembler:
     # ---- logprobs in the two OpenAI shapes ----
 
     def _text(self, token_id: int) -> str:
+        if not self._tok.has_text:
+            return self._tok.id_to_token(token_id)  # token_id:N
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def completion_logprobs(self, entries: Any, text_start: int = 0) -> CompletionLogprobs:

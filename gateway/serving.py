@@ -179,6 +179,8 @@ class GenerationHandler:
             if req.model is not None and req.model != self.model_name:
                 raise NotFound(f"model {req.model!r} does not exist; this gateway serves "
                                f"{self.model_name!r}", code="model_not_found", param="model")
+            if not self.tok.has_text:
+                self._check_token_id_mode(req, chat)
             if chat:
                 plan = plan_chat(req, self.tok, self.parsers)
                 prompt_ids, structured = plan.prompt_ids, plan.structured
@@ -208,6 +210,7 @@ class GenerationHandler:
         out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
                               req.num_top_logprobs(), self.metrics,
                               plan.keep_token_ids if plan is not None else frozenset())
+        out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
         chat_out = ChatOutput(plan) if plan is not None else None
         if req.stream:
             gen = self._stream(run, first, out, chat_out, req.include_usage(), request_id, t0)
@@ -215,6 +218,15 @@ class GenerationHandler:
         return await self._complete(run, first, out, chat_out, request_id, t0, headers)
 
     # ---- request → prompt ids and sampling ----
+
+    def _check_token_id_mode(self, req: Any, chat: bool) -> None:
+        """A model without a tokenizer: token-id prompts on /v1/completions; a field that needs
+        text is a 400 naming it (never silently dropped)."""
+        if chat:
+            self.tok.render_chat([])  # raises the 400 that says to send token ids
+        if req.stop_strings():
+            raise BadRequest("stop: this model has no tokenizer, so stop strings cannot be "
+                             "matched; use stop_token_ids", param="stop", code="no_tokenizer")
 
     def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -346,11 +358,14 @@ class GenerationHandler:
                                     finish_reason=chat_out.finish_reason(out.finish_reason))])
         else:
             logprobs_c = out.completion_logprobs(out.logprobs) if out.want_logprobs else None
+            ids = out.return_token_ids
             resp = CompletionResponse(
                 id=f"cmpl-{request_id}", created=created, model=self.model_name,
                 usage=out.usage(run.num_cached_tokens),
                 choices=[CompletionChoice(text="".join(parts), finish_reason=out.finish_reason,
-                                          logprobs=logprobs_c)])
+                                          logprobs=logprobs_c,
+                                          token_ids=out.token_ids if ids else None,
+                                          prompt_token_ids=out.prompt_ids if ids else None)])
         return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)
 
     def _chat_chunks(self, rid: str, created: int, deltas: list[ChatDelta],
@@ -376,6 +391,7 @@ class GenerationHandler:
         model = self.model_name
         outcome = "aborted"  # what is left if the client goes away mid-stream
         text_pos = 0
+        first_chunk = True  # the first completion chunk carries prompt_token_ids
         try:
             if chat:
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
@@ -398,12 +414,17 @@ class GenerationHandler:
                             yield event
                 else:
                     text = out.add(msg)
-                    if text or out.finished or lp_entries:
+                    ids = list(msg.token_ids) if out.return_token_ids else None
+                    if text or out.finished or lp_entries or ids:
                         yield _sse(CompletionChunk(id=rid, created=created, model=model, choices=[
                             CompletionChoice(text=text, finish_reason=out.finish_reason,
                                              logprobs=(out.completion_logprobs(lp_entries,
                                                                                text_pos)
-                                                       if lp_entries else None))]))
+                                                       if lp_entries else None),
+                                             token_ids=ids,
+                                             prompt_token_ids=(out.prompt_ids if ids is not None
+                                                               and first_chunk else None))]))
+                        first_chunk = False
                     text_pos += len(text)
                 if out.finished:
                     break

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from orchestrator.config import (
     DEFAULT_CONFIG,
@@ -85,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a whole cluster here in the foreground (local launcher)",
                        description="Start every worker and the gateway on this machine; Ctrl-C stops them in order.")
     _add_config_args(p, required=False)
-    p.add_argument("--model", metavar="DIR", help="HF-format model directory (served name = its name)")
+    p.add_argument("--model", metavar="DIR|ORG/NAME",
+                   help="HF-format model directory, or a Hugging Face name in the local cache "
+                        "(HF_HOME; offline); served as the directory's name or ORG/NAME")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
@@ -126,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the process table, KV budget and weight bytes of a config")
     _add_config_args(p, required=True)
     _add_kv_dtype_arg(p)
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="plan for a machine with N CUDA GPUs (default: probe this one)")
 
     gate = EvalGate()
     p = sub.add_parser("eval", help="score a task through /v1/completions; non-zero below the bar",
@@ -140,14 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
 
-    p = sub.add_parser("bench", help="synthetic streaming workload against an OpenAI-compatible URL")
+    p = sub.add_parser("bench", help="a streaming serving workload against an OpenAI URL",
+                       description="TTFT / TPOT / per-token ITL / E2E percentiles and throughput, "
+                                   "for one load point or a sweep; --out DIR adds JSON and plots.")
     p.add_argument("--url", required=True, help="server base URL")
     p.add_argument("--input-len", type=int, default=128, help="prompt length (characters or token ids)")
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=64, help="requests per load point")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 4)")
-    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second")
+    load.add_argument("--concurrency", metavar="C[,C...]",
+                      help="closed loop: requests in flight (default 4); a list sweeps")
+    load.add_argument("--request-rate", metavar="R[,R...]",
+                      help="open loop: Poisson arrivals per second; a list sweeps")
+    p.add_argument("--dataset", default="random", metavar="random|shared-prefix|jsonl:PATH",
+                   help="random prompts; synthetic multi-turn conversations over shared system "
+                        "prompts; or a JSONL file of {\"prompt\": text|ids, \"max_tokens\": N}")
+    p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: turns per conversation")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: their length")
     p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
                    help="random text, or random token-id lists (exact lengths where the server takes ids)")
     p.add_argument("--vocab-size", type=int, default=32, help="ids: draw token ids from [1, N)")
@@ -155,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed load: every K-th request has a --long-input-len prompt")
     p.add_argument("--long-input-len", type=int, default=1024, metavar="M")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print JSON (a list for a sweep)")
+    p.add_argument("--out", metavar="DIR",
+                   help="write bench.json, latency_throughput.png and itl_cdf.png there")
+    p.add_argument("--no-token-ids", action="store_true",
+                   help="do not send return_token_ids (count one token per stream event)")
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default="")
     return parser
@@ -172,8 +191,12 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     extra: list[str] = []
     if args.model:
         model_dir = Path(args.model).expanduser()
-        extra.append(f"model.path={model_dir.resolve() if model_dir.exists() else model_dir}")
-        extra.append(f"model.served_model_name={args.served_model_name or model_dir.resolve().name}")
+        if model_dir.exists():
+            name = args.served_model_name or model_dir.resolve().name
+            extra += [f"model.path={model_dir.resolve()}", f"model.served_model_name={name}"]
+        else:  # a Hugging Face name (ORG/NAME): the config resolves it from the local cache
+            extra.append(f"model.path={args.model}")
+            extra.append(f"model.served_model_name={args.served_model_name or ''}")
     elif args.served_model_name:
         extra.append(f"model.served_model_name={args.served_model_name}")
     if args.dtype:
@@ -318,9 +341,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from orchestrator.devices import cuda_status
     from orchestrator.plan import format_plan
 
-    print(format_plan(_load(args)))
+    if args.gpus is not None and args.gpus < 1:
+        print(f"error: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_plan(_load(args), cuda_status(args.gpus)))
     return 0
 
 
@@ -358,24 +385,54 @@ def _load_eval_gate(config: str | None) -> EvalGate:
     return load_config(resolve_config_path(config)).eval if config else EvalGate()
 
 
+def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
+    """`--concurrency 1,4,16` -> [1, 4, 16]; ValueError names the flag."""
+    if text is None:
+        return []
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes numbers separated by commas, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} values must be > 0, got {text!r}")
+    return values
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from orchestrator.bench import BenchSpec, bench_main
+    from orchestrator.bench_data import DatasetError, make_sessions_check
 
-    for name in ("input_len", "output_len", "num_requests"):
+    for name in ("input_len", "output_len", "num_requests", "num_turns", "num_groups",
+                 "prefix_len"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return EXIT_USAGE
     if args.vocab_size < 2:
         print(f"error: --vocab-size must be >= 2, got {args.vocab_size}", file=sys.stderr)
         return EXIT_USAGE
-    rate = args.request_rate or 0.0
-    spec = BenchSpec(
+    try:
+        rates = _sweep_values(args.request_rate, float, "--request-rate")
+        concs = _sweep_values(args.concurrency, int, "--concurrency") if not rates else []
+        make_sessions_check(args.dataset)
+    except (ValueError, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    base = BenchSpec(
         input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
-        concurrency=0 if rate > 0 else (args.concurrency or 4), request_rate=rate, seed=args.seed,
-        prompt_kind=args.prompt_kind, vocab_size=args.vocab_size, long_every=max(args.long_every, 0),
-        long_input_len=args.long_input_len, model=args.model, api_key=args.api_key,
+        seed=args.seed, prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
+        long_every=max(args.long_every, 0), long_input_len=args.long_input_len, model=args.model,
+        api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
+        num_groups=args.num_groups, prefix_len=args.prefix_len,
+        return_token_ids=not args.no_token_ids,
     )
-    return bench_main(args.url, spec, args.json, sys.stdout, sys.stderr)
+    specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
+             [dataclasses.replace(base, concurrency=c) for c in concs or [4]])
+    try:
+        return bench_main(args.url, specs, args.json, sys.stdout, sys.stderr,
+                          Path(args.out) if args.out else None)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 COMMANDS = {

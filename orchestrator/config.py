@@ -35,6 +35,13 @@ from orchestrator.config_checks import (
     validate_ports,
     validate_roles,
 )
+from orchestrator.devices import CudaStatus, cuda_status, resolve_device
+from orchestrator.hub import (
+    HubModelError,
+    looks_like_repo_id,
+    resolve_repo_id,
+    split_revision,
+)
 from orchestrator.schema import SchemaError, apply_override, build, parse_override, to_plain
 from protocol.tls import TLSConfig, TLSConfigError
 from transfer.config import TransferConfig, TransferConfigError
@@ -114,7 +121,9 @@ class RoleParallel:
     """
 
     tp_size: int = 1  # attention tensor parallelism
-    device: str = "cpu"  # cpu | cuda (GPUs handed out in plan order) | cuda:N (fixed)
+    # auto (cuda where CUDA is usable here, else cpu) | cpu | cuda (GPUs handed out in plan
+    # order) | cuda:N (fixed)
+    device: str = "auto"
     dp_size: int = 1  # attention data-parallel groups
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or the world
     all2all_backend: All2All = "torch"  # MoE dispatch/combine; deepep only with ep_size > 1
@@ -270,15 +279,24 @@ def _merge_role_sections(data: dict[str, Any]) -> None:
                 role[section] = {**base, **role[section]}
 
 
-def _resolve_model_path(path: str) -> str:
-    """A relative model path means the current directory, else the repository (embedded model)."""
-    p = Path(path)
+def _resolve_model_path(model: ModelConfig) -> ModelConfig:
+    """A relative model path means the current directory, else the repository (embedded
+    model), else a Hugging Face name (ORG/NAME) in the local cache, served under that name.
+    Not found anywhere: left as written, for the launcher's check to name where it looked."""
+    p = Path(model.path)
     if p.is_absolute():
-        return path
+        return model
     for root in (Path.cwd(), REPO_ROOT):
         if (root / p).exists():
-            return str((root / p).resolve())
-    return path
+            return dataclasses.replace(model, path=str((root / p).resolve()))
+    if looks_like_repo_id(model.path):
+        try:
+            snapshot = resolve_repo_id(model.path)
+        except HubModelError:
+            return model
+        name = model.served_model_name or split_revision(model.path)[0]
+        return dataclasses.replace(model, path=str(snapshot), served_model_name=name)
+    return model
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "") -> ClusterConfig:
@@ -292,8 +310,7 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
         cluster: ClusterConfig = build(ClusterConfig, data)
     except SchemaError as exc:
         raise ClusterConfigError(f"{source}: {exc}" if source else str(exc)) from None
-    model = dataclasses.replace(cluster.model, path=_resolve_model_path(cluster.model.path))
-    cluster = dataclasses.replace(cluster, model=model)
+    cluster = dataclasses.replace(cluster, model=_resolve_model_path(cluster.model))
     try:
         cluster.validate()
     except ClusterConfigError as exc:
@@ -328,14 +345,17 @@ def dump_config(cluster: ClusterConfig) -> str:
     return yaml.safe_dump(to_plain(cluster), sort_keys=False)
 
 
-def device_for(cluster: ClusterConfig, role: str, replica: int) -> str:
-    """The device of a replica's rank 0: `cuda` hands out GPUs per host in launch order."""
+def device_for(cluster: ClusterConfig, role: str, replica: int,
+               cuda: CudaStatus | None = None) -> str:
+    """The device of a replica's rank 0: `cuda` hands out GPUs per host in launch order;
+    `auto` is `cuda` where `cuda` (default: this machine's status) says CUDA is usable."""
+    cuda = cuda or cuda_status()
     rc = cluster.role(role)
-    if rc.parallel.device != "cuda":
-        return rc.parallel.device
+    if resolve_device(rc.parallel.device, cuda) != "cuda":
+        return resolve_device(rc.parallel.device, cuda)
     nxt = 0
     for name, other in cluster.roles.present():
-        if other.parallel.device != "cuda":
+        if resolve_device(other.parallel.device, cuda) != "cuda":
             continue
         for i in range(other.count):
             if not same_host(other.host_of(i), rc.host_of(replica)):

@@ -69,9 +69,9 @@ def validate_roles(cluster: ClusterConfig) -> None:
                 f"got {rc.parallel.procs_per_node}"
             )
         dev = rc.parallel.device
-        if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ClusterConfigError(
-                f"{where}.parallel.device must be cpu, cuda or cuda:N, got {dev!r}"
+                f"{where}.parallel.device must be auto, cpu, cuda or cuda:N, got {dev!r}"
             )
         if rc.num_threads < 0:
             raise ClusterConfigError(

@@ -10,8 +10,12 @@ they bind the worker's host. Without it this backend says so in the log, once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from transfer.backend import BackendError, Span, TransferBackend, WriteStatus
@@ -19,6 +23,33 @@ from transfer.bind_host import shim_loaded
 from transfer.config import TransferConfigError
 
 log = logging.getLogger(__name__)
+
+# Lines Mooncake's C++ logging (glog, straight to fd 2) prints at every healthy start, which
+# say nothing is wrong: with P2P handshake there is no metadata server, and initialize() looks
+# its own segment up before it has published it ("Local segment descriptor not found"), then
+# publishes it; glog adds a warning that it logs before InitGoogleLogging.
+_BENIGN = ("Local segment descriptor not found", "Logging before InitGoogleLogging")
+
+
+@contextlib.contextmanager
+def _quiet_stderr(drop: tuple[str, ...]) -> Iterator[None]:
+    """Catch what C++ code writes to fd 2 meanwhile; write it back without the `drop` lines
+    (anything else, from any thread, is kept: only reordered after the block)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(d in ln for d in drop)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 class MooncakeBackend(TransferBackend):
@@ -44,9 +75,9 @@ class MooncakeBackend(TransferBackend):
                 "rdma needs the RDMA device names (e.g. mlx5_0,mlx5_1), or use protocol tcp"
             )
         self._te: Any = TransferEngine()
-        rc = self._te.initialize(
-            host, "P2PHANDSHAKE", protocol, ib_device if protocol == "rdma" else ""
-        )
+        with _quiet_stderr(_BENIGN):
+            rc = self._te.initialize(host, "P2PHANDSHAKE", protocol,
+                                     ib_device if protocol == "rdma" else "")
         if rc != 0:
             raise BackendError(
                 f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"

@@ -105,7 +105,9 @@ class ParallelConfig:
 
     tp_size: int = 1
     tp_rank: int = 0  # this process's rank in its TP group (the worker's entry process is 0)
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    # cpu | cuda | cuda:N. A cluster config's `auto` is resolved before it gets here
+    # (orchestrator/devices.py: on the machine the worker runs on), so a worker never guesses.
+    device: str = "cpu"
     dp_size: int = 1  # attention data-parallel groups: one scheduler and KV pool each (worker/dp_runner.py)
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or tp_size * dp_size
     all2all_backend: All2AllBackend = "torch"  # MoE dispatch/combine: torch.distributed or DeepEP
@@ -118,6 +120,10 @@ class ParallelConfig:
         return self.tp_size * self.dp_size
 
     def validate(self, prefix: str = "parallel") -> None:
+        dev = self.device
+        if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ConfigError(f"{prefix}.device must be cpu, cuda or cuda:N, got {dev!r} (a "
+                              "cluster config's auto is resolved by the launcher)")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
         if self.dp_size <= 0:

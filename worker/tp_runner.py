@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -156,6 +157,12 @@ def follower_main(config: WorkerConfig, local_rank: int, parent_pid: int) -> Non
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {cfg.role} rank{where.global_rank} %(levelname)s "
                                "%(name)s: %(message)s")
+    # Rank 0 owns shutdown: it sends STOP and joins us. A launcher signals the whole process
+    # group at once (Ctrl-C, SIGTERM); dying on that signal would cut rank 0's STOP broadcast
+    # short (gloo "Connection closed by peer" in its log). If rank 0 dies instead, the parent
+    # watch below ends us; the launcher's SIGKILL after its grace period is the last resort.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)

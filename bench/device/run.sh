@@ -8,6 +8,7 @@
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
 #   bash bench/device/run.sh h   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
+#   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
 # Results land in $OUT (the device tool brings them back).
 # Issue 23 (g on one GPU or two; m, p and y need two GPUs: nvidia-h200-x2):
 #   bash bench/device/run.sh g   # cuda_ipc gather + static MoE GPU tests, bench/page_gather.py
@@ -104,6 +105,15 @@ elif [[ $1 == x || $1 == y ]]; then
     echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/deepep_tests.txt"
     tail -30 "$OUT/deepep_tests.txt"
   fi
+elif [[ $1 == s ]]; then
+  # Both workers on GPU 0 (one H200): cuda_ipc within the GPU; 8B-shape dummy weights.
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m bench.pd_vs_mono --pd configs/gpu-8b-1p1d.yaml \
+    --mono configs/gpu-8b-mono.yaml --model bench/models/qwen3-8b-shape \
+    --set model.load_format=dummy --pd-set roles.decode.parallel.device=cuda:0 \
+    --pd-set cache.max_total_tokens=131072 --concurrency 1,8,32,64 --num-requests 128 \
+    --input-len 1024 --output-len 128 --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
+  echo "pd_vs_mono rc=$? at ${SECONDS}s" >> "$OUT/pd_vs_mono.txt"
+  tail -20 "$OUT/pd_vs_mono.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"

@@ -16,7 +16,8 @@ Lifecycle:
      a timeout or an early exit: stop everything, print the failed process's log tail, fail; on
      a stranger answering at a worker's address: stop everything, fail with one line.
   5. Start the gateway (`lb.log`), wait for HTTP /health 200 within the same deadline.
-  6. Print `ready: http://HOST:PORT (model, workers, transfer, cluster id, run dir)` and watch:
+  6. Print `ready: http://HOST:PORT (model; workers, ranks, devices; transfer; cluster id;
+     run dir)` (orchestrator/launch/describe.py) and watch:
      a worker that exits 0 has drained and left (DELETE /workers, or SIGTERM): the cluster
      serves on with the others; another exit ends the cluster with a non-zero status naming
      it (or restarts it, on_worker_exit: restart); SIGINT/SIGTERM end it cleanly.
@@ -34,10 +35,12 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from orchestrator.checkpoint import preflight
 from orchestrator.config import ClusterConfig, dial_address, dump_config
+from orchestrator.launch.describe import ready_line, stopped_line
 from orchestrator.launch.ports import check_ports, resolve_ports
 from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec, stop_on_signals
-from orchestrator.plan import plan_processes, read_model_config
+from orchestrator.plan import plan_processes
 from protocol.identity import WorkerIdentity, model_fingerprint
 
 
@@ -110,7 +113,7 @@ def prepare_launch(cluster: ClusterConfig) -> ClusterConfig:
 
     Raises ClusterConfigError (PortInUseError: a taken port) before anything starts.
     """
-    read_model_config(cluster.model.path)  # a missing checkpoint: one line, not a log tail
+    preflight(cluster)  # a bad checkpoint or layout: one line, not a worker's log tail
     cluster = resolve_ports(with_cluster_id(cluster))
     check_ports(cluster)
     return cluster
@@ -125,29 +128,16 @@ def with_cluster_id(cluster: ClusterConfig, cluster_id: str = "") -> ClusterConf
     return dataclasses.replace(cluster, launcher=launcher)
 
 
-def ready_line(cluster: ClusterConfig, workers: list[ProcessSpec], run_dir: Path) -> str:
-    """`ready: URL (model M; workers prefill-0, decode-0 (2 ranks); mooncake; cluster C;
-    logs D)`: what a user needs to start using it and to find its logs."""
-    gw = cluster.gateway
-    names = []
-    for spec in workers:
-        role = cluster.role(spec.name.rsplit("-", 1)[0])
-        ranks = role.parallel.world_size
-        names.append(spec.name + (f" ({ranks} ranks)" if ranks > 1 else ""))
-    transfer = cluster.transfer.backend if cluster.roles.is_pd else "mono"
-    return (
-        f"ready: http://{dial_address(gw.host, gw.port)} (model {cluster.served_model_name}; "
-        f"workers {', '.join(names)}; {transfer}; cluster {cluster.launcher.cluster_id}; "
-        f"logs {run_dir})"
-    )
-
-
 def run_local(
     cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None
 ) -> int:
     """Run the cluster in the foreground until Ctrl-C / SIGTERM (0) or a child's death (1)."""
     out, err = out or sys.stdout, err or sys.stderr
-    cluster = prepare_launch(cluster)
+    # Fail before anything starts when the checkpoint or the layout is wrong (one line naming
+    # the file and field), instead of after a worker's start-up and a log tail.
+    for note in preflight(cluster):
+        print(note, file=out, flush=True)
+    cluster = prepare_launch(cluster)  # checks again (cheap: config.json and file headers)
     run_dir = fresh_run_dir(run_dir_of(cluster))
     print(f"run dir: {run_dir} (cluster {cluster.launcher.cluster_id})", file=out, flush=True)
     config_file = (run_dir / "cluster.yaml").resolve()
@@ -174,16 +164,12 @@ def run_local(
         if lc.stop_requested:
             lc.stop()
             return 0
-        print(ready_line(cluster, workers, run_dir), file=out, flush=True)
+        print(ready_line(cluster, run_dir), file=out, flush=True)
         dead = lc.watch()
         code = 0
         if dead is not None:
             lc.report_failure(dead, f"exited unexpectedly with code {dead.proc.returncode}")
             code = 1
         stopped = lc.stop()
-    print(
-        f"stopped: {', '.join(stopped) or 'nothing was running'}; logs in {run_dir}",
-        file=out,
-        flush=True,
-    )
+    print(stopped_line(stopped, run_dir), file=out, flush=True)
     return code

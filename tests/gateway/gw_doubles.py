@@ -144,9 +144,12 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
             if s.first_delay_s:
                 await asyncio.sleep(s.first_delay_s)
             n_prompt = len(request.prompt_token_ids)
-            if self.role == "prefill":
+            if self.role == "prefill":  # the first token; at the room's end the transfer stats
                 yield tandem_pb2.GenerateResponse(token_ids=s.tokens[:1], num_prompt_tokens=n_prompt,
                                                   num_cached_tokens=s.cached_tokens)
+                if s.transfer is not None:
+                    await asyncio.sleep(s.delay_s)
+                    yield tandem_pb2.GenerateResponse(finish_reason="stop", transfer=s.transfer)
                 return
             n = min(len(s.tokens), request.sampling.max_tokens or len(s.tokens))
             for i in range(n):

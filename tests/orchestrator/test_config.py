@@ -112,7 +112,8 @@ def test_part_validation_is_called_with_field_names() -> None:
         config_from_dict({**PD, "scheduler": {"chunked_prefill_size": 8}})
     with pytest.raises(ClusterConfigError, match=r"roles.prefill.count must be >= 1"):
         config_from_dict({"roles": {"prefill": {"count": 0}, "decode": {"base_port": 52000}}})
-    with pytest.raises(ClusterConfigError, match=r"roles.decode.parallel.device must be cpu, cuda or cuda:N"):
+    with pytest.raises(ClusterConfigError,
+                       match=r"roles.decode.parallel.device must be auto, cpu, cuda or cuda:N"):
         config_from_dict({"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000, "parallel": {"device": "gpu"}}}})
 
 
