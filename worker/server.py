@@ -2,7 +2,9 @@
 
 Start-up order: load weights → register services → bind the port (health NOT_SERVING) →
 warm-up step → SERVING.
-The engine runs on its own thread; the asyncio loop here only moves messages.
+The engine runs on its own thread; the asyncio loop here only moves messages: a gateway's
+`Session` stream (worker/session.py) gets one message per engine step for all its requests;
+the per-request `Generate` call stays for direct clients and tools.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import secrets
 import signal
 import threading
-from collections import defaultdict
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,22 +27,12 @@ from worker.request import Request
 from worker.roles import attach
 from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks
+from worker.session import STATUS_BY_ERROR, InvalidRequest, Registry, SessionFront
 
 log = logging.getLogger("tandem.worker")
 
-STATUS_BY_ERROR = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere, not our fault
-    "internal": grpc.StatusCode.INTERNAL,
-}
+__all__ = ["STATUS_BY_ERROR", "InvalidRequest", "WorkerService", "serve", "run_worker"]
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-class InvalidRequest(ValueError):
-    """The request is the client's mistake (maps to INVALID_ARGUMENT)."""
 
 
 class WorkerService(tandem_pb2_grpc.WorkerServicer):
@@ -50,8 +42,14 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         self.role_info: dict[str, str] = {}  # bootstrap_addr, transfer_backend (PD roles)
         self.epoch = secrets.randbits(64) or 1  # this incarnation; PD roles use the transfer manager's
         self._ids = itertools.count()
-        self._by_external: dict[str, set[str]] = defaultdict(set)  # gateway request id -> ours
-        self._by_room: dict[int, str] = {}
+        self._registry = Registry()  # live requests by gateway request id and by room
+
+    # ---- Session: the gateway's stream ------------------------------------------------------------
+    async def Session(self, request_iterator: AsyncIterator[tandem_pb2.SessionRequest],  # type: ignore[override]
+                      context: grpc.aio.ServicerContext) -> None:
+        front = SessionFront(self._ready_engine, self._make_request,
+                             self.config.scheduler.max_waiting, self._registry)
+        await front.run(request_iterator, context)
 
     # ---- Generate ------------------------------------------------------------------------------
     async def Generate(self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
@@ -74,9 +72,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         external = request.request_id
-        self._by_external[external].add(req.request_id)
-        if req.room:
-            self._by_room[req.room] = req.request_id
+        self._registry.add(external, req)
         log.debug("request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens)
         engine.submit(req, sink)
         finished = False
@@ -95,13 +91,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         finally:
             if not finished:  # the caller went away: end the request and free its pages
                 engine.abort(req.request_id, "cancelled by the caller")
-            ids = self._by_external.get(external)
-            if ids is not None:
-                ids.discard(req.request_id)
-                if not ids:
-                    del self._by_external[external]
-            if req.room:
-                self._by_room.pop(req.room, None)
+            self._registry.remove(external, req)
 
     def _make_request(self, engine: Engine, message: tandem_pb2.GenerateRequest) -> Request:
         prompt = list(message.prompt_token_ids)
@@ -133,9 +123,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
     # ---- the other calls -------------------------------------------------------------------------
     async def Abort(self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:  # type: ignore[override]
         engine = self._ready_engine()
-        ids = set(self._by_external.get(request.request_id, ()))
-        if request.room and request.room in self._by_room:
-            ids.add(self._by_room[request.room])
+        ids = self._registry.find(request.request_id, request.room)
         if engine is not None:
             for rid in ids:
                 engine.abort(rid, "aborted")
