@@ -22,6 +22,7 @@ from gateway.openai_responses import (
     TopLogprobEntry,
     Usage,
 )
+from gateway.session import Output
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -53,14 +54,14 @@ class OutputAssembler:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, msg: tandem_pb2.GenerateResponse) -> str:
+    def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
         return "".join(self.add_pieces(msg, per_token=False))
 
-    def add_pieces(self, msg: tandem_pb2.GenerateResponse, per_token: bool = True) -> list[str]:
+    def add_pieces(self, msg: Output, per_token: bool = True) -> list[str]:
         """Feed one worker message; its text as pieces (one per token with `per_token`)."""
         self.completion_tokens += len(msg.token_ids)
-        if msg.HasField("transfer") and msg.transfer.bytes:
+        if msg.transfer is not None and msg.transfer.bytes:
             self._metrics.observe_transfer(msg.transfer)
         if self.want_logprobs:
             self.logprobs.extend(msg.logprobs)

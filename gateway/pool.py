@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
+from gateway.session import WorkerSession
 from protocol import tandem_pb2, tandem_pb2_grpc
 from protocol.tls import aio_channel
 
@@ -47,6 +48,7 @@ class Worker:
     channel: grpc.aio.Channel
     stub: tandem_pb2_grpc.WorkerStub
     health_stub: health_pb2_grpc.HealthStub
+    session: WorkerSession  # the one stream every request to this worker rides
     info: tandem_pb2.WorkerInfo | None = None  # from GetInfo; None until reachable
     healthy: bool = False
     fails: int = 0  # consecutive failed health checks
@@ -85,8 +87,10 @@ class WorkerPool:
 
     def _make(self, url: str, pool: str) -> Worker:
         ch = aio_channel(url, self.config.tls, options=_CHANNEL_OPTIONS)
-        return Worker(url=url, pool=pool, channel=ch, stub=tandem_pb2_grpc.WorkerStub(ch),
-                      health_stub=health_pb2_grpc.HealthStub(ch))
+        stub = tandem_pb2_grpc.WorkerStub(ch)
+        return Worker(url=url, pool=pool, channel=ch, stub=stub,
+                      health_stub=health_pb2_grpc.HealthStub(ch),
+                      session=WorkerSession(stub, url))
 
     def all(self) -> list[Worker]:
         return [w for ws in self.pools.values() for w in ws]
@@ -130,6 +134,7 @@ class WorkerPool:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(w.session.close() for w in self.all()), return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self.all()), return_exceptions=True)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

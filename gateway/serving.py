@@ -46,6 +46,7 @@ from gateway.openai_types import (
     logit_bias_ids,
 )
 from gateway.output import OutputAssembler
+from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
 from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
@@ -287,7 +288,7 @@ class GenerationHandler:
         self._account("aborted", out, run, t0)
 
     async def _next_timed(self, run: RequestRun, last: float
-                          ) -> tuple[tandem_pb2.GenerateResponse | None, float]:
+                          ) -> tuple[Output | None, float]:
         """The run's next message, recording inter-token latency since `last` (per token)."""
         msg = await run.next()
         now = time.perf_counter()
@@ -295,13 +296,13 @@ class GenerationHandler:
             self.metrics.itl.observe((now - last) / len(msg.token_ids))
         return msg, now
 
-    async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse,
+    async def _complete(self, run: RequestRun, first: Output,
                         out: OutputAssembler, chat_out: ChatOutput | None, request_id: str,
                         t0: float, headers: dict[str, str]) -> Response:
         parts: list[str] = []
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            msg: tandem_pb2.GenerateResponse | None = first
+            msg: Output | None = first
             last = time.perf_counter()
             while msg is not None:
                 if chat_out is None:
@@ -367,7 +368,7 @@ class GenerationHandler:
                                                    model=self.model_name, choices=[choice])))
         return events
 
-    async def _stream(self, run: RequestRun, first: tandem_pb2.GenerateResponse,
+    async def _stream(self, run: RequestRun, first: Output,
                       out: OutputAssembler, chat_out: ChatOutput | None, include_usage: bool,
                       request_id: str, t0: float) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -380,7 +381,7 @@ class GenerationHandler:
             if chat:
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
                     ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            msg: tandem_pb2.GenerateResponse | None = first
+            msg: Output | None = first
             last = time.perf_counter()
             while msg is not None:
                 lp_entries = msg.logprobs if out.want_logprobs else None

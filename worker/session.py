@@ -186,10 +186,16 @@ class SessionFront:
     async def _read(self, frames: AsyncIterator[tandem_pb2.SessionRequest]) -> None:
         try:
             async for frame in frames:
+                # The order of protocol/tandem.proto's SessionRequest: ids and rooms (earlier
+                # frames' requests), then submits, then slots.
+                for ab in frame.aborts:
+                    if ab.request_id or ab.room:
+                        self._abort_ids(ab.request_id, ab.room)
                 if frame.submits:
                     self._submit(frame.submits)
                 for ab in frame.aborts:
-                    self._abort(ab)
+                    if ab.slot:
+                        self._abort_slot(ab.slot)
         finally:
             self._wake()  # the writer re-checks whether the stream is over
 
@@ -216,16 +222,17 @@ class SessionFront:
             self._registry.add(s.request.request_id, req)
             engine.submit_to(req, self.channel, s.slot)
 
-    def _abort(self, ab: tandem_pb2.SessionAbort) -> None:
+    def _abort_ids(self, request_id: str, room: int) -> None:
         engine = self._engine_of()
-        if engine is None:
-            return
-        ids = self._registry.find(ab.request_id, ab.room)
-        entry = self._live.get(ab.slot) if ab.slot else None
-        if entry is not None:
-            ids.add(entry[0].request_id)
-        for rid in ids:
-            engine.abort(rid, "aborted")
+        if engine is not None:
+            for rid in self._registry.find(request_id, room):
+                engine.abort(rid, "aborted")
+
+    def _abort_slot(self, slot: int) -> None:
+        engine = self._engine_of()
+        entry = self._live.get(slot)
+        if engine is not None and entry is not None:
+            engine.abort(entry[0].request_id, "aborted")
 
     def close(self) -> None:
         """The stream is over: drop later outputs, end every request it still carried."""
