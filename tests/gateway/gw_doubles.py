@@ -83,6 +83,8 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         self.requests: list[tandem_pb2.GenerateRequest] = []
         self.aborts: list[tandem_pb2.AbortRequest] = []
         self.cancelled = 0
+        self.sessions = 0  # Session streams opened to this worker
+        self.frames = 0  # gateway frames received on them
         self.load = tandem_pb2.Load(kv_total_pages=100)
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -170,6 +172,7 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
 
         async def read() -> None:
             async for frame in request_iterator:
+                self.frames += 1
                 # The real worker's order: ids and rooms, then submits, then slots.
                 for ab in frame.aborts:
                     if ab.request_id or ab.room:  # what the Abort call used to carry
@@ -189,6 +192,7 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                     if ab.slot in tasks:
                         tasks[ab.slot].cancel()
 
+        self.sessions += 1
         reader = asyncio.get_running_loop().create_task(read())
         started: set[int] = set()
         try:
