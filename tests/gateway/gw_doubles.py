@@ -202,10 +202,11 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                 if pending:
                     batch, pending[:] = list(pending), []
                     await context.write(session_message(batch, started))
-        finally:
+        finally:  # end every task of this stream before the handler returns (clean teardown)
             reader.cancel()
             for t in list(tasks.values()):
                 t.cancel()
+            await asyncio.gather(reader, *tasks.values(), return_exceptions=True)
 
     async def _script(self, request: tandem_pb2.GenerateRequest
                       ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
