@@ -75,10 +75,12 @@ class Leg:
         self._start: tuple[int, int] | None = None  # (num_prompt, num_cached) not yet handed on
 
     async def read(self) -> Output | Any:
-        """The next output; `grpc.aio.EOF` after the last; raises the leg's error."""
+        """Everything that arrived since the last read, as one output (several steps' tokens
+        when the reader fell behind: one detokenizer pass and one client event for all of
+        them); `grpc.aio.EOF` after the last; raises the leg's error once its outputs are read."""
         while True:
             if self._queue:
-                return self._queue.popleft()
+                return self._take()
             if self._cancelled:
                 raise asyncio.CancelledError
             if self._error is not None:
@@ -93,6 +95,19 @@ class Leg:
 
     def done(self) -> bool:
         return self._ended or self._cancelled or self._error is not None
+
+    def _take(self) -> Output:
+        queue = self._queue
+        out = queue.popleft()
+        while queue:
+            more = queue.popleft()
+            out.token_ids += more.token_ids
+            if more.logprobs:
+                out.logprobs += more.logprobs
+            out.finish_reason = more.finish_reason
+            if more.transfer is not None:
+                out.transfer = more.transfer
+        return out
 
     def cancel(self) -> None:
         """Stop reading; the worker ends the request (a SessionAbort on the stream)."""

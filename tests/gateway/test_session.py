@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from tests.gateway.gw_doubles import (
@@ -54,3 +55,20 @@ async def test_broken_stream_fails_its_requests_and_reconnects(tok_dir):
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200, r.text
         assert w.sessions == 2  # a new stream
+
+
+async def test_a_reader_that_fell_behind_gets_one_merged_output():
+    from gateway.session import Leg, Output
+    from protocol import tandem_pb2
+
+    leg = Leg(None, 1)  # type: ignore[arg-type]  # fed by hand: no stream needed
+    leg._start = (5, 2)
+    first = Output([70], [])
+    leg._push(first)
+    leg._push(Output([71, 72], []))
+    leg._end(tandem_pb2.RequestEnd(slot=1, finish_reason="length",
+                                   transfer=tandem_pb2.TransferStats(pages=1, bytes=64)))
+    out = await leg.read()
+    assert out.token_ids == [70, 71, 72] and out.finish_reason == "length"
+    assert (out.num_prompt_tokens, out.num_cached_tokens) == (5, 2) and out.transfer.bytes == 64
+    assert await leg.read() is grpc.aio.EOF and leg.done()
