@@ -369,6 +369,19 @@ class Engine:
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
             self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+            if piecewise_supported(self):
+                self.runner.enable_piecewise_graphs(self.config.scheduler.chunked_prefill_size)
+
+
+def piecewise_supported(engine: Engine) -> bool:
+    """Graphs around attention (worker/piecewise.py): dense one-rank models whose layers read
+    nothing of the batch outside attention (no window rings, no recurrent state, no MoE)."""
+    from worker.model.llama import LlamaForCausalLM
+
+    shape = engine.kv.shape
+    return (engine.config.model.piecewise_graphs and engine.tp is None
+            and type(engine.model) is LlamaForCausalLM and not shape.window_layers
+            and not shape.state_layers)
 
 
 def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
