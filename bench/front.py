@@ -41,12 +41,12 @@ def main() -> None:
         batch = step(b)
         outs = [RequestOutput(f"r{i}", [1000 + i]) for i in range(b)]
 
-        def session() -> None:
+        def session(batch: StepOutputs = batch) -> None:
             msg = tandem_pb2.SessionResponse()
             fill_response(msg, batch)
             msg.SerializeToString()
 
-        def per_request() -> None:
+        def per_request(outs: list[RequestOutput] = outs) -> None:
             for o in outs:
                 to_message(o).SerializeToString()
 

@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from datetime import date
@@ -88,6 +89,23 @@ def prompts_for(spec: BenchSpec) -> list[list[int]]:
     return [tok.encode(p) for p in prompts]
 
 
+def profiler(cluster: Any, seconds: float, out: Path) -> threading.Thread:
+    """py-spy the cluster's mono worker for `seconds`, starting after the load warms up."""
+    from bench.profile import pid_listening, record
+
+    port = int(cluster.workers["both-0"].rsplit(":", 1)[1])
+
+    def run() -> None:
+        time.sleep(2.0)  # into the steady part of the run
+        pid = pid_listening(port)
+        text = record(pid, seconds) if pid else f"no process listens on {port}\n"
+        (out / "worker_profile.txt").write_text(text)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [f"### served / engine ({r['date']}, {r['machine']})", "",
              f"{r['input_len']} in / {r['output_len']} out, 2B requests at concurrency B; "
@@ -124,6 +142,8 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=0, help="8B shape with fewer layers")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--skip-served", action="store_true", help="only the engine figures")
+    ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the mono worker this "
+                    "long during the largest B (worker_profile.txt in --out)")
     args = ap.parse_args()
     batches = [int(b) for b in (args.batches or ("4,16" if args.smoke else "16,64,160")).split(",")]
     input_len = args.input_len or (32 if args.smoke else 128)
@@ -176,7 +196,11 @@ def main() -> None:
             for name in ("mono", "1P1D"):
                 asyncio.run(run_bench(up[name].url, warm))
                 for b in batches:
+                    prof = (profiler(up[name], args.profile_s, args.out) if name == "mono"
+                            and b == max_b and args.profile_s > 0 else None)
                     rs, dur = asyncio.run(run_bench(up[name].url, replace(specs[b])))
+                    if prof is not None:
+                        prof.join()
                     s = summarize(rs, dur, specs[b])
                     result["rows"].setdefault(str(b), {})[name] = s
                     print(f"[served] {name} B={b}: {s['output_throughput']} tok/s, ITL "

@@ -6,6 +6,9 @@
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
+#   bash bench/device/run.sh g   # serving path (issue 18): piecewise-graph GPU tests, then
+#                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
+#                                #   with a py-spy profile of the mono worker at B = 160
 # Results land in $OUT (the device tool brings them back).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,6 +54,14 @@ elif [[ $1 == f ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
   tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"
+elif [[ $1 == g ]]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_piecewise.py \
+    tests/worker/test_gpu.py > "$OUT/serve_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/serve_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.served --out "$OUT" \
+    --profile-s 8 > "$OUT/served.txt" 2>&1
+  echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
+  tail -20 "$OUT/serve_tests.txt"; tail -30 "$OUT/served.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"
