@@ -55,9 +55,10 @@ def wrk_load(url: str, body: str, requests: int, concurrency: int) -> Load:
 
 
 def _wrk(url: str, script: str, concurrency: int, seconds: float) -> Load:
-    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--latency",
-                          "-s", script, url], capture_output=True, text=True,
-                         timeout=seconds + 60, check=True).stdout
+    argv = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--latency",
+            "-s", script, url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
+                         check=True).stdout
     p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
     rps = re.search(r"Requests/sec:\s+([0-9.]+)", out)
     assert p50 is not None and rps is not None, out

@@ -10,6 +10,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -39,7 +40,8 @@ def pid_listening(port: int) -> int | None:
 
 def record(pid: int, seconds: float, rate: int = 250) -> str:
     """A summary of `seconds` of py-spy samples of `pid` (idle threads included: '--idle')."""
-    spy = shutil.which("py-spy")
+    beside = Path(sys.executable).parent / "py-spy"  # a venv's, when the venv is not on PATH
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
         return "py-spy is not installed (pip install py-spy)\n"
     with tempfile.TemporaryDirectory() as tmp:

@@ -161,7 +161,7 @@ def main() -> None:
         common += ["model.load_format=dummy", "model.dtype=bfloat16", "model.max_model_len=4096"]
         spec_kw = {"prompt_kind": "ids", "vocab_size": 151936}
     mono_sets = [*common, f"roles.both.parallel.device={device}"]
-    if args.smoke:  # one torch thread for the worker: the gateway and the client need the other core
+    if args.smoke:  # one torch thread: the gateway and the client need the other core
         mono_sets.append("roles.both.num_threads=1")
     engine_sets = [*mono_sets, f"model.path={model}"]
     pd_threads = ["roles.prefill.num_threads=1", "roles.decode.num_threads=1"] if args.smoke else []

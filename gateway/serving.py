@@ -75,6 +75,14 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return b"".join(parts)
 
 
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id, read off the raw ASGI headers (no Headers mapping built)."""
+    for name, value in request.scope["headers"]:
+        if name == b"x-request-id":  # ASGI servers lower-case header names
+            return str(value.decode("latin-1"))
+    return ""
+
+
 def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
     """JSON → pydantic request; malformed JSON and wrong types are 400s naming the field."""
     try:
@@ -145,7 +153,7 @@ class GenerationHandler:
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = _request_id(request) or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)

@@ -355,8 +355,8 @@ class Engine:
         """Run one tiny request through the real path before reporting SERVING."""
         done = threading.Event()
         req = Request("warmup", [0] * min(8, self.max_model_len - 1), SamplingParams(max_tokens=2, ignore_eos=True))
-        self._tracked[req.request_id] = _Tracked(
-            req, PerRequestSink(req.request_id, lambda out: done.set() if out.finished else None), 0)
+        sink = PerRequestSink(req.request_id, lambda out: done.set() if out.finished else None)
+        self._tracked[req.request_id] = _Tracked(req, sink, 0)
         self.scheduler.add(req)  # straight to the scheduler: no room, whatever the role
         deadline = time.monotonic() + timeout_s
         while not done.is_set():

@@ -93,6 +93,7 @@ class PerRequestSink(OutputChannel):
             _, out.num_prompt_tokens, out.num_cached_tokens = outputs.started[0]
         if outputs.ended:
             end = outputs.ended[0]
-            out.finish_reason, out.error, out.error_code = end.finish_reason, end.error, end.error_code
+            out.finish_reason, out.error = end.finish_reason, end.error
+            out.error_code = end.error_code
             out.transfer = end.transfer
         self._sink(out)

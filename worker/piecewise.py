@@ -116,7 +116,8 @@ class PiecewiseGraphs:
         for module in model.modules():  # every attention layer holds the shared backend
             real = getattr(module, "backend", None)
             if isinstance(real, AttentionBackend) and not isinstance(real, _AttentionSeam):
-                seam = seam if seam is not None and seam.real is real else _AttentionSeam(real, self)
+                if seam is None or seam.real is not real:
+                    seam = _AttentionSeam(real, self)
                 module.backend = seam  # type: ignore[assignment]
 
     # ---- capture ---------------------------------------------------------------------------
@@ -125,7 +126,8 @@ class PiecewiseGraphs:
         """Token inputs of one bucket; the request fields are placeholders (no piece reads them)."""
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            query_start=self.positions.new_tensor([0, bs]), seq_lens=self.positions.new_tensor([bs]),
+            query_start=self.positions.new_tensor([0, bs]),
+            seq_lens=self.positions.new_tensor([bs]),
             page_table=self.positions.new_zeros(1, 1), slot_mapping=self.slots[:bs],
             logits_indices=self.positions.new_zeros(0), query_start_list=[0, bs],
             seq_lens_list=[bs])

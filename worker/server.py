@@ -44,9 +44,10 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         self._ids = itertools.count()
         self._registry = Registry()  # live requests by gateway request id and by room
 
-    # ---- Session: the gateway's stream ------------------------------------------------------------
-    async def Session(self, request_iterator: AsyncIterator[tandem_pb2.SessionRequest],  # type: ignore[override]
-                      context: grpc.aio.ServicerContext) -> None:
+    # ---- Session: the gateway's stream ---------------------------------------------------
+    async def Session(  # type: ignore[override]
+            self, request_iterator: AsyncIterator[tandem_pb2.SessionRequest],
+            context: grpc.aio.ServicerContext) -> None:
         front = SessionFront(self._ready_engine, self._make_request,
                              self.config.scheduler.max_waiting, self._registry)
         await front.run(request_iterator, context)

@@ -37,7 +37,7 @@ STATUS_BY_ERROR = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere, not our fault
+    "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere
     "internal": grpc.StatusCode.INTERNAL,
 }
 _CODE_NUMBER = {code: code.value[0] for code in grpc.StatusCode}

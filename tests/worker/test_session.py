@@ -80,7 +80,7 @@ def test_many_requests_share_one_stream_and_match_generate(worker: Worker) -> No
     s.read_until({1, 2, 3, 4})
     s.close()
     assert [s.tokens[i + 1] for i in range(4)] == want  # greedy: the same tokens as Generate
-    assert all(s.ended[i].finish_reason == "length" and s.ended[i].status_code == 0 for i in s.ended)
+    assert all(e.finish_reason == "length" and e.status_code == 0 for e in s.ended.values())
     assert s.started[1].num_prompt_tokens == 6 and s.started[2].num_prompt_tokens == 3
     assert [lp.token_id for lp in s.logprobs[1]] == want[0]
     assert all(len(lp.top) == 2 for lp in s.logprobs[1]) and not s.logprobs[2]
@@ -103,7 +103,8 @@ def test_bad_submit_ends_alone_with_its_status(worker: Worker) -> None:  # noqa:
 
 
 @pytest.mark.parametrize("how", ["slot", "request_id"])
-def test_abort_on_the_stream_is_immediate_and_idempotent(worker: Worker, how: str) -> None:  # noqa: F811
+def test_abort_on_the_stream_is_immediate_and_idempotent(
+        worker: Worker, how: str) -> None:  # noqa: F811
     stub, _ = worker
     s = Stream(stub)
     long = tandem_pb2.GenerateRequest(request_id="long-one", prompt_token_ids=[3, 4, 5],
