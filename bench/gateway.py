@@ -146,7 +146,7 @@ def measure(url: str, pid: int, stream: bool, n: int, c: int) -> dict[str, float
     one = http_load(f"{url}/v1/completions", body(stream), min(500, n), 1)
     cpu0 = tree_cpu(pid)
     many = http_load(f"{url}/v1/completions", body(stream), n, c)
-    cpu_us = (tree_cpu(pid) - cpu0) / n * 1e6
+    cpu_us = (tree_cpu(pid) - cpu0) / max(many.count, 1) * 1e6
     return {"p50_1": one.p50_s, "rps": many.rps, "p50_n": many.p50_s, "cpu_us": cpu_us,
             "failed": one.failed + many.failed}
 
@@ -210,13 +210,13 @@ def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int
     with process(gateway_argv(gport, tok_dir, workers), log) as gw:
         url = f"http://127.0.0.1:{gport}"
         wait_ready(url, gw, log)
-        requests = max(c * 8, 256)
         http_load(f"{url}/v1/completions", body(True, 64), 64, 8)
-        cpu0, t0 = tree_cpu(gw.pid), time.perf_counter()
-        r = http_load(f"{url}/v1/completions", body(True, 64), requests, c)
-        wall, cpu = time.perf_counter() - t0, tree_cpu(gw.pid) - cpu0
+        cpu0 = tree_cpu(gw.pid)
+        r = http_load(f"{url}/v1/completions", body(True, 64), max(c * 8, 256), c)
+        cpu = tree_cpu(gw.pid) - cpu0  # the probe run included: it streams the same tokens
+        requests = r.count
         tokens = requests * 64
-        print(f"streamed 64 tokens a request (PD, 2 ms steps): c={c}: {tokens / wall:.0f} tok/s, "
+        print(f"streamed 64 tokens a request (PD, 2 ms steps): c={c}: {r.rps * 64:.0f} tok/s, "
               f"gateway CPU {cpu / tokens * 1e6:.1f} us/token "
               f"({cpu / requests * 1e6:.0f} us/request); failed {r.failed}", flush=True)
 

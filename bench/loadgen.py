@@ -33,6 +33,7 @@ class Load:
     rps: float  # completed requests per second
     failed: int  # non-200 answers and socket errors
     tool: str  # wrk | aiohttp
+    count: int  # requests completed in the call, wrk's sizing run included (for CPU per request)
 
 
 def _seconds(text: str) -> float:
@@ -49,7 +50,8 @@ def wrk_load(url: str, body: str, requests: int, concurrency: int) -> Load:
     try:
         probe = _wrk(url, f.name, concurrency, 1.0)
         seconds = max(2.0, min(30.0, requests / max(probe.rps, 1.0)))
-        return _wrk(url, f.name, concurrency, seconds)
+        run = _wrk(url, f.name, concurrency, seconds)
+        return Load(run.p50_s, run.rps, probe.failed + run.failed, "wrk", probe.count + run.count)
     finally:
         Path(f.name).unlink()
 
@@ -65,7 +67,9 @@ def _wrk(url: str, script: str, concurrency: int, seconds: float) -> Load:
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     failed = (int(bad.group(1)) if bad else 0) + (sum(map(int, sock.groups())) if sock else 0)
-    return Load(_seconds(p50.group(1)), float(rps.group(1)), failed, "wrk")
+    done = re.search(r"(\d+) requests in", out)
+    assert done is not None, out
+    return Load(_seconds(p50.group(1)), float(rps.group(1)), failed, "wrk", int(done.group(1)))
 
 
 async def _aiohttp_load(url: str, body: str, requests: int, concurrency: int) -> Load:
@@ -87,7 +91,7 @@ async def _aiohttp_load(url: str, body: str, requests: int, concurrency: int) ->
         t0 = time.perf_counter()
         await asyncio.gather(*(client(requests // concurrency) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return Load(statistics.median(lat), len(lat) / wall, failed, "aiohttp")
+    return Load(statistics.median(lat), len(lat) / wall, failed, "aiohttp", len(lat))
 
 
 def http_load(url: str, body: str, requests: int, concurrency: int) -> Load:
