@@ -119,6 +119,8 @@ class PiecewiseGraphs:
                 if seam is None or seam.real is not real:
                     seam = _AttentionSeam(real, self)
                 module.backend = seam  # type: ignore[assignment]
+        assert seam is not None, "the model has no attention backend to put a seam in front of"
+        self._real = seam.real  # what replay calls between the pieces
 
     # ---- capture ---------------------------------------------------------------------------
 
@@ -204,7 +206,7 @@ class PiecewiseGraphs:
         self.slots[:t].copy_(batch.slot_mapping)
         self.slots[t:bs].fill_(-1)  # padding rows store nothing
         q, k, v, o = (self._qkv[n] for n in ("q", "k", "v", "o"))
-        real = self._real()
+        real = self._real
         bucket.pieces[0].replay()
         for call, piece in zip(bucket.calls, bucket.pieces[1:], strict=True):
             o[:t].copy_(real.forward(q[:t], k[:t], v[:t], call.k_cache, call.v_cache, batch,
@@ -214,13 +216,6 @@ class PiecewiseGraphs:
         self.num_replays += 1
         assert bucket.hidden is not None
         return bucket.hidden[:t]
-
-    def _real(self) -> AttentionBackend:
-        for module in self.model.modules():
-            seam = getattr(module, "backend", None)
-            if isinstance(seam, _AttentionSeam):
-                return seam.real
-        raise AssertionError("no attention seam in the model")
 
 
 class _NoGraph:

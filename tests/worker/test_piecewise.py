@@ -35,8 +35,17 @@ def test_the_seam_passes_through_outside_capture(tmp_path: Path) -> None:
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 20]
     want = generate(Engine(config), prompts, max_tokens=6)
     seamed = Engine(config)
-    PiecewiseGraphs(seamed.model, seamed.kv, 32)  # wraps the backend; no capture on CPU
+    pieces = PiecewiseGraphs(seamed.model, seamed.kv, 32)  # wraps the backend; no capture on CPU
     assert generate(seamed, prompts, max_tokens=6) == want
+    # A warm-up pass (what capture runs first) splits the forward at every layer's attention.
+    from worker.piecewise import _Bucket, _NoGraph
+
+    pieces._warming = True
+    pieces.capturing = bucket = _Bucket(pieces=[_NoGraph()])  # type: ignore[list-item]
+    hidden = seamed.model(pieces._static_batch(16), seamed.kv)
+    num_layers = seamed.kv.shape.num_layers
+    assert len(bucket.pieces) == num_layers + 1 and len(bucket.calls) == num_layers
+    assert hidden.shape[0] == 16 and pieces._qkv["q"].shape[0] == 32
 
 
 @pytest.mark.gpu
