@@ -54,9 +54,11 @@ def record(pid: int, seconds: float, rate: int = 250) -> str:
         return summarize(raw.read_text())
 
 
-def summarize(raw: str, top: int = 25) -> str:
+def summarize(raw: str, top: int = 8) -> str:
+    """Share of samples per thread, and each thread's top innermost frames. py-spy counts a
+    thread blocked in a C call (select, a queue wait) as busy: those frames say "waiting"."""
     threads: Counter[str] = Counter()
-    frames: Counter[str] = Counter()
+    frames: dict[str, Counter[str]] = {}
     total = 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -66,11 +68,11 @@ def summarize(raw: str, top: int = 25) -> str:
         total += n
         parts = stack.split(";")
         threads[parts[0]] += n
-        frames[f"{parts[0].split(' ')[0]} {parts[-1]}"] += n
-    out = [f"{total} samples (busy threads only)", "", "per thread:"]
-    out += [f"  {n / total * 100:5.1f}%  {t}" for t, n in threads.most_common()]
-    out += ["", "innermost frames:"]
-    out += [f"  {n / total * 100:5.1f}%  {f[:160]}" for f, n in frames.most_common(top)]
+        frames.setdefault(parts[0], Counter())[parts[-1]] += n
+    out = [f"{total} samples"]
+    for thread, n in threads.most_common():
+        out += ["", f"{n / total * 100:5.1f}%  {thread}"]
+        out += [f"    {k / total * 100:5.1f}%  {f[:150]}" for f, k in frames[thread].most_common(top)]
     return "\n".join(out) + "\n"
 
 

@@ -143,7 +143,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--skip-served", action="store_true", help="only the engine figures")
     ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the mono worker this "
-                    "long during the largest B (worker_profile.txt in --out)")
+                    "long under a load at the largest B, after the measured runs "
+                    "(worker_profile.txt in --out)")
     args = ap.parse_args()
     batches = [int(b) for b in (args.batches or ("4,16" if args.smoke else "16,64,160")).split(",")]
     input_len = args.input_len or (32 if args.smoke else 128)
@@ -196,16 +197,19 @@ def main() -> None:
             for name in ("mono", "1P1D"):
                 asyncio.run(run_bench(up[name].url, warm))
                 for b in batches:
-                    prof = (profiler(up[name], args.profile_s, args.out) if name == "mono"
-                            and b == max_b and args.profile_s > 0 else None)
                     rs, dur = asyncio.run(run_bench(up[name].url, replace(specs[b])))
-                    if prof is not None:
-                        prof.join()
                     s = summarize(rs, dur, specs[b])
                     result["rows"].setdefault(str(b), {})[name] = s
                     print(f"[served] {name} B={b}: {s['output_throughput']} tok/s, ITL "
                           f"{s['itl_ms']}, failed {s['failed']}", flush=True)
                     record()
+            if args.profile_s > 0:  # a load of its own, long enough for the record
+                row = result["rows"].get(str(max_b), {}).get("engine", {})
+                rate = row.get("output_tok_s", 1000.0)
+                n = max(2 * max_b, int(rate * (args.profile_s + 6) / output_len))
+                prof = profiler(up["mono"], args.profile_s, args.out)
+                asyncio.run(run_bench(up["mono"].url, replace(specs[max_b], num_requests=n)))
+                prof.join()
     print(table(result))
 
 
