@@ -11,11 +11,12 @@ an SSE `error` event followed by `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -150,10 +151,17 @@ class GenerationHandler:
         self.max_request_bytes = max_request_bytes
         self.body_timeout_s = body_timeout_s
         self.parsers = parsers or Parsers()
+        # Request ids without the client's: this process's random prefix and a counter (unique
+        # across gateways with overwhelming odds; uuid4 costs a getrandom call per request).
+        self._id_prefix = secrets.token_hex(8)
+        self._id_count = itertools.count()
+
+    def _new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_count):08x}"
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
-        request_id = _request_id(request) or uuid.uuid4().hex
+        request_id = _request_id(request) or self._new_id()
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)

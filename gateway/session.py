@@ -220,6 +220,8 @@ class WorkerSession:
         try:
             while True:
                 await self._kick.wait()
+                if len(self._legs) > 1:  # others in flight: one more turn gathers their submits
+                    await asyncio.sleep(0)
                 self._kick.clear()
                 frame, self._frame = self._frame, tandem_pb2.SessionRequest()
                 await call.write(frame)
