@@ -1,10 +1,10 @@
 """1P1D vs mono: the same `tandem bench` concurrency sweep against both clusters, one run.
 
     .venv/bin/python -m bench.pd_vs_mono                       # the dev box: embedded model
-    bash bench/device/run.sh g                                 # one H200: the same, 8B shape
+    bash bench/device/run.sh s                                 # one H200: the same, 8B shape
     .venv/bin/python -m bench.pd_vs_mono --plot-only docs/img/bench-h200   # its plots, here
 
-On the H200 (`run.sh g`) both workers share GPU 0 (cuda_ipc), 8B-shape dummy weights, and the
+On the H200 (`run.sh s`) both workers share GPU 0 (cuda_ipc), 8B-shape dummy weights, and the
 plots are drawn afterwards where matplotlib is installed (`--plot-only DIR` reads bench.json).
 Starts each cluster in turn (`tandem serve` in the background on free ports), sweeps it with
 the same load points and prompts, stops it, then writes `bench.json` (both runs, every point,

@@ -1,6 +1,9 @@
 """Dispatch of one request to the workers, with retry before the first token.
 
-Monolithic: one `Generate` stream on a `workers` worker; it streams every output token.
+Every leg rides its worker's one Session stream (gateway/session.py): `Worker.session.open`
+gives a leg that reads like a streaming call, and aborts go on the same stream.
+
+Monolithic: one leg on a `workers` worker; it streams every output token.
 
 Disaggregated (PD), for one attempt:
  1. Pick a prefill worker (its policy sees the prompt) and a decode worker; draw a random
@@ -39,6 +42,7 @@ from gateway.errors import NoHealthyWorker, WorkerCallError
 from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
+from gateway.session import Output
 from protocol import tandem_pb2
 
 log = logging.getLogger(__name__)
@@ -108,7 +112,7 @@ class RequestRun:
 
     # ---- first token, with one retry ----
 
-    async def first(self) -> tandem_pb2.GenerateResponse:
+    async def first(self) -> Output:
         cfg = self._d.config
         exclude: set[str] = set()
         attempts = 2 if cfg.retry_before_first_token else 1
@@ -133,12 +137,12 @@ class RequestRun:
         raise AssertionError("unreachable: the loop returns or raises")
 
     def _open(self, w: Worker, req: tandem_pb2.GenerateRequest) -> Any:
-        call = w.stub.Generate(req, timeout=self._d.config.request_timeout_s)
+        call = w.session.open(req, self._d.config.request_timeout_s)
         w.inflight += 1
         self._legs.append((w, call))
         return call
 
-    async def _read_first(self, call: Any, w: Worker, leg: str) -> tandem_pb2.GenerateResponse:
+    async def _read_first(self, call: Any, w: Worker, leg: str) -> Output:
         try:
             msg = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -160,7 +164,7 @@ class RequestRun:
         return WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no first token within {s} s "
                                "(gateway.first_token_timeout_s)", w.url, leg)
 
-    async def _attempt_mono(self, exclude: set[str]) -> tandem_pb2.GenerateResponse:
+    async def _attempt_mono(self, exclude: set[str]) -> Output:
         w = self._d.pick("workers", self.prompt_ids, exclude)
         req = tandem_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                                          sampling=self.sampling)
@@ -174,7 +178,7 @@ class RequestRun:
         self._stream, self._stream_worker = call, w
         return first
 
-    async def _attempt_pd(self, exclude: set[str]) -> tandem_pb2.GenerateResponse:
+    async def _attempt_pd(self, exclude: set[str]) -> Output:
         p = self._d.pick("prefill", self.prompt_ids, exclude)
         d = self._d.pick("decode", self.prompt_ids, exclude)
         assert p.info is not None  # healthy implies GetInfo answered
@@ -221,13 +225,13 @@ class RequestRun:
         except grpc.aio.AioRpcError as exc:
             raise self._fail(exc, w, "prefill") from None
 
-    def _count_transfer(self, msg: tandem_pb2.GenerateResponse) -> None:
-        if msg.HasField("transfer") and msg.transfer.bytes:
+    def _count_transfer(self, msg: Output) -> None:
+        if msg.transfer is not None and msg.transfer.bytes:
             self._d.metrics.observe_transfer(msg.transfer)
 
     # ---- after the first token ----
 
-    async def next(self) -> tandem_pb2.GenerateResponse | None:
+    async def next(self) -> Output | None:
         """The next message of the output stream; None at its end. Errors are not retried."""
         try:
             msg = await self._stream.read()
@@ -285,7 +289,7 @@ class RequestRun:
             if not call.done() and call is not draining:
                 call.cancel()
             if req is not None:
-                self._d.pool.spawn(_send_abort(w, req))
+                _send_abort(w, req)
         self._legs.clear()
         self._stream = None
 
@@ -301,8 +305,7 @@ async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) ->
         task.exception()  # retrieved: an error after the answer is complete changes nothing
 
 
-async def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
-    try:
-        await w.stub.Abort(req, timeout=2.0)
-    except grpc.aio.AioRpcError as exc:  # best effort: the room's own deadline frees it anyway
-        log.debug("Abort(%s) on %s failed: %s", req.request_id, w.url, exc.code().name)
+def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
+    """Abort on the worker's stream: ordered after the submit, never lost to a race. Without a
+    stream (it broke) the worker has already ended everything the stream carried."""
+    w.session.abort(req.request_id, req.room)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from gateway.metrics import Metrics
 from gateway.openai_responses import (
     ChatLogprobEntry,
     ChatLogprobs,
@@ -22,6 +21,7 @@ from gateway.openai_responses import (
     TopLogprobEntry,
     Usage,
 )
+from gateway.session import Output
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -30,7 +30,7 @@ class OutputAssembler:
     """Text, finish reason, counts and logprobs of one request's output."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
-                 stops: list[str], num_top_logprobs: int, metrics: Metrics,
+                 stops: list[str], num_top_logprobs: int,
                  keep_token_ids: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
         self.prompt_ids = prompt_ids
@@ -44,7 +44,6 @@ class OutputAssembler:
             prompt_ids = [t for t in prompt_ids if t not in self._drop]
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self._stop = StopStringMatcher(stops) if stops else None
-        self._metrics = metrics
         self.want_logprobs = num_top_logprobs >= 0
         self.num_prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -57,11 +56,11 @@ class OutputAssembler:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, msg: tandem_pb2.GenerateResponse) -> str:
+    def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
         return "".join(self.add_pieces(msg, per_token=False))
 
-    def add_pieces(self, msg: tandem_pb2.GenerateResponse, per_token: bool = True) -> list[str]:
+    def add_pieces(self, msg: Output, per_token: bool = True) -> list[str]:
         """Feed one worker message; its text as pieces (one per token with `per_token`)."""
         self.completion_tokens += len(msg.token_ids)
         if self.want_logprobs:

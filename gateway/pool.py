@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
+from gateway.session import WorkerSession
 from gateway.workers import (
     ROLE_OF_POOL,
     IdentityRefused,
@@ -87,6 +88,7 @@ class WorkerPool:
 
     def _make(self, url: str, pool: str, source: str = "config") -> Worker:
         ch = aio_channel(url, self.config.tls, options=_CHANNEL_OPTIONS)
+        stub = tandem_pb2_grpc.WorkerStub(ch)
         # Replicas are not checked here: a Kubernetes pool's pods all run one command line.
         expected = WorkerIdentity(
             cluster_id=self.config.cluster_id,
@@ -97,8 +99,9 @@ class WorkerPool:
             url=url,
             pool=pool,
             channel=ch,
-            stub=tandem_pb2_grpc.WorkerStub(ch),
+            stub=stub,
             health_stub=health_pb2_grpc.HealthStub(ch),
+            session=WorkerSession(stub, url),
             expected=expected,
             source=source,
         )
@@ -158,7 +161,7 @@ class WorkerPool:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.channel.close() for w in self.all()), return_exceptions=True)
+        await asyncio.gather(*(_close(w) for w in self.all()), return_exceptions=True)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run a background coroutine owned by the pool (kept referenced until it ends)."""
@@ -262,7 +265,7 @@ class WorkerPool:
             t.cancel()
         if w in self.pools[w.pool]:
             self.pools[w.pool].remove(w)
-        self.spawn(w.channel.close())
+        self.spawn(_close(w))
         for cb in self._on_remove:
             cb(w)
         self._changed.set()
@@ -419,3 +422,9 @@ class WorkerPool:
                         cb(w)
             idle = self.config.health_interval_s / 2  # not accepted yet: check back soon
             await asyncio.sleep(interval if w.info is not None else idle)
+
+
+async def _close(w: Worker) -> None:
+    """End the worker's stream (the worker aborts what it still carried), then its channel."""
+    await w.session.close()
+    await w.channel.close()

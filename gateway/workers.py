@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from gateway.session import WorkerSession
 from protocol import tandem_pb2, tandem_pb2_grpc
 from protocol.identity import WorkerIdentity
 
@@ -56,6 +57,7 @@ class Worker:
     channel: grpc.aio.Channel
     stub: tandem_pb2_grpc.WorkerStub
     health_stub: health_pb2_grpc.HealthStub
+    session: WorkerSession  # the one stream every request to this worker rides
     expected: WorkerIdentity = field(default_factory=WorkerIdentity)
     source: str = "config"  # config (the gateway's configuration) | joined (POST /workers)
     info: tandem_pb2.WorkerInfo | None = None  # the accepted GetInfo; None until then

@@ -36,6 +36,9 @@ class ModelConfig:
     max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches kernels one by one)
+    # CUDA, dense models: steps with prefill chunks replay graphs around eager attention
+    # (worker/piecewise.py), so the decode rows riding in them keep graph speed.
+    piecewise_graphs: bool = True
 
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:

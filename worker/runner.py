@@ -22,6 +22,7 @@ from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
+from worker.piecewise import PiecewiseGraphs
 from worker.request import Request, TokenLogprob
 from worker.sampler import GrammarDeadEnd, NoAllowedToken, Sampler, TokenMask, min_tokens_bans
 from worker.spec.verify import accept, ban_rows
@@ -65,12 +66,20 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (CUDA only)
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks (CUDA only)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (call after warm-up)."""
         graphs = DecodeGraphs(self.model, self.kv, max_num_seqs, max_model_len)
         graphs.capture()
         self.decode_graphs = graphs
+
+    def enable_piecewise_graphs(self, max_tokens: int) -> None:
+        """Capture graphs around attention for steps of up to max_tokens tokens (after warm-up;
+        dense single-rank models only, see worker/piecewise.py)."""
+        graphs = PiecewiseGraphs(self.model, self.kv, max_tokens)
+        graphs.capture()
+        self.piecewise = graphs
 
     def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         page_size = self.page_size
@@ -176,6 +185,12 @@ class ModelRunner:
             rows = torch.tensor(src, device=self.device)
             ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], batch.input_ids)
             batch = dataclasses.replace(batch, input_ids=ids)
+        pieces = self.piecewise
+        if pieces is not None and pieces.bucket_for(batch.num_tokens) is not None:
+            hidden = pieces.run(batch)  # [T, hidden]: graphs around eager attention
+            if not batch.logits_indices.numel():
+                return None
+            return self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
         return forward_logits(self.model, self.kv, batch)
 
     @torch.inference_mode()

@@ -6,7 +6,9 @@ anything, so nothing can mistake another process on that port for it) → health
 and Generate answer UNAVAILABLE ("starting up").
 Shutdown: SIGTERM/SIGINT or `Drain` drain first (worker/drain.py), then the server stops and
 the process exits 0; a second signal stops at once.
-The engine runs on its own thread; the asyncio loop here only moves messages.
+The engine runs on its own thread; the asyncio loop here only moves messages: a gateway's
+`Session` stream (worker/session.py) gets one message per engine step for all its requests;
+the per-request `Generate` call stays for direct clients and tools.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import secrets
 import signal
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -34,23 +35,12 @@ from worker.request import Request
 from worker.roles import attach
 from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks
+from worker.session import STATUS_BY_ERROR, InvalidRequest, Registry, SessionFront
 
 log = logging.getLogger("tandem.worker")
 
-STATUS_BY_ERROR = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    # the room's other side failed it: retry elsewhere, not our fault
-    "peer": grpc.StatusCode.ABORTED,
-    "internal": grpc.StatusCode.INTERNAL,
-}
+__all__ = ["STATUS_BY_ERROR", "InvalidRequest", "WorkerService", "serve", "run_worker"]
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-class InvalidRequest(ValueError):
-    """The request is the client's mistake (maps to INVALID_ARGUMENT)."""
 
 
 class BindError(RuntimeError):
@@ -70,8 +60,16 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         self.fingerprint = model_fingerprint(served_name(model.path, model.served_model_name),
                                              model.path, model.load_format, model.seed)
         self._ids = itertools.count()
-        self._by_external: dict[str, set[str]] = defaultdict(set)  # gateway request id -> ours
-        self._by_room: dict[int, str] = {}
+        self._registry = Registry()  # live requests by gateway request id and by room
+
+    # ---- Session: the gateway's stream ---------------------------------------------------
+    async def Session(  # type: ignore[override]
+            self, request_iterator: AsyncIterator[tandem_pb2.SessionRequest],
+            context: grpc.aio.ServicerContext) -> None:
+        front = SessionFront(self._ready_engine, self._make_request,
+                             self.config.scheduler.max_waiting, self._registry,
+                             lambda: self.drainer.draining)
+        await front.run(request_iterator, context)
 
     # ---- Generate ------------------------------------------------------------------------------
     async def Generate(self, request: tandem_pb2.GenerateRequest,  # type: ignore[override]
@@ -106,11 +104,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         external = request.request_id
-        self._by_external[external].add(req.request_id)
-        if req.room:
-            self._by_room[req.room] = req.request_id
-        log.debug("request %s (%s): %d prompt tokens", external, req.request_id,
-                  req.num_prompt_tokens)
+        self._registry.add(external, req)
+        log.debug("request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens)
         engine.submit(req, sink)
         finished = False
         try:
@@ -129,13 +124,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         finally:
             if not finished:  # the caller went away: end the request and free its pages
                 engine.abort(req.request_id, "cancelled by the caller")
-            ids = self._by_external.get(external)
-            if ids is not None:
-                ids.discard(req.request_id)
-                if not ids:
-                    del self._by_external[external]
-            if req.room:
-                self._by_room.pop(req.room, None)
+            self._registry.remove(external, req)
 
     def _make_request(self, engine: Engine, message: tandem_pb2.GenerateRequest) -> Request:
         prompt = list(message.prompt_token_ids)
@@ -173,9 +162,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
     async def Abort(self, request: tandem_pb2.AbortRequest,  # type: ignore[override]
                     context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:
         engine = self._ready_engine()
-        ids = set(self._by_external.get(request.request_id, ()))
-        if request.room and request.room in self._by_room:
-            ids.add(self._by_room[request.room])
+        ids = self._registry.find(request.request_id, request.room)
         if engine is not None:
             for rid in ids:
                 engine.abort(rid, "aborted")
@@ -219,13 +206,13 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
     def holdings(self) -> Holdings:
         """What the worker still holds, for the drain."""
         ld = self.load()
-        return Holdings(calls=sum(len(ids) for ids in self._by_external.values()),
+        return Holdings(calls=sum(len(ids) for ids in self._registry.by_external.values()),
                         running=ld.running, waiting=ld.waiting, rooms=sum(ld.rooms.values()),
                         used_pages=ld.kv_used_pages + ld.kv_window_used_pages)
 
     def abort_all(self, reason: str) -> int:
         """Abort every live request (the drain's deadline passed); returns how many."""
-        ids = [rid for rids in self._by_external.values() for rid in rids]
+        ids = [rid for rids in self._registry.by_external.values() for rid in rids]
         if self.engine is not None:
             for rid in ids:
                 self.engine.abort(rid, reason)

@@ -12,7 +12,7 @@ mkdir -p .whl/pd
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl/pd \
   annotated_doc==0.0.7 annotated_types==0.8.0 anyio==4.16.0 certifi click fastapi==0.165.0 \
   grpcio==1.85.3 grpcio_health_checking==1.85.1 h11 httpcore httptools httpx idna iniconfig \
-  opentelemetry_api packaging pluggy prometheus_client protobuf==7.36.2 pydantic==2.14.4 \
+  opentelemetry_api orjson packaging pluggy py_spy prometheus_client protobuf==7.36.2 pydantic==2.14.4 \
   pydantic_core==2.50.5 pygments pytest pytest_timeout pyyaml sniffio starlette==1.10.0 \
   typing_extensions typing_inspection uvicorn==0.54.0
 # The grammar engine (binary wheels: xgrammar links apache-tvm-ffi) and llguidance for

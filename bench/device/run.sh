@@ -9,6 +9,9 @@
 #   bash bench/device/run.sh h   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 #   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
+#   bash bench/device/run.sh v   # serving path (issue 18): piecewise-graph GPU tests, then
+#                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
+#                                #   with a py-spy profile of the mono worker at B = 160
 # Results land in $OUT (the device tool brings them back).
 # Issue 23 (g on one GPU or two; m, p and y need two GPUs: nvidia-h200-x2):
 #   bash bench/device/run.sh g   # cuda_ipc gather + static MoE GPU tests, bench/page_gather.py
@@ -114,6 +117,14 @@ elif [[ $1 == s ]]; then
     --input-len 1024 --output-len 128 --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
   echo "pd_vs_mono rc=$? at ${SECONDS}s" >> "$OUT/pd_vs_mono.txt"
   tail -20 "$OUT/pd_vs_mono.txt"
+elif [[ $1 == v ]]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_piecewise.py \
+    tests/worker/test_gpu.py > "$OUT/serve_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/serve_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.served --out "$OUT" \
+    --profile-s 8 > "$OUT/served.txt" 2>&1
+  echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
+  tail -20 "$OUT/serve_tests.txt"; tail -30 "$OUT/served.txt"
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"

@@ -120,3 +120,28 @@ def test_cancelled_constrained_stream_frees_its_pages(stub: tandem_pb2_grpc.Work
             break
         threading.Event().wait(0.02)
     assert load.kv_used_pages == 0 and load.running == 0 and load.waiting == 0
+
+
+def test_constrained_requests_on_the_session_stream(stub: tandem_pb2_grpc.WorkerStub) -> None:
+    """The gateway's path: the grammar compiles off the event loop, then the request runs; a
+    bad grammar ends its slot alone with INVALID_ARGUMENT; a slot aborted while its grammar
+    compiles ends with finish_reason abort and never reaches the engine."""
+    from tests.worker.test_session import Stream, wait_idle
+
+    schema = json.dumps(SCHEMAS["nested"])
+    s = Stream(stub)
+    s.submit((1, generate(tandem_pb2.StructuredOutput(json_schema=schema))),
+             (2, generate(tandem_pb2.StructuredOutput(regex="[a-"))))
+    endless = generate(tandem_pb2.StructuredOutput(regex="(cd)+"), ignore_eos=True)
+    s.send(tandem_pb2.SessionRequest(  # submitted and aborted in one frame
+        submits=[tandem_pb2.Submit(slot=3, request=endless)],
+        aborts=[tandem_pb2.SessionAbort(slot=3)]))
+    s.read_until({1, 2, 3})
+    s.close()
+    text = TOK.decode([t for t in s.tokens[1] if t != 2], skip_special_tokens=False)
+    assert s.ended[1].finish_reason == "stop"
+    check_output(Case("s", StructuredOutput(StructuredKind.JSON_SCHEMA, schema)), text)
+    assert s.ended[2].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "sampling.structured.regex: " in s.ended[2].error
+    assert s.ended[3].finish_reason == "abort" and 3 not in s.tokens and 3 not in s.started
+    assert wait_idle(stub).kv_used_pages == 0
