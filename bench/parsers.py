@@ -22,7 +22,6 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.agents import ChatPlan  # noqa: E402
 from gateway.chat_output import ChatOutput  # noqa: E402
-from gateway.metrics import Metrics  # noqa: E402
 from gateway.openai_responses import ChatChunkChoice, ChatCompletionChunk  # noqa: E402
 from gateway.output import OutputAssembler  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
@@ -60,7 +59,7 @@ def replay(tok: Tokenizer, ids: list[int], reasoning: str, tool: str) -> tuple[f
     msgs = [tandem_pb2.GenerateResponse(token_ids=[t]) for t in ids]
     msgs[-1].finish_reason = "stop"
     t0 = time.process_time()
-    out = OutputAssembler(tok, plan.prompt_ids, True, [], -1, Metrics(), plan.keep_token_ids)
+    out = OutputAssembler(tok, plan.prompt_ids, True, [], -1, plan.keep_token_ids)
     chat = ChatOutput(plan)
     events = 0
     for msg in msgs:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from gateway.agent_types import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 from gateway.agents import ChatPlan
+from gateway.chunks import call_delta, content_delta, reasoning_delta
 from gateway.openai_responses import ChatDelta
 from gateway.parsers import CallDelta, ToolDelta
 
@@ -47,6 +48,16 @@ class ChatPiece:
         if self.content:
             out.append(ChatDelta(content=self.content))
         out.extend(ChatDelta(tool_calls=[c]) for c in self.calls)
+        return out
+
+    def delta_json(self) -> list[bytes]:
+        """`deltas()` as JSON bytes, without building the pydantic deltas (the hot path)."""
+        out = []
+        if self.reasoning:
+            out.append(reasoning_delta(self.reasoning))
+        if self.content:
+            out.append(content_delta(self.content))
+        out.extend(call_delta(c) for c in self.calls)
         return out
 
 

@@ -44,6 +44,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # return_token_ids (or token-id mode): the output ids of this choice / chunk, and the
+    # prompt's on the response (the first chunk when streaming).
+    token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionResponse(BaseModel):

@@ -92,6 +92,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle
     best_of: int | None = None  # refused unless 1
+    # vLLM's: each choice (each stream chunk) carries its output `token_ids`, the first one the
+    # `prompt_token_ids`. Always on for a model served without a tokenizer (token-id mode).
+    return_token_ids: bool = False
 
     def num_top_logprobs(self) -> int:
         return -1 if self.logprobs is None else self.logprobs

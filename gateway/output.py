@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from gateway.metrics import Metrics
 from gateway.openai_responses import (
     ChatLogprobEntry,
     ChatLogprobs,
@@ -22,6 +21,7 @@ from gateway.openai_responses import (
     TopLogprobEntry,
     Usage,
 )
+from gateway.session import Output
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -30,9 +30,12 @@ class OutputAssembler:
     """Text, finish reason, counts and logprobs of one request's output."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
-                 stops: list[str], num_top_logprobs: int, metrics: Metrics,
+                 stops: list[str], num_top_logprobs: int,
                  keep_token_ids: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
+        self.prompt_ids = prompt_ids
+        # Completions with return_token_ids, or token-id mode: choices carry token_ids.
+        self.return_token_ids = False
         # Special tokens dropped before detokenizing, when some must keep their text.
         self._drop: frozenset[int] = frozenset()
         if skip_special_tokens and keep_token_ids:
@@ -41,29 +44,32 @@ class OutputAssembler:
             prompt_ids = [t for t in prompt_ids if t not in self._drop]
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self._stop = StopStringMatcher(stops) if stops else None
-        self._metrics = metrics
         self.want_logprobs = num_top_logprobs >= 0
         self.num_prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.logprobs: list[tandem_pb2.TokenLogprob] = []  # all of them (non-streaming responses)
+        self.token_ids: list[int] = []  # every output id (return_token_ids, token-id mode)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, msg: tandem_pb2.GenerateResponse) -> str:
+    def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
         return "".join(self.add_pieces(msg, per_token=False))
 
-    def add_pieces(self, msg: tandem_pb2.GenerateResponse, per_token: bool = True) -> list[str]:
+    def add_pieces(self, msg: Output, per_token: bool = True) -> list[str]:
         """Feed one worker message; its text as pieces (one per token with `per_token`)."""
         self.completion_tokens += len(msg.token_ids)
-        if msg.HasField("transfer") and msg.transfer.bytes:
-            self._metrics.observe_transfer(msg.transfer)
         if self.want_logprobs:
             self.logprobs.extend(msg.logprobs)
+        self.token_ids.extend(msg.token_ids)
+        if not self._tok.has_text:  # token-id mode: ids only, no text to cut or stop on
+            if msg.finish_reason:
+                self.finish_reason = msg.finish_reason
+            return []
         ids = [t for t in msg.token_ids if t not in self._drop] if self._drop else msg.token_ids
         if per_token:
             pieces = [self._detok.step((t,)) for t in ids]
@@ -104,6 +110,8 @@ class OutputAssembler:
     # ---- logprobs in the two OpenAI shapes ----
 
     def _text(self, token_id: int) -> str:
+        if not self._tok.has_text:
+            return self._tok.id_to_token(token_id)  # token_id:N
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def completion_logprobs(self, entries: Any, text_start: int = 0) -> CompletionLogprobs:

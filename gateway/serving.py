@@ -11,34 +11,27 @@ an SSE `error` event followed by `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
+from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents, completion_body
 from gateway.dispatch import Dispatcher, RequestRun, _timeout
 from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, RequestTimeout
 from gateway.metrics import Metrics
-from gateway.openai_responses import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionResponse,
-)
+from gateway.openai_responses import ChatChoice, ChatCompletionResponse, ChatMessageOut
 from gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +39,7 @@ from gateway.openai_types import (
     logit_bias_ids,
 )
 from gateway.output import OutputAssembler
+from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
 from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
@@ -56,10 +50,6 @@ log = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # cheap pre-check before the exact one
 _JSON = "application/json"
-
-
-def _sse(model: BaseModel) -> bytes:
-    return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
@@ -86,16 +76,37 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return b"".join(parts)
 
 
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id, read off the raw ASGI headers (no Headers mapping built)."""
+    for name, value in request.scope["headers"]:
+        if name == b"x-request-id":  # ASGI servers lower-case header names
+            return str(value.decode("latin-1"))
+    return ""
+
+
 def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
     """JSON → pydantic request; malformed JSON and wrong types are 400s naming the field."""
     try:
-        obj = json.loads(body)
+        obj = orjson.loads(body)  # the fast path; anything it refuses gets the exact answer below
+    except orjson.JSONDecodeError:
+        obj = _stdlib_loads(body)
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return _validate(body, obj, cls)
+
+
+def _stdlib_loads(body: bytes) -> Any:
+    """What orjson refuses (bad JSON, integers past 64 bits, lone surrogates, deep nesting):
+    json's parse, and its errors as the 400 the client gets."""
+    try:
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # thousands of nested arrays: no request of ours nests like that
         raise BadRequest("request body nests too deeply", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
+
+
+def _validate(body: bytes, obj: dict[str, Any], cls: type[BaseModel]) -> Any:
     if _SURROGATE_ESCAPE.search(body):  # JSON may escape a lone UTF-16 surrogate: untokenizable
         try:
             json.dumps(obj, ensure_ascii=False).encode()
@@ -140,10 +151,17 @@ class GenerationHandler:
         self.max_request_bytes = max_request_bytes
         self.body_timeout_s = body_timeout_s
         self.parsers = parsers or Parsers()
+        # Request ids without the client's: this process's random prefix and a counter (unique
+        # across gateways with overwhelming odds; uuid4 costs a getrandom call per request).
+        self._id_prefix = secrets.token_hex(8)
+        self._id_count = itertools.count()
+
+    def _new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_count):08x}"
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = _request_id(request) or self._new_id()
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
@@ -179,6 +197,8 @@ class GenerationHandler:
             if req.model is not None and req.model != self.model_name:
                 raise NotFound(f"model {req.model!r} does not exist; this gateway serves "
                                f"{self.model_name!r}", code="model_not_found", param="model")
+            if not self.tok.has_text:
+                self._check_token_id_mode(req, chat)
             if chat:
                 plan = plan_chat(req, self.tok, self.parsers)
                 prompt_ids, structured = plan.prompt_ids, plan.structured
@@ -206,8 +226,9 @@ class GenerationHandler:
                             headers=headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
         out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
-                              req.num_top_logprobs(), self.metrics,
+                              req.num_top_logprobs(),
                               plan.keep_token_ids if plan is not None else frozenset())
+        out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
         chat_out = ChatOutput(plan) if plan is not None else None
         if req.stream:
             gen = self._stream(run, first, out, chat_out, req.include_usage(), request_id, t0)
@@ -215,6 +236,15 @@ class GenerationHandler:
         return await self._complete(run, first, out, chat_out, request_id, t0, headers)
 
     # ---- request → prompt ids and sampling ----
+
+    def _check_token_id_mode(self, req: Any, chat: bool) -> None:
+        """A model without a tokenizer: token-id prompts on /v1/completions; a field that needs
+        text is a 400 naming it (never silently dropped)."""
+        if chat:
+            self.tok.render_chat([])  # raises the 400 that says to send token ids
+        if req.stop_strings():
+            raise BadRequest("stop: this model has no tokenizer, so stop strings cannot be "
+                             "matched; use stop_token_ids", param="stop", code="no_tokenizer")
 
     def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -287,7 +317,7 @@ class GenerationHandler:
         self._account("aborted", out, run, t0)
 
     async def _next_timed(self, run: RequestRun, last: float
-                          ) -> tuple[tandem_pb2.GenerateResponse | None, float]:
+                          ) -> tuple[Output | None, float]:
         """The run's next message, recording inter-token latency since `last` (per token)."""
         msg = await run.next()
         now = time.perf_counter()
@@ -295,13 +325,13 @@ class GenerationHandler:
             self.metrics.itl.observe((now - last) / len(msg.token_ids))
         return msg, now
 
-    async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse,
+    async def _complete(self, run: RequestRun, first: Output,
                         out: OutputAssembler, chat_out: ChatOutput | None, request_id: str,
                         t0: float, headers: dict[str, str]) -> Response:
         parts: list[str] = []
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            msg: tandem_pb2.GenerateResponse | None = first
+            msg: Output | None = first
             last = time.perf_counter()
             while msg is not None:
                 if chat_out is None:
@@ -332,78 +362,78 @@ class GenerationHandler:
             run.close()
             self._account(outcome, out, run, t0)
         created = int(time.time())
-        resp: BaseModel
-        if chat_out is not None:
-            usage = out.usage(run.num_cached_tokens, chat_out.reasoning_tokens
-                              if chat_out.has_reasoning_parser else None)
-            message = ChatMessageOut(content=chat_out.message_content(),
-                                     reasoning_content=chat_out.message_reasoning(),
-                                     tool_calls=chat_out.calls or None)
-            logprobs = out.chat_logprobs(out.logprobs) if out.want_logprobs else None
-            resp = ChatCompletionResponse(
-                id=f"chatcmpl-{request_id}", created=created, model=self.model_name, usage=usage,
-                choices=[ChatChoice(message=message, logprobs=logprobs,
-                                    finish_reason=chat_out.finish_reason(out.finish_reason))])
-        else:
+        if chat_out is None:  # the common case: bytes straight from the parts (gateway/chunks.py)
             logprobs_c = out.completion_logprobs(out.logprobs) if out.want_logprobs else None
-            resp = CompletionResponse(
-                id=f"cmpl-{request_id}", created=created, model=self.model_name,
-                usage=out.usage(run.num_cached_tokens),
-                choices=[CompletionChoice(text="".join(parts), finish_reason=out.finish_reason,
-                                          logprobs=logprobs_c)])
+            ids = out.return_token_ids
+            body = completion_body(f"cmpl-{request_id}", created, self.model_name, "".join(parts),
+                                   out.finish_reason, logprobs_c, out.usage(run.num_cached_tokens),
+                                   out.token_ids if ids else None, out.prompt_ids if ids else None)
+            return Response(body, media_type=_JSON, headers=headers)
+        usage = out.usage(run.num_cached_tokens, chat_out.reasoning_tokens
+                          if chat_out.has_reasoning_parser else None)
+        message = ChatMessageOut(content=chat_out.message_content(),
+                                 reasoning_content=chat_out.message_reasoning(),
+                                 tool_calls=chat_out.calls or None)
+        logprobs = out.chat_logprobs(out.logprobs) if out.want_logprobs else None
+        resp = ChatCompletionResponse(
+            id=f"chatcmpl-{request_id}", created=created, model=self.model_name, usage=usage,
+            choices=[ChatChoice(message=message, logprobs=logprobs,
+                                finish_reason=chat_out.finish_reason(out.finish_reason))])
         return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)
 
-    def _chat_chunks(self, rid: str, created: int, deltas: list[ChatDelta],
-                     finish: str | None, logprobs: Any) -> list[bytes]:
+    @staticmethod
+    def _chat_chunks(events: ChatEvents, deltas: list[bytes], finish: str | None,
+                     logprobs: Any) -> list[bytes]:
         """SSE events for one message's deltas; the finish reason rides on a last empty delta
         (as OpenAI sends it), logprobs on the first chunk."""
         if finish is not None:
-            deltas = [*deltas, ChatDelta()]
-        events = []
-        for i, d in enumerate(deltas):
-            choice = ChatChunkChoice(delta=d, logprobs=logprobs if i == 0 else None,
-                                     finish_reason=finish if i == len(deltas) - 1 else None)
-            events.append(_sse(ChatCompletionChunk(id=rid, created=created,
-                                                   model=self.model_name, choices=[choice])))
-        return events
+            deltas = [*deltas, EMPTY_DELTA]
+        last = len(deltas) - 1
+        return [events.delta(d, finish if i == last else None, logprobs if i == 0 else None)
+                for i, d in enumerate(deltas)]
 
-    async def _stream(self, run: RequestRun, first: tandem_pb2.GenerateResponse,
+    async def _stream(self, run: RequestRun, first: Output,
                       out: OutputAssembler, chat_out: ChatOutput | None, include_usage: bool,
                       request_id: str, t0: float) -> AsyncIterator[bytes]:
         created = int(time.time())
         chat = chat_out is not None
-        rid = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}"
         model = self.model_name
+        events = (ChatEvents(f"chatcmpl-{request_id}", created, model) if chat else
+                  CompletionEvents(f"cmpl-{request_id}", created, model))
         outcome = "aborted"  # what is left if the client goes away mid-stream
         text_pos = 0
+        first_chunk = True  # the first completion chunk carries prompt_token_ids
         try:
-            if chat:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            msg: tandem_pb2.GenerateResponse | None = first
+            if isinstance(events, ChatEvents):
+                yield events.delta(ROLE_DELTA)
+            msg: Output | None = first
             last = time.perf_counter()
             while msg is not None:
                 lp_entries = msg.logprobs if out.want_logprobs else None
                 if chat_out is not None:
+                    assert isinstance(events, ChatEvents)
                     piece = chat_out.feed(out.add_pieces(msg, chat_out.per_token))
                     if chat_out.stop_now:
                         out.stop_early()
-                    deltas = piece.deltas()
+                    deltas = piece.delta_json()
                     if out.finished:
-                        deltas += chat_out.finish().deltas()
+                        deltas += chat_out.finish().delta_json()
                     finish = chat_out.finish_reason(out.finish_reason)
                     lp = out.chat_logprobs(lp_entries) if lp_entries else None
                     if deltas or out.finished or lp:
-                        for event in self._chat_chunks(rid, created, deltas, finish, lp):
+                        for event in self._chat_chunks(events, deltas, finish, lp):
                             yield event
                 else:
+                    assert isinstance(events, CompletionEvents)
                     text = out.add(msg)
-                    if text or out.finished or lp_entries:
-                        yield _sse(CompletionChunk(id=rid, created=created, model=model, choices=[
-                            CompletionChoice(text=text, finish_reason=out.finish_reason,
-                                             logprobs=(out.completion_logprobs(lp_entries,
-                                                                               text_pos)
-                                                       if lp_entries else None))]))
+                    ids = list(msg.token_ids) if out.return_token_ids else None
+                    if text or out.finished or lp_entries or ids:
+                        yield events.text(text, out.finish_reason,
+                                          out.completion_logprobs(lp_entries, text_pos)
+                                          if lp_entries else None, ids,
+                                          out.prompt_ids if ids is not None and first_chunk
+                                          else None)
+                        first_chunk = False
                     text_pos += len(text)
                 if out.finished:
                     break
@@ -414,9 +444,7 @@ class GenerationHandler:
             if include_usage:
                 reasoning = (chat_out.reasoning_tokens if chat_out is not None
                              and chat_out.has_reasoning_parser else None)
-                usage = out.usage(run.num_cached_tokens, reasoning)
-                cls = ChatCompletionChunk if chat else CompletionChunk
-                yield _sse(cls(id=rid, created=created, model=model, choices=[], usage=usage))
+                yield events.usage(out.usage(run.num_cached_tokens, reasoning))
             outcome = "success"
             yield _DONE
         except ApiError as err:

@@ -26,6 +26,9 @@ class SpecCollector(Collector):
         if load.HasField("spec"):
             self._loads[(pool, url)] = load.spec
 
+    def forget(self, pool: str, url: str) -> None:
+        self._loads.pop((pool, url), None)
+
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         counters = {
             "draft_tokens": ("Draft tokens proposed and verified", "draft_tokens"),

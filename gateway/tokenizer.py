@@ -30,7 +30,8 @@ from gateway.errors import BadRequest
 
 
 class TokenizerLoadError(ValueError):
-    """The tokenizer directory is missing a file or holds an unreadable one."""
+    """The tokenizer directory is missing a file or holds an unreadable one; the message names
+    the file (never a config key: the launcher checked the user's keys already)."""
 
 
 class TemplateError(BadRequest):
@@ -95,19 +96,22 @@ class Tokenizer:
         self.template_vars: frozenset[str] = frozenset()  # variables the template reads
         self._template = self._compile(config.get("chat_template"))
 
+    # True: prompts may be text and outputs are detokenized. IdsOnlyTokenizer: token ids only.
+    has_text = True
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerLoadError(
-                f"gateway.model_path: {tok_file} not found; point model_path at a HF model "
-                "directory with tokenizer.json"
+                f"{tok_file} not found; the model directory needs a tokenizer.json (transformers' "
+                "AutoTokenizer.save_pretrained writes one)"
             )
         try:
             hf = HFTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
-            raise TokenizerLoadError(f"gateway.model_path: cannot read {tok_file}: {exc}") from exc
+            raise TokenizerLoadError(f"cannot read {tok_file}: {exc}") from exc
         cfg_file = path / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         if "chat_template" not in config and (path / "chat_template.jinja").is_file():
@@ -182,3 +186,65 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         return self.hf.id_to_token(token_id) or ""
+
+
+# Files a tokenizer may come as; a directory with none of them is served in token-id mode.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The model directory's tokenizer; an IdsOnlyTokenizer when it has no tokenizer files at
+    all (a checkpoint written by `save_pretrained` of a model alone: token ids in and out)."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return IdsOnlyTokenizer(path)
+    return Tokenizer.from_dir(path)
+
+
+_NO_TOKENIZER = ("this model has no tokenizer (no tokenizer.json in its directory), so it "
+                 "takes token ids only")
+
+
+class IdsOnlyTokenizer(Tokenizer):
+    """Token-id mode: no vocabulary to encode or decode with. Text prompts and chat are refused
+    with a 400 that says to send token ids; outputs carry token ids (`token_ids`) and no text."""
+
+    has_text = False
+
+    def __init__(self, path: Path) -> None:  # no super().__init__: there is no tokenizer file
+        self.config = {}
+        self.bos_token = self.eos_token = None
+        self._special_vars = {}
+        self.special_ids = frozenset()
+        self.template_source = ""
+        self.template_vars = frozenset()
+        self._template = None
+        self.path = path
+
+    @property
+    def vocab_size(self) -> int:
+        return 0  # unknown here: the workers' GetInfo gives it
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise BadRequest(f"{_NO_TOKENIZER}: send the prompt as a list of token ids",
+                         param="prompt", code="no_tokenizer")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    kwargs: dict[str, Any] | None = None) -> str:
+        raise BadRequest(f"{_NO_TOKENIZER}: chat needs a tokenizer and a chat template; send "
+                         "token-id prompts to /v1/completions", param="messages",
+                         code="no_tokenizer")
+
+    def token_id(self, text: str) -> int | None:
+        return None
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        return frozenset()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def id_to_token(self, token_id: int) -> str:
+        return f"token_id:{token_id}"  # vLLM's spelling of a token it cannot name

@@ -93,7 +93,9 @@ class TrainHead(nn.Module):
 
     def logits_input(self, feature: torch.Tensor) -> torch.Tensor:
         """What the target's LM head reads."""
-        return self.shared_head.norm(feature) if self.layout == "mtp" else feature  # type: ignore[no-any-return]
+        if self.layout == "mtp":
+            return self.shared_head.norm(feature)  # type: ignore[no-any-return]
+        return feature
 
 
 def head_config(target: PretrainedConfig) -> PretrainedConfig:

@@ -26,6 +26,7 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
+from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
 from orchestrator.weights import WeightBytes, weight_bytes
 
@@ -124,8 +125,10 @@ def num_nodes(cluster: ClusterConfig) -> int:
     return sum(rc.count * rc.parallel.nnodes for _, rc in cluster.roles.present())
 
 
-def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
-    """Every rank process in launch order: workers (each replica's ranks), then the gateway."""
+def plan_processes(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> list[ProcessRow]:
+    """Every rank process in launch order: workers (each replica's ranks), then the gateway.
+    `cuda`: the machine's CUDA status (default: probed here), which `device: auto` follows."""
+    cuda = cuda or cuda_status()
     rows: list[ProcessRow] = []
     first_node = replica_nodes(cluster)
     for role, rc in cluster.roles.present():
@@ -133,8 +136,8 @@ def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
         per_node = procs_per_node(rc)
         for i in range(rc.count):
             # Nodes of their own start at GPU 0; on one machine GPUs are handed out in order.
-            spread = spreads_over_nodes(cluster) and p.device == "cuda"
-            dev0 = "cuda:0" if spread else device_for(cluster, role, i)
+            spread = spreads_over_nodes(cluster) and resolve_device(p.device, cuda) == "cuda"
+            dev0 = "cuda:0" if spread else device_for(cluster, role, i, cuda)
             for g in range(p.world_size):
                 local = g % per_node
                 # A node's ranks take consecutive GPUs from its local rank 0's.
@@ -172,20 +175,50 @@ def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
     return "float32" if name in ("float16", "half") else name
 
 
-def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None) -> None:
+def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None,
+                 cuda: CudaStatus | None = None) -> None:
     """Every layout rule; LayoutError names the first one broken. `hf`: the checkpoint's
-    config.json (None = skip the rules that need the model's shapes)."""
+    config.json (None = skip the rules that need the model's shapes); `cuda`: the machine's
+    CUDA status (default: probed here)."""
+    cuda = cuda or cuda_status()
+    check_devices(cluster, cuda)
     for role, rc in cluster.roles.present():
-        _check_world(cluster, role, rc)
+        _check_world(cluster, role, rc, cuda)
         _check_moe(cluster, role, rc, hf)
         if hf is not None:
             _check_shapes(role, rc, hf)
         for i in range(rc.count):
             _check_dist_init(role, rc, i)
+    _check_gpu_count(cluster, cuda)
 
 
-def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig) -> None:
+def check_devices(cluster: ClusterConfig, cuda: CudaStatus) -> None:
+    """A local cluster's cuda roles need CUDA here, and GPUs enough (Slurm / Ray nodes are
+    not this machine: their devices are checked where they run)."""
+    if spreads_over_nodes(cluster):
+        return
+    fix = "set device: auto or cpu, or plan for a GPU machine with `tandem plan --gpus N`"
+    for role, rc in cluster.roles.present():
+        dev = rc.parallel.device
+        if dev.startswith("cuda") and not cuda.available:
+            raise LayoutError(f"roles.{role}.parallel.device={dev}: CUDA is not usable here "
+                              f"({cuda.why_not()}); {fix}")
+
+
+def _check_gpu_count(cluster: ClusterConfig, cuda: CudaStatus) -> None:
+    if spreads_over_nodes(cluster):
+        return
+    rows = [r for r in plan_processes(cluster, cuda) if r.device.startswith("cuda:")]
+    top = max((int(r.device[5:]) for r in rows), default=-1)
+    if top >= cuda.gpus > 0:
+        raise LayoutError(f"roles: the cuda roles use GPUs cuda:0..cuda:{top} ({len(rows)} "
+                          f"rank processes) but this machine has {cuda.gpus}; lower counts or "
+                          "tp_size, or use a multi-node launcher")
+
+
+def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig, cuda: CudaStatus) -> None:
     p, where = rc.parallel, f"roles.{role}.parallel"
+    on_cuda = resolve_device(p.device, cuda).startswith("cuda")
     world = p.world_size
     if p.procs_per_node and p.nnodes * p.procs_per_node != world:
         raise LayoutError(
@@ -200,11 +233,12 @@ def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig) -> None:
         raise LayoutError(f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
                           "use launcher.kind=slurm for multi-node workers or set nnodes=1")
     gpus = cluster.launcher.gpus_per_node
-    if gpus and p.device.startswith("cuda") and procs_per_node(rc) > gpus:
+    if gpus and on_cuda and procs_per_node(rc) > gpus:
         raise LayoutError(f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
                           f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size")
-    if gpus and p.device.startswith("cuda") and not spreads_over_nodes(cluster):
-        used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present() if o.parallel.device == "cuda")
+    if gpus and on_cuda and not spreads_over_nodes(cluster):
+        used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present()
+                   if resolve_device(o.parallel.device, cuda) == "cuda")
         if used > gpus:
             raise LayoutError(f"roles: the cuda roles need {used} GPUs on this machine but launcher.gpus_per_node={gpus}; "
                               "lower counts or tp_size, or use a multi-node launcher")
@@ -297,13 +331,15 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
                           "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host")
 
 
-def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
+def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
+              cuda: CudaStatus | None = None) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
+    cuda = cuda or cuda_status()
     dtype = _kv_dtype(cluster, hf)
     if dtype not in _DTYPE_BYTES:
         raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; "
                                  "set model.dtype to float32 or bfloat16")
-    check_layout(cluster, hf)
+    check_layout(cluster, hf, cuda)
     out: list[KVBudget] = []
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
@@ -328,7 +364,7 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
         if state is not None:  # worker/cache_layout.py: state_slots (requests + snapshots)
             slots = _STATE_SLOTS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
             state_bytes = slots * state.bytes_per_request
-        weights = weight_bytes(cluster.model.path, hf, dtype, wc.parallel.device)
+        weights = weight_bytes(cluster.model.path, hf, dtype, device_for(cluster, role, 0, cuda))
         out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, kv_dtype, groups,
                             window_bytes, state_bytes, tp, weights))
     return out
@@ -361,19 +397,23 @@ def format_rank_map(rows: list[ProcessRow]) -> str:
     )
 
 
-def format_plan(cluster: ClusterConfig) -> str:
+def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     """The text `tandem plan` prints: the rank map, then the KV budget per role.
 
     Raises LayoutError for a broken rule (the shape rules only when config.json is there).
     """
-    check_layout(cluster)
-    rows = plan_processes(cluster)
+    cuda = cuda or cuda_status()
+    check_layout(cluster, None, cuda)
+    rows = plan_processes(cluster, cuda)
     mode = "disaggregated (prefill/decode)" if cluster.roles.is_pd else "monolithic (both)"
     parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
              f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
+    if any(rc.parallel.device == "auto" for _, rc in cluster.roles.present()):
+        why = f"{cuda.gpus} GPUs" if cuda.available else cuda.why_not()
+        parts[1:1] = [f"device auto: {resolve_device('auto', cuda)} ({why})"]
     try:
         hf = read_model_config(cluster.model.path)
-        budgets = kv_budget(cluster, hf)
+        budgets = kv_budget(cluster, hf, cuda)
     except LayoutError:
         raise
     except ClusterConfigError as exc:

@@ -19,7 +19,7 @@ ALLOWED = {
     "worker": {"transfer", "protocol"},
     "gateway": {"protocol"},
 }
-ACYCLIC = ("protocol", "transfer", "worker", "gateway")
+ACYCLIC = ("protocol", "transfer", "worker", "gateway", "orchestrator")
 
 
 def module_name(path: Path) -> str:

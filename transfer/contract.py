@@ -59,8 +59,12 @@ class CacheGroup:
     layers: tuple[int, ...]  # layer indices of this group, ascending
     window: int = 0  # tokens kept, for SLIDING_WINDOW; 0 otherwise
     latent_dim: int = 0  # MLA_LATENT: elements per token per layer (kv_lora_rank + rope dim)
+    state_bytes: int = 0  # RECURRENT: bytes of one request's state slot (all the group's layers)
 
     def __post_init__(self) -> None:
+        if (self.kind is CacheKind.RECURRENT) != (self.state_bytes > 0):
+            raise ContractError(f"CacheGroup.state_bytes must be > 0 for a recurrent group and 0 "
+                                f"for any other kind, got {self.state_bytes} for {self.kind.value}")
         if self.kind is CacheKind.SLIDING_WINDOW and self.window <= 0:
             raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
         if (self.kind is CacheKind.MLA_LATENT) != (self.latent_dim > 0):
@@ -121,8 +125,23 @@ class KVLayout:
     # ones of num_layers), e.g. "eagle:1:<fingerprint>"; "" = none. Both sides must agree: a
     # decode drafter reads the KV and hidden state prefill's drafter computed.
     speculative: str = ""
+    # The state region (RECURRENT group): `state[num_state_slots, state_bytes]` at byte
+    # `state_base` of the registered memory (the worker aligns it; 0 slots = no region). A
+    # request's state is one slot: one contiguous range of the group's `state_bytes`.
+    num_state_slots: int = 0
+    state_base: int = 0
+
+    def state_offset(self, slot: int) -> int:
+        """Byte offset of state slot `slot` from the pool's base pointer."""
+        group = self.state_group
+        if group is None or not 0 <= slot < self.num_state_slots:
+            raise ContractError(f"KVLayout: state slot {slot} is outside this layout's state "
+                                f"region of {self.num_state_slots} slots")
+        return self.state_base + slot * group.state_bytes
 
     def __post_init__(self) -> None:
+        if self.num_state_slots and self.state_group is None:
+            raise ContractError("KVLayout.num_state_slots needs a recurrent group in groups")
         for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ContractError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
@@ -193,9 +212,17 @@ class KVLayout:
 
     @property
     def num_full_layers(self) -> int:
-        """Layers stored in the full pages (all of them unless a window region holds some)."""
+        """Layers stored in the full pages: all of them but those a window region or the state
+        region holds."""
         group = self.window_group
-        return self.num_layers - (len(group.layers) if group is not None else 0)
+        state = self.state_group
+        return (self.num_layers - (len(group.layers) if group is not None else 0)
+                - (len(state.layers) if state is not None else 0))
+
+    @property
+    def state_group(self) -> CacheGroup | None:
+        """The RECURRENT group (its layers keep a state slot per request, no pages)."""
+        return next((g for g in self.groups if g.kind is CacheKind.RECURRENT), None)
 
     @property
     def page_bytes(self) -> int:
@@ -221,7 +248,11 @@ class KVLayout:
     @property
     def pool_bytes(self) -> int:
         window = self.window_view().pool_bytes if self.num_window_pages else 0
-        return self.num_pages * self.page_bytes + window
+        pages = self.num_pages * self.page_bytes + window
+        group = self.state_group
+        if group is None or not self.num_state_slots:
+            return pages
+        return self.state_base + self.num_state_slots * group.state_bytes
 
     def offset(self, page: int, layer: int = 0, kv: int = 0, local_head: int = 0) -> int:
         """Byte offset of (page, layer, K|V, head) from the pool's base pointer."""
@@ -235,6 +266,8 @@ def _canonical_group(g: CacheGroup) -> dict[str, object]:
     d: dict[str, object] = {"kind": g.kind.value, "layers": list(g.layers), "window": g.window}
     if g.latent_dim:
         d["latent_dim"] = g.latent_dim
+    if g.state_bytes:
+        d["state_bytes"] = g.state_bytes
     return d
 
 
@@ -277,13 +310,15 @@ class LayoutContract:
             kv_scales=layout.kv_scales, speculative=layout.speculative,
         )
 
-    def layout(self, num_pages: int = 1, num_window_pages: int = 0) -> KVLayout:
-        """The peer's layout (for offset arithmetic); page counts are not in the contract."""
+    def layout(self, num_pages: int = 1, num_window_pages: int = 0, num_state_slots: int = 0,
+               state_base: int = 0) -> KVLayout:
+        """The peer's layout (for offset arithmetic); region sizes are not in the contract."""
         return KVLayout(
-            num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
-            dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
-            tp_size=self.tp_size, groups=self.groups, num_window_pages=num_window_pages,
-            kv_scales=self.kv_scales, speculative=self.speculative,
+            num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size,
+            head_dim=self.head_dim, dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, groups=self.groups,
+            num_window_pages=num_window_pages, kv_scales=self.kv_scales,
+            num_state_slots=num_state_slots, state_base=state_base, speculative=self.speculative,
         )
 
     def canonical(self) -> str:

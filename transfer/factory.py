@@ -14,17 +14,22 @@ from transfer.config import BACKENDS, TransferConfig, TransferConfigError
 IB_DEVICE_ENV = "DISAGGREGATION_IB_DEVICE"
 
 
-def make_backend(config: TransferConfig, host: str, agent_label: str) -> TransferBackend:
-    """The backend `config.backend` names (only real ones are selectable)."""
+def make_backend(config: TransferConfig, host: str, agent_label: str,
+                 bind_host: str = "") -> TransferBackend:
+    """The backend `config.backend` names (only real ones are selectable).
+
+    `host` is how peers reach this agent; `bind_host` where its listeners bind ("" = host).
+    """
+    device = config.ib_device or os.environ.get(IB_DEVICE_ENV, "")
     if config.backend == "mooncake":
         from transfer.mooncake import MooncakeBackend  # each backend loads its library on use
 
-        device = config.ib_device or os.environ.get(IB_DEVICE_ENV, "")
-        return MooncakeBackend(host, protocol=config.protocol, ib_device=device)
+        return MooncakeBackend(host, protocol=config.protocol, ib_device=device,
+                               bind_host=bind_host or host)
     if config.backend == "nixl":
         from transfer.nixl import NixlBackend
 
-        return NixlBackend(agent_label)
+        return NixlBackend(agent_label, bind_host=bind_host or host, ib_devices=device)
     if config.backend == "cuda_ipc":
         from transfer.cuda_ipc import CudaIpcBackend
 

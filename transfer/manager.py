@@ -66,7 +66,7 @@ class KVTransferManager:
         self.faults = faults if faults is not None else TransferFaults.from_env()
         adv = config.advertise_host or host
         label = f"tandem-{role}-{adv}-tp{layout.tp_rank}-{self.epoch:016x}"
-        self.backend = backend or make_backend(config, adv, label)
+        self.backend = backend or make_backend(config, adv, label, bind_host=host)
         self.backend.register(kv_ptr, kv_nbytes)
         # peer_id names this rank across restarts (the worker passes its gRPC address).
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
@@ -193,7 +193,8 @@ class KVTransferManager:
         theirs = contract_from_pb(reg.contract)
         shape = theirs.layout(num_window_pages=reg.num_window_pages)
         window_bytes = shape.window_view().pool_bytes if reg.num_window_pages else 0
-        num_pages = (reg.kv_nbytes - window_bytes) // shape.page_bytes
+        pages_end = reg.state_base if reg.num_state_slots else reg.kv_nbytes  # state comes last
+        num_pages = (pages_end - window_bytes) // shape.page_bytes
         bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
         if bad:
             raise ValueError(f"room {reg.room:#x}: dst_pages {bad[:4]} outside decode's pool of {num_pages} pages")
@@ -201,13 +202,24 @@ class KVTransferManager:
         if bad:
             raise ValueError(f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
                              f"{reg.num_window_pages} pages")
+        layout = theirs.layout(num_pages, reg.num_window_pages, reg.num_state_slots, reg.state_base)
+        state_slot = reg.state_dst_slot if reg.HasField("state_dst_slot") else -1
+        if (state_slot >= 0) != (self.layout.state_group is not None):
+            raise ValueError(f"room {reg.room:#x}: state_dst_slot {state_slot} but this prefill "
+                             f"rank's layout {'has' if self.layout.state_group else 'has no'} "
+                             "recurrent state: both sides must serve the same model")
+        if state_slot >= 0:
+            end = layout.state_offset(state_slot) + layout.state_group.state_bytes  # type: ignore[union-attr]
+            if end > reg.kv_nbytes:
+                raise ValueError(f"room {reg.room:#x}: state slot {state_slot} ends past decode's "
+                                 f"registered memory ({end} > {reg.kv_nbytes} bytes)")
         with self._lock:
             self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
         self.backend.connect(reg.agent_name, reg.agent_metadata)
         return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id, epoch=reg.epoch,
                     agent_name=reg.agent_name, kv_base=reg.kv_base,
-                    layout=theirs.layout(num_pages, reg.num_window_pages), dst_pages=list(reg.dst_pages),
-                    skip_pages=reg.skip_pages, window_dst_pages=list(reg.window_dst_pages))
+                    layout=layout, dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages,
+                    window_dst_pages=list(reg.window_dst_pages), state_dst_slot=state_slot)
 
     def _peer_restarted(self, peer_id: str, old_epoch: int) -> None:
         """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
@@ -224,11 +236,14 @@ class KVTransferManager:
     # ---- decode -------------------------------------------------------------------------
 
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int], num_tokens: int,
-                        skip_pages: int = 0, window_pages: list[int] | None = None) -> KVReceiver:
+                        skip_pages: int = 0, window_pages: list[int] | None = None,
+                        state_slot: int = -1) -> KVReceiver:
         """Register `dst_pages` (decode's page for each request page position) for `room`.
 
         `window_pages`: the room's window ring (hybrid models, in ring order); prefill lands the
         retained tail of its own ring there, so decode never re-feeds the prompt.
+        `state_slot`: the room's recurrent-state slot (models with a recurrent group); prefill
+        writes the state after the prompt into it.
 
         `bootstrap_addr` is the prefill worker's gRPC address. With prefill TP > 1 either that
         one address (its ranks' addresses arrive in ACCEPTED, see set_tp_bootstrap_addrs) or
@@ -249,11 +264,18 @@ class KVTransferManager:
                              f"{group.ring_pages(self.layout.page_size)} (window {group.window}, page_size {self.layout.page_size})")
         if group is None and ring:
             raise ValueError(f"room {room:#x}: window_pages given but this layout has no window region")
+        if (state_slot >= 0) != (self.layout.state_group is not None):
+            raise ValueError(f"room {room:#x}: a layout with a recurrent group needs the room's "
+                             f"state_slot, and only such a layout takes one (got {state_slot})")
+        state = {"state_dst_slot": state_slot} if state_slot >= 0 else {}
+        if state_slot >= 0:
+            self.layout.state_offset(state_slot)  # raises ContractError when out of range
         reg = pb.RoomRegistration(
             room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
             agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr, kv_nbytes=self.kv_nbytes,
             dst_pages=dst_pages, skip_pages=skip_pages, num_tokens=num_tokens, contract=contract_to_pb(self.contract),
             num_window_pages=self.layout.num_window_pages, window_dst_pages=ring,
+            num_state_slots=self.layout.num_state_slots, state_base=self.layout.state_base, **state,
         )
         with self._lock:
             self._check_new(room, "decode")

@@ -12,7 +12,8 @@ def contract_to_pb(c: LayoutContract) -> pb.LayoutContract:
         page_size=c.page_size, num_kv_heads_total=c.num_kv_heads_total, num_kv_heads_local=c.num_kv_heads_local,
         head_dim=c.head_dim, dtype=c.dtype, tp_rank=c.tp_rank, tp_size=c.tp_size, backend=c.backend,
         groups=[pb.CacheGroup(kind=g.kind.value, layers=list(g.layers), window=g.window,
-                              latent_dim=g.latent_dim) for g in c.groups],
+                              latent_dim=g.latent_dim, state_bytes=g.state_bytes)
+                for g in c.groups],
         hash=c.hash(), kv_scales=c.kv_scales, speculative=c.speculative,
     )
 
@@ -24,7 +25,7 @@ def contract_from_pb(m: pb.LayoutContract) -> LayoutContract:
     except ValueError as e:
         raise ContractError(f"contract.groups: unknown cache kind ({e}); expected one of "
                             f"{[k.value for k in CacheKind]}") from e
-    groups = tuple(CacheGroup(kind, tuple(g.layers), g.window, g.latent_dim)
+    groups = tuple(CacheGroup(kind, tuple(g.layers), g.window, g.latent_dim, g.state_bytes)
                    for kind, g in zip(kinds, m.groups, strict=True))  # ContractError names a field
     c = LayoutContract(
         model_name=m.model_name, model_fingerprint=m.model_fingerprint, num_layers=m.num_layers,

@@ -36,6 +36,9 @@ class ModelConfig:
     max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches kernels one by one)
+    # CUDA, dense models: steps with prefill chunks replay graphs around eager attention
+    # (worker/piecewise.py), so the decode rows riding in them keep graph speed.
+    piecewise_graphs: bool = True
 
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:
@@ -105,7 +108,9 @@ class ParallelConfig:
 
     tp_size: int = 1
     tp_rank: int = 0  # this process's rank in its TP group (the worker's entry process is 0)
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    # cpu | cuda | cuda:N. A cluster config's `auto` is resolved before it gets here
+    # (orchestrator/devices.py: on the machine the worker runs on), so a worker never guesses.
+    device: str = "cpu"
     dp_size: int = 1  # attention data-parallel groups: one scheduler and KV pool each (worker/dp_runner.py)
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or tp_size * dp_size
     all2all_backend: All2AllBackend = "torch"  # MoE dispatch/combine: torch.distributed or DeepEP
@@ -118,6 +123,10 @@ class ParallelConfig:
         return self.tp_size * self.dp_size
 
     def validate(self, prefix: str = "parallel") -> None:
+        dev = self.device
+        if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ConfigError(f"{prefix}.device must be cpu, cuda or cuda:N, got {dev!r} (a "
+                              "cluster config's auto is resolved by the launcher)")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
         if self.dp_size <= 0:
@@ -193,10 +202,18 @@ class WorkerConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)  # the Worker and bootstrap services, and bootstrap clients
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Identity reported in GetInfo: the launch's cluster id ("" = none) and the replica index.
+    cluster_id: str = ""
+    replica: int = 0
+    # A drain (SIGTERM, or Drain from the gateway) finishes held requests within this, then
+    # aborts what is left and exits.
+    drain_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ConfigError(f"worker.role must be one of both|prefill|decode, got {self.role!r}")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()

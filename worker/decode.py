@@ -97,20 +97,25 @@ class DecodeRole:
             num_tokens = req.num_prompt_tokens + 1  # the prompt and the first token
             if not sched.fits(num_tokens):
                 self._pending.popleft()
+                total = sched.stats().total_pages
                 sched.finish(req, RequestStatus.FINISHED_ERROR,
                              f"prompt needs {-(-num_tokens // self.page_size)} KV pages, this "
-                             "decode worker has fewer; raise cache.max_total_tokens", "invalid")
+                             f"decode worker has {total}; raise cache.max_total_tokens", "invalid")
                 continue
             if not sched.reserve(req, num_tokens):
                 return  # retry next step, in arrival order
             self._pending.popleft()
             held = sched.holdings(req)
-            window = {"window_pages": held.window_ring} if held.window_ring else {}
-            # Only hybrid models pass a ring (multi-rank workers refuse them; their manager
-            # facade in worker/rank_rooms.py takes no window_pages).
+            # Only hybrid models pass a ring or a state slot (multi-rank workers refuse them;
+            # their manager facade in worker/rank_rooms.py takes neither).
+            extra: dict[str, object] = {}
+            if held.window_ring:
+                extra["window_pages"] = held.window_ring
+            if held.state_slot >= 0:
+                extra["state_slot"] = held.state_slot
             receiver = self.manager.create_receiver(
                 req.room, req.bootstrap_addr, dst_pages=held.page_table,
-                num_tokens=req.num_prompt_tokens, **window)  # type: ignore[arg-type]
+                num_tokens=req.num_prompt_tokens, **extra)  # type: ignore[arg-type]
             room = self._rooms[req.request_id] = _Room(req, receiver, sched)
             self._by_room[req.room] = room
 

@@ -1,8 +1,9 @@
 """The engine: one loop thread that owns the scheduler, the runner and the KV cache.
 
 Other threads (the gRPC server) talk to it only through `submit` and `abort`, which post to an
-inbox drained at the top of every step; outputs leave through each request's sink, called on
-the loop thread (the server's sink hops them onto its event loop).
+inbox drained at the top of every step. Outputs leave once per step: `_flush` groups what the
+step produced by output channel and hands each channel one `StepOutputs` batch
+(worker/outputs.py), so the loop does no per-request network work.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,11 +23,15 @@ from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
 from worker.config import ConfigError, WorkerConfig
 from worker.dp_runner import DPRunner
+from worker.grammar import Grammars
 from worker.kv_cache import KVCache
 from worker.model import load_model
-from worker.request import Request, RequestStatus, TokenLogprob
+from worker.model.llama import LlamaForCausalLM
+from worker.outputs import OutputChannel, PerRequestSink, RequestEnded, RequestOutput, StepOutputs
+from worker.request import Request, RequestStatus
 from worker.runner import InFlight, ModelRunner
-from worker.sampling import SamplingParams
+from worker.sampler import GrammarViolation
+from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks, Scheduler
 from worker.spec import make_drafter
 from worker.spec.counters import SpecCounters
@@ -38,33 +43,16 @@ from worker.tp_runner import TPLeader
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class RequestOutput:
-    """What a request produced since its previous output (the server turns it into a message)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str = ""  # "" while running; stop | length | abort | error
-    error: str = ""
-    error_code: str = ""  # invalid | unavailable | deadline | internal (see worker/server.py)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    transfer: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of the room
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.finish_reason)
-
+__all__ = ["Engine", "OutputSink", "RequestOutput", "overlap_enabled"]
 
 OutputSink = Callable[[RequestOutput], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
-    sink: OutputSink
+    channel: OutputChannel
+    tag: int  # the channel's id for this request
     num_emitted: int = 0  # output tokens already sent
 
 
@@ -118,6 +106,8 @@ class Engine:
         self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
         self.num_overlapped_steps = 0
+        # Constrained decoding (worker/grammar.py): xgrammar loads with the first grammar.
+        self.grammars = Grammars(config.model.path, self.spec.vocab_size, self.spec.eos_token_ids)
 
     def _model_drafter(self) -> ModelDrafter | None:
         if self.draft_head is None:
@@ -151,7 +141,12 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, request: Request, sink: OutputSink) -> None:
-        self._inbox.put(("add", request, sink))
+        """Run `request`; `sink` gets its outputs one `RequestOutput` at a time."""
+        self._inbox.put(("add", request, (PerRequestSink(request.request_id, sink), 0)))
+
+    def submit_to(self, request: Request, channel: OutputChannel, tag: int) -> None:
+        """Run `request`; its outputs go to `channel`'s per-step batches under `tag`."""
+        self._inbox.put(("add", request, (channel, tag)))
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._inbox.put(("abort", request_id, reason))
@@ -202,6 +197,12 @@ class Engine:
         t0, drafting = time.perf_counter(), self.spec_counters.draft_seconds
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
+        except GrammarViolation as exc:  # that request fails; the others advanced nothing: rerun
+            why = f"internal error: {exc}" if exc.error_code == "internal" else str(exc)
+            self.schedulers[self._group.get(exc.request_id, 0)].end(
+                exc.request_id, RequestStatus.FINISHED_ERROR, why, exc.error_code)
+            self._flush()
+            return True
         except Exception as exc:
             self._fail(plans, exc)
             return True
@@ -229,6 +230,7 @@ class Engine:
         return all(
             c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties
             and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
+            and c.request.grammar is None  # its next mask needs this step's token on the host
             for c in plans[0].chunks
         )
 
@@ -282,10 +284,16 @@ class Engine:
     def _handle(self, item: tuple[str, object, object]) -> None:
         kind, a, b = item
         if kind == "add":
-            assert isinstance(a, Request)
-            self._tracked[a.request_id] = _Tracked(a, b)  # type: ignore[arg-type]
+            assert isinstance(a, Request) and isinstance(b, tuple)
+            self._tracked[a.request_id] = _Tracked(a, b[0], b[1])
             if a.sampling.seed is not None:
                 a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
+            try:
+                self.grammars.attach(a)  # its matcher, when it has sampling.structured
+            except SamplingParamsError as exc:
+                self.scheduler_for(a).finish(a, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
+                self._flush()
+                return
             self.add_request(a)
         elif kind == "abort":
             self.abort_now(str(a), str(b))
@@ -342,36 +350,44 @@ class Engine:
             self._touched[req.request_id] = tracked
 
     def _flush(self) -> None:
+        """Everything this step produced, one batch per channel (the only place outputs leave)."""
+        if not self._touched:
+            return
+        batches: dict[OutputChannel, StepOutputs] = {}
         for rid, tracked in self._touched.items():
             req = tracked.request
-            first = tracked.num_emitted == 0
-            end = len(req.output_token_ids)
-            while end > tracked.num_emitted and req.output_token_ids[end - 1] == PENDING:
+            emitted = tracked.num_emitted
+            toks = req.output_token_ids
+            end = len(toks)
+            while end > emitted and toks[end - 1] == PENDING:
                 end -= 1  # still on the device (overlapped decode): sent with the next flush
-            new = req.output_token_ids[tracked.num_emitted : end]
-            new_lp = req.output_logprobs[tracked.num_emitted : end] if req.output_logprobs else []
-            tracked.num_emitted = end
             done = req.status.is_finished
-            if not new and not done:
+            if end == emitted and not done:
                 continue
-            tracked.sink(
-                RequestOutput(
-                    request_id=rid,
-                    token_ids=list(new),
-                    logprobs=list(new_lp),
-                    finish_reason=req.finish_reason if done else "",
-                    error=req.error,
-                    error_code=req.error_code,
-                    num_prompt_tokens=req.num_prompt_tokens if first else 0,
-                    num_cached_tokens=req.num_cached_tokens if first else 0,
-                    transfer=req.transfer_stats if done else None,
-                )
-            )
+            out = batches.get(tracked.channel)
+            if out is None:
+                out = batches[tracked.channel] = StepOutputs()
+            tag = tracked.tag
+            if emitted == 0:
+                out.started.append((tag, req.num_prompt_tokens, req.num_cached_tokens))
+            if end > emitted:
+                out.tags.append(tag)
+                out.num_tokens.append(end - emitted)
+                out.token_ids.extend(toks[emitted:end])
+                lps = req.output_logprobs[emitted:end] if req.output_logprobs else ()
+                out.num_logprobs.append(len(lps))
+                out.logprobs.extend(lps)
+                tracked.num_emitted = end
             if done:
+                self.grammars.release(req)  # every end (stop, length, abort, error) frees it
+                out.ended.append(RequestEnded(tag, req.finish_reason, req.error, req.error_code,
+                                              req.transfer_stats))
                 del self._tracked[rid]
                 self._group.pop(rid, None)
                 self._room_group.pop(req.room, None)
         self._touched.clear()
+        for channel, out in batches.items():
+            channel.deliver(out)
 
     def close(self) -> None:
         """Stop the other ranks of a multi-rank worker (after the loop thread has stopped)."""
@@ -383,7 +399,8 @@ class Engine:
         """Run one tiny request through the real path before reporting SERVING."""
         done = threading.Event()
         req = Request("warmup", [0] * min(8, self.max_model_len - 1), SamplingParams(max_tokens=2, ignore_eos=True))
-        self._tracked[req.request_id] = _Tracked(req, lambda out: done.set() if out.finished else None)
+        sink = PerRequestSink(req.request_id, lambda out: done.set() if out.finished else None)
+        self._tracked[req.request_id] = _Tracked(req, sink, 0)
         self.scheduler.add(req)  # straight to the scheduler: no room, whatever the role
         deadline = time.monotonic() + timeout_s
         while not done.is_set():
@@ -396,9 +413,28 @@ class Engine:
         self.spec_counters.reset()
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
+            self.enable_decode_graphs()
+
+    def enable_decode_graphs(self) -> None:
+        """Capture the decode graphs; a multi-rank worker's ranks all capture the same buckets
+        (worker/cuda_graphs.py). On a CPU the same static-buffer steps run eagerly (tests)."""
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if self.dp is not None:
+            self.dp.enable_cuda_graphs(max_num_seqs, self.max_model_len)
+        else:  # speculative decoding: verify graphs too, at k + 1 tokens per request
             k = self.config.speculative.num_speculative_tokens if self.drafter is not None else 0
-            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len,
-                                           k)
+            self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len, k)
+        if piecewise_supported(self):
+            self.runner.enable_piecewise_graphs(self.config.scheduler.chunked_prefill_size)
+
+
+def piecewise_supported(engine: Engine) -> bool:
+    """Graphs around attention (worker/piecewise.py): dense one-rank models whose layers read
+    nothing of the batch outside attention (no window rings, no recurrent state, no MoE)."""
+    shape = engine.kv.shape
+    return (engine.config.model.piecewise_graphs and engine.tp is None
+            and type(engine.model) is LlamaForCausalLM and not shape.window_layers
+            and not shape.state_layers)
 
 
 def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:

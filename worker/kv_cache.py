@@ -264,11 +264,17 @@ def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
     if shape.latent_dim:
         return (CacheGroup(CacheKind.MLA_LATENT, tuple(range(shape.num_layers)),
                            latent_dim=shape.latent_dim),)
-    if not shape.window_layers:
+    if not shape.window_layers and not shape.state_layers:
         return ()
-    full = tuple(i for i in range(shape.num_layers) if i not in shape.window_layers)
-    return (CacheGroup(CacheKind.FULL_ATTENTION, full),
-            CacheGroup(CacheKind.SLIDING_WINDOW, shape.window_layers, shape.window))
+    paged = set(shape.window_layers) | set(shape.state_layers)
+    groups = [CacheGroup(CacheKind.FULL_ATTENTION,
+                         tuple(i for i in range(shape.num_layers) if i not in paged))]
+    if shape.window_layers:
+        groups.append(CacheGroup(CacheKind.SLIDING_WINDOW, shape.window_layers, shape.window))
+    if shape.state_layers:
+        groups.append(CacheGroup(CacheKind.RECURRENT, shape.state_layers,
+                                 state_bytes=shape.state_slot_bytes))
+    return tuple(groups)
 
 
 def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_size: int) -> KVLayout:
@@ -279,5 +285,6 @@ def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_si
         head_dim=shape.head_dim, dtype=str(shape.dtype).removeprefix("torch."),
         num_kv_heads_total=num_kv_heads_total, tp_rank=tp_rank, tp_size=tp_size,
         groups=cache_groups(shape), num_window_pages=shape.num_window_pages,
+        num_state_slots=shape.num_state_slots, state_base=shape.state_base,
         kv_scales=shape.kv_scales, speculative=shape.speculative,
     )

@@ -72,6 +72,7 @@ class PrefillRole:
         room = self._rooms[request.request_id]
         first = request.output_logprobs[0] if request.output_logprobs else None
         held = room.sched.holdings(request)
+        state = {"state_slot": held.state_slot} if held.state_slot >= 0 else {}
         room.sender.send(
             held.page_table[room.pages_sent :],
             start_page=room.pages_sent,
@@ -84,6 +85,7 @@ class PrefillRole:
             num_tokens=request.num_computed_tokens,
             # Speculative eagle/mtp: the draft head's last feature, where decode's drafts start.
             draft_hidden=_feature(request),
+            **state,  # type: ignore[arg-type]  # recurrent models: the state after the prompt
         )
         room.pages_sent = len(held.page_table)
         return True

@@ -24,7 +24,8 @@ from worker.scheduler import RoleHooks
 def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHooks:
     """Open the transfer manager for `config.role` and return the role's hooks.
 
-    `info` receives what GetInfo reports: bootstrap_addr (prefill), transfer_backend, epoch.
+    `info` receives what GetInfo reports: bootstrap_addr (prefill), transfer_backend, epoch,
+    contract_hash.
     """
     par = config.parallel
     manager = KVTransferManager(
@@ -41,6 +42,7 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
     )
     info["transfer_backend"] = config.transfer.backend
     info["epoch"] = str(manager.epoch)
+    info["contract_hash"] = manager.contract.compat_hash()  # GetInfo: what a gateway compares
     page_size = config.cache.page_size
     if config.role == "prefill":
         server, port = manager.serve_bootstrap(config.host, config.transfer.bootstrap_port)

@@ -177,13 +177,18 @@ def measure(out_dir: Path) -> None:
     prefixes = [[rng.randrange(1, 128) for _ in range(96)] for _ in range(4)]
     workload = [p + [rng.randrange(1, 128) for _ in range(16)] for p in prefixes for _ in range(8)]
     for name, path in models.items():
-        with running(_config(path, "prefill")) as prefill, running(_config(path, "decode")) as decode:
+        with (
+            running(_config(path, "prefill")) as prefill,
+            running(_config(path, "decode")) as decode,
+        ):
             for n, prompt in zip(lengths, prompts, strict=True):
                 pre, dec = submit_pd(prefill, decode, prompt, f"b{n}")
                 _wait(pre, dec)
                 assert dec.transfer is not None
-                print(f"{name:8s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
-                      f"{int(dec.transfer['bytes']):8d} bytes shipped")
+                print(
+                    f"{name:8s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
+                    f"{int(dec.transfer['bytes']):8d} bytes shipped"
+                )
             sched = prefill.engine.scheduler
             before, cached = sched.prompt_tokens_computed, 0
             for i, prompt in enumerate(workload):
@@ -192,8 +197,10 @@ def measure(out_dir: Path) -> None:
                 cached += pre.cached
             total = sum(len(p) for p in workload)
             computed = sched.prompt_tokens_computed - before
-            print(f"{name:8s} shared-prefix workload: {total} prompt tokens, prefill computed "
-                  f"{computed}, cached_tokens {cached} ({100 * (total - computed) / total:.1f}% saved)")
+            print(
+                f"{name:8s} shared-prefix workload: {total} prompt tokens, prefill computed "
+                f"{computed}, cached_tokens {cached} ({100 * (total - computed) / total:.1f}% saved)"
+            )
 
 
 if __name__ == "__main__":

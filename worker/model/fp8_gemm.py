@@ -41,8 +41,9 @@ def _kernels() -> SimpleNamespace:
         mask = k < K
         x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-10)  # an all-zero group keeps a finite scale
-        scale = amax / 448.0
-        q = tl.clamp(x / scale, -448.0, 448.0)
+        # div_rn: IEEE division, as torch divides (Triton's `/` is the approximate one).
+        scale = tl.math.div_rn(amax, 448.0)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_s + g, scale)
 

@@ -33,7 +33,7 @@ from worker.model.gpt_oss_config import GptOssArch
 from worker.model.hf_config import ArchConfig
 from worker.model.layers import TensorSource, TPInfo, _copy_checked, _param
 from worker.model.llama import Attention, DecoderLayer, LlamaForCausalLM
-from worker.model.moe import MoEParallel, SparseMoEBlock
+from worker.model.moe import ExpertGroups, MoEParallel, SparseMoEBlock, grouped_linear
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -123,17 +123,14 @@ class GptOssMoE(SparseMoEBlock):
     def experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """rows [N, H], local expert of each row [N] → each row through its expert [N, H]
         (on MoE TP ranks > 0 without the down bias: the all-reduce adds rank 0's)."""
-        out = torch.empty_like(rows)
-        for e in torch.unique(local_ids).tolist():
-            sel = (local_ids == e).nonzero(as_tuple=True)[0]
-            gate, up = F.linear(rows[sel], self.w13[e], self.w13_bias[e]).chunk(
-                2, dim=-1
-            )  # [n, I] each
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # [n, I_local]
-            out[sel] = F.linear(act, self.w2[e], self.w2_bias[e] if self.owns_down_bias else None)
-        return out
+        groups = ExpertGroups.of(local_ids, self.num_local)
+        x = groups.sort(rows)  # [N, H], expert-major
+        gate, up = grouped_linear(x, self.w13, groups, self.w13_bias).chunk(2, dim=-1)  # [N, I]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # [N, I_local]
+        bias = self.w2_bias if self.owns_down_bias else None
+        return groups.unsort(grouped_linear(act, self.w2, groups, bias))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

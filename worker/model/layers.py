@@ -85,8 +85,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _fp8_params(module: nn.Module, rows: int, cols: int, scale_rows: int,
-    quant: BlockFp8Config) -> None:
+def _fp8_params(
+    module: nn.Module, rows: int, cols: int, scale_rows: int, quant: BlockFp8Config
+) -> None:
     """An FP8 weight [rows, cols] and its block scales [scale_rows, cols / block_k] on `module`."""
     module.weight = _param(rows, cols, dtype=FP8)
     module.weight_scale_inv = _param(scale_rows, _cdiv(cols, quant.block_k), dtype=torch.float32)
@@ -94,10 +95,12 @@ def _fp8_params(module: nn.Module, rows: int, cols: int, scale_rows: int,
 
 def _fp8_source(source: TensorSource, name: str) -> BlockFp8Source:
     if not isinstance(source, BlockFp8Source):
-        raise WeightShapeError(f"{name}: the layer is FP8 (config.json quantization_config) but "
-                               "its checkpoint "
-                               "tensor has no weight_scale_inv; list the module in "
-                               "modules_to_not_convert")
+        raise WeightShapeError(
+            f"{name}: the layer is FP8 (config.json quantization_config) but "
+            "its checkpoint "
+            "tensor has no weight_scale_inv; list the module in "
+            "modules_to_not_convert"
+        )
     return source
 
 
@@ -130,7 +133,9 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [..., dim] → (norm(residual + x), residual + x): the sum is the new residual."""
         if self.fused:
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
@@ -152,8 +157,12 @@ class ColumnParallelLinear(nn.Module):
     weight_scale_inv: nn.Parameter  # FP8 only: [rows / block_n, in / block_k] float32
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo,
-            dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype | None = None,
         quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
@@ -197,8 +206,9 @@ class ColumnParallelLinear(nn.Module):
         if self.quant is not None and param == "weight":
             w, s = _fp8_source(source, name).read_quantized(0, start, start + local)
             _copy_checked(self.weight.data.narrow(0, self.offsets[i], local), w, name)
-            scales = self.weight_scale_inv.data.narrow(0, self.offsets[i] // self.quant.block_n,
-                s.shape[0])
+            scales = self.weight_scale_inv.data.narrow(
+                0, self.offsets[i] // self.quant.block_n, s.shape[0]
+            )
             _copy_checked(scales, s, name + ".weight_scale_inv")
             return
         dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
@@ -209,7 +219,9 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads one rank holds: an even split, or one replicated head when tp_size > num_kv_heads."""
     if tp_size <= num_kv_heads:
         if num_kv_heads % tp_size:
-            raise WeightShapeError(f"num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp_size})")
+            raise WeightShapeError(
+                f"num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp_size})"
+            )
         return num_kv_heads // tp_size
     if tp_size % num_kv_heads:
         raise WeightShapeError(
@@ -229,11 +241,20 @@ class QKVParallelLinear(ColumnParallelLinear):
     SHARDS = ("q", "k", "v")
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo,
-        dtype: torch.dtype | None = None, quant: BlockFp8Config | None = None,
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype | None = None,
+        quant: BlockFp8Config | None = None,
     ) -> None:
         if num_heads % tp.size:
-            raise WeightShapeError(f"num_heads ({num_heads}) must be divisible by tp_size ({tp.size})")
+            raise WeightShapeError(
+                f"num_heads ({num_heads}) must be divisible by tp_size ({tp.size})"
+            )
         kv_local = kv_heads_per_rank(num_kv_heads, tp.size)
         self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks sharing one kv head
         kv_shard = kv_local * head_dim * tp.size  # the size the base class splits evenly
@@ -245,7 +266,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _rank_start(self, i: int) -> int:
         if i == 0 or self.kv_replicas == 1:
             return super()._rank_start(i)
-        return (self.tp.rank // self.kv_replicas) * self.local_sizes[i]  # the replicated head's rows
+        return (self.tp.rank // self.kv_replicas) * self.local_sizes[
+            i
+        ]  # the replicated head's rows
 
 
 class RowParallelLinear(nn.Module):
@@ -255,24 +278,37 @@ class RowParallelLinear(nn.Module):
     weight_scale_inv: nn.Parameter  # FP8 only: [out / block_n, in_local / block_k] float32
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
-            dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype | None = None,
         quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
         if in_features % tp.size:
-            raise WeightShapeError(f"input size {in_features} is not divisible by tp_size {tp.size}")
+            raise WeightShapeError(
+                f"input size {in_features} is not divisible by tp_size {tp.size}"
+            )
         self.tp = tp
         self.in_local = in_features // tp.size
         # FP8 only where this rank's input columns are whole scale blocks (see module doc).
         aligned = quant is not None and self.in_local % quant.block_k == 0
         self.quant = quant if quant and (tp.size == 1 or aligned) else None
         if self.quant is not None:
-            _fp8_params(self, out_features, self.in_local, _cdiv(out_features, self.quant.block_n),
-                self.quant)
+            _fp8_params(
+                self,
+                out_features,
+                self.in_local,
+                _cdiv(out_features, self.quant.block_n),
+                self.quant,
+            )
         else:
             self.weight = _param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
-        self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
+        self.bias = (
+            _param(out_features, dtype=dtype) if bias else None
+        )  # added once, after the reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
         if self.quant is not None:
@@ -289,12 +325,17 @@ class RowParallelLinear(nn.Module):
             return
         start = self.tp.rank * self.in_local
         if self.quant is not None:  # FP8 columns and their scale columns, as they are
-            w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(1, start,
-                start + self.in_local)
+            w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(
+                1, start, start + self.in_local
+            )
             _copy_checked(self.weight.data, w, "RowParallelLinear.weight")
             _copy_checked(self.weight_scale_inv.data, s, "RowParallelLinear.weight_scale_inv")
             return
-        _copy_checked(self.weight.data, source.read(1, start, start + self.in_local), "RowParallelLinear.weight")
+        _copy_checked(
+            self.weight.data,
+            source.read(1, start, start + self.in_local),
+            "RowParallelLinear.weight",
+        )
 
 
 def vocab_shard(vocab_size: int, tp: TPInfo) -> tuple[int, int, int]:
@@ -311,7 +352,13 @@ class Embedding(nn.Module):
     (exactly one rank contributes each row, so the sum is exact).
     """
 
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None, tp: TPInfo | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        dtype: torch.dtype | None = None,
+        tp: TPInfo | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp or TPInfo()
         self.vocab_size = vocab_size
@@ -338,7 +385,11 @@ class Embedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] @ this matrix^T → full logits [N, V] float32 (gathers shards)."""
         if self.fused and self.tp.size == 1 and hidden.shape[0] == 1:
-            return gemv.gemv(hidden, self.weight, out=hidden.new_empty(1, self.weight.shape[0], dtype=torch.float32))
+            return gemv.gemv(
+                hidden,
+                self.weight,
+                out=hidden.new_empty(1, self.weight.shape[0], dtype=torch.float32),
+            )
         local = F.linear(hidden, self.weight).float()  # [N, V_local]
         if self.tp.size == 1:
             return local

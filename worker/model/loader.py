@@ -102,14 +102,18 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelLoadError(f"{path} does not exist; model.path must be an HF-format directory") from None
+        raise ModelLoadError(
+            f"{path} does not exist; model.path must be an HF-format directory"
+        ) from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
 
 
 def load_arch_config(path: Path) -> ArchConfig:
     if not path.is_dir():
-        raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
+        raise ModelLoadError(
+            f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory"
+        )
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
     cfg = read_json(path / "config.json")
@@ -126,7 +130,9 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / n for n in names]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
-            raise ModelLoadError(f"{index} lists shards that are absent: {missing[:3]}; re-download the checkpoint")
+            raise ModelLoadError(
+                f"{index} lists shards that are absent: {missing[:3]}; re-download the checkpoint"
+            )
         return files
     single = path / "model.safetensors"
     if single.exists():
@@ -167,7 +173,9 @@ def fingerprint(path: Path, files: list[Path]) -> str:
 def resolve_dtype(model: ModelConfig, arch: ArchConfig, device: torch.device) -> torch.dtype:
     if model.dtype != "auto":
         if model.dtype not in _DTYPE_NAMES:
-            raise ModelLoadError(f"model.dtype {model.dtype!r} is not one of auto|float32|bfloat16|float16")
+            raise ModelLoadError(
+                f"model.dtype {model.dtype!r} is not one of auto|float32|bfloat16|float16"
+            )
         return _DTYPE_NAMES[model.dtype]
     if arch.torch_dtype == torch.float16 and device.type == "cpu":
         # fp16 matmul on CPU runs at a few GFLOP/s; float32 is exact for fp16 weights.
@@ -180,7 +188,9 @@ _SCALE_INV = "_scale_inv"  # X.weight's block scales are X.weight_scale_inv
 
 
 def iter_checkpoint(
-    files: list[Path], stack: ExitStack, quant: fp8.BlockFp8Config | None = None,
+    files: list[Path],
+    stack: ExitStack,
+    quant: fp8.BlockFp8Config | None = None,
 ) -> Iterator[tuple[str, SafetensorsSource | fp8.BlockFp8Source]]:
     """Every tensor of the checkpoint; an FP8 weight comes with its block scales (the scale
     tensor is not yielded on its own). Shards may hold a weight and its scales apart."""
@@ -196,26 +206,36 @@ def iter_checkpoint(
         scale = handles.get(name + _SCALE_INV)
         if scale is None:
             if source.is_fp8:
-                raise ModelLoadError(f"{name} is FP8 but the checkpoint has no {name}{_SCALE_INV}; "
-                                     "only "
-                                     "block-scaled FP8 checkpoints are supported "
-                                     "(models/make_fp8.py makes one)")
+                raise ModelLoadError(
+                    f"{name} is FP8 but the checkpoint has no {name}{_SCALE_INV}; "
+                    "only "
+                    "block-scaled FP8 checkpoints are supported "
+                    "(models/make_fp8.py makes one)"
+                )
             yield name, source
         elif quant is None:
-            raise ModelLoadError(f"{name} has block scales ({name}{_SCALE_INV}) but config.json "
-                                 "has no "
-                                 "quantization_config; is this an FP8 checkpoint with its "
-                                 "config.json?")
+            raise ModelLoadError(
+                f"{name} has block scales ({name}{_SCALE_INV}) but config.json "
+                "has no "
+                "quantization_config; is this an FP8 checkpoint with its "
+                "config.json?"
+            )
         else:
             try:
-                yield name, fp8.BlockFp8Source(name, source, SafetensorsSource(scale,
-                    name + _SCALE_INV), quant)
+                yield (
+                    name,
+                    fp8.BlockFp8Source(
+                        name, source, SafetensorsSource(scale, name + _SCALE_INV), quant
+                    ),
+                )
             except fp8.Fp8Error as exc:
                 raise ModelLoadError(str(exc)) from None
 
 
 def load_checkpoint(
-    model: CausalLM, files: list[Path], quant: fp8.BlockFp8Config | None = None,
+    model: CausalLM,
+    files: list[Path],
+    quant: fp8.BlockFp8Config | None = None,
     kv_scales: fp8.KVScales | None = None,
 ) -> None:
     """Stream every tensor into its slot; every slot must be filled exactly once. K/V cache
@@ -245,7 +265,11 @@ def load_checkpoint(
             "does config.json (architectures, tie_word_embeddings, attention_bias) match the weights?"
         )
     if ignored:
-        log.info("ignored %d checkpoint tensors not used by the model, e.g. %s", len(ignored), ignored[:3])
+        log.info(
+            "ignored %d checkpoint tensors not used by the model, e.g. %s",
+            len(ignored),
+            ignored[:3],
+        )
 
 
 @torch.no_grad()
@@ -297,7 +321,9 @@ def tp_info(parallel: ParallelConfig) -> TPInfo:
             f"{world} (one process per rank) before load_model"
         )
     if dist.get_rank() % parallel.tp_size != parallel.tp_rank:
-        raise ModelLoadError(f"parallel.tp_rank={parallel.tp_rank} but this process is rank {dist.get_rank()}")
+        raise ModelLoadError(
+            f"parallel.tp_rank={parallel.tp_rank} but this process is rank {dist.get_rank()}"
+        )
     if parallel.dp_size == 1:
         return TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
     tp = parallel.tp_size
@@ -311,8 +337,13 @@ def moe_parallel(parallel: ParallelConfig) -> MoEParallel:
     if parallel.all2all_backend == "deepep":
         check_deepep(torch.device(parallel.device))
     rank = dist.get_rank() if parallel.world_size > 1 else 0
-    return MoEParallel(size=parallel.world_size, rank=rank, ep=parallel.ep_size > 1,
-                       tokens_replicated=parallel.dp_size == 1, backend=parallel.all2all_backend)
+    return MoEParallel(
+        size=parallel.world_size,
+        rank=rank,
+        ep=parallel.ep_size > 1,
+        tokens_replicated=parallel.dp_size == 1,
+        backend=parallel.all2all_backend,
+    )
 
 
 def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
@@ -321,11 +352,18 @@ def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
     if arch.quant is None:
         return arch
     if fused.available(device):
-        log.info("FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights "
-                 "(Triton GEMM/GEMV)", arch.quant.block_n, arch.quant.block_k)
+        log.info(
+            "FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights "
+            "(Triton GEMM/GEMV)",
+            arch.quant.block_n,
+            arch.quant.block_k,
+        )
         return arch
-    log.info("FP8 block-scaled checkpoint: weights dequantized at load to the model dtype "
-             "(%s has no FP8 kernels)", device.type)
+    log.info(
+        "FP8 block-scaled checkpoint: weights dequantized at load to the model dtype "
+        "(%s has no FP8 kernels)",
+        device.type,
+    )
     return dataclasses.replace(arch, quant=None)
 
 
@@ -334,8 +372,9 @@ def set_kv_scales(model: CausalLM, scales: fp8.KVScales, tp: TPInfo) -> None:
     none)."""
     heads = heads_of_rank(scales.num_kv_heads, tp.size, tp.rank)
     for module in model.modules():
-        if isinstance(getattr(module, "k_scale", None),
-            torch.Tensor) and isinstance(getattr(module, "layer", None), int):
+        if isinstance(getattr(module, "k_scale", None), torch.Tensor) and isinstance(
+            getattr(module, "layer", None), int
+        ):
             layer: int = module.layer  # type: ignore[assignment]
             for side in ("k", "v"):
                 buf: torch.Tensor = getattr(module, f"{side}_scale")

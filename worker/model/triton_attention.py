@@ -91,8 +91,9 @@ def _get_kernels() -> dict[str, Any]:
         if SCALED:  # FP8 pages: value / its head's scale, saturated at the largest e4m3 value
             ks = tl.load(ks_ptr + h, mask=h < HKV, other=1.0)[:, None]
             vs = tl.load(vs_ptr + h, mask=h < HKV, other=1.0)[:, None]
-            k = tl.clamp(k.to(tl.float32) / ks, -448.0, 448.0)
-            v = tl.clamp(v.to(tl.float32) / vs, -448.0, 448.0)
+            # div_rn: IEEE division, as the torch reference divides (`/` is approximate).
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), ks), -448.0, 448.0)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), vs), -448.0, 448.0)
         kc = kc_ptr + page * stride_cp + off * stride_cs + h[:, None] * stride_ch + d[None, :]
         vc = vc_ptr + page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
         tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=hm)

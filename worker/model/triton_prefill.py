@@ -83,9 +83,8 @@ def _get_kernel() -> Any:
         # The keys this block can see: up to its last row's position, from its first row's window.
         first = seq_len - n + tl.program_id(2) * BLOCK_M
         hi = tl.minimum(first + BLOCK_M, seq_len)
-        lo = 0
-        if window > 0:
-            lo = tl.maximum(first - window + 1, 0)
+        # One expression (not an `if`): `first` is int64 here, a literal 0 would be int32.
+        lo = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0)
         hi = tl.where(first < seq_len, hi, lo)  # a block past the request's rows: no keys
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
