@@ -185,6 +185,29 @@ def test_draft_model_with_another_kv_geometry_is_refused(tmp_path: Path) -> None
         Engine(_config("draft", model=str(tmp_path / "d")))
 
 
+def test_draft_tokenizer_must_keep_the_targets_token_ids(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    # The shipped draft predates the target's 8 added tokens (ids 103-110): accepted.
+    target_tok = json.loads((Path(EMBEDDED_MODEL) / "tokenizer.json").read_text())
+    draft_tok = json.loads((DRAFT / "tokenizer.json").read_text())
+    assert len(target_tok["added_tokens"]) == len(draft_tok["added_tokens"]) + 8
+    config = _config("draft")
+    target, spec = load_model(config.model, config.parallel)
+    assert load_head(config, target, spec) is not None
+    # A draft whose ids mean other text than the target's is refused, naming the first id.
+    bad = tmp_path / "draft"
+    shutil.copytree(DRAFT, bad, ignore=shutil.ignore_patterns("model.safetensors"))
+    (bad / "model.safetensors").symlink_to(DRAFT / "model.safetensors")
+    vocab = draft_tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (bad / "tokenizer.json").write_text(json.dumps(draft_tok))
+    with pytest.raises(ConfigError, match=r"speculative.model: .* maps 2 token ids differently "
+                                          r"from the target's .*\(id \d+: 'b' vs 'a'\)"):
+        load_head(_config("draft", model=str(bad)), target, spec)
+
+
 def test_methods_a_model_cannot_run_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="speculative.method=mtp.*has no MTP layer.*holds no "
                                           "MTP module"):

@@ -9,7 +9,8 @@ contract, so a prefill and a decode worker with different drafters are refused a
   (models/train_eagle.py writes one), model.safetensors with `fc.weight`, `layers.0.*`,
   `norm.weight`.
 - draft: an HF checkpoint of the Llama / Qwen family (default `<model.path>/draft`) with the
-  target's tokenizer and KV head geometry (its KV lives in the target's pages).
+  target's token ids (its tokenizer, or one the target's extends with more tokens) and KV head
+  geometry (its KV lives in the target's pages).
 - mtp: the target checkpoint's own MTP layer (DeepSeek-V3, Qwen3-Next); for a dense target
   without one, an MTP module in DeepSeek's layout trained beside it (default `<model.path>/mtp`,
   `"model_type": "mtp"`, `eh_proj`, `enorm`, `hnorm`, `layers.0.*`, `shared_head.norm`).
@@ -18,6 +19,7 @@ contract, so a prefill and a decode worker with different drafters are refused a
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -228,7 +230,34 @@ def _check_geometry(source: str, spec: ModelSpec, **theirs: int) -> None:
 
 
 def _check_tokenizer(draft: Path, target: Path) -> None:
+    """A draft model proposes token ids that the target verifies, so every id the draft's
+    tokenizer defines must mean the same text in the target's. The target may define more
+    (tokens added after the draft was trained, e.g. the embedded model's <think> and
+    <tool_call>): the draft never learnt them, which only costs acceptance where they occur."""
     mine, theirs = draft / "tokenizer.json", target / "tokenizer.json"
-    if mine.is_file() and theirs.is_file() and mine.read_bytes() != theirs.read_bytes():
-        raise ConfigError(f"speculative.model: {mine} differs from the target's {theirs}; a "
-                          "draft model must use the target's tokenizer")
+    if not (mine.is_file() and theirs.is_file()) or mine.read_bytes() == theirs.read_bytes():
+        return
+    ours, want = _id_texts(mine), _id_texts(theirs)
+    wrong = [i for i, text in sorted(ours.items()) if want.get(i) != text]
+    if wrong:
+        i = wrong[0]
+        raise ConfigError(f"speculative.model: {mine} maps {len(wrong)} token ids differently "
+                          f"from the target's {theirs} (id {i}: {ours[i]!r} vs "
+                          f"{want.get(i)!r}); a draft model must use the target's token ids")
+
+
+def _id_texts(path: Path) -> dict[int, str]:
+    """id -> token text of a tokenizers-library tokenizer.json (its model's vocabulary and
+    its added tokens)."""
+    try:
+        data = json.loads(path.read_text())
+        vocab = data["model"]["vocab"]
+        if isinstance(vocab, dict):  # WordLevel, BPE, WordPiece: token -> id
+            out = {int(i): str(t) for t, i in vocab.items()}
+        else:  # Unigram: [[piece, score], ...] in id order
+            out = {i: str(piece[0]) for i, piece in enumerate(vocab)}
+        out.update({int(t["id"]): str(t["content"]) for t in data.get("added_tokens", [])})
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(f"speculative.model: {path} is not a readable tokenizer.json "
+                          f"({exc}); give the draft model the target's tokenizer files") from None
+    return out
