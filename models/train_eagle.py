@@ -8,9 +8,11 @@ norm; its logits are the target's LM head of that feature (worker/spec/heads.py 
 runs the same math over paged KV). It is trained by self-distillation against the target's
 *current* weights, so re-run this script whenever the target is retrained:
 
-1. Data: `--pool` prompts from the arith task (training seeds only), rendered raw and through
-   the target's own chat template (transformers' apply_chat_template, so a changed template is
-   followed); the target continues each greedily. The head learns what the target emits.
+1. Data: `--pool` prompts in every format the target serves (models/eagle_prompts.py: arith
+   raw and chat, with and without thinking, lookup tool calls and answers; training seeds only),
+   rendered through the target's own chat template (transformers' apply_chat_template, so a
+   changed template is followed); the target continues each greedily (`--new-tokens`). The
+   head learns what the target emits.
 2. Teacher: the target's final hidden states h_t (after its norm) and its next-token
    distribution at every position.
 3. Training-time test (as EAGLE-3): `--steps` unrolled draft steps. Step 1 reads the true h_t;
@@ -22,7 +24,8 @@ runs the same math over paged KV). It is trained by self-distillation against th
    the head's feature and the target's h_{t+1}.
 4. Saves config.json (`model_type: eagle`, the target's layer config, `target_fingerprint`),
    model.safetensors (`fc.weight`, `layers.0.*`, `norm.weight`) and training_log.json with the
-   held-out agreement of each step's argmax with the target's (a proxy for acceptance).
+   held-out agreement of each step's argmax with the target's (a proxy for acceptance), in
+   all and per format.
 
 `--layout mtp` trains the same way an MTP module in DeepSeek-V3's layout (enorm / hnorm before
 `eh_proj`, the logits after `shared_head.norm`, no feature loss: its feature is the block's
@@ -48,6 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.models.qwen3 import modeling_qwen3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from models.eagle_prompts import Format, render_prompts  # noqa: E402
 from orchestrator.tasks import arith  # noqa: E402
 from worker.model.loader import fingerprint, weight_files  # noqa: E402
 
@@ -125,30 +129,19 @@ def ttt_mask(length: int, steps: int) -> torch.Tensor:
     return mask[None, None]
 
 
-def render_prompts(tok: object, n: int, seed: int) -> list[list[int]]:
-    """arith prompts, raw and through the target's chat template, as token ids."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        problem = arith.make_problem(rng, rng.randint(4, arith.MAX_ASSIGNMENTS))
-        if i % 2:
-            text = tok.apply_chat_template(  # type: ignore[attr-defined]
-                [{"role": "user", "content": problem.prompt}], tokenize=False,
-                add_generation_prompt=True)
-        else:
-            text = problem.prompt
-        out.append(tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
-    return out
-
-
 @torch.no_grad()
 def continue_greedily(target: nn.Module, prompts: list[list[int]], new_tokens: int,
                       pad: int) -> list[tuple[list[int], int]]:
-    """(prompt + the target's greedy continuation cut after its first eos, prompt length)."""
+    """(prompt + the target's greedy continuation cut after its first eos, prompt length), in
+    the order of `prompts`. Batches of similar prompt lengths, so that none runs past the
+    target's context (`max_position_embeddings`) and little padding is computed."""
     eos = target.config.eos_token_id  # type: ignore[union-attr]
-    seqs = []
-    for start in range(0, len(prompts), 64):
-        chunk = prompts[start : start + 64]
+    context = target.config.max_position_embeddings  # type: ignore[union-attr]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    seqs: dict[int, tuple[list[int], int]] = {}
+    for start in range(0, len(order), 64):
+        rows = order[start : start + 64]
+        chunk = [prompts[i] for i in rows]
         width = max(map(len, chunk))
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -156,13 +149,15 @@ def continue_greedily(target: nn.Module, prompts: list[list[int]], new_tokens: i
             ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
         gen = target.generate(input_ids=ids, attention_mask=attn,  # type: ignore[operator]
-                              max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-        for r, p in enumerate(chunk):
+                              max_new_tokens=min(new_tokens, context - width), do_sample=False,
+                              pad_token_id=pad)
+        for i, r_p in zip(rows, enumerate(chunk), strict=True):
+            r, p = r_p
             tail = gen[r, width:].tolist()
             if eos in tail:
                 tail = tail[: tail.index(eos) + 1]
-            seqs.append((p + tail, len(p)))
-    return seqs
+            seqs[i] = (p + tail, len(p))
+    return [seqs[i] for i in range(len(prompts))]
 
 
 @torch.no_grad()
@@ -248,9 +243,11 @@ def train(args: argparse.Namespace) -> None:
         p.requires_grad_(False)
     pad = tok.pad_token_id or 0
     t0 = time.monotonic()
-    seqs = continue_greedily(target, render_prompts(tok, args.pool, arith.TRAIN_SEED_MIN + 7),
-                             args.new_tokens, pad)
-    held = continue_greedily(target, render_prompts(tok, args.eval, 3), args.new_tokens, pad)
+    pool = render_prompts(tok, args.pool, arith.TRAIN_SEED_MIN + 7)
+    seqs = continue_greedily(target, [ids for _, ids in pool], args.new_tokens, pad)
+    seqs.sort(key=lambda s: len(s[0]))  # batches of similar lengths: little padding
+    evals = render_prompts(tok, args.eval, 3)
+    held = continue_greedily(target, [ids for _, ids in evals], args.new_tokens, pad)
     print(f"data: {len(seqs)} sequences in {time.monotonic() - t0:.0f} s", flush=True)
     head = TrainHead(head_config(target.config), args.layout)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
@@ -261,7 +258,8 @@ def train(args: argparse.Namespace) -> None:
         for g in opt.param_groups:
             warm = min(1.0, (step + 1) / 50)
             g["lr"] = args.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        batch = rng.sample(seqs, args.batch)
+        near = rng.randrange(len(seqs) - 4 * args.batch + 1)  # a window of similar lengths
+        batch = rng.sample(seqs[near : near + 4 * args.batch], args.batch)
         ids, lens = pad_batch([s for s, _ in batch], pad)
         loss, _ = step_losses(head, target, ids, lens, args.steps, args.feature_weight)
         opt.zero_grad(set_to_none=True)
@@ -275,11 +273,20 @@ def train(args: argparse.Namespace) -> None:
     agree = evaluate(head, target, held, pad, args.steps)
     print("held-out agreement with the target's argmax per draft step: "
           + " ".join(f"{a:.3f}" for a in agree), flush=True)
+    per_format = {}
+    for fmt in Format:
+        mine = [s for (f, _), s in zip(evals, held, strict=True) if f is fmt]
+        if mine:
+            per_format[fmt.value] = evaluate(head, target, mine, pad, args.steps)
+            print(f"  {fmt.value} ({len(mine)}): "
+                  + " ".join(f"{a:.3f}" for a in per_format[fmt.value]), flush=True)
     save(head, target_dir, Path(args.out), {
         "steps": step, "minutes": round((time.monotonic() - start) / 60, 2), "batch": args.batch,
         "lr": args.lr, "draft_steps_trained": args.steps, "pool": args.pool,
         "layout": args.layout,
-        "held_out_agreement_per_step": agree, "seed": args.seed,
+        "new_tokens": args.new_tokens, "threads": args.threads, "eval_prompts": args.eval,
+        "held_out_agreement_per_step": agree, "held_out_agreement_per_format": per_format,
+        "seed": args.seed,
     })
     print(f"saved to {args.out}", flush=True)
 
@@ -322,7 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=10**9)
     p.add_argument("--pool", type=int, default=2000, help="prompts the target continues")
     p.add_argument("--eval", type=int, default=100, help="held-out prompts (evaluation seeds)")
-    p.add_argument("--new-tokens", type=int, default=24, help="greedy continuation length")
+    p.add_argument("--new-tokens", type=int, default=160,
+                   help="greedy continuation length (three tool calls and a think block)")
     p.add_argument("--steps", type=int, default=3, help="unrolled draft steps per position")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
