@@ -1,9 +1,10 @@
 """Model drafters under PD: the drafter's KV rides in the pages, eagle's last feature on DONE.
 
 - 1P1D with eagle, mtp (the embedded model's side-trained MTP module) and the draft model:
-  greedy output equals a cluster without
-  speculation, token for token, also when prefill's prefix cache hits; decode drafts (and
-  accepts) yet never runs a prompt token through the target, and prefill never drafts.
+  greedy output equals a cluster without speculation, token for token, on arith prompts and
+  the chat formats (thinking, tool calls; the draft model never saw their added tokens), also
+  when prefill's prefix cache hits; decode drafts (and accepts) yet never runs a prompt token
+  through the target, and prefill never drafts.
 - Heterogeneous TP with eagle (prefill TP=2 → decode TP=1, and TP=1 → TP=2): each rank's
   share of the head's KV pages lands where the decode ranks read it; the output equals mono's,
   and decode's acceptance is that of a mono worker running the same head (a lost feature or a
@@ -27,6 +28,7 @@ from orchestrator.tasks import arith
 from protocol import tandem_pb2, tandem_pb2_grpc
 from tests.e2e.test_hetero_tp import _wait_drained, served
 from tests.e2e.test_pd import complete_all
+from tests.e2e.test_spec_pd import agent_prompts
 from transfer.config import TransferConfig
 from worker.config import (
     CacheConfig,
@@ -38,12 +40,12 @@ from worker.config import (
 )
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 14
+MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
-    return [p.prompt for p in arith.make_problems(16, seed=29)]
+    return [p.prompt for p in arith.make_problems(16, seed=29)] + agent_prompts(6, seed=29)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """Speculative decoding end to end: n-gram drafts on mono and on 1P1D's decode worker give the
 exact greedy output of a cluster without speculation, /metrics shows the acceptance, and
-`tandem bench` reports the mean accepted length."""
+`tandem bench` reports the mean accepted length. The prompts are arith's and, rendered by the
+embedded model's chat template, its agent formats (thinking, tool calls, answers after tool
+results), whose outputs hold the tokenizer's added tokens (<think>, <tool_call>, ...)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import httpx
 import pytest
 
 from orchestrator.bench import BenchSpec, bench_main
-from orchestrator.launch.background import running_cluster
+from orchestrator.launch.background import EMBEDDED_MODEL, running_cluster
 from orchestrator.tasks import arith
 from tests.e2e.test_pd import complete_all
 
@@ -20,9 +22,24 @@ pytestmark = pytest.mark.slow
 SPEC = ("speculative.method=ngram", "speculative.num_speculative_tokens=4")
 
 
+def agent_prompts(n: int, seed: int) -> list[str]:
+    """`n` prompts in the embedded model's chat formats other than plain arith, as the text
+    the gateway renders (models/eagle_prompts.py, the drafters' training prompts)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from models.eagle_prompts import Format, render
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    rng = random.Random(seed)
+    formats = [f for f in Format if f is not Format.RAW]
+    return [render(tok, rng, formats[i % len(formats)]) for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
-    return [p.prompt for p in arith.make_problems(40, seed=23)]
+    return [p.prompt for p in arith.make_problems(40, seed=23)] + agent_prompts(12, seed=23)
 
 
 @pytest.fixture(scope="module")
