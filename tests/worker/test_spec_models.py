@@ -347,3 +347,60 @@ def test_verify_graph_padding_gives_the_plain_verify_rows(arith_prompts: list[li
     for req in list(engine.scheduler.running):
         engine.scheduler.abort(req.request_id)
     engine.scheduler.assert_drained()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-rank", "tp2"])
+def test_decode_graph_steps_beside_eagle_drafts_hold(
+        tp: int, arith_prompts: list[list[int]]) -> None:
+    """Requests that do not speculate (logprobs) beside ones that do: their pure-decode steps
+    run through the decode graphs (on a CPU: eager steps over the static buffers, and with
+    TP=2 the GRAPH_STEP protocol for real), and the eagle head catches up on every step's
+    hidden states (with TP=2: DRAFT messages after GRAPH_STEPs, on every rank). Output and
+    acceptance equal an eager engine's running the same head; pages all come back."""
+    from worker.config import ParallelConfig
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=10, logprobs=i < 3)
+
+    def run(graphs: bool, method: str = "eagle") -> tuple[list[tuple[list[int], str]], int]:
+        engine = Engine(_config(method, parallel=ParallelConfig(tp_size=tp)))
+        try:
+            if graphs:  # decode graphs only (piecewise graphs capture only on CUDA)
+                engine.runner.enable_cuda_graphs(6, engine.max_model_len, 4)
+            # the logprobs requests alone first: whole steps of pure decode
+            out = _generate(engine, arith_prompts[:3], params)
+            out += _generate(engine, arith_prompts[3:6], lambda i: params(i + 3))
+            if graphs:
+                assert engine.runner.decode_graphs is not None
+                assert engine.runner.decode_graphs.num_replays >= 9
+            engine.scheduler.assert_drained()
+            return out, engine.spec_counters.accepted
+        finally:
+            engine.close()
+
+    plain, _ = run(False, "none")
+    eager, eager_accepted = run(False)
+    graphed, graphed_accepted = run(True)
+    assert eager == plain and graphed == plain
+    assert graphed_accepted == eager_accepted > 0
+
+
+def test_a_decode_graph_step_returns_the_eager_hidden_states(
+        arith_prompts: list[list[int]]) -> None:
+    """What a model drafter catches up on after a pure-decode step replayed as a graph (on a
+    CPU: the same static buffers, run eagerly) is the eager step's final hidden states."""
+    engine = Engine(_config("none"))
+    plan = _verify_plan(engine, arith_prompts[:3], [[], [], []])  # no drafts: pure decode
+    with torch.inference_mode():
+        hidden, logits = engine.runner.forward_hidden(plan)  # type: ignore[arg-type]
+        engine.runner.enable_cuda_graphs(8, engine.max_model_len)
+        g_hidden, g_logits = engine.runner.forward_hidden(plan)  # type: ignore[arg-type]
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays == 1
+    assert logits is not None and g_logits is not None and g_hidden.shape == hidden.shape
+    assert torch.allclose(g_hidden, hidden, atol=1e-5)
+    assert torch.allclose(g_logits, logits, atol=1e-4)
+    for req in list(engine.scheduler.running):
+        engine.scheduler.abort(req.request_id)
+    engine.scheduler.assert_drained()
