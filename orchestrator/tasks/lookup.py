@@ -153,3 +153,35 @@ def tool_result(problem: Problem, arguments: str) -> str:
 def score(problem: Problem, completion: str) -> bool:
     """True when the final answer's text, up to its terminator, is exactly the answer."""
     return arith.extract_answer(completion) == problem.answer
+
+
+@dataclass(frozen=True)
+class RawTurn:
+    """A model's raw output split as a qwen3 reasoning and a hermes tool-call parser split it."""
+
+    reasoning: str | None  # the text inside <think>...</think>, None without a think block
+    content: str  # what is left outside the think block and the calls, stripped
+    calls: list[tuple[str, str]]  # (function name, arguments as JSON text), in order
+    well_formed: bool  # every <tool_call> block closed and holding {"name", "arguments"}
+
+
+def split_raw_output(text: str) -> RawTurn:
+    """Read raw completion text (special tokens already skipped) the way the gateway's parsers
+    will, for checking the model through /v1/completions before those parsers exist."""
+    reasoning = None
+    if text.startswith("<think>") and "</think>" in text:
+        inner, _, text = text[len("<think>") :].partition("</think>")
+        reasoning = inner.strip("\n")
+    calls: list[tuple[str, str]] = []
+    well_formed = True
+    head, opened, rest = text.partition("<tool_call>")
+    for block in rest.split("<tool_call>") if opened else []:
+        body, closed, tail = block.partition("</tool_call>")
+        # Only whitespace may follow a call (the next call, or the end of the turn).
+        well_formed = well_formed and bool(closed) and not tail.strip()
+        try:
+            call = json.loads(body)
+            calls.append((str(call["name"]), json.dumps(call["arguments"])))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            well_formed = False
+    return RawTurn(reasoning, head.strip(), calls, well_formed)
