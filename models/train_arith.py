@@ -217,6 +217,9 @@ def train(args: argparse.Namespace) -> None:
             )
             history.append({"minutes": round((last_eval - t0) / 60, 2), "step": step, **acc})
             loss_sum, loss_steps = 0.0, 0
+            if args.snapshot:  # a look at a long run's model while it trains (not the result)
+                save(model, tok, Path(args.snapshot))
+                model.to(args.device)
             if warming and min(acc.values()) >= args.arith_first:
                 warming, switched_at = False, step
                 print(f"arith at {args.arith_first}: every format from now on", flush=True)
@@ -257,6 +260,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--eval-seed", type=int, default=0, help="held-out seed (< arith.TRAIN_SEED_MIN)"
+    )
+    p.add_argument(
+        "--snapshot", default="", metavar="DIR",
+        help="also save the model to DIR at every evaluation, to inspect a long run",
     )
     p.add_argument("--eval-samples", type=int, default=200, help="held-out samples per format")
     p.add_argument("--final-eval", type=int, default=200, help="greedy samples per format")

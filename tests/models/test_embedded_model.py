@@ -1,5 +1,6 @@
-"""The embedded checkpoint models/tandem-arith: files, offline loading, tokenizer, chat template,
-and greedy accuracy on held-out `arith` problems."""
+"""The embedded checkpoint models/tandem-arith: files, offline loading, tokenizer, and greedy
+accuracy on held-out `arith` problems (the chat template: test_chat_template.py; tool use and
+thinking: test_embedded_tools.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint must load with no network
 
-import jinja2
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -88,28 +88,6 @@ def test_plain_tokenizers_library(
         assert tokenizer.encode(special).ids == [tokenizer.token_to_id(special)]
     # Decoding skips special tokens.
     assert tokenizer.decode(tokenizer.encode("<|user|>ab<|endoftext|>").ids) == "ab"
-
-
-def test_chat_template_renders_with_plain_jinja_and_transformers(
-    hf_tokenizer: transformers.PreTrainedTokenizerBase,
-) -> None:
-    template = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "a=1;"},
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": "a?"},
-    ]
-    expected = "<|system|>Be brief.<|endoftext|><|user|>a=1;<|endoftext|><|assistant|>ok<|endoftext|><|user|>a?<|endoftext|>"
-    rendered = jinja2.Environment().from_string(template)  # what the gateway does: no transformers
-    assert (
-        rendered.render(messages=messages, add_generation_prompt=True) == expected + "<|assistant|>"
-    )
-    assert rendered.render(messages=messages, add_generation_prompt=False) == expected
-    assert (
-        hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        == expected + "<|assistant|>"
-    )
 
 
 def test_greedy_accuracy_on_held_out_problems(
