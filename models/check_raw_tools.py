@@ -57,6 +57,10 @@ def history(problem: lookup.Problem) -> list[dict[str, Any]]:
     ]
 
 
+class CheckError(RuntimeError):
+    """The server refused a request; the check counts it as wrong and reports it."""
+
+
 def thought_right(turn: lookup.RawTurn, thinking: bool) -> bool:
     return bool(turn.reasoning) if thinking else turn.reasoning is None
 
@@ -69,7 +73,8 @@ class Checker:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0}
         resp = await self.client.post("/v1/completions", json=body)
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise CheckError(f"HTTP {resp.status_code}: {resp.text[:300]}")
         choice = resp.json()["choices"][0]
         return choice["text"], choice["finish_reason"]
 
@@ -80,16 +85,14 @@ class Checker:
 
     async def calls(self, problem: lookup.Problem, thinking: bool) -> bool:
         prompt = self.render([{"role": "user", "content": problem.prompt}], thinking)
-        extra = lookup.THINK_MAX_TOKENS if thinking else 0
-        text, finish = await self.complete(prompt, lookup.CALLS_MAX_TOKENS + extra)
+        text, finish = await self.complete(prompt, lookup.calls_max_tokens(problem, thinking))
         turn = lookup.split_raw_output(text)
         return (finish == "stop" and turn.well_formed and not turn.content
                 and lookup.check_calls(problem, turn.calls) and thought_right(turn, thinking))
 
     async def answer(self, problem: lookup.Problem, thinking: bool) -> bool:
-        extra = lookup.THINK_MAX_TOKENS if thinking else 0
         text, _ = await self.complete(self.render(history(problem), thinking),
-                                      lookup.ANSWER_MAX_TOKENS + extra)
+                                      lookup.answer_max_tokens(thinking))
         turn = lookup.split_raw_output(text)
         return not turn.calls and lookup.score(problem, turn.content) and thought_right(
             turn, thinking)
@@ -109,9 +112,15 @@ async def run(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         checker = Checker(client, load_template(Path(args.model_dir)), model)
 
+        errors: list[str] = []
+
         async def bounded(coro: Any) -> bool:
             async with sem:
-                return bool(await coro)
+                try:
+                    return bool(await coro)
+                except CheckError as exc:
+                    errors.append(str(exc))
+                    return False
 
         checks: dict[str, list[Any]] = {
             "calls": [checker.calls(p, False) for p in problems],
@@ -124,6 +133,8 @@ async def run(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
         for name, coros in checks.items():
             right = await asyncio.gather(*(bounded(c) for c in coros))
             out[name] = (sum(right), len(right))
+    for e in errors[:5]:
+        print(f"failed request (counted as wrong): {e}", file=sys.stderr)
     return out
 
 

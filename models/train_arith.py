@@ -180,7 +180,11 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(arith.TRAIN_SEED_MIN + args.seed)  # training seeds only
     tok = build_tokenizer()
-    model = build_model(args.seed, args.layers).to(args.device)
+    if args.init_from:  # a second stage: go on from a checkpoint (its own seed, its own stream)
+        model = Qwen3ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        model = model.to(args.device)
+    else:
+        model = build_model(args.seed, args.layers).to(args.device)
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
     maker = SampleMaker(args.min_assignments)
     held_out = {
@@ -237,6 +241,7 @@ def train(args: argparse.Namespace) -> None:
         "train_minutes": round(train_s / 60, 2),
         **{k: getattr(args, k) for k in ("batch", "micro_batches", "lr", "warmup", "bf16")},
         **{k: getattr(args, k) for k in ("device", "threads", "seed", "eval_seed", "layers")},
+        "init_from": args.init_from,
         "min_assignments": args.min_assignments,
         "arith_first": args.arith_first,
         "all_formats_from_step": switched_at if args.arith_first > 0 else 0,
@@ -246,6 +251,9 @@ def train(args: argparse.Namespace) -> None:
         "accuracy_chat": greedy.get("arith_chat"),
         "held_out_history": history,  # teacher-forced, per format, at each evaluation
     }
+    previous = Path(args.init_from) / "training_log.json" if args.init_from else None
+    if previous is not None and previous.is_file():  # the stage this one went on from
+        log["previous_stage"] = json.loads(previous.read_text())
     (Path(args.out) / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(f"saved to {args.out}", flush=True)
 
@@ -260,6 +268,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--eval-seed", type=int, default=0, help="held-out seed (< arith.TRAIN_SEED_MIN)"
+    )
+    p.add_argument(
+        "--init-from", default="", metavar="DIR",
+        help="start from this checkpoint's weights instead of a fresh model (a second stage)",
     )
     p.add_argument(
         "--snapshot", default="", metavar="DIR",

@@ -61,9 +61,6 @@ class ToolLoop:
     ) -> None:
         self.client, self.model, self.task = client, model, task
         self.enable_thinking = enable_thinking
-        extra = task.THINK_MAX_TOKENS if enable_thinking else 0
-        self.calls_max_tokens = task.CALLS_MAX_TOKENS + extra
-        self.answer_max_tokens = task.ANSWER_MAX_TOKENS + extra
 
     async def _ask(self, messages: list[dict[str, Any]], max_tokens: int) -> Any:
         body: dict[str, Any] = {}
@@ -80,7 +77,7 @@ class ToolLoop:
 
     async def run(self, problem: Any, stages: dict[str, int]) -> bool:
         messages: list[dict[str, Any]] = [{"role": "user", "content": problem.prompt}]
-        first = await self._ask(messages, self.calls_max_tokens)
+        first = await self._ask(messages, self.task.calls_max_tokens(problem, self.enable_thinking))
         calls = first.message.tool_calls or []
         pairs = [(c.function.name, c.function.arguments) for c in calls]
         if first.finish_reason != "tool_calls" or not self.task.check_calls(problem, pairs):
@@ -100,7 +97,7 @@ class ToolLoop:
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": self.task.tool_result(problem, call.function.arguments)})
-        second = await self._ask(messages, self.answer_max_tokens)
+        second = await self._ask(messages, self.task.answer_max_tokens(self.enable_thinking))
         right = bool(self.task.score(problem, second.message.content or ""))
         if right and _thought(second.message, self.enable_thinking):
             stages[STAGE_ANSWER] += 1

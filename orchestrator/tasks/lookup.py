@@ -53,7 +53,7 @@ MAX_ASSIGNMENTS = len(arith.NAMES) - 1
 MAX_BARE_NAMES = 3
 STOP = arith.STOP
 ANSWER_MAX_TOKENS = 24  # "q=42,b=07,x=11;" + eos is 16 tokens: the longest answer, with margin
-CALLS_MAX_TOKENS = 192  # one call is 47 tokens; three of them + eos, with margin
+CALL_TOKENS = 48  # one call block (47 tokens) and the "\n" or eos after it
 THINK_MAX_TOKENS = 32  # more for either turn when thinking: <think>\nq=42;b=07;x=11;\n</think>
 
 
@@ -127,6 +127,20 @@ def make_problems(n: int, seed: int) -> list[Problem]:
 def expected_calls(problem: Problem) -> list[dict[str, str]]:
     """The arguments of each lookup call the model should make, in order."""
     return [{"name": name} for name, _ in problem.missing]
+
+
+def calls_max_tokens(problem: Problem, thinking: bool = False) -> int:
+    """`max_tokens` for the calls turn: the expected calls with a margin (+ the think block).
+
+    Per problem rather than one figure: three calls' worth on the longest mixed prompt (~340
+    tokens with the tool) would ask for more than the embedded model's 512 positions.
+    """
+    return CALL_TOKENS * len(problem.missing) + 16 + (THINK_MAX_TOKENS if thinking else 0)
+
+
+def answer_max_tokens(thinking: bool = False) -> int:
+    """`max_tokens` for the answer turn."""
+    return ANSWER_MAX_TOKENS + (THINK_MAX_TOKENS if thinking else 0)
 
 
 def check_calls(problem: Problem, calls: list[tuple[str, str]]) -> bool:

@@ -36,11 +36,12 @@ def test_right_answers_pass_and_the_loop_sends_what_a_client_should(
         assert "chat_template_kwargs" not in body
         user = body["messages"][0]
         assert user["role"] == "user" and user["content"] in problems
-        if len(body["messages"]) == 1:
-            assert body["max_tokens"] == lookup.CALLS_MAX_TOKENS
-            continue
-        assert body["max_tokens"] == lookup.ANSWER_MAX_TOKENS
         problem = problems[user["content"]]
+        if len(body["messages"]) == 1:
+            assert body["max_tokens"] == lookup.calls_max_tokens(problem)
+            assert body["max_tokens"] >= 47 * len(problem.missing) + 1  # every call and eos
+            continue
+        assert body["max_tokens"] == lookup.answer_max_tokens() == lookup.ANSWER_MAX_TOKENS
         assistant, *tools = body["messages"][1:]
         assert [json.loads(c["function"]["arguments"]) for c in assistant["tool_calls"]] == (
             lookup.expected_calls(problem))
@@ -100,7 +101,9 @@ def test_thinking_sends_the_template_kwarg_and_requires_reasoning(
         assert "accuracy: 0.000 (0/8)" in capsys.readouterr().out
     first = state.requests[0]
     assert first["chat_template_kwargs"] == {"enable_thinking": True}
-    assert first["max_tokens"] == lookup.CALLS_MAX_TOKENS + lookup.THINK_MAX_TOKENS
+    problem = next(p for p in lookup.make_problems(8, SEED)
+                   if p.prompt == first["messages"][0]["content"])
+    assert first["max_tokens"] == lookup.calls_max_tokens(problem) + lookup.THINK_MAX_TOKENS
 
 
 def test_thinking_is_refused_for_a_completion_task(capsys: pytest.CaptureFixture[str]) -> None:

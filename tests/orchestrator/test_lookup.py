@@ -74,12 +74,11 @@ def test_prompts_fit_the_embedded_model_with_the_tool_and_the_calls() -> None:
     """
     tok = Tokenizer.from_file(str(TOKENIZER_JSON))
     tool = len(json.dumps(lookup.LOOKUP_TOOL)) + 4
-    longest = max(
-        len(tok.encode(p.prompt).ids) + (47 + 7) * len(p.missing)
-        for p in lookup.make_problems(300, 5)
-    )
-    assert tool + longest + 20 + lookup.ANSWER_MAX_TOKENS + lookup.THINK_MAX_TOKENS <= 512
-    assert 47 * lookup.MAX_BARE_NAMES + 1 <= lookup.CALLS_MAX_TOKENS
+    for p in lookup.make_problems(300, 5):
+        prompt = tool + len(tok.encode(p.prompt).ids) + 20
+        assert prompt + lookup.calls_max_tokens(p, thinking=True) <= 512
+        assert lookup.calls_max_tokens(p) >= 47 * len(p.missing) + 1  # every call and eos
+        assert prompt + (47 + 7) * len(p.missing) + lookup.answer_max_tokens(True) <= 512
 
 
 def test_check_calls() -> None:
