@@ -105,7 +105,7 @@ def test_calls_lookup_once_per_missing_variable_in_order(
     think: bool,
 ) -> None:
     texts = [render(template, [{"role": "user", "content": p.prompt}], think) for p in problems]
-    max_new = lookup.CALLS_MAX_TOKENS + (lookup.THINK_MAX_TOKENS if think else 0)
+    max_new = max(lookup.calls_max_tokens(p, think) for p in problems)
     outs = greedy(model, hf_tokenizer, texts, max_new)
     right = [calls_right(p, text, eos, think)
              for p, (text, eos) in zip(problems, outs, strict=True)]
@@ -119,7 +119,7 @@ def test_answers_after_the_tool_results(
     think: bool,
 ) -> None:
     texts = [render(template, after_results(p), think) for p in problems]
-    max_new = lookup.ANSWER_MAX_TOKENS + (lookup.THINK_MAX_TOKENS if think else 0)
+    max_new = lookup.answer_max_tokens(think)
     outs = greedy(model, hf_tokenizer, texts, max_new)
     right = [answer_right(p, text, think) for p, (text, _) in zip(problems, outs, strict=True)]
     assert share(right) >= 0.9, [o for o, r in zip(outs, right, strict=True) if not r][:3]
@@ -173,6 +173,6 @@ def test_transformers_key_order_works_too(
                                               tools=[lookup.LOOKUP_TOOL], tokenize=False,
                                               add_generation_prompt=True) for p in problems]
     assert '{"type": "function", "function": {"name": "lookup"' in texts[0]
-    outs = greedy(model, hf_tokenizer, texts, lookup.CALLS_MAX_TOKENS)
+    outs = greedy(model, hf_tokenizer, texts, max(lookup.calls_max_tokens(p) for p in problems))
     assert share([calls_right(p, t, e, False)
                   for p, (t, e) in zip(problems, outs, strict=True)]) >= 0.9
