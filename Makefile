@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONFIG ?= configs/tiny-1p1d.yaml
 STAMP := $(VENV)/.installed
+# auto: CUDA builds of torch/triton/Mooncake when nvidia-smi lists a GPU, else the CPU ones;
+# DEVICE=cuda|cpu forces one. Pins: pyproject.toml [tool.tandem.install].
+DEVICE ?= auto
+SELECT := python3 deploy/torch_install.py --device $(DEVICE)
 
 .PHONY: install serve test lint proto chaos bench clean system-deps
 
@@ -13,15 +17,17 @@ system-deps:
 	@bash deploy/install-system-deps.sh
 
 $(STAMP): pyproject.toml
-	@$(MAKE) --no-print-directory system-deps
+	@$(SELECT) --which >/dev/null   # a bad DEVICE, or cuda without a driver: one line, stop here
+	@DEVICE=$$($(SELECT) --which) $(MAKE) --no-print-directory system-deps
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0   # first: a CPU build; a bare `torch` would pull a CUDA build
-	$(PIP) install -q -e '.[test,transfer,nixl,ray]'
+	$(SELECT) --pip "$(PIP)"   # first: torch for this device (a bare `torch` is the CUDA build)
+	$(PIP) install -q -e ".[$$($(SELECT) --extras)]"
 	$(PIP) install -q --no-deps nixl==1.5.1   # the meta package's own deps do not resolve; its API is in nixl-cu13
-	touch $(STAMP)
+	$(SELECT) --which > $(STAMP)   # the device this venv is for
 
 install: $(STAMP)
+	@$(SELECT) --check-stamp $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --config $(CONFIG)

@@ -1,16 +1,25 @@
-"""Gateway overhead bench (not a test): added latency at concurrency 1, req/s at concurrency N.
-
-Three processes: a scripted worker (one token per request), the gateway (run_gateway, uvloop),
-and this load generator (aiohttp, keep-alive). Added latency = median HTTP round trip through
-the gateway minus the median direct gRPC Generate round trip to the same worker.
+"""Gateway overhead bench (not a test): added latency at concurrency 1, req/s at concurrency N,
+for our gateway (mono and PD) and, on the same mock workers with the same load generator, the
+Rust PD routers (sglang-router, smg, vllm-router) where they are installed.
 
     .venv/bin/python -m bench.gateway --requests 3000 --concurrency 32
+
+Processes: mock workers (bench/mock_worker.py: one token per request, gRPC for our gateway,
+HTTP for the routers), one gateway or router at a time, and the load generator
+(bench/loadgen.py: wrk if installed, else aiohttp). "added" = the median round trip through
+the gateway at concurrency 1 minus the median round trip straight to the worker (gRPC
+Generate for ours, HTTP for the routers). CPU figures are the gateway's (or router's) process
+tree's user + system time over the concurrency-N run. Then a streaming run (64 tokens a
+request, one per 2 ms "step") gives the gateway's CPU per streamed token.
+Install the routers for the comparison only: `.venv/bin/pip install sglang-router smg vllm-router`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -19,37 +28,101 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-import aiohttp
 import grpc
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen import http_load  # noqa: E402
 from protocol import tandem_pb2, tandem_pb2_grpc  # noqa: E402
-from tests.gateway.gw_doubles import Script, ScriptedWorker, build_tokenizer  # noqa: E402
+from tests.gateway.gw_doubles import build_tokenizer  # noqa: E402
+
+ROUTERS = {  # name -> argv before the PD worker flags
+    "sglang-router": [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"],
+    "smg": [str(Path(sys.executable).parent / "smg"), "launch", "--pd-disaggregation"],
+    "vllm-router": [str(Path(sys.executable).parent / "vllm-router"),
+                    "--vllm-pd-disaggregation"],
+}
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-async def serve_worker(port: int) -> None:
-    w = ScriptedWorker(max_model_len=4096, script=Script(tokens=[70], finish_reason="stop"))
-    await w.start(port=port)
-    await asyncio.Event().wait()
+def tree_cpu(pid: int) -> float:
+    """user + system CPU seconds of a process and its live descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(d.name)] = int(fields[1])
+            times[int(d.name)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier += kids
+    return sum(times.get(p, 0.0) for p in tree)
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+@contextmanager
+def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-async def direct_latency(port: int, n: int) -> float:
+def wait_mock(http_port: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60) -> None:
+    """Poll until one real request answers 200 (health alone may be up before the workers)."""
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 1}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}: {log.read_text()[-1500:]}")
+        try:
+            if httpx.post(f"{url}/v1/completions", json=body, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"not ready in {timeout_s} s: {log.read_text()[-1500:]}")
+
+
+async def direct_grpc(port: int, n: int) -> float:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = tandem_pb2_grpc.WorkerStub(ch)
         req = tandem_pb2.GenerateRequest(request_id="x", prompt_token_ids=[1, 2, 3],
@@ -63,84 +136,142 @@ async def direct_latency(port: int, n: int) -> float:
     return statistics.median(times[n // 10:])
 
 
-async def http_run(url: str, n: int, concurrency: int, stream: bool) -> tuple[float, float]:
-    body = json.dumps({"model": "tiny", "prompt": "hello world", "max_tokens": 1, "stream": stream})
-    lat: list[float] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
-        async def one() -> None:
-            t = time.perf_counter()
-            async with s.post(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"}) as r:
-                await r.read()
-                assert r.status == 200, await r.text()
-            lat.append(time.perf_counter() - t)
-
-        async def client(k: int) -> None:
-            for _ in range(k):
-                await one()
-
-        for _ in range(50):  # warm-up
-            await one()
-        lat.clear()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(n // concurrency) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return statistics.median(lat), len(lat) / wall
+def body(stream: bool, max_tokens: int = 1) -> str:
+    return json.dumps({"model": "tiny", "prompt": "hello world", "max_tokens": max_tokens,
+                       "stream": stream})
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser()
+def measure(url: str, pid: int, stream: bool, n: int, c: int) -> dict[str, float]:
+    http_load(f"{url}/v1/completions", body(stream), 200, 8)  # warm-up
+    one = http_load(f"{url}/v1/completions", body(stream), min(500, n), 1)
+    cpu0 = tree_cpu(pid)
+    many = http_load(f"{url}/v1/completions", body(stream), n, c)
+    cpu_us = (tree_cpu(pid) - cpu0) / max(many.count, 1) * 1e6
+    return {"p50_1": one.p50_s, "rps": many.rps, "p50_n": many.p50_s, "cpu_us": cpu_us,
+            "failed": one.failed + many.failed}
+
+
+def gateway_argv(port: int, tok_dir: Path, workers: dict[str, list[int]]) -> list[str]:
+    return [sys.executable, __file__, "--role", "gateway", "--port", str(port), "--tok-dir",
+            str(tok_dir), "--workers", json.dumps(workers)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--role", default="bench")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--worker-port", type=int, default=0)
-    ap.add_argument("--tok-dir", default="")
-    ap.add_argument("--profile", default="", help="write a cProfile of the gateway process here")
+    ap.add_argument("--no-routers", action="store_true", help="only our gateway")
     args = ap.parse_args()
-    if args.role == "worker":
-        await serve_worker(args.port)
-        return
-    wport, gport = free_port(), free_port()
-    tok_dir = build_tokenizer(Path(tempfile.mkdtemp()))
-    worker = subprocess.Popen([sys.executable, __file__, "--role", "worker", "--port", str(wport)], cwd=ROOT)
-    prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-    gateway = subprocess.Popen([sys.executable, *prof, __file__, "--role", "gateway", "--port", str(gport),
-                                "--worker-port", str(wport), "--tok-dir", str(tok_dir)], cwd=ROOT)
-    url = f"http://127.0.0.1:{gport}"
-    try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(400):
-                try:
-                    async with s.get(f"{url}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-        direct = await direct_latency(wport, 500)
-        for stream in (False, True):
-            lat1, _ = await http_run(url, 500, 1, stream)
-            cpu0 = cpu_seconds(gateway.pid)
-            latn, rps = await http_run(url, args.requests, args.concurrency, stream)
-            cpu_us = (cpu_seconds(gateway.pid) - cpu0) / (args.requests + 50) * 1e6
-            print(f"stream={stream}: direct gRPC p50 {direct * 1e3:.3f} ms; via gateway c=1 p50 {lat1 * 1e3:.3f} ms "
-                  f"(added {(lat1 - direct) * 1e3:.3f} ms); c={args.concurrency}: {rps:.0f} req/s, "
-                  f"p50 {latn * 1e3:.2f} ms; gateway CPU {cpu_us:.0f} us/request "
-                  f"(= {1e6 / cpu_us:.0f} req/s per core)")
-    finally:
-        for p in (gateway, worker):
-            p.terminate()
-            p.wait()
+    n, c = args.requests, args.concurrency
+    tmp = Path(tempfile.mkdtemp())
+    tok_dir = build_tokenizer(tmp / "tok")
+    ports = {r: (free_port(), free_port()) for r in ("both", "prefill", "decode", "stream-p",
+                                                       "stream-d")}
+    rows: dict[str, dict[str, float]] = {}
+    with contextlib.ExitStack() as stack:
+        for name, (gp, hp) in ports.items():
+            role = name.replace("stream-p", "prefill").replace("stream-d", "decode")
+            extra = ["--tokens", "64", "--step-ms", "2"] if name.startswith("stream") else []
+            stack.enter_context(process([sys.executable, "-m", "bench.mock_worker", "--role", role,
+                                         "--grpc-port", str(gp), "--http-port", str(hp), *extra],
+                                        tmp / f"mock-{name}.log"))
+        for _, hp in ports.values():
+            wait_mock(hp)
+        direct = asyncio.run(direct_grpc(ports["both"][0], 500))
+        setups = {"mono": {"workers": [ports["both"][0]]},
+                  "pd": {"prefill": [ports["prefill"][0]], "decode": [ports["decode"][0]]}}
+        for mode, workers in setups.items():
+            gport = free_port()
+            log = tmp / f"gateway-{mode}.log"
+            with process(gateway_argv(gport, tok_dir, workers), log) as gw:
+                url = f"http://127.0.0.1:{gport}"
+                wait_ready(url, gw, log)
+                for stream in (False, True):
+                    r = measure(url, gw.pid, stream, n, c)
+                    if mode == "pd" and not stream:
+                        rows["tandem"] = r
+                    legs = "one worker leg" if mode == "mono" else "two worker legs"
+                    print(f"stream={stream}: direct gRPC p50 {direct * 1e3:.3f} ms; via gateway "
+                          f"c=1 p50 {r['p50_1'] * 1e3:.3f} ms (added "
+                          f"{(r['p50_1'] - direct) * 1e3:.3f} ms); c={c}: {r['rps']:.0f} req/s, "
+                          f"p50 {r['p50_n'] * 1e3:.2f} ms; gateway CPU {r['cpu_us']:.0f} "
+                          f"us/request; failed {r['failed']} [{mode}: {legs}]", flush=True)
+        streamed(tmp, tok_dir, ports, c)
+        if not args.no_routers:
+            routers(tmp, ports, n, c, rows)
+
+
+def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int) -> None:
+    """Gateway CPU per streamed token: PD, 64 tokens a request, one per 2 ms step."""
+    gport = free_port()
+    workers = {"prefill": [ports["stream-p"][0]], "decode": [ports["stream-d"][0]]}
+    log = tmp / "gateway-stream.log"
+    with process(gateway_argv(gport, tok_dir, workers), log) as gw:
+        url = f"http://127.0.0.1:{gport}"
+        wait_ready(url, gw, log)
+        http_load(f"{url}/v1/completions", body(True, 64), 64, 8)
+        cpu0 = tree_cpu(gw.pid)
+        r = http_load(f"{url}/v1/completions", body(True, 64), max(c * 8, 256), c)
+        cpu = tree_cpu(gw.pid) - cpu0  # the probe run included: it streams the same tokens
+        requests = r.count
+        tokens = requests * 64
+        print(f"streamed 64 tokens a request (PD, 2 ms steps): c={c}: {r.rps * 64:.0f} tok/s, "
+              f"gateway CPU {cpu / tokens * 1e6:.1f} us/token "
+              f"({cpu / requests * 1e6:.0f} us/request); failed {r.failed}", flush=True)
+
+
+def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
+            rows: dict[str, dict[str, float]]) -> None:
+    """The Rust PD routers on the same mock workers (HTTP), one at a time; then one table."""
+    mock_url = f"http://127.0.0.1:{ports['decode'][1]}"
+    direct = http_load(f"{mock_url}/v1/completions", body(False), 500, 1).p50_s
+    notes: dict[str, str] = {}
+    for name, argv in ROUTERS.items():
+        if not Path(argv[0]).exists() or (name == "sglang-router"
+                                           and importlib.util.find_spec("sglang_router") is None):
+            notes[name] = "not installed"
+            continue
+        rport = free_port()
+        full = [*argv, "--prefill", f"http://127.0.0.1:{ports['prefill'][1]}", "--decode",
+                mock_url, "--host", "127.0.0.1", "--port", str(rport)]
+        log = tmp / f"{name}.log"
+        try:
+            with process(full, log) as proc:
+                url = f"http://127.0.0.1:{rport}"
+                wait_ready(url, proc, log)
+                rows[name] = measure(url, proc.pid, False, n, c)
+        except (RuntimeError, AssertionError, subprocess.SubprocessError) as exc:
+            notes[name] = f"failed: {str(exc)[-300:]}"
+    print(f"\nPD path (two worker legs), max_tokens=1, non-streaming, same mock workers, same load "
+          f"generator; direct HTTP to the mock p50 {direct * 1e3:.3f} ms (ours: direct gRPC)\n")
+    print(f"| gateway | c=1 p50 ms | c={c} req/s | c={c} p50 ms | CPU us/request | failed |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['p50_1'] * 1e3:.3f} | {r['rps']:.0f} | {r['p50_n'] * 1e3:.2f} | "
+              f"{r['cpu_us']:.0f} | {r['failed']:.0f} |")
+    for name, note in notes.items():
+        print(f"| {name} | {note} | | | | |")
+
+
+def run_gateway_process(argv: list[str]) -> None:
+    """The gateway process: run_gateway on its own loop (uvloop), outside asyncio.run."""
+    from gateway.config import GatewayConfig
+    from gateway.server import run_gateway
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--tok-dir")
+    ap.add_argument("--workers")
+    a = ap.parse_args(argv)
+    ws = {k: tuple(f"127.0.0.1:{p}" for p in v) for k, v in json.loads(a.workers).items()}
+    run_gateway(GatewayConfig(port=a.port, model_path=a.tok_dir, log_level="warning",
+                              prefill_policy="round_robin", decode_policy="round_robin", **ws))
 
 
 if __name__ == "__main__":
-    if "gateway" in sys.argv:  # the gateway process runs its own loop (uvloop), outside asyncio.run
-        from gateway.config import GatewayConfig
-        from gateway.server import run_gateway
-
-        a = sys.argv
-        run_gateway(GatewayConfig(port=int(a[a.index("--port") + 1]),
-                                  workers=(f"127.0.0.1:{a[a.index('--worker-port') + 1]}",),
-                                  model_path=a[a.index("--tok-dir") + 1], log_level="warning"))
+    if "--role" in sys.argv and sys.argv[sys.argv.index("--role") + 1] == "gateway":
+        run_gateway_process(sys.argv[1:])
     else:
-        asyncio.run(main())
+        main()

@@ -74,8 +74,9 @@ def copy_ceiling() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000) / 1e9
 
 
-def ours(x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm: torch.Tensor,
-         **cfg: int) -> torch.Tensor:
+def ours(
+    x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm: torch.Tensor, **cfg: int
+) -> torch.Tensor:
     if use == "norm":
         return gemv(x, w, norm=(norm, 1e-6), **cfg)
     if use == "pair":
@@ -85,8 +86,12 @@ def ours(x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm:
     return gemv(x, w, out=torch.empty(1, w.shape[0], dtype=torch.float32, device=x.device), **cfg)
 
 
-def rate(name: str, weights: dict[str, list[torch.Tensor]], cfg: dict[str, int] | None = None,
-         cublas: bool = False) -> float:
+def rate(
+    name: str,
+    weights: dict[str, list[torch.Tensor]],
+    cfg: dict[str, int] | None = None,
+    cublas: bool = False,
+) -> float:
     """GB/s of weights read over every copy of projection `name`, one row of x: our GEMV with
     `cfg` (None: its own choice), or cuBLAS's F.linear alone."""
     n, k, use, _ = SHAPES[name]
@@ -104,7 +109,9 @@ def rate(name: str, weights: dict[str, list[torch.Tensor]], cfg: dict[str, int] 
 def sweep(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[float, dict]]]:
     best: dict[str, list[tuple[float, dict]]] = {}
     for name, (_, k, use, _) in SHAPES.items():
-        widths = (4096, 8192) if use in ("norm", "pair") else (1024, 2048, 4096)  # a norm needs K whole
+        widths = (
+            (4096, 8192) if use in ("norm", "pair") else (1024, 2048, 4096)
+        )  # a norm needs K whole
         scores = []
         for bn, bk, nw, ns in itertools.product((1, 2, 4), widths, (4, 8), (1, 2)):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
@@ -126,17 +133,25 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_ceiling()}
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "copy_GBps": copy_ceiling(),
+    }
     print(f"copy ceiling {result['copy_GBps']:.0f} GB/s (read + written)", flush=True)
-    weights = {name: [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-                      for _ in range(copies)] for name, (n, k, _, copies) in SHAPES.items()}
+    weights = {
+        name: [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        for name, (n, k, _, copies) in SHAPES.items()
+    }
     if args.sweep:
         result["sweep"] = sweep(weights)
     rows = {}
     for name in SHAPES:
         ours_gbs, theirs = rate(name, weights), rate(name, weights, cublas=True)
         rows[name] = {"gemv_GBps": ours_gbs, "cublas_GBps": theirs}
-        print(f"{name:8s}: gemv {ours_gbs:6.0f} GB/s  cublas {theirs:6.0f} GB/s  ({ours_gbs / theirs:.2f}x)", flush=True)
+        print(
+            f"{name:8s}: gemv {ours_gbs:6.0f} GB/s  cublas {theirs:6.0f} GB/s  ({ours_gbs / theirs:.2f}x)",
+            flush=True,
+        )
     result["rows"] = rows
     Path(args.out, "gemv.json").write_text(json.dumps(result, indent=1, default=str))
 

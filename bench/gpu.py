@@ -41,7 +41,16 @@ PROMPT_LEN, NEW_TOKENS = 512, 128
 PREFILL_LEN = 8192
 MAX_NUM_SEQS = 64
 MAX_MODEL_LEN = 16384
-SECTIONS = ("ceilings", "decode", "nooverlap", "eager", "unfused", "prefill", "profile", "transformers")
+SECTIONS = (
+    "ceilings",
+    "decode",
+    "nooverlap",
+    "eager",
+    "unfused",
+    "prefill",
+    "profile",
+    "transformers",
+)
 
 
 def cuda_time(fn: Callable[[], object], iters: int) -> float:
@@ -73,7 +82,9 @@ def model_sizes(engine: Engine) -> dict[str, float]:
     model = engine.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
-    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    layer_params = sum(
+        p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2
+    )
     return {
         "weight_bytes_per_step": float(total - embed.numel() * embed.element_size()),
         "layer_matmul_params": float(layer_params),
@@ -100,13 +111,18 @@ def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> t
                 first.add(rid)
             if out.finished:
                 done.add(rid)
+
         return sink
 
     tag = random.random()
     for i, p in enumerate(prompts):
         rid = f"b{i}-{tag}"
-        engine.submit(Request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
-                      sink_for(rid))
+        engine.submit(
+            Request(
+                rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            ),
+            sink_for(rid),
+        )
     t0 = time.perf_counter()
     while len(first) < len(prompts):
         engine.step()
@@ -136,8 +152,14 @@ def profile_decode(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
     prompts = random_prompts(batch, PROMPT_LEN, engine.spec.vocab_size, 1000 + batch)
     tag = random.random()
     for i, p in enumerate(prompts):
-        engine.submit(Request(f"p{i}-{tag}", p, SamplingParams(temperature=0.0, max_tokens=steps + 8,
-                                                               ignore_eos=True)), lambda out: None)
+        engine.submit(
+            Request(
+                f"p{i}-{tag}",
+                p,
+                SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True),
+            ),
+            lambda out: None,
+        )
     for _ in range(8):  # prefill + a few decode steps
         engine.step()
     torch.cuda.synchronize()
@@ -179,7 +201,9 @@ def transformers_baseline(batches: list[int], new_tokens: int) -> dict[str, Any]
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device="cuda")  # real inv_freq
+    model.model.rotary_emb = type(model.model.rotary_emb)(
+        config=cfg, device="cuda"
+    )  # real inv_freq
     out: dict[str, Any] = {"transformers": transformers.__version__}
     for b in batches:
         ids = torch.randint(0, cfg.vocab_size, (b, PROMPT_LEN), device="cuda")
@@ -187,9 +211,16 @@ def transformers_baseline(batches: list[int], new_tokens: int) -> dict[str, Any]
         def gen(n: int, ids: torch.Tensor = ids) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, cache_implementation="static", pad_token_id=0,
-                           disable_compile=True)  # 5.x auto-compiles static-cache decode: minutes
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+                disable_compile=True,
+            )  # 5.x auto-compiles static-cache decode: minutes
             torch.cuda.synchronize()
             return time.perf_counter() - t0
 
@@ -202,12 +233,17 @@ def transformers_baseline(batches: list[int], new_tokens: int) -> dict[str, Any]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
     args = ap.parse_args()
     chosen = set(args.sections.split(","))
     if chosen - set(SECTIONS):
-        ap.error(f"--sections: unknown {sorted(chosen - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
+        ap.error(
+            f"--sections: unknown {sorted(chosen - set(SECTIONS))}; choose from {','.join(SECTIONS)}"
+        )
     new_tokens = 32 if args.quick else NEW_TOKENS
     out_dir = Path(os.environ.get("OUT", "."))
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -218,14 +254,19 @@ def main() -> None:
         try:
             value = fn()
             res[name] = value
-            print(f"[{name}] {time.perf_counter() - t0:.1f}s {json.dumps(value, default=str)[:600]}", flush=True)
+            print(
+                f"[{name}] {time.perf_counter() - t0:.1f}s {json.dumps(value, default=str)[:600]}",
+                flush=True,
+            )
             return value
         except Exception:
             errors[name] = traceback.format_exc()
             print(f"[{name}] FAILED\n{errors[name]}", flush=True)
             return None
         finally:
-            (out_dir / "gpu.json").write_text(json.dumps({**res, "errors": errors}, indent=1, default=str))
+            (out_dir / "gpu.json").write_text(
+                json.dumps({**res, "errors": errors}, indent=1, default=str)
+            )
 
     ceil = section("ceilings", ceilings) if "ceilings" in chosen else None
     if chosen <= {"ceilings", "transformers"}:
@@ -234,7 +275,10 @@ def main() -> None:
         return
     config = WorkerConfig(
         model=ModelConfig(path=str(MODEL_DIR), load_format="dummy", max_model_len=MAX_MODEL_LEN),
-        cache=CacheConfig(page_size=16, max_total_tokens=MAX_NUM_SEQS * (PROMPT_LEN + NEW_TOKENS) + PREFILL_LEN * 2),
+        cache=CacheConfig(
+            page_size=16,
+            max_total_tokens=MAX_NUM_SEQS * (PROMPT_LEN + NEW_TOKENS) + PREFILL_LEN * 2,
+        ),
         scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, chunked_prefill_size=PREFILL_LEN),
         parallel=ParallelConfig(device="cuda"),
     )
@@ -254,24 +298,38 @@ def main() -> None:
         return b / ((sizes["weight_bytes_per_step"] + b * avg_ctx * kv_tok) / bw)
 
     for b in (1, 8, 64) if "decode" in chosen else ():
-        section(f"decode_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, b),
-                                             "roofline_tok_s": roofline(b)})
+        section(
+            f"decode_b{b}",
+            lambda b=b: {
+                "tok_s": decode_rate(engine, b, new_tokens, b),
+                "roofline_tok_s": roofline(b),
+            },
+        )
     if "nooverlap" in chosen:  # plain steps: the host reads each step's tokens before the next
         engine.overlap = False
         for b in (1, 64):
-            section(f"decode_nooverlap_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, 300 + b)})
+            section(
+                f"decode_nooverlap_b{b}",
+                lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, 300 + b)},
+            )
         engine.overlap = True
     graphs = engine.runner.decode_graphs
     engine.runner.decode_graphs = None  # eager for comparison
     for b in (1, 64) if "eager" in chosen else ():
-        section(f"decode_eager_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, min(new_tokens, 32), 100 + b)})
+        section(
+            f"decode_eager_b{b}",
+            lambda b=b: {"tok_s": decode_rate(engine, b, min(new_tokens, 32), 100 + b)},
+        )
     if "unfused" in chosen:  # graphs over the torch reference ops: what the fused kernels bring
         engine.model.set_fused_kernels(False)  # type: ignore[operator]
         t0 = time.perf_counter()
         engine.runner.enable_cuda_graphs(MAX_NUM_SEQS, engine.max_model_len)
         res["unfused_graph_capture_s"] = time.perf_counter() - t0
         for b in (1, 64):
-            section(f"decode_unfused_b{b}", lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, 200 + b)})
+            section(
+                f"decode_unfused_b{b}",
+                lambda b=b: {"tok_s": decode_rate(engine, b, new_tokens, 200 + b)},
+            )
         engine.model.set_fused_kernels(True)  # type: ignore[operator]
     engine.runner.decode_graphs = graphs
 
@@ -286,8 +344,12 @@ def main() -> None:
         attn_flops = 4 * (PREFILL_LEN**2 / 2) * cfgm.head_dim * cfgm.num_heads * cfgm.num_layers
         flops = 2 * sizes["layer_matmul_params"] * PREFILL_LEN + attn_flops
         mm = (ceil or {}).get("matmul_TFLOPs", 795.0)
-        return {"tok_s": PREFILL_LEN / t, "seconds": t, "TFLOPs": flops / t / 1e12,
-                "MFU_vs_measured_matmul": flops / t / 1e12 / mm}
+        return {
+            "tok_s": PREFILL_LEN / t,
+            "seconds": t,
+            "TFLOPs": flops / t / 1e12,
+            "MFU_vs_measured_matmul": flops / t / 1e12 / mm,
+        }
 
     if "prefill" in chosen:
         section("prefill_8k", prefill)
@@ -301,29 +363,43 @@ def main() -> None:
     # ---- the table -------------------------------------------------------------------------
     print("\n== summary (one process) ==")
     if ceil:
-        print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
-    print(f"load {res.get('load_s', 0):.1f}s, warm-up + graph capture {res.get('warm_up_and_graph_capture_s', 0):.1f}s")
+        print(
+            f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s"
+        )
+    print(
+        f"load {res.get('load_s', 0):.1f}s, warm-up + graph capture {res.get('warm_up_and_graph_capture_s', 0):.1f}s"
+    )
     hf = res.get("transformers") or {}
-    print(f"{'decode':<10}{'tok/s':>10}{'roofline':>10}{'%roof':>8}{'no-ovl':>10}{'eager':>10}{'unfused':>10}"
-          f"{'HF':>10}{'x HF':>8}")
+    print(
+        f"{'decode':<10}{'tok/s':>10}{'roofline':>10}{'%roof':>8}{'no-ovl':>10}{'eager':>10}{'unfused':>10}"
+        f"{'HF':>10}{'x HF':>8}"
+    )
     for b in (1, 8, 64):
         d = res.get(f"decode_b{b}")
         if not d:
             continue
-        plain, eager, unfused = ((res.get(f"decode_{k}_b{b}") or {}).get("tok_s", float("nan"))
-                                 for k in ("nooverlap", "eager", "unfused"))
+        plain, eager, unfused = (
+            (res.get(f"decode_{k}_b{b}") or {}).get("tok_s", float("nan"))
+            for k in ("nooverlap", "eager", "unfused")
+        )
         base = hf.get(f"decode_tok_s_b{b}", float("nan"))
-        print(f"{'b' + str(b):<10}{d['tok_s']:>10.1f}{d['roofline_tok_s']:>10.1f}"
-              f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{plain:>10.1f}{eager:>10.1f}{unfused:>10.1f}"
-              f"{base:>10.1f}{d['tok_s'] / base:>8.1f}")
+        print(
+            f"{'b' + str(b):<10}{d['tok_s']:>10.1f}{d['roofline_tok_s']:>10.1f}"
+            f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{plain:>10.1f}{eager:>10.1f}{unfused:>10.1f}"
+            f"{base:>10.1f}{d['tok_s'] / base:>8.1f}"
+        )
     p = res.get("prefill_8k")
     if p:
-        print(f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU {100 * p['MFU_vs_measured_matmul']:.1f}%")
+        print(
+            f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU {100 * p['MFU_vs_measured_matmul']:.1f}%"
+        )
     for key in ("profile_b1", "profile_b8", "profile_b64"):
         pr = res.get(key)
         if pr:
-            print(f"{key}: step {pr['step_wall_ms']:.2f} ms, GPU kernels {pr['gpu_kernel_ms_per_step']:.2f} ms "
-                  f"(idle {100 * pr['gpu_idle_fraction']:.0f}%)")
+            print(
+                f"{key}: step {pr['step_wall_ms']:.2f} ms, GPU kernels {pr['gpu_kernel_ms_per_step']:.2f} ms "
+                f"(idle {100 * pr['gpu_idle_fraction']:.0f}%)"
+            )
     if errors:
         print("errors in:", ", ".join(errors))
 

@@ -33,7 +33,9 @@ def bench(url: str, spec: BenchSpec) -> dict[str, Any]:
     return summarize(results, duration, spec)
 
 
-def hf_generate_tps(model_dir: Path, batch: int, input_len: int, output_len: int, threads: int) -> float:
+def hf_generate_tps(
+    model_dir: Path, batch: int, input_len: int, output_len: int, threads: int
+) -> float:
     """Output tokens/s of transformers' generate (greedy, eager) at `batch`, same lengths."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -41,8 +43,12 @@ def hf_generate_tps(model_dir: Path, batch: int, input_len: int, output_len: int
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     vocab = model.config.vocab_size
-    ids = torch.randint(4, min(vocab, 60), (batch, input_len), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    ids = torch.randint(
+        4, min(vocab, 60), (batch, input_len), generator=torch.Generator().manual_seed(0)
+    )
+    kwargs = dict(
+        max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0
+    )
     with torch.inference_mode():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
         t0 = time.perf_counter()
@@ -60,9 +66,13 @@ def engine_tps(model_dir: Path, batch: int, input_len: int, output_len: int, thr
     from worker.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    engine = Engine(WorkerConfig(model=ModelConfig(path=str(model_dir)),
-                                 cache=CacheConfig(max_total_tokens=batch * (input_len + output_len) + 1024),
-                                 scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), chunked_prefill_size=2048)))
+    engine = Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(model_dir)),
+            cache=CacheConfig(max_total_tokens=batch * (input_len + output_len) + 1024),
+            scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), chunked_prefill_size=2048),
+        )
+    )
     engine.warm_up()
     finished: list[str] = []
 
@@ -85,59 +95,104 @@ def machine() -> str:
 
 def mono_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp, running_cluster(
-        "configs/tiny-mono.yaml", f"roles.both.num_threads={args.threads}", tmp=Path(tmp), model=args.model
-    ) as c:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_cluster(
+            "configs/tiny-mono.yaml",
+            f"roles.both.num_threads={args.threads}",
+            tmp=Path(tmp),
+            model=args.model,
+        ) as c,
+    ):
         for conc in (1, 16):
-            spec = BenchSpec(input_len=args.input_len, output_len=args.output_len,
-                             num_requests=max(8, conc * 4), concurrency=conc, seed=1)
-            bench(c.url, BenchSpec(input_len=16, output_len=4, num_requests=4, concurrency=4))  # warm-up
+            spec = BenchSpec(
+                input_len=args.input_len,
+                output_len=args.output_len,
+                num_requests=max(8, conc * 4),
+                concurrency=conc,
+                seed=1,
+            )
+            bench(
+                c.url, BenchSpec(input_len=16, output_len=4, num_requests=4, concurrency=4)
+            )  # warm-up
             rows[f"tandem c={conc}"] = bench(c.url, spec)
     for batch in (1, 16):
-        rows[f"transformers b={batch}"] = {"output_throughput": hf_generate_tps(
-            args.model, batch, args.input_len, args.output_len, threads=args.threads)}
-        rows[f"engine b={batch}"] = {"output_throughput": engine_tps(
-            args.model, batch, args.input_len, args.output_len, threads=args.threads)}
+        rows[f"transformers b={batch}"] = {
+            "output_throughput": hf_generate_tps(
+                args.model, batch, args.input_len, args.output_len, threads=args.threads
+            )
+        }
+        rows[f"engine b={batch}"] = {
+            "output_throughput": engine_tps(
+                args.model, batch, args.input_len, args.output_len, threads=args.threads
+            )
+        }
     print(f"\n### mono vs transformers ({date.today()}, {machine()})\n")
-    print(f"input {args.input_len} tokens, output {args.output_len} tokens, model {args.model.name}, "
-          f"{args.threads} torch thread(s) each\n")
+    print(
+        f"input {args.input_len} tokens, output {args.output_len} tokens, model {args.model.name}, "
+        f"{args.threads} torch thread(s) each\n"
+    )
     print("| run | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | ratio vs transformers |")
     print("|---|---|---|---|---|")
     for conc in (1, 16):
         r = rows[f"tandem c={conc}"]
         hf = rows[f"transformers b={conc}"]["output_throughput"]
-        print(f"| tandem concurrency {conc} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} | "
-              f"{r['itl_ms']['p50']:.2f} / {r['itl_ms']['p99']:.2f} | {r['output_throughput']:.1f} | "
-              f"{r['output_throughput'] / hf:.2f}x |")
+        print(
+            f"| tandem concurrency {conc} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} | "
+            f"{r['itl_ms']['p50']:.2f} / {r['itl_ms']['p99']:.2f} | {r['output_throughput']:.1f} | "
+            f"{r['output_throughput'] / hf:.2f}x |"
+        )
         eng = rows[f"engine b={conc}"]["output_throughput"]
-        print(f"| tandem engine in-process, batch {conc} (no gRPC/HTTP) | | | {eng:.1f} | {eng / hf:.2f}x |")
+        print(
+            f"| tandem engine in-process, batch {conc} (no gRPC/HTTP) | | | {eng:.1f} | {eng / hf:.2f}x |"
+        )
         print(f"| transformers generate batch {conc} | | | {hf:.1f} | 1.00x |")
     return rows
 
 
 def pd_vs_mono(args: argparse.Namespace) -> dict[str, Any]:
-    spec = BenchSpec(input_len=32, output_len=64, num_requests=args.num_requests, concurrency=args.concurrency,
-                     long_every=args.long_every, long_input_len=args.long_input_len, seed=2)
+    spec = BenchSpec(
+        input_len=32,
+        output_len=64,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        long_every=args.long_every,
+        long_input_len=args.long_input_len,
+        seed=2,
+    )
     rows: dict[str, Any] = {}
     for name, config in (("mono", "configs/tiny-mono.yaml"), ("1P1D", "configs/tiny-1p1d.yaml")):
-        with tempfile.TemporaryDirectory() as tmp, running_cluster(config, tmp=Path(tmp), model=args.model) as c:
-            bench(c.url, BenchSpec(input_len=16, output_len=4, num_requests=4, concurrency=4))  # warm-up
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            running_cluster(config, tmp=Path(tmp), model=args.model) as c,
+        ):
+            bench(
+                c.url, BenchSpec(input_len=16, output_len=4, num_requests=4, concurrency=4)
+            )  # warm-up
             rows[name] = bench(c.url, spec)
     print(f"\n### mixed load: 1P1D vs mono ({date.today()}, {machine()})\n")
-    print(f"{spec.num_requests} requests at concurrency {spec.concurrency}; short: {spec.input_len} in / "
-          f"{spec.output_len} out; every {spec.long_every}th request has a {spec.long_input_len}-token prompt\n")
-    print("| cluster | short TTFT p50 / p99 ms | short ITL p50 / p99 ms | long TTFT p50 / p99 ms | output tok/s |")
+    print(
+        f"{spec.num_requests} requests at concurrency {spec.concurrency}; short: {spec.input_len} in / "
+        f"{spec.output_len} out; every {spec.long_every}th request has a {spec.long_input_len}-token prompt\n"
+    )
+    print(
+        "| cluster | short TTFT p50 / p99 ms | short ITL p50 / p99 ms | long TTFT p50 / p99 ms | output tok/s |"
+    )
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         s, lg = r["groups"]["short"], r["groups"]["long"]
-        print(f"| {name} | {s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f} | {s['itl_ms']['p50']:.2f} / "
-              f"{s['itl_ms']['p99']:.2f} | {lg['ttft_ms']['p50']:.1f} / {lg['ttft_ms']['p99']:.1f} | "
-              f"{r['output_throughput']:.1f} |")
+        print(
+            f"| {name} | {s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f} | {s['itl_ms']['p50']:.2f} / "
+            f"{s['itl_ms']['p99']:.2f} | {lg['ttft_ms']['p50']:.1f} / {lg['ttft_ms']['p99']:.1f} | "
+            f"{r['output_throughput']:.1f} |"
+        )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("which", choices=["mono-vs-hf", "pd-vs-mono"])
     parser.add_argument("--model", type=Path, default=EMBEDDED_MODEL)
     parser.add_argument("--input-len", type=int, default=128)
@@ -146,7 +201,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--long-every", type=int, default=4)
     parser.add_argument("--long-input-len", type=int, default=448)  # + 64 out fits the embedded 512
-    parser.add_argument("--threads", type=int, default=1, help="torch threads: the mono worker and transformers alike")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads: the mono worker and transformers alike",
+    )
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     args = parser.parse_args()
     rows = mono_vs_hf(args) if args.which == "mono-vs-hf" else pd_vs_mono(args)

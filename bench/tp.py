@@ -22,13 +22,15 @@ from worker.engine import Engine
 
 
 def bench(name: str, path: Path, tp: int, ep: int = 1, dp: int = 1) -> None:
-    engine = Engine(WorkerConfig(
-        model=ModelConfig(path=str(path), dtype="float32"),
-        cache=CacheConfig(page_size=16, num_pages=512),
-        scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=512),
-        parallel=ParallelConfig(tp_size=tp, ep_size=ep, dp_size=dp),
-        num_threads=1,
-    ))
+    engine = Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(path), dtype="float32"),
+            cache=CacheConfig(page_size=16, num_pages=512),
+            scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=512),
+            parallel=ParallelConfig(tp_size=tp, ep_size=ep, dp_size=dp),
+            num_threads=1,
+        )
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(97) for _ in range(64)] for _ in range(8)]
     generate(engine, prompts, max_tokens=4)  # warm-up
@@ -39,17 +41,29 @@ def bench(name: str, path: Path, tp: int, ep: int = 1, dp: int = 1) -> None:
     generate(engine, prompts, max_tokens=65)
     seconds = time.perf_counter() - t0
     mean = seconds / (engine.num_steps - n0)
-    print(f"{name} tp={tp} dp={dp} ep={ep}: prefill step {prefill * 1e3:.1f} ms, mean step {mean * 1e3:.1f} ms, "
-          f"{len(prompts) * 65 / seconds:.0f} tok/s", flush=True)
+    print(
+        f"{name} tp={tp} dp={dp} ep={ep}: prefill step {prefill * 1e3:.1f} ms, mean step {mean * 1e3:.1f} ms, "
+        f"{len(prompts) * 65 / seconds:.0f} tok/s",
+        flush=True,
+    )
     engine.close()
 
 
 def main() -> None:
     root = Path(tempfile.mkdtemp())
     build_tiny_checkpoint(root / "tiny", "qwen3", max_position_embeddings=256)
-    build_tiny_checkpoint(root / "wide", "qwen3", max_position_embeddings=256, hidden_size=512,
-                          intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                          num_hidden_layers=4, vocab_size=4096)
+    build_tiny_checkpoint(
+        root / "wide",
+        "qwen3",
+        max_position_embeddings=256,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=4,
+        vocab_size=4096,
+    )
     make_tiny_moe(root / "moe", max_position_embeddings=256)
     for name in ("tiny", "wide"):
         bench(name, root / name, 1)
@@ -57,7 +71,9 @@ def main() -> None:
     bench("moe", root / "moe", 1)
     bench("moe", root / "moe", 2, ep=1)
     bench("moe", root / "moe", 2, ep=2)
-    bench("wide", root / "wide", 1, dp=2)  # two replicas behind one scheduler front: 4 sequences each
+    bench(
+        "wide", root / "wide", 1, dp=2
+    )  # two replicas behind one scheduler front: 4 sequences each
     bench("moe", root / "moe", 1, dp=2, ep=2)  # DP attention + EP: the DeepSeek-style layout
     bench("moe", root / "moe", 1, dp=2, ep=1)  # DP attention + MoE TP
 

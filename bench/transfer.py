@@ -56,14 +56,37 @@ class Result:
     ranges: int  # backend ranges per room after coalescing
 
 
-def _pair(backend: str, lay: KVLayout, checksum: bool) -> tuple[KVTransferManager, KVTransferManager, grpc.Server, str, list[torch.Tensor]]:
-    config = TransferConfig(backend=backend, checksum=checksum, transfer_timeout_s=60, waiting_timeout_s=60)  # type: ignore[arg-type]
-    pools = [torch.ones(lay.pool_bytes, dtype=torch.uint8), torch.zeros(lay.pool_bytes, dtype=torch.uint8)]
+def _pair(
+    backend: str, lay: KVLayout, checksum: bool
+) -> tuple[KVTransferManager, KVTransferManager, grpc.Server, str, list[torch.Tensor]]:
+    config = TransferConfig(
+        backend=backend, checksum=checksum, transfer_timeout_s=60, waiting_timeout_s=60
+    )  # type: ignore[arg-type]
+    pools = [
+        torch.ones(lay.pool_bytes, dtype=torch.uint8),
+        torch.zeros(lay.pool_bytes, dtype=torch.uint8),
+    ]
     pools[0].random_(0, 256)
-    p = KVTransferManager(config, lay, role="prefill", kv_ptr=pools[0].data_ptr(), kv_nbytes=lay.pool_bytes,
-                          host="127.0.0.1", model_fingerprint="bench", faults=TransferFaults())
-    d = KVTransferManager(config, lay, role="decode", kv_ptr=pools[1].data_ptr(), kv_nbytes=lay.pool_bytes,
-                          host="127.0.0.1", model_fingerprint="bench", faults=TransferFaults())
+    p = KVTransferManager(
+        config,
+        lay,
+        role="prefill",
+        kv_ptr=pools[0].data_ptr(),
+        kv_nbytes=lay.pool_bytes,
+        host="127.0.0.1",
+        model_fingerprint="bench",
+        faults=TransferFaults(),
+    )
+    d = KVTransferManager(
+        config,
+        lay,
+        role="decode",
+        kv_ptr=pools[1].data_ptr(),
+        kv_nbytes=lay.pool_bytes,
+        host="127.0.0.1",
+        model_fingerprint="bench",
+        faults=TransferFaults(),
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     p.add_to_server(server)
     addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -71,12 +94,17 @@ def _pair(backend: str, lay: KVLayout, checksum: bool) -> tuple[KVTransferManage
     return p, d, server, addr, pools
 
 
-def _raw_spans(p: KVTransferManager, d: KVTransferManager, nbytes: int) -> list[tuple[int, int, int]]:
+def _raw_spans(
+    p: KVTransferManager, d: KVTransferManager, nbytes: int
+) -> list[tuple[int, int, int]]:
     """The backend alone, pool to pool: the piece size with the best rate (one timed pass each)."""
     p.backend.connect(d.backend.agent_name, d.backend.agent_metadata)
     best: tuple[float, list[tuple[int, int, int]]] = (0.0, [])
     for piece in PIECES:
-        spans = [(p.kv_ptr + off, d.kv_ptr + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
+        spans = [
+            (p.kv_ptr + off, d.kv_ptr + off, min(piece, nbytes - off))
+            for off in range(0, nbytes, piece)
+        ]
         p.backend.write(d.backend.agent_name, spans, 60)  # warm-up (handshake)
         rate = nbytes / _timed(lambda s=spans: p.backend.write(d.backend.agent_name, s, 60))  # type: ignore[misc]
         best = max(best, (rate, spans), key=lambda x: x[0])
@@ -89,7 +117,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def _room(p: KVTransferManager, d: KVTransferManager, addr: str, room: int, dst: list[int], tokens: int) -> tuple[float, float]:
+def _room(
+    p: KVTransferManager, d: KVTransferManager, addr: str, room: int, dst: list[int], tokens: int
+) -> tuple[float, float]:
     """One room through bootstrap + manager + backend: (send -> decode SUCCESS, create -> SUCCESS) seconds."""
     t0 = time.perf_counter()
     recv = d.create_receiver(room, addr, dst, num_tokens=tokens)
@@ -107,7 +137,9 @@ def _room(p: KVTransferManager, d: KVTransferManager, addr: str, room: int, dst:
     return t2 - t1, t2 - t0
 
 
-def bench(backend: str, name: str, tokens: int, rooms: int, checksum: bool, shuffled: bool) -> Result:
+def bench(
+    backend: str, name: str, tokens: int, rooms: int, checksum: bool, shuffled: bool
+) -> Result:
     """Alternate raw writes and rooms so that load on a shared machine hits both alike."""
     npages = -(-tokens // LAYOUTS[name]["page_size"])  # type: ignore[operator]
     lay = KVLayout(num_pages=npages + 1, **LAYOUTS[name])  # type: ignore[arg-type]
@@ -118,17 +150,32 @@ def bench(backend: str, name: str, tokens: int, rooms: int, checksum: bool, shuf
         rng = random.Random(0)
         raw_s, transfer_s, room_s = [], [], []
         for i in range(rooms + 1):  # room 0 warms the bootstrap channel up
-            dst = rng.sample(range(lay.num_pages), npages + 1) if shuffled else list(range(npages + 1))
+            dst = (
+                rng.sample(range(lay.num_pages), npages + 1)
+                if shuffled
+                else list(range(npages + 1))
+            )
             raw = _timed(lambda: p.backend.write(d.backend.agent_name, spans, 60))
             transfer, room = _room(p, d, addr, i + 1, dst, tokens)
             if i:
                 raw_s.append(raw)
                 transfer_s.append(transfer)
                 room_s.append(room)
-        nranges = len(split_ranges(plan_pages(lay, lay, list(range(npages)), dst), p.backend.max_range_bytes))
+        nranges = len(
+            split_ranges(plan_pages(lay, lay, list(range(npages)), dst), p.backend.max_range_bytes)
+        )
         raw_med, tm = statistics.median(raw_s), statistics.median(transfer_s)
-        return Result(backend, name, room_bytes, npages, room_bytes / raw_med / 1e9, room_bytes / tm / 1e9,
-                      tm * 1e3, statistics.median(room_s) * 1e3, nranges)
+        return Result(
+            backend,
+            name,
+            room_bytes,
+            npages,
+            room_bytes / raw_med / 1e9,
+            room_bytes / tm / 1e9,
+            tm * 1e3,
+            statistics.median(room_s) * 1e3,
+            nranges,
+        )
     finally:
         server.stop(None)
         p.close()
@@ -136,27 +183,44 @@ def bench(backend: str, name: str, tokens: int, rooms: int, checksum: bool, shuf
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--backends", default="mooncake,nixl")
     ap.add_argument("--layouts", default="8b,tiny")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--rooms", type=int, default=3)
-    ap.add_argument("--checksum", action="store_true", help="also crc32 every page group (prefill and decode)")
-    ap.add_argument("--dst", default="shuffled,contiguous", help="decode page order(s): shuffled, contiguous")
-    ap.add_argument("--switch-interval", type=float, default=0.0,
-                    help="sys.setswitchinterval (s); Python's default 0.005 can delay each thread hand-off")
+    ap.add_argument(
+        "--checksum", action="store_true", help="also crc32 every page group (prefill and decode)"
+    )
+    ap.add_argument(
+        "--dst", default="shuffled,contiguous", help="decode page order(s): shuffled, contiguous"
+    )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval (s); Python's default 0.005 can delay each thread hand-off",
+    )
     args = ap.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-    print("| backend | layout | dst pages | room MiB | pages | ranges | raw GB/s | KV GB/s | ratio | transfer ms | room ms |")
+    print(
+        "| backend | layout | dst pages | room MiB | pages | ranges | raw GB/s | KV GB/s | ratio | transfer ms | room ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for backend in args.backends.split(","):
         for name in args.layouts.split(","):
             for order in args.dst.split(","):
-                r = bench(backend, name, args.tokens, args.rooms, args.checksum, order == "shuffled")
-                print(f"| {r.backend} | {r.layout} | {order} | {r.room_bytes / 2**20:.1f} | {r.pages} | {r.ranges} | "
-                      f"{r.raw_gbps:.2f} | {r.kv_gbps:.2f} | {r.kv_gbps / r.raw_gbps:.2f} | {r.transfer_ms:.1f} | "
-                      f"{r.room_ms:.1f} |", flush=True)
+                r = bench(
+                    backend, name, args.tokens, args.rooms, args.checksum, order == "shuffled"
+                )
+                print(
+                    f"| {r.backend} | {r.layout} | {order} | {r.room_bytes / 2**20:.1f} | {r.pages} | {r.ranges} | "
+                    f"{r.raw_gbps:.2f} | {r.kv_gbps:.2f} | {r.kv_gbps / r.raw_gbps:.2f} | {r.transfer_ms:.1f} | "
+                    f"{r.room_ms:.1f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

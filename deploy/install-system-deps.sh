@@ -15,5 +15,9 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get -o DPkg::Lock::Timeout=600 update -qq
 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-# ibverbs-providers breaks NIXL (two libibverbs copies): make sure it is absent.
-if dpkg -s ibverbs-providers >/dev/null 2>&1; then apt-get remove -y -qq ibverbs-providers >/dev/null; fi
+# ibverbs-providers breaks NIXL on CPU machines (two libibverbs copies): make sure it is absent
+# there. A GPU node (DEVICE=cuda, from `make install`) keeps it: its RDMA NICs need the
+# provider (mlx5 and others) for Mooncake's `rdma` protocol.
+if [[ ${DEVICE:-cpu} != cuda ]] && dpkg -s ibverbs-providers >/dev/null 2>&1; then
+  apt-get remove -y -qq ibverbs-providers >/dev/null
+fi

@@ -1,9 +1,10 @@
 """The gateway's HTTP app: `create_app(config)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /health (200 when every pool has a healthy worker, else 503), GET /metrics (Prometheus),
-GET /workers (per-worker health and load). A lifespan owns the worker pool (gRPC channels,
-health and load tasks). Every error leaves as `{"error": {...}}` with a real status code.
+GET /health (200 when every pool has a healthy worker, else 503), and behind the admin key
+(gateway/admin.py): GET /metrics (Prometheus), GET/POST /workers and DELETE /workers/{url}
+(the pools at run time). A lifespan owns the worker pool (gRPC channels, health and load
+tasks). Every error leaves as `{"error": {...}}` with a real status code.
 """
 
 from __future__ import annotations
@@ -24,15 +25,23 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway import admin
+from gateway.agents import Parsers
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError, NoHealthyWorker, Unauthorized
 from gateway.metrics import Metrics
-from gateway.openai_types import ModelCard, ModelList
+from gateway.openai_responses import ModelCard, ModelList
+from gateway.parsers import (
+    AUTO,
+    NONE,
+    detect_reasoning_parser,
+    detect_tool_call_parser,
+)
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
 from gateway.serving import GenerationHandler, validation_error
-from gateway.tokenizer import Tokenizer
+from gateway.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 _JSON = "application/json"
@@ -43,8 +52,22 @@ def make_policy(name: str, config: GatewayConfig, page_size: int) -> Policy:
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
-    return CacheAware(page_size=page_size, max_pages=config.cache_aware_max_pages,
-                      load_threshold=config.cache_aware_load_threshold)
+    return CacheAware(
+        page_size=page_size,
+        max_pages=config.cache_aware_max_pages,
+        load_threshold=config.cache_aware_load_threshold,
+    )
+
+
+def resolve_parsers(config: GatewayConfig, tokenizer: Tokenizer) -> Parsers:
+    """The configured parsers, "auto" resolved against the chat template, "none" as ""."""
+    template = tokenizer.template_source
+
+    def pick(value: str, detect: str) -> str:
+        return detect if value == AUTO else "" if value == NONE else value
+
+    return Parsers(reasoning=pick(config.reasoning_parser, detect_reasoning_parser(template)),
+                   tool_call=pick(config.tool_call_parser, detect_tool_call_parser(template)))
 
 
 class Gateway:
@@ -53,6 +76,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.parsers = resolve_parsers(config, tokenizer)
+        log.info("gateway: reasoning parser %s, tool-call parser %s",
+                 self.parsers.reasoning or "none", self.parsers.tool_call or "none")
         self.metrics = Metrics()
         self.pool: WorkerPool | None = None
         self._handler: GenerationHandler | None = None
@@ -64,10 +90,14 @@ class Gateway:
         cfg = self.config
         pool = self.pool = WorkerPool(cfg)
         pool.on_load(self._on_load)
+        pool.on_remove(self._on_remove)
         await pool.start()
         if cfg.startup_wait_s > 0 and not await pool.wait_ready(cfg.startup_wait_s):
-            log.warning("gateway: not every pool has a healthy worker after %.0f s; serving anyway "
-                        "(/health answers 503 until one is)", cfg.startup_wait_s)
+            log.warning(
+                "gateway: not every pool has a healthy worker after %.0f s; serving anyway "
+                "(/health answers 503 until one is)",
+                cfg.startup_wait_s,
+            )
         policies: dict[str, Policy] = {}
         for name in pool.pools:
             policy_name = cfg.prefill_policy if name == "prefill" else cfg.decode_policy
@@ -95,7 +125,9 @@ class Gateway:
             # Limits are the minimum over all workers; until each answered GetInfo use what is
             # known, but do not cache it.
             if not infos:
-                raise NoHealthyWorker("no worker has answered yet; retry shortly", code="no_healthy_worker")
+                raise NoHealthyWorker(
+                    "no worker has answered yet; retry shortly", code="no_healthy_worker"
+                )
             return self._build_handler(infos)
         self._handler = self._build_handler(infos)
         return self._handler
@@ -104,11 +136,17 @@ class Gateway:
         assert self._dispatcher is not None
         lens = [i.max_model_len for i in infos if i.max_model_len > 0]
         vocab = [i.vocab_size for i in infos if i.vocab_size > 0]
-        return GenerationHandler(self.tokenizer, self._dispatcher, self.metrics, self.model_name(),
-                                 max_model_len=min(lens, default=0),
-                                 vocab_size=min(vocab, default=self.tokenizer.vocab_size),
-                                 max_request_bytes=self.config.max_request_bytes,
-                                 body_timeout_s=self.config.body_timeout_s)
+        return GenerationHandler(
+            self.tokenizer,
+            self._dispatcher,
+            self.metrics,
+            self.model_name(),
+            max_model_len=min(lens, default=0),
+            vocab_size=min(vocab, default=self.tokenizer.vocab_size),
+            max_request_bytes=self.config.max_request_bytes,
+            body_timeout_s=self.config.body_timeout_s,
+            parsers=self.parsers,
+        )
 
     def model_name(self) -> str:
         if self.config.served_model_name:
@@ -125,11 +163,17 @@ class Gateway:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-            raise Unauthorized("missing or wrong API key; send `Authorization: Bearer <key>`",
-                               code="invalid_api_key")
+            raise Unauthorized(
+                "missing or wrong API key; send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+            )
 
     def _on_load(self, w: Worker) -> None:
         self.metrics.observe_load(w.pool, w.url, w.load, w.healthy)
+
+    def _on_remove(self, w: Worker) -> None:
+        """A removed worker's series leave /metrics with it."""
+        self.metrics.remove_worker(w.pool, w.url)
 
 
 def _error_response(err: ApiError) -> Response:
@@ -137,11 +181,14 @@ def _error_response(err: ApiError) -> Response:
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    """Build the gateway app. The tokenizer loads now (fail fast); workers connect in the lifespan."""
+    """Build the gateway app. The tokenizer loads now (fail fast); workers connect in the
+    lifespan."""
     config.validate()
     if not config.model_path:
-        raise GatewayConfigError("gateway.model_path: set it to the model directory that holds tokenizer.json")
-    gw = Gateway(config, Tokenizer.from_dir(config.model_path))
+        raise GatewayConfigError(
+            "gateway.model_path: set it to the model directory that holds tokenizer.json"
+        )
+    gw = Gateway(config, load_tokenizer(config.model_path))  # token-id mode without one
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -164,7 +211,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s", request.url.path)  # a bug: say so loudly, answer 500
+        log.exception(
+            "unexpected error on %s", request.url.path
+        )  # a bug: say so loudly, answer 500
         return _error_response(ApiError("internal gateway error; see the gateway log"))
 
     @app.exception_handler(HTTPException)
@@ -185,22 +234,42 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def models(request: Request) -> Response:
         gw.check_auth(request)
-        lens = [i.max_model_len for i in (gw.pool.infos() if gw.pool else []) if i.max_model_len > 0]
-        body = ModelList(data=[ModelCard(id=gw.model_name(), created=gw.created, max_model_len=min(lens, default=0))])
+        lens = [
+            i.max_model_len for i in (gw.pool.infos() if gw.pool else []) if i.max_model_len > 0
+        ]
+        body = ModelList(
+            data=[
+                ModelCard(
+                    id=gw.model_name(), created=gw.created, max_model_len=min(lens, default=0)
+                )
+            ]
+        )
         return Response(body.model_dump_json().encode(), media_type=_JSON)
 
     async def health(request: Request) -> Response:
         pool = gw.pool
         ready = pool is not None and pool.ready()
-        pools = {name: sum(w.healthy for w in ws) for name, ws in pool.pools.items()} if pool else {}
+        pools = (
+            {name: sum(w.healthy for w in ws) for name, ws in pool.pools.items()} if pool else {}
+        )
         body = {"status": "ok" if ready else "unavailable", "healthy_workers": pools}
-        return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type=_JSON)
+        return Response(
+            json.dumps(body).encode(), status_code=200 if ready else 503, media_type=_JSON
+        )
+
+    auth = admin.AdminAuth(config)
 
     async def workers(request: Request) -> Response:
-        ws = gw.pool.all() if gw.pool else []
-        return Response(json.dumps([w.as_json() for w in ws]).encode(), media_type=_JSON)
+        return await admin.list_workers(auth, gw.pool, request)
+
+    async def add_worker(request: Request) -> Response:
+        return await admin.add_worker(auth, gw.pool, request)
+
+    async def remove_worker(request: Request) -> Response:
+        return await admin.remove_worker(auth, gw.pool, request)
 
     async def metrics(request: Request) -> Response:
+        auth.check(request, metrics=True)
         m = gw.metrics
         if gw.pool is not None:
             for name, ws in gw.pool.pools.items():
@@ -215,5 +284,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/workers", workers, methods=["GET"])
+    app.add_route("/workers", add_worker, methods=["POST"])
+    app.add_route("/workers/{url:path}", remove_worker, methods=["DELETE"])
     app.add_route("/metrics", metrics, methods=["GET"])
     return app

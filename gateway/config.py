@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.parsers import AUTO, NONE, REASONING_PARSERS, TOOL_CALL_PARSERS
 from protocol.tls import TLSConfig
 
 Policy = Literal["round_robin", "least_load", "cache_aware"]
@@ -21,6 +22,15 @@ class GatewayConfig:
     model_path: str = ""  # tokenizer files (tokenizer.json, tokenizer_config.json) live here
     served_model_name: str = ""  # "" = the workers' served name
     api_key: str = ""  # "" = no auth; else clients send `Authorization: Bearer <key>`
+    # /workers (GET, POST, DELETE) and /metrics take this key instead; "" = the admin routes
+    # that change the pools are off (403), and with an api_key set /workers and /metrics too.
+    admin_key: str = ""
+    metrics_public: bool = False  # /metrics answers anyone (a Prometheus scraper without a key)
+    # Identity every worker must report in GetInfo ("" = not checked: a gateway run by hand).
+    cluster_id: str = ""
+    model_fingerprint: str = ""  # protocol.identity.model_fingerprint of the served model
+    # DELETE /workers/{id}: how long the drained worker may take before it is dropped anyway.
+    drain_timeout_s: float = 30.0
     # Workers as host:port. Mono: `workers` (role both). PD: `prefill` and `decode`.
     workers: tuple[str, ...] = ()
     prefill: tuple[str, ...] = ()
@@ -51,28 +61,65 @@ class GatewayConfig:
     # cache_aware: page hashes remembered (LRU); bounds the gateway's memory.
     cache_aware_max_pages: int = 200_000
     log_level: str = "info"
+    # Output parsers of the chat API (names as vLLM's / SGLang's flags). "auto" reads the chat
+    # template (gateway/parsers/__init__.py says how); "none" turns the parser off.
+    reasoning_parser: str = AUTO  # auto | none | qwen3 | deepseek_r1
+    tool_call_parser: str = AUTO  # auto | none | hermes | qwen3 | qwen3_coder | llama3_json | ...
 
     def validate(self, prefix: str = "gateway") -> None:
         if not (self.workers or (self.prefill and self.decode)):
             raise GatewayConfigError(
-                f"{prefix}: name worker addresses: `workers` for monolithic serving, or both `prefill` and `decode`"
+                f"{prefix}: name worker addresses: `workers` for monolithic serving, "
+                "or both `prefill` and `decode`"
             )
         if self.workers and (self.prefill or self.decode):
-            raise GatewayConfigError(f"{prefix}: set either `workers` (mono) or `prefill`+`decode` (PD), not both")
+            raise GatewayConfigError(
+                f"{prefix}: set either `workers` (mono) or `prefill`+`decode` (PD), not both"
+            )
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in ("round_robin", "least_load", "cache_aware"):
                 raise GatewayConfigError(
-                    f"{prefix}.{name} must be round_robin | least_load | cache_aware, got {getattr(self, name)!r}"
+                    f"{prefix}.{name} must be round_robin | least_load | cache_aware, "
+                    f"got {getattr(self, name)!r}"
                 )
-        for name in ("health_interval_s", "load_interval_s", "request_timeout_s", "first_token_timeout_s",
-                     "body_timeout_s"):
+        for name in (
+            "health_interval_s",
+            "load_interval_s",
+            "request_timeout_s",
+            "first_token_timeout_s",
+            "body_timeout_s",
+        ):
             if getattr(self, name) <= 0:
-                raise GatewayConfigError(f"{prefix}.{name} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("health_fail_threshold", "health_ok_threshold", "max_request_bytes", "cache_aware_max_pages"):
+                raise GatewayConfigError(
+                    f"{prefix}.{name} must be > 0 seconds, got {getattr(self, name)}"
+                )
+        for name in (
+            "health_fail_threshold",
+            "health_ok_threshold",
+            "max_request_bytes",
+            "cache_aware_max_pages",
+        ):
             if getattr(self, name) < 1:
                 raise GatewayConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        for name, known in (("reasoning_parser", REASONING_PARSERS),
+                            ("tool_call_parser", TOOL_CALL_PARSERS)):
+            value = getattr(self, name)
+            if value not in (AUTO, NONE, *known):
+                raise GatewayConfigError(f"{prefix}.{name} must be one of auto | none | "
+                                         f"{' | '.join(known)}, got {value!r}")
+        if self.admin_key and self.admin_key == self.api_key:
+            raise GatewayConfigError(
+                f"{prefix}.admin_key must differ from {prefix}.api_key: "
+                "a client key must not administer the pools"
+            )
+        if self.drain_timeout_s <= 0:
+            raise GatewayConfigError(
+                f"{prefix}.drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}"
+            )
         if self.startup_wait_s < 0:
-            raise GatewayConfigError(f"{prefix}.startup_wait_s must be >= 0 (0 = do not wait), got {self.startup_wait_s}")
+            raise GatewayConfigError(
+                f"{prefix}.startup_wait_s must be >= 0 (0 = do not wait), got {self.startup_wait_s}"
+            )
 
     @property
     def pd(self) -> bool:

@@ -1,15 +1,22 @@
 """Dispatch of one request to the workers, with retry before the first token.
 
-Monolithic: one `Generate` stream on a `workers` worker; it streams every output token.
+Every leg rides its worker's one Session stream (gateway/session.py): `Worker.session.open`
+gives a leg that reads like a streaming call, and aborts go on the same stream.
+
+Monolithic: one leg on a `workers` worker; it streams every output token.
 
 Disaggregated (PD), for one attempt:
  1. Pick a prefill worker (its policy sees the prompt) and a decode worker; draw a random
     64-bit `room`; take the prefill worker's `bootstrap_addr` from its GetInfo.
  2. Send `Generate(disagg={room, bootstrap_addr})` to both at once.
- 3. The prefill leg yields one message (the first token, `num_cached_tokens`) and ends; it is
-    read by a task that keeps `num_cached_tokens` for usage and watches for errors.
+ 3. The prefill leg yields the first token (with `num_cached_tokens`) and, once the room has
+    ended, a last message with the KV transfer stats; it is read by a task that keeps
+    `num_cached_tokens` for usage, counts the transfer in the metrics and watches for errors.
+    The transfer is counted from this leg because it ends with the room, before or while the
+    decode leg streams: a request the gateway ends early (a stop string, a client gone) never
+    reads the decode leg's last message, but its prefill leg is left a moment to finish.
  4. The decode leg streams all output tokens; its first message carries the token prefill
-    sampled, and its last one the KV transfer stats.
+    sampled.
  5. If either leg fails before the first token reaches the client, both calls are cancelled,
     `Abort(request_id, room)` goes to both workers, and — when the failure is the worker's
     fault (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL) — one retry runs on a new pair without
@@ -35,6 +42,7 @@ from gateway.errors import NoHealthyWorker, WorkerCallError
 from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
+from gateway.session import Output
 from protocol import tandem_pb2
 
 log = logging.getLogger(__name__)
@@ -104,7 +112,7 @@ class RequestRun:
 
     # ---- first token, with one retry ----
 
-    async def first(self) -> tandem_pb2.GenerateResponse:
+    async def first(self) -> Output:
         cfg = self._d.config
         exclude: set[str] = set()
         attempts = 2 if cfg.retry_before_first_token else 1
@@ -129,12 +137,12 @@ class RequestRun:
         raise AssertionError("unreachable: the loop returns or raises")
 
     def _open(self, w: Worker, req: tandem_pb2.GenerateRequest) -> Any:
-        call = w.stub.Generate(req, timeout=self._d.config.request_timeout_s)
+        call = w.session.open(req, self._d.config.request_timeout_s)
         w.inflight += 1
         self._legs.append((w, call))
         return call
 
-    async def _read_first(self, call: Any, w: Worker, leg: str) -> tandem_pb2.GenerateResponse:
+    async def _read_first(self, call: Any, w: Worker, leg: str) -> Output:
         try:
             msg = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -156,7 +164,7 @@ class RequestRun:
         return WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no first token within {s} s "
                                "(gateway.first_token_timeout_s)", w.url, leg)
 
-    async def _attempt_mono(self, exclude: set[str]) -> tandem_pb2.GenerateResponse:
+    async def _attempt_mono(self, exclude: set[str]) -> Output:
         w = self._d.pick("workers", self.prompt_ids, exclude)
         req = tandem_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                                          sampling=self.sampling)
@@ -170,7 +178,7 @@ class RequestRun:
         self._stream, self._stream_worker = call, w
         return first
 
-    async def _attempt_pd(self, exclude: set[str]) -> tandem_pb2.GenerateResponse:
+    async def _attempt_pd(self, exclude: set[str]) -> Output:
         p = self._d.pick("prefill", self.prompt_ids, exclude)
         d = self._d.pick("decode", self.prompt_ids, exclude)
         assert p.info is not None  # healthy implies GetInfo answered
@@ -210,15 +218,20 @@ class RequestRun:
     async def _prefill_leg(self, call: Any, w: Worker) -> None:
         first = await self._read_first(call, w, "prefill")
         self.num_cached_tokens = first.num_cached_tokens
+        self._count_transfer(first)
         try:
-            while await call.read() is not _EOF:
-                pass
+            while (msg := await call.read()) is not _EOF:
+                self._count_transfer(msg)
         except grpc.aio.AioRpcError as exc:
             raise self._fail(exc, w, "prefill") from None
 
+    def _count_transfer(self, msg: Output) -> None:
+        if msg.transfer is not None and msg.transfer.bytes:
+            self._d.metrics.observe_transfer(msg.transfer)
+
     # ---- after the first token ----
 
-    async def next(self) -> tandem_pb2.GenerateResponse | None:
+    async def next(self) -> Output | None:
         """The next message of the output stream; None at its end. Errors are not retried."""
         try:
             msg = await self._stream.read()
@@ -256,8 +269,14 @@ class RequestRun:
 
     def _end_attempt(self, abort: bool) -> None:
         task = self._prefill_task
+        draining: Any = None  # the prefill call left to deliver its last message
         if task is not None:
-            if not task.done():
+            if not task.done() and self._stream is not None and self.room:
+                # Past the first token the room is done or about to be: let the prefill leg
+                # read its last message (the transfer stats) rather than cut it off.
+                draining = next((c for w, c in self._legs if c is not self._stream), None)
+                self._d.pool.spawn(_drain(task, draining))
+            elif not task.done():
                 task.cancel()
             else:
                 exc = None if task.cancelled() else task.exception()  # also marks it retrieved
@@ -267,16 +286,26 @@ class RequestRun:
         req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room) if abort else None
         for w, call in self._legs:
             w.inflight -= 1
-            if not call.done():
+            if not call.done() and call is not draining:
                 call.cancel()
             if req is not None:
-                self._d.pool.spawn(_send_abort(w, req))
+                _send_abort(w, req)
         self._legs.clear()
         self._stream = None
 
 
-async def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
-    try:
-        await w.stub.Abort(req, timeout=2.0)
-    except grpc.aio.AioRpcError as exc:  # best effort: the room's own deadline frees it anyway
-        log.debug("Abort(%s) on %s failed: %s", req.request_id, w.url, exc.code().name)
+async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
+    """Wait a bounded time for a prefill leg to end by itself, then cut it off."""
+    await asyncio.wait({task}, timeout=timeout_s)
+    if not task.done():
+        task.cancel()
+        if call is not None:
+            call.cancel()
+    elif not task.cancelled():
+        task.exception()  # retrieved: an error after the answer is complete changes nothing
+
+
+def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
+    """Abort on the worker's stream: ordered after the submit, never lost to a race. Without a
+    stream (it broke) the worker has already ended everything the stream carried."""
+    w.session.abort(req.request_id, req.room)

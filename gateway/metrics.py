@@ -1,14 +1,22 @@
 """Prometheus metrics of one gateway app (its own registry; nothing at module level).
 
 Latency histograms (TTFT, inter-token, end-to-end), request outcomes, token counters, KV
-transfer figures (per request from the decode leg's last message; cluster totals from each
-worker's GetLoad counters), bootstrap failures, and per-worker queue gauges.
+transfer figures (per request from the prefill leg's last message, which every PD request
+reads however it ends; each worker's running totals from GetLoad, as counters), bootstrap
+failures, and per-worker queue gauges. docs/metrics.md lists every series; a test checks it
+against /metrics.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import contextlib
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.spec_metrics import SpecCollector
 from protocol import tandem_pb2
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -48,19 +56,32 @@ class Metrics:
         self.worker_kv_used = Gauge("tandem_worker_kv_used_pages", "KV pages in use (GetLoad)", labels, registry=r)
         self.worker_kv_total = Gauge("tandem_worker_kv_total_pages", "KV pages in the pool (GetLoad)", labels,
                                      registry=r)
-        self.worker_transfer_bytes = Gauge("tandem_worker_transfer_bytes", "KV bytes the worker sent or received "
-                                           "since it started (GetLoad)", labels, registry=r)
         self.worker_healthy = Gauge("tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r)
         self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
         self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
 
+        self.spec = SpecCollector()
+        r.register(self.spec)
+        self.totals = WorkerTotals()
+        r.register(self.totals)
+
     def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
+        self.spec.observe(pool, url, load)
+        self.totals.observe(pool, url, load)
         self.worker_running.labels(pool, url).set(load.running)
         self.worker_waiting.labels(pool, url).set(load.waiting)
         self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)
         self.worker_kv_total.labels(pool, url).set(load.kv_total_pages)
-        self.worker_transfer_bytes.labels(pool, url).set(load.transfer_bytes)
         self.worker_healthy.labels(pool, url).set(1 if healthy else 0)
+
+    def remove_worker(self, pool: str, url: str) -> None:
+        """A worker left the pool: its series leave /metrics with it (gauges, totals, spec)."""
+        for gauge in (self.worker_running, self.worker_waiting, self.worker_kv_used,
+                      self.worker_kv_total, self.worker_healthy):
+            with contextlib.suppress(KeyError):  # never observed
+                gauge.remove(pool, url)
+        self.totals.forget(pool, url)
+        self.spec.forget(pool, url)
 
     def observe_transfer(self, stats: tandem_pb2.TransferStats) -> None:
         self.kv_transfer_bytes.inc(stats.bytes)
@@ -69,3 +90,35 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class WorkerTotals(Collector):
+    """Running totals each worker keeps since it started (GetLoad), exported as counters: the
+    latest snapshot per worker, so a request counts however it ended; a restarted worker
+    starts again from 0, which Prometheus' rate() reads as a counter reset."""
+
+    _COUNTERS = {  # name: (help, Load field)
+        "tandem_worker_transfer_bytes": ("KV bytes the worker sent (prefill) or received "
+                                         "(decode) since it started", "transfer_bytes"),
+        "tandem_worker_transfer_pages": ("KV pages the worker sent or received since it "
+                                         "started", "transfer_pages"),
+        "tandem_worker_prompt_tokens_computed": ("Prompt tokens the worker ran through the "
+                                                 "model since it started (0 on decode)",
+                                                 "prompt_tokens_computed"),
+    }
+
+    def __init__(self) -> None:
+        self._loads: dict[tuple[str, str], tandem_pb2.Load] = {}
+
+    def observe(self, pool: str, url: str, load: tandem_pb2.Load) -> None:
+        self._loads[(pool, url)] = load
+
+    def forget(self, pool: str, url: str) -> None:
+        self._loads.pop((pool, url), None)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (doc, field) in self._COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["pool", "worker"])
+            for (pool, url), load in self._loads.items():
+                family.add_metric([pool, url], float(getattr(load, field)))
+            yield family

@@ -1,9 +1,13 @@
 """The OpenAI HTTP API as pydantic models: requests (validated) and responses (serialized).
 
-Requests accept the OpenAI fields plus the vLLM/SGLang sampling extensions (top_k, min_p,
-ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, repetition_penalty). Unknown
-fields are ignored, as OpenAI does. Value ranges are checked in `check_sampling` so the
-error can name the field; wrong types are pydantic's errors, mapped to 400 by the app.
+Requests accept the OpenAI fields plus the vLLM/SGLang extensions (top_k, min_p, ignore_eos,
+min_tokens, stop_token_ids, skip_special_tokens, repetition_penalty, chat_template_kwargs,
+guided_*, structured_outputs). Unknown fields are refused: OpenAI itself answers 400
+"Unrecognized request argument supplied", and a field we silently ignored would look honoured
+to the client (a dropped `tools` or `response_format` gives plain text with a 200). Fields
+OpenAI defines that Tandem does not implement are declared and refused by name in
+`check_sampling` / `check_unsupported`. Value ranges are checked there so the error can name
+the field; wrong types are pydantic's errors, mapped to 400 by the app.
 """
 
 from __future__ import annotations
@@ -13,17 +17,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from gateway.agent_types import ResponseFormat, StructuredOutputs, Tool, ToolChoice
 from gateway.errors import BadRequest
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # only false/absent: no obfuscation padding is sent
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -36,7 +43,23 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    # Metadata the API accepts and that changes nothing about the output: nothing to honour.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint; cache_aware routing reads the prompt
+    store: bool | None = None  # only false/absent: nothing is stored
+    service_tier: str | None = None  # only "auto" / "default": there is one tier
+    # Structured output: OpenAI's response_format, vLLM / SGLang's guided_* and the newer
+    # structured_outputs object. At most one of them (or a forced tool call) per request.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only "xgrammar" (the engine the workers run)
+    structured_outputs: StructuredOutputs | None = None
     # vLLM / SGLang extensions
     top_k: int = -1
     min_p: float = 0.0
@@ -67,31 +90,64 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # refused unless empty: no fill-in-the-middle
+    best_of: int | None = None  # refused unless 1
+    # vLLM's: each choice (each stream chunk) carries its output `token_ids`, the first one the
+    # `prompt_token_ids`. Always on for a model served without a tokenizer (token-id mode).
+    return_token_ids: bool = False
 
     def num_top_logprobs(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: str = "text"
     text: str = ""
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, name, ... pass through to the template
-    role: str
-    content: str | list[TextPart] | None = None
+class HistoryFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI); a mapping is accepted too
 
-    def as_template_dict(self) -> dict[str, Any]:
-        d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # OpenAI content parts: only text is understood here
-            for part in self.content:
-                if part.type != "text":
-                    raise BadRequest(f"message content part type {part.type!r} is not supported; send text parts",
-                                     param="messages")
-            d["content"] = "".join(p.text for p in self.content)
-        return d
+
+class HistoryToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: HistoryFunctionCall
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    reasoning_content: str | None = None  # an earlier turn's reasoning (templates may show it)
+    reasoning: str | None = None  # the same, under the name some clients use
+    # What a client echoes back from an OpenAI response message; empty values only.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+
+    def text(self) -> str | None:
+        """The content as one string (text parts joined); None when absent."""
+        if not isinstance(self.content, list):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise BadRequest(f"message content part type {part.type!r} is not supported; "
+                                 "send text parts", param="messages")
+        return "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -99,9 +155,24 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss reads it)
+    # Declared so the error can say what they are; refused when set (check_unsupported).
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: str | None = None
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def num_top_logprobs(self) -> int:
         if not self.logprobs:
@@ -111,16 +182,81 @@ class ChatCompletionRequest(_SamplingFields):
 
 INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids)
 
+# Chat fields OpenAI defines that Tandem does not implement: name -> the way forward.
+_UNSUPPORTED_CHAT = {
+    "functions": "functions is deprecated and not supported; send tools",
+    "function_call": "function_call is deprecated and not supported; send tool_choice",
+    "audio": "audio output is not supported; this gateway serves text",
+    "prediction": "predicted outputs are not supported; omit prediction",
+    "web_search_options": "web search is not supported; omit web_search_options",
+    "verbosity": "verbosity is not supported; omit it (ask for brevity in the prompt)",
+}
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """Refuse, by name, fields the API defines and Tandem does not honour."""
+    if isinstance(req, ChatCompletionRequest):
+        for name, why in _UNSUPPORTED_CHAT.items():
+            if getattr(req, name) is not None:
+                raise BadRequest(why, param=name, code="unsupported_parameter")
+        if req.modalities is not None and req.modalities != ["text"]:
+            raise BadRequest(f"modalities {req.modalities} is not supported; send [\"text\"]",
+                             param="modalities", code="unsupported_parameter")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise BadRequest("suffix (fill-in-the-middle) is not supported; omit it",
+                             param="suffix", code="unsupported_parameter")
+        if req.best_of not in (None, 1):
+            raise BadRequest(f"best_of={req.best_of} is not supported; send 1 (or omit it)",
+                             param="best_of", code="unsupported_parameter")
+    if req.store:
+        raise BadRequest("store=true is not supported: nothing is stored; omit it",
+                         param="store", code="unsupported_parameter")
+    if req.service_tier not in (None, "auto", "default"):
+        raise BadRequest(f"service_tier {req.service_tier!r} is not supported; send \"auto\"",
+                         param="service_tier", code="unsupported_parameter")
+    so = req.stream_options
+    if so is not None and so.include_obfuscation:
+        raise BadRequest("stream_options.include_obfuscation is not supported; omit it",
+                         param="stream_options", code="unsupported_parameter")
+    if req.guided_decoding_backend not in (None, "xgrammar"):
+        raise BadRequest(f"guided_decoding_backend {req.guided_decoding_backend!r} is not "
+                         "available; the workers run xgrammar", param="guided_decoding_backend",
+                         code="unsupported_parameter")
+
+
+def logit_bias_ids(req: _SamplingFields, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` as {token id: bias}, checked: ids in the vocabulary, bias in [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id; keys are token ids "
+                             "as strings", param="logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise BadRequest(f"logit_bias: token id {tid} is outside the vocabulary "
+                             f"[0, {vocab_size})", param="logit_bias")
+        if not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise BadRequest(f"logit_bias for token {tid} must be in [-100, 100], got {bias}",
+                             param="logit_bias")
+        out[tid] = bias
+    return out
+
 
 def check_sampling(req: _SamplingFields) -> None:
     """Reject values the OpenAI API rejects; raise `BadRequest` naming the field."""
+    check_unsupported(req)
     if isinstance(req, CompletionRequest) and req.echo:
-        raise BadRequest("echo is not supported; send echo=false (the prompt is in your request)", param="echo")
+        raise BadRequest("echo is not supported; send echo=false (the prompt is in your "
+                         "request)", param="echo")
     if req.n != 1:
-        raise BadRequest("n>1 is not supported; send n=1 (or omit it) and repeat the request", param="n")
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        raise BadRequest("n>1 is not supported; send n=1 (or omit it) and repeat the request",
+                         param="n")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
         v = getattr(req, name)
-        if v is not None and not math.isfinite(v):  # JSON's NaN / Infinity literals parse to these
+        if v is not None and not math.isfinite(v):  # JSON's NaN / Infinity literals parse so
             raise BadRequest(f"{name} must be a finite number, got {v}", param=name)
     mt = req.requested_max_tokens()
     if mt is not None and mt <= 0:
@@ -128,7 +264,8 @@ def check_sampling(req: _SamplingFields) -> None:
     if mt is not None and mt > INT32_MAX:
         raise BadRequest(f"max_tokens must be <= {INT32_MAX}, got {mt}", param="max_tokens")
     if req.top_k > INT32_MAX:
-        raise BadRequest(f"top_k must be <= {INT32_MAX} (or -1 for off), got {req.top_k}", param="top_k")
+        raise BadRequest(f"top_k must be <= {INT32_MAX} (or -1 for off), got {req.top_k}",
+                         param="top_k")
     if req.temperature is not None and req.temperature < 0:
         raise BadRequest(f"temperature must be >= 0, got {req.temperature}", param="temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:
@@ -140,9 +277,11 @@ def check_sampling(req: _SamplingFields) -> None:
     if req.min_tokens < 0:
         raise BadRequest(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
     if mt is not None and req.min_tokens > mt:
-        raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({mt})", param="min_tokens")
+        raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({mt})",
+                         param="min_tokens")
     if req.repetition_penalty <= 0:
-        raise BadRequest(f"repetition_penalty must be > 0, got {req.repetition_penalty}", param="repetition_penalty")
+        raise BadRequest(f"repetition_penalty must be > 0, got {req.repetition_penalty}",
+                         param="repetition_penalty")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if not -2 <= v <= 2:
@@ -150,123 +289,6 @@ def check_sampling(req: _SamplingFields) -> None:
     top = req.num_top_logprobs()
     if top > 20:
         raise BadRequest(f"at most 20 top logprobs are supported, got {top}", param="logprobs")
-    if top < -1 or (isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and req.top_logprobs < 0):
+    chat_top = req.top_logprobs if isinstance(req, ChatCompletionRequest) else None
+    if top < -1 or (chat_top is not None and chat_top < 0):
         raise BadRequest("top_logprobs must be >= 0", param="top_logprobs")
-
-
-# ---- responses -----------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] | None = None
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprobEntry(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobEntry(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprobEntry] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprobEntry] = []
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tandem"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -2,7 +2,9 @@
 
 One `OutputAssembler` per request: `add(msg)` feeds a `GenerateResponse` and returns the text
 that may be sent now (detokenized incrementally, cut at a stop string, with a possible stop
-prefix held back); `flush()` releases held-back text at the end.
+prefix held back); `add_pieces(msg)` returns it one piece per token, for parsers that count
+tokens. Special tokens that a parser reads (`keep_token_ids`: a `[TOOL_CALLS]` marker, say)
+keep their text even when `skip_special_tokens` drops the others.
 """
 
 from __future__ import annotations
@@ -10,15 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from gateway.metrics import Metrics
-from gateway.openai_types import (
+from gateway.openai_responses import (
     ChatLogprobEntry,
     ChatLogprobs,
     CompletionLogprobs,
+    CompletionTokensDetails,
     PromptTokensDetails,
     TopLogprobEntry,
     Usage,
 )
+from gateway.session import Output
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -27,52 +30,88 @@ class OutputAssembler:
     """Text, finish reason, counts and logprobs of one request's output."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
-                 stops: list[str], num_top_logprobs: int, metrics: Metrics) -> None:
+                 stops: list[str], num_top_logprobs: int,
+                 keep_token_ids: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
+        self.prompt_ids = prompt_ids
+        # Completions with return_token_ids, or token-id mode: choices carry token_ids.
+        self.return_token_ids = False
+        # Special tokens dropped before detokenizing, when some must keep their text.
+        self._drop: frozenset[int] = frozenset()
+        if skip_special_tokens and keep_token_ids:
+            self._drop = tokenizer.special_ids - keep_token_ids
+            skip_special_tokens = False
+            prompt_ids = [t for t in prompt_ids if t not in self._drop]
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self._stop = StopStringMatcher(stops) if stops else None
-        self._metrics = metrics
         self.want_logprobs = num_top_logprobs >= 0
         self.num_prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.logprobs: list[tandem_pb2.TokenLogprob] = []  # all of them (non-streaming responses)
+        self.token_ids: list[int] = []  # every output id (return_token_ids, token-id mode)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, msg: tandem_pb2.GenerateResponse) -> str:
+    def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
+        return "".join(self.add_pieces(msg, per_token=False))
+
+    def add_pieces(self, msg: Output, per_token: bool = True) -> list[str]:
+        """Feed one worker message; its text as pieces (one per token with `per_token`)."""
         self.completion_tokens += len(msg.token_ids)
-        if msg.HasField("transfer") and msg.transfer.bytes:
-            self._metrics.observe_transfer(msg.transfer)
         if self.want_logprobs:
             self.logprobs.extend(msg.logprobs)
-        text = self._detok.step(msg.token_ids) if msg.token_ids else ""
-        if msg.finish_reason:
-            text += self._detok.flush()
-        if self._stop is not None:
-            text = self._stop.feed(text)
-            if self._stop.stopped:
-                self.stopped_by_string = True
-                self.finish_reason = "stop"
-                return text
+        self.token_ids.extend(msg.token_ids)
+        if not self._tok.has_text:  # token-id mode: ids only, no text to cut or stop on
             if msg.finish_reason:
-                text += self._stop.flush()
+                self.finish_reason = msg.finish_reason
+            return []
+        ids = [t for t in msg.token_ids if t not in self._drop] if self._drop else msg.token_ids
+        if per_token:
+            pieces = [self._detok.step((t,)) for t in ids]
+        else:
+            pieces = [self._detok.step(ids)] if ids else []
+        if msg.finish_reason:
+            pieces.append(self._detok.flush())
+        if self._stop is not None:
+            cut: list[str] = []
+            for p in pieces:
+                cut.append(self._stop.feed(p))
+                if self._stop.stopped:
+                    self.stop_early()
+                    return cut
+            if msg.finish_reason:
+                cut.append(self._stop.flush())
+            pieces = cut
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
-        return text
+        return pieces
 
-    def usage(self, cached_tokens: int) -> Usage:
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.completion_tokens,
+    def stop_early(self) -> None:
+        """The gateway ends the output here (a stop string, or a parser's rule): the worker
+        is aborted and the finish reason is "stop"."""
+        self.stopped_by_string = True
+        self.finish_reason = "stop"
+
+    def usage(self, cached_tokens: int, reasoning_tokens: int | None = None) -> Usage:
+        """`reasoning_tokens`: None when no reasoning parser ran (the detail is left out)."""
+        details = None if reasoning_tokens is None else CompletionTokensDetails(
+            reasoning_tokens=reasoning_tokens)
+        return Usage(prompt_tokens=self.num_prompt_tokens,
+                     completion_tokens=self.completion_tokens,
                      total_tokens=self.num_prompt_tokens + self.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                     completion_tokens_details=details)
 
     # ---- logprobs in the two OpenAI shapes ----
 
     def _text(self, token_id: int) -> str:
+        if not self._tok.has_text:
+            return self._tok.id_to_token(token_id)  # token_id:N
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def completion_logprobs(self, entries: Any, text_start: int = 0) -> CompletionLogprobs:
@@ -92,8 +131,10 @@ class OutputAssembler:
         content = []
         for e in entries:
             t = self._text(e.token_id)
-            content.append(ChatLogprobEntry(
-                token=t, logprob=e.logprob, bytes=list(t.encode()),
-                top_logprobs=[TopLogprobEntry(token=(a_t := self._text(a.token_id)), logprob=a.logprob,
-                                              bytes=list(a_t.encode())) for a in e.top]))
+            top = []
+            for a in e.top:
+                a_t = self._text(a.token_id)
+                top.append(TopLogprobEntry(token=a_t, logprob=a.logprob, bytes=list(a_t.encode())))
+            content.append(ChatLogprobEntry(token=t, logprob=e.logprob, bytes=list(t.encode()),
+                                            top_logprobs=top))
         return ChatLogprobs(content=content)

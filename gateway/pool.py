@@ -1,33 +1,63 @@
-"""The gateway's workers: one gRPC channel each, their info, health and load.
+"""The gateway's workers: one gRPC channel each, their identity, health, load and membership.
 
-Start-up: a task per worker calls `GetInfo` until the worker answers, then checks
-`grpc.health.v1` every `health_interval_s` and refreshes `GetLoad` every `load_interval_s`.
-Health has hysteresis: `health_fail_threshold` consecutive failed checks take a worker out,
-`health_ok_threshold` consecutive SERVING answers bring it back. A request that fails with
-UNAVAILABLE takes the worker out at once (it is "suspect" until the next good checks); a
-client's error (INVALID_ARGUMENT) never counts against a worker.
+Watching: a task per worker calls `GetInfo` and `grpc.health.v1` Check every
+`health_interval_s`, and refreshes `GetLoad` every `load_interval_s`. Every GetInfo answer is
+checked against the identity the gateway expects (cluster id, role, model fingerprint, and
+one KV contract hash across the PD pools; the launcher checks replicas), so a worker of
+another cluster or model answering on an expected address, at start or after a reconnect, is
+refused with one line and never routed to. A health Watch stream takes a worker out the moment
+it says NOT_SERVING (a drain starting). Health has hysteresis for failed checks:
+`health_fail_threshold` consecutive failures take a worker out, `health_ok_threshold`
+consecutive good checks bring it back; an explicit NOT_SERVING (a draining worker) takes it out
+at once. A request that fails with UNAVAILABLE takes the worker out at once too; a client's
+error (INVALID_ARGUMENT) never counts against a worker.
+
+Membership at run time: `add` (POST /workers) admits a worker after the identity check;
+`remove` (DELETE /workers/{url}) stops routing to it at once, asks it to drain (`Drain`),
+waits until the gateway has no request on it and the worker has exited (bounded by
+`drain_timeout_s`), then drops it and closes its channel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
+from gateway.session import WorkerSession
+from gateway.workers import (
+    ROLE_OF_POOL,
+    IdentityRefused,
+    Membership,
+    Worker,
+    WorkerState,
+    WorkerUnreachable,
+)
 from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.identity import WorkerIdentity
 from protocol.tls import aio_channel
 
 log = logging.getLogger(__name__)
+# The pool's vocabulary (defined in gateway/workers.py; dispatch and the routes import it here).
+__all__ = [
+    "IdentityRefused",
+    "Membership",
+    "Worker",
+    "WorkerPool",
+    "WorkerState",
+    "WorkerUnreachable",
+]
 
 # Pool names: "workers" (mono, role both), "prefill", "decode".
 POOLS_MONO = ("workers",)
 POOLS_PD = ("prefill", "decode")
+_REMOVE_GRACE_S = 5.0  # past the drain timeout: time for the worker to exit
+_REMOVE_POLL_S = 0.05  # in-flight counts and exits have no event to wait on
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -38,39 +68,6 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-@dataclass(eq=False)
-class Worker:
-    """One worker as the gateway sees it. Mutated only by the pool's tasks and dispatch."""
-
-    url: str  # host:port
-    pool: str  # the pool it serves in: workers | prefill | decode
-    channel: grpc.aio.Channel
-    stub: tandem_pb2_grpc.WorkerStub
-    health_stub: health_pb2_grpc.HealthStub
-    info: tandem_pb2.WorkerInfo | None = None  # from GetInfo; None until reachable
-    healthy: bool = False
-    fails: int = 0  # consecutive failed health checks
-    oks: int = 0  # consecutive SERVING answers
-    load: tandem_pb2.Load = field(default_factory=tandem_pb2.Load)
-    inflight: int = 0  # requests this gateway has on the worker right now
-
-    def load_score(self) -> float:
-        """Load for routing: the worker's queue, plus our own in-flight requests (GetLoad lags
-        by up to one refresh, so a burst would otherwise all go to one worker), plus KV use."""
-        ld = self.load
-        kv = ld.kv_used_pages / ld.kv_total_pages if ld.kv_total_pages else 0.0
-        return ld.running + ld.waiting + self.inflight + kv
-
-    def as_json(self) -> dict[str, Any]:
-        ld = self.load
-        return {
-            "url": self.url, "role": self.info.role if self.info else self.pool, "pool": self.pool,
-            "healthy": self.healthy, "running": ld.running, "waiting": ld.waiting,
-            "kv_used_pages": ld.kv_used_pages, "kv_total_pages": ld.kv_total_pages,
-            "kv_cached_pages": ld.kv_cached_pages, "inflight": self.inflight,
-        }
-
-
 class WorkerPool:
     """All workers of all pools; owns their channels and background tasks."""
 
@@ -78,18 +75,42 @@ class WorkerPool:
         self.config = config
         names = POOLS_PD if config.pd else POOLS_MONO
         addrs = {"workers": config.workers, "prefill": config.prefill, "decode": config.decode}
-        self.pools: dict[str, list[Worker]] = {name: [self._make(url, name) for url in addrs[name]] for name in names}
+        self.pools: dict[str, list[Worker]] = {
+            name: [self._make(url, name) for url in addrs[name]] for name in names
+        }
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = asyncio.Event()  # set whenever a worker's health flips (readiness waits)
-        self._on_load: list[Any] = []  # callbacks(worker) after each GetLoad (metrics)
+        self._on_load: list[Callable[[Worker], None]] = []  # after each GetLoad (metrics)
+        self._on_remove: list[Callable[[Worker], None]] = []  # after a worker is dropped
+        # The KV layout contract every PD worker must share (the first accepted one's).
+        self.contract_hash = ""
+        self._started = False
 
-    def _make(self, url: str, pool: str) -> Worker:
+    def _make(self, url: str, pool: str, source: str = "config") -> Worker:
         ch = aio_channel(url, self.config.tls, options=_CHANNEL_OPTIONS)
-        return Worker(url=url, pool=pool, channel=ch, stub=tandem_pb2_grpc.WorkerStub(ch),
-                      health_stub=health_pb2_grpc.HealthStub(ch))
+        stub = tandem_pb2_grpc.WorkerStub(ch)
+        # Replicas are not checked here: a Kubernetes pool's pods all run one command line.
+        expected = WorkerIdentity(
+            cluster_id=self.config.cluster_id,
+            role=ROLE_OF_POOL[pool],
+            model_fingerprint=self.config.model_fingerprint,
+        )
+        return Worker(
+            url=url,
+            pool=pool,
+            channel=ch,
+            stub=stub,
+            health_stub=health_pb2_grpc.HealthStub(ch),
+            session=WorkerSession(stub, url),
+            expected=expected,
+            source=source,
+        )
 
     def all(self) -> list[Worker]:
         return [w for ws in self.pools.values() for w in ws]
+
+    def find(self, url: str) -> Worker | None:
+        return next((w for w in self.all() if w.url == url), None)
 
     def healthy(self, pool: str) -> list[Worker]:
         return [w for w in self.pools[pool] if w.healthy]
@@ -101,15 +122,25 @@ class WorkerPool:
     def infos(self) -> list[tandem_pb2.WorkerInfo]:
         return [w.info for w in self.all() if w.info is not None]
 
-    def on_load(self, callback: Any) -> None:
+    def on_load(self, callback: Callable[[Worker], None]) -> None:
         self._on_load.append(callback)
+
+    def on_remove(self, callback: Callable[[Worker], None]) -> None:
+        self._on_remove.append(callback)
 
     # ---- lifecycle ----
 
     async def start(self) -> None:
+        self._started = True
         for w in self.all():
-            self.spawn(self._watch(w))
-            self.spawn(self._refresh_load(w))
+            self._watch_worker(w)
+
+    def _watch_worker(self, w: Worker) -> None:
+        w.tasks = [
+            self.spawn(self._watch(w)),
+            self.spawn(self._refresh_load(w)),
+            self.spawn(self._follow_health(w)),
+        ]
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) until `ready()`; the readiness signal is a health flip, not a sleep."""
@@ -130,13 +161,178 @@ class WorkerPool:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.channel.close() for w in self.all()), return_exceptions=True)
+        await asyncio.gather(*(_close(w) for w in self.all()), return_exceptions=True)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run a background coroutine owned by the pool (kept referenced until it ends)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- membership ----
+
+    async def add(self, url: str, role: str) -> Worker:
+        """Admit a worker at run time once its GetInfo matches (POST /workers).
+
+        Raises ValueError (bad role or a url already in the pools), WorkerUnreachable or
+        IdentityRefused; nothing is added then.
+        """
+        pool = next((p for p in self.pools if ROLE_OF_POOL[p] == role), None)
+        if pool is None:
+            roles = ", ".join(ROLE_OF_POOL[p] for p in self.pools)
+            raise ValueError(f"role {role!r} is not served here; this gateway's roles: {roles}")
+        if self.find(url) is not None:
+            raise ValueError(f"{url} is already in the {pool} pool (DELETE it first to re-add it)")
+        w = self._make(url, pool, source="joined")
+        try:
+            info = await self._fetch_info(w)
+            self._accept(w, info)
+        except (WorkerUnreachable, IdentityRefused):
+            await w.channel.close()
+            raise
+        w.info, w.accepted, w.draining = info, True, info.draining
+        self.pools[pool].append(w)
+        log.info("worker %s (%s) added: %s", url, pool, w.expected.found_in(info).describe())
+        if self._started:
+            self._watch_worker(w)
+        return w
+
+    def remove(self, w: Worker) -> None:
+        """DELETE /workers/{url}: stop routing to `w` now, drain it, then drop it (idempotent)."""
+        if w.member is not Membership.ACTIVE:
+            return
+        w.member = Membership.DRAINING
+        self._set_health(w, False)
+        log.info(
+            "worker %s (%s): draining on request; %d requests in flight here",
+            w.url,
+            w.pool,
+            w.inflight,
+        )
+        self.spawn(self._drain_and_drop(w))
+
+    async def _drain_and_drop(self, w: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s + _REMOVE_GRACE_S
+        ours = await self._still_ours(w)
+        if ours:
+            try:
+                await w.stub.Drain(
+                    tandem_pb2.DrainRequest(reason="DELETE /workers on the gateway"),
+                    timeout=self.config.health_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:  # already gone: nothing left to drain there
+                log.info(
+                    "worker %s: Drain failed (%s); dropping it once idle here",
+                    w.url,
+                    exc.code().name,
+                )
+        # A stranger (or nothing) at the address is never told to drain; wait only for our
+        # own requests there.
+        while loop.time() < deadline and (w.inflight or (ours and await self._answers(w))):
+            await asyncio.sleep(_REMOVE_POLL_S)
+        if w.inflight:
+            log.warning(
+                "worker %s: dropped with %d requests in flight after the drain timeout",
+                w.url,
+                w.inflight,
+            )
+        self._drop(w)
+
+    async def _still_ours(self, w: Worker) -> bool:
+        """Whether the process at w.url right now is the worker we accepted (a DELETE must
+        never drain another cluster's worker that took the address)."""
+        try:
+            info = await self._fetch_info(w)
+            self._accept(w, info)
+        except (WorkerUnreachable, IdentityRefused):
+            return False
+        return True
+
+    async def _answers(self, w: Worker) -> bool:
+        """Whether the worker process still answers (a drained worker exits)."""
+        try:
+            await w.stub.GetInfo(tandem_pb2.GetInfoRequest(), timeout=self.config.health_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        return True
+
+    def _drop(self, w: Worker) -> None:
+        w.member = Membership.REMOVED
+        w.healthy = False
+        for t in w.tasks:
+            t.cancel()
+        if w in self.pools[w.pool]:
+            self.pools[w.pool].remove(w)
+        self.spawn(_close(w))
+        for cb in self._on_remove:
+            cb(w)
+        self._changed.set()
+        log.info("worker %s (%s) removed", w.url, w.pool)
+
+    # ---- identity ----
+
+    async def _fetch_info(self, w: Worker) -> tandem_pb2.WorkerInfo:
+        try:
+            return await w.stub.GetInfo(
+                tandem_pb2.GetInfoRequest(), timeout=self.config.health_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnreachable(
+                f"cannot reach the worker at {w.url}: GetInfo failed with "
+                f"{exc.code().name} ({exc.details()})"
+            ) from None
+
+    def _accept(self, w: Worker, info: tandem_pb2.WorkerInfo) -> None:
+        """Check `info` against what `w` must be; IdentityRefused names the difference."""
+        line = w.expected.mismatch(w.url, info)
+        if not line and self.config.pd and info.contract_hash:
+            others = {
+                o.info.contract_hash
+                for o in self.all()
+                if o is not w and o.info is not None and o.info.contract_hash
+            }
+            have = self.contract_hash or next(iter(others), "")
+            if have and info.contract_hash != have:
+                line = (
+                    f"refusing the worker at {w.url}: expected KV contract {have[:16]}, found "
+                    f"{info.contract_hash[:16]} (another model, dtype, page size or backend)"
+                )
+        if line:
+            raise IdentityRefused(line)
+        if self.config.pd and info.contract_hash and not self.contract_hash:
+            self.contract_hash = info.contract_hash
+
+    async def _get_info(self, w: Worker) -> bool:
+        """GetInfo and the identity check; False while unreachable or refused."""
+        try:
+            info = await self._fetch_info(w)
+            self._accept(w, info)
+        except WorkerUnreachable as exc:
+            log.debug("%s", exc)
+            w.draining = False  # a drained worker that exited is gone, not draining
+            return False
+        except IdentityRefused as exc:
+            if w.refusal != str(exc):
+                log.error("%s", exc)
+            w.refusal = str(exc)
+            w.info = None
+            self._set_health(w, False)
+            return False
+        if w.refusal:
+            log.info("worker %s: the expected worker answers again", w.url)
+            w.refusal = ""
+        if w.pool == "prefill" and not info.bootstrap_addr:
+            log.error(
+                "prefill worker %s reports no bootstrap_addr; decode workers cannot reach it", w.url
+            )
+        if w.info is not None and info.epoch != w.info.epoch:
+            log.info("worker %s restarted (new epoch)", w.url)
+        w.info = info
+        w.accepted = True
+        w.draining = info.draining
+        return True
 
     # ---- health ----
 
@@ -151,7 +347,9 @@ class WorkerPool:
     def _set_health(self, w: Worker, healthy: bool) -> None:
         if w.healthy != healthy:
             w.healthy = healthy
-            log.info("worker %s (%s) is now %s", w.url, w.pool, "healthy" if healthy else "unhealthy")
+            log.info(
+                "worker %s (%s) is now %s", w.url, w.pool, "healthy" if healthy else "unhealthy"
+            )
             self._changed.set()
 
     def _record_check(self, w: Worker, ok: bool) -> None:
@@ -159,7 +357,8 @@ class WorkerPool:
         if ok:
             w.oks += 1
             w.fails = 0
-            if not w.healthy and w.info is not None and w.oks >= cfg.health_ok_threshold:
+            routable = w.info is not None and w.member is Membership.ACTIVE and not w.refusal
+            if not w.healthy and routable and w.oks >= cfg.health_ok_threshold:
                 self._set_health(w, True)
         else:
             w.fails += 1
@@ -167,43 +366,52 @@ class WorkerPool:
             if w.healthy and w.fails >= cfg.health_fail_threshold:
                 self._set_health(w, False)
 
-    async def _get_info(self, w: Worker) -> bool:
+    async def _check(self, w: Worker) -> bool | None:
+        """One round: GetInfo (identity, draining) then health. True: SERVING; False: the
+        check failed (hysteresis applies); None: the worker itself says no (out at once)."""
+        if not await self._get_info(w):
+            return None if w.refusal else False
+        if w.draining:
+            return None
         try:
-            info = await w.stub.GetInfo(tandem_pb2.GetInfoRequest(), timeout=self.config.health_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            log.debug("worker %s: GetInfo failed: %s", w.url, exc.code().name)
+            resp = await w.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.config.health_timeout_s
+            )
+        except grpc.aio.AioRpcError:
             return False
-        expected = {"workers": "both"}.get(w.pool, w.pool)
-        if info.role and info.role != expected:
-            log.error("worker %s reports role %r but is configured in pool %r", w.url, info.role, w.pool)
-        if w.pool == "prefill" and not info.bootstrap_addr:
-            log.error("prefill worker %s reports no bootstrap_addr; decode workers cannot reach it", w.url)
-        if w.info is not None and info.epoch != w.info.epoch:
-            log.info("worker %s restarted (new epoch)", w.url)
-        w.info = info
-        return True
+        return True if resp.status == health_pb2.HealthCheckResponse.SERVING else None
 
     async def _watch(self, w: Worker) -> None:
-        interval = self.config.health_interval_s
-        while not await self._get_info(w):
-            await asyncio.sleep(interval)
+        while w.member is not Membership.REMOVED:
+            ok = await self._check(w)
+            if ok is None:
+                w.oks = 0
+                self._set_health(w, False)
+            else:
+                self._record_check(w, ok)
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _follow_health(self, w: Worker) -> None:
+        """A health Watch stream: a worker that turns NOT_SERVING (it starts to drain) is
+        taken out the moment it says so, not at the next check. Coming back is the checks'
+        business (they re-check its identity first)."""
         req = health_pb2.HealthCheckRequest(service="")
-        while True:
+        while w.member is not Membership.REMOVED:
             try:
-                resp = await w.health_stub.Check(req, timeout=self.config.health_timeout_s)
-                ok = resp.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                ok = False
-            if ok and not w.healthy:
-                # Coming back may mean a restart: refresh its info (epoch, bootstrap address).
-                ok = await self._get_info(w)
-            self._record_check(w, ok)
-            await asyncio.sleep(interval)
+                async for reply in w.health_stub.Watch(req):
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING and w.healthy:
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                        log.info("worker %s (%s) says %s", w.url, w.pool, status)
+                        w.oks = 0
+                        self._set_health(w, False)
+            except grpc.aio.AioRpcError as exc:  # unreachable or restarting: watch again soon
+                log.debug("health watch on %s ended: %s", w.url, exc.code().name)
+            await asyncio.sleep(self.config.health_interval_s)
 
     async def _refresh_load(self, w: Worker) -> None:
         interval = self.config.load_interval_s
         req = tandem_pb2.GetLoadRequest()
-        while True:
+        while w.member is not Membership.REMOVED:
             if w.info is not None:  # first refresh as soon as the worker answered GetInfo
                 try:
                     w.load = await w.stub.GetLoad(req, timeout=max(interval, 0.5))
@@ -212,4 +420,11 @@ class WorkerPool:
                 else:
                     for cb in self._on_load:
                         cb(w)
-            await asyncio.sleep(interval if w.info is not None else self.config.health_interval_s / 2)
+            idle = self.config.health_interval_s / 2  # not accepted yet: check back soon
+            await asyncio.sleep(interval if w.info is not None else idle)
+
+
+async def _close(w: Worker) -> None:
+    """End the worker's stream (the worker aborts what it still carried), then its channel."""
+    await w.session.close()
+    await w.channel.close()

@@ -64,7 +64,7 @@ def page_hashes(prompt_ids: Sequence[int], page_size: int) -> list[int]:
     out: list[int] = []
     h = 0
     for i in range(0, len(prompt_ids) - page_size + 1, page_size):
-        h = hash((h, *prompt_ids[i:i + page_size]))
+        h = hash((h, *prompt_ids[i : i + page_size]))
         out.append(h)
     return out
 
@@ -72,11 +72,15 @@ def page_hashes(prompt_ids: Sequence[int], page_size: int) -> list[int]:
 class CacheAware:
     """Longest remembered prefix wins, balanced against load."""
 
-    def __init__(self, page_size: int = 16, max_pages: int = 200_000, load_threshold: float = 8.0) -> None:
+    def __init__(
+        self, page_size: int = 16, max_pages: int = 200_000, load_threshold: float = 8.0
+    ) -> None:
         self.page_size = page_size
         self.max_pages = max_pages
         self.load_threshold = load_threshold
-        self._owner: OrderedDict[int, str] = OrderedDict()  # page hash -> url of the last worker sent it
+        self._owner: OrderedDict[int, str] = (
+            OrderedDict()
+        )  # page hash -> url of the last worker sent it
         self._least = LeastLoad()
 
     def pick(self, candidates: Sequence[W], prompt_ids: Sequence[int]) -> W:

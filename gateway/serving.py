@@ -11,37 +11,37 @@ an SSE `error` event followed by `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.agents import ChatPlan, Parsers, plan_chat
+from gateway.chat_output import ChatOutput
+from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents, completion_body
 from gateway.dispatch import Dispatcher, RequestRun, _timeout
 from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, RequestTimeout
 from gateway.metrics import Metrics
+from gateway.openai_responses import ChatChoice, ChatCompletionResponse, ChatMessageOut
 from gateway.openai_types import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
-    CompletionChunk,
     CompletionRequest,
-    CompletionResponse,
     check_sampling,
+    logit_bias_ids,
 )
 from gateway.output import OutputAssembler
+from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
+from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -52,16 +52,13 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # cheap pre-check before 
 _JSON = "application/json"
 
 
-def _sse(model: BaseModel) -> bytes:
-    return b"data: " + model.model_dump_json().encode() + b"\n\n"
-
-
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
     """The request body, refused with 413 past `limit` bytes (checked while reading) and with
     408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} (gateway.max_request_bytes)")
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "
+                              "(gateway.max_request_bytes)")
     parts: list[bytes] = []
     size = 0
     try:
@@ -69,30 +66,54 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes (gateway.max_request_bytes)")
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes "
+                                          "(gateway.max_request_bytes)")
                 parts.append(chunk)
     except (TimeoutError, asyncio.TimeoutError):  # the same class from 3.11 on
         raise RequestTimeout(f"request body incomplete after {timeout_s}s ({size} bytes arrived; "
-                             "gateway.body_timeout_s); send the whole body at once", code="body_timeout") from None
+                             "gateway.body_timeout_s); send the whole body at once",
+                             code="body_timeout") from None
     return b"".join(parts)
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id, read off the raw ASGI headers (no Headers mapping built)."""
+    for name, value in request.scope["headers"]:
+        if name == b"x-request-id":  # ASGI servers lower-case header names
+            return str(value.decode("latin-1"))
+    return ""
 
 
 def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
     """JSON → pydantic request; malformed JSON and wrong types are 400s naming the field."""
     try:
-        obj = json.loads(body)
+        obj = orjson.loads(body)  # the fast path; anything it refuses gets the exact answer below
+    except orjson.JSONDecodeError:
+        obj = _stdlib_loads(body)
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return _validate(body, obj, cls)
+
+
+def _stdlib_loads(body: bytes) -> Any:
+    """What orjson refuses (bad JSON, integers past 64 bits, lone surrogates, deep nesting):
+    json's parse, and its errors as the 400 the client gets."""
+    try:
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # thousands of nested arrays: no request of ours nests like that
         raise BadRequest("request body nests too deeply", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(body):  # JSON may escape a lone UTF-16 surrogate; no tokenizer takes it
+
+
+def _validate(body: bytes, obj: dict[str, Any], cls: type[BaseModel]) -> Any:
+    if _SURROGATE_ESCAPE.search(body):  # JSON may escape a lone UTF-16 surrogate: untokenizable
         try:
             json.dumps(obj, ensure_ascii=False).encode()
         except UnicodeEncodeError:
-            raise BadRequest("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff); "
-                             "send valid Unicode text", code="invalid_unicode") from None
+            raise BadRequest("request body holds a lone UTF-16 surrogate escape "
+                             "(\\ud800-\\udfff); send valid Unicode text",
+                             code="invalid_unicode") from None
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:
@@ -105,33 +126,49 @@ def validation_error(errors: Any) -> BadRequest:
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     where = ".".join(loc) or "body"
-    return BadRequest(f"{where}: {first.get('msg', 'invalid value')}", param=loc[0] if loc else None,
-                      code="invalid_value")
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+        top = len(loc) == 1
+        msg = (f"Unrecognized request argument supplied: {where}" if top else
+               f"{where}: unrecognized field; remove it")
+        return BadRequest(msg, param=loc[0] if loc else None, code="unknown_parameter")
+    return BadRequest(f"{where}: {first.get('msg', 'invalid value')}",
+                      param=loc[0] if loc else None, code="invalid_value")
 
 
 class GenerationHandler:
     """Shared state for the two generation endpoints (no per-request state kept here)."""
 
-    def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics, model_name: str,
-                 max_model_len: int, vocab_size: int, max_request_bytes: int, body_timeout_s: float = 30.0) -> None:
+    def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics,
+                 model_name: str, max_model_len: int, vocab_size: int, max_request_bytes: int,
+                 body_timeout_s: float = 30.0, parsers: Parsers | None = None) -> None:
         self.tok = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.model_name = model_name
-        self.max_model_len = max_model_len  # min over workers (a prompt must fit on both legs); 0 = unknown
+        # min over workers (a prompt must fit on both legs); 0 = unknown
+        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_request_bytes = max_request_bytes
         self.body_timeout_s = body_timeout_s
+        self.parsers = parsers or Parsers()
+        # Request ids without the client's: this process's random prefix and a counter (unique
+        # across gateways with overwhelming odds; uuid4 costs a getrandom call per request).
+        self._id_prefix = secrets.token_hex(8)
+        self._id_count = itertools.count()
+
+    def _new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_count):08x}"
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = _request_id(request) or self._new_id()
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
         except ApiError as err:
             self.metrics.requests.labels("client_error").inc()
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
+                            headers=headers)
         watcher = DisconnectWatcher(request.receive)
         try:
             response = await self._handle(body, chat, t0, request_id, headers)
@@ -146,21 +183,32 @@ class GenerationHandler:
             watcher.stop()
             raise
         if isinstance(response, SSEResponse):
-            response.watcher = watcher  # the same task sends the stream: one watcher for all of it
+            response.watcher = watcher  # the same task sends the stream: one watcher for all
         else:
             watcher.stop()
         return response
 
     async def _handle(self, body: bytes, chat: bool, t0: float, request_id: str,
                       headers: dict[str, str]) -> Response:
+        plan: ChatPlan | None = None
         try:
             req = parse_request(body, ChatCompletionRequest if chat else CompletionRequest)
             check_sampling(req)
             if req.model is not None and req.model != self.model_name:
-                raise NotFound(f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
-                               code="model_not_found", param="model")
-            prompt_ids = self._prompt_ids(req, chat)
+                raise NotFound(f"model {req.model!r} does not exist; this gateway serves "
+                               f"{self.model_name!r}", code="model_not_found", param="model")
+            if not self.tok.has_text:
+                self._check_token_id_mode(req, chat)
+            if chat:
+                plan = plan_chat(req, self.tok, self.parsers)
+                prompt_ids, structured = plan.prompt_ids, plan.structured
+            else:
+                prompt_ids = self._prompt_ids(req)
+                constraint = request_constraint(req)
+                structured = None if constraint is None else constraint.to_proto([])
             sampling = self._sampling(req, len(prompt_ids))
+            if structured is not None:
+                sampling.structured.CopyFrom(structured)
             run = self.dispatcher.start(request_id, prompt_ids, sampling)
             try:
                 first = await run.first()
@@ -171,37 +219,48 @@ class GenerationHandler:
                     self.metrics.requests.labels("aborted").inc()
                 raise
         except ApiError as err:
-            self.metrics.requests.labels("client_error" if err.status < 500 else "server_error").inc()
+            outcome = "client_error" if err.status < 500 else "server_error"
+            self.metrics.requests.labels(outcome).inc()
             log.debug("request %s failed: %s", request_id, err.message)
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
+                            headers=headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
         out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
-                              req.num_top_logprobs(), self.metrics)
+                              req.num_top_logprobs(),
+                              plan.keep_token_ids if plan is not None else frozenset())
+        out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
+        chat_out = ChatOutput(plan) if plan is not None else None
         if req.stream:
-            gen = self._stream(run, first, out, chat, req.include_usage(), request_id, t0)
+            gen = self._stream(run, first, out, chat_out, req.include_usage(), request_id, t0)
             return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0))
-        return await self._complete(run, first, out, chat, request_id, t0, headers)
+        return await self._complete(run, first, out, chat_out, request_id, t0, headers)
 
     # ---- request → prompt ids and sampling ----
 
-    def _prompt_ids(self, req: Any, chat: bool) -> list[int]:
+    def _check_token_id_mode(self, req: Any, chat: bool) -> None:
+        """A model without a tokenizer: token-id prompts on /v1/completions; a field that needs
+        text is a 400 naming it (never silently dropped)."""
         if chat:
-            if not req.messages:
-                raise BadRequest("messages must hold at least one message", param="messages")
-            return self.tok.encode_chat([m.as_template_dict() for m in req.messages])
+            self.tok.render_chat([])  # raises the 400 that says to send token ids
+        if req.stop_strings():
+            raise BadRequest("stop: this model has no tokenizer, so stop strings cannot be "
+                             "matched; use stop_token_ids", param="stop", code="no_tokenizer")
+
+    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise BadRequest("batched prompts are not supported; send one prompt per request", param="prompt")
+                raise BadRequest("batched prompts are not supported; send one prompt per "
+                                 "request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = self.tok.encode(prompt)
         else:
-            ids = list(prompt)
+            ids = list(prompt)  # type: ignore[arg-type]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                                 param="prompt")
+                raise BadRequest(f"prompt token id {bad} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})", param="prompt")
         if not ids:
             raise BadRequest("prompt is empty", param="prompt")
         return ids
@@ -211,30 +270,34 @@ class GenerationHandler:
         limit = self.max_model_len
         if limit:
             if num_prompt_tokens >= limit:
-                raise BadRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limit}, which leaves "
-                                 "no room for output; shorten the prompt", param="prompt", code="context_length_exceeded")
+                raise BadRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is "
+                                 f"{limit}, which leaves no room for output; shorten the prompt",
+                                 param="prompt", code="context_length_exceeded")
             if max_tokens is None:
                 max_tokens = limit - num_prompt_tokens  # cap to what fits
             elif num_prompt_tokens + max_tokens > limit:
-                raise BadRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_model_len ({limit}); lower max_tokens or shorten the prompt",
-                                 param="max_tokens", code="context_length_exceeded")
+                raise BadRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens "
+                                 f"({max_tokens}) exceeds max_model_len ({limit}); lower "
+                                 "max_tokens or shorten the prompt", param="max_tokens",
+                                 code="context_length_exceeded")
         elif max_tokens is None:
             max_tokens = 16
-        bad_stop = next((t for t in req.stop_token_ids or () if not 0 <= t < self.vocab_size), None)
+        vocab = self.vocab_size
+        bad_stop = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad_stop is not None:
-            raise BadRequest(f"stop_token_ids: {bad_stop} is outside the vocabulary [0, {self.vocab_size})",
-                             param="stop_token_ids")
+            raise BadRequest(f"stop_token_ids: {bad_stop} is outside the vocabulary "
+                             f"[0, {vocab})", param="stop_token_ids")
         if req.seed is not None and not 0 <= req.seed < 2**64:
             raise BadRequest(f"seed must be in [0, 2**64), got {req.seed}", param="seed")
         top = req.num_top_logprobs()
         return tandem_pb2.SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=max(req.top_k, 0), top_p=1.0 if req.top_p is None else req.top_p, min_p=req.min_p,
-            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            top_k=max(req.top_k, 0), top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-            top_logprobs=max(top, 0), logprobs=top >= 0, repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+            top_logprobs=max(top, 0), logprobs=top >= 0,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, logit_bias=logit_bias_ids(req, vocab))
 
     # ---- responses ----
 
@@ -247,12 +310,14 @@ class GenerationHandler:
         m.cached_tokens.inc(run.num_cached_tokens)
 
     def _abandon(self, run: RequestRun, out: OutputAssembler, t0: float) -> None:
-        """The client left before the stream's body started: end the request like a disconnect."""
+        """The client left before the stream's body started: end the request like a
+        disconnect."""
         run.abort()
         run.close()
         self._account("aborted", out, run, t0)
 
-    async def _next_timed(self, run: RequestRun, last: float) -> tuple[tandem_pb2.GenerateResponse | None, float]:
+    async def _next_timed(self, run: RequestRun, last: float
+                          ) -> tuple[Output | None, float]:
         """The run's next message, recording inter-token latency since `last` (per token)."""
         msg = await run.next()
         now = time.perf_counter()
@@ -260,25 +325,34 @@ class GenerationHandler:
             self.metrics.itl.observe((now - last) / len(msg.token_ids))
         return msg, now
 
-    async def _complete(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
-                        chat: bool, request_id: str, t0: float, headers: dict[str, str]) -> Response:
+    async def _complete(self, run: RequestRun, first: Output,
+                        out: OutputAssembler, chat_out: ChatOutput | None, request_id: str,
+                        t0: float, headers: dict[str, str]) -> Response:
         parts: list[str] = []
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            msg: tandem_pb2.GenerateResponse | None = first
+            msg: Output | None = first
             last = time.perf_counter()
             while msg is not None:
-                parts.append(out.add(msg))
+                if chat_out is None:
+                    parts.append(out.add(msg))
+                else:
+                    chat_out.feed(out.add_pieces(msg, chat_out.per_token))
+                    if chat_out.stop_now:
+                        out.stop_early()
                 if out.finished:
                     break
                 msg, last = await self._next_timed(run, last)
             if not out.finished:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
+            if chat_out is not None:
+                chat_out.finish()
             await run.settle()
             outcome = "success"
         except ApiError as err:
             outcome = "client_error" if err.status < 500 else "server_error"
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON, headers=headers)
+            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
+                            headers=headers)
         except Exception:
             outcome = "server_error"
             raise
@@ -287,50 +361,80 @@ class GenerationHandler:
                 run.abort()
             run.close()
             self._account(outcome, out, run, t0)
-        text = "".join(parts)
         created = int(time.time())
-        usage = out.usage(run.num_cached_tokens)
-        resp: BaseModel
-        if chat:
-            resp = ChatCompletionResponse(
-                id=f"chatcmpl-{request_id}", created=created, model=self.model_name, usage=usage,
-                choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=out.finish_reason,
-                                    logprobs=out.chat_logprobs(out.logprobs) if out.want_logprobs else None)])
-        else:
-            resp = CompletionResponse(
-                id=f"cmpl-{request_id}", created=created, model=self.model_name, usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason=out.finish_reason,
-                                          logprobs=out.completion_logprobs(out.logprobs) if out.want_logprobs else None)])
+        if chat_out is None:  # the common case: bytes straight from the parts (gateway/chunks.py)
+            logprobs_c = out.completion_logprobs(out.logprobs) if out.want_logprobs else None
+            ids = out.return_token_ids
+            body = completion_body(f"cmpl-{request_id}", created, self.model_name, "".join(parts),
+                                   out.finish_reason, logprobs_c, out.usage(run.num_cached_tokens),
+                                   out.token_ids if ids else None, out.prompt_ids if ids else None)
+            return Response(body, media_type=_JSON, headers=headers)
+        usage = out.usage(run.num_cached_tokens, chat_out.reasoning_tokens
+                          if chat_out.has_reasoning_parser else None)
+        message = ChatMessageOut(content=chat_out.message_content(),
+                                 reasoning_content=chat_out.message_reasoning(),
+                                 tool_calls=chat_out.calls or None)
+        logprobs = out.chat_logprobs(out.logprobs) if out.want_logprobs else None
+        resp = ChatCompletionResponse(
+            id=f"chatcmpl-{request_id}", created=created, model=self.model_name, usage=usage,
+            choices=[ChatChoice(message=message, logprobs=logprobs,
+                                finish_reason=chat_out.finish_reason(out.finish_reason))])
         return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)
 
-    async def _stream(self, run: RequestRun, first: tandem_pb2.GenerateResponse, out: OutputAssembler,
-                      chat: bool, include_usage: bool, request_id: str, t0: float) -> AsyncIterator[bytes]:
+    @staticmethod
+    def _chat_chunks(events: ChatEvents, deltas: list[bytes], finish: str | None,
+                     logprobs: Any) -> list[bytes]:
+        """SSE events for one message's deltas; the finish reason rides on a last empty delta
+        (as OpenAI sends it), logprobs on the first chunk."""
+        if finish is not None:
+            deltas = [*deltas, EMPTY_DELTA]
+        last = len(deltas) - 1
+        return [events.delta(d, finish if i == last else None, logprobs if i == 0 else None)
+                for i, d in enumerate(deltas)]
+
+    async def _stream(self, run: RequestRun, first: Output,
+                      out: OutputAssembler, chat_out: ChatOutput | None, include_usage: bool,
+                      request_id: str, t0: float) -> AsyncIterator[bytes]:
         created = int(time.time())
-        rid = f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}"
+        chat = chat_out is not None
         model = self.model_name
+        events = (ChatEvents(f"chatcmpl-{request_id}", created, model) if chat else
+                  CompletionEvents(f"cmpl-{request_id}", created, model))
         outcome = "aborted"  # what is left if the client goes away mid-stream
         text_pos = 0
+        first_chunk = True  # the first completion chunk carries prompt_token_ids
         try:
-            if chat:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                    ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            msg: tandem_pb2.GenerateResponse | None = first
+            if isinstance(events, ChatEvents):
+                yield events.delta(ROLE_DELTA)
+            msg: Output | None = first
             last = time.perf_counter()
             while msg is not None:
-                text = out.add(msg)
                 lp_entries = msg.logprobs if out.want_logprobs else None
-                if text or out.finished or lp_entries:
-                    finish = out.finish_reason
-                    if chat:
-                        chunk: BaseModel = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                            ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish,
-                                            logprobs=out.chat_logprobs(lp_entries) if lp_entries else None)])
-                    else:
-                        chunk = CompletionChunk(id=rid, created=created, model=model, choices=[
-                            CompletionChoice(text=text, finish_reason=finish, logprobs=(
-                                out.completion_logprobs(lp_entries, text_pos) if lp_entries else None))])
+                if chat_out is not None:
+                    assert isinstance(events, ChatEvents)
+                    piece = chat_out.feed(out.add_pieces(msg, chat_out.per_token))
+                    if chat_out.stop_now:
+                        out.stop_early()
+                    deltas = piece.delta_json()
+                    if out.finished:
+                        deltas += chat_out.finish().delta_json()
+                    finish = chat_out.finish_reason(out.finish_reason)
+                    lp = out.chat_logprobs(lp_entries) if lp_entries else None
+                    if deltas or out.finished or lp:
+                        for event in self._chat_chunks(events, deltas, finish, lp):
+                            yield event
+                else:
+                    assert isinstance(events, CompletionEvents)
+                    text = out.add(msg)
+                    ids = list(msg.token_ids) if out.return_token_ids else None
+                    if text or out.finished or lp_entries or ids:
+                        yield events.text(text, out.finish_reason,
+                                          out.completion_logprobs(lp_entries, text_pos)
+                                          if lp_entries else None, ids,
+                                          out.prompt_ids if ids is not None and first_chunk
+                                          else None)
+                        first_chunk = False
                     text_pos += len(text)
-                    yield _sse(chunk)
                 if out.finished:
                     break
                 msg, last = await self._next_timed(run, last)
@@ -338,9 +442,9 @@ class GenerationHandler:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
             await run.settle()
             if include_usage:
-                usage = out.usage(run.num_cached_tokens)
-                cls = ChatCompletionChunk if chat else CompletionChunk
-                yield _sse(cls(id=rid, created=created, model=model, choices=[], usage=usage))
+                reasoning = (chat_out.reasoning_tokens if chat_out is not None
+                             and chat_out.has_reasoning_parser else None)
+                yield events.usage(out.usage(run.num_cached_tokens, reasoning))
             outcome = "success"
             yield _DONE
         except ApiError as err:
@@ -351,7 +455,8 @@ class GenerationHandler:
         except Exception:
             outcome = "server_error"
             log.exception("request %s: unexpected error mid-stream", request_id)
-            yield b"data: " + ApiError("internal gateway error; see the gateway log").json_bytes() + b"\n\n"
+            err_body = ApiError("internal gateway error; see the gateway log").json_bytes()
+            yield b"data: " + err_body + b"\n\n"
             yield _DONE
         finally:
             if out.stopped_by_string or outcome != "success":

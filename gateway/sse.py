@@ -24,8 +24,12 @@ class SSEResponse(Response):
     whole request; without one (and under ASGI < 2.4) the response starts its own.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes], headers: Mapping[str, str],
-                 on_abandon: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        headers: Mapping[str, str],
+        on_abandon: Callable[[], None] | None = None,
+    ) -> None:
         # Response.__init__ would render a body; this one streams, so set only what ASGI needs.
         self.chunks = chunks
         # Called instead when the body generator never started (its own `finally` would not
@@ -34,8 +38,13 @@ class SSEResponse(Response):
         self.status_code = 200
         self.background = None
         self.watcher: DisconnectWatcher | None = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+        ]
+        self.raw_headers += [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = self.watcher
@@ -80,7 +89,9 @@ class DisconnectWatcher:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
-        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._watch(receive)
+        )
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":

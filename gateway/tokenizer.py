@@ -1,10 +1,14 @@
 """Tokenizer and chat template for the gateway, without transformers.
 
 Loads `tokenizer.json` with the `tokenizers` library and `tokenizer_config.json` for the chat
-template and special tokens. The template is rendered in a sandboxed jinja2 environment with
-the Hugging Face conventions (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
-`raise_exception`); the rendered text already carries the template's special tokens, so it is
-encoded without adding more, and special tokens written in it are recognized as such.
+template and special tokens. The template is rendered the way transformers'
+`apply_chat_template` renders it: a sandboxed jinja2 environment with trim/lstrip blocks, the
+loopcontrols extension, a `{% generation %}` block, `raise_exception`, `strftime_now`, and a
+`tojson` that is `json.dumps` (jinja's own escapes `<`, `>`, `&` and `'` as HTML and sorts
+keys, which would change tool schemas the model was trained to read); variables `messages`,
+`tools` (None when absent), `add_generation_prompt`, the special tokens, and any template
+kwargs. The rendered text already carries the template's special tokens, so it is encoded
+without adding more, and special tokens written in it are recognized as such.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -22,7 +30,8 @@ from gateway.errors import BadRequest
 
 
 class TokenizerLoadError(ValueError):
-    """The tokenizer directory is missing a file or holds an unreadable one."""
+    """The tokenizer directory is missing a file or holds an unreadable one; the message names
+    the file (never a config key: the launcher checked the user's keys already)."""
 
 
 class TemplateError(BadRequest):
@@ -44,6 +53,32 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    transformers; rendering a prompt only needs its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+# Variables the gateway itself passes to every render; template kwargs may not override them.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
+
+
 class Tokenizer:
     """Encode prompts, render chat messages, and expose the ids the detokenizer needs."""
 
@@ -52,10 +87,17 @@ class Tokenizer:
         self.config = config
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        self._special_vars = {name: _token_text(config.get(name)) or "" for name in
+                              ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.special_ids: frozenset[int] = frozenset(
             tid for tid, tok in tokenizer.get_added_tokens_decoder().items() if tok.special
         )
+        self.template_source = ""
+        self.template_vars: frozenset[str] = frozenset()  # variables the template reads
         self._template = self._compile(config.get("chat_template"))
+
+    # True: prompts may be text and outputs are detokenized. IdsOnlyTokenizer: token ids only.
+    has_text = True
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -63,28 +105,33 @@ class Tokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerLoadError(
-                f"gateway.model_path: {tok_file} not found; point model_path at a HF model directory with tokenizer.json"
+                f"{tok_file} not found; the model directory needs a tokenizer.json (transformers' "
+                "AutoTokenizer.save_pretrained writes one)"
             )
         try:
             hf = HFTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
-            raise TokenizerLoadError(f"gateway.model_path: cannot read {tok_file}: {exc}") from exc
+            raise TokenizerLoadError(f"cannot read {tok_file}: {exc}") from exc
         cfg_file = path / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         if "chat_template" not in config and (path / "chat_template.jinja").is_file():
             config["chat_template"] = (path / "chat_template.jinja").read_text()
         return cls(hf, config)
 
-    @staticmethod
-    def _compile(source: Any) -> jinja2.Template | None:
+    def _compile(self, source: Any) -> jinja2.Template | None:
         if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default") or next(iter(named.values()), None)
         if not source:
             return None
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        self.template_source = source
+        self.template_vars = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         return env.from_string(source)
 
     @property
@@ -98,25 +145,106 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text for `messages`, as apply_chat_template renders it."""
         if self._template is None:
-            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
+            raise BadRequest("this model has no chat template; use /v1/completions",
+                             param="messages")
+        variables = {**self._special_vars, **(kwargs or {})}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-            )
+                variables, messages=messages, tools=tools or None,
+                add_generation_prompt=add_generation_prompt)
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:
-            raise BadRequest(f"chat template failed to render: {exc}", param="messages") from exc
+            raise BadRequest(f"chat template failed to render: {exc}",
+                             param="messages") from exc
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            # A template indexing a value the client shaped differently (a message field
+            # holding a number where the template expects text, ...): the input's fault.
+            raise BadRequest(f"chat template failed to render these messages: {exc!r}",
+                             param="messages") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The template writes bos and the role markers itself; adding them again would double them.
+        # The template writes bos and the role markers itself; adding them would double them.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` if it is one token of the vocabulary (markers), else None."""
+        return self.hf.token_to_id(text)
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        return frozenset(tok.content for tok in self.hf.get_added_tokens_decoder().values()
+                         if tok.special)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
         return self.hf.id_to_token(token_id) or ""
+
+
+# Files a tokenizer may come as; a directory with none of them is served in token-id mode.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The model directory's tokenizer; an IdsOnlyTokenizer when it has no tokenizer files at
+    all (a checkpoint written by `save_pretrained` of a model alone: token ids in and out)."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return IdsOnlyTokenizer(path)
+    return Tokenizer.from_dir(path)
+
+
+_NO_TOKENIZER = ("this model has no tokenizer (no tokenizer.json in its directory), so it "
+                 "takes token ids only")
+
+
+class IdsOnlyTokenizer(Tokenizer):
+    """Token-id mode: no vocabulary to encode or decode with. Text prompts and chat are refused
+    with a 400 that says to send token ids; outputs carry token ids (`token_ids`) and no text."""
+
+    has_text = False
+
+    def __init__(self, path: Path) -> None:  # no super().__init__: there is no tokenizer file
+        self.config = {}
+        self.bos_token = self.eos_token = None
+        self._special_vars = {}
+        self.special_ids = frozenset()
+        self.template_source = ""
+        self.template_vars = frozenset()
+        self._template = None
+        self.path = path
+
+    @property
+    def vocab_size(self) -> int:
+        return 0  # unknown here: the workers' GetInfo gives it
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise BadRequest(f"{_NO_TOKENIZER}: send the prompt as a list of token ids",
+                         param="prompt", code="no_tokenizer")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    kwargs: dict[str, Any] | None = None) -> str:
+        raise BadRequest(f"{_NO_TOKENIZER}: chat needs a tokenizer and a chat template; send "
+                         "token-id prompts to /v1/completions", param="messages",
+                         code="no_tokenizer")
+
+    def token_id(self, text: str) -> int | None:
+        return None
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        return frozenset()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def id_to_token(self, token_id: int) -> str:
+        return f"token_id:{token_id}"  # vLLM's spelling of a token it cannot name

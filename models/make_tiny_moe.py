@@ -20,10 +20,22 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY_MOE = dict(
-    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=128,
-    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-    rms_norm_eps=1e-6, initializer_range=0.2,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=97,
+    max_position_embeddings=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
 )
 
 
@@ -46,7 +58,9 @@ def make_tiny_moe(out: Path, seed: int = 0, **overrides: object) -> torch.nn.Mod
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", type=int, default=TINY_MOE["num_experts"])

@@ -1,46 +1,59 @@
-"""`tandem bench`: a synthetic serving workload against any OpenAI-compatible server.
+"""`tandem bench`: a serving workload against any OpenAI-compatible server, like vLLM's
+`bench serve`, SGLang's `bench_serving` or genai-perf.
 
-Each request streams `/v1/completions` with `ignore_eos: true` and `max_tokens = output_len`,
-so its output length is exact. Prompts are random text (characters drawn from letters and
-digits, which every tokenizer can encode; one character is one token with the embedded
-character-level tokenizer) or random token-id lists (`--prompt-kind ids`, exact lengths on
-servers that accept token-id prompts).
+Each request streams `/v1/completions` with `ignore_eos: true` and `max_tokens`, so output
+lengths are exact, and `return_token_ids: true` (vLLM's field; `--no-token-ids` for a server
+that refuses it) so each stream event says how many tokens it carries. What is sent comes
+from orchestrator/bench_data.py (random prompts, a JSONL file, or synthetic multi-turn
+conversations over shared prefixes); the figures from orchestrator/bench_stats.py (TTFT, TPOT,
+per-token ITL from arrival times, E2E; p50/p90/p95/p99).
 
-Arrivals: a closed loop of `concurrency` requests in flight, or an open loop at a Poisson
-`request_rate` (seeded). Mixed load (`long_every K`): every K-th request has a long prompt
-(`long_input_len`), so long prefills arrive while short requests decode. Statistics are
-reported for all requests and, in mixed load, for the short and long ones separately — the
-short requests' inter-token latency is the figure PD disaggregation should keep steady.
-
-Measured per request: TTFT (send → first streamed text), ITL (gaps between later streamed
-chunks), end-to-end latency, output tokens (usage.completion_tokens when the server streams
-usage, else one per chunk).
+Load: a closed loop of `concurrency` sessions in flight, or an open loop of Poisson session
+arrivals at `request_rate`. A sweep runs one load point after the other (`--concurrency
+1,4,16` or `--request-rate 2,4,8`). `--out DIR` writes bench.json and the plots
+(orchestrator/bench_plot.py). On a terminal a progress bar shows each point's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import random
-import string
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator.bench_data import (
+    Session,
+    arrival_times,
+    jsonl_sessions,
+    random_sessions,
+    shared_prefix_sessions,
+)
+from orchestrator.bench_stats import (
+    RequestResult,
+    format_summary,
+    format_sweep,
+    summarize_results,
+    token_latencies,
+)
 from orchestrator.client import ServerError, error_text, first_model, make_client
-
-_ALPHABET = string.ascii_lowercase + string.digits
+from orchestrator.progress import Progress
 
 
 @dataclass(frozen=True)
 class BenchSpec:
+    """One load point."""
+
     input_len: int = 128
     output_len: int = 32
     num_requests: int = 64
     concurrency: int = 0  # closed loop when > 0
-    request_rate: float = 0.0  # open loop (Poisson, requests/s) when > 0
+    request_rate: float = 0.0  # open loop (Poisson, sessions/s) when > 0
     seed: int = 0
     prompt_kind: str = "text"  # text | ids
     vocab_size: int = 32  # ids: prompt token ids are drawn from [1, vocab_size)
@@ -49,188 +62,211 @@ class BenchSpec:
     model: str = ""  # "" = the first model of /v1/models
     api_key: str = ""
     timeout_s: float = 600.0
+    dataset: str = "random"  # random | shared-prefix | jsonl:PATH
+    num_turns: int = 3  # shared-prefix: turns per conversation
+    num_groups: int = 4  # shared-prefix: distinct system prompts
+    prefix_len: int = 512  # shared-prefix: characters of each system prompt
+    return_token_ids: bool = True  # count tokens per stream event from `token_ids`
+
+    @property
+    def mode(self) -> str:
+        return (f"rate {self.request_rate:g}/s" if self.request_rate > 0
+                else f"concurrency {self.concurrency or self.num_requests}")
 
 
-@dataclass
-class RequestResult:
-    kind: str  # short | long
-    ok: bool = False
-    error: str = ""
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    e2e_s: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0  # from usage when the server streams it, else 0
+def make_sessions(spec: BenchSpec) -> list[Session]:
+    """What the run sends, deterministic in spec.seed."""
+    if spec.dataset == "shared-prefix":
+        return shared_prefix_sessions(max(1, spec.num_requests // spec.num_turns), spec.input_len,
+                                      spec.output_len, spec.seed, spec.num_groups,
+                                      spec.prefix_len, spec.num_turns)
+    if spec.dataset.startswith("jsonl:"):
+        return jsonl_sessions(Path(spec.dataset[6:]), spec.output_len, spec.num_requests)
+    return random_sessions(spec.num_requests, spec.input_len, spec.output_len, spec.seed,
+                           spec.prompt_kind, spec.vocab_size, spec.long_every,
+                           spec.long_input_len)
 
 
 def make_prompts(spec: BenchSpec) -> list[tuple[str, Any]]:
-    """(kind, prompt) per request, deterministic in spec.seed."""
-    rng = random.Random(spec.seed)
-    out: list[tuple[str, Any]] = []
-    for i in range(spec.num_requests):
-        long = spec.long_every > 0 and i % spec.long_every == spec.long_every - 1
-        n = spec.long_input_len if long else spec.input_len
-        if spec.prompt_kind == "ids":
-            prompt: Any = [rng.randrange(1, spec.vocab_size) for _ in range(n)]
-        else:
-            prompt = "".join(rng.choice(_ALPHABET) for _ in range(n))
-        out.append(("long" if long else "short", prompt))
-    return out
+    """(kind, first prompt) per session (the random dataset: one per request)."""
+    return [(s.kind, s.prompt(0, "")) for s in make_sessions(spec)]
 
 
-def arrival_times(spec: BenchSpec) -> list[float]:
-    """Send offsets in seconds: all 0 in a closed loop; Poisson gaps at request_rate."""
-    if spec.request_rate <= 0:
-        return [0.0] * spec.num_requests
-    rng = random.Random(spec.seed + 1)
-    t, out = 0.0, []
-    for _ in range(spec.num_requests):
-        out.append(t)
-        t += rng.expovariate(spec.request_rate)
-    return out
+def _event_tokens(msg: dict[str, Any]) -> tuple[int, str]:
+    """(tokens, text) one stream event carries: its `token_ids`, else 1 per event with text."""
+    n, text = 0, ""
+    for c in msg.get("choices") or []:
+        piece = c.get("text") or ""
+        text += piece
+        ids = c.get("token_ids")
+        n += len(ids) if isinstance(ids, list) else (1 if piece else 0)
+    return n, text
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any], res: RequestResult) -> None:
+async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], res: RequestResult) -> None:
+    """Send one streaming request; fill `res` from the arrival time of each network read."""
     start = time.perf_counter()
-    last = start
-    chunks = 0
+    arrivals: list[tuple[float, int]] = []  # (read time, tokens in it)
+    buf = b""
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 res.error = error_text(resp)
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    res.error = f"stream error: {msg['error'].get('message', msg['error'])}"
-                    return
-                usage = msg.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                if not any(c.get("text") for c in msg.get("choices") or []):
-                    continue
+            async for raw in resp.aiter_bytes():
                 now = time.perf_counter()
-                if chunks == 0:
-                    res.ttft_s = now - start
-                else:
-                    res.itl_s.append(now - last)
-                last = now
-                chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                *events, buf = (buf + raw).replace(b"\r\n", b"\n").split(b"\n\n")
+                tokens = 0
+                for event in events:
+                    for line in event.decode().splitlines():
+                        data = line[5:].strip() if line.startswith("data:") else ""
+                        if not data or data == "[DONE]":
+                            continue
+                        msg = json.loads(data)
+                        if "error" in msg:
+                            res.error = f"stream error: {msg['error'].get('message', msg['error'])}"
+                            return
+                        if usage := msg.get("usage"):
+                            res.output_tokens = int(usage.get("completion_tokens") or 0)
+                            res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        n, text = _event_tokens(msg)
+                        tokens += n
+                        res.text += text
+                if tokens:
+                    arrivals.append((now, tokens))
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         return
-    if chunks == 0:
-        res.error = "the stream carried no text"
+    if not arrivals:
+        res.error = "the stream carried no tokens"
         return
-    res.e2e_s = time.perf_counter() - start
-    res.output_tokens = res.output_tokens or chunks
+    res.ttft_s, res.itl_s = token_latencies(start, arrivals)
+    res.e2e_s = arrivals[-1][0] - start
+    res.output_tokens = res.output_tokens or sum(n for _, n in arrivals)
     res.ok = True
 
 
-async def run_bench(url: str, spec: BenchSpec) -> tuple[list[RequestResult], float]:
-    """Run the workload; (per-request results, wall duration in seconds)."""
-    prompts = make_prompts(spec)
-    offsets = arrival_times(spec)
-    width = spec.concurrency if spec.concurrency > 0 else spec.num_requests
+async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = None
+                    ) -> tuple[list[RequestResult], float]:
+    """Run one load point; (per-request results, wall duration in seconds)."""
+    sessions = make_sessions(spec)
+    offsets = arrival_times(len(sessions), spec.request_rate, spec.seed)
+    width = spec.concurrency if spec.concurrency > 0 else len(sessions)
     sem = asyncio.Semaphore(width)
+    total = sum(len(s.turns) for s in sessions)
+    bar = Progress(total, spec.mode, progress_to)
+    results: list[RequestResult] = []
     async with make_client(url, spec.api_key, spec.timeout_s, min(width, 256)) as client:
         model = spec.model or await first_model(client)
-        results = [RequestResult(kind) for kind, _ in prompts]
         t0 = time.perf_counter()
 
-        async def one(i: int) -> None:
+        async def session(i: int) -> None:
             delay = offsets[i] - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)  # the open loop's arrival schedule, not a readiness wait
-            body = {"model": model, "prompt": prompts[i][1], "max_tokens": spec.output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            s = sessions[i]
             async with sem:
-                await _stream_one(client, body, results[i])
+                history = ""
+                for turn in range(len(s.turns)):
+                    res = RequestResult(s.kind)
+                    results.append(res)
+                    body: dict[str, Any] = {
+                        "model": model, "prompt": s.prompt(turn, history),
+                        "max_tokens": s.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                    if spec.return_token_ids:
+                        body["return_token_ids"] = True
+                    await stream_one(client, body, res)
+                    bar.advance(res.ok)
+                    if not res.ok:
+                        break
+                    if isinstance(s.turns[turn], str):
+                        history += f"{s.turns[turn]}{res.text}\n"
 
-        await asyncio.gather(*(one(i) for i in range(spec.num_requests)))
+        try:
+            await asyncio.gather(*(session(i) for i in range(len(sessions))))
+        finally:
+            bar.close()
         return results, time.perf_counter() - t0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _latency(values_s: list[float]) -> dict[str, float]:
-    ms = [v * 1000.0 for v in values_s]
-    return {"p50": round(percentile(ms, 50), 3), "p99": round(percentile(ms, 99), 3),
-            "mean": round(sum(ms) / len(ms), 3) if ms else 0.0}
-
-
-def _group_stats(results: list[RequestResult]) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    return {
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "ttft_ms": _latency([r.ttft_s for r in ok]),
-        "itl_ms": _latency([g for r in ok for g in r.itl_s]),
-        "e2e_ms": _latency([r.e2e_s for r in ok]),
-        "output_tokens": sum(r.output_tokens for r in ok),
-    }
-
-
 def summarize(results: list[RequestResult], duration_s: float, spec: BenchSpec) -> dict[str, Any]:
-    """All figures as one JSON-able dict (what `--json` prints)."""
-    stats = _group_stats(results)
-    duration_s = max(duration_s, 1e-9)
-    summary: dict[str, Any] = {
-        "num_requests": len(results),
-        "duration_s": round(duration_s, 3),
-        "request_throughput": round(stats["completed"] / duration_s, 3),
-        "output_throughput": round(stats["output_tokens"] / duration_s, 3),
-        **stats,
-        "input_len": spec.input_len,
-        "output_len": spec.output_len,
-        "mode": f"rate {spec.request_rate:g}/s" if spec.request_rate > 0 else f"concurrency {spec.concurrency or len(results)}",
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-    }
-    if spec.long_every > 0:
-        summary["groups"] = {kind: _group_stats([r for r in results if r.kind == kind]) for kind in ("short", "long")}
-    return summary
+    """All figures of one load point as one JSON-able dict."""
+    extra = {"input_len": spec.input_len, "output_len": spec.output_len,
+             "dataset": spec.dataset, "concurrency": spec.concurrency,
+             "request_rate": spec.request_rate}
+    return summarize_results(results, duration_s, spec.mode, extra)
 
 
-def format_summary(s: dict[str, Any]) -> str:
-    def lat(name: str, d: dict[str, float]) -> str:
-        return f"{name:<10} p50 {d['p50']:9.2f}  p99 {d['p99']:9.2f}  mean {d['mean']:9.2f}"
-
-    lines = [
-        f"requests: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.2f} s ({s['mode']})",
-        f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s",
-        lat("TTFT ms", s["ttft_ms"]), lat("ITL ms", s["itl_ms"]), lat("E2E ms", s["e2e_ms"]),
-    ]
-    for kind, g in s.get("groups", {}).items():
-        lines.append(f"[{kind}] {g['completed']} ok, {g['failed']} failed")
-        lines += [f"  {lat('TTFT ms', g['ttft_ms'])}", f"  {lat('ITL ms', g['itl_ms'])}", f"  {lat('E2E ms', g['e2e_ms'])}"]
-    for e in s["errors"]:
-        lines.append(f"error: {e}")
-    return "\n".join(lines)
-
-
-def bench_main(url: str, spec: BenchSpec, as_json: bool, out: IO[str], err: IO[str]) -> int:
-    """Run and print; 0 when every request completed, 1 otherwise, 2 if the server is unreachable."""
+def spec_totals(url: str, api_key: str = "") -> tuple[float, float]:
+    """(accepted draft tokens, request verify steps) summed over the gateway's workers, from
+    its /metrics (speculative decoding's tandem_spec_* series); (0, 0) without speculation or
+    on a server with no such page."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        results, duration = asyncio.run(run_bench(url, spec))
-    except ServerError as exc:
-        print(f"error: {exc}", file=err)
-        return 2
+        resp = httpx.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=10)
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    if resp.status_code != 200:
+        return 0.0, 0.0
+    accepted = steps = 0.0
+    try:
+        for family in text_string_to_metric_families(resp.text):
+            for sample in family.samples:
+                if sample.name == "tandem_spec_accepted_tokens_total":
+                    accepted += sample.value
+                elif sample.name == "tandem_spec_accepted_length_count":
+                    steps += sample.value
+    except ValueError:  # not Prometheus text: another server's page
+        return 0.0, 0.0
+    return accepted, steps
+
+
+def run_point(url: str, spec: BenchSpec, err: IO[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One load point: (summary, raw samples for plots)."""
+    before = spec_totals(url, spec.api_key)
+    results, duration = asyncio.run(run_bench(url, spec, progress_to=err))
     summary = summarize(results, duration, spec)
-    print(json.dumps(summary) if as_json else format_summary(summary), file=out)
-    return 0 if summary["failed"] == 0 else 1
+    time.sleep(0.6)  # the gateway's GetLoad refresh (gateway.load_interval_s) catches up
+    accepted, steps = (a - b for a, b in zip(spec_totals(url, spec.api_key), before, strict=True))
+    if steps > 0:  # tokens per verify step: accepted drafts + the one every step emits
+        summary["spec_mean_accepted_length"] = round((accepted + steps) / steps, 3)
+    ok = [r for r in results if r.ok]
+    samples = {"itl_ms": [round(g * 1000, 4) for r in ok for g in r.itl_s],
+               "ttft_ms": [round(r.ttft_s * 1000, 4) for r in ok]}
+    return summary, samples
+
+
+def bench_main(url: str, spec: BenchSpec | list[BenchSpec], as_json: bool, out: IO[str],
+               err: IO[str], out_dir: Path | None = None) -> int:
+    """Run every load point and print; 0 when every request completed, 1 otherwise (an
+    all-failed point prints its errors, not a table of zeros), 2 if the server is unreachable."""
+    specs = spec if isinstance(spec, list) else [spec]
+    points: list[dict[str, Any]] = []
+    for s in specs:
+        try:
+            summary, samples = run_point(url, s, err)
+        except ServerError as exc:
+            print(f"error: {exc}", file=err)
+            return 2
+        if summary["completed"] == 0:
+            print(f"error: all {summary['num_requests']} requests failed ({s.mode}):", file=err)
+            for e in summary["errors"]:
+                print(f"error: {e}", file=err)
+            if as_json:
+                print(json.dumps(summary), file=out)
+            return 1
+        points.append({**summary, "samples": samples})
+    public = [{k: v for k, v in p.items() if k != "samples"} for p in points]
+    if as_json:
+        print(json.dumps(public[0] if len(public) == 1 else public), file=out)
+    else:
+        print(format_summary(public[0]) if len(public) == 1 else format_sweep(public), file=out)
+    if out_dir is not None:
+        from orchestrator.bench_plot import plot_runs, write_json
+
+        meta = {"url": url, "spec": dataclasses.asdict(specs[0]) | {"api_key": ""}}
+        paths = [write_json(out_dir, points, meta), *plot_runs({url: points}, out_dir)]
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=err)
+    return 0 if all(p["failed"] == 0 for p in points) else 1

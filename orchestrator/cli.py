@@ -12,31 +12,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from orchestrator.config import (
     DEFAULT_CONFIG,
-    REPO_ROOT,
     ClusterConfig,
     ClusterConfigError,
     EvalGate,
     gateway_config,
     load_config,
+    resolve_config_path,
     worker_config,
 )
+from worker.config import WorkerConfig
 
 EXIT_USAGE = 2  # bad flags or config, unreachable server
-
-
-def resolve_config_path(path: str | None) -> Path:
-    """--config as given; a relative path missing here is looked up in the repository."""
-    if path is None:
-        return DEFAULT_CONFIG
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        return REPO_ROOT / p
-    return p
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # worker/config.py KV_CACHE_DTYPES (no worker import here)
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -44,6 +40,39 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="cluster YAML" + ("" if required else f" (default: configs/{DEFAULT_CONFIG.name})"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set roles.decode.count=2 --set transfer.backend=nixl (repeatable)")
+
+
+def _add_parser_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="split <think> reasoning into reasoning_content: auto (from the chat "
+                        "template) | none | qwen3 | deepseek_r1 (gateway.reasoning_parser)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="parse tool calls into tool_calls: auto | none | hermes | qwen3 | "
+                        "qwen3_coder | llama3_json | mistral | deepseek_v3 | deepseek_v31 "
+                        "(gateway.tool_call_parser)")
+
+
+def _parser_overrides(args: argparse.Namespace) -> list[str]:
+    """--reasoning-parser / --tool-call-parser as `gateway.*` overrides."""
+    extra = []
+    if args.reasoning_parser:
+        extra.append(f"gateway.reasoning_parser={args.reasoning_parser}")
+    if args.tool_call_parser:
+        extra.append(f"gateway.tool_call_parser={args.tool_call_parser}")
+    return extra
+
+
+def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="|".join(KV_CACHE_DTYPES),
+                   help="KV cache storage (= --set cache.kv_cache_dtype=...): auto = the model "
+                        "dtype, "
+                        "fp8_e4m3 = one byte per element with the checkpoint's K/V scales (else "
+                        "1.0)")
+
+
+def _kv_dtype_override(args: argparse.Namespace) -> list[str]:
+    value = getattr(args, "kv_cache_dtype", None)
+    return [f"cache.kv_cache_dtype={value}"] if value else []
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,12 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a whole cluster here in the foreground (local launcher)",
                        description="Start every worker and the gateway on this machine; Ctrl-C stops them in order.")
     _add_config_args(p, required=False)
-    p.add_argument("--model", metavar="DIR", help="HF-format model directory (served name = its name)")
+    p.add_argument("--model", metavar="DIR|ORG/NAME",
+                   help="HF-format model directory, or a Hugging Face name in the local cache "
+                        "(HF_HOME; offline); served as the directory's name or ORG/NAME")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
     p.add_argument("--api-key", metavar="KEY", help="clients must send `Authorization: Bearer KEY` (default: no auth)")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help="key of the admin routes (/workers, /metrics); separate from --api-key")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    _add_parser_args(p)
+    _add_kv_dtype_arg(p)
 
     p = sub.add_parser("worker", help="run one worker process (what launchers start)")
     _add_config_args(p, required=True)
@@ -70,15 +105,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica", type=int, default=0, metavar="I", help="replica index within the role (default 0)")
     p.add_argument("--node-rank", type=int, default=0, metavar="K",
                    help="which of the replica's parallel.nnodes nodes this is (0 serves gRPC; default 0)")
+    _add_kv_dtype_arg(p)
+    p.add_argument("--host", metavar="H", help="bind and be dialed here (default: the role's host)")
+    p.add_argument("--port", type=int, metavar="N",
+                   help="gRPC port (default: the replica's; with --join a free one)")
+    p.add_argument("--join", metavar="URL",
+                   help="add this worker to the running gateway at URL (POST /workers) once it "
+                        "is SERVING, and leave it when draining; use the run's cluster.yaml "
+                        "(logs/<port>/cluster.yaml) so the cluster id matches")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help="the gateway's admin key for --join (default: gateway.admin_key)")
 
     p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
     _add_config_args(p, required=True)
+    p.add_argument("--admin-key", metavar="KEY", help="key of the admin routes (/workers, /metrics)")
+    _add_parser_args(p)
 
     p = sub.add_parser("launch", help="run the launcher the config names (launcher.kind)")
     _add_config_args(p, required=True)
+    _add_kv_dtype_arg(p)
 
-    p = sub.add_parser("plan", help="print the process table and KV budget of a config")
+    p = sub.add_parser("plan",
+        help="print the process table, KV budget and weight bytes of a config")
     _add_config_args(p, required=True)
+    _add_kv_dtype_arg(p)
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="plan for a machine with N CUDA GPUs (default: probe this one)")
 
     gate = EvalGate()
     p = sub.add_parser(
@@ -103,14 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
 
-    p = sub.add_parser("bench", help="synthetic streaming workload against an OpenAI-compatible URL")
+    p = sub.add_parser("bench", help="a streaming serving workload against an OpenAI URL",
+                       description="TTFT / TPOT / per-token ITL / E2E percentiles and throughput, "
+                                   "for one load point or a sweep; --out DIR adds JSON and plots.")
     p.add_argument("--url", required=True, help="server base URL")
     p.add_argument("--input-len", type=int, default=128, help="prompt length (characters or token ids)")
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=64, help="requests per load point")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 4)")
-    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second")
+    load.add_argument("--concurrency", metavar="C[,C...]",
+                      help="closed loop: requests in flight (default 4); a list sweeps")
+    load.add_argument("--request-rate", metavar="R[,R...]",
+                      help="open loop: Poisson arrivals per second; a list sweeps")
+    p.add_argument("--dataset", default="random", metavar="random|shared-prefix|jsonl:PATH",
+                   help="random prompts; synthetic multi-turn conversations over shared system "
+                        "prompts; or a JSONL file of {\"prompt\": text|ids, \"max_tokens\": N}")
+    p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: turns per conversation")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: their length")
     p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
                    help="random text, or random token-id lists (exact lengths where the server takes ids)")
     p.add_argument("--vocab-size", type=int, default=32, help="ids: draw token ids from [1, N)")
@@ -118,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed load: every K-th request has a --long-input-len prompt")
     p.add_argument("--long-input-len", type=int, default=1024, metavar="M")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print JSON (a list for a sweep)")
+    p.add_argument("--out", metavar="DIR",
+                   help="write bench.json, latency_throughput.png and itl_cdf.png there")
+    p.add_argument("--no-token-ids", action="store_true",
+                   help="do not send return_token_ids (count one token per stream event)")
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default="")
     return parser
@@ -126,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, extra: list[str] | None = None) -> ClusterConfig:
     """The config of args.config with the named flags' overrides (`extra`), then --set ones."""
-    return load_config(resolve_config_path(args.config), [*(extra or []), *args.overrides])
+    named = [*(extra or []), *_kv_dtype_override(args)]
+    return load_config(resolve_config_path(args.config), [*named, *args.overrides])
 
 
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
@@ -134,8 +201,12 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     extra: list[str] = []
     if args.model:
         model_dir = Path(args.model).expanduser()
-        extra.append(f"model.path={model_dir.resolve() if model_dir.exists() else model_dir}")
-        extra.append(f"model.served_model_name={args.served_model_name or model_dir.resolve().name}")
+        if model_dir.exists():
+            name = args.served_model_name or model_dir.resolve().name
+            extra += [f"model.path={model_dir.resolve()}", f"model.served_model_name={name}"]
+        else:  # a Hugging Face name (ORG/NAME): the config resolves it from the local cache
+            extra.append(f"model.path={args.model}")
+            extra.append(f"model.served_model_name={args.served_model_name or ''}")
     elif args.served_model_name:
         extra.append(f"model.served_model_name={args.served_model_name}")
     if args.dtype:
@@ -144,8 +215,12 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append(f"gateway.port={args.port}")
     if args.api_key:
         extra.append(f"gateway.api_key={args.api_key}")
+    if args.admin_key:
+        extra.append(f"gateway.admin_key={args.admin_key}")
     if args.enforce_eager:
         extra.append("model.enforce_eager=true")
+    extra.extend(_parser_overrides(args))
+    extra += _kv_dtype_override(args)
     # `serve` is the local launcher by definition, whatever the file or --set says.
     overrides = [*extra, *args.overrides, "launcher.kind=local"]
     return load_config(resolve_config_path(args.config), overrides)
@@ -158,23 +233,110 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    config = worker_config(_load(args), args.role, args.replica)
-    if args.node_rank:
-        config = config.replace(parallel=dataclasses.replace(config.parallel, node_rank=args.node_rank))
+    cluster = _load(args)
+    config = _worker_process_config(cluster, args)
     config.validate()
+    if args.reexec:
+        _reexec_with_bind_shim(config)
     if args.node_rank:
         from worker.tp_runner import run_node  # nodes 1..nnodes-1 run ranks only, no server
 
         run_node(config)
         return 0
-    from worker.server import run_worker  # lazy: only a worker process loads the engine
+    from worker.model import ModelLoadError
+    from worker.server import BindError, run_worker  # lazy: only a worker process loads the engine
 
-    run_worker(config)
-    return 0
+    refused: list[str] = []
+    on_drain = None
+    if args.join:
+        from orchestrator.config import dial_address
+        from orchestrator.launch.join import Join
+
+        admin_key = args.admin_key or cluster.gateway.admin_key
+        join = Join(args.join, dial_address(config.host, config.port), config.role, admin_key,
+                    cluster.launcher.ready_timeout_s)
+
+        def stop_refused(reason: str) -> None:
+            print(f"error: --join: {reason}", file=sys.stderr, flush=True)
+            refused.append(reason)
+            os.kill(os.getpid(), signal.SIGTERM)  # drain (nothing is held yet) and exit
+
+        def leave() -> None:  # on the event loop: the HTTP call runs on a thread of its own
+            threading.Thread(target=join.leave, name="leave", daemon=True).start()
+
+        join.start(config.tls, stop_refused)
+        on_drain = leave
+    try:
+        run_worker(config, on_drain=on_drain)
+    except BindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ModelLoadError as exc:  # a checkpoint it cannot load: one line naming why, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    code = 1 if refused else 0
+    if args.reexec:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End a worker process that has stopped cleanly without the interpreter's teardown.
+
+    By now the server is stopped, the engine closed and the KV memory deregistered; what is
+    left is module and C++ static teardown (torch, gRPC, the transfer engines), measured at
+    0.5-5 s on this machine, which only delays the moment a drained worker is gone.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _worker_process_config(cluster: ClusterConfig, args: argparse.Namespace) -> WorkerConfig:
+    """The WorkerConfig of this process: its replica's, with --host/--port; with --join a
+    replica beyond the configured ones on a free port."""
+    rc = cluster.role(args.role)
+    replica = rc.count if args.join and not args.replica else args.replica
+    # A joining worker takes the role's settings (replica 0's); it reports its own replica.
+    config = worker_config(cluster, args.role, 0 if args.join else replica)
+    config = config.replace(replica=replica, host=args.host or config.host)
+    if args.port is not None or args.join:
+        from orchestrator.launch.ports import choose_port
+
+        config = config.replace(port=args.port if args.port is not None
+                                else choose_port(config.host))
+    if not config.port:
+        raise ClusterConfigError(f"roles.{args.role}.base_port is unset: pass --port N, set the "
+                                 "base_port, or use the run's cluster.yaml (logs/<port>/), "
+                                 "where the local launcher wrote the ports it chose")
+    if args.node_rank:
+        config = config.replace(parallel=dataclasses.replace(config.parallel,
+                                                             node_rank=args.node_rank))
+    return config
+
+
+def _reexec_with_bind_shim(config: WorkerConfig) -> None:
+    """Run this worker again with Mooncake's listeners held to its host (transfer/bind_host.py).
+
+    Only from the real command line (a test calling main() must not be replaced)."""
+    from transfer.bind_host import ShimUnavailable, worker_env
+
+    try:
+        env = worker_env(config.transfer.backend, config.role, config.host, os.environ)
+    except ShimUnavailable as exc:
+        print(f"warning: mooncake's listeners will bind every interface: {exc}", file=sys.stderr)
+        return
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "orchestrator.cli", *sys.argv[1:]], env)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    config = gateway_config(_load(args))
+    extra = [f"gateway.admin_key={args.admin_key}"] if args.admin_key else []
+    config = gateway_config(_load(args, [*extra, *_parser_overrides(args)]))
     config.validate()
     from gateway.server import run_gateway  # lazy: keeps torch-free commands light
 
@@ -189,9 +351,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from orchestrator.devices import cuda_status
     from orchestrator.plan import format_plan
 
-    print(format_plan(_load(args)))
+    if args.gpus is not None and args.gpus < 1:
+        print(f"error: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_plan(_load(args), cuda_status(args.gpus)))
     return 0
 
 
@@ -245,24 +411,54 @@ def _load_eval_gate(config: str | None) -> EvalGate:
     return load_config(resolve_config_path(config)).eval if config else EvalGate()
 
 
+def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
+    """`--concurrency 1,4,16` -> [1, 4, 16]; ValueError names the flag."""
+    if text is None:
+        return []
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes numbers separated by commas, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} values must be > 0, got {text!r}")
+    return values
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from orchestrator.bench import BenchSpec, bench_main
+    from orchestrator.bench_data import DatasetError, make_sessions_check
 
-    for name in ("input_len", "output_len", "num_requests"):
+    for name in ("input_len", "output_len", "num_requests", "num_turns", "num_groups",
+                 "prefix_len"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return EXIT_USAGE
     if args.vocab_size < 2:
         print(f"error: --vocab-size must be >= 2, got {args.vocab_size}", file=sys.stderr)
         return EXIT_USAGE
-    rate = args.request_rate or 0.0
-    spec = BenchSpec(
+    try:
+        rates = _sweep_values(args.request_rate, float, "--request-rate")
+        concs = _sweep_values(args.concurrency, int, "--concurrency") if not rates else []
+        make_sessions_check(args.dataset)
+    except (ValueError, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    base = BenchSpec(
         input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
-        concurrency=0 if rate > 0 else (args.concurrency or 4), request_rate=rate, seed=args.seed,
-        prompt_kind=args.prompt_kind, vocab_size=args.vocab_size, long_every=max(args.long_every, 0),
-        long_input_len=args.long_input_len, model=args.model, api_key=args.api_key,
+        seed=args.seed, prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
+        long_every=max(args.long_every, 0), long_input_len=args.long_input_len, model=args.model,
+        api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
+        num_groups=args.num_groups, prefix_len=args.prefix_len,
+        return_token_ids=not args.no_token_ids,
     )
-    return bench_main(args.url, spec, args.json, sys.stdout, sys.stderr)
+    specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
+             [dataclasses.replace(base, concurrency=c) for c in concs or [4]])
+    try:
+        return bench_main(args.url, specs, args.json, sys.stdout, sys.stderr,
+                          Path(args.out) if args.out else None)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 COMMANDS = {
@@ -280,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     from orchestrator.launch import LauncherUnavailableError
 
+    # A worker may re-execute itself (the bind-host shim) only when run as a program.
+    args.reexec = argv is None
     try:
         return COMMANDS[args.command](args)
     except (ClusterConfigError, LauncherUnavailableError) as exc:

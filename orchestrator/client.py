@@ -16,11 +16,17 @@ class ServerError(RuntimeError):
     """The server is unreachable or answered something that is not the OpenAI API."""
 
 
-def make_client(url: str, api_key: str = "", timeout_s: float = 600.0, concurrency: int = 64) -> httpx.AsyncClient:
+def make_client(
+    url: str, api_key: str = "", timeout_s: float = 600.0, concurrency: int = 64
+) -> httpx.AsyncClient:
     """One AsyncClient for the whole run; the pool is sized so `concurrency` requests can fly."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1))
-    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
+    limits = httpx.Limits(
+        max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1)
+    )
+    return httpx.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits
+    )
 
 
 def error_text(resp: httpx.Response) -> str:
@@ -38,10 +44,14 @@ async def first_model(client: httpx.AsyncClient) -> str:
     try:
         resp = await client.get("/v1/models", timeout=10.0)
     except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}. Is the server running?") from None
+        raise ServerError(
+            f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}. Is the server running?"
+        ) from None
     if resp.status_code != 200:
         raise ServerError(f"GET {client.base_url}/v1/models failed: {error_text(resp)}")
     try:
         return str(resp.json()["data"][0]["id"])
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ServerError(f"GET {client.base_url}/v1/models returned no model; pass --model NAME") from None
+        raise ServerError(
+            f"GET {client.base_url}/v1/models returned no model; pass --model NAME"
+        ) from None

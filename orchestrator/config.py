@@ -9,6 +9,7 @@
       roles      RolesConfig        prefill + decode (PD) or a single `both` (monolithic)
       launcher   LauncherConfig     local | slurm | ray, log dir, readiness deadline
       eval       EvalGate           the accuracy gate `tandem eval` applies by default
+      speculative SpeculativeConfig (worker/config.py) drafts verified by decode and mono workers
 
 Frozen dataclasses, composed. `load_config` reads YAML, applies `--set a.b=c` overrides, and
 validates every part plus the cross-field rules. `worker_config` and `gateway_config` derive
@@ -26,6 +27,21 @@ from typing import Any, Literal
 import yaml
 
 from gateway.config import GatewayConfig, GatewayConfigError, Policy
+from orchestrator.config_checks import (
+    WILDCARD_HOSTS,
+    ClusterConfigError,
+    same_host,
+    validate_launcher_and_eval,
+    validate_ports,
+    validate_roles,
+)
+from orchestrator.devices import CudaStatus, cuda_status, resolve_device
+from orchestrator.hub import (
+    HubModelError,
+    looks_like_repo_id,
+    resolve_repo_id,
+    split_revision,
+)
 from orchestrator.schema import SchemaError, apply_override, build, parse_override, to_plain
 from protocol.tls import TLSConfig, TLSConfigError
 from transfer.config import TransferConfig, TransferConfigError
@@ -35,21 +51,28 @@ from worker.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     WorkerConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny-1p1d.yaml"
 
+
+def resolve_config_path(path: str | None) -> Path:
+    """--config as given (None: the default config); a relative path missing here is looked up
+    in the repository."""
+    if path is None:
+        return DEFAULT_CONFIG
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        return REPO_ROOT / p
+    return p
+
+
 RoleName = Literal["prefill", "decode", "both"]
 ROLE_NAMES: tuple[RoleName, ...] = ("prefill", "decode", "both")
 LauncherKind = Literal["local", "slurm", "ray"]
-# Hosts a listening socket binds to that a client must not dial as such.
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-class ClusterConfigError(ValueError):
-    """The cluster config is wrong; the message names the field (and the file) and the fix."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,8 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str = ""  # "" = no auth
+    admin_key: str = ""  # /workers (add, drain, list) and /metrics; "" = admin routes off
+    metrics_public: bool = False  # /metrics without the admin key (Prometheus scrapers)
     prefill_policy: Policy = "cache_aware"
     decode_policy: Policy = "least_load"  # also the policy of `both` workers
     health_interval_s: float = 1.0
@@ -75,10 +100,13 @@ class GatewaySettings:
     cache_aware_load_threshold: float = 8.0
     cache_aware_max_pages: int = 200_000
     log_level: str = "info"
+    reasoning_parser: str = "auto"  # auto | none | qwen3 | deepseek_r1 (auto: from the template)
+    tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_coder | llama3_json | mistral ...
 
 
 # GatewayConfig fields that the orchestrator fills from the rest of the tree, not from YAML.
-GATEWAY_DERIVED_FIELDS = ("model_path", "served_model_name", "workers", "prefill", "decode", "tls")
+GATEWAY_DERIVED_FIELDS = ("model_path", "served_model_name", "workers", "prefill", "decode", "tls",
+                          "cluster_id", "model_fingerprint", "drain_timeout_s")
 
 
 All2All = Literal["torch", "deepep"]
@@ -93,7 +121,9 @@ class RoleParallel:
     """
 
     tp_size: int = 1  # attention tensor parallelism
-    device: str = "cpu"  # cpu | cuda (GPUs handed out in plan order) | cuda:N (fixed)
+    # auto (cuda where CUDA is usable here, else cpu) | cpu | cuda (GPUs handed out in plan
+    # order) | cuda:N (fixed)
+    device: str = "auto"
     dp_size: int = 1  # attention data-parallel groups
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or the world
     all2all_backend: All2All = "torch"  # MoE dispatch/combine; deepep only with ep_size > 1
@@ -111,15 +141,17 @@ class RoleParallel:
 @dataclass(frozen=True)
 class RoleConfig:
     """One pool of identical workers. Replica i listens on base_port + i * port_stride
-    (port_stride 0: all on base_port, which needs a host per replica in `hosts`)."""
+    (port_stride 0: all on base_port, which needs a host per replica in `hosts`).
+    base_port 0 (unset): the local launcher picks free ports; Slurm and Ray need it set."""
 
     count: int = 1
     host: str = "127.0.0.1"
     # Per-replica hosts (bind and dial) overriding `host`; launchers that spread replicas over
     # nodes (Slurm) fill it. Empty = every replica on `host`.
     hosts: tuple[str, ...] = ()
-    base_port: int = 50051
+    base_port: int = 0
     port_stride: int = 10  # > 1 leaves room for a worker's side ports (e.g. bootstrap)
+    drain_timeout_s: float = 30.0  # a draining worker finishes its requests within this
     parallel: RoleParallel = field(default_factory=RoleParallel)
     num_threads: int = 0  # torch intra-op threads per worker; 0 = torch's default
     # Per-role overrides: the YAML gives only the fields that differ; load_config merges them
@@ -128,7 +160,8 @@ class RoleConfig:
     scheduler: SchedulerConfig | None = None
 
     def port(self, replica: int) -> int:
-        return self.base_port + replica * self.port_stride
+        """The replica's gRPC port; 0 while unpinned (the local launcher resolves it)."""
+        return self.base_port + replica * self.port_stride if self.base_port else 0
 
     def host_of(self, replica: int) -> str:
         return self.hosts[replica] if self.hosts else self.host
@@ -154,7 +187,9 @@ class RolesConfig:
 @dataclass(frozen=True)
 class LauncherConfig:
     kind: LauncherKind = "local"
-    log_dir: str = "logs"  # one log per process: prefill-0.log, decode-0.log, lb.log
+    log_dir: str = "logs"  # a run directory per cluster inside: logs/<gateway port>/
+    run_dir: str = ""  # "" = <log_dir>/<gateway port>: cluster.yaml, prefill-0.log, lb.log
+    cluster_id: str = ""  # "" = drawn at each launch; workers report it and must match it
     ready_timeout_s: float = 300.0  # from start until every worker's gRPC health says SERVING
     stop_grace_s: float = 10.0  # SIGTERM → SIGKILL
     log_tail_lines: int = 40  # lines of a failed process's log printed on failure
@@ -194,6 +229,8 @@ class ClusterConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     eval: EvalGate = field(default_factory=EvalGate)
     tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC link (off: plaintext on loopback)
+    # Decode and mono workers draft and verify; prefill workers ship what the drafter needs.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def role(self, name: str) -> RoleConfig:
         rc = getattr(self.roles, name, None) if name in ROLE_NAMES else None
@@ -213,94 +250,19 @@ class ClusterConfig:
             self.cache.validate("cache")
             self.scheduler.validate("scheduler")
             self.transfer.validate("transfer")
-            _validate_roles(self)
+            validate_roles(self)
             for name, rc in self.roles.present():
                 if rc.cache is not None:
                     rc.cache.validate(f"roles.{name}.cache")
                 if rc.scheduler is not None:
                     rc.scheduler.validate(f"roles.{name}.scheduler")
-            gateway_config(self).validate("gateway")
+            gateway_config(self, resolved=False).validate("gateway")
             self.tls.validate("tls")
+            self.speculative.validate("speculative")
         except (ConfigError, TransferConfigError, GatewayConfigError, TLSConfigError) as exc:
             raise ClusterConfigError(str(exc)) from None
-        _validate_launcher_and_eval(self)
-        _validate_ports(self)
-
-
-def _validate_roles(cluster: ClusterConfig) -> None:
-    roles = cluster.roles
-    if roles.both is not None and (roles.prefill is not None or roles.decode is not None):
-        raise ClusterConfigError(
-            "roles: give either `both` (monolithic) or `prefill` and `decode` (disaggregated), not both kinds"
-        )
-    if roles.both is None and (roles.prefill is None or roles.decode is None):
-        missing = "prefill" if roles.prefill is None else "decode"
-        raise ClusterConfigError(
-            f"roles: disaggregated serving needs both `prefill` and `decode`; `{missing}` is missing. "
-            f"Add roles.{missing}, or use a single roles.both for monolithic serving"
-        )
-    for name, rc in roles.present():
-        where = f"roles.{name}"
-        if rc.count < 1:
-            raise ClusterConfigError(f"{where}.count must be >= 1, got {rc.count} (remove the role instead)")
-        if rc.port_stride < 0:
-            raise ClusterConfigError(f"{where}.port_stride must be >= 0 (0 = every replica on base_port, "
-                                     f"each on its own host), got {rc.port_stride}")
-        if rc.base_port < 1 or rc.port(rc.count - 1) > 65535:
-            raise ClusterConfigError(
-                f"{where}: ports {rc.base_port}..{rc.port(rc.count - 1)} leave 1..65535; lower base_port or port_stride"
-            )
-        if rc.parallel.tp_size < 1:
-            raise ClusterConfigError(f"{where}.parallel.tp_size must be >= 1, got {rc.parallel.tp_size}")
-        if rc.hosts and len(rc.hosts) != rc.count:
-            raise ClusterConfigError(f"{where}.hosts lists {len(rc.hosts)} hosts for count={rc.count} replicas; "
-                                     "give one host per replica or leave it empty")
-        for fname in ("dp_size", "ep_size", "nnodes", "deepep_max_tokens_per_rank"):
-            if getattr(rc.parallel, fname) < 1:
-                raise ClusterConfigError(f"{where}.parallel.{fname} must be >= 1, got {getattr(rc.parallel, fname)}")
-        if rc.parallel.procs_per_node < 0:
-            raise ClusterConfigError(f"{where}.parallel.procs_per_node must be >= 0 (0 = world / nnodes), "
-                                     f"got {rc.parallel.procs_per_node}")
-        dev = rc.parallel.device
-        if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise ClusterConfigError(f"{where}.parallel.device must be cpu, cuda or cuda:N, got {dev!r}")
-        if rc.num_threads < 0:
-            raise ClusterConfigError(f"{where}.num_threads must be >= 0 (0 = torch's default), got {rc.num_threads}")
-
-
-def _validate_launcher_and_eval(cluster: ClusterConfig) -> None:
-    if cluster.launcher.ready_timeout_s <= 0:
-        raise ClusterConfigError(f"launcher.ready_timeout_s must be > 0, got {cluster.launcher.ready_timeout_s}")
-    if cluster.launcher.stop_grace_s < 0:
-        raise ClusterConfigError(f"launcher.stop_grace_s must be >= 0, got {cluster.launcher.stop_grace_s}")
-    ev = cluster.eval
-    if ev.samples < 1 or ev.concurrency < 1:
-        raise ClusterConfigError(f"eval.samples and eval.concurrency must be >= 1, got {ev.samples} and {ev.concurrency}")
-    if not 0.0 <= ev.min_accuracy <= 1.0:
-        raise ClusterConfigError(f"eval.min_accuracy must be within 0..1, got {ev.min_accuracy}")
-    if not 1 <= cluster.gateway.port <= 65535:
-        raise ClusterConfigError(f"gateway.port must be within 1..65535, got {cluster.gateway.port}")
-
-
-def _same_host(a: str, b: str) -> bool:
-    norm = {"localhost": "127.0.0.1"}
-    a, b = norm.get(a, a), norm.get(b, b)
-    return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
-
-
-def _validate_ports(cluster: ClusterConfig) -> None:
-    """No two listeners (gateway, every worker replica) on the same host:port."""
-    taken: list[tuple[str, int, str]] = [(cluster.gateway.host, cluster.gateway.port, "gateway.port")]
-    for name, rc in cluster.roles.present():
-        for i in range(rc.count):
-            taken.append((rc.host_of(i), rc.port(i), f"roles.{name} replica {i}"))
-    for j, (host, port, who) in enumerate(taken):
-        for host2, port2, who2 in taken[:j]:
-            if port == port2 and _same_host(host, host2):
-                raise ClusterConfigError(
-                    f"port collision: {who} and {who2} both use {host}:{port}. "
-                    "Change a role's base_port / port_stride or gateway.port"
-                )
+        validate_launcher_and_eval(self)
+        validate_ports(self)
 
 
 def _merge_role_sections(data: dict[str, Any]) -> None:
@@ -317,15 +279,24 @@ def _merge_role_sections(data: dict[str, Any]) -> None:
                 role[section] = {**base, **role[section]}
 
 
-def _resolve_model_path(path: str) -> str:
-    """A relative model path means the current directory, else the repository (embedded model)."""
-    p = Path(path)
+def _resolve_model_path(model: ModelConfig) -> ModelConfig:
+    """A relative model path means the current directory, else the repository (embedded
+    model), else a Hugging Face name (ORG/NAME) in the local cache, served under that name.
+    Not found anywhere: left as written, for the launcher's check to name where it looked."""
+    p = Path(model.path)
     if p.is_absolute():
-        return path
+        return model
     for root in (Path.cwd(), REPO_ROOT):
         if (root / p).exists():
-            return str((root / p).resolve())
-    return path
+            return dataclasses.replace(model, path=str((root / p).resolve()))
+    if looks_like_repo_id(model.path):
+        try:
+            snapshot = resolve_repo_id(model.path)
+        except HubModelError:
+            return model
+        name = model.served_model_name or split_revision(model.path)[0]
+        return dataclasses.replace(model, path=str(snapshot), served_model_name=name)
+    return model
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "") -> ClusterConfig:
@@ -339,8 +310,7 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
         cluster: ClusterConfig = build(ClusterConfig, data)
     except SchemaError as exc:
         raise ClusterConfigError(f"{source}: {exc}" if source else str(exc)) from None
-    model = dataclasses.replace(cluster.model, path=_resolve_model_path(cluster.model.path))
-    cluster = dataclasses.replace(cluster, model=model)
+    cluster = dataclasses.replace(cluster, model=_resolve_model_path(cluster.model))
     try:
         cluster.validate()
     except ClusterConfigError as exc:
@@ -375,17 +345,20 @@ def dump_config(cluster: ClusterConfig) -> str:
     return yaml.safe_dump(to_plain(cluster), sort_keys=False)
 
 
-def device_for(cluster: ClusterConfig, role: str, replica: int) -> str:
-    """The device of a replica's rank 0: `cuda` hands out GPUs per host in launch order."""
+def device_for(cluster: ClusterConfig, role: str, replica: int,
+               cuda: CudaStatus | None = None) -> str:
+    """The device of a replica's rank 0: `cuda` hands out GPUs per host in launch order;
+    `auto` is `cuda` where `cuda` (default: this machine's status) says CUDA is usable."""
+    cuda = cuda or cuda_status()
     rc = cluster.role(role)
-    if rc.parallel.device != "cuda":
-        return rc.parallel.device
+    if resolve_device(rc.parallel.device, cuda) != "cuda":
+        return resolve_device(rc.parallel.device, cuda)
     nxt = 0
     for name, other in cluster.roles.present():
-        if other.parallel.device != "cuda":
+        if resolve_device(other.parallel.device, cuda) != "cuda":
             continue
         for i in range(other.count):
-            if not _same_host(other.host_of(i), rc.host_of(replica)):
+            if not same_host(other.host_of(i), rc.host_of(replica)):
                 continue
             if name == role and i == replica:
                 return f"cuda:{nxt}"
@@ -409,6 +382,10 @@ def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> Worker
         transfer=cluster.transfer,
         num_threads=rc.num_threads,
         tls=cluster.tls,
+        speculative=cluster.speculative,
+        cluster_id=cluster.launcher.cluster_id,
+        replica=replica,
+        drain_timeout_s=rc.drain_timeout_s,
     )
 
 
@@ -432,18 +409,29 @@ def _worker_parallel(rc: RoleConfig, replica: int, device: str) -> ParallelConfi
 
 def dial_address(host: str, port: int) -> str:
     """host:port a client dials; a wildcard bind address is reached over loopback."""
-    return f"{'127.0.0.1' if host in _WILDCARD_HOSTS else host}:{port}"
+    return f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
 
 
-def worker_addresses(cluster: ClusterConfig, role: str) -> tuple[str, ...]:
+def worker_addresses(cluster: ClusterConfig, role: str, resolved: bool = True) -> tuple[str, ...]:
+    """host:port of every replica; `resolved`: ClusterConfigError while a port is unpinned."""
     rc = getattr(cluster.roles, role)
     if rc is None:
         return ()
+    if resolved and not rc.base_port:
+        raise ClusterConfigError(
+            f"roles.{role}.base_port is unset (0): only the local launcher (`tandem serve`) picks "
+            f"free ports; set roles.{role}.base_port for a gateway or launcher that dials it")
     return tuple(dial_address(rc.host_of(i), rc.port(i)) for i in range(rc.count))
 
 
-def gateway_config(cluster: ClusterConfig) -> GatewayConfig:
-    """The GatewayConfig: the gateway section plus model and worker addresses from the roles."""
+def gateway_config(cluster: ClusterConfig, resolved: bool = True) -> GatewayConfig:
+    """The GatewayConfig: the gateway section plus model and worker addresses from the roles.
+
+    `resolved`: the worker ports must be pinned (the gateway dials them); False only to
+    validate a config whose ports the local launcher has yet to choose.
+    """
+    from protocol.identity import model_fingerprint
+
     # Only the fields GatewayConfig has: a setting the gateway dropped must not break loading.
     accepted = {f.name for f in dataclasses.fields(GatewayConfig)}
     settings = {
@@ -455,8 +443,12 @@ def gateway_config(cluster: ClusterConfig) -> GatewayConfig:
         **settings,
         model_path=cluster.model.path,
         served_model_name=cluster.served_model_name,
-        workers=worker_addresses(cluster, "both"),
-        prefill=worker_addresses(cluster, "prefill"),
-        decode=worker_addresses(cluster, "decode"),
+        workers=worker_addresses(cluster, "both", resolved),
+        prefill=worker_addresses(cluster, "prefill", resolved),
+        decode=worker_addresses(cluster, "decode", resolved),
         tls=cluster.tls,
+        cluster_id=cluster.launcher.cluster_id,
+        model_fingerprint=model_fingerprint(cluster.served_model_name, cluster.model.path,
+                                            cluster.model.load_format, cluster.model.seed),
+        drain_timeout_s=max(rc.drain_timeout_s for _, rc in cluster.roles.present()),
     )

@@ -18,6 +18,7 @@ from typing import IO, Any, Protocol
 import httpx
 
 from orchestrator.client import ServerError, error_text, first_model, make_client
+from orchestrator.progress import Progress
 
 
 class Problem(Protocol):
@@ -50,27 +51,6 @@ class EvalResult:
         return self.correct / self.total if self.total else 0.0
 
 
-class Progress:
-    """A plain `\\r` progress bar on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, total: int, stream: IO[str], width: int = 30) -> None:
-        self.total, self.stream, self.width, self.done = total, stream, width, 0
-        self.enabled = stream.isatty()
-
-    def step(self) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = self.width * self.done // max(self.total, 1)
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\r[{bar}] {self.done}/{self.total}")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 async def _complete(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
     """One completion's text; ServerError with the reason if there is none."""
     try:
@@ -99,7 +79,8 @@ async def run_eval(
     """Send `samples` problems of `task` to `url`, `concurrency` at a time; score them."""
     problems = task.make_problems(samples, seed)
     result = EvalResult(total=len(problems))
-    progress = Progress(len(problems), progress_stream or sys.stderr)
+    task_name = getattr(task, "__name__", "task").rsplit(".", 1)[-1]  # a task is a module
+    progress = Progress(len(problems), f"eval {task_name}", progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
     async with make_client(url, api_key, timeout_s, concurrency) as client:
         name = model or await first_model(client)  # ServerError if unreachable: nothing to score
@@ -116,9 +97,10 @@ async def run_eval(
                     result.failed += 1
                     if len(result.errors) < 5:
                         result.errors.append(str(exc))
+                    progress.advance(ok=False)
                 else:
                     result.correct += bool(task.score(problem, text))
-                progress.step()
+                    progress.advance()
 
         try:
             await asyncio.gather(*(one(p) for p in problems))

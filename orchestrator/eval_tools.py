@@ -20,7 +20,8 @@ from typing import IO, Any
 import openai
 
 from orchestrator.client import ServerError
-from orchestrator.eval import EvalResult, Progress
+from orchestrator.eval import EvalResult
+from orchestrator.progress import Progress
 
 STAGE_CALLS = "tool calls right"
 STAGE_ANSWER = "answers right after the tool results"
@@ -120,7 +121,8 @@ async def run_tool_eval(
     """Run the tool loop on `samples` problems of `task`, `concurrency` at a time; score them."""
     problems = task.make_problems(samples, seed)
     result = EvalResult(total=len(problems), stages={STAGE_CALLS: 0, STAGE_ANSWER: 0})
-    progress = Progress(len(problems), progress_stream or sys.stderr)
+    label = "eval " + getattr(task, "__name__", "tools").rsplit(".", 1)[-1]
+    progress = Progress(len(problems), label, progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
     # No retries: a request the server failed must count, not be hidden by a second try.
     client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused",
@@ -135,11 +137,12 @@ async def run_tool_eval(
                     # the other tasks' increments.
                     right = await loop.run(problem, result.stages)
                     result.correct += right
+                    progress.advance()
                 except (openai.APIError, ServerError) as exc:
                     result.failed += 1
                     if len(result.errors) < 5:
                         result.errors.append(_error_text(exc))
-                progress.step()
+                    progress.advance(ok=False)
 
         try:
             await asyncio.gather(*(one(p) for p in problems))

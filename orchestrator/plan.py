@@ -26,9 +26,16 @@ from orchestrator.config import (
     dist_init_addr,
     worker_config,
 )
+from orchestrator.devices import CudaStatus, cuda_status, resolve_device
+from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
+from orchestrator.weights import WeightBytes, weight_bytes
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# cache.kv_cache_dtype → the pages' dtype and bytes per element ("auto": the model dtype's).
+_KV_CACHE_DTYPES = {"fp8_e4m3": ("float8_e4m3fn", 1)}
+_WINDOW_RINGS_PER_SEQ = 2  # worker/cache_layout.py: decode holds rings of rooms in flight too
+_STATE_SLOTS_PER_SEQ = 3  # worker/cache_layout.py: 2 per seat (rooms in flight) + 1 snapshot
 # Keys of config.json that name the routed-expert count (Qwen-MoE, Mixtral, DeepSeek).
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -75,12 +82,18 @@ class KVBudget:
     role: str
     page_size: int
     num_pages: int
-    page_bytes: int  # one page, all layers, K and V, summed over the replica's TP ranks
-    dtype: str
+    # One page: its group's layers (all but ring-kept window layers), K and V, all TP ranks.
+    page_bytes: int
+    dtype: str  # of the KV pages (cache.kv_cache_dtype)
+    groups: tuple[KVGroup, ...] = ()  # the cache groups (orchestrator/kv_groups.py)
+    window_bytes: int = 0  # the window-ring region (models whose window layers keep rings)
+    state_bytes: int = 0  # the recurrent-state region: request and snapshot slots
+    tp_size: int = 1  # ranks of one replica (the groups' bytes/token count all of them)
+    weights: WeightBytes | None = None  # the replica's weights in the dtype it holds them in
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.page_bytes + self.window_bytes + self.state_bytes
 
 
 def procs_per_node(rc: RoleConfig) -> int:
@@ -112,8 +125,10 @@ def num_nodes(cluster: ClusterConfig) -> int:
     return sum(rc.count * rc.parallel.nnodes for _, rc in cluster.roles.present())
 
 
-def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
-    """Every rank process in launch order: workers (each replica's ranks), then the gateway."""
+def plan_processes(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> list[ProcessRow]:
+    """Every rank process in launch order: workers (each replica's ranks), then the gateway.
+    `cuda`: the machine's CUDA status (default: probed here), which `device: auto` follows."""
+    cuda = cuda or cuda_status()
     rows: list[ProcessRow] = []
     first_node = replica_nodes(cluster)
     for role, rc in cluster.roles.present():
@@ -121,8 +136,8 @@ def plan_processes(cluster: ClusterConfig) -> list[ProcessRow]:
         per_node = procs_per_node(rc)
         for i in range(rc.count):
             # Nodes of their own start at GPU 0; on one machine GPUs are handed out in order.
-            spread = spreads_over_nodes(cluster) and p.device == "cuda"
-            dev0 = "cuda:0" if spread else device_for(cluster, role, i)
+            spread = spreads_over_nodes(cluster) and resolve_device(p.device, cuda) == "cuda"
+            dev0 = "cuda:0" if spread else device_for(cluster, role, i, cuda)
             for g in range(p.world_size):
                 local = g % per_node
                 # A node's ranks take consecutive GPUs from its local rank 0's.
@@ -160,20 +175,50 @@ def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
     return "float32" if name in ("float16", "half") else name
 
 
-def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None) -> None:
+def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None,
+                 cuda: CudaStatus | None = None) -> None:
     """Every layout rule; LayoutError names the first one broken. `hf`: the checkpoint's
-    config.json (None = skip the rules that need the model's shapes)."""
+    config.json (None = skip the rules that need the model's shapes); `cuda`: the machine's
+    CUDA status (default: probed here)."""
+    cuda = cuda or cuda_status()
+    check_devices(cluster, cuda)
     for role, rc in cluster.roles.present():
-        _check_world(cluster, role, rc)
+        _check_world(cluster, role, rc, cuda)
         _check_moe(cluster, role, rc, hf)
         if hf is not None:
             _check_shapes(role, rc, hf)
         for i in range(rc.count):
             _check_dist_init(role, rc, i)
+    _check_gpu_count(cluster, cuda)
 
 
-def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig) -> None:
+def check_devices(cluster: ClusterConfig, cuda: CudaStatus) -> None:
+    """A local cluster's cuda roles need CUDA here, and GPUs enough (Slurm / Ray nodes are
+    not this machine: their devices are checked where they run)."""
+    if spreads_over_nodes(cluster):
+        return
+    fix = "set device: auto or cpu, or plan for a GPU machine with `tandem plan --gpus N`"
+    for role, rc in cluster.roles.present():
+        dev = rc.parallel.device
+        if dev.startswith("cuda") and not cuda.available:
+            raise LayoutError(f"roles.{role}.parallel.device={dev}: CUDA is not usable here "
+                              f"({cuda.why_not()}); {fix}")
+
+
+def _check_gpu_count(cluster: ClusterConfig, cuda: CudaStatus) -> None:
+    if spreads_over_nodes(cluster):
+        return
+    rows = [r for r in plan_processes(cluster, cuda) if r.device.startswith("cuda:")]
+    top = max((int(r.device[5:]) for r in rows), default=-1)
+    if top >= cuda.gpus > 0:
+        raise LayoutError(f"roles: the cuda roles use GPUs cuda:0..cuda:{top} ({len(rows)} "
+                          f"rank processes) but this machine has {cuda.gpus}; lower counts or "
+                          "tp_size, or use a multi-node launcher")
+
+
+def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig, cuda: CudaStatus) -> None:
     p, where = rc.parallel, f"roles.{role}.parallel"
+    on_cuda = resolve_device(p.device, cuda).startswith("cuda")
     world = p.world_size
     if p.procs_per_node and p.nnodes * p.procs_per_node != world:
         raise LayoutError(
@@ -188,11 +233,12 @@ def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig) -> None:
         raise LayoutError(f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
                           "use launcher.kind=slurm for multi-node workers or set nnodes=1")
     gpus = cluster.launcher.gpus_per_node
-    if gpus and p.device.startswith("cuda") and procs_per_node(rc) > gpus:
+    if gpus and on_cuda and procs_per_node(rc) > gpus:
         raise LayoutError(f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
                           f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size")
-    if gpus and p.device.startswith("cuda") and not spreads_over_nodes(cluster):
-        used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present() if o.parallel.device == "cuda")
+    if gpus and on_cuda and not spreads_over_nodes(cluster):
+        used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present()
+                   if resolve_device(o.parallel.device, cuda) == "cuda")
         if used > gpus:
             raise LayoutError(f"roles: the cuda roles need {used} GPUs on this machine but launcher.gpus_per_node={gpus}; "
                               "lower counts or tp_size, or use a multi-node launcher")
@@ -239,7 +285,9 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if heads % tp:
         raise LayoutError(f"{where}={tp} must divide num_attention_heads={heads}")
-    if kv_heads % tp and tp % kv_heads:
+    if mla_latent_dim(hf):
+        _check_mla(where, tp, hf)
+    elif kv_heads % tp and tp % kv_heads:
         raise LayoutError(f"{where}={tp} must divide num_key_value_heads={kv_heads} "
                           "or be a multiple of it (KV heads are then replicated)")
     # A dense MLP is split over its DP group's TP ranks; TP-sharded experts over the whole world.
@@ -248,10 +296,25 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     if _num_experts(hf) == 0 and inter and inter % tp:
         raise LayoutError(f"{where}: intermediate_size={inter} must be divisible by tp_size={tp} "
                           "(the MLP is sharded over the TP ranks)")
-    moe_inter = int(hf.get("moe_intermediate_size") or 0)
+    # One expert's width: moe_intermediate_size; GPT-OSS's is intermediate_size (all layers MoE).
+    gpt_oss_inter = hf.get("intermediate_size") if hf.get("model_type") == "gpt_oss" else 0
+    moe_inter = int(hf.get("moe_intermediate_size") or gpt_oss_inter or 0)
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
         raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
                           f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
+
+
+def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:
+    """DeepSeek: no kv heads to split (the latent is replicated); its dense layers and shared
+    experts are SwiGLUs split over the attention TP ranks."""
+    inter = int(hf.get("intermediate_size") or 0)
+    if inter % tp:
+        raise LayoutError(f"{where}: intermediate_size={inter} must be divisible by tp_size={tp} "
+                          "(the first_k_dense_replace dense layers are sharded over the TP ranks)")
+    shared = int(hf.get("n_shared_experts") or 0) * int(hf.get("moe_intermediate_size") or 0)
+    if shared % tp:
+        raise LayoutError(f"{where}: n_shared_experts*moe_intermediate_size={shared} must be "
+                          f"divisible by tp_size={tp} (shared experts are split over the TP ranks)")
 
 
 def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
@@ -268,24 +331,42 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
                           "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host")
 
 
-def kv_budget(cluster: ClusterConfig, hf: dict[str, Any]) -> list[KVBudget]:
+def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
+              cuda: CudaStatus | None = None) -> list[KVBudget]:
     """Pages and bytes per page for each role, from the HF config.json `hf`."""
-    layers = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+    cuda = cuda or cuda_status()
     dtype = _kv_dtype(cluster, hf)
     if dtype not in _DTYPE_BYTES:
-        raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; set model.dtype to float32 or bfloat16")
-    check_layout(cluster, hf)
+        raise ClusterConfigError(f"model.dtype: cannot size a KV cache of dtype {dtype!r}; "
+                                 "set model.dtype to float32 or bfloat16")
+    check_layout(cluster, hf, cuda)
     out: list[KVBudget] = []
     for role, rc in cluster.roles.present():
         tp = rc.parallel.tp_size
-        kv_per_rank = max(1, kv_heads // tp)
-        cache = worker_config(cluster, role, 0).cache
+        wc = worker_config(cluster, role, 0)
+        cache = wc.cache
+        kv_dtype, item = _KV_CACHE_DTYPES.get(cache.kv_cache_dtype, (dtype, _DTYPE_BYTES[dtype]))
+        max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
+        max_len = min(wc.model.max_model_len or max_pos, max_pos)
+        groups = tuple(kv_groups(hf, item, tp, max_len, state_dtype_bytes=_DTYPE_BYTES[dtype]))
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
-        page_bytes = layers * 2 * kv_per_rank * cache.page_size * head_dim * _DTYPE_BYTES[dtype] * tp
-        out.append(KVBudget(role, cache.page_size, cache.total_pages * rc.parallel.dp_size, page_bytes, dtype))
+        paged = next(g for g in groups if g.kind in (FULL, MLA))
+        page_bytes = paged.bytes_per_token * cache.page_size
+        window = next((g for g in groups if g.kind == WINDOW), None)
+        window_bytes = 0
+        if window is not None:  # rings for every seat, twice over (see _WINDOW_RINGS_PER_SEQ)
+            seats = _WINDOW_RINGS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
+            ring_page = window.bytes_per_token * cache.page_size
+            window_bytes = window.ring_pages(cache.page_size) * seats * ring_page
+        num_pages = cache.total_pages * rc.parallel.dp_size
+        state = next((g for g in groups if g.kind == RECURRENT), None)
+        state_bytes = 0
+        if state is not None:  # worker/cache_layout.py: state_slots (requests + snapshots)
+            slots = _STATE_SLOTS_PER_SEQ * wc.scheduler.max_num_seqs * rc.parallel.dp_size
+            state_bytes = slots * state.bytes_per_request
+        weights = weight_bytes(cluster.model.path, hf, dtype, device_for(cluster, role, 0, cuda))
+        out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, kv_dtype, groups,
+                            window_bytes, state_bytes, tp, weights))
     return out
 
 
@@ -316,18 +397,23 @@ def format_rank_map(rows: list[ProcessRow]) -> str:
     )
 
 
-def format_plan(cluster: ClusterConfig) -> str:
+def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     """The text `tandem plan` prints: the rank map, then the KV budget per role.
 
     Raises LayoutError for a broken rule (the shape rules only when config.json is there).
     """
-    check_layout(cluster)
-    rows = plan_processes(cluster)
+    cuda = cuda or cuda_status()
+    check_layout(cluster, None, cuda)
+    rows = plan_processes(cluster, cuda)
     mode = "disaggregated (prefill/decode)" if cluster.roles.is_pd else "monolithic (both)"
     parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
              f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
+    if any(rc.parallel.device == "auto" for _, rc in cluster.roles.present()):
+        why = f"{cuda.gpus} GPUs" if cuda.available else cuda.why_not()
+        parts[1:1] = [f"device auto: {resolve_device('auto', cuda)} ({why})"]
     try:
-        budgets = kv_budget(cluster, read_model_config(cluster.model.path))
+        hf = read_model_config(cluster.model.path)
+        budgets = kv_budget(cluster, hf, cuda)
     except LayoutError:
         raise
     except ClusterConfigError as exc:
@@ -336,7 +422,33 @@ def format_plan(cluster: ClusterConfig) -> str:
         parts.append(f"KV budget: unknown ({exc})")
         return "\n".join(parts)
     parts.append(_table(
-        ["role", "pages/worker", "page_size", "bytes/page", "KV/worker", "dtype"],
-        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes), b.dtype] for b in budgets],
+        ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype",
+         "weights/worker", "weights dtype"],
+        [[b.role, str(b.num_pages), str(b.page_size), str(b.page_bytes), _human(b.total_bytes),
+          b.dtype, _weights_cell(b.weights), b.weights.dtype if b.weights else "-"]
+         for b in budgets],
     ))
+    group_rows = [[b.role, g.kind, str(len(g.layers)),
+                   _human(g.bytes_per_token) if g.bytes_per_token else "-",
+                   _human(g.bytes_per_token // b.tp_size) if g.bytes_per_token else "-",
+                   _human(g.bytes_per_request) if g.bytes_per_request else "-",
+                   _kept(g, b.page_size)] for b in budgets for g in b.groups]
+    parts += ["", "KV cache groups (bytes/token: all TP ranks of a replica; an MLA latent is whole "
+              "on every rank):",
+              _table(["role", "group", "layers", "bytes/token", "per rank", "bytes/request",
+                      "kept per request"], group_rows)]
     return "\n".join(parts)
+
+
+def _kept(group: KVGroup, page_size: int) -> str:
+    if group.kind == WINDOW:
+        return f"last {group.window} tokens (ring of {group.ring_pages(page_size)} pages)"
+    if group.kind == RECURRENT:
+        return "one state slot"
+    return "every token"
+
+
+def _weights_cell(w: WeightBytes | None) -> str:
+    if w is None:
+        return "-"
+    return _human(w.total) + ("" if w.exact else " (est.)")

@@ -66,7 +66,9 @@ def convert(value: Any, tp: Any, path: str) -> Any:
     if value is None:
         if optional:
             return None
-        raise SchemaError(f"{path}: expected {_type_name(tp)}, got null. Give a value or remove the key.")
+        raise SchemaError(
+            f"{path}: expected {_type_name(tp)}, got null. Give a value or remove the key."
+        )
     if dataclasses.is_dataclass(inner):
         if not isinstance(value, dict):
             raise SchemaError(f"{path}: expected a mapping (a section with keys), got {value!r}")
@@ -96,7 +98,9 @@ def convert(value: Any, tp: Any, path: str) -> Any:
         return value
     if inner is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SchemaError(f"{path}: expected float (a number), got {value!r} ({type(value).__name__})")
+            raise SchemaError(
+                f"{path}: expected float (a number), got {value!r} ({type(value).__name__})"
+            )
         return float(value)
     if inner is str:
         if isinstance(value, (dict, list)):
@@ -130,7 +134,9 @@ def field_type(cls: type, dotted: str) -> Any:
     for part in dotted.split("."):
         inner, _ = _unwrap_optional(tp)
         if not dataclasses.is_dataclass(inner):
-            raise SchemaError(f"'{'.'.join(walked)}' is a value ({_type_name(tp)}), it has no key '{part}'")
+            raise SchemaError(
+                f"'{'.'.join(walked)}' is a value ({_type_name(tp)}), it has no key '{part}'"
+            )
         hints = _hints(inner)  # type: ignore[arg-type]
         if part not in hints:
             names = [f.name for f in dataclasses.fields(inner)]
@@ -171,7 +177,9 @@ def apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
         if child is None:
             child = node[key] = {}
         elif not isinstance(child, dict):
-            raise SchemaError(f"--set {'.'.join(keys)}: '{'.'.join(keys[: i + 1])}' is not a section in the config file")
+            raise SchemaError(
+                f"--set {'.'.join(keys)}: '{'.'.join(keys[: i + 1])}' is not a section in the config file"
+            )
         node = child
     node[keys[-1]] = value
 

@@ -26,17 +26,21 @@ class RoomReleased(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., waited_ms: _Optional[float] = ...) -> None: ...
 
 class CacheGroup(_message.Message):
-    __slots__ = ("kind", "layers", "window")
+    __slots__ = ("kind", "layers", "window", "state_bytes", "latent_dim")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
     kind: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     window: int
-    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    latent_dim: int
+    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., latent_dim: _Optional[int] = ...) -> None: ...
 
 class LayoutContract(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash")
+    __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash", "kv_scales")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +54,7 @@ class LayoutContract(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     num_layers: int
@@ -63,10 +68,11 @@ class LayoutContract(_message.Message):
     backend: str
     groups: _containers.RepeatedCompositeFieldContainer[CacheGroup]
     hash: str
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ...) -> None: ...
+    kv_scales: str
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ..., kv_scales: _Optional[str] = ...) -> None: ...
 
 class RoomRegistration(_message.Message):
-    __slots__ = ("room", "peer_id", "epoch", "agent_name", "agent_metadata", "kv_base", "kv_nbytes", "dst_pages", "skip_pages", "num_tokens", "contract", "num_window_pages", "window_dst_pages")
+    __slots__ = ("room", "peer_id", "epoch", "agent_name", "agent_metadata", "kv_base", "kv_nbytes", "dst_pages", "skip_pages", "num_tokens", "contract", "num_window_pages", "window_dst_pages", "num_state_slots", "state_base", "state_dst_slot")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +86,9 @@ class RoomRegistration(_message.Message):
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_PAGES_FIELD_NUMBER: _ClassVar[int]
     WINDOW_DST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BASE_FIELD_NUMBER: _ClassVar[int]
+    STATE_DST_SLOT_FIELD_NUMBER: _ClassVar[int]
     room: int
     peer_id: str
     epoch: int
@@ -93,19 +102,24 @@ class RoomRegistration(_message.Message):
     contract: LayoutContract
     num_window_pages: int
     window_dst_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, room: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base: _Optional[int] = ..., kv_nbytes: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., num_window_pages: _Optional[int] = ..., window_dst_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_state_slots: int
+    state_base: int
+    state_dst_slot: int
+    def __init__(self, room: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base: _Optional[int] = ..., kv_nbytes: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., num_window_pages: _Optional[int] = ..., window_dst_pages: _Optional[_Iterable[int]] = ..., num_state_slots: _Optional[int] = ..., state_base: _Optional[int] = ..., state_dst_slot: _Optional[int] = ...) -> None: ...
 
 class PageGroupChecksum(_message.Message):
-    __slots__ = ("start_page", "num_pages", "crc32", "window")
+    __slots__ = ("start_page", "num_pages", "crc32", "window", "state")
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     start_page: int
     num_pages: int
     crc32: int
     window: bool
-    def __init__(self, start_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., crc32: _Optional[int] = ..., window: _Optional[bool] = ...) -> None: ...
+    state: bool
+    def __init__(self, start_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., crc32: _Optional[int] = ..., window: _Optional[bool] = ..., state: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

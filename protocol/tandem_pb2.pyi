@@ -154,7 +154,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "kv_cached_pages", "rooms", "transfer_bytes", "transfer_pages", "prompt_tokens_computed", "kv_window_used_pages")
+    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "kv_cached_pages", "rooms", "transfer_bytes", "transfer_pages", "prompt_tokens_computed", "kv_window_used_pages", "spec")
     class RoomsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class Load(_message.Message):
     TRANSFER_PAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_used_pages: int
@@ -182,14 +183,33 @@ class Load(_message.Message):
     transfer_pages: int
     prompt_tokens_computed: int
     kv_window_used_pages: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_window_used_pages: _Optional[int] = ...) -> None: ...
+    spec: SpecLoad
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_window_used_pages: _Optional[int] = ..., spec: _Optional[_Union[SpecLoad, _Mapping]] = ...) -> None: ...
+
+class SpecLoad(_message.Message):
+    __slots__ = ("draft_tokens", "accepted_tokens", "request_steps", "verify_steps", "draft_seconds", "verify_seconds", "accepted_hist")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_HIST_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: int
+    accepted_tokens: int
+    request_steps: int
+    verify_steps: int
+    draft_seconds: float
+    verify_seconds: float
+    accepted_hist: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., request_steps: _Optional[int] = ..., verify_steps: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., accepted_hist: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend")
+    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend", "cluster_id", "replica", "model_fingerprint", "contract_hash", "draining")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +220,11 @@ class WorkerInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     max_model_len: int
@@ -210,4 +235,91 @@ class WorkerInfo(_message.Message):
     tp_size: int
     epoch: int
     transfer_backend: str
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    cluster_id: str
+    replica: int
+    model_fingerprint: str
+    contract_hash: str
+    draining: bool
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., cluster_id: _Optional[str] = ..., replica: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., contract_hash: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("running", "waiting")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("submits", "aborts")
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    submits: _containers.RepeatedCompositeFieldContainer[Submit]
+    aborts: _containers.RepeatedCompositeFieldContainer[SessionAbort]
+    def __init__(self, submits: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[SessionAbort, _Mapping]]] = ...) -> None: ...
+
+class Submit(_message.Message):
+    __slots__ = ("slot", "request")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    request: GenerateRequest
+    def __init__(self, slot: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class SessionAbort(_message.Message):
+    __slots__ = ("slot", "request_id", "room")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    request_id: str
+    room: int
+    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., room: _Optional[int] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("slots", "num_tokens", "token_ids", "num_logprobs", "logprobs", "started", "ended")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_logprobs: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    started: _containers.RepeatedCompositeFieldContainer[RequestStart]
+    ended: _containers.RepeatedCompositeFieldContainer[RequestEnd]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., started: _Optional[_Iterable[_Union[RequestStart, _Mapping]]] = ..., ended: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ...) -> None: ...
+
+class RequestStart(_message.Message):
+    __slots__ = ("slot", "num_prompt_tokens", "num_cached_tokens")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestEnd(_message.Message):
+    __slots__ = ("slot", "finish_reason", "status_code", "error", "transfer")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    finish_reason: str
+    status_code: int
+    error: str
+    transfer: TransferStats
+    def __init__(self, slot: _Optional[int] = ..., finish_reason: _Optional[str] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...

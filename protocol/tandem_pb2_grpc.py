@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=protocol_dot_tandem__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protocol_dot_tandem__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/tandem.v1.Worker/Session',
+                request_serializer=protocol_dot_tandem__pb2.SessionRequest.SerializeToString,
+                response_deserializer=protocol_dot_tandem__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Worker/Abort',
                 request_serializer=protocol_dot_tandem__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,11 @@ class WorkerStub:
                 request_serializer=protocol_dot_tandem__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=protocol_dot_tandem__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.v1.Worker/Drain',
+                request_serializer=protocol_dot_tandem__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protocol_dot_tandem__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -69,6 +79,18 @@ class WorkerServicer:
         INVALID_ARGUMENT (the client's fault: prompt too long, bad sampling values),
         RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (shutting down / peer gone),
         DEADLINE_EXCEEDED (a room deadline), ABORTED (aborted), INTERNAL (a bug).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """The serving path: one long-lived stream per (gateway, worker) pair. The gateway sends
+        submits and aborts (each frame carries whatever queued since the last one); the worker
+        answers with one message per engine step holding every output of this session's requests
+        in that step. A request's errors end it inside the stream (RequestEnd.status_code), with
+        the same status codes as Generate; the stream itself failing fails every request it
+        carried, and the worker aborts them all (their pages are freed) when the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +115,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain, then exit: health turns NOT_SERVING at once, new requests (and so new rooms) are
+        refused with UNAVAILABLE, held ones finish within the worker's drain_timeout_s (the rest
+        are aborted), every page is freed, and the process exits 0. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +131,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protocol_dot_tandem__pb2.GenerateRequest.FromString,
                     response_serializer=protocol_dot_tandem__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protocol_dot_tandem__pb2.SessionRequest.FromString,
+                    response_serializer=protocol_dot_tandem__pb2.SessionResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -115,6 +151,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=protocol_dot_tandem__pb2.GetInfoRequest.FromString,
                     response_serializer=protocol_dot_tandem__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protocol_dot_tandem__pb2.DrainRequest.FromString,
+                    response_serializer=protocol_dot_tandem__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -146,6 +187,33 @@ class Worker:
             '/tandem.v1.Worker/Generate',
             protocol_dot_tandem__pb2.GenerateRequest.SerializeToString,
             protocol_dot_tandem__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/Session',
+            protocol_dot_tandem__pb2.SessionRequest.SerializeToString,
+            protocol_dot_tandem__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,6 +295,33 @@ class Worker:
             '/tandem.v1.Worker/GetInfo',
             protocol_dot_tandem__pb2.GetInfoRequest.SerializeToString,
             protocol_dot_tandem__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/Drain',
+            protocol_dot_tandem__pb2.DrainRequest.SerializeToString,
+            protocol_dot_tandem__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

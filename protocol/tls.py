@@ -36,10 +36,14 @@ class TLSConfig:
                 raise TLSConfigError(f"{prefix}.{name}: {path} is not a readable file")
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())])
+        return grpc.ssl_server_credentials(
+            [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())]
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=Path(self.ca_file).read_bytes() if self.ca_file else None)
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca_file).read_bytes() if self.ca_file else None
+        )
 
 
 def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: TLSConfig) -> int:
@@ -49,14 +53,18 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: TLSConfig
     return server.add_insecure_port(address)
 
 
-def channel(address: str, tls: TLSConfig, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
+def channel(
+    address: str, tls: TLSConfig, options: list[tuple[str, int]] | None = None
+) -> grpc.Channel:
     """A blocking channel to `address`, secure when TLS is configured."""
     if tls.enabled:
         return grpc.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.insecure_channel(address, options=options)
 
 
-def aio_channel(address: str, tls: TLSConfig, options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+def aio_channel(
+    address: str, tls: TLSConfig, options: list[tuple[str, int]] | None = None
+) -> grpc.aio.Channel:
     """An asyncio channel to `address`, secure when TLS is configured."""
     if tls.enabled:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)

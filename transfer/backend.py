@@ -21,10 +21,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from transfer.config import BACKENDS, TransferConfig, TransferConfigError
+from transfer.config import TransferConfigError
 
 FAULTS_ENV = "TANDEM_TRANSFER_FAULTS"
-IB_DEVICE_ENV = "DISAGGREGATION_IB_DEVICE"
 
 
 class BackendError(RuntimeError):
@@ -146,21 +145,3 @@ class TransferFaults:
     def draw(self, rng: random.Random) -> tuple[bool, bool]:
         """(fail this write, corrupt this write)."""
         return rng.random() < self.fail, rng.random() < self.corrupt
-
-
-def make_backend(config: TransferConfig, host: str, agent_label: str) -> TransferBackend:
-    """The backend `config.backend` names (only real ones are selectable)."""
-    if config.backend == "mooncake":
-        from transfer.mooncake import MooncakeBackend
-
-        device = config.ib_device or os.environ.get(IB_DEVICE_ENV, "")
-        return MooncakeBackend(host, protocol=config.protocol, ib_device=device)
-    if config.backend == "nixl":
-        from transfer.nixl import NixlBackend
-
-        return NixlBackend(agent_label)
-    if config.backend == "cuda_ipc":
-        from transfer.cuda_ipc import CudaIpcBackend
-
-        return CudaIpcBackend(agent_label)
-    raise TransferConfigError(f"transfer.backend must be one of {' | '.join(BACKENDS)}, got {config.backend!r}")

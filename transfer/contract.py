@@ -28,12 +28,27 @@ class ContractError(ValueError):
     """A layout description is invalid or two contracts cannot exchange KV; names the fields."""
 
 
+def ring_pages(window: int, page_size: int) -> int:
+    """Pages of a sliding-window ring: ceil(window / page_size) + 1. The one formula for it.
+
+    Token p sits in ring page (p // page_size) % ring_pages. The extra page is what keeps the
+    last `window` tokens whole while the newest page fills: the page recycled when token p
+    starts a new page last held tokens at least (ring_pages - 1) * page_size >= window back.
+    Both sides derive it from (window, page_size), which the contract fixes, so a ring page
+    index means the same token range on prefill and decode.
+    """
+    return -(-window // page_size) + 1
+
+
 class CacheKind(str, enum.Enum):
     """How a cache group keeps its state, which decides what transfer ships for it."""
 
     FULL_ATTENTION = "full_attention"  # one page per page_size tokens, all retained: ship pages
     SLIDING_WINDOW = "sliding_window"  # a ring of the last `window` tokens: ship the replay tail
     RECURRENT = "recurrent"  # a fixed-size state per request (mamba/linear attn): ship the state
+    # MLA (DeepSeek): one latent row per token per layer, no heads and no K/V pair, the same on
+    # every TP rank; all retained, so ship pages, one copy to each decode rank.
+    MLA_LATENT = "mla_latent"
 
 
 @dataclass(frozen=True)
@@ -43,21 +58,22 @@ class CacheGroup:
     kind: CacheKind
     layers: tuple[int, ...]  # layer indices of this group, ascending
     window: int = 0  # tokens kept, for SLIDING_WINDOW; 0 otherwise
+    latent_dim: int = 0  # MLA_LATENT: elements per token per layer (kv_lora_rank + rope dim)
+    state_bytes: int = 0  # RECURRENT: bytes of one request's state slot (all the group's layers)
 
     def __post_init__(self) -> None:
+        if (self.kind is CacheKind.RECURRENT) != (self.state_bytes > 0):
+            raise ContractError(f"CacheGroup.state_bytes must be > 0 for a recurrent group and 0 "
+                                f"for any other kind, got {self.state_bytes} for {self.kind.value}")
         if self.kind is CacheKind.SLIDING_WINDOW and self.window <= 0:
             raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
+        if (self.kind is CacheKind.MLA_LATENT) != (self.latent_dim > 0):
+            raise ContractError(f"CacheGroup.latent_dim must be > 0 for an mla_latent group and 0 "
+                                f"for any other kind, got {self.latent_dim} for {self.kind.value}")
 
     def ring_pages(self, page_size: int) -> int:
-        """Pages of a SLIDING_WINDOW group's per-request ring: ceil(window / page_size) + 1.
-
-        Token p sits in ring page (p // page_size) % ring_pages. The extra page is what keeps the
-        last `window` tokens whole while the newest page fills: the page recycled when token p
-        starts a new page last held tokens at least (ring_pages - 1) * page_size >= window back.
-        Both sides derive it from (window, page_size), which the contract fixes, so a ring page
-        index means the same token range on prefill and decode.
-        """
-        return -(-self.window // page_size) + 1
+        """Pages of a SLIDING_WINDOW group's per-request ring (`ring_pages`)."""
+        return ring_pages(self.window, page_size)
 
 
 def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:
@@ -82,6 +98,11 @@ class KVLayout:
     """One rank's KV pool: `data[num_pages, num_layers, 2, num_kv_heads_local, page_size, head_dim]`.
 
     Built by the worker from plain numbers; the transfer layer computes byte offsets from it.
+
+    MLA latent pages (one MLA_LATENT group over every layer): `data[num_pages, num_layers,
+    page_size, latent_dim]`, described as one plane (no K/V pair) of one kv "head" of width
+    `head_dim = latent_dim` that every TP rank holds whole (`num_kv_heads_total = 1`, replicated),
+    so page bytes, offsets and the head-slice plan follow from the same formulas.
     """
 
     num_pages: int
@@ -97,8 +118,26 @@ class KVLayout:
     # registered memory: `window[num_window_pages, num_window_layers, 2, heads, page_size, head_dim]`
     # at byte `window_base`. 0 = no window region (window layers, if any, live in full pages).
     num_window_pages: int = 0
+    # FP8 pages: a label of the K/V scales that dequantize them ("1.0", or the checkpoint's
+    # scales' digest); "" for pages that are not FP8. Both sides must agree (COMPATIBLE_FIELDS).
+    kv_scales: str = ""
+    # The state region (RECURRENT group): `state[num_state_slots, state_bytes]` at byte
+    # `state_base` of the registered memory (the worker aligns it; 0 slots = no region). A
+    # request's state is one slot: one contiguous range of the group's `state_bytes`.
+    num_state_slots: int = 0
+    state_base: int = 0
+
+    def state_offset(self, slot: int) -> int:
+        """Byte offset of state slot `slot` from the pool's base pointer."""
+        group = self.state_group
+        if group is None or not 0 <= slot < self.num_state_slots:
+            raise ContractError(f"KVLayout: state slot {slot} is outside this layout's state "
+                                f"region of {self.num_state_slots} slots")
+        return self.state_base + slot * group.state_bytes
 
     def __post_init__(self) -> None:
+        if self.num_state_slots and self.state_group is None:
+            raise ContractError("KVLayout.num_state_slots needs a recurrent group in groups")
         for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ContractError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
@@ -116,6 +155,21 @@ class KVLayout:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ContractError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
         heads_of_rank(self.num_kv_heads_total, self.tp_size, self.tp_rank)  # divisibility check
+        self._check_latent()
+
+    def _check_latent(self) -> None:
+        """An MLA_LATENT group is the whole pool: every layer, one replicated latent 'head'."""
+        latent = [g for g in self.groups if g.kind is CacheKind.MLA_LATENT]
+        if not latent:
+            return
+        group = latent[0]
+        if len(self.groups) != 1 or group.layers != tuple(range(self.num_layers)):
+            raise ContractError("KVLayout.groups: an mla_latent group must be the only group and "
+                                f"list every layer 0..{self.num_layers - 1} (one latent per layer)")
+        if self.head_dim != group.latent_dim or self.num_kv_heads_total != 1:
+            raise ContractError(f"KVLayout: an mla_latent pool has head_dim = latent_dim "
+                                f"({group.latent_dim}) and num_kv_heads_total = 1, got head_dim "
+                                f"{self.head_dim} and num_kv_heads_total {self.num_kv_heads_total}")
 
     @property
     def itemsize(self) -> int:
@@ -136,6 +190,16 @@ class KVLayout:
         return self.page_size * self.head_dim * self.itemsize
 
     @property
+    def latent_group(self) -> CacheGroup | None:
+        """The MLA_LATENT group (None for K/V pools)."""
+        return next((g for g in self.groups if g.kind is CacheKind.MLA_LATENT), None)
+
+    @property
+    def planes(self) -> int:
+        """Rows per (layer, head) in a page: K and V (2), or the one MLA latent (1)."""
+        return 1 if self.latent_group is not None else 2
+
+    @property
     def window_group(self) -> CacheGroup | None:
         """The SLIDING_WINDOW group kept in its own region (None without a window region)."""
         if not self.num_window_pages:
@@ -144,14 +208,22 @@ class KVLayout:
 
     @property
     def num_full_layers(self) -> int:
-        """Layers stored in the full pages (all of them unless a window region holds some)."""
+        """Layers stored in the full pages: all of them but those a window region or the state
+        region holds."""
         group = self.window_group
-        return self.num_layers - (len(group.layers) if group is not None else 0)
+        state = self.state_group
+        return (self.num_layers - (len(group.layers) if group is not None else 0)
+                - (len(state.layers) if state is not None else 0))
+
+    @property
+    def state_group(self) -> CacheGroup | None:
+        """The RECURRENT group (its layers keep a state slot per request, no pages)."""
+        return next((g for g in self.groups if g.kind is CacheKind.RECURRENT), None)
 
     @property
     def page_bytes(self) -> int:
-        """One full page: every full-region layer's K and V."""
-        return self.num_full_layers * 2 * self.num_kv_heads_local * self.head_bytes
+        """One full page: every full-region layer's K and V (or its MLA latent)."""
+        return self.num_full_layers * self.planes * self.num_kv_heads_local * self.head_bytes
 
     @property
     def window_base(self) -> int:
@@ -172,17 +244,33 @@ class KVLayout:
     @property
     def pool_bytes(self) -> int:
         window = self.window_view().pool_bytes if self.num_window_pages else 0
-        return self.num_pages * self.page_bytes + window
+        pages = self.num_pages * self.page_bytes + window
+        group = self.state_group
+        if group is None or not self.num_state_slots:
+            return pages
+        return self.state_base + self.num_state_slots * group.state_bytes
 
     def offset(self, page: int, layer: int = 0, kv: int = 0, local_head: int = 0) -> int:
         """Byte offset of (page, layer, K|V, head) from the pool's base pointer."""
-        return page * self.page_bytes + ((layer * 2 + kv) * self.num_kv_heads_local + local_head) * self.head_bytes
+        row = (layer * self.planes + kv) * self.num_kv_heads_local + local_head
+        return page * self.page_bytes + row * self.head_bytes
+
+
+def _canonical_group(g: CacheGroup) -> dict[str, object]:
+    """A group's canonical fields; latent_dim only where set, so the hashes of contracts without
+    an MLA group stay what they were before MLA existed."""
+    d: dict[str, object] = {"kind": g.kind.value, "layers": list(g.layers), "window": g.window}
+    if g.latent_dim:
+        d["latent_dim"] = g.latent_dim
+    if g.state_bytes:
+        d["state_bytes"] = g.state_bytes
+    return d
 
 
 # Fields that must be equal between prefill and decode (tp_rank/tp_size/heads per rank may differ).
 COMPATIBLE_FIELDS = (
     "model_name", "model_fingerprint", "num_layers", "page_size", "head_dim", "dtype",
-    "num_kv_heads_total", "groups", "backend",
+    "num_kv_heads_total", "groups", "backend", "kv_scales",
 )
 
 
@@ -202,6 +290,8 @@ class LayoutContract:
     tp_size: int
     backend: str
     groups: tuple[CacheGroup, ...] = field(default=())
+    # KVLayout.kv_scales; left out of the canonical form when "" (old hashes hold)
+    kv_scales: str = ""
 
     @classmethod
     def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:
@@ -211,20 +301,26 @@ class LayoutContract:
             page_size=layout.page_size, num_kv_heads_total=layout.num_kv_heads_total,
             num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim, dtype=layout.dtype,
             tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
+            kv_scales=layout.kv_scales,
         )
 
-    def layout(self, num_pages: int = 1, num_window_pages: int = 0) -> KVLayout:
-        """The peer's layout (for offset arithmetic); page counts are not in the contract."""
+    def layout(self, num_pages: int = 1, num_window_pages: int = 0, num_state_slots: int = 0,
+               state_base: int = 0) -> KVLayout:
+        """The peer's layout (for offset arithmetic); region sizes are not in the contract."""
         return KVLayout(
-            num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size, head_dim=self.head_dim,
-            dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total, tp_rank=self.tp_rank,
-            tp_size=self.tp_size, groups=self.groups, num_window_pages=num_window_pages,
+            num_pages=num_pages, num_layers=self.num_layers, page_size=self.page_size,
+            head_dim=self.head_dim, dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, groups=self.groups,
+            num_window_pages=num_window_pages, kv_scales=self.kv_scales,
+            num_state_slots=num_state_slots, state_base=state_base,
         )
 
     def canonical(self) -> str:
         """Canonical JSON: sorted keys, enums as values, tuples as lists."""
         d = asdict(self)
-        d["groups"] = [{"kind": g.kind.value, "layers": list(g.layers), "window": g.window} for g in self.groups]
+        d["groups"] = [_canonical_group(g) for g in self.groups]
+        if not self.kv_scales:
+            del d["kv_scales"]  # pages that are not FP8 hash as they did before the field existed
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
@@ -233,7 +329,8 @@ class LayoutContract:
     def compat_hash(self) -> str:
         """Hash over the fields both sides must share (equal across TP ranks and TP sizes)."""
         d = json.loads(self.canonical())
-        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS}, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps({k: d[k] for k in COMPATIBLE_FIELDS if k in d},
+                                         sort_keys=True).encode()).hexdigest()
 
     def mismatches(self, other: LayoutContract) -> list[str]:
         """`field: ours != theirs` for every field that must match and does not."""

@@ -23,12 +23,13 @@ import grpc
 
 from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
-from protocol.tls import TLSConfig
+from protocol.tls import TLSConfig, add_port
 from protocol.tls import channel as tls_channel
-from transfer.backend import BackendError, TransferBackend, TransferFaults, make_backend
+from transfer.backend import BackendError, TransferBackend, TransferFaults
 from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
+from transfer.factory import make_backend
 from transfer.plan import split_ranges
 from transfer.receiver import KVReceiver, crc_of
 from transfer.room import Room, RoomState, TransferTotals
@@ -37,6 +38,7 @@ from transfer.wire import contract_from_pb, contract_to_pb
 
 CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
 RELEASE_THREADS = 4  # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
+MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
 
 class KVTransferManager:
@@ -64,7 +66,7 @@ class KVTransferManager:
         self.faults = faults if faults is not None else TransferFaults.from_env()
         adv = config.advertise_host or host
         label = f"tandem-{role}-{adv}-tp{layout.tp_rank}-{self.epoch:016x}"
-        self.backend = backend or make_backend(config, adv, label)
+        self.backend = backend or make_backend(config, adv, label, bind_host=host)
         self.backend.register(kv_ptr, kv_nbytes)
         # peer_id names this rank across restarts (the worker passes its gRPC address).
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
@@ -104,6 +106,23 @@ class KVTransferManager:
                                    connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
                                    rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
+
+    def serve_bootstrap(self, host: str, port: int) -> tuple[grpc.Server, int]:
+        """Prefill: serve the bootstrap service on its own thread-pool server at host:port
+        (0 = any free port); returns the started server and its port.
+
+        Its own server because a registration stream lives as long as its room and blocks a
+        thread, which must never be the worker's event loop.
+        """
+        pool = ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap")
+        server = grpc.server(pool)
+        self.add_to_server(server)
+        bound = add_port(server, f"{host}:{port}", self.tls)
+        if bound == 0:
+            raise TransferConfigError(f"cannot bind the bootstrap service on {host}:{port}; "
+                                      "set transfer.bootstrap_port to a free port")
+        server.start()
+        return server, bound
 
     def set_tp_bootstrap_addrs(self, addrs: list[str]) -> None:
         """Prefill with TP > 1: every rank's bootstrap address, in rank order.
@@ -174,7 +193,8 @@ class KVTransferManager:
         theirs = contract_from_pb(reg.contract)
         shape = theirs.layout(num_window_pages=reg.num_window_pages)
         window_bytes = shape.window_view().pool_bytes if reg.num_window_pages else 0
-        num_pages = (reg.kv_nbytes - window_bytes) // shape.page_bytes
+        pages_end = reg.state_base if reg.num_state_slots else reg.kv_nbytes  # state comes last
+        num_pages = (pages_end - window_bytes) // shape.page_bytes
         bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
         if bad:
             raise ValueError(f"room {reg.room:#x}: dst_pages {bad[:4]} outside decode's pool of {num_pages} pages")
@@ -182,13 +202,24 @@ class KVTransferManager:
         if bad:
             raise ValueError(f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
                              f"{reg.num_window_pages} pages")
+        layout = theirs.layout(num_pages, reg.num_window_pages, reg.num_state_slots, reg.state_base)
+        state_slot = reg.state_dst_slot if reg.HasField("state_dst_slot") else -1
+        if (state_slot >= 0) != (self.layout.state_group is not None):
+            raise ValueError(f"room {reg.room:#x}: state_dst_slot {state_slot} but this prefill "
+                             f"rank's layout {'has' if self.layout.state_group else 'has no'} "
+                             "recurrent state: both sides must serve the same model")
+        if state_slot >= 0:
+            end = layout.state_offset(state_slot) + layout.state_group.state_bytes  # type: ignore[union-attr]
+            if end > reg.kv_nbytes:
+                raise ValueError(f"room {reg.room:#x}: state slot {state_slot} ends past decode's "
+                                 f"registered memory ({end} > {reg.kv_nbytes} bytes)")
         with self._lock:
             self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
         self.backend.connect(reg.agent_name, reg.agent_metadata)
         return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id, epoch=reg.epoch,
                     agent_name=reg.agent_name, kv_base=reg.kv_base,
-                    layout=theirs.layout(num_pages, reg.num_window_pages), dst_pages=list(reg.dst_pages),
-                    skip_pages=reg.skip_pages, window_dst_pages=list(reg.window_dst_pages))
+                    layout=layout, dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages,
+                    window_dst_pages=list(reg.window_dst_pages), state_dst_slot=state_slot)
 
     def _peer_restarted(self, peer_id: str, old_epoch: int) -> None:
         """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
@@ -205,11 +236,14 @@ class KVTransferManager:
     # ---- decode -------------------------------------------------------------------------
 
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int], num_tokens: int,
-                        skip_pages: int = 0, window_pages: list[int] | None = None) -> KVReceiver:
+                        skip_pages: int = 0, window_pages: list[int] | None = None,
+                        state_slot: int = -1) -> KVReceiver:
         """Register `dst_pages` (decode's page for each request page position) for `room`.
 
         `window_pages`: the room's window ring (hybrid models, in ring order); prefill lands the
         retained tail of its own ring there, so decode never re-feeds the prompt.
+        `state_slot`: the room's recurrent-state slot (models with a recurrent group); prefill
+        writes the state after the prompt into it.
 
         `bootstrap_addr` is the prefill worker's gRPC address. With prefill TP > 1 either that
         one address (its ranks' addresses arrive in ACCEPTED, see set_tp_bootstrap_addrs) or
@@ -230,11 +264,18 @@ class KVTransferManager:
                              f"{group.ring_pages(self.layout.page_size)} (window {group.window}, page_size {self.layout.page_size})")
         if group is None and ring:
             raise ValueError(f"room {room:#x}: window_pages given but this layout has no window region")
+        if (state_slot >= 0) != (self.layout.state_group is not None):
+            raise ValueError(f"room {room:#x}: a layout with a recurrent group needs the room's "
+                             f"state_slot, and only such a layout takes one (got {state_slot})")
+        state = {"state_dst_slot": state_slot} if state_slot >= 0 else {}
+        if state_slot >= 0:
+            self.layout.state_offset(state_slot)  # raises ContractError when out of range
         reg = pb.RoomRegistration(
             room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
             agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr, kv_nbytes=self.kv_nbytes,
             dst_pages=dst_pages, skip_pages=skip_pages, num_tokens=num_tokens, contract=contract_to_pb(self.contract),
             num_window_pages=self.layout.num_window_pages, window_dst_pages=ring,
+            num_state_slots=self.layout.num_state_slots, state_base=self.layout.state_base, **state,
         )
         with self._lock:
             self._check_new(room, "decode")

@@ -1,19 +1,70 @@
-"""NIXL backend (UCX): agent metadata travels in the bootstrap registration."""
+"""NIXL backend (UCX): agent metadata travels in the bootstrap registration.
+
+Listen address: UCX opens a TCP listener on every network device it uses (here: one on
+loopback and one on eth0). `UCX_NET_DEVICES` limits it to the device that holds the worker's
+configured host (plus the RDMA devices of `transfer.ib_device`), so the agent listens only
+where the config says; a wildcard host, or a UCX_NET_DEVICES the user set, is left alone.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
 from typing import Any
 
 from transfer.backend import BackendError, Span, TransferBackend, WriteStatus
+
+log = logging.getLogger(__name__)
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_WILDCARD = ("", "0.0.0.0", "::")
+
+
+def _ipv4_of(device: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", device.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return ""
+    return socket.inet_ntoa(reply[20:24])
+
+
+def ucx_net_devices(host: str, ib_devices: str = "") -> str:
+    """UCX_NET_DEVICES for an agent that must listen only on `host` ("" = do not restrict).
+
+    RDMA devices (`mlx5_0,mlx5_1`) are kept, on port 1, so the restriction never turns RDMA off.
+    """
+    if host in _WILDCARD:
+        return ""
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return ""
+    if ipaddress.ip_address(addr).is_loopback:
+        device = "lo"
+    else:
+        device = next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == addr), "")
+    if not device:
+        log.warning("nixl: no network device holds %s; UCX may listen on every device", host)
+        return ""
+    rdma = [d if ":" in d else f"{d}:1" for d in ib_devices.split(",") if d]
+    return ",".join([device, *rdma])
 
 
 class NixlBackend(TransferBackend):
     name = "nixl"
     max_range_bytes = 4 << 20
 
-    def __init__(self, agent_label: str) -> None:
+    def __init__(self, agent_label: str, bind_host: str = "", ib_devices: str = "") -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        devices = ucx_net_devices(bind_host, ib_devices)
+        if devices and "UCX_NET_DEVICES" not in os.environ:
+            # Read by UCX when the agent starts below; set once, before any UCX thread exists.
+            os.environ["UCX_NET_DEVICES"] = devices
         self._name = agent_label
         self._agent = nixl_agent(agent_label, nixl_agent_config(backends=["UCX"]))
         self._regs: list[Any] = []
@@ -38,11 +89,15 @@ class NixlBackend(TransferBackend):
         if agent_name in self._peers:
             return
         if not metadata:
-            raise BackendError(f"nixl: no agent metadata for peer {agent_name!r}; the registration must carry it")
+            raise BackendError(
+                f"nixl: no agent metadata for peer {agent_name!r}; the registration must carry it"
+            )
         added = self._agent.add_remote_agent(metadata)
         name = added.decode() if isinstance(added, bytes) else added
         if name != agent_name:
-            raise BackendError(f"nixl: metadata names agent {name!r}, registration says {agent_name!r}")
+            raise BackendError(
+                f"nixl: metadata names agent {name!r}, registration says {agent_name!r}"
+            )
         self._peers.add(agent_name)
 
     def forget(self, agent_name: str) -> None:

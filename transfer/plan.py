@@ -8,6 +8,11 @@ Heterogeneous TP: a page holds, per (layer, K|V), the rank's heads as contiguous
 `page_size*head_dim` elements. A source rank sends to a destination rank exactly the heads
 both hold; with TP > total kv heads a head is replicated on several ranks and only its first
 replica (the lowest source rank holding it) sends, so every destination byte is written once.
+
+MLA latent pages (an MLA_LATENT group): every rank holds the same latent, so a destination rank
+needs exactly one copy of each page, and gets it from source rank `dst.tp_rank % src.tp_size`
+(TP2 -> TP1: rank 0 sends, rank 1 sends nothing; TP1 -> TP2: rank 0 sends to both; TP2 -> TP2:
+each source rank feeds its own counterpart, so the copies are spread over the source ranks).
 """
 
 from __future__ import annotations
@@ -40,7 +45,13 @@ def _first_replica(layout: KVLayout, head: int) -> int:
 def head_runs(src: KVLayout, dst: KVLayout) -> list[tuple[int, int, int]]:
     """Heads `src` sends to `dst` as runs (src_local_head, dst_local_head, num_heads)."""
     if src.num_kv_heads_total != dst.num_kv_heads_total:
-        raise PlanError(f"num_kv_heads_total differs: src {src.num_kv_heads_total} vs dst {dst.num_kv_heads_total}")
+        raise PlanError(
+            f"num_kv_heads_total differs: src {src.num_kv_heads_total} vs dst {dst.num_kv_heads_total}"
+        )
+    if (src.latent_group is None) != (dst.latent_group is None):
+        raise PlanError("one side keeps MLA latent pages, the other K/V pages; check the contract")
+    if src.latent_group is not None:  # replicated latent: one source rank per destination rank
+        return [(0, 0, 1)] if dst.tp_rank % src.tp_size == src.tp_rank else []
     dst_pos = {h: i for i, h in enumerate(dst.heads)}
     runs: list[tuple[int, int, int]] = []
     for s_i, h in enumerate(src.heads):
@@ -74,7 +85,9 @@ def split_ranges(ranges: list[Range], max_bytes: int) -> list[Range]:
     return out
 
 
-def page_positions(num_src_pages: int, start_page: int, skip_pages: int, num_dst_pages: int) -> range:
+def page_positions(
+    num_src_pages: int, start_page: int, skip_pages: int, num_dst_pages: int
+) -> range:
     """Request page positions that one `send` covers and decode lacks."""
     if start_page < 0 or skip_pages < 0:
         raise PlanError(f"start_page ({start_page}) and skip_pages ({skip_pages}) must be >= 0")
@@ -87,8 +100,13 @@ def page_positions(num_src_pages: int, start_page: int, skip_pages: int, num_dst
 
 
 def plan_segments(
-    src: KVLayout, dst: KVLayout, src_pages: list[int], dst_pages: list[int], *,
-    start_page: int = 0, skip_pages: int = 0,
+    src: KVLayout,
+    dst: KVLayout,
+    src_pages: list[int],
+    dst_pages: list[int],
+    *,
+    start_page: int = 0,
+    skip_pages: int = 0,
 ) -> list[list[Range]]:
     """Uncoalesced ranges grouped per request page position (for checksums and tests).
 
@@ -96,35 +114,63 @@ def plan_segments(
     position p (the full page table, so it may be longer). Positions below `skip_pages` are
     already on decode (its prefix cache) and are left out.
     """
-    if src.page_size != dst.page_size or src.head_dim != dst.head_dim or src.itemsize != dst.itemsize:
-        raise PlanError("src and dst layouts differ in page_size/head_dim/dtype; check the contract first")
+    if (
+        src.page_size != dst.page_size
+        or src.head_dim != dst.head_dim
+        or src.itemsize != dst.itemsize
+    ):
+        raise PlanError(
+            "src and dst layouts differ in page_size/head_dim/dtype; check the contract first"
+        )
     if src.num_full_layers != dst.num_full_layers:
-        raise PlanError(f"num_layers per page differs: src {src.num_full_layers} vs dst {dst.num_full_layers}")
+        raise PlanError(
+            f"num_layers per page differs: src {src.num_full_layers} vs dst {dst.num_full_layers}"
+        )
     runs = head_runs(src, dst)
     hb = src.head_bytes
     out: list[list[Range]] = []
     for pos in page_positions(len(src_pages), start_page, skip_pages, len(dst_pages)):
         s_page, d_page = src_pages[pos - start_page], dst_pages[pos]
         if not 0 <= s_page < src.num_pages or not 0 <= d_page < dst.num_pages:
-            raise PlanError(f"page id out of range at position {pos}: src {s_page}/{src.num_pages}, dst {d_page}/{dst.num_pages}")
+            raise PlanError(
+                f"page id out of range at position {pos}: src {s_page}/{src.num_pages}, dst {d_page}/{dst.num_pages}"
+            )
         segs: list[Range] = []
-        if runs == [(0, 0, src.num_kv_heads_local)] and src.num_kv_heads_local == dst.num_kv_heads_local:
-            segs.append(Range(src.offset(s_page), dst.offset(d_page), src.page_bytes))  # same heads: whole page
+        if (
+            runs == [(0, 0, src.num_kv_heads_local)]
+            and src.num_kv_heads_local == dst.num_kv_heads_local
+        ):
+            segs.append(
+                Range(src.offset(s_page), dst.offset(d_page), src.page_bytes)
+            )  # same heads: whole page
         else:
             for layer in range(src.num_full_layers):
-                for kv in (0, 1):
+                for kv in range(src.planes):  # K and V, or the one MLA latent
                     for s_h, d_h, n in runs:
-                        segs.append(Range(src.offset(s_page, layer, kv, s_h), dst.offset(d_page, layer, kv, d_h), n * hb))
+                        segs.append(
+                            Range(
+                                src.offset(s_page, layer, kv, s_h),
+                                dst.offset(d_page, layer, kv, d_h),
+                                n * hb,
+                            )
+                        )
         out.append(segs)
     return out
 
 
 def plan_pages(
-    src: KVLayout, dst: KVLayout, src_pages: list[int], dst_pages: list[int], *,
-    start_page: int = 0, skip_pages: int = 0,
+    src: KVLayout,
+    dst: KVLayout,
+    src_pages: list[int],
+    dst_pages: list[int],
+    *,
+    start_page: int = 0,
+    skip_pages: int = 0,
 ) -> list[Range]:
     """Coalesced byte ranges that move `src_pages` into decode's `dst_pages` (see plan_segments)."""
-    segs = plan_segments(src, dst, src_pages, dst_pages, start_page=start_page, skip_pages=skip_pages)
+    segs = plan_segments(
+        src, dst, src_pages, dst_pages, start_page=start_page, skip_pages=skip_pages
+    )
     return coalesce([r for page in segs for r in page])
 
 
@@ -172,9 +218,20 @@ def replay_tail(group: CacheGroup, num_tokens: int, ring_tokens: int = 0) -> lis
     return [TokenRun(0, num_tokens - 1, 1)] if num_tokens > 0 else []
 
 
-def tail_ranges(runs: list[TokenRun], src_base: int, dst_base: int, token_bytes: int) -> list[Range]:
+def tail_ranges(
+    runs: list[TokenRun], src_base: int, dst_base: int, token_bytes: int
+) -> list[Range]:
     """Byte ranges of replay-tail runs between two rings with the same slot layout."""
-    return coalesce([Range(src_base + r.slot * token_bytes, dst_base + r.slot * token_bytes, r.count * token_bytes) for r in runs])
+    return coalesce(
+        [
+            Range(
+                src_base + r.slot * token_bytes,
+                dst_base + r.slot * token_bytes,
+                r.count * token_bytes,
+            )
+            for r in runs
+        ]
+    )
 
 
 def window_tail_pages(num_tokens: int, window: int, page_size: int, ring_pages: int) -> list[int]:
@@ -184,7 +241,9 @@ def window_tail_pages(num_tokens: int, window: int, page_size: int, ring_pages: 
     tail is the pages of positions [max(0, num_tokens - window), num_tokens): at most ring_pages.
     """
     if window <= 0 or page_size <= 0 or ring_pages * page_size < window:
-        raise PlanError(f"need window ({window}) > 0 and ring_pages ({ring_pages}) * page_size ({page_size}) >= window")
+        raise PlanError(
+            f"need window ({window}) > 0 and ring_pages ({ring_pages}) * page_size ({page_size}) >= window"
+        )
     if num_tokens <= 0:
         return []
     first, last = max(0, num_tokens - window) // page_size, (num_tokens - 1) // page_size
@@ -192,7 +251,11 @@ def window_tail_pages(num_tokens: int, window: int, page_size: int, ring_pages: 
 
 
 def plan_window_tail(
-    src: KVLayout, dst: KVLayout, src_ring: list[int], dst_ring: list[int], ring_indices: list[int],
+    src: KVLayout,
+    dst: KVLayout,
+    src_ring: list[int],
+    dst_ring: list[int],
+    ring_indices: list[int],
 ) -> list[list[Range]]:
     """Ranges that move ring pages `ring_indices` of a request's window ring, one list per index.
 
@@ -202,13 +265,21 @@ def plan_window_tail(
     Heterogeneous TP works as for full pages: the window region has the same head layout.
     """
     if len(src_ring) != len(dst_ring):
-        raise PlanError(f"window rings differ in length: src {len(src_ring)} vs dst {len(dst_ring)} pages; "
-                        "both sides must derive ring_pages from the same window and page_size")
+        raise PlanError(
+            f"window rings differ in length: src {len(src_ring)} vs dst {len(dst_ring)} pages; "
+            "both sides must derive ring_pages from the same window and page_size"
+        )
     s_view, d_view = src.window_view(), dst.window_view()
     out: list[list[Range]] = []
     for idx in ring_indices:
         if not 0 <= idx < len(src_ring):
             raise PlanError(f"ring index {idx} outside a ring of {len(src_ring)} pages")
         segs = plan_segments(s_view, d_view, [src_ring[idx]], dst_ring, start_page=idx)
-        out.append([Range(r.src + src.window_base, r.dst + dst.window_base, r.length) for s in segs for r in s])
+        out.append(
+            [
+                Range(r.src + src.window_base, r.dst + dst.window_base, r.length)
+                for s in segs
+                for r in s
+            ]
+        )
     return out

@@ -170,6 +170,15 @@ class KVReceiver(Room):
         dst_pages = list(self._reg.dst_pages)
         ring = list(self._reg.window_dst_pages)
         for g in ev.checksums:
+            if g.state:  # the room's recurrent-state slot: one range
+                group = self._layout.state_group
+                if group is None or not self._reg.HasField("state_dst_slot"):
+                    return "a state checksum arrived for a room with no state slot"
+                dst = self._layout.state_offset(self._reg.state_dst_slot)
+                got = crc_of(self._kv_base, [(dst, group.state_bytes)])
+                if got != g.crc32:
+                    return f"state slot crc {got:#010x} != sent {g.crc32:#010x}"
+                continue
             if g.window:  # one page of the window ring, at ring index start_page
                 ranges = plan_window_tail(src, self._layout, list(range(len(ring))), ring, [g.start_page])[0]
             else:

@@ -44,6 +44,7 @@ class Peer:
     dst_pages: list[int]
     skip_pages: int
     window_dst_pages: list[int] = field(default_factory=list)  # the room's window ring on decode
+    state_dst_slot: int = -1  # the room's recurrent-state slot on decode (-1: no state group)
     events: queue.Queue[pb.RoomEvent] = field(default_factory=queue.Queue)
     pages: int = 0
     bytes: int = 0
@@ -60,6 +61,7 @@ class WriteJob:
     start_page: int  # request page position of the chunk's first page (ring index if `window`)
     num_pages: int  # page positions the chunk writes to this peer
     window: bool = False  # one page of the window ring (its retained tail), not full pages
+    state: bool = False  # the room's recurrent-state slot (the state group's replay tail)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Chunk:
     src_pages: list[int]  # full pages; or, for a window tail, our whole window ring
     start_page: int
     ring_indices: list[int] | None = None  # window tail: the ring pages to ship
+    state_slot: int = -1  # the state after the prompt: our slot to ship (src_pages empty)
 
 
 class KVSender(Room):
@@ -94,13 +97,15 @@ class KVSender(Room):
     def send(
         self, src_pages: list[int], *, start_page: int, last: bool, first_token: int | None = None,
         first_logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None,
-        window_ring: list[int] | None = None, num_tokens: int = 0,
+        window_ring: list[int] | None = None, num_tokens: int = 0, state_slot: int = -1,
     ) -> None:
         """Ship `src_pages` (request positions start_page...) to decode; never blocks.
 
         With `last=True` on a layout with a window region, `window_ring` (our ring, in ring
         order) and `num_tokens` (tokens computed) add the ring's retained tail: the pages of its
-        last `window` tokens, landed in decode's ring at the same ring indices.
+        last `window` tokens, landed in decode's ring at the same ring indices. On a layout with
+        a recurrent group, `state_slot` (ours, holding the state after the prompt) adds the
+        state: one range into the room's slot on decode.
         A no-op on a finished room (its terminal state is what `poll` reports).
         """
         with self._lock:
@@ -121,6 +126,11 @@ class KVSender(Room):
                                      "window_ring and num_tokens (the ring's tail is part of the KV)")
                 tail = window_tail_pages(num_tokens, group.window, self._layout.page_size, len(window_ring))
                 self._chunks.append(_Chunk(list(window_ring), 0, tail))
+            if last and self._layout.state_group is not None:
+                if state_slot < 0:
+                    raise ValueError(f"room {self.room:#x}: the layout has a recurrent group; the "
+                                     "last send needs state_slot (the state is part of the KV)")
+                self._chunks.append(_Chunk([], 0, state_slot=state_slot))
             if self._paired():
                 self._flush()
                 if last:
@@ -179,8 +189,9 @@ class KVSender(Room):
             self.stats.bytes += nbytes
             self.stats.writes += 1
             if crc is not None:
-                job.peer.checksums.append(pb.PageGroupChecksum(start_page=job.start_page, num_pages=job.num_pages,
-                                                               crc32=crc, window=job.window))
+                job.peer.checksums.append(pb.PageGroupChecksum(
+                    start_page=job.start_page, num_pages=job.num_pages, crc32=crc,
+                    window=job.window, state=job.state))
             self._maybe_done()
 
     # ---- internals (lock held) ----------------------------------------------------------
@@ -193,6 +204,9 @@ class KVSender(Room):
         for chunk in self._chunks:
             if chunk.ring_indices is not None:
                 self._flush_tail(chunk.src_pages, chunk.ring_indices)
+                continue
+            if chunk.state_slot >= 0:
+                self._flush_state(chunk.state_slot)
                 continue
             for peer in self.peers.values():
                 ranges = plan_pages(self._layout, peer.layout, chunk.src_pages, peer.dst_pages,
@@ -217,6 +231,21 @@ class KVSender(Room):
                     self._first_write_t = time.monotonic()
                 self._in_flight += 1
                 self._submit(WriteJob(self, peer, coalesce(ranges), idx, 1, window=True))
+
+    def _flush_state(self, slot: int) -> None:
+        """The state slot to every decode rank that has one (lock held): one range each."""
+        group = self._layout.state_group
+        assert group is not None
+        for peer in self.peers.values():
+            if peer.state_dst_slot < 0:
+                continue
+            src = self._layout.state_offset(slot)
+            dst = peer.layout.state_offset(peer.state_dst_slot)
+            if not self._first_write_t:
+                self._first_write_t = time.monotonic()
+            self._in_flight += 1
+            self._submit(WriteJob(self, peer, [Range(src, dst, group.state_bytes)], 0, 0,
+                                  state=True))
 
     def _maybe_done(self) -> None:
         if not (self._last and self._paired() and self._in_flight == 0 and not self._chunks):

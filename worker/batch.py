@@ -35,6 +35,13 @@ class ForwardBatch:
     # the history (the tokens just before its chunk that its window reaches) plus its new tokens.
     window_context_start: list[int] | None = None
 
+    # Recurrent layers (Qwen3-Next's Gated DeltaNet, see docs/recurrent-state.md); None when the
+    # model has none. [B] int64: request i's state slot in KVCache.state. The contract: when
+    # request i's chunk starts at position p, the slot holds the state after tokens [0, p)
+    # (zeros at p = 0: the cache manager zeroes or restores it before the step); the model
+    # reads it and leaves the state after the chunk in the same slot.
+    state_slots: torch.Tensor | None = None
+
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_list)

@@ -17,6 +17,10 @@ from transfer.config import TransferConfig
 Role = Literal["both", "prefill", "decode"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
+# KV cache storage: auto = the model dtype; fp8_e4m3 = float8_e4m3fn pages with per-tensor or
+# per-head K/V scales from the checkpoint (1.0 where it has none). See docs/config.md.
+KVCacheDType = Literal["auto", "fp8_e4m3"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -32,6 +36,9 @@ class ModelConfig:
     max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches kernels one by one)
+    # CUDA, dense models: steps with prefill chunks replay graphs around eager attention
+    # (worker/piecewise.py), so the decode rows riding in them keep graph speed.
+    piecewise_graphs: bool = True
 
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:
@@ -44,8 +51,13 @@ class CacheConfig:
     num_pages: int = 0  # 0 = derive from max_total_tokens
     max_total_tokens: int = 65536  # KV capacity in tokens when num_pages is 0
     enable_prefix_cache: bool = True
+    kv_cache_dtype: KVCacheDType = "auto"  # auto = the model dtype; fp8_e4m3 = 1 byte per element
 
     def validate(self, prefix: str = "cache") -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"{prefix}.kv_cache_dtype must be one of "
+                              f"{'|'.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"{prefix}.page_size must be a positive power of two, got {self.page_size}")
         if self.num_pages < 0:
@@ -96,7 +108,9 @@ class ParallelConfig:
 
     tp_size: int = 1
     tp_rank: int = 0  # this process's rank in its TP group (the worker's entry process is 0)
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    # cpu | cuda | cuda:N. A cluster config's `auto` is resolved before it gets here
+    # (orchestrator/devices.py: on the machine the worker runs on), so a worker never guesses.
+    device: str = "cpu"
     dp_size: int = 1  # attention data-parallel groups: one scheduler and KV pool each (worker/dp_runner.py)
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or tp_size * dp_size
     all2all_backend: All2AllBackend = "torch"  # MoE dispatch/combine: torch.distributed or DeepEP
@@ -109,6 +123,10 @@ class ParallelConfig:
         return self.tp_size * self.dp_size
 
     def validate(self, prefix: str = "parallel") -> None:
+        dev = self.device
+        if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ConfigError(f"{prefix}.device must be cpu, cuda or cuda:N, got {dev!r} (a "
+                              "cluster config's auto is resolved by the launcher)")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
         if self.dp_size <= 0:
@@ -127,6 +145,37 @@ class ParallelConfig:
                               f"got {self.dist_init_addr!r}")
 
 
+SpecMethod = Literal["none", "ngram", "draft", "eagle", "mtp"]
+SPEC_METHODS: tuple[str, ...] = ("none", "ngram", "draft", "eagle", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (worker/spec/): a drafter proposes up to num_speculative_tokens
+    tokens per decode step and the target verifies them in one forward. Decode and mono workers
+    draft; a prefill worker ships what the decode side's drafter needs (docs/speculative.md)."""
+
+    method: SpecMethod = "none"  # none | ngram (prompt lookup) | draft | eagle | mtp
+    num_speculative_tokens: int = 3  # drafts per step at most
+    ngram_min: int = 1  # prompt lookup: the shortest n-gram matched
+    ngram_max: int = 4  # ... and the longest (tried first)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def validate(self, prefix: str = "speculative") -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"{prefix}.method must be one of {' | '.join(SPEC_METHODS)}, "
+                              f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"{prefix}.num_speculative_tokens must be in [1, 16], "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"{prefix}: need 1 <= ngram_min <= ngram_max, got "
+                              f"{self.ngram_min} and {self.ngram_max}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: Role = "both"
@@ -138,17 +187,27 @@ class WorkerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # used by prefill/decode roles
     tls: TLSConfig = field(default_factory=TLSConfig)  # the Worker and bootstrap services, and bootstrap clients
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Identity reported in GetInfo: the launch's cluster id ("" = none) and the replica index.
+    cluster_id: str = ""
+    replica: int = 0
+    # A drain (SIGTERM, or Drain from the gateway) finishes held requests within this, then
+    # aborts what is left and exits.
+    drain_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if self.role not in ("both", "prefill", "decode"):
             raise ConfigError(f"worker.role must be one of both|prefill|decode, got {self.role!r}")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
         self.transfer.validate()
         self.tls.validate()
+        self.speculative.validate()
 
     def replace(self, **changes: object) -> WorkerConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

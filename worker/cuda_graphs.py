@@ -22,16 +22,45 @@ How:
 Two pinned buffers take turns, each with an event on its copy: with overlap the host fills
 step N+1's inputs while step N's copy may still be queued, so it writes the other buffer, and
 waits (rarely) only for the copy that last read the buffer it is about to fill.
+
+Multi-rank workers (TP, attention DP): every rank captures the same buckets in the same order,
+since the collectives inside (all-reduce per block half, the vocab gather, the MoE all-to-all)
+are captured on every rank. Replay bypasses `forward`, so the step's inputs travel outside the
+graph: a model that is a `StepMirror` (the TP leader's, worker/tp_runner.py) is told at capture
+(the followers capture too) and before each replay (the flat input prefix goes to every rank,
+which replays the same bucket); DP steps go through worker/dp_runner.py with `fill`/`load`.
+MoE blocks take their static-shape path inside (worker/model/moe.py `graph_shapes`).
+
+On a CPU the same object runs each "replay" as an eager forward over the same static buffers
+(there is no graph to capture): what CPU tests use to check the multi-rank protocol.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
-from worker.scheduler import ScheduledChunk
+from worker.model.moe import graph_shapes
+from worker.step import ScheduledChunk
+
+
+@runtime_checkable
+class StepMirror(Protocol):
+    """A model whose steps other ranks mirror (the TP leader's): graphs capture and replay its
+    `local_model`, and tell the other ranks first."""
+
+    @property
+    def local_model(self) -> CausalLM: ...
+
+    def mirror_capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        """The other ranks build their DecodeGraphs and capture, in step with this rank."""
+
+    def mirror_replay(self, inputs: torch.Tensor) -> None:
+        """The other ranks load `inputs` (the flat input prefix) and replay its bucket."""
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -43,8 +72,10 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, max_num_seqs: int, max_model_len: int) -> None:
-        self.model = model
+        self._mirror = model if isinstance(model, StepMirror) else None
+        self.model = model.local_model if isinstance(model, StepMirror) else model
         self.kv = kv
+        self.replays = kv.data.is_cuda  # False on a CPU: each step runs eagerly (module doc)
         self.page_size = kv.shape.page_size
         self.buckets = graph_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
@@ -54,18 +85,37 @@ class DecodeGraphs:
         self._head = 5 * b  # ids | positions | seq_lens | slots | source rows, then the page table
         size = self._head + b * w
         self._flat = torch.zeros(size, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.seq_lens, self.slots, self.src_rows = self._flat[: self._head].view(5, b)
+        head = self._flat[: self._head].view(5, b)
+        self.input_ids, self.positions, self.seq_lens, self.slots, self.src_rows = head
         self.page_table = self._flat[self._head :].view(b, w)  # [Bmax, max_pages]
         self.query_start = torch.arange(b + 1, dtype=torch.int64, device=device)  # [Bmax+1]
-        self._hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=self.replays)
+                       for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each host buffer's last copy
         self._turn = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._ready: set[int] = set()  # buckets captured (on a CPU: every bucket, no graph)
         self._logits: dict[int, torch.Tensor] = {}  # bucket → static logits [bucket, vocab] fp32
         self.num_replays = 0
 
+    def used_len(self, bs: int) -> int:
+        """Length of the flat input prefix of bucket `bs` (the rows past it are not copied)."""
+        return self._head + bs * self.max_pages
+
+    def bucket_of_len(self, used_len: int) -> int:
+        """The bucket whose input prefix is `used_len` long (a follower receives only that)."""
+        bs, rest = divmod(used_len - self._head, self.max_pages)
+        assert rest == 0 and bs in self._ready, f"no graph for an input prefix of {used_len}"
+        return bs
+
+    def inputs(self, bs: int) -> torch.Tensor:
+        """The device input prefix of bucket `bs`: what a step fills, copies or receives."""
+        return self._flat[: self.used_len(bs)]
+
     def _batch(self, bs: int) -> ForwardBatch:
-        """The static ForwardBatch of one bucket (host lists are placeholders: decode reads none)."""
+        """The static ForwardBatch of one bucket. On CUDA the host lists are placeholders (the
+        decode kernels read none); the CPU reference reads them, so there they are real."""
+        lens = self.seq_lens[:bs].tolist() if not self.replays else [1] * bs
         return ForwardBatch(
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
@@ -75,7 +125,7 @@ class DecodeGraphs:
             slot_mapping=self.slots[:bs],
             logits_indices=self.query_start[:bs],
             query_start_list=list(range(bs + 1)),
-            seq_lens_list=[1] * bs,
+            seq_lens_list=lens,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -84,8 +134,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if self._mirror is not None:  # first: the other ranks capture beside this one
+            self._mirror.mirror_capture(self.max_bs, self.max_pages * self.page_size)
         self.slots.fill_(-1)
         self.seq_lens.zero_()
+        if not self.replays:  # a CPU: nothing to capture, steps run eagerly
+            self._ready.update(self.buckets)
+            return
+        with graph_shapes(self.model):
+            self._capture()
+
+    def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -100,13 +159,29 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self._logits[bs] = self._forward(bs)
             self._graphs[bs] = graph
+            self._ready.add(bs)
         torch.cuda.synchronize()
 
     def bucket_for(self, batch_size: int) -> int | None:
         for bs in self.buckets:
             if bs >= batch_size:
-                return bs if bs in self._graphs else None
+                return bs if bs in self._ready else None
         return None
+
+    def replay(self, bs: int) -> torch.Tensor:
+        """Run bucket `bs` over the inputs already in place → logits [bs, vocab] (graph memory,
+        valid until the next replay)."""
+        self.num_replays += 1
+        if self.replays:
+            self._graphs[bs].replay()
+        else:
+            with graph_shapes(self.model):
+                self._logits[bs] = self._forward(bs)
+        return self._logits[bs]
+
+    def load(self, inputs: torch.Tensor) -> None:
+        """Copy an input prefix (another rank filled it) into the static buffer."""
+        self._flat[: inputs.numel()].copy_(inputs)
 
     def run(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
             src_rows: list[int] | None = None) -> torch.Tensor:
@@ -117,13 +192,34 @@ class DecodeGraphs:
         n = len(chunks)
         bs = self.bucket_for(n)
         assert bs is not None, f"no graph for batch size {n}"
-        ps = self.page_size
         host = self._hosts[self._turn]
         copied = self._copied[self._turn]
         if copied is not None:
             copied.synchronize()  # the copy that last read this buffer (two steps ago) is done
+        used_len = self.fill(host, chunks, bs, src_rows)
+        # Rows are max_pages wide; copy only the rows of this bucket.
+        self._flat[:used_len].copy_(host[:used_len], non_blocking=True)
+        if self.replays:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+        self._turn = 1 - self._turn
+        if self._mirror is not None:  # the followers replay the same bucket on these inputs
+            assert prev_tokens is None, "multi-rank workers do not overlap decode"
+            self._mirror.mirror_replay(self._flat[:used_len])
+        if prev_tokens is not None:
+            src = self.src_rows[:n]
+            ids_dev = self.input_ids[:n]
+            ids_dev.copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids_dev))
+        return self.replay(bs)[:n]
+
+    def fill(self, host: torch.Tensor, chunks: list[ScheduledChunk], bs: int,
+             src_rows: list[int] | None = None) -> int:
+        """Write bucket `bs`'s inputs for `chunks` (padding rows past them) into a flat host
+        buffer laid out like the static one; returns the prefix length to copy."""
+        n, ps = len(chunks), self.page_size
         ids, pos, lens, slots, rows = host[: self._head].view(5, self.max_bs)
-        table_rows = host[self._head :].view(self.max_bs, self.max_pages)
+        table_rows = host[self._head : self.used_len(bs)].view(bs, self.max_pages)
         for i, chunk in enumerate(chunks):
             req, p = chunk.request, chunk.start
             table = req.page_table
@@ -140,16 +236,4 @@ class DecodeGraphs:
         lens[n:bs] = 0  # padding rows: attend to nothing
         slots[n:bs] = -1  # padding rows: write nowhere
         rows[:n] = torch.as_tensor(src_rows) if src_rows is not None else -1
-        # Rows are max_pages wide; copy only the rows of this bucket.
-        used_len = self._head + bs * self.max_pages
-        self._flat[:used_len].copy_(host[:used_len], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[self._turn], self._turn = event, 1 - self._turn
-        if prev_tokens is not None:
-            src = self.src_rows[:n]
-            ids_dev = self.input_ids[:n]
-            ids_dev.copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids_dev))
-        self._graphs[bs].replay()
-        self.num_replays += 1
-        return self._logits[bs][:n]
+        return self.used_len(bs)

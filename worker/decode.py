@@ -1,8 +1,10 @@
 """The decode role: reserve pages, let prefill fill them, decode in the running batch.
 
 Lifecycle of one request on a decode worker:
-1. `Generate(room, bootstrap_addr)` arrives: pages for the prompt (+ the first token) are
-   reserved, and for a hybrid model a window ring (prefill lands its ring's tail there); when the pool is short the request waits here, holding nothing, until pages free up.
+1. `Generate(room, bootstrap_addr)` arrives: memory for the prompt (+ the first token) is
+   reserved in every cache group (pages; for a hybrid model also a window ring, where prefill
+   lands its ring's tail); when the cache is short the request waits here, holding nothing,
+   until memory frees up.
 2. A receiver registers the room with the prefill worker's bootstrap service: destination
    pages, this worker's transfer agent, the layout contract and this incarnation's epoch.
    The request is WAITING_FOR_REMOTE_KV.
@@ -27,8 +29,7 @@ from dataclasses import dataclass
 
 from transfer.manager import KVReceiver, KVTransferManager
 from transfer.room import RoomState
-from worker.engine import Engine
-from worker.page_pool import OutOfPages
+from worker.cache_manager import CacheHold
 from worker.request import Request, RequestStatus, TokenLogprob, room_error_code
 from worker.scheduler import Scheduler
 
@@ -36,41 +37,46 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _Pending:
+    request: Request
+    sched: Scheduler  # of the DP group that will hold its pages
+
+
+@dataclass
 class _Room:
     request: Request
     receiver: KVReceiver
+    sched: Scheduler
 
 
 @dataclass
 class _Quarantine:
-    """Pages of an ended room, held until no prefill write can land in them any more."""
+    """Memory of an ended room, held until no prefill write can land in it any more."""
 
     receiver: KVReceiver
-    sched: Scheduler  # of the DP group whose pool holds the pages
-    pages: list[int]
-    holder: str  # the ledger's name for this hold: quarantine:<request id>
-    ring: list[int]  # window ring pages (hybrid models), held in the window pool the same way
+    sched: Scheduler  # of the DP group holding it
+    hold: CacheHold  # under quarantine:<request id> in the ledgers
 
 
 class DecodeRole:
-    def __init__(self, engine: Engine, manager: KVTransferManager) -> None:
-        self.engine = engine
+    def __init__(self, manager: KVTransferManager, *, page_size: int) -> None:
         self.manager = manager
-        self.page_size = engine.kv.shape.page_size
-        self._pending: deque[Request] = deque()  # no pages yet
-        self._rooms: dict[str, _Room] = {}  # pages reserved, KV in flight (by request id)
+        self.page_size = page_size
+        self._pending: deque[_Pending] = deque()  # no memory yet
+        self._rooms: dict[str, _Room] = {}  # memory reserved, KV in flight (by request id)
         self._by_room: dict[int, _Room] = {}
-        self._landed: deque[Request] = deque()  # KV here, waiting for a seat in the batch
-        self._quarantined: list[_Quarantine] = []  # ended rooms whose pages prefill may still write
+        self._landed: deque[_Pending] = deque()  # KV here, waiting for a seat in the batch
+        self._quarantined: list[_Quarantine] = []  # ended rooms prefill may still write into
 
     # ---- engine hooks ---------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._pending.append(request)
+    def add_request(self, request: Request, scheduler: Scheduler) -> None:
+        scheduler.expect_remote(request)
+        self._pending.append(_Pending(request, scheduler))
         self._reserve()
 
     def on_prompt_done(self, request: Request) -> bool:
-        return False  # decode requests arrive with their prompt done; recomputes after preemption keep decoding
+        # Decode requests arrive with their prompt done; recomputes after preemption keep decoding.
+        return False
 
     def poll(self) -> None:
         self._free_quiesced()
@@ -83,124 +89,97 @@ class DecodeRole:
         self._seat()
 
     def _reserve(self) -> None:
+        """Reserve memory for pending requests in arrival order; stop at the first that waits."""
         while self._pending:
-            req = self._pending[0]
-            sched = self.engine.scheduler_for(req)
-            need = -(-(req.num_prompt_tokens + 1) // self.page_size)
-            if need > sched.pool.num_pages:
+            req, sched = self._pending[0].request, self._pending[0].sched
+            num_tokens = req.num_prompt_tokens + 1  # the prompt and the first token
+            if not sched.fits(num_tokens):
                 self._pending.popleft()
+                total = sched.stats().total_pages
                 sched.finish(req, RequestStatus.FINISHED_ERROR,
-                             f"prompt needs {need} KV pages, this decode worker has {sched.pool.num_pages}", "invalid")
+                             f"prompt needs {-(-num_tokens // self.page_size)} KV pages, this "
+                             f"decode worker has {total}; raise cache.max_total_tokens", "invalid")
                 continue
-            window = sched.window
-            if window is not None and sched.window_pool is not None and sched.window_pool.num_free < window.ring_pages:
-                return  # no window ring free: retry next step, in arrival order
-            try:
-                pages = sched.pool.allocate(need, req.request_id)
-            except OutOfPages:
+            if not sched.reserve(req, num_tokens):
                 return  # retry next step, in arrival order
             self._pending.popleft()
-            req.page_table = pages
-            ring = sched.take_ring(req)  # hybrid models: prefill lands its window tail here
-            assert ring is not None, "a free ring was checked above"
-            # Only hybrid models pass a ring (multi-rank workers refuse them; their manager facade
-            # in worker/rank_rooms.py takes no window_pages).
-            if ring:
-                receiver = self.manager.create_receiver(
-                    req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens, window_pages=ring
-                )
-            else:
-                receiver = self.manager.create_receiver(
-                    req.room, req.bootstrap_addr, dst_pages=pages, num_tokens=req.num_prompt_tokens
-                )
-            room = self._rooms[req.request_id] = _Room(req, receiver)
+            held = sched.holdings(req)
+            # Only hybrid models pass a ring or a state slot (multi-rank workers refuse them;
+            # their manager facade in worker/rank_rooms.py takes neither).
+            extra: dict[str, object] = {}
+            if held.window_ring:
+                extra["window_pages"] = held.window_ring
+            if held.state_slot >= 0:
+                extra["state_slot"] = held.state_slot
+            receiver = self.manager.create_receiver(
+                req.room, req.bootstrap_addr, dst_pages=held.page_table,
+                num_tokens=req.num_prompt_tokens, **extra)  # type: ignore[arg-type]
+            room = self._rooms[req.request_id] = _Room(req, receiver, sched)
             self._by_room[req.room] = room
 
     def _land(self, room: _Room, state: RoomState) -> None:
-        req, rx = room.request, room.receiver
+        req, rx, sched = room.request, room.receiver, room.sched
         req.transfer_stats = dataclasses.asdict(rx.stats)
-        sched = self.engine.scheduler_for(req)
         if state is not RoomState.SUCCESS or rx.first_token is None:
             error = rx.error or f"room ended in state {state.name}"
-            self._quarantine(req, rx)
-            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}", room_error_code(error))
+            self._quarantine(req, rx, sched)
+            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}",
+                         room_error_code(error))
             return
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.output_token_ids.append(rx.first_token)
+        logprob = None
         if rx.first_logprob is not None and (req.sampling.logprobs or req.sampling.top_logprobs):
-            req.output_logprobs.append(TokenLogprob(rx.first_token, rx.first_logprob, list(rx.top_logprobs)))
-        self.engine.emit(req)
-        stop = sched.stop_status(req)
-        if stop is not None:
-            sched.finish(req, stop)
-            return
-        self._landed.append(req)
+            logprob = TokenLogprob(rx.first_token, rx.first_logprob, list(rx.top_logprobs))
+        if sched.land(req, rx.first_token, logprob):
+            self._landed.append(_Pending(req, sched))
 
     def _seat(self) -> None:
         """Landed requests join their group's batch in arrival order while it has seats."""
-        waiting: deque[Request] = deque()
-        for req in self._landed:
-            sched = self.engine.scheduler_for(req)
-            if len(sched.running) < sched.config.max_num_seqs:
-                req.status = RequestStatus.RUNNING
-                sched.running.append(req)
-            else:
-                waiting.append(req)
-        self._landed = waiting
+        self._landed = deque(p for p in self._landed if not p.sched.seat(p.request))
 
     def abort(self, request_id: str, reason: str) -> None:
-        for req in list(self._pending) + list(self._landed):
-            if req.request_id == request_id:
-                (self._pending if req in self._pending else self._landed).remove(req)
-                self.engine.scheduler_for(req).finish(req, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
-                return
+        for queue in (self._pending, self._landed):
+            for p in queue:
+                if p.request.request_id == request_id:
+                    queue.remove(p)
+                    p.sched.finish(p.request, RequestStatus.FINISHED_ABORTED, reason,
+                                   "unavailable")
+                    return
         room = self._rooms.pop(request_id, None)
         if room is not None:
             del self._by_room[room.request.room]
             room.receiver.abort(reason)
-            self._quarantine(room.request, room.receiver)
-            self.engine.scheduler_for(room.request).finish(room.request, RequestStatus.FINISHED_ABORTED, reason,
-                                                           "unavailable")
+            self._quarantine(room.request, room.receiver, room.sched)
+            room.sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
 
-    def _quarantine(self, req: Request, rx: KVReceiver) -> None:
-        """Keep `req`'s pages held past its end unless the receiver is already quiesced."""
+    def _quarantine(self, req: Request, rx: KVReceiver, sched: Scheduler) -> None:
+        """Keep `req`'s memory held past its end unless the receiver is already quiesced."""
         quiesced = rx.quiesced  # multi-rank rooms (worker/rank_rooms.py) answer for every rank
         if quiesced or not req.page_table:
             return
-        holder = f"quarantine:{req.request_id}"
-        sched = self.engine.scheduler_for(req)
-        sched.pool.share(req.page_table, holder)
-        ring = list(sched.rings.get(req.request_id, []))
-        if ring:
-            assert sched.window_pool is not None
-            sched.window_pool.share(ring, holder)
-        self._quarantined.append(_Quarantine(rx, sched, list(req.page_table), holder, ring))
+        hold = sched.hold(req, f"quarantine:{req.request_id}")
+        self._quarantined.append(_Quarantine(rx, sched, hold))
 
     def _free_quiesced(self) -> None:
-        """Give back the pages of quarantined rooms that prefill can no longer write."""
-        if not self._quarantined:
-            return
+        """Give back the memory of quarantined rooms that prefill can no longer write."""
         still = []
         for q in self._quarantined:
             if q.receiver.quiesced:
-                q.sched.pool.release(q.pages, q.holder)
-                if q.ring:
-                    assert q.sched.window_pool is not None
-                    q.sched.window_pool.release(q.ring, q.holder)
+                q.sched.release_hold(q.hold)
             else:
                 still.append(q)
         self._quarantined = still
 
     @property
     def num_quarantined_pages(self) -> int:
-        return sum(len(q.pages) for q in self._quarantined)
+        return sum(len(q.hold.pages) for q in self._quarantined)
 
     def has_work(self) -> bool:
         return bool(self._pending or self._rooms or self._landed or self._quarantined)
 
     def load_stats(self) -> tuple[dict[str, int], int, int, int]:
         totals = self.manager.totals()
-        live = {state: n for state, n in self.manager.room_counts().items() if not RoomState[state].finished}
+        live = {state: n for state, n in self.manager.room_counts().items()
+                if not RoomState[state].finished}
         return live, totals.bytes, totals.pages, len(self._pending) + len(self._landed)
 
     def close(self) -> None:

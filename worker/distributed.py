@@ -16,6 +16,13 @@ broadcast of a small int64 header `[kind, payload_len]` and then an int64 payloa
 - DP_STEP: attention DP (`dp_size > 1`): one packed `ForwardBatch` per DP group (an empty one
          for an idle group, which still joins the MoE collectives); each rank runs its group's
          batch, and each group's first rank sends its logits rows to rank 0 (worker/dp_runner.py).
+- CAPTURE: `[max_num_seqs, max_model_len]`: every rank builds its decode graphs
+         (worker/cuda_graphs.py) and captures the same buckets beside rank 0.
+- GRAPH_STEP: the flat input prefix of one bucket, broadcast straight into every rank's static
+         graph buffer (`share`); every rank replays that bucket. Its length names the bucket.
+- DP_GRAPH_STEP: `[bucket, rows of group 0, ..., rows of group G-1]`, then every group's input
+         prefix in one `share`; each rank loads its group's and replays the bucket; each
+         group's first rank sends its logits rows to rank 0.
 
 Why int64 tensors and not pickled objects: the process group is a network path between
 nodes, and nothing a peer sends us is unpickled (DESIGN: no pickle on a reachable path).
@@ -28,6 +35,7 @@ import datetime
 import enum
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -51,6 +59,9 @@ class MessageKind(enum.IntEnum):
     ROOMS = 2
     STOP = 3
     DP_STEP = 4
+    CAPTURE = 5
+    GRAPH_STEP = 6
+    DP_GRAPH_STEP = 7
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,8 @@ class RankPlace:
 def place(parallel: ParallelConfig, local_rank: int) -> RankPlace:
     per_node = parallel.world_size // parallel.nnodes
     g = parallel.node_rank * per_node + local_rank
-    return RankPlace(g, local_rank, parallel.world_size, g % parallel.tp_size, g // parallel.tp_size)
+    tp = parallel.tp_size
+    return RankPlace(g, local_rank, parallel.world_size, g % tp, g // tp)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,7 +94,8 @@ def with_init_addr(config: WorkerConfig) -> WorkerConfig:
     if par.dist_init_addr or par.world_size == 1:
         return config
     if par.nnodes > 1:
-        raise ConfigError("parallel.dist_init_addr must be set (tcp://HOST:PORT of node 0) when nnodes > 1")
+        raise ConfigError("parallel.dist_init_addr must be set (tcp://HOST:PORT of node 0) when "
+                          "nnodes > 1")
     addr = f"tcp://127.0.0.1:{free_port()}"
     return config.replace(parallel=dataclasses.replace(par, dist_init_addr=addr))
 
@@ -105,15 +118,16 @@ def init_process_group(parallel: ParallelConfig, where: RankPlace) -> None:
                             world_size=where.world_size, timeout=IDLE_TIMEOUT)
 
 
-def spawn_local_ranks(config: WorkerConfig, first_local_rank: int) -> list[BaseProcess]:
-    """Start this node's ranks from `first_local_rank` on, each running `tp_runner.follower_main`."""
-    from worker.tp_runner import follower_main
-
+def spawn_local_ranks(config: WorkerConfig, target: Callable[[WorkerConfig, int, int], None],
+                      first_local_rank: int) -> list[BaseProcess]:
+    """Start this node's ranks from `first_local_rank` on, each running
+    `target(config, local_rank, parent_pid)` (worker/tp_runner.py's `follower_main`)."""
     ctx = torch.multiprocessing.get_context("spawn")
     per_node = config.parallel.world_size // config.parallel.nnodes
     procs: list[BaseProcess] = []
     for local in range(first_local_rank, per_node):
-        p = ctx.Process(target=follower_main, args=(config, local, os.getpid()), name=f"tandem-rank-l{local}", daemon=False)
+        p = ctx.Process(target=target, args=(config, local, os.getpid()),
+                        name=f"tandem-rank-l{local}", daemon=False)
         p.start()
         procs.append(p)
     return procs
@@ -146,7 +160,8 @@ def unpack_str(values: list[int], at: int) -> tuple[str, int]:
 def pack_batch(batch: ForwardBatch) -> torch.Tensor:
     """ForwardBatch → one int64 tensor: [T, B, P, N] then the seven tensors, flattened."""
     b, p = batch.page_table.shape
-    head = torch.tensor([batch.num_tokens, b, p, int(batch.logits_indices.shape[0])], dtype=torch.int64)
+    head = torch.tensor([batch.num_tokens, b, p, int(batch.logits_indices.shape[0])],
+                        dtype=torch.int64)
     parts = [head, batch.input_ids, batch.positions, batch.query_start, batch.seq_lens,
              batch.page_table.reshape(-1), batch.slot_mapping, batch.logits_indices]
     return torch.cat([t.to("cpu", torch.int64) for t in parts])
@@ -155,9 +170,12 @@ def pack_batch(batch: ForwardBatch) -> torch.Tensor:
 def empty_batch(device: torch.device) -> ForwardBatch:
     """A step with no tokens: an idle DP group's share (it still runs the layers' collectives)."""
     none = torch.zeros(0, dtype=torch.int64, device=device)
-    return ForwardBatch(input_ids=none, positions=none, query_start=torch.zeros(1, dtype=torch.int64, device=device),
-                        seq_lens=none, page_table=torch.zeros(0, 1, dtype=torch.int64, device=device),
-                        slot_mapping=none, logits_indices=none, query_start_list=[0], seq_lens_list=[])
+    return ForwardBatch(input_ids=none, positions=none,
+                        query_start=torch.zeros(1, dtype=torch.int64, device=device),
+                        seq_lens=none,
+                        page_table=torch.zeros(0, 1, dtype=torch.int64, device=device),
+                        slot_mapping=none, logits_indices=none, query_start_list=[0],
+                        seq_lens_list=[])
 
 
 def pack_batches(batches: list[ForwardBatch]) -> torch.Tensor:
@@ -180,8 +198,9 @@ def unpack_batch(flat: torch.Tensor, device: torch.device) -> ForwardBatch:
     sizes = [t, t, b + 1, b, b * p, t, n]
     ids, pos, qs, seq, table, slots, li = flat[4:].split(sizes)
     return ForwardBatch(
-        input_ids=ids.to(device), positions=pos.to(device), query_start=qs.to(device), seq_lens=seq.to(device),
-        page_table=table.reshape(b, p).to(device), slot_mapping=slots.to(device), logits_indices=li.to(device),
+        input_ids=ids.to(device), positions=pos.to(device), query_start=qs.to(device),
+        seq_lens=seq.to(device), page_table=table.reshape(b, p).to(device),
+        slot_mapping=slots.to(device), logits_indices=li.to(device),
         query_start_list=qs.tolist(), seq_lens_list=seq.tolist(),
     )
 
@@ -210,14 +229,26 @@ class StepChannel:
 
     def recv(self) -> tuple[MessageKind, torch.Tensor | None]:
         """Followers: wait for the next message."""
+        kind, n = self.recv_head()
+        return kind, (self.recv_payload(n) if n else None)
+
+    def recv_head(self) -> tuple[MessageKind, int]:
+        """Followers: the next message's kind and payload length (the payload comes next)."""
         head = torch.empty(2, dtype=torch.int64, device=self.device)
         dist.broadcast(head, src=0)
         kind, n = (int(v) for v in head.cpu())
-        if not n:
-            return MessageKind(kind), None
+        return MessageKind(kind), n
+
+    def recv_payload(self, n: int) -> torch.Tensor:
+        """Followers: the payload of `n` int64s announced by `recv_head`, on the host."""
         payload = torch.empty(n, dtype=torch.int64, device=self.device)
         dist.broadcast(payload, src=0)
-        return MessageKind(kind), payload.cpu()
+        return payload.cpu()
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's (same shape, on this channel's device): a graph
+        step's inputs land straight in the followers' static buffers."""
+        dist.broadcast(tensor, src=0)
 
     def all_gather_lists(self, mine: list[int]) -> list[list[int]]:
         """Every rank's int list, in rank order (lengths may differ)."""

@@ -1,8 +1,9 @@
 """The engine: one loop thread that owns the scheduler, the runner and the KV cache.
 
 Other threads (the gRPC server) talk to it only through `submit` and `abort`, which post to an
-inbox drained at the top of every step; outputs leave through each request's sink, called on
-the loop thread (the server's sink hops them onto its event loop).
+inbox drained at the top of every step. Outputs leave once per step: `_flush` groups what the
+step produced by output channel and hands each channel one `StepOutputs` batch
+(worker/outputs.py), so the loop does no per-request network work.
 """
 
 from __future__ import annotations
@@ -13,51 +14,42 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from worker.cache_groups import WindowSpec
+from worker.cache_layout import kv_shape, max_model_len, state_slots
+from worker.cache_manager import KVCacheManager
 from worker.config import ConfigError, WorkerConfig
 from worker.dp_runner import DPRunner
-from worker.kv_cache import KVCache, KVShape
-from worker.model import ModelSpec, load_model
-from worker.request import Request, RequestStatus, TokenLogprob
+from worker.grammar import Grammars
+from worker.kv_cache import KVCache
+from worker.model import load_model
+from worker.model.llama import LlamaForCausalLM
+from worker.outputs import OutputChannel, PerRequestSink, RequestEnded, RequestOutput, StepOutputs
+from worker.request import Request, RequestStatus
 from worker.runner import InFlight, ModelRunner
-from worker.scheduler import PENDING, RoleHooks, SchedulePlan, Scheduler, WindowCache
-
-if TYPE_CHECKING:
-    from worker.tp_runner import TPLeader
+from worker.sampler import GrammarViolation
+from worker.sampling import SamplingParams, SamplingParamsError
+from worker.scheduler import RoleHooks, Scheduler
+from worker.spec import make_drafter
+from worker.spec.counters import SpecCounters
+from worker.step import PENDING, SchedulePlan
+from worker.tp_runner import TPLeader
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class RequestOutput:
-    """What a request produced since its previous output (the server turns it into a message)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str = ""  # "" while running; stop | length | abort | error
-    error: str = ""
-    error_code: str = ""  # invalid | unavailable | deadline | internal (see worker/server.py)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    transfer: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of the room
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.finish_reason)
-
+__all__ = ["Engine", "OutputSink", "RequestOutput", "overlap_enabled"]
 
 OutputSink = Callable[[RequestOutput], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
-    sink: OutputSink
+    channel: OutputChannel
+    tag: int  # the channel's id for this request
     num_emitted: int = 0  # output tokens already sent
 
 
@@ -71,28 +63,25 @@ class Engine:
         self.tp: TPLeader | None = None  # multi-rank worker: this is rank 0 and drives the others
         par = config.parallel
         if par.world_size > 1 or par.nnodes > 1:
-            from worker.tp_runner import TPLeader
-
             self.tp = TPLeader(config)
         self.model, self.spec = load_model(config.model, par)
         if self.tp is not None and par.dp_size == 1:
             self.model = self.tp.wrap_model(self.model)  # broadcasts each batch to the other ranks
-        self.max_model_len = min(
-            config.model.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
-        )
-        num_pages = config.cache.total_pages
-        self.kv = KVCache(kv_shape(self.spec, config, num_pages, self.max_model_len), self.device)
-        shape = self.kv.shape
-        window = None
-        if shape.window_layers:
-            window = WindowCache(shape.window, len(shape.window_layers), shape.ring_pages, shape.num_window_pages)
-        # One scheduler per attention DP group, each over its group's own pool of num_pages pages.
+        self.max_model_len = max_model_len(self.spec, config)
+        self.kv = KVCache(kv_shape(self.spec, config), self.device)
+        # One scheduler per attention DP group, each over its group's own KV cache.
+        # Decode and mono workers draft (speculative decoding); prefill only ships prompts.
+        drafts = config.role != "prefill" and config.speculative.enabled
+        self.drafter = make_drafter(config.speculative) if drafts else None
+        self.spec_counters = SpecCounters()
         self.schedulers = [
-            Scheduler(config.scheduler, config.cache, num_pages=num_pages, max_model_len=self.max_model_len,
-                      eos_token_ids=self.spec.eos_token_ids, on_finish=self._on_finish, window=window)
+            Scheduler(config.scheduler, self._cache_manager(), max_model_len=self.max_model_len,
+                      eos_token_ids=self.spec.eos_token_ids, on_output=self._touch,
+                      num_speculative_tokens=config.speculative.num_speculative_tokens
+                      if drafts else 0, spec_counters=self.spec_counters)
             for _ in range(par.dp_size)
         ]
-        self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1; roles use it
+        self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1
         self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
         self.hooks: RoleHooks | None = None  # the PD role's (worker/prefill.py, worker/decode.py)
         self.dp: DPRunner | None = None
@@ -107,6 +96,19 @@ class Engine:
         self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
         self.num_steps = 0
         self.num_overlapped_steps = 0
+        # Constrained decoding (worker/grammar.py): xgrammar loads with the first grammar.
+        self.grammars = Grammars(config.model.path, self.spec.vocab_size, self.spec.eos_token_ids)
+
+    def _cache_manager(self) -> KVCacheManager:
+        shape = self.kv.shape
+        window = None
+        if shape.window_layers:
+            window = WindowSpec(shape.window, len(shape.window_layers), shape.page_size)
+        requests, snapshots = state_slots(self.spec, self.config)
+        return KVCacheManager(shape.num_pages, shape.page_size,
+                              prefix_cache=self.config.cache.enable_prefix_cache, window=window,
+                              num_window_pages=shape.num_window_pages,
+                              num_state_slots=requests, num_state_snapshots=snapshots)
 
     def set_hooks(self, hooks: RoleHooks) -> None:
         self.hooks = hooks
@@ -115,7 +117,12 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
     def submit(self, request: Request, sink: OutputSink) -> None:
-        self._inbox.put(("add", request, sink))
+        """Run `request`; `sink` gets its outputs one `RequestOutput` at a time."""
+        self._inbox.put(("add", request, (PerRequestSink(request.request_id, sink), 0)))
+
+    def submit_to(self, request: Request, channel: OutputChannel, tag: int) -> None:
+        """Run `request`; its outputs go to `channel`'s per-step batches under `tag`."""
+        self._inbox.put(("add", request, (channel, tag)))
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._inbox.put(("abort", request_id, reason))
@@ -144,12 +151,16 @@ class Engine:
         if self.hooks is not None:
             self.hooks.poll()  # rooms that ended, pages reserved, requests seated
         plans = [s.schedule() for s in self.schedulers]
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            for plan in plans:
+                self.drafter.draft(plan)
+            self.spec_counters.draft_seconds += time.perf_counter() - t0
         overlapped = self._overlappable(plans)
         if self._inflight is not None and not overlapped:
             self._complete_inflight()  # this plan reads tokens the host must hold first
             for plan in plans:  # a request that stopped on those tokens has given its pages back
-                plan.chunks = [c for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
-                plan.num_tokens = sum(c.num_tokens for c in plan.chunks)
+                plan.drop_finished()
             if all(p.empty for p in plans):
                 self._flush()
                 return True
@@ -158,11 +169,22 @@ class Engine:
             return False
         if overlapped:
             return self._overlap_step(plans[0])
+        verify = any(c.drafts for p in plans for c in p.chunks)
+        t0 = time.perf_counter()
         try:
             outs = self.dp.run(plans) if self.dp is not None else [self.runner.run(plans[0])]
+        except GrammarViolation as exc:  # that request fails; the others advanced nothing: rerun
+            why = f"internal error: {exc}" if exc.error_code == "internal" else str(exc)
+            self.schedulers[self._group.get(exc.request_id, 0)].end(
+                exc.request_id, RequestStatus.FINISHED_ERROR, why, exc.error_code)
+            self._flush()
+            return True
         except Exception as exc:
             self._fail(plans, exc)
             return True
+        if verify:
+            self.spec_counters.verify_seconds += time.perf_counter() - t0
+            self.spec_counters.verify_steps += 1
         for sched, plan, out in zip(self.schedulers, plans, outs, strict=True):
             if plan.empty:
                 continue
@@ -178,11 +200,12 @@ class Engine:
     def _overlappable(self, plans: list[SchedulePlan]) -> bool:
         """A plan the overlapped path runs: one group, every chunk a decode of a request that
         needs no host view of its newest token (penalties read them; logprobs stay eager)."""
-        if not self.overlap or len(plans) != 1 or plans[0].empty:
+        if not self.overlap or len(plans) != 1 or plans[0].empty or plans[0].state_copies:
             return False
         return all(
             c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties
             and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
+            and c.request.grammar is None  # its next mask needs this step's token on the host
             for c in plans[0].chunks
         )
 
@@ -208,10 +231,8 @@ class Engine:
         log.error("step failed, failing %d requests:\n%s", sum(len(p.chunks) for p in plans), traceback.format_exc())
         for sched, plan in zip(self.schedulers, plans, strict=False):  # overlap: one plan, one group
             for chunk in plan.chunks:
-                req = chunk.request
-                if req.status is RequestStatus.RUNNING:
-                    sched.running.remove(req)
-                    sched.finish(req, RequestStatus.FINISHED_ERROR, f"internal error: {exc}")
+                sched.end(chunk.request.request_id, RequestStatus.FINISHED_ERROR,
+                          f"internal error: {exc}")
         self._flush()
 
     def _complete_inflight(self) -> None:
@@ -238,10 +259,16 @@ class Engine:
     def _handle(self, item: tuple[str, object, object]) -> None:
         kind, a, b = item
         if kind == "add":
-            assert isinstance(a, Request)
-            self._tracked[a.request_id] = _Tracked(a, b)  # type: ignore[arg-type]
+            assert isinstance(a, Request) and isinstance(b, tuple)
+            self._tracked[a.request_id] = _Tracked(a, b[0], b[1])
             if a.sampling.seed is not None:
                 a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
+            try:
+                self.grammars.attach(a)  # its matcher, when it has sampling.structured
+            except SamplingParamsError as exc:
+                self.scheduler_for(a).finish(a, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
+                self._flush()
+                return
             self.add_request(a)
         elif kind == "abort":
             self.abort_now(str(a), str(b))
@@ -250,10 +277,11 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Loop thread: hand a new request to its role (or straight to a scheduler)."""
+        sched = self.scheduler_for(request)  # first: a room's DP group decides its ranks
         if self.hooks is not None:
-            self.hooks.add_request(request)
+            self.hooks.add_request(request, sched)
         else:
-            self.scheduler_for(request).add(request)
+            sched.add(request)
 
     def scheduler_for(self, request: Request) -> Scheduler:
         """The scheduler of the DP group a request lives in, chosen at its first call and kept.
@@ -270,7 +298,8 @@ class Engine:
             if self.config.role == "prefill":
                 group = request.room % len(self.schedulers)
             else:
-                loads = [(len(s.running) + len(s.waiting), -s.pool.num_free) for s in self.schedulers]
+                stats = [s.stats() for s in self.schedulers]
+                loads = [(st.running + st.waiting, -st.free_pages) for st in stats]
                 group = loads.index(min(loads))
             self._group[request.request_id] = group
             if request.room:
@@ -288,48 +317,52 @@ class Engine:
             if self.hooks is not None:
                 self.hooks.abort(request_id, reason)  # closes its room too
 
-    def _on_finish(self, req: Request) -> None:
-        tracked = self._tracked.get(req.request_id)
-        if tracked is not None:
-            self._touched[req.request_id] = tracked
-
-    def emit(self, req: Request) -> None:
-        """Role managers call this when a request has news outside a step (first token landed)."""
+    def _touch(self, req: Request) -> None:
+        """The request has something to stream at the next flush (it finished, or a PD room
+        landed its first token)."""
         tracked = self._tracked.get(req.request_id)
         if tracked is not None:
             self._touched[req.request_id] = tracked
 
     def _flush(self) -> None:
+        """Everything this step produced, one batch per channel (the only place outputs leave)."""
+        if not self._touched:
+            return
+        batches: dict[OutputChannel, StepOutputs] = {}
         for rid, tracked in self._touched.items():
             req = tracked.request
-            first = tracked.num_emitted == 0
-            end = len(req.output_token_ids)
-            while end > tracked.num_emitted and req.output_token_ids[end - 1] == PENDING:
+            emitted = tracked.num_emitted
+            toks = req.output_token_ids
+            end = len(toks)
+            while end > emitted and toks[end - 1] == PENDING:
                 end -= 1  # still on the device (overlapped decode): sent with the next flush
-            new = req.output_token_ids[tracked.num_emitted : end]
-            new_lp = req.output_logprobs[tracked.num_emitted : end] if req.output_logprobs else []
-            tracked.num_emitted = end
             done = req.status.is_finished
-            if not new and not done:
+            if end == emitted and not done:
                 continue
-            tracked.sink(
-                RequestOutput(
-                    request_id=rid,
-                    token_ids=list(new),
-                    logprobs=list(new_lp),
-                    finish_reason=req.finish_reason if done else "",
-                    error=req.error,
-                    error_code=req.error_code,
-                    num_prompt_tokens=req.num_prompt_tokens if first else 0,
-                    num_cached_tokens=req.num_cached_tokens if first else 0,
-                    transfer=req.transfer_stats if done else None,
-                )
-            )
+            out = batches.get(tracked.channel)
+            if out is None:
+                out = batches[tracked.channel] = StepOutputs()
+            tag = tracked.tag
+            if emitted == 0:
+                out.started.append((tag, req.num_prompt_tokens, req.num_cached_tokens))
+            if end > emitted:
+                out.tags.append(tag)
+                out.num_tokens.append(end - emitted)
+                out.token_ids.extend(toks[emitted:end])
+                lps = req.output_logprobs[emitted:end] if req.output_logprobs else ()
+                out.num_logprobs.append(len(lps))
+                out.logprobs.extend(lps)
+                tracked.num_emitted = end
             if done:
+                self.grammars.release(req)  # every end (stop, length, abort, error) frees it
+                out.ended.append(RequestEnded(tag, req.finish_reason, req.error, req.error_code,
+                                              req.transfer_stats))
                 del self._tracked[rid]
                 self._group.pop(rid, None)
                 self._room_group.pop(req.room, None)
         self._touched.clear()
+        for channel, out in batches.items():
+            channel.deliver(out)
 
     def close(self) -> None:
         """Stop the other ranks of a multi-rank worker (after the loop thread has stopped)."""
@@ -339,11 +372,10 @@ class Engine:
     # ---- warm-up -------------------------------------------------------------------------------
     def warm_up(self, timeout_s: float = 120.0) -> None:
         """Run one tiny request through the real path before reporting SERVING."""
-        from worker.sampling import SamplingParams
-
         done = threading.Event()
         req = Request("warmup", [0] * min(8, self.max_model_len - 1), SamplingParams(max_tokens=2, ignore_eos=True))
-        self._tracked[req.request_id] = _Tracked(req, lambda out: done.set() if out.finished else None)
+        sink = PerRequestSink(req.request_id, lambda out: done.set() if out.finished else None)
+        self._tracked[req.request_id] = _Tracked(req, sink, 0)
         self.scheduler.add(req)  # straight to the scheduler: no room, whatever the role
         deadline = time.monotonic() + timeout_s
         while not done.is_set():
@@ -352,9 +384,27 @@ class Engine:
             self.step()
         if req.status is RequestStatus.FINISHED_ERROR:
             raise RuntimeError(f"warm-up failed: {req.error}")
+        self.scheduler.prompt_tokens_computed = 0  # count only real requests
         if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
-            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+            self.enable_decode_graphs()
+
+    def enable_decode_graphs(self) -> None:
+        """Capture the decode graphs; a multi-rank worker's ranks all capture the same buckets
+        (worker/cuda_graphs.py). On a CPU the same static-buffer steps run eagerly (tests)."""
+        target = self.dp if self.dp is not None else self.runner
+        target.enable_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+        if piecewise_supported(self):
+            self.runner.enable_piecewise_graphs(self.config.scheduler.chunked_prefill_size)
+
+
+def piecewise_supported(engine: Engine) -> bool:
+    """Graphs around attention (worker/piecewise.py): dense one-rank models whose layers read
+    nothing of the batch outside attention (no window rings, no recurrent state, no MoE)."""
+    shape = engine.kv.shape
+    return (engine.config.model.piecewise_graphs and engine.tp is None
+            and type(engine.model) is LlamaForCausalLM and not shape.window_layers
+            and not shape.state_layers)
 
 
 def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
@@ -365,48 +415,10 @@ def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
     if mode == "on" and multi_rank:
         raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
                           "set scheduler.overlap: auto or off for multi-rank workers")
+    if mode == "on" and config.speculative.enabled:
+        raise ConfigError("scheduler.overlap=on cannot run with speculative decoding (each step's "
+                          "drafts come from the tokens the last one accepted); set "
+                          "scheduler.overlap: auto or off")
+    if config.speculative.enabled:
+        return False
     return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)
-
-
-WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight
-
-
-def window_layers(spec: ModelSpec, max_model_len: int) -> tuple[tuple[int, ...], int]:
-    """The layers that get a window ring, and their window; ((), 0) = keep every layer in full pages.
-
-    A ring needs a window shorter than the context and at least one full-attention layer (an
-    all-window model would have an empty full page; it keeps today's masked full pages), and
-    one window size for all window layers (one ring geometry per request).
-    """
-    windows = spec.layer_windows
-    layers = tuple(i for i, w in enumerate(windows) if w is not None)
-    sizes = {w for w in windows if w is not None}
-    if not layers or len(layers) == len(windows) or len(sizes) != 1:
-        return (), 0
-    (window,) = sizes
-    if window >= max_model_len:
-        return (), 0  # the window never slides: plain full pages
-    return layers, window
-
-
-def kv_shape(spec: ModelSpec, config: WorkerConfig, num_pages: int, max_model_len: int | None = None) -> KVShape:
-    tp = config.parallel.tp_size
-    # With TP > kv heads each rank keeps a replica of one kv head.
-    kv_heads = max(1, spec.num_kv_heads // tp)
-    layers, window = window_layers(spec, max_model_len or spec.max_position_embeddings)
-    if layers and (config.parallel.world_size > 1 or config.parallel.nnodes > 1):
-        raise ConfigError(
-            f"parallel: a model with sliding-window layers ({len(layers)} of {spec.num_layers}, window {window}) keeps "
-            "window rings that multi-rank workers do not mirror yet; run it with parallel.tp_size=1")
-    ring_pages = -(-window // config.cache.page_size) + 1 if layers else 0
-    return KVShape(
-        num_pages=num_pages,
-        num_layers=spec.num_layers,
-        num_kv_heads=kv_heads,
-        page_size=config.cache.page_size,
-        head_dim=spec.head_dim,
-        dtype=spec.dtype,
-        window_layers=layers,
-        window=window,
-        num_window_pages=ring_pages * WINDOW_RINGS_PER_SEQ * config.scheduler.max_num_seqs,
-    )

@@ -20,7 +20,9 @@ class PagePool:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._holders: list[set[str]] = [set() for _ in range(num_pages)]  # ledger: page -> request ids
+        self._holders: list[set[str]] = [
+            set() for _ in range(num_pages)
+        ]  # ledger: page -> request ids
         self._cached: set[int] = set()  # pages the prefix cache retains
         self._num_used = 0  # pages with at least one holder
 
@@ -65,7 +67,9 @@ class PagePool:
         """Drop `holder` from `pages`; a page with no holder and no cache entry becomes free."""
         for p in pages:
             holders = self._holders[p]
-            assert holder in holders, f"page {p} is not held by {holder!r} (holders: {sorted(holders)})"
+            assert holder in holders, (
+                f"page {p} is not held by {holder!r} (holders: {sorted(holders)})"
+            )
             holders.remove(holder)
             if not holders:
                 self._num_used -= 1
@@ -94,5 +98,6 @@ class PagePool:
         """No page is held by a request (cached pages are fine). For tests and drain checks."""
         leaked = {p: sorted(h) for p, h in enumerate(self._holders) if h}
         assert not leaked, f"pages still held: {leaked}"
-        assert self.num_free + len(self._cached) == self.num_pages, "free list and cache do not add up"
-
+        assert self.num_free + len(self._cached) == self.num_pages, (
+            "free list and cache do not add up"
+        )

@@ -7,8 +7,9 @@ Lifecycle of one request on a prefill worker:
 2. The scheduler computes the prompt in chunks; the prefix cache may skip cached pages.
    With `transfer.layerwise_interval = N > 0`, every N chunks the pages the prompt has filled
    so far are shipped while the next chunks compute.
-3. The last chunk samples the first token. The request leaves the running batch (TRANSFERRING)
-   and its remaining pages, the first token and its logprobs are shipped — for a hybrid model
+3. The last chunk samples the first token. The request leaves the running batch (the
+   scheduler marks it TRANSFERRING) and its remaining pages, the first token and its logprobs
+   are shipped — for a hybrid model
    also the retained tail of its window ring (docs/hybrid-cache.md); the room completes once
    every write is confirmed. A prefix hit on a hybrid model re-feeds a bounded suffix first
    (the scheduler's bounded replay), so the ring it ships is exact.
@@ -27,8 +28,8 @@ import grpc
 
 from transfer.manager import KVSender, KVTransferManager
 from transfer.room import RoomState
-from worker.engine import Engine
 from worker.request import Request, RequestStatus, room_error_code
+from worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -37,46 +38,46 @@ log = logging.getLogger(__name__)
 class _Room:
     request: Request
     sender: KVSender
+    sched: Scheduler  # of the DP group computing the prompt
     pages_sent: int = 0  # leading pages of page_table already handed to the sender
     chunks_since_send: int = 0
 
 
 class PrefillRole:
-    def __init__(self, engine: Engine, manager: KVTransferManager, bootstrap: grpc.Server) -> None:
-        self.engine = engine
+    def __init__(self, manager: KVTransferManager, bootstrap: grpc.Server, *, page_size: int,
+                 layerwise_interval: int) -> None:
         self.manager = manager
         self.bootstrap = bootstrap  # the bootstrap service's server, stopped on close
-        self.page_size = engine.kv.shape.page_size
-        self.layerwise_interval = engine.config.transfer.layerwise_interval
+        self.page_size = page_size
+        self.layerwise_interval = layerwise_interval
         self._rooms: dict[str, _Room] = {}  # by request id: every request here has a room
         self._by_room: dict[int, _Room] = {}
-        self._shipping: list[_Room] = []  # prompt done, waiting for the room to end
 
     # ---- engine hooks ---------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        sched = self.engine.scheduler_for(request)  # first: the room's DP group decides its ranks
+    def add_request(self, request: Request, scheduler: Scheduler) -> None:
         sender = self.manager.create_sender(request.room)
-        room = self._rooms[request.request_id] = _Room(request, sender)
+        room = self._rooms[request.request_id] = _Room(request, sender, scheduler)
         self._by_room[request.room] = room
-        sched.add(request)
+        scheduler.add(request)
 
     def on_prompt_done(self, request: Request) -> bool:
         room = self._rooms[request.request_id]
-        request.status = RequestStatus.TRANSFERRING
         first = request.output_logprobs[0] if request.output_logprobs else None
+        held = room.sched.holdings(request)
+        state = {"state_slot": held.state_slot} if held.state_slot >= 0 else {}
         room.sender.send(
-            request.page_table[room.pages_sent :],
+            held.page_table[room.pages_sent :],
             start_page=room.pages_sent,
             last=True,
             first_token=request.output_token_ids[0],
             first_logprob=first.logprob if first else None,
             top_logprobs=first.top if first else None,
             # Hybrid models: the window ring's retained tail travels too (decode never re-feeds).
-            window_ring=self.engine.scheduler_for(request).rings.get(request.request_id),
+            window_ring=held.window_ring or None,
             num_tokens=request.num_computed_tokens,
+            **state,  # type: ignore[arg-type]  # recurrent models: the state after the prompt
         )
-        room.pages_sent = len(request.page_table)
-        self._shipping.append(room)
+        room.pages_sent = len(held.page_table)
         return True
 
     def after_step(self) -> None:
@@ -90,7 +91,8 @@ class PrefillRole:
             room.chunks_since_send += 1
             full = req.num_computed_tokens // self.page_size
             if room.chunks_since_send >= self.layerwise_interval and full > room.pages_sent:
-                room.sender.send(req.page_table[room.pages_sent : full], start_page=room.pages_sent, last=False)
+                room.sender.send(req.page_table[room.pages_sent : full],
+                                 start_page=room.pages_sent, last=False)
                 room.pages_sent = full
                 room.chunks_since_send = 0
 
@@ -102,25 +104,25 @@ class PrefillRole:
                 continue
             req = room.request
             del self._rooms[req.request_id]
-            if room in self._shipping:
-                self._shipping.remove(room)
             req.transfer_stats = dataclasses.asdict(room.sender.stats)
-            state = ended.state
+            error = room.sender.error or ""
             if req.status is RequestStatus.TRANSFERRING:
-                self._end(req, state, room.sender.error or "")
+                self._end(room, ended.state, error)
             else:  # the room died before the prompt was done
-                error = room.sender.error or f"room ended ({state.name}) before the prompt finished"
-                self.engine.scheduler_for(req).end(req.request_id, RequestStatus.FINISHED_ERROR, error,
-                                                   room_error_code(error))
+                error = error or f"room ended ({ended.state.name}) before the prompt finished"
+                room.sched.end(req.request_id, RequestStatus.FINISHED_ERROR, error,
+                               room_error_code(error))
 
-    def _end(self, req: Request, state: RoomState, error: str) -> None:
-        sched = self.engine.scheduler_for(req)
+    def _end(self, room: _Room, state: RoomState, error: str) -> None:
+        req, sched = room.request, room.sched
         if state is RoomState.SUCCESS:
             sched.finish(req, RequestStatus.FINISHED_STOPPED)
         elif state is RoomState.ABORTED:
-            sched.finish(req, RequestStatus.FINISHED_ABORTED, error or "aborted by the decode side", "unavailable")
+            sched.finish(req, RequestStatus.FINISHED_ABORTED,
+                         error or "aborted by the decode side", "unavailable")
         else:
-            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}", room_error_code(error))
+            sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}",
+                         room_error_code(error))
 
     def abort(self, request_id: str, reason: str) -> None:
         room = self._rooms.pop(request_id, None)
@@ -128,18 +130,16 @@ class PrefillRole:
             return
         del self._by_room[room.request.room]
         room.sender.abort(reason)
-        if room in self._shipping:
-            self._shipping.remove(room)
-        if not room.request.status.is_finished:
-            self.engine.scheduler_for(room.request).finish(room.request, RequestStatus.FINISHED_ABORTED, reason,
-                                                           "unavailable")
+        if room.request.status is RequestStatus.TRANSFERRING:  # out of the scheduler's queues
+            room.sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
 
     def has_work(self) -> bool:
         return bool(self._rooms)
 
     def load_stats(self) -> tuple[dict[str, int], int, int, int]:
         totals = self.manager.totals()
-        live = {state: n for state, n in self.manager.room_counts().items() if not RoomState[state].finished}
+        live = {state: n for state, n in self.manager.room_counts().items()
+                if not RoomState[state].finished}
         return live, totals.bytes, totals.pages, 0
 
     def close(self) -> None:

@@ -17,18 +17,15 @@ import enum
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from transfer.contract import KVLayout
 from transfer.manager import KVTransferManager
 from transfer.room import Room, RoomState, RoomStats, TransferTotals
 from worker.config import WorkerConfig
 from worker.distributed import (
-    DistributedError,
     MessageKind,
     StepChannel,
     from_i64,
@@ -36,7 +33,7 @@ from worker.distributed import (
     to_i64,
     unpack_str,
 )
-from worker.kv_cache import KVCache
+from worker.kv_cache import KVCache, transfer_layout
 
 _STATES = list(RoomState)
 
@@ -308,15 +305,6 @@ def parse_report(values: list[int]) -> list[tuple[int, _End]]:
 # ---- followers -------------------------------------------------------------------------------
 
 
-def kv_layout_of(kv: KVCache, num_kv_heads_total: int, config: WorkerConfig) -> KVLayout:
-    shape = kv.shape
-    return KVLayout(
-        num_pages=shape.num_pages, num_layers=shape.num_layers, page_size=shape.page_size, head_dim=shape.head_dim,
-        dtype=str(shape.dtype).removeprefix("torch."), num_kv_heads_total=num_kv_heads_total,
-        tp_rank=config.parallel.tp_rank, tp_size=config.parallel.tp_size,
-    )
-
-
 def rank_peer_id(config: WorkerConfig, dp_rank: int) -> str:
     """How prefill knows a rank across restarts: the worker's address (+ its DP group; the
     transfer manager appends the TP rank)."""
@@ -331,23 +319,19 @@ class FollowerRooms:
                  architecture: str, global_rank: int) -> None:
         self.dp_rank = global_rank // config.parallel.tp_size
         self.manager = KVTransferManager(
-            config.transfer, kv_layout_of(kv, num_kv_heads_total, config), role=config.role, kv_ptr=kv.data_ptr(),
+            config.transfer,
+            transfer_layout(kv.shape, num_kv_heads_total, config.parallel.tp_rank,
+                            config.parallel.tp_size),
+            role=config.role, kv_ptr=kv.data_ptr(),
             kv_nbytes=kv.nbytes(), host=config.host, model_fingerprint=fingerprint, model_name=architecture,
             peer_id=rank_peer_id(config, self.dp_rank), tls=config.tls,
         )
         self.server: grpc.Server | None = None
         self.bootstrap_addr = ""
         if config.role == "prefill":
-            from protocol.tls import add_port
-            from worker.roles import MAX_LIVE_ROOMS
-
-            self.server = grpc.server(ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap"))
-            self.manager.add_to_server(self.server)
             want = config.transfer.bootstrap_port
-            port = add_port(self.server, f"{config.host}:{want + global_rank if want else 0}", config.tls)
-            if port == 0:
-                raise DistributedError(f"rank {global_rank}: cannot bind a bootstrap port on {config.host}")
-            self.server.start()
+            self.server, port = self.manager.serve_bootstrap(
+                config.host, want + global_rank if want else 0)
             self.bootstrap_addr = f"{config.transfer.advertise_host or config.host}:{port}"
         self._rooms: dict[int, Room] = {}
 

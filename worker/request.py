@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.sampling import SamplingParams
+
+if TYPE_CHECKING:  # worker/grammar_xgr.py imports xgrammar: only workers that get a grammar load it
+    from worker.grammar_xgr import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -43,7 +47,8 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-@dataclass(eq=False)  # an entity: compared and hashed by identity (lists of them are searched every step)
+# An entity: compared and hashed by identity (lists of them are searched every step).
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -58,9 +63,11 @@ class Request:
     page_table: list[int] = field(default_factory=list)  # pages holding this request's KV, in order
     num_preemptions: int = 0
     error: str = ""
-    error_code: str = ""  # how the error maps to a status: invalid | unavailable | deadline | peer | internal
+    # How the error maps to a status: invalid | unavailable | deadline | peer | internal.
+    error_code: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # per-request seeded sampling
+    grammar: RequestGrammar | None = None  # its matcher (sampling.structured); closed at finish
     transfer_stats: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of its room
 
     @property

@@ -4,6 +4,9 @@
 decode step: forward and sampling are only queued on the device, the tokens' copy to the host
 is started, and an `InFlight` is returned; the engine schedules and launches the next step
 before it reads these tokens (worker/engine.py).
+
+Constrained requests (a grammar, worker/grammar.py) only run in plain steps: their row of the
+step's token bitmask is filled before sampling, and their matcher takes the sampled token after.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
-from worker.request import TokenLogprob
-from worker.sampler import Sampler
-from worker.scheduler import RunOutput, SchedulePlan
+from worker.piecewise import PiecewiseGraphs
+from worker.request import Request, TokenLogprob
+from worker.sampler import GrammarDeadEnd, NoAllowedToken, Sampler, TokenMask, min_tokens_bans
+from worker.spec.verify import accept, ban_rows
+from worker.step import RunOutput, ScheduledChunk, SchedulePlan
 
 
 @dataclass
@@ -52,7 +57,8 @@ def forward_logits(model: CausalLM, kv: KVCache, batch: ForwardBatch) -> torch.T
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, *, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, *, eos_token_ids: tuple[int, ...],
+                 device: torch.device) -> None:
         self.model = model
         self.kv = kv
         self.page_size = kv.shape.page_size
@@ -60,12 +66,20 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (CUDA only)
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks (CUDA only)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (call after warm-up)."""
         graphs = DecodeGraphs(self.model, self.kv, max_num_seqs, max_model_len)
         graphs.capture()
         self.decode_graphs = graphs
+
+    def enable_piecewise_graphs(self, max_tokens: int) -> None:
+        """Capture graphs around attention for steps of up to max_tokens tokens (after warm-up;
+        dense single-rank models only, see worker/piecewise.py)."""
+        graphs = PiecewiseGraphs(self.model, self.kv, max_tokens)
+        graphs.capture()
+        self.piecewise = graphs
 
     def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         page_size = self.page_size
@@ -80,22 +94,26 @@ class ModelRunner:
         for i, chunk in enumerate(plan.chunks):
             req, start, n = chunk.request, chunk.start, chunk.num_tokens
             table = req.page_table
-            input_ids.extend(req.all_token_ids()[start : start + n])
+            input_ids.extend(chunk.input_ids())
             pos = range(start, start + n)
             positions.extend(pos)
             # A replayed token (below full_from) already has its full-layer KV in a shared cached
             # page: -1 = do not write it again.
-            slots.extend(table[p // page_size] * page_size + p % page_size if p >= chunk.full_from else -1 for p in pos)
+            slots.extend(table[p // page_size] * page_size + p % page_size
+                         if p >= chunk.full_from else -1 for p in pos)
             query_start.append(query_start[-1] + n)
             seq_lens.append(start + n)
-            if chunk.sample:
-                logits_indices.append(query_start[-1] - 1)
+            # A verify chunk needs a row per draft + 1; any other sampling chunk its last row.
+            end = query_start[-1]
+            logits_indices.extend(range(end - chunk.num_logits, end))
             page_table[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
 
         def dev(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         window = self._window_fields(plan, dev) if self.kv.shape.window_layers else {}
+        if self.kv.shape.state_layers:
+            window["state_slots"] = dev([c.state_slot for c in plan.chunks])
         return ForwardBatch(
             input_ids=dev(input_ids),
             positions=dev(positions),
@@ -109,17 +127,20 @@ class ModelRunner:
             **window,
         )
 
-    def _window_fields(self, plan: SchedulePlan, dev: Callable[[list[int]], torch.Tensor]) -> dict[str, Any]:
+    def _window_fields(self, plan: SchedulePlan,
+                       dev: Callable[[list[int]], torch.Tensor]) -> dict[str, Any]:
         """Ring slots of the window layers: where each new token's row goes, and each request's
         history (the up to W-1 tokens before its chunk, from `window_from` on) to read."""
-        page_size, window, ring_pages = self.page_size, self.kv.shape.window, self.kv.shape.ring_pages
+        shape = self.kv.shape
+        page_size, window, ring_pages = self.page_size, shape.window, shape.ring_pages
         ring_tokens = ring_pages * page_size
         store: list[int] = []
         history: list[int] = []
         history_start = [0]
         for chunk in plan.chunks:
             ring, start, end = chunk.window_pages, chunk.start, chunk.start + chunk.num_tokens
-            assert len(ring) == ring_pages, f"{chunk.request.request_id} holds {len(ring)} ring pages, needs {ring_pages}"
+            assert len(ring) == ring_pages, (
+                f"{chunk.request.request_id} holds {len(ring)} ring pages, needs {ring_pages}")
 
             def slot(p: int, ring: list[int] = ring) -> int:
                 return ring[(p // page_size) % ring_pages] * page_size + p % page_size
@@ -127,7 +148,8 @@ class ModelRunner:
             # Keep only the last ring_tokens new tokens: earlier ones would be overwritten in the
             # same write (duplicate slots in one scatter have no defined winner on GPU).
             store.extend(slot(p) if p >= end - ring_tokens else -1 for p in range(start, end))
-            history.extend(slot(p) for p in range(max(start - (window - 1), chunk.window_from, 0), start))
+            first = max(start - (window - 1), chunk.window_from, 0)
+            history.extend(slot(p) for p in range(first, start))
             history_start.append(len(history))
         return {
             "window_slot_mapping": dev(store),
@@ -145,6 +167,8 @@ class ModelRunner:
         `prev` (overlapped decode): an input still PENDING is the previous step's token for that
         request, read from `prev.tokens` on the device.
         """
+        if plan.state_copies:  # new requests' state slots: zeroed or restored from a snapshot
+            self.kv.apply_state_copies(plan.state_copies)
         sampling = sum(c.sample for c in plan.chunks)
         src = [prev.rows.get(id(c.request), -1) for c in plan.chunks] if prev is not None else None
         graphs = self.decode_graphs
@@ -154,12 +178,19 @@ class ModelRunner:
             and all(c.num_tokens == 1 for c in plan.chunks)  # pure decode
             and graphs.bucket_for(sampling) is not None
         ):
-            return graphs.run(plan.chunks, prev.tokens if prev is not None else None, src)  # replayed
+            prev_tokens = prev.tokens if prev is not None else None
+            return graphs.run(plan.chunks, prev_tokens, src)  # replayed
         batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
         if prev is not None and src is not None:
             rows = torch.tensor(src, device=self.device)
             ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], batch.input_ids)
             batch = dataclasses.replace(batch, input_ids=ids)
+        pieces = self.piecewise
+        if pieces is not None and pieces.bucket_for(batch.num_tokens) is not None:
+            hidden = pieces.run(batch)  # [T, hidden]: graphs around eager attention
+            if not batch.logits_indices.numel():
+                return None
+            return self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
         return forward_logits(self.model, self.kv, batch)
 
     @torch.inference_mode()
@@ -168,8 +199,10 @@ class ModelRunner:
         reqs = [c.request for c in plan.chunks]
         logits = self.forward(plan, prev)
         assert logits is not None  # every chunk of a pure-decode plan samples
-        tokens = self.sampler.sample_tokens(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
-                                            [len(r.output_token_ids) for r in reqs], self.eos_token_ids)
+        tokens = self.sampler.sample_tokens(logits, [r.sampling for r in reqs],
+                                            [r.generator for r in reqs],
+                                            [len(r.output_token_ids) for r in reqs],
+                                            self.eos_token_ids)
         host = copied = None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -179,24 +212,71 @@ class ModelRunner:
         return InFlight(plan, tokens, host, copied, {id(r): i for i, r in enumerate(reqs)})
 
     def sample(self, plan: SchedulePlan, logits: torch.Tensor | None) -> RunOutput:
-        """The next token (and logprobs) of every chunk that samples, from its logits row."""
-        sampling = [c.request for c in plan.chunks if c.sample]
+        """The next token (and logprobs) of every chunk that samples, from its logits rows; a
+        verify chunk (with drafts) emits its accepted drafts and one more (worker/spec)."""
+        chunks = [c for c in plan.chunks if c.sample]
+        if not chunks:
+            return RunOutput(token_ids=[], logprobs=[])
+        assert logits is not None and logits.shape[0] == sum(c.num_logits for c in chunks)
+        if not any(c.drafts for c in chunks):
+            return self._sample_rows(chunks, logits)
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + c.num_logits)
+        plain = [i for i, c in enumerate(chunks) if not c.drafts]
+        out = self._sample_rows([chunks[i] for i in plain], logits[[starts[i] for i in plain]])
+        tokens: list[list[int]] = [[] for _ in chunks]
+        for j, i in enumerate(plain):
+            tokens[i] = [out.token_ids[j]]
+        for i, c in enumerate(chunks):
+            if c.drafts:
+                req = c.request
+                rows = ban_rows(logits[starts[i] : starts[i + 1]], req.sampling,
+                                len(req.output_token_ids), self.eos_token_ids)
+                tokens[i] = accept(rows, c.drafts, req.sampling, req.generator)
+        return RunOutput(token_ids=[t[0] for t in tokens], logprobs=[None] * len(chunks),
+                         more_token_ids=[t[1:] for t in tokens])
+
+    def _sample_rows(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> RunOutput:
+        """One token per chunk from its one row of logits (the plain sampler)."""
+        sampling = [c.request for c in chunks]
         if not sampling:
             return RunOutput(token_ids=[], logprobs=[])
-        assert logits is not None and logits.shape[0] == len(sampling)
-        out = self.sampler.sample(
-            logits,
-            [r.sampling for r in sampling],
-            [r.generator for r in sampling],
-            [r.output_token_ids for r in sampling],
-            [len(r.output_token_ids) for r in sampling],
-            self.eos_token_ids,
-        )
+        mask = self._token_mask(sampling)
+        try:
+            out = self.sampler.sample(
+                logits,
+                [r.sampling for r in sampling],
+                [r.generator for r in sampling],
+                [r.output_token_ids for r in sampling],
+                [len(r.output_token_ids) for r in sampling],
+                self.eos_token_ids,
+                mask,
+            )
+        except NoAllowedToken as dead:
+            raise GrammarDeadEnd(sampling[dead.row].request_id) from None
+        if mask is not None:
+            for i in mask.rows:
+                grammar = sampling[i].grammar
+                assert grammar is not None
+                grammar.accept(out.token_ids[i])
         logprobs: list[TokenLogprob | None] = [None] * len(sampling)
         if out.logprobs is not None:
             tops = out.top_logprobs or [[] for _ in sampling]
             logprobs = [
-                TokenLogprob(tok, lp, top) if r.sampling.logprobs or r.sampling.top_logprobs else None
+                TokenLogprob(tok, lp, top)
+                if r.sampling.logprobs or r.sampling.top_logprobs else None
                 for r, tok, lp, top in zip(sampling, out.token_ids, out.logprobs, tops, strict=True)
             ]
         return RunOutput(token_ids=list(out.token_ids), logprobs=logprobs)
+
+    def _token_mask(self, reqs: list[Request]) -> TokenMask | None:
+        """The step's grammar bitmask; None when no request in it is constrained."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        # Loaded with the first grammar: xgrammar is heavy (worker/grammar.py).
+        from worker.grammar_xgr import token_mask
+
+        bans = [min_tokens_bans(r.sampling, len(r.output_token_ids), self.eos_token_ids)
+                if r.grammar is not None else [] for r in reqs]
+        return token_mask([r.grammar for r in reqs], [r.output_token_ids for r in reqs], bans)

@@ -1,6 +1,6 @@
 """The scheduler: continuous batching with chunked prefill, a prefix cache and preemption.
 
-One engine step is three calls:
+One engine step is three calls (the objects between them live in worker/step.py):
 
     plan = scheduler.schedule()        # who runs this step, how many tokens each
     out = runner.run(plan)             # one forward pass + sampling
@@ -8,94 +8,56 @@ One engine step is three calls:
 
 `schedule` fills a token budget (`chunked_prefill_size`): first the running batch (decodes take
 one token, unfinished prompts their next chunk), then waiting requests in arrival order while
-pages, `max_num_seqs` and the budget allow. When pages run out mid-batch, the newest running
-request is preempted: its pages go back (through the prefix cache, so the recompute is cheap)
-and it waits at the head of the queue to recompute. A request is never dropped: it finishes or
-fails with a reason.
+the KV cache manager has room, `max_num_seqs` and the budget allow. When pages run out
+mid-batch, the newest running request is preempted: its pages go back (through the prefix
+cache, so the recompute is cheap) and it waits at the head of the queue to recompute. A
+request is never dropped: it finishes or fails with a reason.
 
-Hybrid models (window layers keeping a ring of pages, docs/hybrid-cache.md): each running
-request also holds a ring of `ring_pages` window pages from a second pool, taken at admission.
-A prefix hit cannot restore window rows (the tree keeps full pages only), so the scheduler
-re-feeds a bounded suffix of the hit ("bounded replay"): the replayed tokens write no full
-page (theirs sit in shared cached pages) and rebuild the ring exactly.
+Memory is the KV cache manager's (worker/cache_manager.py): the scheduler asks it for room in
+requests and tokens and never sees a pool. Hybrid models' window rings, the bounded replay
+after a prefix hit, and every later cache-group kind live there.
 
-Roles hook in through `RoleHooks` (worker/prefill.py, worker/decode.py): prefill ships a request's
-pages once its prompt is done instead of decoding; decode admits requests whose KV has landed.
+Roles hook in through `RoleHooks` (worker/prefill.py, worker/decode.py) and call the narrow
+role interface at the end of this class (reserve, land, seat, hold, holdings, finish): prefill
+ships a request's pages once its prompt is done instead of decoding; decode lands requests
+whose KV arrived. Request states change only here.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from worker.config import CacheConfig, ConfigError, SchedulerConfig
-from worker.page_pool import OutOfPages, PagePool
-from worker.prefix_cache import PrefixCache
+from worker.cache_manager import CacheHold, Holdings, KVCacheManager
+from worker.config import ConfigError, SchedulerConfig
 from worker.request import Request, RequestStatus, TokenLogprob
-
-PENDING = -1  # an output slot whose token is still on the device (overlapped decode)
-
-
-@dataclass
-class ScheduledChunk:
-    """One request's share of a step."""
-
-    request: Request
-    start: int  # position of the first token computed this step (= num_computed_tokens)
-    num_tokens: int  # tokens computed this step
-    sample: bool  # the chunk reaches the request's last known token: sample the next one
-    window_pages: list[int] = field(default_factory=list)  # the request's window ring (hybrid models)
-    window_from: int = 0  # first position the ring holds valid rows for (start of a bounded replay)
-    full_from: int = 0  # positions below keep their cached full-page KV: not written again (replay)
+from worker.spec.counters import SpecCounters
+from worker.spec.eligible import speculable
+from worker.step import PENDING, RunOutput, ScheduledChunk, SchedulePlan
 
 
 @dataclass(frozen=True)
-class WindowCache:
-    """The window group of a hybrid model, as the scheduler sees it."""
+class SchedulerStats:
+    """One DP group's load, for GetLoad and the engine's group choice."""
 
-    window: int  # tokens a window layer attends to
-    num_layers: int  # window layers (the bounded replay grows with their depth)
-    ring_pages: int  # window pages per request
-    num_pages: int  # window pages of the worker: the rings of all live requests
-
-    @property
-    def replay_tokens(self) -> int:
-        """Tokens before a prefix hit's end to re-feed so every ring row is rebuilt exactly.
-
-        Window layer l's KV at token p depends on window layer l-1's output at p, which reads
-        layer l-1's KV of tokens p-W+1..p: each window layer pushes the dependency W-1 tokens
-        back, so the rows tokens after the hit will read need num_layers * (W-1) tokens replayed.
-        """
-        return self.num_layers * (self.window - 1)
-
-
-@dataclass
-class SchedulePlan:
-    """What `runner.run` executes; `update` reads it back."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    num_tokens: int = 0  # sum of chunk lengths: the step's token count
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass
-class RunOutput:
-    """The runner's answer: one entry per chunk with `sample=True`, in plan order."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    running: int
+    waiting: int
+    used_pages: int  # held by live requests and holds
+    total_pages: int
+    cached_pages: int  # evictable prefix-cache pages
+    free_pages: int
+    window_used_pages: int
+    prompt_tokens_computed: int  # prompt tokens this worker ran through the model
 
 
 class RoleHooks(Protocol):
     """What a role adds around the step (worker/prefill.py, worker/decode.py). Mono has none."""
 
-    def add_request(self, request: Request) -> None:
-        """A new request arrives (prefill opens a room; decode reserves pages first)."""
+    def add_request(self, request: Request, scheduler: Scheduler) -> None:
+        """A new request arrives, for `scheduler` (its DP group's): prefill opens a room and
+        queues it there; decode reserves its memory there first."""
         ...
 
     def on_prompt_done(self, request: Request) -> bool:
@@ -122,45 +84,40 @@ class RoleHooks(Protocol):
     def close(self) -> None: ...
 
 
-FinishCallback = Callable[[Request], None]
+OutputCallback = Callable[[Request], None]
 
 
 class Scheduler:
     def __init__(
         self,
         scheduler: SchedulerConfig,
-        cache: CacheConfig,
+        cache: KVCacheManager,
         *,
-        num_pages: int,
         max_model_len: int,
         eos_token_ids: Iterable[int],
-        on_finish: FinishCallback,
-        window: WindowCache | None = None,
+        on_output: OutputCallback,
+        num_speculative_tokens: int = 0,
+        spec_counters: SpecCounters | None = None,
     ) -> None:
         self.config = scheduler
+        self.cache = cache
         self.page_size = cache.page_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.pool = PagePool(num_pages)
-        self.prefix_cache = PrefixCache(self.pool, self.page_size) if cache.enable_prefix_cache else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.hooks: RoleHooks | None = None  # the role's; the engine polls it once per step
-        self._on_finish = on_finish  # the engine streams the final message and forgets the request
+        self._on_output = on_output  # a request has news outside a step's tokens (landed, finished)
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
-        self.window = window
-        self.window_pool: PagePool | None = None
-        self.rings: dict[str, list[int]] = {}  # request id -> its window ring (hybrid models)
-        self._window_from: dict[str, int] = {}  # request id -> start of its ring's valid rows
-        self._full_from: dict[str, int] = {}  # request id -> end of its replayed (cached) tokens
-        if window is not None:
-            if scheduler.chunked_prefill_size < window.window + self.page_size:
-                raise ConfigError(
-                    f"scheduler.chunked_prefill_size ({scheduler.chunked_prefill_size}) must be at least the model's "
-                    f"sliding window plus one page ({window.window} + {self.page_size}) so a replayed window fits "
-                    "one step; raise it")
-            self.window_pool = PagePool(window.num_pages)
+        self.num_speculative_tokens = num_speculative_tokens  # drafts per decode step at most
+        self.spec_counters = spec_counters or SpecCounters()  # shared by a worker's schedulers
+        window = cache.window.spec if cache.window is not None else None
+        if window is not None and scheduler.chunked_prefill_size < window.window + self.page_size:
+            raise ConfigError(
+                f"scheduler.chunked_prefill_size ({scheduler.chunked_prefill_size}) must be at "
+                f"least the model's sliding window plus one page ({window.window} + "
+                f"{self.page_size}) so a replayed window fits one step; raise it")
 
     # ---- intake ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -171,7 +128,8 @@ class Scheduler:
         """End a waiting or running request now. Returns whether it was found here."""
         return self.end(request_id, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
 
-    def end(self, request_id: str, status: RequestStatus, error: str = "", error_code: str = "internal") -> bool:
+    def end(self, request_id: str, status: RequestStatus, error: str = "",
+            error_code: str = "internal") -> bool:
         """Take a request out of the queues and finish it with `status`."""
         for queue in (self.waiting, self.running):
             for req in queue:
@@ -180,10 +138,6 @@ class Scheduler:
                     self.finish(req, status, error, error_code)
                     return True
         return False
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # ---- step 1: schedule ---------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
@@ -195,8 +149,9 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, req.num_computed_tokens + n):
+            n = self._chunk_len(req, budget)
+            k = self._num_drafts(req, n, budget - n)
+            while not self.cache.grow(req, req.num_computed_tokens + n + k):
                 victim = self._pick_victim(exclude=req, scheduled=plan)
                 if victim is None:  # nothing left to preempt but the request itself
                     victim = req
@@ -206,30 +161,46 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            self._add_chunk(plan, req, n)
-            budget -= n
+            self._add_chunk(plan, req, n, k)
+            budget -= n + k
         if not preempted:
             self._admit(plan, budget)
+        plan.state_copies = self.cache.take_state_copies()
         return plan
+
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Room for draft tokens after a decode chunk (speculative decoding): at most
+        `num_speculative_tokens`, within the budget, the request's max_tokens and the context;
+        0 for prompt chunks and for requests whose sampling speculation cannot serve."""
+        k = self.num_speculative_tokens
+        if not k or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        if not req.output_token_ids or not speculable(req):
+            return 0
+        left = req.sampling.max_tokens - len(req.output_token_ids) - 1
+        room = self.max_model_len - req.num_tokens - 1
+        return max(0, min(k, budget, left, room))
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens the request computes this step: what is left, within the budget, ending where
+        the cache manager needs a chunk to end (a state group's snapshot point)."""
+        return self.cache.chunk_limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
 
     def _admit(self, plan: SchedulePlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if self._pages_for(req.num_tokens) > self.pool.num_pages:
+            if not self.cache.fits(req.num_tokens):
                 self.waiting.popleft()
                 self.finish(req, RequestStatus.FINISHED_ERROR, (
                     f"request needs {req.num_tokens} tokens of KV cache but the worker holds only "
-                    f"{self.pool.num_pages * self.page_size}; raise cache.max_total_tokens or shorten it"), "invalid")
+                    f"{self.cache.num_pages * self.page_size}; raise cache.max_total_tokens or "
+                    "shorten it"), "invalid")
                 continue
-            if not req.page_table and self.prefix_cache is not None:
+            if not req.page_table:
                 self._match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # Admit only when the whole remaining prompt could fit, so chunked prefill does not
-            # start what page pressure would immediately preempt.
-            if self._pages_for(req.num_tokens) - len(req.page_table) > self._num_available() or not self._grow(
-                req, req.num_computed_tokens + n
-            ) or self.take_ring(req) is None:
-                self._release_pages(req)  # give back prefix hits; retry next step
+            n = self._chunk_len(req, budget)
+            if not self.cache.admit(req, req.num_computed_tokens + n):
+                self.cache.free(req)  # give back prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -238,27 +209,43 @@ class Scheduler:
             self._add_chunk(plan, req, n)
             budget -= n
 
-    def _add_chunk(self, plan: SchedulePlan, req: Request, n: int) -> None:
+    def _match_prefix(self, req: Request) -> None:
+        req.num_computed_tokens = self.cache.match_prefix(req)
+        if not req.output_token_ids and req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+
+    def _add_chunk(self, plan: SchedulePlan, req: Request, n: int, max_drafts: int = 0) -> None:
         start = req.num_computed_tokens
-        rid = req.request_id
+        where = self.cache.chunk_cache(req)
         plan.chunks.append(ScheduledChunk(
-            req, start, n, sample=start + n == req.num_tokens, window_pages=self.rings.get(rid, []),
-            window_from=self._window_from.get(rid, 0), full_from=self._full_from.get(rid, 0),
+            req, start, n, sample=start + n == req.num_tokens, window_pages=where.window_pages,
+            window_from=where.window_from, full_from=where.full_from, state_slot=where.state_slot,
+            max_drafts=max_drafts,
         ))
         plan.num_tokens += n
 
     # ---- step 3: update ---------------------------------------------------------------------
     def update(self, plan: SchedulePlan, out: RunOutput) -> None:
+        more = iter(out.more_token_ids) if out.more_token_ids is not None else None
         sampled = iter(zip(out.token_ids, out.logprobs, strict=True))
         for chunk in plan.chunks:
             req = chunk.request
             token = logprob = None
+            extra: list[int] = []
             if chunk.sample:
                 token, logprob = next(sampled)
+                extra = next(more) if more is not None else []
             if req.status is not RequestStatus.RUNNING:  # aborted while the step ran
                 continue
+            if chunk.drafts:
+                self._verified(req, chunk, [token, *extra])  # type: ignore[list-item]
+                continue
             req.num_computed_tokens += chunk.num_tokens
-            self.prompt_tokens_computed += max(0, min(req.num_prompt_tokens, req.num_computed_tokens) - chunk.start)
+            self.cache.computed(req)
+            if chunk.max_drafts:  # room was kept for drafts the drafter did not propose
+                self.cache.shrink(req, req.num_tokens + 1)
+            computed = min(req.num_prompt_tokens, req.num_computed_tokens)
+            self.prompt_tokens_computed += max(0, computed - chunk.start)
             if token is None:
                 continue
             prompt_done = not req.output_token_ids
@@ -266,18 +253,34 @@ class Scheduler:
             if logprob is not None:
                 req.output_logprobs.append(logprob)
             if prompt_done:
-                self._cache_computed(req)
+                self.cache.cache_computed(req)
                 # Prefill ships even a request its first token already finished: decode owns
                 # the stop decision and must hear about it.
                 if self.hooks is not None and self.hooks.on_prompt_done(req):
                     self.running.remove(req)
+                    req.status = RequestStatus.TRANSFERRING
                     continue
             status = self.stop_status(req)
             if status is not None:
                 self.running.remove(req)
                 self.finish(req, status)
 
-    # ---- overlapped decode (the engine's overlap schedule) ----------------------------------------
+    def _verified(self, req: Request, chunk: ScheduledChunk, tokens: list[int]) -> None:
+        """A verify step emitted `tokens` (accepted drafts, then one more): append them up to the
+        first that stops the request. The KV of the last token and of each accepted draft is
+        valid; the rejected drafts' pages are given back at once."""
+        self.spec_counters.record(len(chunk.drafts), len(tokens) - 1)
+        for token in tokens:
+            req.num_computed_tokens += 1  # the token before this one now has valid KV
+            req.output_token_ids.append(token)
+            status = self.stop_status(req)
+            if status is not None:
+                self.running.remove(req)
+                self.finish(req, status)
+                return
+        self.cache.shrink(req, req.num_tokens)
+
+    # ---- overlapped decode (the engine's overlap schedule) ------------------------------------
     def advance(self, plan: SchedulePlan) -> None:
         """A pure-decode plan was launched and its tokens are not back yet: count each request's
         token computed and hold its output slot with PENDING, so the next plan can be scheduled
@@ -294,12 +297,13 @@ class Scheduler:
             req = chunk.request
             at = chunk.start + 1 - req.num_prompt_tokens  # the output index this chunk sampled
             if at >= len(req.output_token_ids) or req.output_token_ids[at] != PENDING:
-                continue  # its output was cut (preempted and finished, or it stopped a step earlier)
+                continue  # its output was cut (preempted and finished, or stopped a step earlier)
             req.output_token_ids[at] = token
-            queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting}.get(req.status)
+            queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting}
+            queue = queues.get(req.status)
             if queue is None:  # finished meanwhile (aborted)
                 continue
-            status = self.stop_status(req, at + 1)  # a preempted request (waiting) can stop here too
+            status = self.stop_status(req, at + 1)  # a preempted request (waiting) can stop too
             if status is not None:
                 del req.output_token_ids[at + 1 :]  # the slot of the step that over-ran it
                 queue.remove(req)  # type: ignore[attr-defined]
@@ -310,7 +314,8 @@ class Scheduler:
         params = req.sampling
         num_out = len(req.output_token_ids) if num_out is None else num_out
         token = req.output_token_ids[num_out - 1]
-        stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        stopped = token in params.stop_token_ids or eos
         if stopped and num_out >= params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if num_out >= params.max_tokens or req.num_prompt_tokens + num_out >= self.max_model_len:
@@ -318,83 +323,16 @@ class Scheduler:
         return None
 
     # ---- finishing -------------------------------------------------------------------------------
-    def finish(self, req: Request, status: RequestStatus, error: str = "", error_code: str = "internal") -> None:
-        """End `req`: cache its computed pages, free them exactly once, tell the engine."""
+    def finish(self, req: Request, status: RequestStatus, error: str = "",
+               error_code: str = "internal") -> None:
+        """End `req`: cache its computed pages, free its memory exactly once, tell the engine."""
         assert not req.status.is_finished, f"{req.request_id} finished twice"
-        self._cache_computed(req)
-        self._release_pages(req)
+        self.cache.cache_computed(req)
+        self.cache.free(req)
         req.status = status
         req.error = error
         req.error_code = error_code if error else ""
-        self._on_finish(req)
-
-    # ---- pages ---------------------------------------------------------------------------------
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def _num_available(self) -> int:
-        return self.pool.num_free + (self.pool.num_cached if self.prefix_cache is not None else 0)
-
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Make `req.page_table` cover `num_tokens` tokens, evicting cached pages if needed."""
-        need = self._pages_for(num_tokens) - len(req.page_table)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free and self.prefix_cache is not None:
-            self.prefix_cache.evict(need - self.pool.num_free)
-        try:
-            req.page_table.extend(self.pool.allocate(need, req.request_id))
-        except OutOfPages:
-            return False
-        return True
-
-    def _match_prefix(self, req: Request) -> None:
-        assert self.prefix_cache is not None
-        tokens = req.all_token_ids()
-        pages = self.prefix_cache.match(tokens)
-        # Leave at least one token to compute: its logits give the next token.
-        while pages and len(pages) * self.page_size >= len(tokens):
-            pages.pop()
-        self.pool.share(pages, req.request_id)
-        req.page_table = list(pages)
-        hit = len(pages) * self.page_size
-        req.num_computed_tokens = hit
-        if self.window is not None and hit:
-            # Bounded replay: the hit restores full pages only; re-feed the tail that rebuilds the
-            # ring (page-aligned, so cached_tokens stays a multiple of the page size).
-            replay_from = max(0, hit - self.window.replay_tokens) // self.page_size * self.page_size
-            req.num_computed_tokens = replay_from
-            self._window_from[req.request_id] = replay_from
-            self._full_from[req.request_id] = hit
-        if not req.output_token_ids and req.num_preemptions == 0:
-            req.num_cached_tokens = req.num_computed_tokens
-
-    def _cache_computed(self, req: Request) -> None:
-        if self.prefix_cache is not None and req.page_table:
-            self.prefix_cache.insert(req.all_token_ids()[: req.num_computed_tokens], req.page_table)
-
-    def _release_pages(self, req: Request) -> None:
-        if req.page_table:
-            self.pool.release(req.page_table, req.request_id)
-            req.page_table = []
-        ring = self.rings.pop(req.request_id, None)
-        if ring is not None:
-            assert self.window_pool is not None
-            self.window_pool.release(ring, req.request_id)
-        self._window_from.pop(req.request_id, None)
-        self._full_from.pop(req.request_id, None)
-
-    def take_ring(self, req: Request) -> list[int] | None:
-        """The request's window ring, allocated on first call; None when the window pool is
-        short (the caller waits). A model without window layers needs none: []."""
-        if self.window is None or self.window_pool is None:
-            return []
-        ring = self.rings.get(req.request_id)
-        if ring is None:
-            if self.window_pool.num_free < self.window.ring_pages:
-                return None
-            ring = self.rings[req.request_id] = self.window_pool.allocate(self.window.ring_pages, req.request_id)
-        return ring
+        self._on_output(req)
 
     def _pick_victim(self, exclude: Request, scheduled: SchedulePlan) -> Request | None:
         """The newest running request that is not `exclude` (it loses the least work)."""
@@ -413,8 +351,8 @@ class Scheduler:
                 plan.chunks.remove(chunk)
                 plan.num_tokens -= chunk.num_tokens
                 break
-        self._cache_computed(req)
-        self._release_pages(req)
+        self.cache.cache_computed(req)
+        self.cache.free(req)
         self.running.remove(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -422,10 +360,65 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    # ---- the PD roles' interface (worker/prefill.py, worker/decode.py) ---------------------------
+    def expect_remote(self, req: Request) -> None:
+        """Decode: the request waits (holding nothing yet) for its KV to come from prefill."""
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.cache.fits(num_tokens)
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Decode: memory for `num_tokens` tokens in every group, or nothing (False: retry)."""
+        return self.cache.reserve(req, num_tokens)
+
+    def holdings(self, req: Request) -> Holdings:
+        """What the request holds per group: what a room ships from (prefill) or lands in."""
+        return self.cache.holdings(req)
+
+    def land(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
+        """Decode: the room's KV and first token arrived; the prompt counts as computed.
+        True = the request waits for a seat (`seat`); False = the first token finished it."""
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        self._on_output(req)
+        stop = self.stop_status(req)
+        if stop is not None:
+            self.finish(req, stop)
+            return False
+        return True
+
+    def seat(self, req: Request) -> bool:
+        """Decode: a landed request joins the running batch if it has a free seat."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
+
+    def hold(self, req: Request, holder: str) -> CacheHold:
+        """Keep an ended request's memory held under `holder` (decode's quarantine)."""
+        return self.cache.hold(req, holder)
+
+    def release_hold(self, hold: CacheHold) -> None:
+        self.cache.release_hold(hold)
+
+    # ---- reports -----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        cache = self.cache.stats()
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), used_pages=cache.used_pages,
+            total_pages=cache.total_pages, cached_pages=cache.cached_pages,
+            free_pages=self.cache.num_free_pages, window_used_pages=cache.window_used_pages,
+            prompt_tokens_computed=self.prompt_tokens_computed)
+
     def assert_drained(self) -> None:
-        """No request left and no page held. Tests end with this."""
+        """No request left and no memory held. Tests end with this."""
         assert not self.waiting and not self.running, "requests left in the queues"
-        self.pool.assert_drained()
-        if self.window_pool is not None:
-            assert not self.rings, f"window rings still held: {sorted(self.rings)}"
-            self.window_pool.assert_drained()
+        self.cache.assert_drained()

@@ -1,8 +1,14 @@
 """The worker process: the gRPC Worker service and grpc.health.v1 in front of the engine.
 
-Start-up order: load weights → register services → bind the port (health NOT_SERVING) →
-warm-up step → SERVING.
-The engine runs on its own thread; the asyncio loop here only moves messages.
+Start-up order: bind the port (a worker that cannot bind exits non-zero before it loads
+anything, so nothing can mistake another process on that port for it) → health NOT_SERVING
+→ load weights → attach the role → warm-up step → SERVING. Until the engine is up, GetInfo
+and Generate answer UNAVAILABLE ("starting up").
+Shutdown: SIGTERM/SIGINT or `Drain` drain first (worker/drain.py), then the server stops and
+the process exits 0; a second signal stops at once.
+The engine runs on its own thread; the asyncio loop here only moves messages: a gateway's
+`Session` stream (worker/session.py) gets one message per engine step for all its requests;
+the per-request `Generate` call stays for direct clients and tools.
 """
 
 from __future__ import annotations
@@ -13,69 +19,92 @@ import logging
 import secrets
 import signal
 import threading
-from collections import defaultdict
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc, tls
+from protocol.identity import model_fingerprint
 from worker.config import WorkerConfig
+from worker.drain import Drainer, Holdings
 from worker.engine import Engine, RequestOutput
 from worker.request import Request
+from worker.roles import attach
 from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks
+from worker.session import STATUS_BY_ERROR, InvalidRequest, Registry, SessionFront
 
 log = logging.getLogger("tandem.worker")
 
-STATUS_BY_ERROR = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere, not our fault
-    "internal": grpc.StatusCode.INTERNAL,
-}
+__all__ = ["STATUS_BY_ERROR", "InvalidRequest", "WorkerService", "serve", "run_worker"]
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-class InvalidRequest(ValueError):
-    """The request is the client's mistake (maps to INVALID_ARGUMENT)."""
+class BindError(RuntimeError):
+    """The worker's gRPC port cannot be bound; the message names the address and the fix."""
 
 
 class WorkerService(tandem_pb2_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, drainer: Drainer | None = None) -> None:
         self.config = config
         self.engine: Engine | None = None  # set once weights are loaded
-        self.role_info: dict[str, str] = {}  # bootstrap_addr, transfer_backend (PD roles)
-        self.epoch = secrets.randbits(64) or 1  # this incarnation; PD roles use the transfer manager's
+        self.drainer = drainer or Drainer(config.drain_timeout_s)
+        # bootstrap_addr, transfer_backend, epoch, contract_hash (PD roles)
+        self.role_info: dict[str, str] = {}
+        # this incarnation; PD roles report the transfer manager's
+        self.epoch = secrets.randbits(64) or 1
+        model = config.model
+        self.fingerprint = model_fingerprint(served_name(model.path, model.served_model_name),
+                                             model.path, model.load_format, model.seed)
         self._ids = itertools.count()
-        self._by_external: dict[str, set[str]] = defaultdict(set)  # gateway request id -> ours
-        self._by_room: dict[int, str] = {}
+        self._registry = Registry()  # live requests by gateway request id and by room
+
+    # ---- Session: the gateway's stream ---------------------------------------------------
+    async def Session(  # type: ignore[override]
+            self, request_iterator: AsyncIterator[tandem_pb2.SessionRequest],
+            context: grpc.aio.ServicerContext) -> None:
+        front = SessionFront(self._ready_engine, self._make_request,
+                             self.config.scheduler.max_waiting, self._registry,
+                             lambda: self.drainer.draining)
+        await front.run(request_iterator, context)
 
     # ---- Generate ------------------------------------------------------------------------------
-    async def Generate(self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
+    async def Generate(self, request: tandem_pb2.GenerateRequest,  # type: ignore[override]
+                       context: grpc.aio.ServicerContext):
         engine = self._ready_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is starting up")
+            return
+        if self.drainer.draining:  # the gateway retries it elsewhere before its first token
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "worker is draining: it takes no new requests")
             return
         try:
             req = self._make_request(engine, request)
         except (InvalidRequest, SamplingParamsError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        if sum(len(s.waiting) for s in engine.schedulers) >= self.config.scheduler.max_waiting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue is full; retry later")
+        if sum(s.stats().waiting for s in engine.schedulers) >= self.config.scheduler.max_waiting:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "worker queue is full; retry later")
             return
         loop = asyncio.get_running_loop()
+        if req.sampling.structured is not None:
+            try:  # compiled off the event loop (a big schema takes a while); cached for the engine
+                await loop.run_in_executor(None, engine.grammars.compile, req.sampling.structured)
+            except SamplingParamsError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         external = request.request_id
-        self._by_external[external].add(req.request_id)
-        if req.room:
-            self._by_room[req.room] = req.request_id
+        self._registry.add(external, req)
         log.debug("request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens)
         engine.submit(req, sink)
         finished = False
@@ -85,7 +114,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
                 if out.finish_reason == "error":
                     finished = True
                     log.info("request %s failed: %s", external, out.error)
-                    await context.abort(STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL), out.error)
+                    code = STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL)
+                    await context.abort(code, out.error)
                     return
                 finished = out.finished
                 yield to_message(out)
@@ -94,13 +124,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         finally:
             if not finished:  # the caller went away: end the request and free its pages
                 engine.abort(req.request_id, "cancelled by the caller")
-            ids = self._by_external.get(external)
-            if ids is not None:
-                ids.discard(req.request_id)
-                if not ids:
-                    del self._by_external[external]
-            if req.room:
-                self._by_room.pop(req.room, None)
+            self._registry.remove(external, req)
 
     def _make_request(self, engine: Engine, message: tandem_pb2.GenerateRequest) -> Request:
         prompt = list(message.prompt_token_ids)
@@ -111,6 +135,10 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         if bad:
             raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         sampling = sampling_from_message(message.sampling)
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"sampling.logit_bias: token ids out of the vocabulary "
+                                 f"[0, {vocab}): {bad[:5]}")
         if len(prompt) + sampling.max_tokens > engine.max_model_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
@@ -119,7 +147,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         role = self.config.role
         has_room = message.HasField("disagg") and message.disagg.room != 0
         if role != "both" and not has_room:
-            raise InvalidRequest(f"this is a {role} worker: requests need disagg.room and disagg.bootstrap_addr")
+            raise InvalidRequest(f"this is a {role} worker: requests need disagg.room and "
+                                 "disagg.bootstrap_addr")
         rid = f"{message.request_id or 'req'}#{next(self._ids)}"
         return Request(
             request_id=rid,
@@ -130,30 +159,42 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         )
 
     # ---- the other calls -------------------------------------------------------------------------
-    async def Abort(self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:  # type: ignore[override]
+    async def Abort(self, request: tandem_pb2.AbortRequest,  # type: ignore[override]
+                    context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:
         engine = self._ready_engine()
-        ids = set(self._by_external.get(request.request_id, ()))
-        if request.room and request.room in self._by_room:
-            ids.add(self._by_room[request.room])
+        ids = self._registry.find(request.request_id, request.room)
         if engine is not None:
             for rid in ids:
                 engine.abort(rid, "aborted")
         return tandem_pb2.AbortResponse(found=bool(ids))
 
-    async def GetLoad(self, request: tandem_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.Load:  # type: ignore[override]
+    async def GetLoad(self, request: tandem_pb2.GetLoadRequest,  # type: ignore[override]
+                      context: grpc.aio.ServicerContext) -> tandem_pb2.Load:
+        return self.load()
+
+    def load(self) -> tandem_pb2.Load:
+        """The engine's counters (read from the event loop; GetLoad and the drain use them)."""
         engine = self.engine
         if engine is None:
             return tandem_pb2.Load()
-        scheds = engine.schedulers  # one per attention DP group: the worker's load is their sum
+        # One scheduler per attention DP group: the worker's load is their sum.
+        stats = [s.stats() for s in engine.schedulers]
         load = tandem_pb2.Load(
-            running=sum(len(s.running) for s in scheds),
-            waiting=sum(len(s.waiting) for s in scheds),
-            kv_used_pages=sum(s.pool.num_used for s in scheds),
-            kv_total_pages=sum(s.pool.num_pages for s in scheds),
-            kv_cached_pages=sum(s.pool.num_cached for s in scheds),
-            prompt_tokens_computed=sum(s.prompt_tokens_computed for s in scheds),
-            kv_window_used_pages=sum(s.window_pool.num_used for s in scheds if s.window_pool is not None),
+            running=sum(st.running for st in stats),
+            waiting=sum(st.waiting for st in stats),
+            kv_used_pages=sum(st.used_pages for st in stats),
+            kv_total_pages=sum(st.total_pages for st in stats),
+            kv_cached_pages=sum(st.cached_pages for st in stats),
+            prompt_tokens_computed=sum(st.prompt_tokens_computed for st in stats),
+            kv_window_used_pages=sum(st.window_used_pages for st in stats),
         )
+        spec = engine.spec_counters
+        if spec.request_steps:
+            load.spec.CopyFrom(tandem_pb2.SpecLoad(
+                draft_tokens=spec.drafted, accepted_tokens=spec.accepted,
+                request_steps=spec.request_steps, verify_steps=spec.verify_steps,
+                draft_seconds=spec.draft_seconds, verify_seconds=spec.verify_seconds,
+                accepted_hist=list(spec.accepted_hist)))
         if engine.hooks is not None:
             rooms, total_bytes, total_pages, waiting = engine.hooks.load_stats()
             load.rooms.update(rooms)
@@ -162,7 +203,29 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             load.waiting += waiting
         return load
 
-    async def GetInfo(self, request: tandem_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.WorkerInfo:  # type: ignore[override]
+    def holdings(self) -> Holdings:
+        """What the worker still holds, for the drain."""
+        ld = self.load()
+        return Holdings(calls=sum(len(ids) for ids in self._registry.by_external.values()),
+                        running=ld.running, waiting=ld.waiting, rooms=sum(ld.rooms.values()),
+                        used_pages=ld.kv_used_pages + ld.kv_window_used_pages)
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every live request (the drain's deadline passed); returns how many."""
+        ids = [rid for rids in self._registry.by_external.values() for rid in rids]
+        if self.engine is not None:
+            for rid in ids:
+                self.engine.abort(rid, reason)
+        return len(ids)
+
+    async def Drain(self, request: tandem_pb2.DrainRequest,  # type: ignore[override]
+                    context: grpc.aio.ServicerContext) -> tandem_pb2.DrainResponse:
+        ld = self.load()
+        self.drainer.request(request.reason or "Drain call")
+        return tandem_pb2.DrainResponse(running=ld.running, waiting=ld.waiting)
+
+    async def GetInfo(self, request: tandem_pb2.GetInfoRequest,  # type: ignore[override]
+                      context: grpc.aio.ServicerContext) -> tandem_pb2.WorkerInfo:
         engine = self._ready_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is starting up")
@@ -179,6 +242,11 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             tp_size=self.config.parallel.tp_size,
             epoch=int(self.role_info.get("epoch", self.epoch)),
             transfer_backend=self.role_info.get("transfer_backend", ""),
+            cluster_id=self.config.cluster_id,
+            replica=self.config.replica,
+            model_fingerprint=self.fingerprint,
+            contract_hash=self.role_info.get("contract_hash", ""),
+            draining=self.drainer.draining,
         )
 
     def _ready_engine(self) -> Engine | None:
@@ -215,39 +283,59 @@ def to_message(out: RequestOutput) -> tandem_pb2.GenerateResponse:
     return msg
 
 
-async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set. Health turns SERVING after load + warm-up."""
+def _bind(server: grpc.aio.Server, config: WorkerConfig) -> str:
+    """Bind the worker's address now, before anything loads; BindError names it and the fix."""
+    address = f"{config.host}:{config.port}"
+    try:
+        port = tls.add_port(server, address, config.tls)
+    except RuntimeError:  # grpc raises on a failed bind; older versions returned 0
+        port = 0
+    if port == 0:
+        raise BindError(f"cannot bind {address}: the port is in use (another worker or cluster?) "
+                        "or the host is not an address of this machine; pick a free port "
+                        "(leave the role's base_port unset and the local launcher chooses one)")
+    return address
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | None = None) -> None:
+    """Serve until `stop` is set (at once) or `drainer` is asked to drain (then drained).
+
+    Health turns SERVING after load + warm-up. Raises BindError before loading anything when
+    the port cannot be bound.
+    """
     config.validate()
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 0),  # a second process on our port must fail, not share it
         ]
     )
-    service = WorkerService(config)
+    service = WorkerService(config, drainer)
+    drainer = service.drainer
     tandem_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    # Weights load before the port opens: a worker that answers is a worker with a model.
-    loop = asyncio.get_running_loop()
-    log.info("%s worker loading %s", config.role, config.model.path)
-    engine = await loop.run_in_executor(None, Engine, config)
-    roles = await loop.run_in_executor(None, attach_role, engine, config, service)
-    address = f"{config.host}:{config.port}"
-    if tls.add_port(server, address, config.tls) == 0:
-        raise RuntimeError(f"cannot bind {address}: is the port in use? set the worker's port")
+    address = _bind(server, config)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await loop.run_in_executor(None, engine.warm_up)
-    for sched in engine.schedulers:
-        sched.prompt_tokens_computed = 0  # count only real requests
-    if roles is not None:
-        engine.set_hooks(roles)  # after warm-up: the warm-up request has no room
+    loop = asyncio.get_running_loop()
+    engine: Engine | None = None
+    roles: RoleHooks | None = None
     loop_stop = threading.Event()
+    thread: threading.Thread | None = None
     crashed: list[BaseException] = []
 
-    def run_engine() -> None:
+    def run_engine(engine: Engine) -> None:
         try:
             engine.run_forever(loop_stop)
         except BaseException as exc:  # a dead engine must not keep answering SERVING
@@ -255,44 +343,90 @@ async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
             crashed.append(exc)
             loop.call_soon_threadsafe(stop.set)
 
-    thread = threading.Thread(target=run_engine, name="engine", daemon=True)
-    thread.start()
-    service.engine = engine
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: %s worker on %s (%d KV pages of %d tokens per DP group, %d groups)", config.role, address,
-             engine.scheduler.pool.num_pages, config.cache.page_size, len(engine.schedulers))
     try:
-        await stop.wait()
+        log.info("%s worker on %s loading %s", config.role, address, config.model.path)
+        engine = await loop.run_in_executor(None, Engine, config)
+        roles = await loop.run_in_executor(None, attach_role, engine, config, service)
+        await loop.run_in_executor(None, engine.warm_up)
+        if roles is not None:
+            engine.set_hooks(roles)  # after warm-up: the warm-up request has no room
+        thread = threading.Thread(target=run_engine, args=(engine,), name="engine", daemon=True)
+        thread.start()
+        service.engine = engine
+        if not drainer.draining:
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            shape = engine.kv.shape
+            log.info("ready: %s worker on %s (cluster %s, replica %d; %d KV pages of %d tokens "
+                     "per DP group, %d groups; KV %s%s)", config.role, address,
+                     config.cluster_id or "-", config.replica, shape.num_pages,
+                     config.cache.page_size, len(engine.schedulers),
+                     str(shape.dtype).removeprefix("torch."),
+                     f", K/V scales {shape.kv_scales}" if shape.kv_scales else "")
+        await _first_of(stop, drainer.requested)
+        if not stop.is_set():
+            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            drain = asyncio.ensure_future(drainer.run(service.holdings, service.abort_all))
+            await _first_of(stop, _done_event(drain))
+            if not drain.done():  # a second signal: stop now
+                drain.cancel()
+                log.warning("stopping before the drain finished (%s)",
+                            service.holdings().describe())
     finally:
+        t0 = time.monotonic()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
+        t1 = time.monotonic()
         loop_stop.set()
-        thread.join(timeout=10)
+        if thread is not None:
+            thread.join(timeout=10)
+        t2 = time.monotonic()
         if roles is not None:
             roles.close()
-        engine.close()  # multi-rank worker: stop the other ranks
+        t3 = time.monotonic()
+        if engine is not None:
+            engine.close()  # multi-rank worker: stop the other ranks
+        log.info("stopped in %.2f s (server %.2f s, engine loop %.2f s, transfer %.2f s)",
+                 time.monotonic() - t0, t1 - t0, t2 - t1, t3 - t2)
     if crashed:
         raise RuntimeError("the engine loop died (see the log above)") from crashed[0]
+
+
+def _done_event(task: asyncio.Future[Any]) -> asyncio.Event:
+    done = asyncio.Event()
+    task.add_done_callback(lambda _: done.set())
+    return done
 
 
 def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) -> RoleHooks | None:
     """Give the engine its role's hooks (prefill ships rooms, decode lands them)."""
     if config.role == "both":
         return None
-    from worker.roles import attach
-
     return attach(engine, config, service.role_info)
 
 
-def run_worker(config: WorkerConfig) -> None:
-    """Blocking entry point of `tandem worker`: serve until SIGINT/SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.role} %(levelname)s %(name)s: %(message)s")
+def run_worker(config: WorkerConfig, on_drain: Callable[[], None] | None = None) -> None:
+    """Blocking entry point of `tandem worker`: serve until drained (SIGTERM/SIGINT or Drain).
+
+    A second signal while draining stops at once. `on_drain` runs (on the event loop) when the
+    drain starts. Raises BindError when the port is taken.
+    """
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {config.role} %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
         stop = asyncio.Event()
+        drainer = Drainer(config.drain_timeout_s, on_start=on_drain)
         loop = asyncio.get_running_loop()
+
+        def on_signal(name: str) -> None:
+            if drainer.draining:
+                log.warning("%s while draining: stopping now", name)
+                stop.set()
+            else:
+                drainer.request(name)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(config, stop)
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        await serve(config, stop, drainer)
 
     asyncio.run(main())

@@ -25,7 +25,8 @@ def launch(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | No
 
         return run_local(cluster, out=out, err=err)
     if kind == "slurm":
-        from orchestrator.launch.slurm import SlurmEnvError, run_slurm
+        from orchestrator.launch.slurm import run_slurm
+        from orchestrator.launch.slurm_env import SlurmEnvError
 
         try:
             return run_slurm(cluster, out=out, err=err)
@@ -35,7 +36,9 @@ def launch(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | No
         try:
             from orchestrator.launch.ray import run_ray
         except ModuleNotFoundError as exc:
-            raise LauncherUnavailableError(f"launcher.kind=ray needs the `ray` package ({exc}); "
-                                           "pip install -e '.[ray]' or use launcher.kind=local") from None
+            raise LauncherUnavailableError(
+                f"launcher.kind=ray needs the `ray` package ({exc}); "
+                "pip install -e '.[ray]' or use launcher.kind=local"
+            ) from None
         return run_ray(cluster, out=out, err=err)
     raise LauncherUnavailableError(f"launcher.kind={kind!r} is unknown; use local, slurm or ray")

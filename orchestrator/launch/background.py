@@ -1,8 +1,10 @@
 """A whole cluster in the background: `tandem serve` as a user runs it, on free ports.
 
 `running_cluster(config, *overrides, tmp=DIR)` starts the real launcher as a subprocess (real
-workers, real gateway, real transfer backend), waits for the gateway's /health, and stops it
-with SIGTERM on exit. End-to-end tests and the serving benchmarks (bench/) use it.
+workers, real gateway, real transfer backend) with a free gateway port (the launcher picks the
+workers' ports itself), waits for the gateway's /health, and stops it with SIGTERM on exit.
+Its run directory is `DIR/logs/<gateway port>/`. End-to-end tests and the serving benchmarks
+(bench/) use it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ EMBEDDED_MODEL = REPO / "models" / "tandem-arith"
 
 
 def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now (the OS picks them)."""
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
@@ -47,6 +50,17 @@ class Cluster:
     workers: dict[str, str]  # name (prefill-0, decode-0, both-0) -> host:port
     proc: subprocess.Popen[bytes]
     tls: TLSConfig = field(default_factory=TLSConfig)  # how to dial the workers (the cluster's tls)
+    admin_key: str = ""  # sent to the admin routes (/workers) when the cluster has one
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def list_workers(self) -> list[dict[str, object]]:
+        """GET /workers (with the admin key)."""
+        resp = httpx.get(f"{self.url}/workers", headers=self.admin_headers, timeout=5)
+        resp.raise_for_status()
+        return list(resp.json())
 
     def load(self, name: str) -> tandem_pb2.Load:
         with channel(self.workers[name], self.tls) as ch:
@@ -58,11 +72,22 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while True:
             loads = {name: self.load(name) for name in self.workers}
-            busy: dict[str, object] = {n: ld for n, ld in loads.items()
-                                       if ld.kv_used_pages or ld.kv_window_used_pages or ld.running or ld.waiting
-                                       or any(ld.rooms.values())}
-            busy.update({f"gateway -> {w['url']}": f"{w['inflight']} in flight"
-                         for w in httpx.get(f"{self.url}/workers", timeout=5).json() if w.get("inflight")})
+            busy: dict[str, object] = {
+                n: ld
+                for n, ld in loads.items()
+                if ld.kv_used_pages
+                or ld.kv_window_used_pages
+                or ld.running
+                or ld.waiting
+                or any(ld.rooms.values())
+            }
+            busy.update(
+                {
+                    f"gateway -> {w['url']}": f"{w['inflight']} in flight"
+                    for w in self.list_workers()
+                    if w.get("inflight")
+                }
+            )
             if not busy:
                 return loads
             if time.monotonic() > deadline:
@@ -70,59 +95,109 @@ class Cluster:
             time.sleep(0.05)
 
     def pid(self, role: str, replica: int) -> int:
-        """The pid of one worker process of this cluster (its command line names the run's config)."""
+        """The pid of one worker process of this cluster (its command line names the run's
+        config)."""
         config = self.log_dir / "cluster.yaml"
-        out = subprocess.run(["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
-                             capture_output=True, text=True, check=False).stdout.split()
+        out = subprocess.run(
+            ["pgrep", "-f", f"{config} --role {role} --replica {replica}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
         assert len(out) == 1, f"expected one {role}-{replica} process, found {out}"
         return int(out[0])
 
     def healthy(self, url: str) -> bool:
         """Whether the gateway currently routes to the worker at `url`."""
-        return any(w["url"] == url and w["healthy"] for w in httpx.get(f"{self.url}/workers", timeout=5).json())
+        return any(w["url"] == url and w["healthy"] for w in self.list_workers())
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
 
 @contextlib.contextmanager
-def running_cluster(config: str, *overrides: str, tmp: Path, model: Path = EMBEDDED_MODEL,
-                    env: dict[str, str] | None = None, ready_timeout_s: float = 180.0,
-                    tls: TLSConfig | None = None) -> Iterator[Cluster]:
-    """`tls`: serve every gRPC link with it (and dial the workers with it)."""
+def running_cluster(
+    config: str,
+    *overrides: str,
+    tmp: Path,
+    model: Path = EMBEDDED_MODEL,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 180.0,
+    tls: TLSConfig | None = None,
+    admin_key: str = "",
+    logs: Path | None = None,
+) -> Iterator[Cluster]:
+    """`tls`: serve every gRPC link with it (and dial the workers with it). `admin_key`: the
+    gateway's (`--admin-key`), also sent by the Cluster's own calls to /workers. `logs`: the
+    launcher's log_dir (default DIR/logs); two clusters may share one."""
     tls = tls or TLSConfig()
-    roles = [name for name, _ in load_config(_config_path(config)).roles.present()]
-    gw, *role_ports = free_ports(1 + len(roles))
-    log_dir = tmp / "logs"
+    load_config(_config_path(config))  # a bad config fails here, not after a launch
+    (gw,) = free_ports(1)
+    logs = logs or tmp / "logs"
+    log_dir = logs / str(gw)
     sets = [
-        f"gateway.port={gw}", *(f"roles.{r}.base_port={p}" for r, p in zip(roles, role_ports, strict=True)),
-        f"launcher.log_dir={log_dir}", "launcher.ready_timeout_s=170", *overrides,
+        f"gateway.port={gw}",
+        f"launcher.log_dir={logs}",
+        "launcher.ready_timeout_s=170",
+        *overrides,
     ]
+    if admin_key:
+        sets.append(f"gateway.admin_key={admin_key}")
     if tls.enabled:
-        sets += [f"tls.cert_file={tls.cert_file}", f"tls.key_file={tls.key_file}", f"tls.ca_file={tls.ca_file}"]
-    argv = [sys.executable, "-m", "orchestrator.cli", "serve", "--config", config, "--model", str(model)]
+        sets += [
+            f"tls.cert_file={tls.cert_file}",
+            f"tls.key_file={tls.key_file}",
+            f"tls.ca_file={tls.ca_file}",
+        ]
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "serve",
+        "--config",
+        config,
+        "--model",
+        str(model),
+    ]
     for s in sets:
         argv += ["--set", s]
     out = (tmp / "serve.out").open("wb")
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{gw}"
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"cluster exited with {proc.returncode}:\n{(tmp / 'serve.out').read_text()}")
+                raise AssertionError(
+                    f"cluster exited with {proc.returncode}:\n{(tmp / 'serve.out').read_text()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise AssertionError(f"cluster not ready in {ready_timeout_s}s:\n{(tmp / 'serve.out').read_text()}")
+                raise AssertionError(
+                    f"cluster not ready in {ready_timeout_s}s:\n{(tmp / 'serve.out').read_text()}"
+                )
             time.sleep(0.2)
-        workers: dict[str, str] = {}
-        for w in httpx.get(f"{url}/workers").json():
-            role = w["role"]
-            workers[f"{role}-{sum(1 for n in workers if n.startswith(role))}"] = w["url"]
-        yield Cluster(url=url, log_dir=log_dir, workers=workers, proc=proc, tls=tls)
+        cluster = Cluster(
+            url=url, log_dir=log_dir, workers={}, proc=proc, tls=tls, admin_key=admin_key
+        )
+        for w in cluster.list_workers():
+            role = str(w["role"])
+            # Named by the replica the worker reports (its process's --replica), not by the
+            # order /workers lists them in: pid(role, replica) must name the same worker.
+            replica = w.get("replica")
+            index = replica if isinstance(replica, int) else sum(
+                1 for n in cluster.workers if n.startswith(role))
+            cluster.workers[f"{role}-{index}"] = str(w["url"])
+        yield cluster
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

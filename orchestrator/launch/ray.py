@@ -35,8 +35,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
-from orchestrator.launch.local import LaunchError, LocalCluster, cluster_specs, stop_on_signals
-from orchestrator.launch.readiness import HealthWatch
+from orchestrator.launch.local import (
+    cluster_specs,
+    expected_identity,
+    fresh_run_dir,
+    run_dir_of,
+    with_cluster_id,
+)
+from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.processes import LaunchError, LocalCluster, stop_on_signals
+from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.launch.slurm import run_gate
 from orchestrator.plan import check_layout, procs_per_node, read_model_config
 from protocol.tls import TLSConfig
@@ -62,12 +70,29 @@ class WorkerHost:
         config_file.write_text(config_yaml)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "worker", "--config", str(config_file),
-                 "--role", role, "--replica", str(replica)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "orchestrator.cli",
+                    "worker",
+                    "--config",
+                    str(config_file),
+                    "--role",
+                    role,
+                    "--replica",
+                    str(replica),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
         return self.proc.pid
 
     def wait(self, timeout_s: float) -> int | None:
@@ -130,8 +155,14 @@ def _connect(cluster: ClusterConfig) -> bool:
     # can reach it); see shared notes on Ray's defaults.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False,
-             runtime_env={"env_vars": env}, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count() or 2,
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
     return True
 
 
@@ -141,22 +172,30 @@ def _place(cluster: ClusterConfig, timeout_s: float) -> list[_Replica]:
     for role, _ in cluster.roles.present():
         for res, amount in bundle(cluster, role).items():
             if have.get(res, 0.0) < amount:
-                raise LaunchError(f"roles.{role} needs {amount:g} {res} per replica but the Ray cluster has "
-                                  f"{have.get(res, 0.0):g}; add nodes with {res} or change roles.{role}.parallel")
+                raise LaunchError(
+                    f"roles.{role} needs {amount:g} {res} per replica but the Ray cluster has "
+                    f"{have.get(res, 0.0):g}; add nodes with {res} or change roles.{role}.parallel"
+                )
     out: list[_Replica] = []
     for role, rc in cluster.roles.present():
         for i in range(rc.count):
-            pg = placement_group([bundle(cluster, role)], strategy="STRICT_PACK", name=f"tandem-{role}-{i}")
+            pg = placement_group(
+                [bundle(cluster, role)], strategy="STRICT_PACK", name=f"tandem-{role}-{i}"
+            )
             name = f"{role}-{i}"
             actor = WorkerHost.options(  # type: ignore[attr-defined]
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(name, cluster.launcher.log_dir)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0
+                ),
+            ).remote(name, str(run_dir_of(cluster)))
             out.append(_Replica(role, i, name, pg, actor))
     for r in out:
         ready, _ = ray.wait([r.pg.ready()], timeout=timeout_s)
         if not ready:
-            raise LaunchError(f"placement group of {r.name} ({bundle(cluster, r.role)}) was not placed within "
-                              f"{timeout_s:g} s: the Ray cluster lacks the resources; check `ray status`")
+            raise LaunchError(
+                f"placement group of {r.name} ({bundle(cluster, r.role)}) was not placed within "
+                f"{timeout_s:g} s: the Ray cluster lacks the resources; check `ray status`"
+            )
     return out
 
 
@@ -170,7 +209,9 @@ def _resolve(cluster: ClusterConfig, replicas: list[_Replica]) -> ClusterConfig:
         par = rc.parallel
         if par.device.startswith("cuda"):
             par = dataclasses.replace(par, device="cuda:0")
-        roles = dataclasses.replace(roles, **{name: dataclasses.replace(rc, hosts=hosts, parallel=par)})
+        roles = dataclasses.replace(
+            roles, **{name: dataclasses.replace(rc, hosts=hosts, parallel=par)}
+        )
     resolved = dataclasses.replace(cluster, roles=roles)
     for r in replicas:
         rc = resolved.role(r.role)
@@ -178,7 +219,14 @@ def _resolve(cluster: ClusterConfig, replicas: list[_Replica]) -> ClusterConfig:
     return resolved
 
 
-def _wait_serving(replicas: list[_Replica], deadline: float, tail_lines: int, err: IO[str], tls: TLSConfig) -> None:
+def _wait_serving(
+    cluster: ClusterConfig,
+    replicas: list[_Replica],
+    deadline: float,
+    tail_lines: int,
+    err: IO[str],
+    tls: TLSConfig,
+) -> None:
     wake = threading.Event()
     watches = [HealthWatch(r.address, wake, tls) for r in replicas]
     exits = {r.name: r.actor.wait.remote(max(0.1, deadline - time.monotonic())) for r in replicas}
@@ -189,21 +237,34 @@ def _wait_serving(replicas: list[_Replica], deadline: float, tail_lines: int, er
             done, _ = ray.wait(list(exits.values()), timeout=0.2)
             for r in replicas:
                 if exits[r.name] in done and (code := ray.get(exits[r.name])) is not None:
-                    print(f"--- last lines of {r.name}.log ---\n{ray.get(r.actor.tail.remote(tail_lines))}", file=err)
+                    print(
+                        f"--- last lines of {r.name}.log ---\n"
+                        f"{ray.get(r.actor.tail.remote(tail_lines))}",
+                        file=err,
+                    )
                     raise LaunchError(f"{r.name} exited with code {code} before it was ready")
             if time.monotonic() > deadline:
-                late = [r.name for r, w in zip(replicas, watches, strict=True) if not w.ready.is_set()]
+                late = [
+                    r.name for r, w in zip(replicas, watches, strict=True) if not w.ready.is_set()
+                ]
                 raise LaunchError(f"not SERVING before launcher.ready_timeout_s: {', '.join(late)}")
     finally:
         for w in watches:
             w.close()
+    for r in replicas:  # SERVING is not enough: it must be the worker this launch started
+        problem = identity_problem(r.address, expected_identity(cluster, r.role, r.replica), tls)
+        if problem:
+            raise LaunchError(problem)
 
 
 def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the cluster on Ray in the foreground; returns the exit status."""
     out, err = out or sys.stdout, err or sys.stderr
     check_layout(cluster)
+    require_pinned(cluster, "ray")
     read_model_config(cluster.model.path)
+    cluster = with_cluster_id(cluster)
+    run_dir = fresh_run_dir(run_dir_of(cluster))
     launcher, t0 = cluster.launcher, time.monotonic()
     deadline = t0 + launcher.ready_timeout_s
     local = _connect(cluster)
@@ -214,22 +275,33 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
         resolved = _resolve(cluster, replicas)
         text = dump_config(resolved)
         ray.get([r.actor.start.remote(text, r.role, r.replica) for r in replicas])
-        _wait_serving(replicas, deadline, launcher.log_tail_lines, err, cluster.tls)
-        log_dir = Path(launcher.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        config_file = (log_dir / "cluster.yaml").resolve()
+        _wait_serving(resolved, replicas, deadline, launcher.log_tail_lines, err, cluster.tls)
+        config_file = (run_dir / "cluster.yaml").resolve()
         config_file.write_text(text)
-        _, gw_spec = cluster_specs(resolved, config_file)
-        gateway = LocalCluster([], gw_spec, max(1.0, deadline - time.monotonic()), launcher.stop_grace_s,
-                               launcher.log_tail_lines, err=err)
+        config_file.chmod(0o600)  # it holds the api and admin keys
+        _, gw_spec = cluster_specs(resolved, config_file, run_dir)
+        gateway = LocalCluster(
+            [],
+            gw_spec,
+            max(1.0, deadline - time.monotonic()),
+            launcher.stop_grace_s,
+            launcher.log_tail_lines,
+            err=err,
+        )
         with stop_on_signals(gateway):
             gateway.start()
             gw = cluster.gateway
-            print(f"[{time.monotonic() - t0:6.1f}s] ready: http://{dial_address(gw.host, gw.port)} "
-                  f"({len(replicas)} workers on Ray)", file=out, flush=True)
+            print(
+                f"[{time.monotonic() - t0:6.1f}s] ready: http://{dial_address(gw.host, gw.port)} "
+                f"({len(replicas)} workers on Ray; cluster {launcher.cluster_id}; logs {run_dir})",
+                file=out,
+                flush=True,
+            )
             if launcher.eval_on_ready:
                 code = run_gate(cluster, out, err)
-                print(f"[{time.monotonic() - t0:6.1f}s] gate done: exit {code}", file=out, flush=True)
+                print(
+                    f"[{time.monotonic() - t0:6.1f}s] gate done: exit {code}", file=out, flush=True
+                )
                 return code
             return _serve(gateway, replicas, err, launcher.log_tail_lines)
     except LaunchError as exc:
@@ -250,8 +322,11 @@ def _serve(gateway: LocalCluster, replicas: list[_Replica], err: IO[str], tail_l
         done, _ = ray.wait(list(exits), timeout=0.5)
         if done:
             r = exits[done[0]]
-            print(f"{r.name} exited with code {ray.get(done[0])}; last lines:\n"
-                  f"{ray.get(r.actor.tail.remote(tail_lines))}", file=err)
+            print(
+                f"{r.name} exited with code {ray.get(done[0])}; last lines:\n"
+                f"{ray.get(r.actor.tail.remote(tail_lines))}",
+                file=err,
+            )
             return 1
         if gateway.dead_child() is not None:
             print("the gateway exited", file=err)

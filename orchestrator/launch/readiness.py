@@ -2,8 +2,11 @@
 
 A worker says it is ready by switching its standard grpc.health.v1 status (service "") to
 SERVING. `HealthWatch` subscribes to that status with `Watch` (a server push, so no polling
-and no sleeps) on a daemon thread and sets an event the launcher waits on. The gateway has
-only an HTTP endpoint, so `http_ready` polls it with a short interval up to a deadline.
+and no sleeps) on a daemon thread and sets an event the launcher waits on. A SERVING answer
+is not enough: `identity_problem` then asks the worker who it is (GetInfo) and compares it
+with the worker the launcher started, so another cluster's worker on that address is refused.
+The gateway has only an HTTP endpoint, so `http_ready` polls it with a short interval up to a
+deadline.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.identity import WorkerIdentity
 from protocol.tls import TLSConfig, channel
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -43,7 +48,9 @@ class HealthWatch:
         stub = health_pb2_grpc.HealthStub(self._channel)
         # wait_for_ready: the call waits for the server's port to open instead of failing
         # at once with UNAVAILABLE while the worker is still loading.
-        call = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s, wait_for_ready=True)
+        call = stub.Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=self._timeout_s, wait_for_ready=True
+        )
         with self._lock:
             if self._closed:
                 call.cancel()
@@ -73,7 +80,11 @@ class HealthWatch:
 
 
 def http_ready(
-    url: str, deadline: float, keep_waiting: Callable[[], bool], interrupt: threading.Event, interval_s: float = 0.1
+    url: str,
+    deadline: float,
+    keep_waiting: Callable[[], bool],
+    interrupt: threading.Event,
+    interval_s: float = 0.1,
 ) -> bool:
     """Poll GET `url` until it answers 200 (True); False once `deadline` (time.monotonic)
     passes or `keep_waiting()` turns False. `interrupt` cuts an interval short (stop request)."""
@@ -86,3 +97,20 @@ def http_ready(
                 pass  # not listening yet: the next poll decides, the deadline bounds it
             interrupt.wait(interval_s)
     return False
+
+
+def identity_problem(
+    address: str, expected: WorkerIdentity, tls: TLSConfig | None = None, timeout_s: float = 5.0
+) -> str:
+    """'' when the worker at `address` is `expected`; else the one-line refusal."""
+    with channel(address, tls or TLSConfig()) as ch:
+        try:
+            info = tandem_pb2_grpc.WorkerStub(ch).GetInfo(
+                tandem_pb2.GetInfoRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            return (
+                f"refusing the worker at {address}: it answers health but not GetInfo "
+                f"({exc.code().name}); expected {expected.describe()}"
+            )
+    return expected.mismatch(address, info)

@@ -29,112 +29,49 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import IO
 
-from orchestrator.config import ClusterConfig, dial_address, dump_config
+from orchestrator.config import ClusterConfig, dial_address, dump_config, resolve_config_path
 from orchestrator.launch.local import (
+    cluster_specs,
+    expected_identity,
+    prepare_launch,
+    with_cluster_id,
+)
+from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.processes import (
     LaunchError,
     LocalCluster,
     ProcessSpec,
-    cluster_specs,
     stop_on_signals,
     tail,
 )
-from orchestrator.launch.readiness import HealthWatch
-from orchestrator.plan import ProcessRow, check_layout, num_nodes, plan_processes, read_model_config
+from orchestrator.launch.readiness import HealthWatch, identity_problem
+from orchestrator.launch.slurm_env import (
+    FILE_POLL_S,
+    SlurmEnv,
+    SlurmEnvError,
+    clear_topology_env,
+    log_name,
+    publish,
+    read_slurm_env,
+    wait_files,
+    with_node_hosts,
+)
+from orchestrator.plan import check_layout, num_nodes, plan_processes, read_model_config
 from protocol.tls import TLSConfig
 
-# Variables that describe Slurm's task layout; a worker's own ranks must not see them
-# (torch.distributed / NCCL / MPI integrations read SLURM_PROCID, SLURM_NTASKS, PMI_*).
-_TOPOLOGY_PREFIXES = ("SLURM_", "SLURMD_", "PMI_", "PMIX_", "OMPI_")
-FILE_POLL_S = 0.2  # readiness files live on a shared filesystem: no inotify across nodes
 
-
-class SlurmEnvError(RuntimeError):
-    """Not inside a usable Slurm allocation; the message says what is missing and the fix."""
-
-
-@dataclass(frozen=True)
-class SlurmEnv:
-    """What one task knows about its allocation."""
-
-    job_id: str
-    step_id: str
-    node_id: int  # this task's node index within the allocation (0 = the gateway's node)
-    nodes: tuple[str, ...]  # host names in allocation order
-    run_id: str  # TANDEM_RUN_ID from submit.sh; "" = none
-
-    @property
-    def run_name(self) -> str:
-        return f"job{self.job_id}.{self.step_id}" + (f"-{self.run_id}" if self.run_id else "")
-
-
-def expand_nodelist(nodelist: str) -> tuple[str, ...]:
-    """`n[1-2]` -> ("n1", "n2") through scontrol (Slurm's own grammar, not ours)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SlurmEnvError(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
-    return tuple(out.stdout.split())
-
-
-def read_slurm_env(environ: Mapping[str, str]) -> SlurmEnv:
-    job = environ.get("SLURM_JOB_ID", "")
-    if not job:
-        raise SlurmEnvError("launcher.kind=slurm runs inside a Slurm allocation (SLURM_JOB_ID is unset); "
-                            "submit with deploy/slurm/submit.sh JOB.yaml, or use launcher.kind=local")
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
-    return SlurmEnv(
-        job_id=job,
-        step_id=environ.get("SLURM_STEP_ID", "0"),
-        node_id=int(environ.get("SLURM_NODEID", "0")),
-        nodes=expand_nodelist(nodelist) if nodelist else (socket.gethostname(),),
-        run_id=environ.get("TANDEM_RUN_ID", ""),
-    )
-
-
-def clear_topology_env(environ: MutableMapping[str, str]) -> list[str]:
-    """Remove Slurm's task-layout variables; returns the names removed."""
-    gone = [k for k in environ if k.startswith(_TOPOLOGY_PREFIXES)]
-    for k in gone:
-        del environ[k]
-    return gone
-
-
-def with_node_hosts(cluster: ClusterConfig, addresses: tuple[str, ...]) -> ClusterConfig:
-    """Each replica's host = the address of its node 0 (plan order); the gateway stays put."""
-    first = {(r.role, r.replica): r.node for r in plan_processes(cluster) if r.rank == 0 and r.role != "gateway"}
-    roles = cluster.roles
-    for name, rc in roles.present():
-        hosts = tuple(addresses[first[(name, i)]] for i in range(rc.count))
-        roles = dataclasses.replace(roles, **{name: dataclasses.replace(rc, hosts=hosts)})
-    return dataclasses.replace(cluster, roles=roles)
-
-
-def log_name(row: ProcessRow, count: int) -> str:
-    """prefill, decode-1, prefill.node1: the issue's prefill.log / decode.log for 1P1D."""
-    name = row.role if count == 1 else f"{row.role}-{row.replica}"
-    return name + (f".node{row.node_rank}" if row.node_rank else "")
-
-
-def publish(path: Path, data: dict[str, object]) -> None:
-    """Write then rename: a reader on another node never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def node_specs(cluster: ClusterConfig, node: int, config_file: Path, run_dir: Path) -> list[ProcessSpec]:
+def node_specs(
+    cluster: ClusterConfig, node: int, config_file: Path, run_dir: Path
+) -> list[ProcessSpec]:
     """The worker processes node `node` starts; readiness = its replica's gRPC SERVING."""
     base = [sys.executable, "-m", "orchestrator.cli", "worker", "--config", str(config_file)]
     specs = []
@@ -142,44 +79,48 @@ def node_specs(cluster: ClusterConfig, node: int, config_file: Path, run_dir: Pa
         if row.role == "gateway" or row.node != node or not row.starts_node:
             continue
         rc = cluster.role(row.role)
-        specs.append(ProcessSpec(
-            name=log_name(row, rc.count),
-            argv=[*base, "--role", row.role, "--replica", str(row.replica), "--node-rank", str(row.node_rank)],
-            log_path=run_dir / f"{log_name(row, rc.count)}.log",
-            # A node > 0 of a multi-node replica serves nothing itself: it is ready when its
-            # replica (node 0's gRPC server, which waits for every rank) is.
-            grpc_address=dial_address(rc.host_of(row.replica), rc.port(row.replica)),
-        ))
+        specs.append(
+            ProcessSpec(
+                name=log_name(row, rc.count),
+                argv=[
+                    *base,
+                    "--role",
+                    row.role,
+                    "--replica",
+                    str(row.replica),
+                    "--node-rank",
+                    str(row.node_rank),
+                ],
+                log_path=run_dir / f"{log_name(row, rc.count)}.log",
+                # A node > 0 of a multi-node replica serves nothing itself: it is ready when its
+                # replica (node 0's gRPC server, which waits for every rank) is.
+                grpc_address=dial_address(rc.host_of(row.replica), rc.port(row.replica)),
+                identity=expected_identity(cluster, row.role, row.replica),
+            )
+        )
     return specs
 
 
-def _wait_files(run_dir: Path, names: list[str], deadline: float, err: IO[str], tail_lines: int) -> None:
-    """Until ready/<name>.json exists for every name; LaunchError on a failed/ file or timeout."""
-    ready, failed = run_dir / "ready", run_dir / "failed"
-    while True:
-        for f in sorted(failed.glob("*.json")) if failed.is_dir() else []:
-            info = json.loads(f.read_text())
-            print(f"--- last lines of {info.get('log')} ---\n{info.get('tail') or '(log is empty)'}", file=err, flush=True)
-            raise LaunchError(f"{f.stem} failed on node {info.get('node')}: {info.get('error')}")
-        missing = [n for n in names if not (ready / f"{n}.json").is_file()]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise LaunchError(f"no readiness file from {', '.join(missing)} in {ready} before the deadline")
-        time.sleep(FILE_POLL_S)
-
-
-def _check_health(addresses: list[str], deadline: float, tls: TLSConfig) -> None:
-    """Every worker answers gRPC health SERVING from this node (cross-node reachability)."""
+def _check_health(specs: list[ProcessSpec], deadline: float, tls: TLSConfig) -> None:
+    """Every worker answers gRPC health SERVING from this node (cross-node reachability), and
+    is the worker this job started (a worker of an earlier job may still listen there)."""
     wake = threading.Event()
-    watches = [HealthWatch(a, wake, tls) for a in addresses]
+    watches = [HealthWatch(s.grpc_address, wake, tls) for s in specs]
     try:
         for w in watches:
             w.start(max(0.1, deadline - time.monotonic()))
-        for w in watches:
+        for w, spec in zip(watches, specs, strict=True):
             if not w.ready.wait(max(0.0, deadline - time.monotonic())):
-                raise LaunchError(f"worker {w.address} is not SERVING from node 0 (last health: {w.last_status}); "
-                                  "check the nodes' network and the role's host/port")
+                raise LaunchError(
+                    f"worker {w.address} is not SERVING from node 0 (last health: "
+                    f"{w.last_status}); check the nodes' network and the role's "
+                    "host/port"
+                )
+            problem = (
+                identity_problem(spec.grpc_address, spec.identity, tls) if spec.identity else ""
+            )
+            if problem:
+                raise LaunchError(problem)
     finally:
         for w in watches:
             w.close()
@@ -192,8 +133,14 @@ def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
 
     gw, ev = cluster.gateway, cluster.eval
     url = f"http://127.0.0.1:{gw.port}"
-    print(f"eval: {ev.task} x{ev.samples} at concurrency {ev.concurrency} against {url}", file=out, flush=True)
-    result = asyncio.run(run_eval(url, get_task(ev.task), ev.samples, ev.concurrency, ev.seed, "", gw.api_key))  # type: ignore[arg-type]
+    print(
+        f"eval: {ev.task} x{ev.samples} at concurrency {ev.concurrency} against {url}",
+        file=out,
+        flush=True,
+    )
+    result = asyncio.run(
+        run_eval(url, get_task(ev.task), ev.samples, ev.concurrency, ev.seed, "", gw.api_key)
+    )  # type: ignore[arg-type]
     return report(result, ev.min_accuracy, out, err)
 
 
@@ -208,8 +155,12 @@ class _Timer:
         return f"[{time.time() - self.t0:6.1f}s]"
 
 
-def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None,
-              environ: MutableMapping[str, str] | None = None) -> int:
+def run_slurm(
+    cluster: ClusterConfig,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+    environ: MutableMapping[str, str] | None = None,
+) -> int:
     """One node's part of a Slurm run; returns this task's exit status."""
     out, err = out or sys.stdout, err or sys.stderr
     environ = os.environ if environ is None else environ
@@ -221,61 +172,131 @@ def run_slurm(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] |
         return _run_smoke(cluster, env, run_dir, out, err) if env.node_id == 0 else 0
     need = num_nodes(cluster)
     if len(env.nodes) < need:
-        raise SlurmEnvError(f"the plan needs {need} nodes (one per replica node, PD_SLURM=1) but the allocation has "
-                            f"{len(env.nodes)} ({','.join(env.nodes)}); submit with -N {need} (submit.sh does)")
+        raise SlurmEnvError(
+            f"the plan needs {need} nodes (one per replica node, PD_SLURM=1) "
+            "but the allocation has "
+            f"{len(env.nodes)} ({','.join(env.nodes)}); submit with -N {need} (submit.sh does)"
+        )
     check_layout(cluster)
+    require_pinned(cluster, "slurm")
     read_model_config(cluster.model.path)  # a missing checkpoint fails here, before any process
     addresses = tuple(socket.gethostbyname(n) for n in env.nodes)
-    resolved = with_node_hosts(cluster, addresses)
+    # Every node derives the same cluster id from the job, so they agree without talking.
+    resolved = with_node_hosts(with_cluster_id(cluster, f"slurm-{env.run_name}"), addresses)
     config_file = run_dir / f"cluster.node{env.node_id}.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     config_file.write_text(dump_config(resolved))
-    print(f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}", file=out, flush=True)
-    return _run_node(resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", "")))
+    print(
+        f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}",
+        file=out,
+        flush=True,
+    )
+    return _run_node(
+        resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", ""))
+    )
 
 
-def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file: Path,
-              out: IO[str], err: IO[str], clock: _Timer) -> int:
+def _run_node(
+    cluster: ClusterConfig,
+    env: SlurmEnv,
+    run_dir: Path,
+    config_file: Path,
+    out: IO[str],
+    err: IO[str],
+    clock: _Timer,
+) -> int:
     launcher = cluster.launcher
     deadline = time.monotonic() + launcher.ready_timeout_s
     specs = node_specs(cluster, env.node_id, config_file, run_dir)
-    workers = LocalCluster(specs, None, launcher.ready_timeout_s, launcher.stop_grace_s, launcher.log_tail_lines, err=err)
+    workers = LocalCluster(
+        specs,
+        None,
+        launcher.ready_timeout_s,
+        launcher.stop_grace_s,
+        launcher.log_tail_lines,
+        err=err,
+    )
     gateway: LocalCluster | None = None
     with stop_on_signals(workers):
         try:
             workers.start()
         except LaunchError as exc:
             for s in specs:
-                publish(run_dir / "failed" / f"{s.name}.json", {
-                    "node": env.node_id, "error": str(exc), "log": str(s.log_path),
-                    "tail": tail(s.log_path, launcher.log_tail_lines)})
+                publish(
+                    run_dir / "failed" / f"{s.name}.json",
+                    {
+                        "node": env.node_id,
+                        "error": str(exc),
+                        "log": str(s.log_path),
+                        "tail": tail(s.log_path, launcher.log_tail_lines),
+                    },
+                )
             print(f"error: node {env.node_id}: {exc}", file=err, flush=True)
             return 1
         for s in specs:
-            publish(run_dir / "ready" / f"{s.name}.json", {"node": env.node_id, "address": s.grpc_address})
-        print(f"{clock()} node {env.node_id}: {', '.join(s.name for s in specs) or 'no workers'} ready", file=out, flush=True)
+            publish(
+                run_dir / "ready" / f"{s.name}.json",
+                {"node": env.node_id, "address": s.grpc_address},
+            )
+        print(
+            f"{clock()} node {env.node_id}: "
+            f"{', '.join(s.name for s in specs) or 'no workers'} ready",
+            file=out,
+            flush=True,
+        )
         if env.node_id != 0:
             return _serve_until_done(workers, run_dir, err)
         try:
-            all_workers = [s.name for n in range(num_nodes(cluster)) for s in node_specs(cluster, n, config_file, run_dir)]
-            _wait_files(run_dir, all_workers, deadline, err, launcher.log_tail_lines)
-            _check_health([s.grpc_address for n in range(num_nodes(cluster))
-                           for s in node_specs(cluster, n, config_file, run_dir)], deadline, cluster.tls)
-            print(f"{clock()} node 0: every worker SERVING across nodes; starting the gateway", file=out, flush=True)
-            _, gw_spec = cluster_specs(cluster, config_file)
-            gw_spec = dataclasses.replace(gw_spec, log_path=run_dir / "lb.log")
-            gateway = LocalCluster([], gw_spec, max(1.0, deadline - time.monotonic()), launcher.stop_grace_s,
-                                   launcher.log_tail_lines, err=err)
+            all_workers = [
+                s.name
+                for n in range(num_nodes(cluster))
+                for s in node_specs(cluster, n, config_file, run_dir)
+            ]
+            wait_files(run_dir, all_workers, deadline, err, launcher.log_tail_lines)
+            _check_health(
+                [
+                    s
+                    for n in range(num_nodes(cluster))
+                    for s in node_specs(cluster, n, config_file, run_dir)
+                ],
+                deadline,
+                cluster.tls,
+            )
+            print(
+                f"{clock()} node 0: every worker SERVING across nodes; starting the gateway",
+                file=out,
+                flush=True,
+            )
+            _, gw_spec = cluster_specs(cluster, config_file, run_dir)
+            gateway = LocalCluster(
+                [],
+                gw_spec,
+                max(1.0, deadline - time.monotonic()),
+                launcher.stop_grace_s,
+                launcher.log_tail_lines,
+                err=err,
+            )
             gateway.start()
         except LaunchError as exc:
             print(f"error: cluster did not start: {exc}", file=err, flush=True)
             publish(run_dir / "done.json", {"status": 1})
             workers.stop()
             return 1
-        publish(run_dir / "ready" / "lb.json", {"node": 0, "url": f"http://127.0.0.1:{cluster.gateway.port}"})
-        print(f"{clock()} ready: http://{dial_address(cluster.gateway.host, cluster.gateway.port)}", file=out, flush=True)
+        publish(
+            run_dir / "ready" / "lb.json",
+            {"node": 0, "url": f"http://127.0.0.1:{cluster.gateway.port}"},
+        )
+        print(
+            f"{clock()} ready: http://{dial_address(cluster.gateway.host, cluster.gateway.port)}",
+            file=out,
+            flush=True,
+        )
         try:
-            code = run_gate(cluster, out, err) if launcher.eval_on_ready else _serve_forever(workers, gateway)
+            code = (
+                run_gate(cluster, out, err)
+                if launcher.eval_on_ready
+                else _serve_forever(workers, gateway)
+            )
             print(f"{clock()} gate done: exit {code}", file=out, flush=True)
         finally:
             publish(run_dir / "done.json", {"status": 0})
@@ -286,6 +307,7 @@ def _run_node(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, config_file:
 
 def _serve_forever(workers: LocalCluster, gateway: LocalCluster) -> int:
     """Without a gate: serve until a signal (0) or a process's death (1)."""
+
     def gateway_gone() -> None:
         gateway.watch()
         workers.request_stop()
@@ -316,25 +338,39 @@ def _serve_until_done(workers: LocalCluster, run_dir: Path, err: IO[str]) -> int
     return code
 
 
-def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str], err: IO[str]) -> int:
+def _run_smoke(
+    cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str], err: IO[str]
+) -> int:
     """Without PD_SLURM=1: the whole cluster on this one node, as the local launcher runs it."""
-    launcher = dataclasses.replace(cluster.launcher, kind="local", log_dir=str(run_dir))
+    launcher = dataclasses.replace(cluster.launcher, kind="local", run_dir=str(run_dir))
     local = dataclasses.replace(cluster, launcher=launcher)
     check_layout(local)
-    read_model_config(local.model.path)
+    local = prepare_launch(with_cluster_id(local, f"slurm-{env.run_name}"))
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "cluster.yaml"
     config_file.write_text(dump_config(local))
-    workers, gateway = cluster_specs(local, config_file)
-    lc = LocalCluster(workers, gateway, launcher.ready_timeout_s, launcher.stop_grace_s, launcher.log_tail_lines, err=err)
+    workers, gateway = cluster_specs(local, config_file, run_dir)
+    lc = LocalCluster(
+        workers,
+        gateway,
+        launcher.ready_timeout_s,
+        launcher.stop_grace_s,
+        launcher.log_tail_lines,
+        err=err,
+    )
     with stop_on_signals(lc):
         try:
             lc.start()
         except LaunchError as exc:
             print(f"error: cluster did not start: {exc}", file=err, flush=True)
             return 1
-        print(f"ready: http://{dial_address(local.gateway.host, local.gateway.port)} (single-node smoke, "
-              f"run dir {run_dir})", file=out, flush=True)
+        print(
+            f"ready: http://{dial_address(local.gateway.host, local.gateway.port)} "
+            "(single-node smoke, "
+            f"run dir {run_dir})",
+            file=out,
+            flush=True,
+        )
         try:
             if launcher.eval_on_ready:
                 return run_gate(local, out, err)
@@ -345,10 +381,10 @@ def _run_smoke(cluster: ClusterConfig, env: SlurmEnv, run_dir: Path, out: IO[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m orchestrator.launch.slurm nodes --config X.yaml [--set k=v]`: what submit.sh asks."""
+    """`python -m orchestrator.launch.slurm nodes --config X.yaml [--set k=v]`: what
+    submit.sh asks."""
     import argparse
 
-    from orchestrator.cli import resolve_config_path
     from orchestrator.config import ClusterConfigError, load_config
 
     p = argparse.ArgumentParser(prog="orchestrator.launch.slurm")

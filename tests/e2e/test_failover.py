@@ -18,9 +18,17 @@ MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 pytestmark = pytest.mark.slow
 
 
-def stream(cluster: Cluster, results: list[tuple[str, float]], started: threading.Semaphore) -> None:
+def stream(
+    cluster: Cluster, results: list[tuple[str, float]], started: threading.Semaphore
+) -> None:
     """One long streaming request: records how it ended ('done' or 'error') and when."""
-    body = {"model": MODEL.name, "prompt": "k=42;" * 20, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL.name,
+        "prompt": "k=42;" * 20,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     outcome = "done"
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
         first = True
@@ -34,7 +42,11 @@ def stream(cluster: Cluster, results: list[tuple[str, float]], started: threadin
 
 
 def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
-    overrides = ("launcher.on_worker_exit=restart", "launcher.max_restarts=1", "gateway.health_interval_s=0.5")
+    overrides = (
+        "launcher.on_worker_exit=restart",
+        "launcher.max_restarts=1",
+        "gateway.health_interval_s=0.5",
+    )
     with running_cluster("configs/tiny-2p2d.yaml", *overrides, tmp=tmp_path, model=MODEL) as c:
         dead_url = c.workers["decode-0"]
         results: list[tuple[str, float]] = []
@@ -44,7 +56,9 @@ def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
             t.start()
         for _ in threads:
             assert started.acquire(timeout=60), "streams did not start"
-        assert c.load("decode-0").running > 0, "least_load should have spread streams over both decoders"
+        assert c.load("decode-0").running > 0, (
+            "least_load should have spread streams over both decoders"
+        )
         killed_at = time.monotonic()
         os.kill(c.pid("decode", 0), signal.SIGKILL)
 
@@ -54,15 +68,22 @@ def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "dead decode worker still marked healthy"
             time.sleep(0.05)
         for _ in range(4):
-            r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL.name, "prompt": "a=1;\na?",
-                                                            "max_tokens": 3}, timeout=60)
+            r = httpx.post(
+                f"{c.url}/v1/completions",
+                json={"model": MODEL.name, "prompt": "a=1;\na?", "max_tokens": 3},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
 
         for t in threads:
             t.join(timeout=90)
         errors = [at - killed_at for outcome, at in results if outcome == "error"]
-        assert len(results) == 6 and errors, f"no stream on the killed worker reported an error: {results}"
-        assert max(errors) < 5.0, f"clients of the dead worker waited {max(errors):.1f}s for their error"
+        assert len(results) == 6 and errors, (
+            f"no stream on the killed worker reported an error: {results}"
+        )
+        assert max(errors) < 5.0, (
+            f"clients of the dead worker waited {max(errors):.1f}s for their error"
+        )
 
         # The launcher restarts it on the same port; the gateway takes it back.
         deadline = time.monotonic() + 120
@@ -71,11 +92,25 @@ def test_decode_death_mid_stream_and_rejoin(tmp_path: Path) -> None:
             time.sleep(0.2)
         before = c.load("decode-0").transfer_pages
         deadline = time.monotonic() + 60
-        while c.load("decode-0").transfer_pages == before:  # concurrent bursts: least_load spreads them
+        while (
+            c.load("decode-0").transfer_pages == before
+        ):  # concurrent bursts: least_load spreads them
             assert time.monotonic() < deadline, "the rejoined worker took no requests"
-            burst = [threading.Thread(target=lambda: httpx.post(
-                f"{c.url}/v1/completions", json={"model": MODEL.name, "prompt": "b=2;\nb?", "max_tokens": 20,
-                                                 "ignore_eos": True}, timeout=60).raise_for_status()) for _ in range(6)]
+            burst = [
+                threading.Thread(
+                    target=lambda: httpx.post(
+                        f"{c.url}/v1/completions",
+                        json={
+                            "model": MODEL.name,
+                            "prompt": "b=2;\nb?",
+                            "max_tokens": 20,
+                            "ignore_eos": True,
+                        },
+                        timeout=60,
+                    ).raise_for_status()
+                )
+                for _ in range(6)
+            ]
             for t in burst:
                 t.start()
             for t in burst:

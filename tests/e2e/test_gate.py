@@ -17,14 +17,30 @@ pytestmark = pytest.mark.slow
 
 
 def run_gate(url: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "orchestrator.cli", "eval", "--url", url, "--task", "arith", "--samples", "100",
-            "--concurrency", "8", "--min-accuracy", "0.90"]
+    argv = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "eval",
+        "--url",
+        url,
+        "--task",
+        "arith",
+        "--samples",
+        "100",
+        "--concurrency",
+        "8",
+        "--min-accuracy",
+        "0.90",
+    ]
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_gate_passes_on_1p1d(backend: str, tmp_path: Path) -> None:
-    with running_cluster("configs/tiny-1p1d.yaml", f"transfer.backend={backend}", tmp=tmp_path, model=MODEL) as c:
+    with running_cluster(
+        "configs/tiny-1p1d.yaml", f"transfer.backend={backend}", tmp=tmp_path, model=MODEL
+    ) as c:
         gate = run_gate(c.url)
         c.wait_drained()
     assert gate.returncode == 0, gate.stdout + gate.stderr
@@ -32,8 +48,12 @@ def test_gate_passes_on_1p1d(backend: str, tmp_path: Path) -> None:
 
 
 def test_gate_fails_when_every_page_is_corrupted(tmp_path: Path) -> None:
-    with running_cluster("configs/tiny-1p1d.yaml", tmp=tmp_path, model=MODEL,
-                         env={"TANDEM_TRANSFER_FAULTS": "corrupt=1.0"}) as c:
+    with running_cluster(
+        "configs/tiny-1p1d.yaml",
+        tmp=tmp_path,
+        model=MODEL,
+        env={"TANDEM_TRANSFER_FAULTS": "corrupt=1.0"},
+    ) as c:
         gate = run_gate(c.url)
         c.wait_drained()
     assert gate.returncode == 1, gate.stdout + gate.stderr

@@ -80,7 +80,10 @@ def served(config: WorkerConfig) -> Iterator[tandem_pb2_grpc.WorkerStub]:
             if failed:
                 raise AssertionError(f"{config.role} worker failed to start") from failed[0]
             with contextlib.suppress(grpc.RpcError):
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     break
             threading.Event().wait(0.05)
         else:
@@ -98,11 +101,18 @@ def _sampling() -> tandem_pb2.SamplingParams:
     return tandem_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def pd_generate(prefill: tandem_pb2_grpc.WorkerStub, decode: tandem_pb2_grpc.WorkerStub, bootstrap: str,
-                prompt: list[int], room: int | None = None) -> tuple[list[int], tandem_pb2.GenerateResponse]:
+def pd_generate(
+    prefill: tandem_pb2_grpc.WorkerStub,
+    decode: tandem_pb2_grpc.WorkerStub,
+    bootstrap: str,
+    prompt: list[int],
+    room: int | None = None,
+) -> tuple[list[int], tandem_pb2.GenerateResponse]:
     """What the gateway does for one request: both legs at once, one room."""
     disagg = tandem_pb2.DisaggParams(room=room or secrets.randbits(64), bootstrap_addr=bootstrap)
-    req = tandem_pb2.GenerateRequest(request_id="hetero", prompt_token_ids=prompt, sampling=_sampling(), disagg=disagg)
+    req = tandem_pb2.GenerateRequest(
+        request_id="hetero", prompt_token_ids=prompt, sampling=_sampling(), disagg=disagg
+    )
     with ThreadPoolExecutor(2) as pool:
         pre = pool.submit(lambda: list(prefill.Generate(req, timeout=60)))
         dec = pool.submit(lambda: list(decode.Generate(req, timeout=60)))
@@ -125,7 +135,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.worker.conftest import build_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("qwen3")
-    build_tiny_checkpoint(path, "qwen3", max_position_embeddings=64)  # 2 kv heads: one per TP=2 rank
+    build_tiny_checkpoint(
+        path, "qwen3", max_position_embeddings=64
+    )  # 2 kv heads: one per TP=2 rank
     return path
 
 
@@ -136,30 +148,48 @@ def prompts_and_mono(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]
     with served(_config(checkpoint, "both", 1)) as mono:
         outs = []
         for p in prompts:
-            req = tandem_pb2.GenerateRequest(request_id="mono", prompt_token_ids=p, sampling=_sampling())
+            req = tandem_pb2.GenerateRequest(
+                request_id="mono", prompt_token_ids=p, sampling=_sampling()
+            )
             outs.append([t for m in mono.Generate(req, timeout=60) for t in m.token_ids])
     return prompts, outs
 
 
-@pytest.mark.parametrize(("prefill_tp", "prefill_dp", "decode_tp", "decode_dp"),
-                         # one multi-rank side per case: both workers share this process's default group
-                         [(2, 1, 1, 1), (1, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)],
-                         ids=["p-tp2-d-tp1", "p-tp1-d-tp2", "p-dp2-d-tp1", "p-tp1-d-dp2"])
-def test_pd_hetero_tp_equals_mono(prefill_tp: int, prefill_dp: int, decode_tp: int, decode_dp: int,
-                                  checkpoint: Path, prompts_and_mono: tuple[list[list[int]], list[list[int]]]) -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "prefill_dp", "decode_tp", "decode_dp"),
+    # one multi-rank side per case: both workers share this process's default group
+    [(2, 1, 1, 1), (1, 1, 2, 1), (1, 2, 1, 1), (1, 1, 1, 2)],
+    ids=["p-tp2-d-tp1", "p-tp1-d-tp2", "p-dp2-d-tp1", "p-tp1-d-dp2"],
+)
+def test_pd_hetero_tp_equals_mono(
+    prefill_tp: int,
+    prefill_dp: int,
+    decode_tp: int,
+    decode_dp: int,
+    checkpoint: Path,
+    prompts_and_mono: tuple[list[list[int]], list[list[int]]],
+) -> None:
     prompts, mono = prompts_and_mono
-    with served(_config(checkpoint, "prefill", prefill_tp, prefill_dp)) as prefill, \
-            served(_config(checkpoint, "decode", decode_tp, decode_dp)) as decode:
+    with (
+        served(_config(checkpoint, "prefill", prefill_tp, prefill_dp)) as prefill,
+        served(_config(checkpoint, "decode", decode_tp, decode_dp)) as decode,
+    ):
         info = prefill.GetInfo(tandem_pb2.GetInfoRequest(), timeout=5)
         assert info.tp_size == prefill_tp
         groups = info.bootstrap_addr.split(";")  # one per prefill DP group
-        assert [len(g.split(",")) for g in groups] == [prefill_tp] * prefill_dp  # a bootstrap service per rank
+        assert [len(g.split(",")) for g in groups] == [
+            prefill_tp
+        ] * prefill_dp  # a bootstrap service per rank
         # All at once, rooms alternating between the prefill DP groups (room % 2), so both
         # groups on both sides serve and decode's group choice sees a busy group.
         rooms = [(secrets.randbits(63) << 1) | (i % 2) for i in range(len(prompts))]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda a: pd_generate(prefill, decode, info.bootstrap_addr, *a),
-                                    zip(prompts, rooms, strict=True)))
+            results = list(
+                pool.map(
+                    lambda a: pd_generate(prefill, decode, info.bootstrap_addr, *a),
+                    zip(prompts, rooms, strict=True),
+                )
+            )
         got, last = [r[0] for r in results], [r[1] for r in results]
         assert got == mono
         for p, end in zip(prompts, last, strict=True):

@@ -28,15 +28,23 @@ pytestmark = pytest.mark.slow
 
 
 def gateway_pid(c: Cluster) -> int:
-    out = subprocess.run(["pgrep", "-f", f"gateway --config {c.log_dir / 'cluster.yaml'}"], capture_output=True,
-                         text=True, check=False).stdout.split()
+    out = subprocess.run(
+        ["pgrep", "-f", f"gateway --config {c.log_dir / 'cluster.yaml'}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
     assert len(out) == 1, f"expected one gateway process, found {out}"
     return int(out[0])
 
 
 def proc_stats(pid: int) -> tuple[float, float, float]:
     """(RSS MB, peak RSS MB, CPU seconds) of a process, from /proc."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    status = dict(
+        line.split(":", 1)
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if ":" in line
+    )
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
     return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024, cpu
@@ -48,10 +56,16 @@ async def stream_all(url: str) -> tuple[int, list[float], list[str]]:
     done = 0
     limits = httpx.Limits(max_connections=NUM_REQUESTS + 10, max_keepalive_connections=NUM_REQUESTS)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
         async def one(i: int) -> None:
             nonlocal done
-            body = {"model": MODEL.name, "prompt": f"v{i % 97}=3;\nv{i % 97}?", "max_tokens": MAX_TOKENS,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": MODEL.name,
+                "prompt": f"v{i % 97}=3;\nv{i % 97}?",
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+            }
             t0 = time.monotonic()
             first, finished = None, False
             try:
@@ -72,6 +86,7 @@ async def stream_all(url: str) -> tuple[int, list[float], list[str]]:
                 done += 1
             else:
                 failures.append(f"request {i}: stream ended without its finish (first={first})")
+
         await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
     return done, ttfts, failures
 
@@ -79,8 +94,11 @@ async def stream_all(url: str) -> tuple[int, list[float], list[str]]:
 def test_thousand_concurrent_streams(tmp_path: Path) -> None:
     with running_cluster("configs/tiny-1p1d.yaml", tmp=tmp_path, model=MODEL) as c:
         pid = gateway_pid(c)
-        httpx.post(f"{c.url}/v1/completions", json={"model": MODEL.name, "prompt": "a=1;", "max_tokens": 2},
-                   timeout=60).raise_for_status()  # first-request costs out of the way
+        httpx.post(
+            f"{c.url}/v1/completions",
+            json={"model": MODEL.name, "prompt": "a=1;", "max_tokens": 2},
+            timeout=60,
+        ).raise_for_status()  # first-request costs out of the way
         rss0, _, cpu0 = proc_stats(pid)
         t0 = time.monotonic()
         done, ttfts, failures = asyncio.run(stream_all(c.url))
@@ -91,7 +109,9 @@ def test_thousand_concurrent_streams(tmp_path: Path) -> None:
     assert done == NUM_REQUESTS, f"{NUM_REQUESTS - done} requests lost"
     q = statistics.quantiles(ttfts, n=100)
     cpu_ms = (cpu1 - cpu0) * 1e3 / NUM_REQUESTS
-    print(f"\nload: {NUM_REQUESTS} streams in {wall:.1f}s ({NUM_REQUESTS / wall:.0f} req/s); TTFT p50 "
-          f"{q[49] * 1e3:.0f} ms p99 {q[98] * 1e3:.0f} ms; gateway CPU {cpu_ms:.2f} ms/request; "
-          f"gateway RSS {rss0:.0f} -> {rss1:.0f} MB (peak {peak:.0f} MB)")
+    print(
+        f"\nload: {NUM_REQUESTS} streams in {wall:.1f}s ({NUM_REQUESTS / wall:.0f} req/s); TTFT p50 "
+        f"{q[49] * 1e3:.0f} ms p99 {q[98] * 1e3:.0f} ms; gateway CPU {cpu_ms:.2f} ms/request; "
+        f"gateway RSS {rss0:.0f} -> {rss1:.0f} MB (peak {peak:.0f} MB)"
+    )
     assert peak - rss0 < RSS_GROWTH_LIMIT_MB, f"gateway RSS grew {peak - rss0:.0f} MB under load"

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def mono(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster("configs/tiny-mono.yaml", tmp=tmp_path_factory.mktemp("mono"), model=MODEL) as c:
+    with running_cluster(
+        "configs/tiny-mono.yaml", tmp=tmp_path_factory.mktemp("mono"), model=MODEL
+    ) as c:
         yield c
 
 
@@ -30,12 +32,24 @@ def test_openai_client_stream_and_not(mono: Cluster) -> None:
     client = openai.OpenAI(base_url=f"{mono.url}/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == [MODEL.name]
     problem = arith.make_problems(1, seed=21)[0]
-    plain = client.completions.create(model=MODEL.name, prompt=problem.prompt, max_tokens=arith.ANSWER_MAX_TOKENS,
-                                      temperature=0, stop=[arith.STOP])
+    plain = client.completions.create(
+        model=MODEL.name,
+        prompt=problem.prompt,
+        max_tokens=arith.ANSWER_MAX_TOKENS,
+        temperature=0,
+        stop=[arith.STOP],
+    )
     assert arith.score(problem, plain.choices[0].text)
-    chunks = list(client.chat.completions.create(
-        model=MODEL.name, messages=[{"role": "user", "content": problem.prompt}], max_tokens=arith.ANSWER_MAX_TOKENS,
-        temperature=0, stream=True, stop=[arith.STOP]))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL.name,
+            messages=[{"role": "user", "content": problem.prompt}],
+            max_tokens=arith.ANSWER_MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stop=[arith.STOP],
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert arith.score(problem, text)
     mono.wait_drained()
@@ -52,18 +66,27 @@ def test_openai_client_stream_and_not(mono: Cluster) -> None:
         ({"prompt": "a=1;", "temperature": "hot"}, 400, "temperature"),
     ],
 )
-def test_bad_input_is_a_4xx_and_serving_goes_on(mono: Cluster, body: object, status: int, fragment: str) -> None:
+def test_bad_input_is_a_4xx_and_serving_goes_on(
+    mono: Cluster, body: object, status: int, fragment: str
+) -> None:
     if isinstance(body, dict):
         body = {"model": MODEL.name, **body}
         r = httpx.post(f"{mono.url}/v1/completions", json=body, timeout=30)
     else:
-        r = httpx.post(f"{mono.url}/v1/completions", content=body, headers={"Content-Type": "application/json"},
-                       timeout=30)
+        r = httpx.post(
+            f"{mono.url}/v1/completions",
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "code"} and fragment in error["message"]
-    ok = httpx.post(f"{mono.url}/v1/completions", json={"model": MODEL.name, "prompt": "a=1;\na?", "max_tokens": 2},
-                    timeout=30)
+    ok = httpx.post(
+        f"{mono.url}/v1/completions",
+        json={"model": MODEL.name, "prompt": "a=1;\na?", "max_tokens": 2},
+        timeout=30,
+    )
     assert ok.status_code == 200
 
 
@@ -73,15 +96,27 @@ def test_any_hf_checkpoint_serves_with_model_flag(family: str, tmp_path: Path) -
 
     ckpt = tmp_path / f"tiny-{family}"
     build_tiny_checkpoint(ckpt, family, vocab_size=128, max_position_embeddings=256)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer covering the vocabulary
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):  # any tokenizer covering the vocabulary
         shutil.copy(EMBEDDED_MODEL / name, ckpt / name)
     with running_cluster("configs/tiny-mono.yaml", tmp=tmp_path, model=ckpt) as c:
         client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused")
         assert [m.id for m in client.models.list()] == [ckpt.name]
-        out = client.completions.create(model=ckpt.name, prompt="hello", max_tokens=5, temperature=0,
-                                        extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model=ckpt.name,
+            prompt="hello",
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
-        chat = client.chat.completions.create(model=ckpt.name, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=3, temperature=0)
+        chat = client.chat.completions.create(
+            model=ckpt.name,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            temperature=0,
+        )
         assert chat.usage.completion_tokens <= 3
         c.wait_drained()

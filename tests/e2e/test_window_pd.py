@@ -54,8 +54,12 @@ def _config(path: Path, role: str) -> WorkerConfig:
         model=ModelConfig(path=str(path), dtype="float32"),
         cache=CacheConfig(page_size=PAGE, num_pages=256, enable_prefix_cache=role != "decode"),
         scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=16),
-        transfer=TransferConfig(backend="mooncake", protocol="tcp", checksum=True,  # type: ignore[arg-type]
-                                transfer_timeout_s=5.0),
+        transfer=TransferConfig(
+            backend="mooncake",
+            protocol="tcp",
+            checksum=True,  # type: ignore[arg-type]
+            transfer_timeout_s=5.0,
+        ),
         num_threads=1,
     )
 
@@ -111,8 +115,12 @@ def submit_pd(prefill: Worker, decode: Worker, prompt: list[int], rid: str) -> t
     room = secrets.randbits(64)
     pre, dec = Leg(), Leg()
     addr = prefill.info["bootstrap_addr"]
-    prefill.engine.submit(Request(rid, list(prompt), _params(), room=room, bootstrap_addr=addr), pre.sink)
-    decode.engine.submit(Request(rid, list(prompt), _params(), room=room, bootstrap_addr=addr), dec.sink)
+    prefill.engine.submit(
+        Request(rid, list(prompt), _params(), room=room, bootstrap_addr=addr), pre.sink
+    )
+    decode.engine.submit(
+        Request(rid, list(prompt), _params(), room=room, bootstrap_addr=addr), dec.sink
+    )
     return pre, dec
 
 
@@ -127,15 +135,14 @@ def _drained(worker: Worker) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         hooks = sched.hooks
-        window_used = sched.window_pool.num_used if sched.window_pool is not None else 0
-        if not (sched.pool.num_used or window_used or sched.rings or sched.has_work or (hooks and hooks.has_work())):
+        stats = sched.stats()
+        busy = stats.used_pages or stats.window_used_pages or sched.has_work
+        if not (busy or (hooks and hooks.has_work())):
             break
         time.sleep(0.05)
-    # Read on this thread after the loop went quiet: both ledgers balanced, nothing held.
-    sched.pool.assert_drained()
-    assert sched.window_pool is not None
-    sched.window_pool.assert_drained()
-    assert not sched.rings
+    # Read on this thread after the loop went quiet: every ledger balanced, nothing held.
+    assert sched.cache.window is not None
+    sched.assert_drained()
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +166,18 @@ def _mono(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
 def test_window_pd_equals_mono_with_and_without_prefix_hits(checkpoint: Path) -> None:
     rng = random.Random(5)
     shared = [rng.randrange(1, 97) for _ in range(44)]
-    fresh = [[rng.randrange(1, 97) for _ in range(n)] for n in (5, WINDOW, 19, 37)]  # < and > the window
-    hits = [shared + [rng.randrange(1, 97) for _ in range(n)] for n in (3, 9)]  # share 11 pages with `shared`
+    fresh = [
+        [rng.randrange(1, 97) for _ in range(n)] for n in (5, WINDOW, 19, 37)
+    ]  # < and > the window
+    hits = [
+        shared + [rng.randrange(1, 97) for _ in range(n)] for n in (3, 9)
+    ]  # share 11 pages with `shared`
     prompts = fresh + [shared] + hits
     mono = _mono(checkpoint, prompts)
-    with running(_config(checkpoint, "prefill")) as prefill, running(_config(checkpoint, "decode")) as decode:
+    with (
+        running(_config(checkpoint, "prefill")) as prefill,
+        running(_config(checkpoint, "decode")) as decode,
+    ):
         ring_pages = decode.engine.kv.shape.ring_pages
         full_page = decode.engine.kv.shape.page_bytes
         ring_page = decode.engine.kv.shape.window_page_bytes
@@ -191,7 +205,10 @@ def test_window_pd_equals_mono_with_and_without_prefix_hits(checkpoint: Path) ->
 def test_window_pd_frees_pages_and_rings_on_abort_and_failure(checkpoint: Path) -> None:
     rng = random.Random(6)
     prompt = [rng.randrange(1, 97) for _ in range(30)]
-    with running(_config(checkpoint, "prefill")) as prefill, running(_config(checkpoint, "decode")) as decode:
+    with (
+        running(_config(checkpoint, "prefill")) as prefill,
+        running(_config(checkpoint, "decode")) as decode,
+    ):
         # Abort on decode while the room is in flight (prefill delayed so it is).
         prefill.engine.scheduler.hooks.manager.faults = TransferFaults(delay_ms=300)  # type: ignore[union-attr]
         pre, dec = submit_pd(prefill, decode, prompt, "aborted")
@@ -226,13 +243,18 @@ def measure(out_dir: Path) -> None:
     prefixes = [[rng.randrange(1, 97) for _ in range(96)] for _ in range(4)]
     workload = [p + [rng.randrange(1, 97) for _ in range(16)] for p in prefixes for _ in range(8)]
     for name, path in models.items():
-        with running(_config(path, "prefill")) as prefill, running(_config(path, "decode")) as decode:
+        with (
+            running(_config(path, "prefill")) as prefill,
+            running(_config(path, "decode")) as decode,
+        ):
             for n, prompt in zip(lengths, prompts, strict=True):
                 pre, dec = submit_pd(prefill, decode, prompt, f"b{n}")
                 _wait(pre, dec)
                 assert dec.transfer is not None
-                print(f"{name:6s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
-                      f"{int(dec.transfer['bytes']):8d} bytes shipped")
+                print(
+                    f"{name:6s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
+                    f"{int(dec.transfer['bytes']):8d} bytes shipped"
+                )
             sched = prefill.engine.scheduler
             before, cached = sched.prompt_tokens_computed, 0
             for i, prompt in enumerate(workload):
@@ -241,11 +263,15 @@ def measure(out_dir: Path) -> None:
                 cached += pre.cached
             total = sum(len(p) for p in workload)
             computed = sched.prompt_tokens_computed - before
-            print(f"{name:6s} shared-prefix workload: {total} prompt tokens, prefill computed {computed}, "
-                  f"cached_tokens {cached} ({100 * (total - computed) / total:.1f}% saved)")
+            print(
+                f"{name:6s} shared-prefix workload: {total} prompt tokens, prefill computed {computed}, "
+                f"cached_tokens {cached} ({100 * (total - computed) / total:.1f}% saved)"
+            )
             kv = prefill.engine.kv
-            print(f"{name:6s} KV memory per worker: {kv.nbytes()} bytes ({kv.shape.num_pages} full pages of "
-                  f"{kv.shape.page_bytes} B, {kv.shape.num_window_pages} window pages of {kv.shape.window_page_bytes} B)")
+            print(
+                f"{name:6s} KV memory per worker: {kv.nbytes()} bytes ({kv.shape.num_pages} full pages of "
+                f"{kv.shape.page_bytes} B, {kv.shape.num_window_pages} window pages of {kv.shape.window_page_bytes} B)"
+            )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.gw_doubles import build_tokenizer
+from tests.gateway.gw_doubles import (
+    HERMES_TEMPLATE,
+    OPEN_THINK_TEMPLATE,
+    build_agent_tokenizer,
+    build_tokenizer,
+)
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +25,13 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def hermes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_agent_tokenizer(tmp_path_factory.mktemp("hermes"), HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def open_think_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_agent_tokenizer(tmp_path_factory.mktemp("openthink"), OPEN_THINK_TEMPLATE)

@@ -83,6 +83,8 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         self.requests: list[tandem_pb2.GenerateRequest] = []
         self.aborts: list[tandem_pb2.AbortRequest] = []
         self.cancelled = 0
+        self.sessions = 0  # Session streams opened to this worker
+        self.frames = 0  # gateway frames received on them
         self.load = tandem_pb2.Load(kv_total_pages=100)
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -132,47 +134,160 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):  # noqa: N802
         self.requests.append(request)
+        try:
+            async for msg in self._script(request):
+                yield msg
+        except ScriptedFailure as f:
+            await context.abort(f.code, f.details)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def Session(self, request_iterator, context):  # noqa: N802
+        """The gateway's stream: each submit runs the script in a task of its own; whatever
+        the tasks produced by the time the writer runs goes out as one message (a "step")."""
+        pending: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]] = []
+        wake = asyncio.Event()
+        tasks: dict[int, asyncio.Task[None]] = {}
+        ids: dict[int, tuple[str, int]] = {}  # slot -> (request id, room)
+
+        async def run(slot: int, request: tandem_pb2.GenerateRequest) -> None:
+            try:
+                finished = False
+                async for msg in self._script(request):
+                    pending.append((slot, msg))
+                    finished = finished or bool(msg.finish_reason)
+                    wake.set()
+                if not finished:  # a prefill leg: one message, then the call's end
+                    pending.append((slot, None))
+            except ScriptedFailure as f:
+                pending.append((slot, f))
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                pending.append((slot, tandem_pb2.GenerateResponse(finish_reason="abort")))
+            finally:
+                tasks.pop(slot, None)
+                ids.pop(slot, None)
+                wake.set()
+
+        async def read() -> None:
+            async for frame in request_iterator:
+                self.frames += 1
+                # The real worker's order: ids and rooms, then submits, then slots.
+                for ab in frame.aborts:
+                    if ab.request_id or ab.room:  # what the Abort call used to carry
+                        self.aborts.append(tandem_pb2.AbortRequest(request_id=ab.request_id,
+                                                                   room=ab.room))
+                        self.abort_event.set()
+                        for slot, (rid, room) in list(ids.items()):
+                            if (ab.request_id and rid == ab.request_id) or (
+                                    ab.room and room == ab.room):
+                                tasks[slot].cancel()
+                for sub in frame.submits:
+                    self.requests.append(sub.request)
+                    ids[sub.slot] = (sub.request.request_id, sub.request.disagg.room)
+                    tasks[sub.slot] = asyncio.get_running_loop().create_task(
+                        run(sub.slot, sub.request))
+                for ab in frame.aborts:
+                    if ab.slot in tasks:
+                        tasks[ab.slot].cancel()
+
+        self.sessions += 1
+        reader = asyncio.get_running_loop().create_task(read())
+        started: set[int] = set()
+        try:
+            while not reader.done() or tasks or pending:
+                await wake.wait()
+                wake.clear()
+                if pending:
+                    batch, pending[:] = list(pending), []
+                    await context.write(session_message(batch, started))
+        finally:  # end every task of this stream before the handler returns (clean teardown)
+            reader.cancel()
+            for t in list(tasks.values()):
+                t.cancel()
+            await asyncio.gather(reader, *tasks.values(), return_exceptions=True)
+
+    async def _script(self, request: tandem_pb2.GenerateRequest
+                      ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
         s = self.script
         failing = s.fail_code is not None and s.fail_times > 0
         if failing:
             s.fail_times -= 1
-        try:
-            if s.hang_first:
-                await asyncio.sleep(3600)
-            if failing and s.fail_after == 0:
-                await context.abort(s.fail_code, f"scripted {s.fail_code.name}")
-            if s.first_delay_s:
-                await asyncio.sleep(s.first_delay_s)
-            n_prompt = len(request.prompt_token_ids)
-            if self.role == "prefill":
-                yield tandem_pb2.GenerateResponse(token_ids=s.tokens[:1], num_prompt_tokens=n_prompt,
-                                                  num_cached_tokens=s.cached_tokens)
-                return
-            n = min(len(s.tokens), request.sampling.max_tokens or len(s.tokens))
-            for i in range(n):
-                if failing and i == s.fail_after:
-                    await context.abort(s.fail_code, f"scripted {s.fail_code.name}")
-                last = i == n - 1
-                msg = tandem_pb2.GenerateResponse(token_ids=[s.tokens[i]])
-                if request.sampling.logprobs:
-                    msg.logprobs.append(tandem_pb2.TokenLogprob(
-                        token_id=s.tokens[i], logprob=-0.5,
-                        top=[tandem_pb2.TopLogprob(token_id=s.tokens[i], logprob=-0.5)]
-                        [:request.sampling.top_logprobs]))
-                if i == 0:
-                    msg.num_prompt_tokens = n_prompt
-                    msg.num_cached_tokens = 0 if self.role == "decode" else s.cached_tokens
-                if last:
-                    limit_hit = n < len(s.tokens)
-                    msg.finish_reason = "length" if limit_hit else s.finish_reason
-                    if s.transfer is not None:
-                        msg.transfer.CopyFrom(s.transfer)
-                yield msg
-                if s.delay_s and not last:
-                    await asyncio.sleep(s.delay_s)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
+        if s.hang_first:
+            await asyncio.sleep(3600)
+        if failing and s.fail_after == 0:
+            raise ScriptedFailure(s.fail_code)
+        if s.first_delay_s:
+            await asyncio.sleep(s.first_delay_s)
+        n_prompt = len(request.prompt_token_ids)
+        if self.role == "prefill":  # the first token; at the room's end the transfer stats
+            yield tandem_pb2.GenerateResponse(token_ids=s.tokens[:1], num_prompt_tokens=n_prompt,
+                                              num_cached_tokens=s.cached_tokens)
+            if s.transfer is not None:
+                await asyncio.sleep(s.delay_s)
+                yield tandem_pb2.GenerateResponse(finish_reason="stop", transfer=s.transfer)
+            return
+        n = min(len(s.tokens), request.sampling.max_tokens or len(s.tokens))
+        for i in range(n):
+            if failing and i == s.fail_after:
+                raise ScriptedFailure(s.fail_code)
+            last = i == n - 1
+            msg = tandem_pb2.GenerateResponse(token_ids=[s.tokens[i]])
+            if request.sampling.logprobs:
+                msg.logprobs.append(tandem_pb2.TokenLogprob(
+                    token_id=s.tokens[i], logprob=-0.5,
+                    top=[tandem_pb2.TopLogprob(token_id=s.tokens[i], logprob=-0.5)]
+                    [:request.sampling.top_logprobs]))
+            if i == 0:
+                msg.num_prompt_tokens = n_prompt
+                msg.num_cached_tokens = 0 if self.role == "decode" else s.cached_tokens
+            if last:
+                limit_hit = n < len(s.tokens)
+                msg.finish_reason = "length" if limit_hit else s.finish_reason
+                if s.transfer is not None:
+                    msg.transfer.CopyFrom(s.transfer)
+            yield msg
+            if s.delay_s and not last:
+                await asyncio.sleep(s.delay_s)
+
+
+class ScriptedFailure(Exception):
+    """The script fails the request with this status code."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self.code = code
+        self.details = f"scripted {code.name}"
+
+
+def session_message(batch: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]],
+                    started: set[int]) -> tandem_pb2.SessionResponse:
+    """Per-request messages (None: the script ended) as one Session message."""
+    out = tandem_pb2.SessionResponse()
+    for slot, msg in batch:
+        if isinstance(msg, ScriptedFailure):
+            out.ended.add(slot=slot, status_code=msg.code.value[0], error=msg.details)
+            continue
+        if slot not in started:
+            started.add(slot)
+            n_prompt = msg.num_prompt_tokens if msg is not None else 0
+            n_cached = msg.num_cached_tokens if msg is not None else 0
+            out.started.add(slot=slot, num_prompt_tokens=n_prompt, num_cached_tokens=n_cached)
+        if msg is None:
+            out.ended.add(slot=slot)
+            continue
+        if msg.token_ids:
+            out.slots.append(slot)
+            out.num_tokens.append(len(msg.token_ids))
+            out.token_ids.extend(msg.token_ids)
+            out.num_logprobs.append(len(msg.logprobs))
+            out.logprobs.extend(msg.logprobs)
+        if msg.finish_reason:
+            end = out.ended.add(slot=slot, finish_reason=msg.finish_reason)
+            if msg.HasField("transfer"):
+                end.transfer.CopyFrom(msg.transfer)
+    return out
 
 
 def fast_config(tok_dir: Path, **kw: object) -> GatewayConfig:
@@ -211,3 +326,83 @@ async def wait_workers(client: httpx.AsyncClient, healthy: bool = True, timeout:
         if all(w["healthy"] is healthy for w in ws) or loop.time() > deadline:
             return ws
         await asyncio.sleep(0.02)
+
+
+# A Qwen3-style (hermes) chat template, written for these tests: tools listed in the system
+# turn inside <tools></tools>, calls as <tool_call> JSON, tool results as <tool_response> in a
+# user turn, and an `enable_thinking` kwarg (false: an empty think block in the prompt).
+HERMES_TEMPLATE = """\
+{%- set sys = messages[0].content if messages[0].role == 'system' else '' -%}
+{%- if tools -%}
+<|im_start|>system
+{% if sys %}{{ sys }}
+
+{% endif %}Functions you may call are inside <tools></tools>:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call one by writing <tool_call>
+{"name": <name>, "arguments": <arguments object>}
+</tool_call><|im_end|>
+{% elif sys -%}
+<|im_start|>system
+{{ sys }}<|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' %}{% continue %}{% endif -%}
+{%- if m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user
+{% endif %}<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif -%}
+{%- elif m.role == 'assistant' -%}
+<|im_start|>assistant
+{% generation %}{{ m.content }}
+{%- for tc in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {% if tc.function.arguments is string -%}
+{{ tc.function.arguments }}{% else %}{{ tc.function.arguments | tojson }}{% endif %}}
+</tool_call>
+{%- endfor %}{% endgeneration %}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif -%}
+{%- endif -%}
+"""
+
+# A DeepSeek-R1-style template: the generation prompt opens the think block itself.
+OPEN_THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+# Marker tokens as Qwen3 and Mistral vocabularies hold them: Qwen's are added, not special;
+# Mistral's are special (their text is dropped by skip_special_tokens).
+AGENT_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+AGENT_SPECIALS = ["[TOOL_CALLS]", "[ARGS]"]
+
+
+def build_agent_tokenizer(path: Path, template: str) -> Path:
+    """The test tokenizer plus agent marker tokens, with `template` as its chat template."""
+    from tokenizers import AddedToken
+
+    build_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_ADDED])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in AGENT_SPECIALS])
+    tok.save(str(path / "tokenizer.json"))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path

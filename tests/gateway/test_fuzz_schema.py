@@ -29,14 +29,29 @@ MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 pytestmark = pytest.mark.slow
 STATUSES: Counter[int] = Counter()  # what the fuzzed bodies got (the last test checks the spread)
 
-_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-                       st.text(max_size=20))
-ANY_JSON = st.recursive(_json_leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                           st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                        max_leaves=12)
-EDGE_INTS = st.one_of(st.integers(-3, 8), st.sampled_from([0, -1, 2**31 - 1, 2**31, 2**63, 2**64, -(2**63)]))
-EDGE_FLOATS = st.one_of(st.floats(-3, 3), st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308, -0.0]))
-TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "a=1;\na?", "\x00", "\u202e", "💥" * 5]))
+_json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+)
+ANY_JSON = st.recursive(
+    _json_leaf,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)
+    ),
+    max_leaves=12,
+)
+EDGE_INTS = st.one_of(
+    st.integers(-3, 8), st.sampled_from([0, -1, 2**31 - 1, 2**31, 2**63, 2**64, -(2**63)])
+)
+EDGE_FLOATS = st.one_of(
+    st.floats(-3, 3), st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308, -0.0])
+)
+TEXT = st.one_of(
+    st.text(max_size=40), st.sampled_from(["", "a=1;\na?", "\x00", "\u202e", "💥" * 5])
+)
 
 
 def of_type(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[Any]:
@@ -60,8 +75,11 @@ def of_type(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[A
         return st.lists(of_type(schema.get("items", {}), defs), max_size=4)
     if kind == "object":
         props = schema.get("properties", {})
-        return st.fixed_dictionaries({}, optional={k: of_type(v, defs) for k, v in props.items()}) if props \
+        return (
+            st.fixed_dictionaries({}, optional={k: of_type(v, defs) for k, v in props.items()})
+            if props
             else st.dictionaries(st.text(max_size=8), ANY_JSON, max_size=3)
+        )
     return ANY_JSON
 
 
@@ -70,8 +88,10 @@ def bodies(model: type[Any]) -> st.SearchStrategy[dict[str, Any]]:
     type, or deleted), plus unknown fields now and then: many reach the workers, many do not."""
     schema = model.model_json_schema()
     defs = schema.get("$defs", {})
-    fields = {name: st.one_of(of_type(s, defs), of_type(s, defs), ANY_JSON)  # mostly the right type
-              for name, s in schema["properties"].items()}
+    fields = {
+        name: st.one_of(of_type(s, defs), of_type(s, defs), ANY_JSON)  # mostly the right type
+        for name, s in schema["properties"].items()
+    }
     fields["unknown_field"] = ANY_JSON
     chat = "messages" in fields
     base: dict[str, Any] = {"model": MODEL.name, "max_tokens": 3}
@@ -89,7 +109,9 @@ def bodies(model: type[Any]) -> st.SearchStrategy[dict[str, Any]]:
             else:
                 body[name] = d(fields[name])
         if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
-            body["max_tokens"] = d(st.sampled_from([body["max_tokens"], 8]))  # huge ones are refused; keep runs short
+            body["max_tokens"] = d(
+                st.sampled_from([body["max_tokens"], 8])
+            )  # huge ones are refused; keep runs short
         return body
 
     return draw()
@@ -97,13 +119,19 @@ def bodies(model: type[Any]) -> st.SearchStrategy[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster("configs/tiny-mono.yaml", tmp=tmp_path_factory.mktemp("fuzz"), model=MODEL) as c:
+    with running_cluster(
+        "configs/tiny-mono.yaml", tmp=tmp_path_factory.mktemp("fuzz"), model=MODEL
+    ) as c:
         yield c
 
 
 def _post(c: Cluster, path: str, payload: dict[str, Any]) -> None:
-    raw = json.dumps(payload, allow_nan=True).encode()  # NaN/Infinity literals included, as Python clients send
-    r = httpx.post(c.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    raw = json.dumps(
+        payload, allow_nan=True
+    ).encode()  # NaN/Infinity literals included, as Python clients send
+    r = httpx.post(
+        c.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60
+    )
     STATUSES[r.status_code] += 1
     assert r.status_code < 500, f"{r.status_code} for {raw[:400]!r}: {r.text[:300]}"
     if r.status_code != 200:
@@ -113,8 +141,12 @@ def _post(c: Cluster, path: str, payload: dict[str, Any]) -> None:
         assert "choices" in r.json(), r.text
 
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-                    derandomize=True)
+SETTINGS = settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
 
 
 @SETTINGS
@@ -130,8 +162,12 @@ def test_fuzz_chat(cluster: Cluster, payload: dict[str, Any]) -> None:
 
 
 def test_gateway_alive_and_drained_after_fuzzing(cluster: Cluster) -> None:
-    r = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "a=1;\na?", "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        f"{cluster.url}/v1/completions", json={"prompt": "a=1;\na?", "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 200, r.text
     cluster.wait_drained()
     # The fuzzing reached the workers, not only the first validation check.
-    assert STATUSES[200] >= 10 and sum(v for k, v in STATUSES.items() if 400 <= k < 500) >= 10, STATUSES
+    assert STATUSES[200] >= 10 and sum(v for k, v in STATUSES.items() if 400 <= k < 500) >= 10, (
+        STATUSES
+    )

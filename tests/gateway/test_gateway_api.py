@@ -20,7 +20,7 @@ def sse_events(text: str) -> list[str]:
     events = text.split("\n\n")[:-1]
     for e in events:
         assert e.startswith("data: "), e
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def script_for(tok_dir, text: str, **kw) -> Script:
@@ -28,10 +28,15 @@ def script_for(tok_dir, text: str, **kw) -> Script:
 
 
 async def test_completion_json_shape(tok_dir):
-    w = ScriptedWorker(script=script_for(tok_dir, "hello world", finish_reason="stop", cached_tokens=3))
+    w = ScriptedWorker(
+        script=script_for(tok_dir, "hello world", finish_reason="stop", cached_tokens=3)
+    )
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
-        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "the quick", "max_tokens": 10},
-                         headers={"X-Request-Id": "req-1"})
+        r = await c.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "the quick", "max_tokens": 10},
+            headers={"X-Request-Id": "req-1"},
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == "req-1"
         body = r.json()
@@ -40,9 +45,12 @@ async def test_completion_json_shape(tok_dir):
         assert body["choices"][0]["text"] == "hello world"
         assert body["choices"][0]["finish_reason"] == "stop"
         n_prompt = len(Tokenizer.from_dir(tok_dir).encode("the quick"))
-        assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": len(w.script.tokens),
-                                 "total_tokens": n_prompt + len(w.script.tokens),
-                                 "prompt_tokens_details": {"cached_tokens": 3}}
+        assert body["usage"] == {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(w.script.tokens),
+            "total_tokens": n_prompt + len(w.script.tokens),
+            "prompt_tokens_details": {"cached_tokens": 3},
+        }
         sent = w.requests[0]
         assert sent.request_id == "req-1" and sent.sampling.max_tokens == 10
         assert not sent.HasField("disagg")
@@ -51,10 +59,26 @@ async def test_completion_json_shape(tok_dir):
 async def test_sampling_fields_reach_worker(tok_dir):
     w = ScriptedWorker(script=script_for(tok_dir, "hi"))
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
-        r = await c.post("/v1/completions", json={
-            "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
-            "seed": 123, "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [9], "repetition_penalty": 1.1,
-            "presence_penalty": 0.5, "frequency_penalty": 0.25, "user": "u", "some_unknown_field": {"x": 1}})
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "prompt": [5, 6, 7],
+                "max_tokens": 4,
+                "temperature": 0.5,
+                "top_p": 0.9,
+                "top_k": 7,
+                "min_p": 0.1,
+                "seed": 123,
+                "ignore_eos": True,
+                "min_tokens": 2,
+                "stop_token_ids": [9],
+                "repetition_penalty": 1.1,
+                "presence_penalty": 0.5,
+                "frequency_penalty": 0.25,
+                "user": "u",
+                "logit_bias": {"5": -100, "7": 2.5},
+            },
+        )
         assert r.status_code == 200, r.text
         s = w.requests[0].sampling
         assert list(w.requests[0].prompt_token_ids) == [5, 6, 7]
@@ -62,6 +86,7 @@ async def test_sampling_fields_reach_worker(tok_dir):
         assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1)
         assert s.ignore_eos and list(s.stop_token_ids) == [9]
         assert s.repetition_penalty == pytest.approx(1.1) and s.presence_penalty == 0.5
+        assert dict(s.logit_bias) == {5: -100.0, 7: 2.5} and not s.HasField("structured")
         # max_tokens absent: capped to what fits in max_model_len (64)
         r = await c.post("/v1/completions", json={"prompt": [5, 6, 7]})
         assert r.status_code == 200 and w.requests[1].sampling.max_tokens == 61
@@ -70,28 +95,50 @@ async def test_sampling_fields_reach_worker(tok_dir):
 async def test_chat_json_and_template(tok_dir):
     w = ScriptedWorker(script=script_for(tok_dir, "hello", finish_reason="stop"))
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
-        r = await c.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 1})
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_completion_tokens": 8,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "chat.completion"
         ch = body["choices"][0]
-        assert ch["message"] == {"role": "assistant", "content": "hello"} and ch["finish_reason"] == "stop"
+        assert (
+            ch["message"] == {"role": "assistant", "content": "hello"}
+            and ch["finish_reason"] == "stop"
+        )
         assert len(ch["logprobs"]["content"]) == len(w.script.tokens)
         assert ch["logprobs"]["content"][0]["top_logprobs"][0]["logprob"] == -0.5
         tok = Tokenizer.from_dir(tok_dir)
         prompt = list(w.requests[0].prompt_token_ids)
-        assert tok.decode(prompt, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert (
+            tok.decode(prompt, skip_special_tokens=False)
+            == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert prompt[0] == 1  # <|im_start|> recognized as its special id, not spelled out in bytes
         assert w.requests[0].sampling.max_tokens == 8 and w.requests[0].sampling.logprobs
 
 
 async def test_completion_stream_sse_and_usage(tok_dir):
-    w = ScriptedWorker(script=script_for(tok_dir, "héllo 🙂 wörld", finish_reason="stop", cached_tokens=2))
+    w = ScriptedWorker(
+        script=script_for(tok_dir, "héllo 🙂 wörld", finish_reason="stop", cached_tokens=2)
+    )
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
-        r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "stream": True,
-                                                  "stream_options": {"include_usage": True}})
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "prompt": "hello",
+                "max_tokens": 20,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.text)
         assert events[-1] == "[DONE]"
@@ -100,10 +147,14 @@ async def test_completion_stream_sse_and_usage(tok_dir):
         assert text == "héllo 🙂 wörld" and "\ufffd" not in text
         assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
         usage = chunks[-1]
-        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(w.script.tokens)
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(
+            w.script.tokens
+        )
         assert usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
         # without include_usage: no usage chunk
-        r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 20, "stream": True})
+        r = await c.post(
+            "/v1/completions", json={"prompt": "hello", "max_tokens": 20, "stream": True}
+        )
         chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
         assert all(ch.get("usage") is None for ch in chunks)
 
@@ -111,8 +162,10 @@ async def test_completion_stream_sse_and_usage(tok_dir):
 async def test_chat_stream(tok_dir):
     w = ScriptedWorker(script=script_for(tok_dir, "one two three"))
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
-        r = await c.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True},
+        )
         chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
         assert chunks[0]["object"] == "chat.completion.chunk"
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -125,10 +178,20 @@ async def test_chat_stream(tok_dir):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_stop_string_across_tokens_aborts_worker(tok_dir, stream):
     # "STOP" is split over several tokens; the text before it is kept, the worker is aborted.
-    w = ScriptedWorker(script=script_for(tok_dir, "one two STOP here and more tokens", delay_s=0.01))
+    w = ScriptedWorker(
+        script=script_for(tok_dir, "one two STOP here and more tokens", delay_s=0.01)
+    )
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
-        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "stop": ["OP h", "zz"],
-                                                  "stream": stream, "stream_options": {"include_usage": True}})
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "prompt": "x",
+                "max_tokens": 30,
+                "stop": ["OP h", "zz"],
+                "stream": stream,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert r.status_code == 200
         if stream:
             chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
@@ -147,39 +210,71 @@ async def test_models_workers_metrics(tok_dir):
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
         models = (await c.get("/v1/models")).json()
         assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
-        assert (await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})).status_code == 200
+        assert (
+            await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        ).status_code == 200
         for _ in range(100):  # load refresh runs every 50 ms
             ws = (await c.get("/workers")).json()
             if ws[0]["running"] == 2:
                 break
             await __import__("asyncio").sleep(0.02)
-        assert {k: ws[0][k] for k in ("url", "role", "healthy", "running", "waiting", "kv_used_pages",
-                                        "kv_total_pages")} == {
-            "url": w.url, "role": "both", "healthy": True, "running": 2, "waiting": 1,
-            "kv_used_pages": 7, "kv_total_pages": 100}
+        assert {
+            k: ws[0][k]
+            for k in (
+                "url",
+                "role",
+                "healthy",
+                "running",
+                "waiting",
+                "kv_used_pages",
+                "kv_total_pages",
+            )
+        } == {
+            "url": w.url,
+            "role": "both",
+            "healthy": True,
+            "running": 2,
+            "waiting": 1,
+            "kv_used_pages": 7,
+            "kv_total_pages": 100,
+        }
         m = (await c.get("/metrics")).text
-        for name in ("tandem_time_to_first_token_seconds_bucket", "tandem_inter_token_latency_seconds",
-                     "tandem_e2e_request_latency_seconds", 'tandem_requests_total{outcome="success"} 1.0',
-                     "tandem_kv_transfer_bytes_total", "tandem_kv_transfer_failures_total",
-                     "tandem_bootstrap_failures_total", "tandem_cached_tokens_total", "tandem_prompt_tokens_total",
-                     "tandem_generation_tokens_total 2.0", 'tandem_pool_running{pool="workers"} 2.0',
-                     "tandem_worker_waiting"):
+        for name in (
+            "tandem_time_to_first_token_seconds_bucket",
+            "tandem_inter_token_latency_seconds",
+            "tandem_e2e_request_latency_seconds",
+            'tandem_requests_total{outcome="success"} 1.0',
+            "tandem_kv_transfer_bytes_total",
+            "tandem_kv_transfer_failures_total",
+            "tandem_bootstrap_failures_total",
+            "tandem_cached_tokens_total",
+            "tandem_prompt_tokens_total",
+            "tandem_generation_tokens_total 2.0",
+            'tandem_pool_running{pool="workers"} 2.0',
+            "tandem_worker_waiting",
+        ):
             assert name in m, name
         assert (await c.get("/health")).status_code == 200
 
 
 # ---- errors ----
 
+
 async def _post(c: httpx.AsyncClient, path: str, **kw) -> tuple[int, dict]:
     r = await c.post(path, **kw)
     body = r.json()
-    assert set(body) == {"error"} and {"message", "type", "code", "param"} <= set(body["error"]), body
+    assert set(body) == {"error"} and {"message", "type", "code", "param"} <= set(body["error"]), (
+        body
+    )
     return r.status_code, body["error"]
 
 
 async def test_request_errors(tok_dir):
     w = ScriptedWorker(script=script_for(tok_dir, "hi"))
-    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,), max_request_bytes=2000)) as c:
+    async with (
+        workers(w),
+        running_app(fast_config(tok_dir, workers=(w.url,), max_request_bytes=2000)) as c,
+    ):
         cases = [
             ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, None),
             ({"content": b"[1, 2]"}, 400, None),
@@ -207,8 +302,15 @@ async def test_request_errors(tok_dir):
         got, err = await _post(c, "/v1/chat/completions", json={"messages": "hi"})
         assert got == 400 and err["param"] == "messages"
         # prompt + max_tokens over max_model_len (64): 400 naming both numbers
-        got, err = await _post(c, "/v1/completions", json={"prompt": list(range(10, 70)), "max_tokens": 10})
-        assert got == 400 and "60" in err["message"] and "10" in err["message"] and "64" in err["message"]
+        got, err = await _post(
+            c, "/v1/completions", json={"prompt": list(range(10, 70)), "max_tokens": 10}
+        )
+        assert (
+            got == 400
+            and "60" in err["message"]
+            and "10" in err["message"]
+            and "64" in err["message"]
+        )
         got, err = await _post(c, "/v1/completions", json={"prompt": list(range(10, 80))})
         assert got == 400 and "70" in err["message"]
         assert w.requests == []  # none of these reached the worker
@@ -216,12 +318,22 @@ async def test_request_errors(tok_dir):
         assert r.status_code == 404 and "error" in r.json()
 
 
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 502), (grpc.StatusCode.UNAVAILABLE, 503)])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 502),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+    ],
+)
 async def test_worker_error_codes(tok_dir, code, status):
     w = ScriptedWorker(script=script_for(tok_dir, "hi", fail_code=code))
-    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,), health_interval_s=0.5)) as c:
+    async with (
+        workers(w),
+        running_app(fast_config(tok_dir, workers=(w.url,), health_interval_s=0.5)) as c,
+    ):
         for stream in (False, True):
             got, err = await _post(c, "/v1/completions", json={"prompt": "a", "stream": stream})
             assert got == status, err
@@ -244,7 +356,11 @@ async def test_no_healthy_worker_503(tok_dir):
 
 
 async def test_mid_stream_failure_sends_error_event(tok_dir):
-    w = ScriptedWorker(script=script_for(tok_dir, "one two three", fail_code=grpc.StatusCode.INTERNAL, fail_after=2))
+    w = ScriptedWorker(
+        script=script_for(
+            tok_dir, "one two three", fail_code=grpc.StatusCode.INTERNAL, fail_after=2
+        )
+    )
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
         r = await c.post("/v1/completions", json={"prompt": "a", "stream": True})
         events = sse_events(r.text)
@@ -258,13 +374,18 @@ async def test_mid_stream_failure_sends_error_event(tok_dir):
 
 async def test_api_key(tok_dir):
     w = ScriptedWorker(script=script_for(tok_dir, "hi"))
-    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,), api_key="sekret")) as c:
+    async with (
+        workers(w),
+        running_app(fast_config(tok_dir, workers=(w.url,), api_key="sekret")) as c,
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
             got, err = await _post(c, "/v1/completions", json={"prompt": "a"}, headers=headers)
             assert got == 401 and err["type"] == "authentication_error"
         assert (await c.get("/v1/models")).status_code == 401
         assert (await c.get("/health")).status_code == 200
-        r = await c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sekret"})
+        r = await c.post(
+            "/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sekret"}
+        )
         assert r.status_code == 200
 
 
@@ -273,7 +394,9 @@ async def test_completion_logprobs_and_echo(tok_dir):
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
         r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "logprobs": 1})
         lp = r.json()["choices"][0]["logprobs"]
-        assert "".join(lp["tokens"]) == "hello world" and lp["token_logprobs"] == [-0.5] * len(w.script.tokens)
+        assert "".join(lp["tokens"]) == "hello world" and lp["token_logprobs"] == [-0.5] * len(
+            w.script.tokens
+        )
         assert lp["text_offset"][0] == 0 and len(lp["top_logprobs"]) == len(w.script.tokens)
         assert w.requests[0].sampling.logprobs and w.requests[0].sampling.top_logprobs == 1
         got, err = await _post(c, "/v1/completions", json={"prompt": "a", "echo": True})

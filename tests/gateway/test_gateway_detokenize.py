@@ -21,9 +21,11 @@ def tok(tok_dir) -> Tokenizer:
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_stream_equals_full_decode(tok, text, step):
     ids = tok.encode(text, add_special_tokens=False)
-    assert any("\ufffd" in tok.decode([i]) for i in ids) or text.isascii()  # tokens split characters
+    assert (
+        any("\ufffd" in tok.decode([i]) for i in ids) or text.isascii()
+    )  # tokens split characters
     detok = IncrementalDetokenizer(tok, prompt_tail=tok.encode("prompt "))
-    deltas = [detok.step(ids[i:i + step]) for i in range(0, len(ids), step)]
+    deltas = [detok.step(ids[i : i + step]) for i in range(0, len(ids), step)]
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
@@ -38,7 +40,11 @@ def test_incomplete_character_is_held_then_flushed(tok):
 
 
 def test_skip_special_tokens(tok):
-    ids = tok.encode("hello", add_special_tokens=False) + [2] + tok.encode(" world", add_special_tokens=False)
+    ids = (
+        tok.encode("hello", add_special_tokens=False)
+        + [2]
+        + tok.encode(" world", add_special_tokens=False)
+    )
     for skip, expected in ((True, "hello world"), (False, "hello<|im_end|> world")):
         detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
         out = "".join(detok.step([i]) for i in ids) + detok.flush()

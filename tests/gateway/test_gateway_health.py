@@ -21,8 +21,11 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_thresholds_state_machine(tok_dir):
-    pool = WorkerPool(fast_config(tok_dir, workers=("127.0.0.1:1",), health_fail_threshold=3,
-                                  health_ok_threshold=2))
+    pool = WorkerPool(
+        fast_config(
+            tok_dir, workers=("127.0.0.1:1",), health_fail_threshold=3, health_ok_threshold=2
+        )
+    )
     try:
         (w,) = pool.all()
         pool._record_check(w, True)
@@ -61,7 +64,9 @@ async def test_not_serving_worker_is_excluded_then_returns(tok_dir):
         assert ws == {a.url: False, b.url: True}
         n_a = len(a.requests)
         for _ in range(4):
-            assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+            assert (
+                await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            ).status_code == 200
         assert len(a.requests) == n_a and len(b.requests) >= 4  # excluded worker takes no requests
         assert (await c.get("/health")).status_code == 200  # one healthy worker is enough
         await b.set_serving(False)
@@ -73,7 +78,9 @@ async def test_not_serving_worker_is_excluded_then_returns(tok_dir):
                 break
             await asyncio.sleep(0.02)
         assert (await c.get("/health")).status_code == 200
-        assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+        assert (
+            await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        ).status_code == 200
         assert len(a.requests) == n_a + 1  # it takes requests again
 
 
@@ -83,11 +90,15 @@ async def test_worker_reachable_later(tok_dir):
     await w.start()
     port = w.port
     await w.stop()
-    async with running_app(fast_config(tok_dir, workers=(f"127.0.0.1:{port}",), startup_wait_s=0)) as c:
+    async with running_app(
+        fast_config(tok_dir, workers=(f"127.0.0.1:{port}",), startup_wait_s=0)
+    ) as c:
         assert (await c.get("/health")).status_code == 503
         r = await c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503
-        late = await ScriptedWorker(script=Script(tokens=[70], finish_reason="stop")).start(port=port)
+        late = await ScriptedWorker(script=Script(tokens=[70], finish_reason="stop")).start(
+            port=port
+        )
         try:
             for _ in range(250):
                 if (await c.get("/health")).status_code == 200:
@@ -104,8 +115,13 @@ async def test_restarted_prefill_worker_gets_fresh_info(tok_dir):
     # gateway takes it out while it is down and sends the new address once it is back.
     p = ScriptedWorker(role="prefill", script=Script(tokens=[70]))
     d = ScriptedWorker(role="decode", script=Script(tokens=[70, 71], finish_reason="stop"))
-    async with workers(p, d), running_app(fast_config(tok_dir, prefill=(p.url,), decode=(d.url,))) as c:
-        assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+    async with (
+        workers(p, d),
+        running_app(fast_config(tok_dir, prefill=(p.url,), decode=(d.url,))) as c,
+    ):
+        assert (
+            await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        ).status_code == 200
         await p.stop()
         for _ in range(200):
             if (await c.get("/health")).status_code == 503:
@@ -117,7 +133,9 @@ async def test_restarted_prefill_worker_gets_fresh_info(tok_dir):
         await p2.start(port=p.port)
         try:
             await wait_workers(c)
-            assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+            assert (
+                await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            ).status_code == 200
             assert d.requests[-1].disagg.bootstrap_addr == "127.0.0.1:9"
         finally:
             await p2.stop()

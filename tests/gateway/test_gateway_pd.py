@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -23,11 +24,12 @@ TOKENS = [70, 71, 72, 73, 74]
 
 
 def prefill(**kw) -> ScriptedWorker:
+    # As a prefill worker does: its last message, when the room ends, carries the transfer stats.
+    kw.setdefault("transfer", tandem_pb2.TransferStats(pages=3, bytes=12288, duration_ms=2.5))
     return ScriptedWorker(role="prefill", script=Script(tokens=TOKENS[:1], cached_tokens=4, **kw))
 
 
 def decode(**kw) -> ScriptedWorker:
-    kw.setdefault("transfer", tandem_pb2.TransferStats(pages=3, bytes=12288, duration_ms=2.5))
     return ScriptedWorker(role="decode", script=Script(tokens=TOKENS, finish_reason="stop", **kw))
 
 
@@ -140,3 +142,25 @@ async def test_stop_string_aborts_both_legs(tok_dir):
         await d.abort_event.wait()
         room = d.requests[1].disagg.room
         assert p.aborts[0].room == d.aborts[0].room == room != 0
+
+
+async def test_a_stop_string_still_counts_the_rooms_transfer(tok_dir):
+    """The prefill leg's last message (the stats) comes after decode's first tokens; a request
+    that a stop string ends is still counted: the gateway lets that leg finish."""
+    p, d = prefill(delay_s=0.3), decode(delay_s=0.01)
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d])) as c:
+        stream = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                       "stream": True})
+        first = json.loads(stream.text.split("\n\n")[0][len("data: "):])["choices"][0]["text"]
+        for _ in range(2):  # the second request waits for the first one's stats too
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                      "stop": first[:1]})
+            assert r.json()["choices"][0]["finish_reason"] == "stop"
+        await d.abort_event.wait()
+        for _ in range(100):
+            m = (await c.get("/metrics")).text
+            if "tandem_kv_transfer_duration_seconds_count 3.0" in m:
+                break
+            await asyncio.sleep(0.05)
+        assert "tandem_kv_transfer_duration_seconds_count 3.0" in m
+        assert "tandem_kv_transfer_bytes_total 36864.0" in m  # 3 requests x 12288

@@ -61,8 +61,13 @@ async def gateway_process(tok_dir: Path, worker_url: str) -> AsyncIterator[str]:
 
 async def test_openai_client_against_real_server(tok_dir):
     tok = Tokenizer.from_dir(tok_dir)
-    w = ScriptedWorker(script=Script(tokens=tok.encode("héllo 🙂 wörld", add_special_tokens=False),
-                                     finish_reason="stop", delay_s=0.02))
+    w = ScriptedWorker(
+        script=Script(
+            tokens=tok.encode("héllo 🙂 wörld", add_special_tokens=False),
+            finish_reason="stop",
+            delay_s=0.02,
+        )
+    )
     async with workers(w), gateway_process(tok_dir, w.url) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         models = await client.models.list()
@@ -70,11 +75,16 @@ async def test_openai_client_against_real_server(tok_dir):
         comp = await client.completions.create(model="tiny", prompt="hello", max_tokens=30)
         assert comp.choices[0].text == "héllo 🙂 wörld" and comp.choices[0].finish_reason == "stop"
         assert comp.usage is not None and comp.usage.completion_tokens == len(w.script.tokens)
-        chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        chat = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}]
+        )
         assert chat.choices[0].message.content == "héllo 🙂 wörld"
         stream = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
-            stream_options={"include_usage": True})
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         parts, usage = [], None
         async for chunk in stream:
             if chunk.choices:
@@ -91,10 +101,14 @@ async def test_openai_client_against_real_server(tok_dir):
 
 
 async def test_client_disconnect_aborts_worker(tok_dir):
-    w = ScriptedWorker(max_model_len=1024, script=Script(tokens=[70 + i % 50 for i in range(500)], delay_s=0.02))
+    w = ScriptedWorker(
+        max_model_len=1024, script=Script(tokens=[70 + i % 50 for i in range(500)], delay_s=0.02)
+    )
     async with workers(w), gateway_process(tok_dir, w.url) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        stream = await client.completions.create(model="tiny", prompt="x", max_tokens=500, stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt="x", max_tokens=500, stream=True
+        )
         got = 0
         async for _ in stream:
             got += 1
@@ -123,7 +137,9 @@ async def test_client_timeout_before_first_token_aborts_worker(tok_dir):
     async with workers(w), gateway_process(tok_dir, w.url) as url:
         async with httpx.AsyncClient() as client:
             with pytest.raises(httpx.TimeoutException):
-                await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=0.5)
+                await client.post(
+                    f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=0.5
+                )
         await asyncio.wait_for(w.abort_event.wait(), 5)
         assert w.aborts[0].request_id == w.requests[0].request_id
         async with httpx.AsyncClient() as client:

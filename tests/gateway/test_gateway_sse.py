@@ -37,8 +37,9 @@ async def test_streams_all_chunks():
     async def receive():
         await asyncio.sleep(3600)
 
-    await SSEResponse(body.gen(), {"x-request-id": "r"})({"type": "http", "asgi": {"spec_version": "2.3"}},
-                                                        receive, send)
+    await SSEResponse(body.gen(), {"x-request-id": "r"})(
+        {"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send
+    )
     assert sent[0]["status"] == 200 and (b"x-request-id", b"r") in sent[0]["headers"]
     assert b"".join(m.get("body", b"") for m in sent[1:]) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
     assert sent[-1]["more_body"] is False and body.closed

@@ -54,9 +54,11 @@ def test_template_raise_exception_is_a_400(hf_dir):
         Tokenizer.from_dir(hf_dir).encode_chat([{"role": "tool", "content": "x"}])
 
 
-def test_missing_tokenizer_names_the_field(tmp_path):
-    with pytest.raises(TokenizerLoadError, match="model_path"):
+def test_missing_tokenizer_names_the_file(tmp_path):
+    # the file, not gateway.model_path: that is no key a user sets (the launcher fills it)
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json not found") as err:
         Tokenizer.from_dir(tmp_path)
+    assert "model_path" not in str(err.value)
 
 
 def test_no_template_is_a_clear_400(tok_dir, tmp_path):

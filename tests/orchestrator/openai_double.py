@@ -9,6 +9,7 @@ chunk and `[DONE]`. Runs a stdlib ThreadingHTTPServer on a free loopback port in
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,10 @@ class DoubleState:
     model: str = "double-model"
     api_key: str = ""
     token_delay_s: float = 0.0  # between streamed chunks
+    # A scripted stream instead: per network write, (seconds to wait before it, the token
+    # count of each SSE event in it). Events of one write leave in one send (one TCP burst).
+    writes: list[tuple[float, list[int]]] | None = None
+    write_times: list[float] = field(default_factory=list)  # perf_counter() of each scripted write
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
     inflight: int = 0
     max_inflight: int = 0  # most POSTs being answered at once (checks client concurrency)
@@ -39,6 +44,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (quiet test output)
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        # As uvicorn does: each write leaves at once (Nagle would hold small SSE writes until
+        # the client's delayed ACK, ~40 ms, and merge them: not the stream a test scripts).
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _json(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -111,6 +122,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         prompt_len = len(body["prompt"])
+        if self.server.state.writes is not None:
+            self._scripted(body, prompt_len)
+            return
         for _ in range(n):
             time.sleep(self.server.state.token_delay_s)  # the double's "decode step"
             send(json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}))
@@ -119,6 +133,28 @@ class _Handler(BaseHTTPRequestHandler):
                              "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}}))
         send("[DONE]")
         self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+    def _scripted(self, body: dict[str, Any], prompt_len: int) -> None:
+        writes = self.server.state.writes or []
+        total = 0
+        for delay, events in writes:
+            time.sleep(delay)
+            data = b""
+            for k in events:
+                choice: dict[str, Any] = {"index": 0, "text": "a" * k, "finish_reason": None}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = list(range(total, total + k))
+                total += k
+                data += f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+            self.server.state.write_times.append(time.perf_counter())
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": total,
+                 "total_tokens": prompt_len + total}
+        data = f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data.encode() + b"\r\n0\r\n\r\n")
         self.wfile.flush()
 
 

@@ -112,7 +112,8 @@ def test_part_validation_is_called_with_field_names() -> None:
         config_from_dict({**PD, "scheduler": {"chunked_prefill_size": 8}})
     with pytest.raises(ClusterConfigError, match=r"roles.prefill.count must be >= 1"):
         config_from_dict({"roles": {"prefill": {"count": 0}, "decode": {"base_port": 52000}}})
-    with pytest.raises(ClusterConfigError, match=r"roles.decode.parallel.device must be cpu, cuda or cuda:N"):
+    with pytest.raises(ClusterConfigError,
+                       match=r"roles.decode.parallel.device must be auto, cpu, cuda or cuda:N"):
         config_from_dict({"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000, "parallel": {"device": "gpu"}}}})
 
 
@@ -149,9 +150,11 @@ def test_override_errors() -> None:
 
 
 def test_worker_config_derivation() -> None:
-    c = load_config(CONFIGS / "tiny-2p2d.yaml", ["transfer.backend=nixl", "roles.decode.num_threads=2"])
+    c = load_config(CONFIGS / "tiny-2p2d.yaml", ["transfer.backend=nixl", "roles.decode.num_threads=2",
+                                                 "roles.decode.base_port=50151", "launcher.cluster_id=c1"])
     w = worker_config(c, "decode", 1)
     assert (w.role, w.host, w.port) == ("decode", "127.0.0.1", 50161)
+    assert (w.cluster_id, w.replica, w.drain_timeout_s) == ("c1", 1, 30.0)  # what GetInfo reports
     assert w.transfer.backend == "nixl" and w.num_threads == 2
     assert w.model.served_model_name == "tandem-arith"
     assert (w.parallel.tp_size, w.parallel.tp_rank, w.parallel.device) == (1, 0, "cpu")
@@ -173,14 +176,22 @@ def test_cuda_devices_handed_out_in_plan_order() -> None:
 
 
 def test_gateway_config_derivation() -> None:
-    c = load_config(CONFIGS / "tiny-2p2d.yaml", ["gateway.port=9000", "gateway.api_key=s3cret"])
+    pinned = ["roles.prefill.base_port=50051", "roles.decode.base_port=50151"]
+    c = load_config(CONFIGS / "tiny-2p2d.yaml", ["gateway.port=9000", "gateway.api_key=s3cret",
+                                                 "gateway.admin_key=adm", "launcher.cluster_id=c1", *pinned])
     g = gateway_config(c)
     assert g.prefill == ("127.0.0.1:50051", "127.0.0.1:50061")
     assert g.decode == ("127.0.0.1:50151", "127.0.0.1:50161")
-    assert g.workers == () and g.port == 9000 and g.api_key == "s3cret"
+    assert g.workers == () and g.port == 9000 and g.api_key == "s3cret" and g.admin_key == "adm"
     assert g.model_path == c.model.path and g.served_model_name == "tandem-arith"
-    mono = gateway_config(load_config(CONFIGS / "tiny-mono.yaml"))
+    assert g.cluster_id == "c1" and g.model_fingerprint.startswith("tandem-arith:")
+    mono = gateway_config(load_config(CONFIGS / "tiny-mono.yaml", ["roles.both.base_port=50051"]))
     assert mono.workers == ("127.0.0.1:50051",) and mono.prefill == () and mono.decode == ()
+    # Unpinned ports (the shipped configs): only the local launcher may start such a cluster.
+    with pytest.raises(ClusterConfigError, match=r"roles.both.base_port is unset \(0\): only the local launcher"):
+        gateway_config(load_config(CONFIGS / "tiny-mono.yaml"))
+    with pytest.raises(ClusterConfigError, match=r"gateway.admin_key must differ from gateway.api_key"):
+        load_config(CONFIGS / "tiny-mono.yaml", ["gateway.api_key=k", "gateway.admin_key=k"])
     wild = config_from_dict({"roles": {"both": {"host": "0.0.0.0", "base_port": 51000}}})
     assert gateway_config(wild).workers == ("127.0.0.1:51000",)  # a wildcard bind is dialled on loopback
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+from pathlib import Path
 
 import pytest
 
 from orchestrator import bench
-from orchestrator.bench import BenchSpec, arrival_times, make_prompts, percentile
+from orchestrator.bench import BenchSpec, make_prompts, make_sessions
+from orchestrator.bench_data import DatasetError, arrival_times
+from orchestrator.bench_stats import percentile, token_latencies
 from orchestrator.cli import main
+from orchestrator.eval import run_eval
+from orchestrator.progress import Progress
 from orchestrator.tasks import arith
 from tests.orchestrator.openai_double import DoubleState, OpenAIDouble
 
@@ -120,7 +127,115 @@ def test_bench_helpers() -> None:
     prompts = make_prompts(spec)
     assert [k for k, _ in prompts] == ["short", "long"] * 3 and [len(p) for _, p in prompts] == [3, 5] * 3
     assert make_prompts(spec) == prompts  # deterministic in the seed
-    times = arrival_times(spec)
+    times = arrival_times(6, 10.0, 1)
     assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:], strict=False))
-    assert arrival_times(BenchSpec(num_requests=3)) == [0.0, 0.0, 0.0]
+    assert arrival_times(3, 0.0, 0) == [0.0, 0.0, 0.0]
     assert bench.summarize([], 1.0, spec)["completed"] == 0
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_itl_is_per_token_from_arrival_times() -> None:
+    """A scripted stream with known token times: 1 token, then after 50 ms 1, after 50 ms two
+    events in one write, after 100 ms one event of 2 tokens, after 50 ms 1. Per token: the
+    gaps 50, 25, 25, 50, 50, 50 ms (a per-SSE-line timer would say 50, 50, 0, 100, 50). The
+    double stamps each write as it leaves (same clock, same process): the bench's figures
+    must match those stamps, so a loaded machine's late wake-ups do not fail the test."""
+    tokens_per_write = [1, 1, 2, 2, 1]
+    writes = [(0.0, [1]), (0.05, [1]), (0.05, [1, 1]), (0.1, [2]), (0.05, [1])]
+    results, stamps = [], []
+    for ids in (True, False):
+        state = DoubleState(writes=writes)
+        with OpenAIDouble(state) as url:
+            spec = BenchSpec(input_len=4, output_len=7, num_requests=1, concurrency=1,
+                             return_token_ids=ids)
+            results.append(asyncio.run(bench.run_bench(url, spec))[0][0])
+        stamps.append(state.write_times)
+        assert state.requests[0].get("return_token_ids", False) is ids
+    with_ids, without = results
+    _, want = token_latencies(0.0, list(zip(stamps[0], tokens_per_write, strict=True)))
+    assert with_ids.ok and with_ids.output_tokens == 7 and len(with_ids.itl_s) == 6
+    for got, expected in zip(with_ids.itl_s, want, strict=True):
+        assert abs(got - expected) < 0.01, (with_ids.itl_s, want)
+    assert with_ids.itl_s[1] == with_ids.itl_s[2] and with_ids.itl_s[3] == with_ids.itl_s[4]
+    assert abs(with_ids.tpot_s - (stamps[0][-1] - stamps[0][0]) / 6) < 0.01
+    # without token ids each event counts one token: the 2-token event is one gap
+    _, want = token_latencies(0.0, list(zip(stamps[1], [1, 1, 2, 1, 1], strict=True)))
+    assert len(without.itl_s) == 5
+    for got, expected in zip(without.itl_s, want, strict=True):
+        assert abs(got - expected) < 0.01, (without.itl_s, want)
+    assert token_latencies(1.0, [(1.5, 2), (2.0, 4)]) == (0.5, [0.125] * 4)
+
+
+def test_a_sweep_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = DoubleState(token_delay_s=0.002)
+    with OpenAIDouble(state) as url:
+        rc = main(["bench", "--url", url, "--input-len", "8", "--output-len", "4",
+                   "--num-requests", "6", "--concurrency", "1,3", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert "concurrency 1" in out.out and "concurrency 3" in out.out and "TTFT p50" in out.out
+    data = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [p["concurrency"] for p in data["points"]] == [1, 3]
+    assert all(len(p["samples"]["itl_ms"]) == 6 * 3 for p in data["points"])
+    for name in ("latency_throughput.png", "itl_cdf.png"):
+        png = (tmp_path / "o" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert state.max_inflight <= 3
+
+
+def test_all_failed_prints_the_error_not_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    state = DoubleState(rule=lambda i, prompt: "fail")
+    with OpenAIDouble(state) as url:
+        assert main(["bench", "--url", url, "--num-requests", "3", "--output-len", "2"]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "error: all 3 requests failed (concurrency 4)" in out.err
+    assert "HTTP 503: no healthy worker" in out.err and "TTFT" not in out.err
+
+
+def test_datasets_shared_prefix_turns_and_jsonl(tmp_path: Path) -> None:
+    state = DoubleState()
+    with OpenAIDouble(state) as url:
+        spec = BenchSpec(dataset="shared-prefix", num_requests=6, num_turns=3, num_groups=1,
+                         prefix_len=20, input_len=5, output_len=2, concurrency=2)
+        results, _ = asyncio.run(bench.run_bench(url, spec))
+        assert len(results) == 6 and all(r.ok for r in results)
+        prompts = [b["prompt"] for b in state.requests]
+        prefix = prompts[0].split("\n")[0]
+        assert all(p.startswith(prefix) for p in prompts)  # one group: one system prompt
+        turn3 = max(prompts, key=len)
+        # the answers the server gave are fed back in the later turns
+        assert turn3.count("assistant: ") == 3 and "assistant: aa\nuser:" in turn3
+        lines = [json.dumps({"prompt": "hello", "max_tokens": 3}), json.dumps({"prompt": [1, 2]})]
+        (tmp_path / "d.jsonl").write_text("\n".join(lines))
+        state.requests.clear()
+        spec = BenchSpec(dataset=f"jsonl:{tmp_path / 'd.jsonl'}", num_requests=3, output_len=5)
+        results, _ = asyncio.run(bench.run_bench(url, spec))
+        assert [b["prompt"] for b in state.requests].count("hello") == 2
+        assert sorted(b["max_tokens"] for b in state.requests) == [3, 3, 5]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": 5}\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: `prompt` must be text"):
+        make_sessions(BenchSpec(dataset=f"jsonl:{tmp_path / 'bad.jsonl'}"))
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--dataset", "csv"]) == 2
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--concurrency", "1,x"]) == 2
+
+
+def test_progress_bars_draw_on_a_terminal_only() -> None:
+    tty, pipe = _Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = Progress(4, "c=2", stream)
+        for ok in (True, False, True, True):
+            bar.advance(ok)
+        bar.close()
+    assert pipe.getvalue() == ""
+    assert tty.getvalue().endswith("c=2 [" + "#" * 30 + "] 4/4  " + tty.getvalue().split(
+        "4/4  ")[-1]) and "1 failed" in tty.getvalue() and tty.getvalue().startswith("\r")
+    state = arith_state()
+    with OpenAIDouble(state) as url:
+        tty = _Tty()
+        asyncio.run(run_eval(url, arith, 6, 2, SEED, progress_stream=tty))
+    assert "eval arith [" in tty.getvalue() and "6/6" in tty.getvalue()

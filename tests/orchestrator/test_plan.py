@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import ClusterConfig, config_from_dict, worker_config
+from orchestrator.devices import cuda_status
 from orchestrator.plan import LayoutError, check_layout, format_plan, num_nodes, plan_processes
 
 # Shapes of real checkpoints' config.json (only the keys the planner reads).
@@ -59,11 +60,13 @@ def test_tp8_dp2_ep16_over_two_nodes() -> None:
     assert {r.node for r in plan_processes(c) if r.role == "decode"} == {2, 3}
     assert worker_config(c, "decode", 0).parallel.ep_size == 16
 
+EIGHT_GPUS = cuda_status(gpus=8)  # planned as for an 8-GPU node (this machine may have none)
+
 
 def test_local_layout_shares_one_machine() -> None:
     c = cluster(gpu(tp_size=2), gpu(tp_size=4), kind="local")
-    check_layout(c, DENSE_8B)
-    assert [(r.node, r.device) for r in plan_processes(c) if r.role != "gateway"] == [
+    check_layout(c, DENSE_8B, EIGHT_GPUS)
+    assert [(r.node, r.device) for r in plan_processes(c, EIGHT_GPUS) if r.role != "gateway"] == [
         (0, "cuda:0"), (0, "cuda:1"), (0, "cuda:2"), (0, "cuda:3"), (0, "cuda:4"), (0, "cuda:5")]
     assert num_nodes(c) == 1
 
@@ -113,7 +116,7 @@ def test_every_rule_rejects_with_its_message(prefill: dict[str, Any], kind: str,
                                              hf: dict[str, Any] | None, message: str) -> None:
     c = cluster(prefill, {"parallel": {"device": "cuda"}}, kind=kind, scheduler=sched)
     with pytest.raises(LayoutError) as err:
-        check_layout(c, hf)
+        check_layout(c, hf, EIGHT_GPUS)
     assert message in str(err.value)
     assert "roles" in str(err.value)  # names the field
 

@@ -45,21 +45,57 @@ class Cluster:
             r.close()
 
 
-def layout(num_pages: int = 16, num_layers: int = 2, page_size: int = 4, head_dim: int = 8,
-           dtype: str = "float32", heads: int = 2, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
-    return KVLayout(num_pages=num_pages, num_layers=num_layers, page_size=page_size, head_dim=head_dim,
-                    dtype=dtype, num_kv_heads_total=heads, tp_rank=tp_rank, tp_size=tp_size)
+def layout(
+    num_pages: int = 16,
+    num_layers: int = 2,
+    page_size: int = 4,
+    head_dim: int = 8,
+    dtype: str = "float32",
+    heads: int = 2,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> KVLayout:
+    return KVLayout(
+        num_pages=num_pages,
+        num_layers=num_layers,
+        page_size=page_size,
+        head_dim=head_dim,
+        dtype=dtype,
+        num_kv_heads_total=heads,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
 
 
-def make_rank(role: str, lay: KVLayout, config: TransferConfig, *, fingerprint: str = "fp",
-              peer_id: str = "", faults: TransferFaults | None = None, seed: int = 0,
-              port: int = 0) -> Rank:
+def make_rank(
+    role: str,
+    lay: KVLayout,
+    config: TransferConfig,
+    *,
+    fingerprint: str = "fp",
+    peer_id: str = "",
+    faults: TransferFaults | None = None,
+    seed: int = 0,
+    port: int = 0,
+) -> Rank:
     g = torch.Generator().manual_seed(seed)
-    pool = torch.randint(0, 256, (lay.pool_bytes,), dtype=torch.uint8, generator=g) if role == "prefill" \
+    pool = (
+        torch.randint(0, 256, (lay.pool_bytes,), dtype=torch.uint8, generator=g)
+        if role == "prefill"
         else torch.zeros(lay.pool_bytes, dtype=torch.uint8)
-    mgr = KVTransferManager(config, lay, role=role, kv_ptr=pool.data_ptr(), kv_nbytes=pool.numel(),
-                            host="127.0.0.1", model_fingerprint=fingerprint, model_name="tiny",
-                            peer_id=peer_id, faults=faults or TransferFaults())
+    )
+    mgr = KVTransferManager(
+        config,
+        lay,
+        role=role,
+        kv_ptr=pool.data_ptr(),
+        kv_nbytes=pool.numel(),
+        host="127.0.0.1",
+        model_fingerprint=fingerprint,
+        model_name="tiny",
+        peer_id=peer_id,
+        faults=faults or TransferFaults(),
+    )
     rank = Rank(mgr, pool)
     if role == "prefill":
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
@@ -70,18 +106,27 @@ def make_rank(role: str, lay: KVLayout, config: TransferConfig, *, fingerprint: 
     return rank
 
 
-def make_cluster(backend: str, prefill: KVLayout | list[KVLayout], decode: KVLayout | list[KVLayout],
-                 faults: TransferFaults | None = None, **cfg: object) -> Cluster:
+def make_cluster(
+    backend: str,
+    prefill: KVLayout | list[KVLayout],
+    decode: KVLayout | list[KVLayout],
+    faults: TransferFaults | None = None,
+    **cfg: object,
+) -> Cluster:
     config = TransferConfig(backend=backend, **cfg)  # type: ignore[arg-type]
     pl = prefill if isinstance(prefill, list) else [prefill]
     dl = decode if isinstance(decode, list) else [decode]
     c = Cluster()
     try:
-        c.prefill = [make_rank("prefill", lay, config, seed=i + 1, faults=faults) for i, lay in enumerate(pl)]
+        c.prefill = [
+            make_rank("prefill", lay, config, seed=i + 1, faults=faults) for i, lay in enumerate(pl)
+        ]
         if len(c.prefill) > 1:
             for r in c.prefill:
                 r.manager.set_tp_bootstrap_addrs([p.addr for p in c.prefill])
-        c.decode = [make_rank("decode", lay, config, peer_id=f"decode-{i}") for i, lay in enumerate(dl)]
+        c.decode = [
+            make_rank("decode", lay, config, peer_id=f"decode-{i}") for i, lay in enumerate(dl)
+        ]
     except BaseException:
         c.close()
         raise
@@ -106,10 +151,10 @@ def wait_state(room: Room, state: RoomState, timeout_s: float = 10.0) -> None:
 
 def page_bytes_of(rank: Rank, page: int) -> bytes:
     pb = rank.manager.layout.page_bytes
-    return bytes(rank.pool[page * pb:(page + 1) * pb].numpy())
+    return bytes(rank.pool[page * pb : (page + 1) * pb].numpy())
 
 
 def head_slice(rank: Rank, page: int, layer: int, kv: int, global_head: int) -> bytes:
     lay = rank.manager.layout
     off = lay.offset(page, layer, kv, lay.heads.index(global_head))
-    return bytes(rank.pool[off:off + lay.head_bytes].numpy())
+    return bytes(rank.pool[off : off + lay.head_bytes].numpy())

@@ -13,7 +13,9 @@ from transfer.config import TransferConfig
 def serve_prefill(backend: str, seed: int, cmds: mp.Queue, out: mp.Queue) -> None:
     """Serve bootstrap; for each ("room", id, src_pages, hold) send the pages, report the state."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    rank = make_rank("prefill", layout(num_pages=16), TransferConfig(backend=backend, checksum=True), seed=seed)  # type: ignore[arg-type]
+    rank = make_rank(
+        "prefill", layout(num_pages=16), TransferConfig(backend=backend, checksum=True), seed=seed
+    )  # type: ignore[arg-type]
     out.put(("addr", rank.addr))
     try:
         while (cmd := cmds.get(timeout=60))[0] != "stop":

@@ -25,9 +25,12 @@ import torch
 from orchestrator.config import ClusterConfigError, load_config
 from orchestrator.launch.background import REPO
 from tests.transfer.helpers import layout, wait_finished
-from transfer.backend import BackendError, TransferFaults, make_backend
+from transfer.backend import BackendError, TransferFaults
 from transfer.config import TransferConfig, TransferConfigError
-from transfer.cuda_ipc import CudaIpcBackend, PeerPool, PoolExport, _IpcHandle
+from transfer.cuda_driver import IpcHandle
+from transfer.cuda_ipc import CopyPath, CudaIpcBackend, kernel_available
+from transfer.cuda_peer import PeerPool, PoolExport
+from transfer.factory import make_backend
 from transfer.manager import KVTransferManager
 from transfer.room import RoomState
 
@@ -40,8 +43,16 @@ OFFSET = 3 * PAGE  # the child's pool starts this far inside its allocation
 
 
 def _export(**changes: object) -> PoolExport:
-    e = PoolExport(boot_id=b"b" * 16, pid=1234, process_token=b"t" * 8, device_uuid=b"u" * 16, ipc_handle=b"h" * 64,
-                   ptr=0x7F00_0000_1000, nbytes=1 << 20, offset=0x1000)
+    e = PoolExport(
+        boot_id=b"b" * 16,
+        pid=1234,
+        process_token=b"t" * 8,
+        device_uuid=b"u" * 16,
+        ipc_handle=b"h" * 64,
+        ptr=0x7F00_0000_1000,
+        nbytes=1 << 20,
+        offset=0x1000,
+    )
     return replace(e, **changes)  # type: ignore[arg-type]
 
 
@@ -50,33 +61,47 @@ def _export(**changes: object) -> PoolExport:
 
 def test_config_selects_cuda_ipc_and_refuses_checksum() -> None:
     TransferConfig(backend="cuda_ipc").validate()
-    with pytest.raises(TransferConfigError, match=r"transfer.checksum .*cuda_ipc.*set transfer.checksum: false"):
+    with pytest.raises(
+        TransferConfigError, match=r"transfer.checksum .*cuda_ipc.*set transfer.checksum: false"
+    ):
         TransferConfig(backend="cuda_ipc", checksum=True).validate()
-    with pytest.raises(TransferConfigError, match=r"transfer.backend must be one of mooncake \| nixl \| cuda_ipc"):
+    with pytest.raises(
+        TransferConfigError, match=r"transfer.backend must be one of mooncake \| nixl \| cuda_ipc"
+    ):
         TransferConfig(backend="ipc").validate()  # type: ignore[arg-type]
     cluster = load_config(REPO / "configs" / "tiny-1p1d.yaml", ["transfer.backend=cuda_ipc"])
     assert cluster.transfer.backend == "cuda_ipc"
     with pytest.raises(ClusterConfigError, match=r"transfer.checksum"):
-        load_config(REPO / "configs" / "tiny-1p1d.yaml", ["transfer.backend=cuda_ipc", "transfer.checksum=true"])
+        load_config(
+            REPO / "configs" / "tiny-1p1d.yaml",
+            ["transfer.backend=cuda_ipc", "transfer.checksum=true"],
+        )
 
 
 def test_missing_driver_is_refused_naming_the_fix() -> None:
-    with pytest.raises(TransferConfigError, match=r"transfer.backend is cuda_ipc but the CUDA driver .* cannot be "
-                                                  r"loaded.*use transfer.backend mooncake or nixl"):
+    with pytest.raises(
+        TransferConfigError,
+        match=r"transfer.backend is cuda_ipc but the CUDA driver .* cannot be "
+        r"loaded.*use transfer.backend mooncake or nixl",
+    ):
         CudaIpcBackend("x", libcuda="libcuda-not-here.so.0")
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks a host without CUDA")
 def test_no_cuda_here_is_refused_at_start() -> None:
-    with pytest.raises(TransferConfigError, match=r"transfer.backend is cuda_ipc.*mooncake or nixl"):
+    with pytest.raises(
+        TransferConfigError, match=r"transfer.backend is cuda_ipc.*mooncake or nixl"
+    ):
         make_backend(TransferConfig(backend="cuda_ipc"), "127.0.0.1", "tandem-decode-x")
 
 
 def test_metadata_round_trip_and_refusals() -> None:
     e = _export()
     assert PoolExport.unpack("peer", e.pack()) == e
-    handle = bytes([0, 1, 0, 2]) * 16  # real handles hold NUL bytes: none may be lost on the way to the driver
-    assert bytes(_IpcHandle.of(handle)) == handle
+    handle = (
+        bytes([0, 1, 0, 2]) * 16
+    )  # real handles hold NUL bytes: none may be lost on the way to the driver
+    assert bytes(IpcHandle.of(handle)) == handle
     with pytest.raises(BackendError, match=r"metadata of peer 'peer' is 10 bytes, expected"):
         PoolExport.unpack("peer", e.pack()[:10])
     with pytest.raises(BackendError, match=r"not cuda_ipc version 1"):
@@ -94,13 +119,13 @@ def test_peer_addresses_translate_inside_the_pool_only() -> None:
             pool.translate(dst, n)
 
 
-# ---- GPU: a decode pool in another process --------------------------------------------------------
+# ---- GPU: a decode pool in another process ----------------------------------------------------
 
 
 def _serve_pool(cmds: mp.Queue, out: mp.Queue) -> None:
     """Child: a zeroed pool OFFSET bytes into a larger allocation, exported; dumps it on request."""
     alloc = torch.zeros(OFFSET + NUM_PAGES * PAGE + PAGE, dtype=torch.uint8, device="cuda")
-    pool = alloc[OFFSET:OFFSET + NUM_PAGES * PAGE]
+    pool = alloc[OFFSET : OFFSET + NUM_PAGES * PAGE]
     backend = CudaIpcBackend("decode-child")
     backend.register(pool.data_ptr(), pool.numel())
     out.put((backend.agent_name, backend.agent_metadata, pool.data_ptr()))
@@ -150,22 +175,29 @@ def child() -> Iterator[Child]:
             proc.kill()
 
 
-@pytest.fixture
-def prefill() -> Iterator[tuple[CudaIpcBackend, torch.Tensor]]:
-    src = torch.randint(0, 256, (NUM_PAGES * PAGE,), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(3)).cuda()
-    backend = CudaIpcBackend("prefill-test")
+PATHS = [CopyPath.MEMCPY] + ([CopyPath.KERNEL] if kernel_available() else [])
+
+
+@pytest.fixture(params=PATHS, ids=[p.value for p in PATHS])
+def prefill(request: pytest.FixtureRequest) -> Iterator[tuple[CudaIpcBackend, torch.Tensor]]:
+    """The writing side, once per copy path: the gather kernel, and the per-span reference."""
+    src = torch.randint(
+        0, 256, (NUM_PAGES * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    ).cuda()
+    backend = CudaIpcBackend("prefill-test", copy_path=request.param)
     backend.register(src.data_ptr(), src.numel())
     yield backend, src
     backend.close()
 
 
-def _spans(src: torch.Tensor, child: Child, pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+def _spans(
+    src: torch.Tensor, child: Child, pairs: list[tuple[int, int]]
+) -> list[tuple[int, int, int]]:
     return [(src.data_ptr() + s * PAGE, child.ptr + d * PAGE, PAGE) for s, d in pairs]
 
 
 def _page(blob: bytes, i: int) -> bytes:
-    return blob[i * PAGE:(i + 1) * PAGE]
+    return blob[i * PAGE : (i + 1) * PAGE]
 
 
 @pytest.mark.gpu
@@ -174,7 +206,10 @@ def test_host_memory_is_refused_as_the_pool() -> None:
     host = torch.zeros(PAGE, dtype=torch.uint8)
     backend = CudaIpcBackend("host")
     try:
-        with pytest.raises(TransferConfigError, match=r"the KV pool at 0x[0-9a-f]+ is host memory.*parallel.device: cuda"):
+        with pytest.raises(
+            TransferConfigError,
+            match=r"the KV pool at 0x[0-9a-f]+ is host memory.*parallel.device: cuda",
+        ):
             backend.register(host.data_ptr(), PAGE)
         with pytest.raises(BackendError, match=r"no KV pool registered"):
             _ = backend.agent_metadata
@@ -184,7 +219,9 @@ def test_host_memory_is_refused_as_the_pool() -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_pages_land_bit_exact_in_another_process(child: Child, prefill: tuple[CudaIpcBackend, torch.Tensor]) -> None:
+def test_pages_land_bit_exact_in_another_process(
+    child: Child, prefill: tuple[CudaIpcBackend, torch.Tensor]
+) -> None:
     backend, src = prefill
     child.zero()
     backend.connect(child.name, child.meta)
@@ -195,7 +232,9 @@ def test_pages_land_bit_exact_in_another_process(child: Child, prefill: tuple[Cu
     for s, d in pairs:
         assert _page(landed, d) == _page(source, s), (s, d)
     untouched = set(range(NUM_PAGES)) - {d for _, d in pairs}
-    assert all(_page(landed, d) == bytes(PAGE) for d in untouched), "only the spans' pages are written"
+    assert all(_page(landed, d) == bytes(PAGE) for d in untouched), (
+        "only the spans' pages are written"
+    )
     with pytest.raises(BackendError, match=r"outside the pool peer"):
         backend.submit(child.name, [(src.data_ptr(), child.ptr + NUM_PAGES * PAGE, PAGE)])
     with pytest.raises(BackendError, match=r"source range .* outside every registered region"):
@@ -204,7 +243,9 @@ def test_pages_land_bit_exact_in_another_process(child: Child, prefill: tuple[Cu
 
 @pytest.mark.gpu
 @gpu
-def test_copy_waits_for_kernels_still_running(child: Child, prefill: tuple[CudaIpcBackend, torch.Tensor]) -> None:
+def test_copy_waits_for_kernels_still_running(
+    child: Child, prefill: tuple[CudaIpcBackend, torch.Tensor]
+) -> None:
     """The forward that writes a page may still run when its pages are handed over: the copy
     must start after it. A long kernel, then a fill, both on the default stream, then the write
     from another thread (as the manager's transfer thread does) with no host sync between."""
@@ -218,7 +259,9 @@ def test_copy_waits_for_kernels_still_running(child: Child, prefill: tuple[CudaI
 
     def write() -> None:
         try:
-            backend.write(child.name, _spans(src, child, [(i, i) for i in range(NUM_PAGES)]), timeout_s=10)
+            backend.write(
+                child.name, _spans(src, child, [(i, i) for i in range(NUM_PAGES)]), timeout_s=10
+            )
         except BaseException as e:  # handed to the test thread
             errors.append(e)
 
@@ -246,7 +289,9 @@ def test_forget_then_reconnect(child: Child, prefill: tuple[CudaIpcBackend, torc
 
 @pytest.mark.gpu
 @gpu
-def test_bad_or_foreign_metadata_is_refused(child: Child, prefill: tuple[CudaIpcBackend, torch.Tensor]) -> None:
+def test_bad_or_foreign_metadata_is_refused(
+    child: Child, prefill: tuple[CudaIpcBackend, torch.Tensor]
+) -> None:
     backend, _ = prefill
     theirs = PoolExport.unpack(child.name, child.meta)
     with pytest.raises(BackendError, match=r"cuIpcOpenMemHandle \(peer 'bad'.*failed: CUDA_ERROR"):
@@ -272,9 +317,13 @@ def test_both_roles_in_one_process() -> None:
         a.register(a_pool.data_ptr(), a_pool.numel())
         b.register(b_pool.data_ptr(), b_pool.numel())
         a.connect(b.agent_name, b.agent_metadata)
-        a.write(b.agent_name, [(a_pool.data_ptr() + PAGE, b_pool.data_ptr() + 7 * PAGE, 2 * PAGE)], timeout_s=10)
-        assert torch.equal(b_pool[7 * PAGE:9 * PAGE], a_pool[PAGE:3 * PAGE])
-        assert int(b_pool[:7 * PAGE].count_nonzero()) == 0
+        a.write(
+            b.agent_name,
+            [(a_pool.data_ptr() + PAGE, b_pool.data_ptr() + 7 * PAGE, 2 * PAGE)],
+            timeout_s=10,
+        )
+        assert torch.equal(b_pool[7 * PAGE : 9 * PAGE], a_pool[PAGE : 3 * PAGE])
+        assert int(b_pool[: 7 * PAGE].count_nonzero()) == 0
     finally:
         a.close()
         b.close()
@@ -287,15 +336,27 @@ CONFIG = TransferConfig(backend="cuda_ipc", transfer_timeout_s=10)
 
 
 def _seeded_pool(nbytes: int) -> torch.Tensor:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED)).cuda()
+    return torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED)
+    ).cuda()
 
 
 def _serve_prefill(cmds: mp.Queue, out: mp.Queue) -> None:
-    """Child: a prefill manager over a seeded GPU pool; ("room", id, src_pages, corrupt) sends them."""
+    """Child: a prefill manager over a seeded GPU pool; ("room", id, src_pages, corrupt) sends
+    them."""
     lay = layout(num_pages=16)
     pool = _seeded_pool(lay.pool_bytes)
-    mgr = KVTransferManager(CONFIG, lay, role="prefill", kv_ptr=pool.data_ptr(), kv_nbytes=pool.numel(),
-                            host="127.0.0.1", model_fingerprint="fp", model_name="tiny", faults=TransferFaults())
+    mgr = KVTransferManager(
+        CONFIG,
+        lay,
+        role="prefill",
+        kv_ptr=pool.data_ptr(),
+        kv_nbytes=pool.numel(),
+        host="127.0.0.1",
+        model_fingerprint="fp",
+        model_name="tiny",
+        faults=TransferFaults(),
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     mgr.add_to_server(server)
     addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -324,9 +385,18 @@ def test_rooms_between_two_managers_in_two_processes() -> None:
     proc.start()
     lay = layout(num_pages=16)
     pool = torch.zeros(lay.pool_bytes, dtype=torch.uint8, device="cuda")
-    decode = KVTransferManager(CONFIG, lay, role="decode", kv_ptr=pool.data_ptr(), kv_nbytes=pool.numel(),
-                               host="127.0.0.1", model_fingerprint="fp", model_name="tiny", peer_id="decode-0",
-                               faults=TransferFaults())
+    decode = KVTransferManager(
+        CONFIG,
+        lay,
+        role="decode",
+        kv_ptr=pool.data_ptr(),
+        kv_nbytes=pool.numel(),
+        host="127.0.0.1",
+        model_fingerprint="fp",
+        model_name="tiny",
+        peer_id="decode-0",
+        faults=TransferFaults(),
+    )
     source = _seeded_pool(lay.pool_bytes)
     pb = lay.page_bytes
     try:
@@ -339,16 +409,19 @@ def test_rooms_between_two_managers_in_two_processes() -> None:
         assert (recv.first_token, recv.stats.bytes) == (5, 4 * pb)
         assert out.get(timeout=10) == ("SUCCESS", None, 4 * pb)
         for s, d in zip(src, dst, strict=False):
-            assert torch.equal(pool[d * pb:(d + 1) * pb], source[s * pb:(s + 1) * pb]), (s, d)
-        assert int(pool[7 * pb:8 * pb].count_nonzero()) == 0, "the first token's page is not written"
+            assert torch.equal(pool[d * pb : (d + 1) * pb], source[s * pb : (s + 1) * pb]), (s, d)
+        assert int(pool[7 * pb : 8 * pb].count_nonzero()) == 0, (
+            "the first token's page is not written"
+        )
 
-        # the corrupt drill really overwrites landed pages, from pinned host memory into the peer's GPU
+        # the corrupt drill really overwrites landed pages, from pinned host memory into the
+        # peer's GPU
         recv2 = decode.create_receiver(0xBAD, addr, [10], num_tokens=4)
         cmds.put(("room", 0xBAD, [6], True))
         wait_finished([recv2], timeout_s=30)
         assert recv2.state is RoomState.SUCCESS, "without a checksum only the bytes tell"
         assert out.get(timeout=10)[0] == "SUCCESS"
-        assert not torch.equal(pool[10 * pb:11 * pb], source[6 * pb:7 * pb])
+        assert not torch.equal(pool[10 * pb : 11 * pb], source[6 * pb : 7 * pb])
         assert {r.room for r in decode.take_finished()} == {0xC0DA, 0xBAD}
         cmds.put(("stop",))
     finally:

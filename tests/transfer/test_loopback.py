@@ -45,8 +45,14 @@ def _shared(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def _short(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    c = make_cluster(str(request.param), layout(), layout(), bootstrap_timeout_s=0.5,
-                     waiting_timeout_s=0.5, transfer_timeout_s=0.5)
+    c = make_cluster(
+        str(request.param),
+        layout(),
+        layout(),
+        bootstrap_timeout_s=0.5,
+        waiting_timeout_s=0.5,
+        transfer_timeout_s=0.5,
+    )
     yield c
     c.close()
 
@@ -72,20 +78,29 @@ def short(_short: Cluster) -> Iterator[Cluster]:
     yield from _clean(_short)
 
 
-def _run_room(c: Cluster, room: int, n: int, *, skip: int = 0, chunks: int = 2, seed: int = 0,
-              addr: str = "") -> tuple[list[int], list[int]]:
+def _run_room(
+    c: Cluster, room: int, n: int, *, skip: int = 0, chunks: int = 2, seed: int = 0, addr: str = ""
+) -> tuple[list[int], list[int]]:
     """One room: every decode rank registers; every prefill rank sends n pages in `chunks` pieces."""
     rng = random.Random(seed)
     src = rng.sample(range(c.prefill[0].manager.layout.num_pages), n)
-    dst = rng.sample(range(c.decode[0].manager.layout.num_pages), n + 1)  # +1: the first token's page
-    receivers = [d.manager.create_receiver(room, addr or c.bootstrap_addr, dst, num_tokens=n * 4, skip_pages=skip)
-                 for d in c.decode]
+    dst = rng.sample(
+        range(c.decode[0].manager.layout.num_pages), n + 1
+    )  # +1: the first token's page
+    receivers = [
+        d.manager.create_receiver(
+            room, addr or c.bootstrap_addr, dst, num_tokens=n * 4, skip_pages=skip
+        )
+        for d in c.decode
+    ]
     senders = [p.manager.create_sender(room) for p in c.prefill]
     bounds = [n * i // chunks for i in range(chunks + 1)]
     for s in senders:
         for i in range(chunks):
             lo, hi = bounds[i], bounds[i + 1]
-            s.send(src[lo:hi], start_page=lo, last=i == chunks - 1, first_token=7, first_logprob=-0.25)
+            s.send(
+                src[lo:hi], start_page=lo, last=i == chunks - 1, first_token=7, first_logprob=-0.25
+            )
     wait_finished(receivers + senders)
     for r in receivers + senders:
         assert r.state is RoomState.SUCCESS, r.error
@@ -108,7 +123,9 @@ def _check_landed(c: Cluster, src: list[int], dst: list[int], skip: int) -> None
                             assert got == bytes(len(got)), "skipped pages stay untouched"
                         else:
                             assert got == head_slice(owner, sp, layer, kv, h), (pos, layer, kv, h)
-        assert page_bytes_of(d, dst[-1]) == bytes(lay0.page_bytes), "the first token's page is not written"
+        assert page_bytes_of(d, dst[-1]) == bytes(lay0.page_bytes), (
+            "the first token's page is not written"
+        )
 
 
 LAYOUTS = {
@@ -123,8 +140,13 @@ LAYOUTS = {
 # Planning is backend-independent (test_plan.py covers it exhaustively); each backend moves a
 # same-TP layout, a merge, and a split/replica case, so that both carry every kind for real.
 CASES = [
-    ("mooncake", "same-tp-p4-fp32"), ("mooncake", "same-tp-p16-bf16"), ("mooncake", "p2-to-d1"),
-    ("mooncake", "gqa-p1-to-d4"), ("nixl", "same-tp-p16-bf16"), ("nixl", "p1-to-d2"), ("nixl", "gqa-p4-to-d1"),
+    ("mooncake", "same-tp-p4-fp32"),
+    ("mooncake", "same-tp-p16-bf16"),
+    ("mooncake", "p2-to-d1"),
+    ("mooncake", "gqa-p1-to-d4"),
+    ("nixl", "same-tp-p16-bf16"),
+    ("nixl", "p1-to-d2"),
+    ("nixl", "gqa-p4-to-d1"),
     ("mooncake", "gqa-p4-to-d1"),
 ]
 
@@ -133,8 +155,32 @@ CASES = [
 @pytest.mark.parametrize(("backend_name", "name"), CASES)
 def test_pages_land_bit_exact(backend_name: str, name: str) -> None:
     heads, p_tp, d_tp, ps, dtype, layers, hd = LAYOUTS[name]
-    pl = [layout(num_pages=24, page_size=ps, dtype=dtype, num_layers=layers, head_dim=hd, heads=heads, tp_rank=r, tp_size=p_tp) for r in range(p_tp)]
-    dl = [layout(num_pages=32, page_size=ps, dtype=dtype, num_layers=layers, head_dim=hd, heads=heads, tp_rank=r, tp_size=d_tp) for r in range(d_tp)]
+    pl = [
+        layout(
+            num_pages=24,
+            page_size=ps,
+            dtype=dtype,
+            num_layers=layers,
+            head_dim=hd,
+            heads=heads,
+            tp_rank=r,
+            tp_size=p_tp,
+        )
+        for r in range(p_tp)
+    ]
+    dl = [
+        layout(
+            num_pages=32,
+            page_size=ps,
+            dtype=dtype,
+            num_layers=layers,
+            head_dim=hd,
+            heads=heads,
+            tp_rank=r,
+            tp_size=d_tp,
+        )
+        for r in range(d_tp)
+    ]
     c = make_cluster(backend_name, pl, dl, checksum=True)
     try:
         skip = 2 if name.startswith("same") else 0
@@ -155,12 +201,25 @@ def test_pages_land_bit_exact(backend_name: str, name: str) -> None:
 def test_first_token_and_counters(pair: Cluster) -> None:
     recv = pair.decode[0].manager.create_receiver(5, pair.bootstrap_addr, [3, 4, 5], num_tokens=9)
     send = pair.prefill[0].manager.create_sender(5)
-    send.send([0, 1], start_page=0, last=True, first_token=11, first_logprob=-1.5, top_logprobs=[(11, -1.5), (2, -2.0)])
+    send.send(
+        [0, 1],
+        start_page=0,
+        last=True,
+        first_token=11,
+        first_logprob=-1.5,
+        top_logprobs=[(11, -1.5), (2, -2.0)],
+    )
     wait_finished([recv, send])
     assert recv.state is RoomState.SUCCESS, recv.error
-    assert (recv.first_token, recv.first_logprob, recv.top_logprobs) == (11, -1.5, [(11, -1.5), (2, -2.0)])
+    assert (recv.first_token, recv.first_logprob, recv.top_logprobs) == (
+        11,
+        -1.5,
+        [(11, -1.5), (2, -2.0)],
+    )
     pb_ = pair.decode[0].manager.layout.page_bytes
-    assert (recv.stats.pages, recv.stats.bytes) == (2, 2 * pb_) == (send.stats.pages, send.stats.bytes)
+    assert (
+        (recv.stats.pages, recv.stats.bytes) == (2, 2 * pb_) == (send.stats.pages, send.stats.bytes)
+    )
     assert page_bytes_of(pair.decode[0], 4) == page_bytes_of(pair.prefill[0], 1)
     assert pair.prefill[0].manager.room_counts()["SUCCESS"] == 1
     assert [r.room for r in pair.prefill[0].manager.take_finished()] == [5]
@@ -184,10 +243,16 @@ def test_send_before_decode_registers_is_queued(pair: Cluster) -> None:
 def test_deadline_bootstrapping(short: Cluster) -> None:
     """Prefill never creates the room / decode never registers: both sides end and can free."""
     orphan_sender = short.prefill[0].manager.create_sender(1)  # decode never registers
-    orphan_recv = short.decode[0].manager.create_receiver(2, short.bootstrap_addr, [0], num_tokens=4)  # no prefill room
+    orphan_recv = short.decode[0].manager.create_receiver(
+        2, short.bootstrap_addr, [0], num_tokens=4
+    )  # no prefill room
     wait_finished([orphan_sender, orphan_recv])
-    assert orphan_sender.state is RoomState.FAILED and "bootstrap_timeout_s" in (orphan_sender.error or "")
-    assert orphan_recv.state is RoomState.FAILED and "bootstrap_timeout_s" in (orphan_recv.error or "")
+    assert orphan_sender.state is RoomState.FAILED and "bootstrap_timeout_s" in (
+        orphan_sender.error or ""
+    )
+    assert orphan_recv.state is RoomState.FAILED and "bootstrap_timeout_s" in (
+        orphan_recv.error or ""
+    )
     assert [r.room for r in short.prefill[0].manager.take_finished()] == [1]
     assert [r.room for r in short.decode[0].manager.take_finished()] == [2]
 
@@ -219,7 +284,9 @@ def test_deadline_transferring(short: Cluster) -> None:
 def test_abort_mid_transfer(pair: Cluster, side: str) -> None:
     pair.prefill[0].manager.faults = TransferFaults(delay_ms=300)
     room = 60 + (side == "decode")
-    recv = pair.decode[0].manager.create_receiver(room, pair.bootstrap_addr, [0, 1, 2], num_tokens=9)
+    recv = pair.decode[0].manager.create_receiver(
+        room, pair.bootstrap_addr, [0, 1, 2], num_tokens=9
+    )
     send = pair.prefill[0].manager.create_sender(room)
     send.send([4, 5], start_page=0, last=True, first_token=1)
     wait_state(recv, RoomState.TRANSFERRING)  # the write sleeps in its delay: in flight
@@ -229,7 +296,11 @@ def test_abort_mid_transfer(pair: Cluster, side: str) -> None:
     wait_finished([send, recv], timeout_s=5)
     assert send.state is RoomState.ABORTED and recv.state is RoomState.ABORTED
     other = recv if side == "prefill" else send
-    assert aborter.error == "client went away" and other.error and ("aborted" in other.error or "cancelled" in other.error)
+    assert (
+        aborter.error == "client went away"
+        and other.error
+        and ("aborted" in other.error or "cancelled" in other.error)
+    )
     for m in (pair.prefill[0].manager, pair.decode[0].manager):
         assert [r.room for r in m.take_finished()] == [room] and m.take_finished() == []
 
@@ -261,8 +332,14 @@ def test_decode_restart_new_epoch(backend: str) -> None:
         # a late registration from the old incarnation is refused as stale
         late = old.manager.create_receiver(12, prefill.addr, [0], num_tokens=2)
         wait_finished([late])
-        assert late.state is RoomState.FAILED and "FAILED_PRECONDITION" in (late.error or "") and "stale" in (late.error or "")
-        s10.send([1], start_page=0, last=True)  # the engine finishing a dead room is a harmless no-op
+        assert (
+            late.state is RoomState.FAILED
+            and "FAILED_PRECONDITION" in (late.error or "")
+            and "stale" in (late.error or "")
+        )
+        s10.send(
+            [1], start_page=0, last=True
+        )  # the engine finishing a dead room is a harmless no-op
         assert {r.room for r in prefill.manager.take_finished()} == {10, 11}
     finally:
         for r in (old, new, prefill):
@@ -275,16 +352,25 @@ def test_decode_restart_new_epoch(backend: str) -> None:
 
 def test_contract_mismatch_refused_with_field_names(pair: Cluster) -> None:
     backend_name = pair.prefill[0].manager.config.backend
-    decode = make_rank("decode", layout(page_size=8), TransferConfig(backend=backend_name), fingerprint="other-weights")
+    decode = make_rank(
+        "decode",
+        layout(page_size=8),
+        TransferConfig(backend=backend_name),
+        fingerprint="other-weights",
+    )
     try:
         send = pair.prefill[0].manager.create_sender(20)
         recv = decode.manager.create_receiver(20, pair.bootstrap_addr, [0], num_tokens=3)
         wait_finished([recv])
         assert recv.state is RoomState.FAILED
-        assert "INVALID_ARGUMENT" in (recv.error or "") and "page_size: 4 != 8" in (recv.error or "")
+        assert "INVALID_ARGUMENT" in (recv.error or "") and "page_size: 4 != 8" in (
+            recv.error or ""
+        )
         assert "model_fingerprint" in (recv.error or "")
         # The raw RPC carries the same status for any client.
-        reg = pb.RoomRegistration(room=21, peer_id="x", epoch=1, contract=contract_to_pb(decode.manager.contract))
+        reg = pb.RoomRegistration(
+            room=21, peer_id="x", epoch=1, contract=contract_to_pb(decode.manager.contract)
+        )
         with grpc.insecure_channel(pair.bootstrap_addr) as ch, pytest.raises(grpc.RpcError) as e:
             list(pb_grpc.BootstrapStub(ch).Register(reg, timeout=5))
         assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]

@@ -8,10 +8,11 @@ import pytest
 
 from tests.transfer.fake_backend import FakeBackend
 from tests.transfer.helpers import Cluster, Rank, layout, page_bytes_of, wait_finished
-from transfer.backend import TransferFaults, make_backend
+from transfer.backend import TransferFaults
 from transfer.bootstrap import EpochRegistry, StaleEpochError
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError
+from transfer.factory import make_backend
 from transfer.manager import KVTransferManager
 from transfer.room import RoomState
 
@@ -23,9 +24,22 @@ def _rank(role: str, config: TransferConfig, tp_rank: int = 0, tp_size: int = 1)
     import torch
 
     lay = layout(tp_rank=tp_rank, tp_size=tp_size)
-    pool = torch.randint(0, 256, (lay.pool_bytes,), dtype=torch.uint8) if role == "prefill" else torch.zeros(lay.pool_bytes, dtype=torch.uint8)
-    mgr = KVTransferManager(config, lay, role=role, kv_ptr=pool.data_ptr(), kv_nbytes=pool.numel(), host="127.0.0.1",
-                            model_fingerprint="fp", faults=TransferFaults(), backend=FakeBackend())
+    pool = (
+        torch.randint(0, 256, (lay.pool_bytes,), dtype=torch.uint8)
+        if role == "prefill"
+        else torch.zeros(lay.pool_bytes, dtype=torch.uint8)
+    )
+    mgr = KVTransferManager(
+        config,
+        lay,
+        role=role,
+        kv_ptr=pool.data_ptr(),
+        kv_nbytes=pool.numel(),
+        host="127.0.0.1",
+        model_fingerprint="fp",
+        faults=TransferFaults(),
+        backend=FakeBackend(),
+    )
     rank = Rank(mgr, pool)
     if role == "prefill":
         rank.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -55,7 +69,9 @@ def test_layerwise_chunks_and_finished_exactly_once(fake: Cluster) -> None:
         send.send([3], start_page=3, last=True)
     wait_finished([recv, send])
     assert recv.state is RoomState.SUCCESS, recv.error
-    assert all(page_bytes_of(fake.decode[0], 4 + i) == page_bytes_of(fake.prefill[0], i) for i in range(4))
+    assert all(
+        page_bytes_of(fake.decode[0], 4 + i) == page_bytes_of(fake.prefill[0], i) for i in range(4)
+    )
     assert send.stats.writes == 3 and recv.stats.pages == 4
     assert [r.room for r in p.take_finished()] == [1] and p.take_finished() == []
     assert [r.room for r in d.take_finished()] == [1] and d.take_finished() == []
@@ -91,8 +107,16 @@ def test_manager_refuses_bad_calls_with_named_fields(fake: Cluster) -> None:
     with pytest.raises(TransferConfigError, match="add_to_server"):
         d.add_to_server(None)  # type: ignore[arg-type]
     with pytest.raises(ContractError, match="kv_nbytes"):
-        KVTransferManager(TransferConfig(), layout(), role="decode", kv_ptr=0, kv_nbytes=10, host="127.0.0.1",
-                          model_fingerprint="fp", backend=FakeBackend())
+        KVTransferManager(
+            TransferConfig(),
+            layout(),
+            role="decode",
+            kv_ptr=0,
+            kv_nbytes=10,
+            host="127.0.0.1",
+            model_fingerprint="fp",
+            backend=FakeBackend(),
+        )
 
 
 def test_rdma_without_devices_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,19 +134,28 @@ def test_epoch_registry() -> None:
     assert reg.admit("d1", 5) is None  # epochs are per peer
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("", TransferFaults()),
-    ("fail=0.5", TransferFaults(fail=0.5)),
-    ("corrupt=1.0, delay_ms=20", TransferFaults(corrupt=1.0, delay_ms=20)),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", TransferFaults()),
+        ("fail=0.5", TransferFaults(fail=0.5)),
+        ("corrupt=1.0, delay_ms=20", TransferFaults(corrupt=1.0, delay_ms=20)),
+    ],
+)
 def test_faults_parse(text: str, expected: TransferFaults) -> None:
     assert TransferFaults.parse(text) == expected
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("fail", "bad item"), ("boom=1", "bad item"), ("fail=x", "must be a number"),
-    ("corrupt=2", r"probability in \[0, 1\]"), ("delay_ms=-1", ">= 0"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("fail", "bad item"),
+        ("boom=1", "bad item"),
+        ("fail=x", "must be a number"),
+        ("corrupt=2", r"probability in \[0, 1\]"),
+        ("delay_ms=-1", ">= 0"),
+    ],
+)
 def test_faults_parse_errors(text: str, match: str) -> None:
     with pytest.raises(TransferConfigError, match=match):
         TransferFaults.parse(text)
@@ -140,12 +173,16 @@ def test_registration_for_a_room_prefill_already_ended_is_aborted(fake: Cluster)
     recv = d.create_receiver(50, fake.bootstrap_addr, [0], num_tokens=2)
     wait_finished([recv])
     assert recv.state is RoomState.ABORTED and "client disconnected" in (recv.error or "")
-    assert [r.room for r in p.take_finished()] == [50] and [r.room for r in d.take_finished()] == [50]
+    assert [r.room for r in p.take_finished()] == [50] and [r.room for r in d.take_finished()] == [
+        50
+    ]
 
 
 def test_prefill_tp_without_rank_addresses_is_refused_readably() -> None:
     config = TransferConfig()
-    c = Cluster(prefill=[_rank("prefill", config, r, 2) for r in range(2)], decode=[_rank("decode", config)])
+    c = Cluster(
+        prefill=[_rank("prefill", config, r, 2) for r in range(2)], decode=[_rank("decode", config)]
+    )
     try:
         with pytest.raises(TransferConfigError, match="one host:port per prefill rank"):
             c.prefill[0].manager.set_tp_bootstrap_addrs(["a:1"])

@@ -23,10 +23,14 @@ def test_two_processes_bit_exact_then_prefill_dies(backend: str) -> None:
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=serve_prefill, args=(backend, SEED, cmds, out), daemon=True)
     proc.start()
-    decode = make_rank("decode", layout(num_pages=16), TransferConfig(backend=backend, checksum=True))  # type: ignore[arg-type]
+    decode = make_rank(
+        "decode", layout(num_pages=16), TransferConfig(backend=backend, checksum=True)
+    )  # type: ignore[arg-type]
     lay = layout(num_pages=16)
     # the child's pool, rebuilt from the same seed (helpers.make_rank fills prefill pools this way)
-    child_pool = torch.randint(0, 256, (lay.pool_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    child_pool = torch.randint(
+        0, 256, (lay.pool_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED)
+    )
     try:
         kind, addr = out.get(timeout=60)
         assert kind == "addr"
@@ -38,7 +42,9 @@ def test_two_processes_bit_exact_then_prefill_dies(backend: str) -> None:
         assert recv.first_token == 99 and recv.first_logprob == -0.125
         assert out.get(timeout=10)[:3] == ("done", 0xFEED, "SUCCESS")
         for s, d in zip(src, dst, strict=False):
-            assert page_bytes_of(decode, d) == bytes(child_pool[s * lay.page_bytes:(s + 1) * lay.page_bytes].numpy())
+            assert page_bytes_of(decode, d) == bytes(
+                child_pool[s * lay.page_bytes : (s + 1) * lay.page_bytes].numpy()
+            )
 
         # prefill dies mid-room: decode's stream breaks and the room fails at once
         recv2 = decode.manager.create_receiver(0xDEAD, addr, [5, 6], num_tokens=5)

@@ -7,13 +7,27 @@ import pytest
 from transfer.contract import CacheGroup, CacheKind, ContractError, KVLayout, LayoutContract
 from transfer.plan import PlanError, plan_window_tail, window_tail_pages
 
-GROUPS = (CacheGroup(CacheKind.FULL_ATTENTION, (0,)), CacheGroup(CacheKind.SLIDING_WINDOW, (1, 2, 3), 8))
+GROUPS = (
+    CacheGroup(CacheKind.FULL_ATTENTION, (0,)),
+    CacheGroup(CacheKind.SLIDING_WINDOW, (1, 2, 3), 8),
+)
 
 
-def _layout(num_pages: int = 10, num_window_pages: int = 6, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
-    return KVLayout(num_pages=num_pages, num_layers=4, page_size=4, head_dim=16, dtype="float32",
-                    num_kv_heads_total=2, tp_rank=tp_rank, tp_size=tp_size, groups=GROUPS,
-                    num_window_pages=num_window_pages)
+def _layout(
+    num_pages: int = 10, num_window_pages: int = 6, tp_rank: int = 0, tp_size: int = 1
+) -> KVLayout:
+    return KVLayout(
+        num_pages=num_pages,
+        num_layers=4,
+        page_size=4,
+        head_dim=16,
+        dtype="float32",
+        num_kv_heads_total=2,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        groups=GROUPS,
+        num_window_pages=num_window_pages,
+    )
 
 
 def test_window_region_follows_the_full_pages() -> None:
@@ -28,23 +42,61 @@ def test_window_region_follows_the_full_pages() -> None:
 
 def test_window_layout_is_checked() -> None:
     with pytest.raises(ContractError, match="num_window_pages"):
-        KVLayout(num_pages=1, num_layers=4, page_size=4, head_dim=16, dtype="float32", num_kv_heads_total=2,
-                 num_window_pages=3)  # no sliding_window group
+        KVLayout(
+            num_pages=1,
+            num_layers=4,
+            page_size=4,
+            head_dim=16,
+            dtype="float32",
+            num_kv_heads_total=2,
+            num_window_pages=3,
+        )  # no sliding_window group
     with pytest.raises(ContractError, match="full_attention"):
-        KVLayout(num_pages=1, num_layers=3, page_size=4, head_dim=16, dtype="float32", num_kv_heads_total=2,
-                 groups=(GROUPS[1],), num_window_pages=3)
+        KVLayout(
+            num_pages=1,
+            num_layers=3,
+            page_size=4,
+            head_dim=16,
+            dtype="float32",
+            num_kv_heads_total=2,
+            groups=(GROUPS[1],),
+            num_window_pages=3,
+        )
     # The window is in the contract: a different window is refused at bootstrap.
-    a = LayoutContract.from_layout(_layout(), model_name="m", model_fingerprint="f", backend="mooncake")
+    a = LayoutContract.from_layout(
+        _layout(), model_name="m", model_fingerprint="f", backend="mooncake"
+    )
     other = (GROUPS[0], CacheGroup(CacheKind.SLIDING_WINDOW, (1, 2, 3), 16))
     b = LayoutContract.from_layout(
-        KVLayout(num_pages=10, num_layers=4, page_size=4, head_dim=16, dtype="float32", num_kv_heads_total=2,
-                 groups=other, num_window_pages=5), model_name="m", model_fingerprint="f", backend="mooncake")
+        KVLayout(
+            num_pages=10,
+            num_layers=4,
+            page_size=4,
+            head_dim=16,
+            dtype="float32",
+            num_kv_heads_total=2,
+            groups=other,
+            num_window_pages=5,
+        ),
+        model_name="m",
+        model_fingerprint="f",
+        backend="mooncake",
+    )
     assert any(d.startswith("groups") for d in a.mismatches(b))
 
 
-@pytest.mark.parametrize(("num_tokens", "expected"), [
-    (0, []), (3, [0]), (8, [0, 1]), (9, [0, 1, 2]), (12, [1, 2]), (13, [1, 2, 0]), (30, [2, 0, 1]),
-])
+@pytest.mark.parametrize(
+    ("num_tokens", "expected"),
+    [
+        (0, []),
+        (3, [0]),
+        (8, [0, 1]),
+        (9, [0, 1, 2]),
+        (12, [1, 2]),
+        (13, [1, 2, 0]),
+        (30, [2, 0, 1]),
+    ],
+)
 def test_tail_pages_are_the_last_window_tokens(num_tokens: int, expected: list[int]) -> None:
     assert window_tail_pages(num_tokens, 8, 4, 3) == expected
 

@@ -23,8 +23,14 @@ from worker.model.base import CausalLM, ModelSpec
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, rms_norm_eps=1e-6,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
     initializer_range=0.2,  # wide logits, so greedy argmax is far from ties
 )
 
@@ -35,8 +41,10 @@ def build_tiny_checkpoint(
     import transformers
 
     config_cls = {
-        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
     }[family]
     kwargs = {**TINY, **overrides}
     if family == "qwen3":
@@ -69,11 +77,19 @@ class PagedHarness:
     """Drives a CausalLM over a KVCache the way the engine would, one step at a time."""
 
     def __init__(
-        self, model: CausalLM, spec: ModelSpec, page_size: int = 4, num_pages: int = 64, seed: int = 0, tp_size: int = 1
+        self,
+        model: CausalLM,
+        spec: ModelSpec,
+        page_size: int = 4,
+        num_pages: int = 64,
+        seed: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self.model, self.page_size = model, page_size
         kv_heads = spec.num_kv_heads // tp_size  # this rank's heads
-        self.kv = KVCache(KVShape(num_pages, spec.num_layers, kv_heads, page_size, spec.head_dim, spec.dtype))
+        self.kv = KVCache(
+            KVShape(num_pages, spec.num_layers, kv_heads, page_size, spec.head_dim, spec.dtype)
+        )
         self.free = list(range(1, num_pages))  # page 0 stays unused: it is the page_table padding
         random.Random(seed).shuffle(self.free)  # non-contiguous, out-of-order page ids
         self.pages: dict[str, list[int]] = {}
@@ -90,7 +106,10 @@ class PagedHarness:
                 pages.append(self.free.pop())
             ids += toks
             positions += range(start, end)
-            slots += [pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(start, end)]
+            slots += [
+                pages[p // self.page_size] * self.page_size + p % self.page_size
+                for p in range(start, end)
+            ]
             qs.append(qs[-1] + len(toks))
             seq_lens.append(end)
             last.append(qs[-1] - 1)
@@ -98,9 +117,15 @@ class PagedHarness:
         width = max(len(self.pages[rid]) for rid, _ in chunks)
         table = [self.pages[rid] + [0] * (width - len(self.pages[rid])) for rid, _ in chunks]
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(positions), query_start=torch.tensor(qs),
-            seq_lens=torch.tensor(seq_lens), page_table=torch.tensor(table), slot_mapping=torch.tensor(slots),
-            logits_indices=torch.tensor(last), query_start_list=qs, seq_lens_list=seq_lens,
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            query_start=torch.tensor(qs),
+            seq_lens=torch.tensor(seq_lens),
+            page_table=torch.tensor(table),
+            slot_mapping=torch.tensor(slots),
+            logits_indices=torch.tensor(last),
+            query_start_list=qs,
+            seq_lens_list=seq_lens,
         )
         with torch.no_grad():
             hidden = self.model(batch, self.kv)  # [T, hidden]

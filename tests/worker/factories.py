@@ -4,30 +4,51 @@ from __future__ import annotations
 
 import itertools
 
-from worker.config import CacheConfig, SchedulerConfig
+from worker.cache_manager import KVCacheManager
+from worker.config import SchedulerConfig
 from worker.request import Request
 from worker.sampling import SamplingParams
-from worker.scheduler import RunOutput, SchedulePlan, Scheduler
+from worker.scheduler import Scheduler
+from worker.step import RunOutput, SchedulePlan
 
 _ids = itertools.count()
 
 
-def make_request(num_prompt_tokens: int = 10, max_tokens: int = 4, *, prompt: list[int] | None = None,
-                 ignore_eos: bool = True, **sampling: object) -> Request:
-    tokens = prompt if prompt is not None else [(7 * i + 3) % 97 + 1 for i in range(num_prompt_tokens)]
-    return Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling))  # type: ignore[arg-type]
+def make_request(
+    num_prompt_tokens: int = 10,
+    max_tokens: int = 4,
+    *,
+    prompt: list[int] | None = None,
+    ignore_eos: bool = True,
+    **sampling: object,
+) -> Request:
+    tokens = (
+        prompt if prompt is not None else [(7 * i + 3) % 97 + 1 for i in range(num_prompt_tokens)]
+    )
+    return Request(
+        f"r{next(_ids)}",
+        list(tokens),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling),
+    )  # type: ignore[arg-type]
 
 
-def make_scheduler(*, num_pages: int = 64, page_size: int = 4, max_num_seqs: int = 8, chunked_prefill_size: int = 32,
-                   prefix_cache: bool = True, max_model_len: int = 4096, eos: tuple[int, ...] = (0,)) -> tuple[Scheduler, list[Request]]:
+def make_scheduler(
+    *,
+    num_pages: int = 64,
+    page_size: int = 4,
+    max_num_seqs: int = 8,
+    chunked_prefill_size: int = 32,
+    prefix_cache: bool = True,
+    max_model_len: int = 4096,
+    eos: tuple[int, ...] = (0,),
+) -> tuple[Scheduler, list[Request]]:
     finished: list[Request] = []
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunked_prefill_size),
-        CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_cache=prefix_cache),
-        num_pages=num_pages,
+        KVCacheManager(num_pages, page_size, prefix_cache=prefix_cache),
         max_model_len=max_model_len,
         eos_token_ids=eos,
-        on_finish=finished.append,
+        on_output=lambda r: finished.append(r) if r.status.is_finished else None,
     )
     return sched, finished
 

@@ -21,13 +21,17 @@ from worker.engine import Engine
 
 
 def _engine(path: Path, dp: int, ep: int = 1) -> Engine:
-    return Engine(WorkerConfig(
-        model=ModelConfig(path=str(path), dtype="float32"),
-        cache=CacheConfig(page_size=4, num_pages=96),
-        scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=16),  # prompts span several chunks
-        parallel=ParallelConfig(dp_size=dp, ep_size=ep),
-        num_threads=1,
-    ))
+    return Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(path), dtype="float32"),
+            cache=CacheConfig(page_size=4, num_pages=96),
+            scheduler=SchedulerConfig(
+                max_num_seqs=4, chunked_prefill_size=16
+            ),  # prompts span several chunks
+            parallel=ParallelConfig(dp_size=dp, ep_size=ep),
+            num_threads=1,
+        )
+    )
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -48,7 +52,7 @@ def _check_dp_engine(path: Path, ep: int) -> None:
         after = [s.prompt_tokens_computed for s in eng.schedulers]
         assert after[0] > served[0] and after[1] > served[1], "both DP groups served requests"
         for sched in eng.schedulers:
-            assert not sched.running and not sched.waiting and sched.pool.num_used == 0
+            assert not sched.running and not sched.waiting and sched.stats().used_pages == 0
             sched.assert_drained()
         assert not eng._group, "every request's group was forgotten when it finished"
     finally:
@@ -78,9 +82,15 @@ def test_dp_batches_pack_per_group(tiny_checkpoint) -> None:
     from worker.batch import ForwardBatch
 
     one = ForwardBatch(
-        input_ids=torch.tensor([5, 6, 7]), positions=torch.tensor([0, 1, 2]), query_start=torch.tensor([0, 3]),
-        seq_lens=torch.tensor([3]), page_table=torch.tensor([[4]]), slot_mapping=torch.tensor([16, 17, 18]),
-        logits_indices=torch.tensor([2]), query_start_list=[0, 3], seq_lens_list=[3],
+        input_ids=torch.tensor([5, 6, 7]),
+        positions=torch.tensor([0, 1, 2]),
+        query_start=torch.tensor([0, 3]),
+        seq_lens=torch.tensor([3]),
+        page_table=torch.tensor([[4]]),
+        slot_mapping=torch.tensor([16, 17, 18]),
+        logits_indices=torch.tensor([2]),
+        query_start_list=[0, 3],
+        seq_lens_list=[3],
     )
     idle = empty_batch(torch.device("cpu"))
     flat = pack_batches([idle, one, idle])

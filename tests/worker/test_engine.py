@@ -16,17 +16,28 @@ from worker.request import Request
 from worker.sampling import SamplingParams
 
 
-def make_engine(path: Path, *, page_size: int = 4, chunk: int = 32, num_pages: int = 256,
-                max_num_seqs: int = 16, prefix_cache: bool = True) -> Engine:
+def make_engine(
+    path: Path,
+    *,
+    page_size: int = 4,
+    chunk: int = 32,
+    num_pages: int = 256,
+    max_num_seqs: int = 16,
+    prefix_cache: bool = True,
+) -> Engine:
     config = WorkerConfig(
         model=ModelConfig(path=str(path), dtype="float32"),
-        cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_cache=prefix_cache),
+        cache=CacheConfig(
+            page_size=page_size, num_pages=num_pages, enable_prefix_cache=prefix_cache
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunk),
     )
     return Engine(config)
 
 
-def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampling: object) -> list[list[int]]:
+def generate(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, **sampling: object
+) -> list[list[int]]:
     outputs: dict[str, list[int]] = {}
     done: set[str] = set()
 
@@ -36,6 +47,7 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampli
             outputs[rid].extend(out.token_ids)
             if out.finished:
                 done.add(rid)
+
         return sink
 
     rids = []
@@ -64,9 +76,15 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            min_new_tokens=n,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_engine_greedy_equals_transformers(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
@@ -80,7 +98,9 @@ def test_engine_greedy_equals_transformers(qwen3_dir: tuple[Path, torch.nn.Modul
     engine.scheduler.assert_drained()
 
 
-def test_batch_invariance_with_chunked_prefill_and_prefix_hits(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
+def test_batch_invariance_with_chunked_prefill_and_prefix_hits(
+    qwen3_dir: tuple[Path, torch.nn.Module],
+) -> None:
     path, _ = qwen3_dir
     rng = random.Random(1)
     shared = [rng.randrange(1, 97) for _ in range(20)]
@@ -91,10 +111,12 @@ def test_batch_invariance_with_chunked_prefill_and_prefix_hits(qwen3_dir: tuple[
     alone_engine = make_engine(path, chunk=64, prefix_cache=False)
     alone = [generate(alone_engine, [p], max_tokens=10)[0] for p in prompts]
     batched_engine = make_engine(path, chunk=24)  # forces chunked prefill across steps
-    generate(batched_engine, [prompts[0]], max_tokens=2)  # warms the prefix cache with the shared prefix
+    generate(
+        batched_engine, [prompts[0]], max_tokens=2
+    )  # warms the prefix cache with the shared prefix
     batched = generate(batched_engine, prompts, max_tokens=10)
     assert batched == alone
-    assert batched_engine.scheduler.pool.num_cached > 0
+    assert batched_engine.scheduler.stats().cached_pages > 0
     alone_engine.scheduler.assert_drained()
     batched_engine.scheduler.assert_drained()
 
@@ -127,7 +149,12 @@ def _sample(engine: Engine, prompt: list[int], params: dict[str, object]) -> lis
         tokens.extend(out.token_ids)
         finished.append(out.finished)
 
-    engine.submit(Request(f"s{random.random()}", prompt, SamplingParams(max_tokens=15, ignore_eos=True, **params)), sink)  # type: ignore[arg-type]
+    engine.submit(
+        Request(
+            f"s{random.random()}", prompt, SamplingParams(max_tokens=15, ignore_eos=True, **params)
+        ),
+        sink,
+    )  # type: ignore[arg-type]
     while not any(finished):
         engine.step()
     return tokens

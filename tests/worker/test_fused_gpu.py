@@ -26,7 +26,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_GPU = torch.cuda.is_available() and HAS_TRITON
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
 DEVICE = "cuda" if HAS_GPU else "cpu"
-kernels = pytest.mark.skipif(not (HAS_GPU or INTERPRET), reason="needs CUDA and triton (or TRITON_INTERPRET=1)")
+kernels = pytest.mark.skipif(
+    not (HAS_GPU or INTERPRET), reason="needs CUDA and triton (or TRITON_INTERPRET=1)"
+)
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -35,7 +37,9 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def _strided(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+def _strided(
+    rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0
+) -> torch.Tensor:
     """Random [rows, cols] as a view into a wider NaN-padded buffer (row stride cols + 7)."""
     buf = torch.full((rows, cols + 7), float("nan"), dtype=dtype)
     buf[:, :cols] = (torch.randn(rows, cols, generator=gen) * scale).to(dtype)
@@ -49,7 +53,9 @@ def _poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def _norm(hidden: int, dtype: torch.dtype, gen: torch.Generator) -> RMSNorm:
     norm = RMSNorm(hidden, 1e-6, dtype)
     with torch.no_grad():
-        norm.weight.copy_((torch.rand(hidden, generator=gen) + 0.5).to(dtype))  # not all ones: it matters
+        norm.weight.copy_(
+            (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        )  # not all ones: it matters
     return norm.to(DEVICE)
 
 
@@ -72,7 +78,9 @@ def test_fused_kernels_are_off_on_cpu(tiny_checkpoint) -> None:
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden", [(1, 4096), (3, 96), (17, 64), (129, 5120)])
-def test_rms_norm_and_add_rms_norm_match_reference(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+def test_rms_norm_and_add_rms_norm_match_reference(
+    dtype: torch.dtype, tokens: int, hidden: int
+) -> None:
     gen = torch.Generator().manual_seed(tokens * hidden)
     norm = _norm(hidden, dtype, gen)
     x = _strided(tokens, hidden, dtype, gen)
@@ -83,16 +91,28 @@ def test_rms_norm_and_add_rms_norm_match_reference(dtype: torch.dtype, tokens: i
 
     out = fused.rms_norm(x, norm.weight, norm.eps, out=_poisoned(tokens, hidden, dtype=dtype))
     assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2
-    out, res = fused.add_rms_norm(x, residual, norm.weight, norm.eps, out=_poisoned(tokens, hidden, dtype=dtype),
-                                  residual_out=_poisoned(tokens, hidden, dtype=dtype))
-    if INTERPRET and dtype == torch.bfloat16:  # the interpreter truncates float32 → bf16 instead of rounding
+    out, res = fused.add_rms_norm(
+        x,
+        residual,
+        norm.weight,
+        norm.eps,
+        out=_poisoned(tokens, hidden, dtype=dtype),
+        residual_out=_poisoned(tokens, hidden, dtype=dtype),
+    )
+    if (
+        INTERPRET and dtype == torch.bfloat16
+    ):  # the interpreter truncates float32 → bf16 instead of rounding
         assert _rel(res, ref_res) < 1e-2
     else:
         assert torch.equal(res, ref_res)  # one rounded add, exactly the reference's
     assert torch.isfinite(out).all() and _rel(out, ref_out) < 1e-2
     norm.fused = True  # the module's own fused path gives the same
     o2, r2 = norm.add_norm(x, residual)
-    assert torch.equal(o2, out) and torch.equal(r2, res) and torch.equal(norm(x), fused.rms_norm(x, norm.weight, 1e-6))
+    assert (
+        torch.equal(o2, out)
+        and torch.equal(r2, res)
+        and torch.equal(norm(x), fused.rms_norm(x, norm.weight, 1e-6))
+    )
 
 
 @pytest.mark.gpu
@@ -112,7 +132,9 @@ ROPES = {
     "default": RopeConfig("default", 1e6),
     "linear": RopeConfig("linear", 1e4, factor=4.0),
     "llama3": RopeConfig("llama3", 5e5, factor=8.0, original_max_position_embeddings=8192),
-    "yarn": RopeConfig("yarn", 1e6, factor=4.0, original_max_position_embeddings=32768),  # cos/sin scaled
+    "yarn": RopeConfig(
+        "yarn", 1e6, factor=4.0, original_max_position_embeddings=32768
+    ),  # cos/sin scaled
     "dynamic": RopeConfig("dynamic", 1e4, factor=2.0, max_position_embeddings=2048),
 }
 
@@ -122,15 +144,21 @@ ROPES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope", list(ROPES))
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("tokens,hq,hkv,head_dim", [(1, 32, 8, 128), (7, 6, 2, 32), (65, 4, 1, 64), (3, 5, 5, 16)])
+@pytest.mark.parametrize(
+    "tokens,hq,hkv,head_dim", [(1, 32, 8, 128), (7, 6, 2, 32), (65, 4, 1, 64), (3, 5, 5, 16)]
+)
 def test_qk_norm_rope_matches_reference(
     dtype: torch.dtype, rope: str, qk_norm: bool, tokens: int, hq: int, hkv: int, head_dim: int
 ) -> None:
     gen = torch.Generator().manual_seed(tokens * 1000 + hq * 10 + hkv)
     width = (hq + 2 * hkv) * head_dim
-    qkv = _strided(tokens, width, dtype, gen, scale=2.0)  # [T, (Hq + 2 Hkv) * D], NaN padding after each row
+    qkv = _strided(
+        tokens, width, dtype, gen, scale=2.0
+    )  # [T, (Hq + 2 Hkv) * D], NaN padding after each row
     positions = torch.randint(0, 20000, (tokens,), generator=gen)
-    seq_lens = positions + 1 + torch.randint(0, 3000, (tokens,), generator=gen)  # dynamic: each token's request
+    seq_lens = (
+        positions + 1 + torch.randint(0, 3000, (tokens,), generator=gen)
+    )  # dynamic: each token's request
     emb = RotaryEmbedding(ROPES[rope], head_dim, DEVICE)
     cos, sin = emb.cos_sin(positions.to(DEVICE), seq_lens.to(DEVICE))  # [T, D] float32
     q_norm = _norm(head_dim, dtype, gen) if qk_norm else None
@@ -144,10 +172,20 @@ def test_qk_norm_rope_matches_reference(
             q, k = q_norm(q), k_norm(k)
         ref_q, ref_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v_before = qkv[:, q_size + kv_size :].clone()
-    row_pad = qkv.as_strided((tokens, 7), (qkv.stride(0), 1), qkv.storage_offset() + width)  # the NaN padding
+    row_pad = qkv.as_strided(
+        (tokens, 7), (qkv.stride(0), 1), qkv.storage_offset() + width
+    )  # the NaN padding
 
-    fused.qk_norm_rope(qkv, hq, hkv, cos, sin, None if q_norm is None else q_norm.weight,
-                       None if k_norm is None else k_norm.weight, 1e-6)
+    fused.qk_norm_rope(
+        qkv,
+        hq,
+        hkv,
+        cos,
+        sin,
+        None if q_norm is None else q_norm.weight,
+        None if k_norm is None else k_norm.weight,
+        1e-6,
+    )
     got_q = qkv[:, :q_size].reshape(tokens, hq, head_dim)
     got_k = qkv[:, q_size : q_size + kv_size].reshape(tokens, hkv, head_dim)
     assert torch.isfinite(got_q).all() and torch.isfinite(got_k).all()
@@ -177,20 +215,38 @@ def test_qk_norm_rope_stores_k_and_v_in_their_slots(
     slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
     slots[tokens // 2] = -1  # a padding row
     slots = slots.to(DEVICE)
-    k_cache = torch.full((pages, hkv, page_size, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    k_cache = torch.full(
+        (pages, hkv, page_size, head_dim), float("nan"), dtype=dtype, device=DEVICE
+    )
     v_cache = k_cache.clone()
     want_k, want_v = k_cache.clone(), v_cache.clone()
     ref = qkv.clone()
-    fused.qk_norm_rope(ref, hq, hkv, cos, sin, q_norm.weight, k_norm.weight, 1e-6)  # then the store kernel's job:
+    fused.qk_norm_rope(
+        ref, hq, hkv, cos, sin, q_norm.weight, k_norm.weight, 1e-6
+    )  # then the store kernel's job:
     k_ref = ref[:, hq * head_dim : (hq + hkv) * head_dim].reshape(tokens, hkv, head_dim)
     v_ref = ref[:, (hq + hkv) * head_dim :].reshape(tokens, hkv, head_dim)
     keep = slots >= 0
     store_kv(k_ref[keep], v_ref[keep], want_k, want_v, slots[keep])
 
-    fused.qk_norm_rope(qkv, hq, hkv, cos, sin, q_norm.weight, k_norm.weight, 1e-6, kv_cache=(k_cache, v_cache, slots))
+    fused.qk_norm_rope(
+        qkv,
+        hq,
+        hkv,
+        cos,
+        sin,
+        q_norm.weight,
+        k_norm.weight,
+        1e-6,
+        kv_cache=(k_cache, v_cache, slots),
+    )
     assert torch.equal(qkv, ref)  # q, k rotated as before; v untouched
-    assert torch.equal(k_cache.isnan(), want_k.isnan()) and torch.equal(v_cache.isnan(), want_v.isnan())
-    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num()) and torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
+    assert torch.equal(k_cache.isnan(), want_k.isnan()) and torch.equal(
+        v_cache.isnan(), want_v.isnan()
+    )
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num()) and torch.equal(
+        v_cache.nan_to_num(), want_v.nan_to_num()
+    )
 
 
 @pytest.mark.gpu
@@ -208,8 +264,14 @@ def test_kernels_refuse_wrong_shapes_clearly() -> None:
         fused.rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, out=torch.zeros(2, 4, device=DEVICE))
     cache = torch.zeros(3, 2, 4, 2, device=DEVICE)  # 2 kv heads where the qkv has 1
     with pytest.raises(ValueError, match="kv_cache must be"):
-        fused.qk_norm_rope(torch.zeros(2, 12, device=DEVICE), 1, 1, cos, cos,
-                           kv_cache=(cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE)))
+        fused.qk_norm_rope(
+            torch.zeros(2, 12, device=DEVICE),
+            1,
+            1,
+            cos,
+            cos,
+            kv_cache=(cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE)),
+        )
 
 
 # ---- whole engines on a GPU ------------------------------------------------------------------
@@ -228,7 +290,9 @@ def test_fused_engine_serves_the_unfused_greedy_tokens(tmp_path: Path, family: s
 
     one = generate(unfused, prompts[:1], max_tokens=24)  # decode at batch 1 ...
     eager = Engine(config)
-    assert eager.model.model.norm.fused and eager.model.model.layers[0].mlp.fused  # the loader's choice on CUDA
+    assert (
+        eager.model.model.norm.fused and eager.model.model.layers[0].mlp.fused
+    )  # the loader's choice on CUDA
     assert eager.model.single_token_gemv  # ... runs the layers as GEMVs (worker/model/gemv.py)
     assert generate(eager, prompts, max_tokens=24) == want
     assert generate(eager, prompts[:1], max_tokens=24) == one
@@ -236,7 +300,9 @@ def test_fused_engine_serves_the_unfused_greedy_tokens(tmp_path: Path, family: s
     graphed.runner.enable_cuda_graphs(8, 128)
     assert generate(graphed, prompts, max_tokens=24) == want
     assert generate(graphed, prompts[:1], max_tokens=24) == one
-    assert graphed.runner.decode_graphs is not None and graphed.runner.decode_graphs.num_replays > 20
+    assert (
+        graphed.runner.decode_graphs is not None and graphed.runner.decode_graphs.num_replays > 20
+    )
 
 
 @pytest.mark.gpu
@@ -248,22 +314,37 @@ def test_dummy_weights_are_drawn_on_the_gpu_seeded(tmp_path: Path) -> None:
     from worker.model.loader import load_model
 
     cfg = {
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512, "intermediate_size": 1536,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 1000, "max_position_embeddings": 512, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
 
     def load(seed: int):
-        return load_model(ModelConfig(path=str(tmp_path), load_format="dummy", seed=seed), ParallelConfig(device="cuda"))
+        return load_model(
+            ModelConfig(path=str(tmp_path), load_format="dummy", seed=seed),
+            ParallelConfig(device="cuda"),
+        )
 
     model, spec = load(7)
     assert spec.fingerprint == "dummy:7:cuda"  # not the CPU draw of seed 7: must not pair with it
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in model.parameters())
-    assert torch.all(model.model.norm.weight == 1) and torch.all(model.model.layers[0].self_attn.q_norm.weight == 1)
+    assert torch.all(model.model.norm.weight == 1) and torch.all(
+        model.model.layers[0].self_attn.q_norm.weight == 1
+    )
     w = model.model.layers[1].mlp.gate_up_proj.weight.float()
     assert abs(float(w.mean())) < 1e-3 and 0.019 < float(w.std()) < 0.021
     again, _ = load(7)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
+    )
     other, _ = load(8)
     assert not torch.equal(other.model.embed_tokens.weight, model.model.embed_tokens.weight)

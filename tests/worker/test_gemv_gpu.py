@@ -25,7 +25,14 @@ from tests.worker.test_fused_gpu import (
 )
 from worker.model import gemv
 
-CASES = [(512, 4096), (33, 200), (130, 2100), (64, 96), (66, 6000), (40, 9000)]  # (N, K); K > 8192 loops
+CASES = [
+    (512, 4096),
+    (33, 200),
+    (130, 2100),
+    (64, 96),
+    (66, 6000),
+    (40, 9000),
+]  # (N, K); K > 8192 loops
 
 
 @pytest.mark.gpu
@@ -60,10 +67,18 @@ def test_gemv_matches_reference(dtype: torch.dtype, n: int, k: int, bias: bool) 
     assert got.data_ptr() == stream.data_ptr() and _rel(stream, want) < 1e-2
     assert torch.isnan(pad).all()  # nothing written past the row
 
-    if n % 2 == 0:  # w as gate|up: silu(gate) * up (from the normalized row where it fits one block)
+    if (
+        n % 2 == 0
+    ):  # w as gate|up: silu(gate) * up (from the normalized row where it fits one block)
         gate, up = (normed if one_block else plain).chunk(2, dim=-1)
-        act = gemv.gemv(x, w, b, pair=True, norm=(norm.weight, norm.eps) if one_block else None,
-                        out=_poisoned(m, n // 2, dtype=dtype))
+        act = gemv.gemv(
+            x,
+            w,
+            b,
+            pair=True,
+            norm=(norm.weight, norm.eps) if one_block else None,
+            out=_poisoned(m, n // 2, dtype=dtype),
+        )
         assert torch.isfinite(act).all() and _rel(act, F.silu(gate) * up) < 1e-2
 
 

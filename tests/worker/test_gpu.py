@@ -18,7 +18,8 @@ from tests.worker.conftest import build_tiny_checkpoint
 from worker.batch import ForwardBatch
 from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
 from worker.cuda_graphs import graph_buckets
-from worker.model.attention import TorchSDPABackend, get_attention_backend
+from worker.model.attention import TorchSDPABackend
+from worker.model.backends import get_attention_backend
 from worker.model.triton_attention import num_decode_splits
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
@@ -52,7 +53,9 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def _paged_setup(seq_lens: list[int], hq: int, hkv: int, d: int, page: int, dtype: torch.dtype, seed: int):
+def _paged_setup(
+    seq_lens: list[int], hq: int, hkv: int, d: int, page: int, dtype: torch.dtype, seed: int
+):
     """Random K/V for each request in shuffled pages; every other page (and tails) poisoned NaN."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // page) for n in seq_lens]
@@ -77,8 +80,13 @@ def _paged_setup(seq_lens: list[int], hq: int, hkv: int, d: int, page: int, dtyp
     return k_cache, v_cache, table.cuda(), ks, vs
 
 
-def _ref_decode(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
-                window: int | None) -> torch.Tensor:
+def _ref_decode(
+    q: torch.Tensor,
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """float64 attention of one query per request: q [B, Hq, D] → [B, Hq, D]."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
@@ -107,8 +115,16 @@ def test_paged_decode_matches_float64(dtype: torch.dtype, window: int | None) ->
     q = torch.randn(len(seq_lens), hq, d, dtype=dtype, device="cuda")
     ref = _ref_decode(q, ks, vs, d**-0.5, window)
     for splits in (1, 4, 16):
-        out = triton_paged_decode(q, k_cache, v_cache, table, torch.tensor(seq_lens, device="cuda"),
-                                  d**-0.5, window, num_splits=splits)
+        out = triton_paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            torch.tensor(seq_lens, device="cuda"),
+            d**-0.5,
+            window,
+            num_splits=splits,
+        )
         assert torch.isfinite(out).all()
         assert _rel(out[:-1].cpu(), ref[:-1]) < 1e-2, splits
         assert out[-1].abs().max() == 0
@@ -119,7 +135,9 @@ def test_paged_decode_matches_float64(dtype: torch.dtype, window: int | None) ->
 def test_store_kv_writes_slots_and_skips_padding() -> None:
     from worker.model.triton_attention import triton_store_kv
 
-    data = torch.full((6, 1, 2, 2, 4, 8), -7.0, dtype=torch.bfloat16, device="cuda")  # [P,L,2,Hkv,S,D]
+    data = torch.full(
+        (6, 1, 2, 2, 4, 8), -7.0, dtype=torch.bfloat16, device="cuda"
+    )  # [P,L,2,Hkv,S,D]
     k_cache, v_cache = data[:, 0, 0], data[:, 0, 1]
     k = torch.randn(3, 2, 8, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(3, 2, 8, dtype=torch.bfloat16, device="cuda")
@@ -144,7 +162,9 @@ def _mixed_batch(chunks: list[tuple[int, int]], table: torch.Tensor, page: int) 
     def dev(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device="cuda")
 
-    return ForwardBatch(dev(ids), dev(pos), dev(qs), dev(lens), table, dev(slots), dev(last), qs, lens)
+    return ForwardBatch(
+        dev(ids), dev(pos), dev(qs), dev(lens), table, dev(slots), dev(last), qs, lens
+    )
 
 
 @pytest.mark.gpu
@@ -164,21 +184,33 @@ def test_triton_backend_matches_reference_on_mixed_steps() -> None:
     v = torch.randn(t, hkv, d, dtype=dtype, device="cuda")
     for window in (None, 64):
         kc2, vc2 = k_cache.double(), v_cache.double()  # copies: the reference writes its own
-        ref = TorchSDPABackend().forward(q.double(), k.double(), v.double(), kc2, vc2, batch, d**-0.5, window)
+        ref = TorchSDPABackend().forward(
+            q.double(), k.double(), v.double(), kc2, vc2, batch, d**-0.5, window
+        )
         out = TritonPagedBackend().forward(q, k, v, k_cache, v_cache, batch, d**-0.5, window)
         assert torch.isfinite(out).all()
         assert _rel(out, ref) < 1e-2
         # The new tokens' K/V landed where the reference put them.
         slots = batch.slot_mapping
-        assert torch.equal(k_cache[slots // page, :, slots % page].double(), kc2[slots // page, :, slots % page])
-        assert torch.equal(v_cache[slots // page, :, slots % page].double(), vc2[slots // page, :, slots % page])
+        assert torch.equal(
+            k_cache[slots // page, :, slots % page].double(), kc2[slots // page, :, slots % page]
+        )
+        assert torch.equal(
+            v_cache[slots // page, :, slots % page].double(), vc2[slots // page, :, slots % page]
+        )
 
 
-def tiny_gpu_engine_setup(path: Path, family: str, seed: int) -> tuple[WorkerConfig, list[list[int]]]:
+def tiny_gpu_engine_setup(
+    path: Path, family: str, seed: int
+) -> tuple[WorkerConfig, list[list[int]]]:
     """A tiny bf16 checkpoint of `family` at `path`, an engine config for it on CUDA (8 sequences,
     64-token chunks), and six prompts of 3–89 tokens drawn with `seed`. Head dims 32 (qwen3) and
     16 (llama: 64 hidden / 4 heads): the decode kernel's tl.dot needs at least 16."""
-    extra = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32} if family == "qwen3" else {}
+    extra = (
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
+        if family == "qwen3"
+        else {}
+    )
     build_tiny_checkpoint(path, family, **extra)
     config = WorkerConfig(
         model=ModelConfig(path=str(path), dtype="bfloat16"),
@@ -202,7 +234,9 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     graphed = Engine(config)
     graphed.runner.enable_cuda_graphs(8, 128)
     got = generate(graphed, prompts, max_tokens=24)
-    assert graphed.runner.decode_graphs is not None and graphed.runner.decode_graphs.num_replays > 20
+    assert (
+        graphed.runner.decode_graphs is not None and graphed.runner.decode_graphs.num_replays > 20
+    )
     assert got == want
     # And the GPU engine serves what the CPU reference engine serves (bf16 on both).
     cpu = Engine(config.replace(parallel=ParallelConfig(device="cpu")))

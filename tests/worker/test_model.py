@@ -17,22 +17,44 @@ from worker.sampler import Sampler
 from worker.sampling import SamplingParams
 
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
 }
-YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 10000.0,
+}
 
 # (family, overrides): GQA everywhere; tied and untied; biases; the RoPE variants; a window.
 CASES = {
     "qwen3-untied": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "qwen2-bias-yarn": ("qwen2", {"rope_parameters": YARN_ROPE}),
-    "llama-llama3-bias": ("llama", {"rope_parameters": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True}),
-    "llama-linear-tied": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
-                                    "tie_word_embeddings": True}),
+    "llama-llama3-bias": (
+        "llama",
+        {"rope_parameters": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True},
+    ),
+    "llama-linear-tied": (
+        "llama",
+        {
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+            "tie_word_embeddings": True,
+        },
+    ),
     "mistral-window": ("mistral", {"sliding_window": 8}),
-    "llama-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-                                "max_position_embeddings": 24}),
+    "llama-dynamic": (
+        "llama",
+        {
+            "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            "max_position_embeddings": 24,
+        },
+    ),
 }
 
 
@@ -41,17 +63,26 @@ def load(path: Path, **kw: object):  # noqa: ANN201 - (CausalLM, ModelSpec)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_chunked_prefill_and_decode_logits_match_transformers(case, tiny_checkpoint, paged_harness) -> None:
+def test_chunked_prefill_and_decode_logits_match_transformers(
+    case, tiny_checkpoint, paged_harness
+) -> None:
     family, overrides = CASES[case]
     path, hf = tiny_checkpoint(family, **overrides)
     model, spec = load(path)
     harness = paged_harness(model, spec, page_size=4)
     rng = random.Random(1)
-    seqs = {"a": [rng.randrange(97) for _ in range(30)], "b": [rng.randrange(97) for _ in range(21)]}
+    seqs = {
+        "a": [rng.randrange(97) for _ in range(30)],
+        "b": [rng.randrange(97) for _ in range(21)],
+    }
     with torch.no_grad():
         ref = {r: hf(torch.tensor([s])).logits[0] for r, s in seqs.items()}  # [L, V]
     # Dynamic NTK depends on the length at each step, so prefill it in one chunk (see rope.py).
-    chunks = {"a": [0, 30], "b": [0, 21]} if case == "llama-dynamic" else {"a": [0, 7, 16, 22], "b": [0, 9, 13]}
+    chunks = (
+        {"a": [0, 30], "b": [0, 21]}
+        if case == "llama-dynamic"
+        else {"a": [0, 7, 16, 22], "b": [0, 9, 13]}
+    )
     # Prefill both in interleaved chunks, then decode token by token in a shared batch.
     steps = max(len(c) for c in chunks.values()) - 1
     pos = {r: 0 for r in seqs}
@@ -72,20 +103,31 @@ def test_chunked_prefill_and_decode_logits_match_transformers(case, tiny_checkpo
     assert worst < 1e-4, f"{case}: max |logit diff| {worst}"
 
 
-@pytest.mark.parametrize("case", ["qwen3-untied", "qwen2-bias-yarn", "llama-llama3-bias", "llama-dynamic"])
-def test_greedy_generation_matches_transformers_generate(case, tiny_checkpoint, paged_harness) -> None:
+@pytest.mark.parametrize(
+    "case", ["qwen3-untied", "qwen2-bias-yarn", "llama-llama3-bias", "llama-dynamic"]
+)
+def test_greedy_generation_matches_transformers_generate(
+    case, tiny_checkpoint, paged_harness
+) -> None:
     family, overrides = CASES[case]
     path, hf = tiny_checkpoint(family, **overrides)
     model, spec = load(path)
     prompt = [random.Random(2).randrange(97) for _ in range(13)]
     with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+        hf_out = hf.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     harness = paged_harness(model, spec, page_size=4)
     sampler, params = Sampler(), SamplingParams(temperature=0.0, max_tokens=20)
     ours: list[int] = []
     logits = harness.step([("r", prompt[:5])]) if case != "llama-dynamic" else None
-    logits = harness.step([("r", prompt[5:])]) if logits is not None else harness.step([("r", prompt)])
+    logits = (
+        harness.step([("r", prompt[5:])]) if logits is not None else harness.step([("r", prompt)])
+    )
     while len(ours) < 20:
         # min_tokens mirrors HF's min_new_tokens (which bans eos until 20 tokens are out).
         p = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
@@ -123,14 +165,27 @@ def test_spec_fingerprint_and_eos(tiny_checkpoint) -> None:
 
 def test_dummy_load_uses_real_shapes_without_weight_files(tmp_path: Path) -> None:
     cfg = {
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 96, "intermediate_size": 160,
-        "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
-        "vocab_size": 211, "max_position_embeddings": 512, "torch_dtype": "bfloat16",
-        "rope_theta": 1000000.0, "tie_word_embeddings": False, "eos_token_id": 3,
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 96,
+        "intermediate_size": 160,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 211,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": 3,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     model, spec = load(tmp_path, load_format="dummy", seed=7)
-    assert spec.fingerprint == "dummy:7" and spec.dtype == torch.bfloat16 and spec.eos_token_ids == (3,)
+    assert (
+        spec.fingerprint == "dummy:7"
+        and spec.dtype == torch.bfloat16
+        and spec.eos_token_ids == (3,)
+    )
     attn = model.model.layers[0].self_attn
     assert attn.qkv_proj.weight.shape == ((6 + 2 + 2) * 32, 96)
     assert model.model.layers[2].mlp.gate_up_proj.weight.shape == (2 * 160, 96)
@@ -139,13 +194,22 @@ def test_dummy_load_uses_real_shapes_without_weight_files(tmp_path: Path) -> Non
     assert not any(p.is_meta for p in model.parameters())
     again, _ = load(tmp_path, load_format="dummy", seed=7)
     assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
-    assert not torch.equal(load(tmp_path, load_format="dummy", seed=8)[0].model.embed_tokens.weight,
-                           model.model.embed_tokens.weight)
+    assert not torch.equal(
+        load(tmp_path, load_format="dummy", seed=8)[0].model.embed_tokens.weight,
+        model.model.embed_tokens.weight,
+    )
 
 
 def test_dtype_auto_float16_becomes_float32_on_cpu(tmp_path: Path) -> None:
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 50, "torch_dtype": "float16"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "torch_dtype": "float16",
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert load(tmp_path, load_format="dummy")[1].dtype == torch.float32
     assert load(tmp_path, load_format="dummy", dtype="bfloat16")[1].dtype == torch.bfloat16
@@ -172,19 +236,37 @@ def test_clear_errors(tiny_checkpoint, tmp_path: Path) -> None:
 
 
 def test_rope_both_spellings_parse_the_same() -> None:
-    new = parse_rope({"max_position_embeddings": 64,
-                      "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}, "c")
-    old = parse_rope({"max_position_embeddings": 64, "rope_theta": 500.0,
-                      "rope_scaling": {"type": "linear", "factor": 2.0}}, "c")
+    new = parse_rope(
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+        },
+        "c",
+    )
+    old = parse_rope(
+        {
+            "max_position_embeddings": 64,
+            "rope_theta": 500.0,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        },
+        "c",
+    )
     assert new == old and new.theta == 500.0 and new.factor == 2.0
     with pytest.raises(ModelLoadError, match="longrope"):
         parse_rope({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "c")
 
 
 def test_qwen2_window_only_when_enabled() -> None:
-    base = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 4, "num_attention_heads": 2, "vocab_size": 50, "sliding_window": 16,
-            "max_window_layers": 2}
+    base = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+        "sliding_window": 16,
+        "max_window_layers": 2,
+    }
     assert parse_arch_config(base).sliding_window is None
     on = parse_arch_config({**base, "use_sliding_window": True})
     assert on.layer_windows == (None, None, 16, 16) and on.sliding_window == 16
@@ -193,7 +275,9 @@ def test_qwen2_window_only_when_enabled() -> None:
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tandem-arith"
 
 
-@pytest.mark.skipif(not (EMBEDDED / "config.json").exists(), reason="models/tandem-arith not trained yet")
+@pytest.mark.skipif(
+    not (EMBEDDED / "config.json").exists(), reason="models/tandem-arith not trained yet"
+)
 def test_embedded_model_matches_transformers(paged_harness) -> None:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(EMBEDDED, dtype=torch.float32).eval()
@@ -228,7 +312,9 @@ def _tp_rank_main(rank: int, path: str, init_file: str, out_dir: str, ids: list[
 def test_tensor_parallel_2_ranks_match_transformers(tiny_checkpoint, tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    path, hf = tiny_checkpoint("qwen2", num_key_value_heads=2)  # q/k/v biases: sharded with the heads
+    path, hf = tiny_checkpoint(
+        "qwen2", num_key_value_heads=2
+    )  # q/k/v biases: sharded with the heads
     ids = [random.Random(4).randrange(97) for _ in range(20)]
     mp.spawn(_tp_rank_main, args=(str(path), str(tmp_path / "init"), str(tmp_path), ids), nprocs=2)
     with torch.no_grad():

@@ -14,13 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.make_tiny_moe import make_tiny_moe
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import load_model
 from worker.model.moe import MoEConfigError, SparseMoEBlock
 
-SEQS = {"a": [random.Random(1).randrange(97) for _ in range(26)], "b": [random.Random(2).randrange(97) for _ in range(19)]}
+SEQS = {
+    "a": [random.Random(1).randrange(97) for _ in range(26)],
+    "b": [random.Random(2).randrange(97) for _ in range(19)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,9 @@ def _reference(hf: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {r: hf(torch.tensor([s])).logits[0] for r, s in SEQS.items()}  # [L, V]
 
 
-def _run(model, spec, seqs: dict[str, list[int]], tp_size: int = 1) -> dict[str, list[tuple[int, torch.Tensor]]]:  # noqa: ANN001
+def _run(
+    model, spec, seqs: dict[str, list[int]], tp_size: int = 1
+) -> dict[str, list[tuple[int, torch.Tensor]]]:  # noqa: ANN001
     """Prefill every sequence in two chunks together, then decode 4 tokens each (teacher-forced)."""
     from tests.worker.conftest import PagedHarness
 
@@ -50,7 +56,9 @@ def _run(model, spec, seqs: dict[str, list[int]], tp_size: int = 1) -> dict[str,
 
 
 def _worst(got: dict[str, list[tuple[int, torch.Tensor]]], ref: dict[str, torch.Tensor]) -> float:
-    return max(float((row - ref[r][pos]).abs().max()) for r, rows in got.items() for pos, row in rows)
+    return max(
+        float((row - ref[r][pos]).abs().max()) for r, rows in got.items() for pos, row in rows
+    )
 
 
 def test_one_rank_matches_transformers(moe_ckpt) -> None:
@@ -69,7 +77,9 @@ def test_greedy_matches_transformers_generate(moe_ckpt) -> None:
     model, spec = load_model(ModelConfig(path=str(path)), ParallelConfig())
     prompt = SEQS["a"][:11]
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
     harness = PagedHarness(model, spec, page_size=4)
     logits = harness.step([("g", prompt)])
     got = []
@@ -103,11 +113,15 @@ def _rank_main(rank: int, path: str, init_file: str, out_dir: str) -> None:
             block = model.model.layers[0].mlp
             assert isinstance(block, SparseMoEBlock)
             if name == "ep2":
-                assert list(block.expert_ids()) == [2 * rank, 2 * rank + 1] and block.w13.shape[0] == 2
+                assert (
+                    list(block.expert_ids()) == [2 * rank, 2 * rank + 1] and block.w13.shape[0] == 2
+                )
             torch.save(_run(model, spec, SEQS, tp_size=2), f"{out_dir}/{name}-{rank}.pt")
         # DP attention (tp 1, dp 2): each rank serves its own sequence; the experts are shared (EP=2).
         model, spec = load_model(cfg, ParallelConfig(tp_size=1, tp_rank=0, dp_size=2, ep_size=2))
-        mine = {"ab"[rank]: SEQS["ab"[rank]][:19]}  # same step count on both ranks: the all-to-alls pair up
+        mine = {
+            "ab"[rank]: SEQS["ab"[rank]][:19]
+        }  # same step count on both ranks: the all-to-alls pair up
         torch.save(_run(model, spec, mine), f"{out_dir}/dp2-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -124,7 +138,11 @@ def test_ep2_moe_tp2_and_dp_attention_equal_one_rank(moe_ckpt, tmp_path: Path) -
     for name in ("ep2", "moe_tp2"):
         for rank in (0, 1):
             got = torch.load(tmp_path / f"{name}-{rank}.pt")
-            worst = max(float((g[1] - w[1]).abs().max()) for r in SEQS for g, w in zip(got[r], ref[r], strict=True))
+            worst = max(
+                float((g[1] - w[1]).abs().max())
+                for r in SEQS
+                for g, w in zip(got[r], ref[r], strict=True)
+            )
             assert worst < 1e-4, f"{name} rank {rank}: max |logit diff| vs one rank {worst}"
             assert _worst(got, hf_ref) < 1e-4
             greedy = [int(row.argmax()) for r in SEQS for _, row in got[r]]
@@ -135,3 +153,31 @@ def test_ep2_moe_tp2_and_dp_attention_equal_one_rank(moe_ckpt, tmp_path: Path) -
             seq = SEQS["ab"[rank]][:19]
             want = {"ab"[rank]: hf(torch.tensor([seq])).logits[0]}
         assert _worst(got, want) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        ("cpu", torch.float32),
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
+def test_grouped_linear_equals_each_row_times_its_expert(device: str, dtype: torch.dtype) -> None:
+    """The grouped GEMM path (no loop over experts) against the plain per-row reference, with
+    experts that get no row and rows in any order; biases gathered per row."""
+    from worker.model.moe import ExpertGroups, grouped_linear
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    e, n, d_in, d_out = 6, 23, 64, 48
+    w = torch.randn(e, d_out, d_in, generator=g).to(device, dtype)
+    bias = torch.randn(e, d_out, generator=g).to(device, dtype)
+    x = torch.randn(n, d_in, generator=g).to(device, dtype)
+    ids = torch.tensor([5, 0, 5, 2, 2, 5, 0, 3] * 3, device=device)[:n]  # experts 1 and 4: none
+    groups = ExpertGroups.of(ids, e)
+    got = groups.unsort(grouped_linear(groups.sort(x), w, groups, bias))
+    want = torch.stack([F.linear(x[i], w[ids[i]], bias[ids[i]]) for i in range(n)])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert float((got.float() - want.float()).abs().max()) < tol * float(want.abs().max())
+    assert grouped_linear(x[:0], w, ExpertGroups.of(ids[:0], e)).shape == (0, d_out)

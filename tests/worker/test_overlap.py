@@ -32,12 +32,14 @@ from worker.sampling import SamplingParams
 
 
 def _engine(path: Path, overlap: str, num_pages: int = 256) -> Engine:
-    return Engine(WorkerConfig(
-        model=ModelConfig(path=str(path), dtype="float32"),
-        cache=CacheConfig(page_size=4, num_pages=num_pages),
-        scheduler=SchedulerConfig(max_num_seqs=6, chunked_prefill_size=24, overlap=overlap),  # type: ignore[arg-type]
-        num_threads=1,
-    ))
+    return Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(path), dtype="float32"),
+            cache=CacheConfig(page_size=4, num_pages=num_pages),
+            scheduler=SchedulerConfig(max_num_seqs=6, chunked_prefill_size=24, overlap=overlap),  # type: ignore[arg-type]
+            num_threads=1,
+        )
+    )
 
 
 def _requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
@@ -48,21 +50,35 @@ def _requests(seed: int) -> list[tuple[list[int], SamplingParams]]:
         kind = i % 7
         params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 24), ignore_eos=True)
         if kind == 1:  # stops on a common token, unknown to the host until a step later
-            params = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=tuple(range(0, 97, 3)))
+            params = SamplingParams(
+                temperature=0.0, max_tokens=30, stop_token_ids=tuple(range(0, 97, 3))
+            )
         elif kind == 2:  # seeded sampling stays on the overlapped path
-            params = SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=12, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.8, top_k=20, seed=i, max_tokens=12, ignore_eos=True
+            )
         elif kind == 3:  # penalties read the tokens: plain steps while it runs
-            params = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True
+            )
         elif kind == 4:  # logprobs: plain steps too
-            params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=True, top_logprobs=2, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=8, logprobs=True, top_logprobs=2, ignore_eos=True
+            )
         elif kind == 5:  # min_tokens masks the stop ids by count, which the host knows
-            params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=5, stop_token_ids=(1, 2, 3, 4, 5))
+            params = SamplingParams(
+                temperature=0.0, max_tokens=16, min_tokens=5, stop_token_ids=(1, 2, 3, 4, 5)
+            )
         out.append((prompt, params))
     return out
 
 
-def _run(engine: Engine, reqs: list[tuple[list[int], SamplingParams]], stagger: int = 3,
-         abort_at: dict[int, int] | None = None) -> list[tuple[list[int], str, int]]:
+def _run(
+    engine: Engine,
+    reqs: list[tuple[list[int], SamplingParams]],
+    stagger: int = 3,
+    abort_at: dict[int, int] | None = None,
+) -> list[tuple[list[int], str, int]]:
     """Submit `stagger` requests per step (so prefills join running decodes), run to the end."""
     got: dict[str, list[int]] = {}
     ends: dict[str, tuple[str, int]] = {}
@@ -73,6 +89,7 @@ def _run(engine: Engine, reqs: list[tuple[list[int], SamplingParams]], stagger: 
             got[rid].extend(out.token_ids)
             if out.finished:
                 ends[rid] = (out.finish_reason, len(out.logprobs))
+
         return sink
 
     rids = [f"r{i}-{random.random()}" for i in range(len(reqs))]
@@ -112,8 +129,11 @@ def test_overlap_equals_plain_steps(checkpoint: Path) -> None:
     complete = on.scheduler.complete
 
     def spy(plan, token_ids):  # noqa: ANN001, ANN202
-        over = [c.request for c in plan.chunks
-                if len(c.request.output_token_ids) > c.start + 2 - c.request.num_prompt_tokens]
+        over = [
+            c.request
+            for c in plan.chunks
+            if len(c.request.output_token_ids) > c.start + 2 - c.request.num_prompt_tokens
+        ]
         complete(plan, token_ids)
         late_stops.extend(r for r in over if r.status.is_finished and r.finish_reason == "stop")
 
@@ -143,21 +163,29 @@ def test_overlap_with_preemption_and_aborts(checkpoint: Path) -> None:
 def test_overlap_auto_is_off_on_cpu_and_on_needs_one_rank(checkpoint: Path) -> None:
     assert not _engine(checkpoint, "auto").overlap
     with pytest.raises(ConfigError, match="scheduler.overlap=on needs a single-rank worker"):
-        Engine(WorkerConfig(model=ModelConfig(path=str(checkpoint)), parallel=ParallelConfig(tp_size=2),
-                            scheduler=SchedulerConfig(overlap="on")))
+        Engine(
+            WorkerConfig(
+                model=ModelConfig(path=str(checkpoint)),
+                parallel=ParallelConfig(tp_size=2),
+                scheduler=SchedulerConfig(overlap="on"),
+            )
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlap_on_the_gpu_with_decode_graphs_equals_plain_steps(checkpoint: Path) -> None:
     """Where it pays: CUDA, graphs replaying with inputs read from the previous step's tokens."""
+
     def cuda_engine(overlap: str) -> Engine:
-        eng = Engine(WorkerConfig(
-            model=ModelConfig(path=str(checkpoint), dtype="float32"),
-            cache=CacheConfig(page_size=4, num_pages=256),
-            scheduler=SchedulerConfig(max_num_seqs=6, chunked_prefill_size=24, overlap=overlap),  # type: ignore[arg-type]
-            parallel=ParallelConfig(device="cuda"),
-        ))
+        eng = Engine(
+            WorkerConfig(
+                model=ModelConfig(path=str(checkpoint), dtype="float32"),
+                cache=CacheConfig(page_size=4, num_pages=256),
+                scheduler=SchedulerConfig(max_num_seqs=6, chunked_prefill_size=24, overlap=overlap),  # type: ignore[arg-type]
+                parallel=ParallelConfig(device="cuda"),
+            )
+        )
         eng.warm_up()
         assert eng.runner.decode_graphs is not None
         return eng
@@ -171,7 +199,9 @@ def test_overlap_on_the_gpu_with_decode_graphs_equals_plain_steps(checkpoint: Pa
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(overlap: str, checkpoint: Path) -> None:
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(
+    overlap: str, checkpoint: Path
+) -> None:
     eng = _engine(checkpoint, overlap)
     boom = {"left": 1}
     forward, launch = eng.runner.forward, eng.runner.launch
@@ -182,6 +212,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(overlap:
                 boom["left"] = 0
                 raise RuntimeError("device fell over")
             return real(*args, **kwargs)
+
         return call
 
     eng.runner.forward, eng.runner.launch = fail_once(forward), fail_once(launch)  # type: ignore[method-assign]
@@ -193,7 +224,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(overlap:
     for _ in range(100):
         eng.step()
     assert not boom["left"]
-    assert all(o[-1].finish_reason == "error" and "device fell over" in o[-1].error for o in outs.values())
+    assert all(
+        o[-1].finish_reason == "error" and "device fell over" in o[-1].error for o in outs.values()
+    )
     outs["b"] = []
     eng.submit(Request("b", [5, 6, 7], params), outs["b"].append)  # the engine still serves
     for _ in range(100):

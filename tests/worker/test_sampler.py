@@ -12,13 +12,18 @@ V = 50
 EOS = (3,)
 
 
-def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None] | None = None,
-        history: list[list[int]] | None = None):  # noqa: ANN201
+def run(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int | None] | None = None,
+    history: list[list[int]] | None = None,
+):  # noqa: ANN201
     b = logits.shape[0]
     seeds = seeds or [None] * b
     history = history or [[] for _ in range(b)]
-    return Sampler().sample(logits, params, [make_generator(s) for s in seeds], history,
-                            [len(h) for h in history], EOS)
+    return Sampler().sample(
+        logits, params, [make_generator(s) for s in seeds], history, [len(h) for h in history], EOS
+    )
 
 
 def test_greedy_is_argmax_exactly() -> None:
@@ -51,16 +56,27 @@ def test_seeded_samples_do_not_depend_on_batch_composition() -> None:
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s) for s in (11, 12, 13, 14)]
     together = run(logits, params, seeds=[11, 12, 13, 14]).token_ids
-    reordered = run(logits[[2, 0, 3, 1]], [params[i] for i in (2, 0, 3, 1)], seeds=[13, 11, 14, 12]).token_ids
-    alone = [run(logits[i : i + 1], [params[i]], seeds=[params[i].seed]).token_ids[0] for i in range(4)]
-    with_greedy = run(torch.cat([logits[:1] * 3, logits]), [SamplingParams(temperature=0.0)] + params,
-                      seeds=[None, 11, 12, 13, 14]).token_ids[1:]
+    reordered = run(
+        logits[[2, 0, 3, 1]], [params[i] for i in (2, 0, 3, 1)], seeds=[13, 11, 14, 12]
+    ).token_ids
+    alone = [
+        run(logits[i : i + 1], [params[i]], seeds=[params[i].seed]).token_ids[0] for i in range(4)
+    ]
+    with_greedy = run(
+        torch.cat([logits[:1] * 3, logits]),
+        [SamplingParams(temperature=0.0)] + params,
+        seeds=[None, 11, 12, 13, 14],
+    ).token_ids[1:]
     assert together == alone == [reordered[i] for i in (1, 3, 0, 2)] == with_greedy
+
     # Different seeds give different streams (a sequence, so a chance collision cannot pass).
     def stream(seed: int) -> list[int]:
         g = make_generator(seed)
         p = SamplingParams(temperature=1.0, seed=seed)
-        return [Sampler().sample(logits[:1], [p], [g], [[]], [0], EOS).token_ids[0] for _ in range(20)]
+        return [
+            Sampler().sample(logits[:1], [p], [g], [[]], [0], EOS).token_ids[0] for _ in range(20)
+        ]
+
     assert stream(5) == stream(5) and stream(5) != stream(6)
 
 
@@ -79,17 +95,27 @@ def test_penalties_change_the_choice() -> None:
     logits[0, 4], logits[0, 5] = 2.0, 1.5
     hist = [[4, 4]]
     assert run(logits, [SamplingParams(temperature=0.0)], history=hist).token_ids == [4]
-    assert run(logits, [SamplingParams(temperature=0.0, repetition_penalty=1.5)], history=hist).token_ids == [5]
-    assert run(logits, [SamplingParams(temperature=0.0, presence_penalty=0.6)], history=hist).token_ids == [5]
-    assert run(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.3)], history=hist).token_ids == [5]
-    assert run(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.2)], history=hist).token_ids == [4]
+    assert run(
+        logits, [SamplingParams(temperature=0.0, repetition_penalty=1.5)], history=hist
+    ).token_ids == [5]
+    assert run(
+        logits, [SamplingParams(temperature=0.0, presence_penalty=0.6)], history=hist
+    ).token_ids == [5]
+    assert run(
+        logits, [SamplingParams(temperature=0.0, frequency_penalty=0.3)], history=hist
+    ).token_ids == [5]
+    assert run(
+        logits, [SamplingParams(temperature=0.0, frequency_penalty=0.2)], history=hist
+    ).token_ids == [4]
 
 
 def test_logprobs_match_log_softmax_and_top_n_is_sorted() -> None:
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
-              SamplingParams(temperature=0.7, logprobs=True, seed=1),  # pre-temperature logprobs
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=0.7, logprobs=True, seed=1),  # pre-temperature logprobs
+        SamplingParams(temperature=0.0),
+    ]
     out = run(logits, params, seeds=[None, 1, None])
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs is not None and out.top_logprobs is not None
@@ -101,11 +127,22 @@ def test_logprobs_match_log_softmax_and_top_n_is_sorted() -> None:
     assert top[0][0] == out.token_ids[0] and out.top_logprobs[1] == [] and out.top_logprobs[2] == []
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("min_p", 1.5), ("max_tokens", 0),
-    ("min_tokens", 99), ("top_logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
-    ("stop_token_ids", (-1,)), ("seed", -1),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("min_tokens", 99),
+        ("top_logprobs", 21),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("stop_token_ids", (-1,)),
+        ("seed", -1),
+    ],
+)
 def test_validate_names_the_field(field: str, value: object) -> None:
     with pytest.raises(SamplingParamsError, match=f"sampling.{field}") as err:
         SamplingParams(**{field: value}).validate()  # type: ignore[arg-type]
@@ -116,8 +153,45 @@ def test_validate_names_the_field(field: str, value: object) -> None:
 def test_from_proto_resolves_wire_defaults() -> None:
     from protocol import tandem_pb2
 
-    msg = tandem_pb2.SamplingParams(temperature=0.0, top_k=-1, max_tokens=8, stop_token_ids=[4], seed=9)
+    msg = tandem_pb2.SamplingParams(
+        temperature=0.0, top_k=-1, max_tokens=8, stop_token_ids=[4], seed=9
+    )
     p = SamplingParams.from_proto(msg)
-    assert (p.top_k, p.top_p, p.repetition_penalty, p.seed, p.stop_token_ids) == (0, 1.0, 1.0, 9, (4,))
+    assert (p.top_k, p.top_p, p.repetition_penalty, p.seed, p.stop_token_ids) == (
+        0,
+        1.0,
+        1.0,
+        9,
+        (4,),
+    )
     assert SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1)).seed is None
     p.validate()
+
+
+def test_from_proto_reads_logit_bias_and_structured() -> None:
+    from protocol import tandem_pb2
+    from worker.sampling import StructuredKind, StructuredOutput
+
+    msg = tandem_pb2.SamplingParams(
+        max_tokens=4,
+        logit_bias={7: -2.5, 3: 1.0},
+        structured=tandem_pb2.StructuredOutput(regex="a+"),
+    )
+    p = SamplingParams.from_proto(msg)
+    assert p.logit_bias == ((3, 1.0), (7, -2.5))  # sorted: equal requests, equal params
+    assert p.structured == StructuredOutput(StructuredKind.REGEX, "a+")
+    assert p.structured.field == "structured.regex"
+    choice = tandem_pb2.StructuredOutput(choice=tandem_pb2.ChoiceList(choices=["x", "y"]))
+    q = SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1, structured=choice))
+    assert q.structured == StructuredOutput(StructuredKind.CHOICE, choices=("x", "y"))
+    assert SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1)).structured is None
+    obj = tandem_pb2.StructuredOutput(json_object=True)
+    r = SamplingParams.from_proto(tandem_pb2.SamplingParams(max_tokens=1, structured=obj))
+    assert r.structured == StructuredOutput(StructuredKind.JSON_OBJECT)
+    for bad in (
+        SamplingParams(logit_bias=((1, float("nan")),)),
+        SamplingParams(logit_bias=((-1, 1.0),)),
+        SamplingParams(structured=StructuredOutput(StructuredKind.EBNF, "  ")),
+    ):
+        with pytest.raises(SamplingParamsError):
+            bad.validate()

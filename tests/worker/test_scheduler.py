@@ -28,7 +28,9 @@ def test_chunked_prefill_respects_token_budget() -> None:
     sched.add(long)
     sched.add(short)
     plan = sched.schedule()
-    assert [(c.request, c.start, c.num_tokens, c.sample) for c in plan.chunks] == [(long, 0, 8, False)]
+    assert [(c.request, c.start, c.num_tokens, c.sample) for c in plan.chunks] == [
+        (long, 0, 8, False)
+    ]
     sched.update(plan, fake_run(plan))
     plan = sched.schedule()
     assert plan.num_tokens <= 8 and plan.chunks[0].start == 8
@@ -81,7 +83,9 @@ def test_admission_waits_for_free_pages() -> None:
 
 
 def test_preemption_under_page_pressure_requeues_and_recomputes() -> None:
-    sched, finished = make_scheduler(num_pages=8, page_size=4, chunked_prefill_size=64, prefix_cache=False)
+    sched, finished = make_scheduler(
+        num_pages=8, page_size=4, chunked_prefill_size=64, prefix_cache=False
+    )
     reqs = [make_request(7, max_tokens=12) for _ in range(3)]  # each grows to 19 tokens = 5 pages
     for r in reqs:
         sched.add(r)
@@ -115,7 +119,7 @@ def test_prefix_cache_hit_skips_cached_pages() -> None:
     assert plan.chunks[0].start == 16 and b.num_cached_tokens == 16
     sched.update(plan, fake_run(plan))
     run_to_completion(sched)
-    assert sched.pool.num_cached > 0
+    assert sched.stats().cached_pages > 0
     sched.assert_drained()
 
 
@@ -126,7 +130,10 @@ def test_fully_cached_prompt_still_computes_its_last_token() -> None:
         req = make_request(prompt=prompt, max_tokens=1)
         sched.add(req)
         plan = sched.schedule()
-        assert plan.chunks[0].start + plan.chunks[0].num_tokens == 16 and plan.chunks[0].num_tokens >= 1
+        assert (
+            plan.chunks[0].start + plan.chunks[0].num_tokens == 16
+            and plan.chunks[0].num_tokens >= 1
+        )
         sched.update(plan, fake_run(plan))
         run_to_completion(sched)
     assert req.num_cached_tokens == 12
@@ -138,7 +145,8 @@ def test_cache_is_evicted_when_pages_are_needed() -> None:
     for i in range(6):
         sched.add(make_request(prompt=[100 + i] * 12, max_tokens=2))
         run_to_completion(sched)
-    assert sched.pool.num_free + sched.pool.num_cached == 8
+    stats = sched.stats()
+    assert stats.free_pages + stats.cached_pages == 8
     sched.assert_drained()
 
 
@@ -196,9 +204,15 @@ def test_abort_at_every_state_frees_pages(when: str) -> None:
 
 
 def test_many_mixed_requests_under_pressure_never_leak() -> None:
-    sched, finished = make_scheduler(num_pages=24, page_size=4, max_num_seqs=6, chunked_prefill_size=24)
-    reqs = [make_request(prompt=[1, 2, 3, 4, 5, 6, 7, 8] + [i % 7 + 10] * (i % 11 + 1), max_tokens=i % 9 + 1)
-            for i in range(40)]
+    sched, finished = make_scheduler(
+        num_pages=24, page_size=4, max_num_seqs=6, chunked_prefill_size=24
+    )
+    reqs = [
+        make_request(
+            prompt=[1, 2, 3, 4, 5, 6, 7, 8] + [i % 7 + 10] * (i % 11 + 1), max_tokens=i % 9 + 1
+        )
+        for i in range(40)
+    ]
     for i, r in enumerate(reqs):
         sched.add(r)
         if i % 5 == 0:

@@ -24,7 +24,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel]]:
+def worker(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel]]:
     from tests.worker.conftest import build_tiny_checkpoint
 
     path: Path = tmp_path_factory.mktemp("ckpt")
@@ -37,13 +39,18 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[tandem_pb
     )
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(serve(config, stop)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(serve(config, stop)), daemon=True
+    )
     thread.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{config.port}")
     health = health_pb2_grpc.HealthStub(channel)
     for _ in range(600):
         try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+            if (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ):
                 break
         except grpc.RpcError:
             pass
@@ -58,13 +65,20 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[tandem_pb
 
 def gen(prompt: list[int], **sampling: object) -> tandem_pb2.GenerateRequest:
     params = {"max_tokens": 5, "ignore_eos": True, **sampling}
-    return tandem_pb2.GenerateRequest(request_id="t", prompt_token_ids=prompt, sampling=tandem_pb2.SamplingParams(**params))
+    return tandem_pb2.GenerateRequest(
+        request_id="t", prompt_token_ids=prompt, sampling=tandem_pb2.SamplingParams(**params)
+    )
 
 
 def test_info_and_generate_stream(worker: tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel]) -> None:
     stub, _ = worker
     info = stub.GetInfo(tandem_pb2.GetInfoRequest())
-    assert info.role == "both" and info.max_model_len == 64 and info.vocab_size == 97 and info.epoch != 0
+    assert (
+        info.role == "both"
+        and info.max_model_len == 64
+        and info.vocab_size == 97
+        and info.epoch != 0
+    )
     msgs = list(stub.Generate(gen([1, 2, 3, 4, 5, 6], logprobs=True, top_logprobs=2)))
     tokens = [t for m in msgs for t in m.token_ids]
     assert len(tokens) == 5 and msgs[-1].finish_reason == "length"
@@ -86,8 +100,11 @@ def test_info_and_generate_stream(worker: tuple[tandem_pb2_grpc.WorkerStub, grpc
         (gen([1, 2], top_p=1.5), "top_p"),
     ],
 )
-def test_bad_requests_are_invalid_argument(worker: tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel],
-                                           request_: tandem_pb2.GenerateRequest, fragment: str) -> None:
+def test_bad_requests_are_invalid_argument(
+    worker: tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel],
+    request_: tandem_pb2.GenerateRequest,
+    fragment: str,
+) -> None:
     stub, _ = worker
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(request_))
@@ -95,13 +112,20 @@ def test_bad_requests_are_invalid_argument(worker: tuple[tandem_pb2_grpc.WorkerS
     assert fragment in err.value.details()
 
 
-def test_cancel_and_abort_free_pages(worker: tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel]) -> None:
+def test_cancel_and_abort_free_pages(
+    worker: tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel],
+) -> None:
     stub, _ = worker
     stream = stub.Generate(gen([1, 2, 3, 4, 5], max_tokens=50))
     next(stream)
     stream.cancel()
-    aborted = stub.Generate(tandem_pb2.GenerateRequest(request_id="to-abort", prompt_token_ids=[3, 4, 5],
-                                                       sampling=tandem_pb2.SamplingParams(max_tokens=55, ignore_eos=True)))
+    aborted = stub.Generate(
+        tandem_pb2.GenerateRequest(
+            request_id="to-abort",
+            prompt_token_ids=[3, 4, 5],
+            sampling=tandem_pb2.SamplingParams(max_tokens=55, ignore_eos=True),
+        )
+    )
     next(aborted)
     assert stub.Abort(tandem_pb2.AbortRequest(request_id="to-abort")).found
     rest = list(aborted)

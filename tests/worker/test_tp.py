@@ -33,8 +33,12 @@ def _model_rank(rank: int, path: str, init_file: str, out_dir: str, ids: list[in
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         model, spec = load_model(ModelConfig(path=path), ParallelConfig(tp_size=2, tp_rank=rank))
-        assert model.model.embed_tokens.weight.shape[0] == 49  # ceil(97 / 2): this rank's vocab rows
-        harness = PagedHarness(model, spec, tp_size=1)  # 1 kv head per rank (a replica), as kv_shape says
+        assert (
+            model.model.embed_tokens.weight.shape[0] == 49
+        )  # ceil(97 / 2): this rank's vocab rows
+        harness = PagedHarness(
+            model, spec, tp_size=1
+        )  # 1 kv head per rank (a replica), as kv_shape says
         rows = [harness.step([("r", ids[:9])]), harness.step([("r", ids[9:-2])])]
         rows += [harness.step([("r", [t])]) for t in ids[-2:]]
         torch.save(torch.cat(rows), f"{out_dir}/logits{rank}.pt")
@@ -43,10 +47,14 @@ def _model_rank(rank: int, path: str, init_file: str, out_dir: str, ids: list[in
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_vocab_parallel_and_replicated_kv_heads_match_transformers(tied: bool, tiny_checkpoint, tmp_path: Path) -> None:
+def test_vocab_parallel_and_replicated_kv_heads_match_transformers(
+    tied: bool, tiny_checkpoint, tmp_path: Path
+) -> None:
     import torch.multiprocessing as mp
 
-    path, hf = tiny_checkpoint("qwen3", num_key_value_heads=1, tie_word_embeddings=tied)  # vocab 97: odd
+    path, hf = tiny_checkpoint(
+        "qwen3", num_key_value_heads=1, tie_word_embeddings=tied
+    )  # vocab 97: odd
     ids = [random.Random(5).randrange(97) for _ in range(18)]
     mp.spawn(_model_rank, args=(str(path), str(tmp_path / "init"), str(tmp_path), ids), nprocs=2)
     with torch.no_grad():
@@ -69,13 +77,26 @@ def test_batch_packing_round_trips_and_room_ids_keep_64_bits(tiny_checkpoint) ->
 
     qs = [0, 3, 4]
     batch = ForwardBatch(
-        input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 9]), query_start=torch.tensor(qs),
-        seq_lens=torch.tensor([3, 10]), page_table=torch.tensor([[4, 0, 0], [1, 2, 3]]),
-        slot_mapping=torch.tensor([16, 17, 18, 13]), logits_indices=torch.tensor([2, 3]),
-        query_start_list=qs, seq_lens_list=[3, 10],
+        input_ids=torch.tensor([5, 6, 7, 8]),
+        positions=torch.tensor([0, 1, 2, 9]),
+        query_start=torch.tensor(qs),
+        seq_lens=torch.tensor([3, 10]),
+        page_table=torch.tensor([[4, 0, 0], [1, 2, 3]]),
+        slot_mapping=torch.tensor([16, 17, 18, 13]),
+        logits_indices=torch.tensor([2, 3]),
+        query_start_list=qs,
+        seq_lens_list=[3, 10],
     )
     back = unpack_batch(pack_batch(batch), torch.device("cpu"))
-    for name in ("input_ids", "positions", "query_start", "seq_lens", "page_table", "slot_mapping", "logits_indices"):
+    for name in (
+        "input_ids",
+        "positions",
+        "query_start",
+        "seq_lens",
+        "page_table",
+        "slot_mapping",
+        "logits_indices",
+    ):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
     assert back.query_start_list == qs and back.seq_lens_list == [3, 10]
     for room in (1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
@@ -83,13 +104,17 @@ def test_batch_packing_round_trips_and_room_ids_keep_64_bits(tiny_checkpoint) ->
 
 
 def _engine(path: Path, tp: int) -> Engine:
-    return Engine(WorkerConfig(
-        model=ModelConfig(path=str(path), dtype="float32"),
-        cache=CacheConfig(page_size=4, num_pages=128),
-        scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=16),  # prompts span several chunks
-        parallel=ParallelConfig(tp_size=tp),
-        num_threads=1,
-    ))
+    return Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(path), dtype="float32"),
+            cache=CacheConfig(page_size=4, num_pages=128),
+            scheduler=SchedulerConfig(
+                max_num_seqs=8, chunked_prefill_size=16
+            ),  # prompts span several chunks
+            parallel=ParallelConfig(tp_size=tp),
+            num_threads=1,
+        )
+    )
 
 
 def test_engine_tp2_equals_tp1(tiny_checkpoint) -> None:
@@ -108,16 +133,19 @@ def test_engine_tp2_equals_tp1(tiny_checkpoint) -> None:
         assert got == want
         # Logits: one prefill step through both engines' runners.
         from worker.request import Request
-        from worker.scheduler import ScheduledChunk, SchedulePlan
+        from worker.step import ScheduledChunk, SchedulePlan
 
         rows = []
         for e in (ref_engine, eng):
             req = Request(f"l{id(e)}", prompts[2], SamplingParams(max_tokens=1))
-            req.page_table = e.scheduler.pool.allocate(8, req.request_id)
-            batch = e.runner.build_batch(SchedulePlan(chunks=[ScheduledChunk(req, 0, len(prompts[2]), True)]))
+            pool = e.scheduler.cache.full.pool  # a page table by hand: no scheduler step
+            req.page_table = pool.allocate(8, req.request_id)
+            batch = e.runner.build_batch(
+                SchedulePlan(chunks=[ScheduledChunk(req, 0, len(prompts[2]), True)])
+            )
             with torch.inference_mode():
                 rows.append(e.model.compute_logits(e.model(batch, e.kv)[batch.logits_indices]))
-            e.scheduler.pool.release(req.page_table, req.request_id)
+            pool.release(req.page_table, req.request_id)
         assert float((rows[0] - rows[1]).abs().max()) < 1e-4
     finally:
         eng.close()

@@ -7,7 +7,6 @@ or rings on any path."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,9 @@ def test_window_group_is_a_ring(window_dir: tuple[Path, torch.nn.Module]) -> Non
     shape = engine.kv.shape
     assert shape.window_layers == (1, 2, 3) and shape.window == WINDOW
     assert shape.ring_pages == WINDOW // 4 + 1
-    assert engine.kv.data.shape[1] == 1 and engine.kv.window.shape[1] == 3  # full pages hold layer 0 only
+    assert (
+        engine.kv.data.shape[1] == 1 and engine.kv.window.shape[1] == 3
+    )  # full pages hold layer 0 only
 
 
 def test_window_model_equals_transformers(window_dir: tuple[Path, torch.nn.Module]) -> None:
@@ -64,8 +65,14 @@ def _run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[i
         if o.finished:
             done.append(True)
 
-    engine.submit(Request(f"r{random.random()}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                        ignore_eos=True)), sink)
+    engine.submit(
+        Request(
+            f"r{random.random()}",
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        ),
+        sink,
+    )
     while not done:
         engine.step()
     return out, cached[0]
@@ -75,7 +82,8 @@ def test_prefix_hit_replays_a_bounded_suffix(window_dir: tuple[Path, torch.nn.Mo
     path, hf = window_dir
     engine = make_engine(path, chunk=16)
     sched = engine.scheduler
-    assert sched.window is not None and sched.window.replay_tokens == 3 * (WINDOW - 1)
+    window = sched.cache.window
+    assert window is not None and window.spec.replay_tokens == 3 * (WINDOW - 1)
     shared = _prompts(1, (48,))[0]
     first, cached0 = _run_one(engine, shared + [5, 6, 7], 6)
     assert cached0 == 0
@@ -102,7 +110,9 @@ def test_short_hit_replays_everything(window_dir: tuple[Path, torch.nn.Module]) 
     engine.scheduler.assert_drained()
 
 
-def test_batch_with_preemption_and_abort_frees_rings(window_dir: tuple[Path, torch.nn.Module]) -> None:
+def test_batch_with_preemption_and_abort_frees_rings(
+    window_dir: tuple[Path, torch.nn.Module],
+) -> None:
     path, hf = window_dir
     # Few pages: the batch preempts; rings come back each time (assert_drained checks both pools).
     engine = make_engine(path, chunk=16, num_pages=30, max_num_seqs=4)
@@ -113,18 +123,23 @@ def test_batch_with_preemption_and_abort_frees_rings(window_dir: tuple[Path, tor
         assert got == hf_greedy(hf, prompt, 20)
     engine.scheduler.assert_drained()
     finished: list[str] = []
-    sink: Callable[[RequestOutput], None] = lambda o: finished.append(o.finish_reason) if o.finished else None  # noqa: E731
+    def sink(o: RequestOutput) -> None:
+        if o.finished:
+            finished.append(o.finish_reason)
+
     engine.submit(Request("gone", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True)), sink)
     engine.step()
     engine.step()
-    assert engine.scheduler.rings  # running: holds its ring
+    assert engine.scheduler.stats().window_used_pages  # running: holds its ring
     engine.abort("gone")
     engine.step()
     assert finished == ["abort"]
     engine.scheduler.assert_drained()
 
 
-def test_chunk_smaller_than_window_plus_a_page_is_refused(window_dir: tuple[Path, torch.nn.Module]) -> None:
+def test_chunk_smaller_than_window_plus_a_page_is_refused(
+    window_dir: tuple[Path, torch.nn.Module],
+) -> None:
     with pytest.raises(ConfigError, match="chunked_prefill_size"):
         make_engine(window_dir[0], chunk=WINDOW + 3)
 
@@ -132,4 +147,4 @@ def test_chunk_smaller_than_window_plus_a_page_is_refused(window_dir: tuple[Path
 def test_full_model_twin_has_no_ring(tmp_path: Path) -> None:
     build_window_checkpoint(tmp_path, window=False)
     engine = make_engine(tmp_path, chunk=16)
-    assert engine.kv.shape.window_layers == () and engine.scheduler.window is None
+    assert engine.kv.shape.window_layers == () and engine.scheduler.cache.window is None

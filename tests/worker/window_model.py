@@ -21,6 +21,12 @@ def build_window_checkpoint(path: Path, *, window: bool = True, seed: int = 0) -
     from tests.worker.conftest import build_tiny_checkpoint
 
     return build_tiny_checkpoint(
-        path, "qwen2", seed=seed, num_hidden_layers=NUM_LAYERS, max_position_embeddings=256,
-        use_sliding_window=window, sliding_window=WINDOW, max_window_layers=1,
+        path,
+        "qwen2",
+        seed=seed,
+        num_hidden_layers=NUM_LAYERS,
+        max_position_embeddings=256,
+        use_sliding_window=window,
+        sliding_window=WINDOW,
+        max_window_layers=1,
     )

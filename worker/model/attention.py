@@ -6,9 +6,19 @@ The seam: model code calls an `AttentionBackend`; `TorchSDPABackend` is the CPU 
 replace it without touching the model. Backends receive the per-layer cache views of
 `KVCache.layer(l)`: k_cache, v_cache [num_pages, num_kv_heads, page_size, head_dim].
 
+FP8 KV (`cache.kv_cache_dtype: fp8_e4m3`): the caches are float8_e4m3fn and `kv_scales` =
+(k_scale, v_scale), each [num_kv_heads] float32 (worker/model/fp8.py). The store divides by the
+scale and saturates; every read dequantizes to float32 (times the scale) and attention then runs
+in float32, the output cast back to q's dtype.
+
 Causality with chunked prefill: a request with `seq_len` tokens of context after this step
 and `n` new tokens has its new tokens at positions seq_len-n .. seq_len-1; new token j sees
 every cached token and new tokens 0..j. Decode is the case n = 1 (no mask needed).
+
+Attention sinks (GPT-OSS): a learned logit per query head that joins every softmax's
+denominator and has no value, so a head can attend to "nothing". Every path takes an optional
+`sinks` [Hq] (float32); `sdpa_with_sinks` is the reference form: one extra key whose score is the
+sink (an all-zero key with the sink as its additive mask) and whose value is zero.
 """
 
 from __future__ import annotations
@@ -19,13 +29,18 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
-from worker.model import fused
+from worker.model.fp8 import dequantize_kv, quantize_kv
+
+KVScales = tuple[torch.Tensor, torch.Tensor] | None  # (k_scale, v_scale) [Hkv] each; None = not FP8
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    kv_scales: KVScales = None,
 ) -> None:
-    """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache."""
+    """Write k, v [T, Hkv, D] to their slots (page * page_size + offset) in the paged cache
+    (FP8 caches: divided by their scales and saturated)."""
     page_size = k_cache.shape[2]
     keep = slot_mapping >= 0  # [T]: a negative slot is not stored (its KV is cached already)
     if not bool(keep.all()):
@@ -33,6 +48,9 @@ def store_kv(
     pages = slot_mapping // page_size  # [T]
     offsets = slot_mapping % page_size  # [T]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1],
+            v_cache.dtype)
     k_cache[pages, :, offsets] = k.to(k_cache.dtype)
     v_cache[pages, :, offsets] = v.to(v_cache.dtype)
 
@@ -58,6 +76,31 @@ def context_mask(
     return mask
 
 
+def sdpa_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA (GQA) with optional sinks: q [B, Hq, n, D], k/v [B, Hkv, L, D], mask bool
+    broadcastable to [B, Hq, n, L] (True = may attend) or None → [B, Hq, n, D].
+
+    With sinks the softmax runs over [scores, sink]: the keys get one all-zero column (score 0)
+    whose additive mask is the head's sink logit, and whose value is zero, so it only enlarges
+    the denominator. That needs a float mask per head [B, Hq, n, L+1]; the CPU reference pays
+    for it, the GPU kernels fold the sink into their online softmax instead.
+    """
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    b, hq, n, _ = q.shape
+    length = k.shape[2]
+    k = torch.cat([k, k.new_zeros(b, k.shape[1], 1, k.shape[3])], dim=2)  # [B, Hkv, L+1, D]
+    v = torch.cat([v, v.new_zeros(b, v.shape[1], 1, v.shape[3])], dim=2)  # [B, Hkv, L+1, D]
+    bias = q.new_zeros(b, hq, n, length + 1)  # [B, Hq, n, L+1]
+    if mask is not None:
+        bias[..., :length].masked_fill_(~mask, float("-inf"))
+    bias[..., length] = sinks.to(q.dtype)[None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 class AttentionBackend(ABC):
     """What a layer needs from attention; one instance is shared by all layers."""
 
@@ -65,9 +108,12 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
+        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]. k and v go to
-        their slots first, unless the caller stored them already (kv_stored)."""
+        their slots first, unless the caller stored them already (kv_stored). sinks [Hq]: each
+        head's sink logit (GPT-OSS), None = plain softmax. kv_scales: the FP8 caches'
+        (k_scale, v_scale), see the module docstring."""
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -78,10 +124,15 @@ class TorchSDPABackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
+        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         if not kv_stored:
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, kv_scales)
         page_size = k_cache.shape[2]
+        out_dtype = q.dtype
+        if kv_scales is not None:
+            q = q.float()  # FP8 pages are read as float32: attention runs in float32
+        ks, vs = (None, None) if kv_scales is None else kv_scales
         out = torch.empty_like(q)  # [T, Hq, D]
         qs = batch.query_start_list
         decodes: list[int] = []
@@ -94,23 +145,26 @@ class TorchSDPABackend(AttentionBackend):
                 continue
             num_pages = -(-seq_len // page_size)
             pages = batch.page_table[i, :num_pages]
-            ctx_k = gather_context(k_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
-            ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)  # [Hkv, L, D]
+            # [Hkv, L, D]
+            ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype)
+            # [Hkv, L, D]
+            ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype)
             qi = q[start:end].transpose(0, 1)  # [Hq, n, D]
             mask = context_mask(seq_len, end - start, sliding_window, q.device)
-            oi = F.scaled_dot_product_attention(
-                qi[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
-            )  # [1, Hq, n, D]
+            # oi: [1, Hq, n, D]
+            oi = sdpa_with_sinks(qi[None], ctx_k[None], ctx_v[None], mask, scale, sinks)
             out[start:end] = oi[0].transpose(0, 1)
         if decodes:
             rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
-            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale, sliding_window)
-        return out
+            out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale,
+                                     sliding_window, sinks, kv_scales)
+        return out.to(out_dtype)
 
     @staticmethod
     def _decode(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, rows: list[int],
-        scale: float, sliding_window: int | None,
+        scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
+        kv_scales: KVScales = None,
     ) -> torch.Tensor:
         """q [B, Hq, D], one token per request → [B, Hq, D] over each request's padded context."""
         page_size = k_cache.shape[2]
@@ -119,10 +173,11 @@ class TorchSDPABackend(AttentionBackend):
         num_pages = -(-max_len // page_size)
         pages = batch.page_table[rows, :num_pages]  # [B, n]; padding entries point at page 0, masked below
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:
+        def gather(cache: torch.Tensor, head_scale: torch.Tensor | None) -> torch.Tensor:
             picked = cache[pages]  # [B, n, Hkv, S, D]
             b, n, hkv, s, d = picked.shape
-            return picked.transpose(1, 2).reshape(b, hkv, n * s, d)[:, :, :max_len].to(q.dtype)  # [B, Hkv, L, D]
+            ctx = picked.transpose(1, 2).reshape(b, hkv, n * s, d)[:, :, :max_len]  # [B, Hkv, L, D]
+            return dequantize_kv(ctx, head_scale, q.dtype)
 
         mask = None  # every key visible: equal lengths and no window in reach
         if min(seq_lens) < max_len or (sliding_window is not None and max_len > sliding_window):
@@ -132,29 +187,31 @@ class TorchSDPABackend(AttentionBackend):
             if sliding_window is not None:
                 keep &= (lens - 1 - k_pos) < sliding_window
             mask = keep[:, None, None, :]  # [B, 1, 1, L]
-        k, v = gather(k_cache), gather(v_cache)
+        ks, vs = (None, None) if kv_scales is None else kv_scales
+        k, v = gather(k_cache, ks), gather(v_cache, vs)
         if mask is not None:
             # A masked key still enters the scores (NaN + -inf = NaN) and its value the sum
             # (0 * NaN = NaN): padding rows (page 0, page tails) may hold anything, so zero them.
             pad = ~mask[:, :, 0, :, None]  # [B, 1, L, 1]
             k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [B, Hq, 1, D]
+        o = sdpa_with_sinks(q[:, :, None], k, v, mask, scale, sinks)  # [B, Hq, 1, D]
         return o[:, :, 0]
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """The CPU reference in one call: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D] (see module doc)."""
-    return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window)
+    return TorchSDPABackend().forward(q, k, v, k_cache, v_cache, batch, scale, sliding_window,
+                                      sinks=sinks, kv_scales=kv_scales)
 
 
 def window_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    batch: ForwardBatch, scale: float, window: int,
+    batch: ForwardBatch, scale: float, window: int, sinks: torch.Tensor | None = None,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """A window layer over its ring of pages: q [T,Hq,D], k/v [T,Hkv,D] → [T,Hq,D].
 
@@ -162,15 +219,23 @@ def window_attention(
     to its history read from the ring (`window_context_slots`: the up to W-1 tokens before its
     chunk) plus this step's K/V straight from the projections, and the new K/V are stored only
     after every request has read its history (a chunk longer than the ring overwrites slots that
-    its own first queries still need). Works on any device (plain torch ops).
+    its own first queries still need). Works on any device (plain torch ops). sinks [Hq]: as in
+    `sdpa_with_sinks` (GPT-OSS's sliding layers have them too).
     """
     assert batch.window_context_slots is not None and batch.window_context_start is not None
     assert batch.window_slot_mapping is not None
     page_size = k_cache.shape[2]
     hist_pages = batch.window_context_slots // page_size  # [C]
     hist_offsets = batch.window_context_slots % page_size  # [C]
-    hist_k = k_cache[hist_pages, :, hist_offsets].to(q.dtype)  # [C, Hkv, D]
-    hist_v = v_cache[hist_pages, :, hist_offsets].to(q.dtype)  # [C, Hkv, D]
+    out_dtype = q.dtype
+    if kv_scales is not None:  # FP8 ring pages: history and this step's K/V in float32
+        q, k, v = q.float(), k.float(), v.float()
+    ks, vs = (None, None) if kv_scales is None else kv_scales
+    # [C, Hkv, D] each (dequantize_kv wants heads before tokens: transpose around it)
+    hist_k = dequantize_kv(k_cache[hist_pages, :, hist_offsets].transpose(0, 1), ks,
+        q.dtype).transpose(0, 1)
+    hist_v = dequantize_kv(v_cache[hist_pages, :, hist_offsets].transpose(0, 1), vs,
+        q.dtype).transpose(0, 1)
     out = torch.empty_like(q)  # [T, Hq, D]
     qs, hs = batch.query_start_list, batch.window_context_start
     for i in range(batch.num_requests):
@@ -185,19 +250,8 @@ def window_attention(
             q_pos = torch.arange(h, h + n, device=q.device)[:, None]  # [n, 1], relative to the history start
             k_pos = torch.arange(h + n, device=q.device)[None, :]  # [1, h+n]
             mask = (k_pos <= q_pos) & ((q_pos - k_pos) < window)  # [n, h+n]
-        oi = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], ctx_k[None], ctx_v[None], attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [1, Hq, n, D]
+        qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
+        oi = sdpa_with_sinks(qi, ctx_k[None], ctx_v[None], mask, scale, sinks)  # [1, Hq, n, D]
         out[start:end] = oi[0].transpose(0, 1)
-    store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping)
-    return out
-
-
-def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """The backend for a device: Triton paged kernels on CUDA (when triton is installed), SDPA
-    reference elsewhere. One instance per model: it caches per-batch index tensors."""
-    if fused.available(device):  # CUDA with triton importable
-        from worker.model.triton_attention import TritonPagedBackend
-
-        return TritonPagedBackend()
-    return TorchSDPABackend()
+    store_kv(k, v, k_cache, v_cache, batch.window_slot_mapping, kv_scales)
+    return out.to(out_dtype)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from worker.batch import ForwardBatch
-from worker.kv_cache import KVCache
+from worker.kv_cache import KVCache, StateShape
 from worker.model.layers import TensorSource
 
 
@@ -26,10 +26,23 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's (deduplicated)
-    dtype: torch.dtype  # the dtype the weights were loaded in (also the KV cache's)
+    # the dtype the weights compute in (the KV cache's too unless kv_cache_dtype is set)
+    dtype: torch.dtype
     fingerprint: str  # sha256 over config.json and the safetensors headers; "dummy:<seed>"
     sliding_window: int | None  # largest window of any sliding layer; None = all full attention
-    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full attention
+    layer_windows: tuple[
+        int | None, ...
+    ] = ()  # per layer: its sliding window, None = full attention
+    # Recurrent layers (a fixed-size state slot per request, no K/V pages), ascending, and one
+    # slot of one such layer on one rank (CausalLM.state_shape); () / None without any.
+    state_layers: tuple[int, ...] = ()
+    state_shape: StateShape | None = None
+    # MLA (DeepSeek): the KV cache keeps one latent row of this width per token per layer (no heads,
+    # no K/V pair; num_kv_heads is then 1 and head_dim this width). 0 = K/V heads.
+    kv_latent_dim: int = 0
+    # The checkpoint's K/V cache scales for FP8 pages (worker/model/fp8.py KVScales.label): "1.0"
+    # when it has none, else "checkpoint per-tensor|per-head sha256:…".
+    kv_scales: str = "1.0"
 
 
 @dataclass(frozen=True)
@@ -56,10 +69,27 @@ class CausalLM(nn.Module, ABC):
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Checkpoint tensor name → where it loads. The loader requires every name listed."""
 
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """Switch to the model's CUDA kernels (the loader's choice on CUDA); none by default."""
+
+    def state_layers(self) -> tuple[int, ...]:
+        """Layers that keep a recurrent state slot instead of K/V pages (none by default)."""
+        return ()
+
+    def state_shape(self) -> StateShape | None:
+        """One state slot of one recurrent layer on this rank: conv and ssm shapes and dtypes
+        (KVCache.state's views). None for attention-only models."""
+        return None
+
     @property
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode step can be captured once and replayed (no per-step host logic)."""
         return True
+
+    def drop_unloaded(self, loaded: set[str]) -> None:
+        """After a checkpoint load, with the names it filled: let go of optional modules the
+        checkpoint did not carry (DeepSeek's MTP layers), so that `weight_slots` lists only what
+        must be there. Most models have none."""
 
     def load_weight(self, name: str, source: TensorSource) -> None:
         slot = self.weight_slots()[name]

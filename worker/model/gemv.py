@@ -15,6 +15,10 @@ Because a program holds all of x, the layer's glue folds in (worker/model/llama.
 - `residual=stream`: y is added to the stream in place (the residual add of the next norm).
 - `pair=True`: w is the fused gate|up weight; y = silu(gate) * up (SwiGLU).
 - `out` may be float32 (logits): y is rounded to the model dtype first, as F.linear(...).float().
+- `w_scale=, block=`: w is a block-scaled FP8 weight (worker/model/fp8.py); each program
+  dequantizes its weight tile in registers (one scale per block_n rows × block_k columns, read
+  once per tile row), so a step streams one byte per weight plus 1/4096 of that in scales, and
+  x stays unquantized.
 Sums run in float32 in another order than cuBLAS's: results agree with F.linear to bf16
 rounding, not bit for bit.
 """
@@ -39,10 +43,18 @@ def _config(k: int, pair: bool, norm: bool) -> dict[str, int]:
     one, 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide, 4 past it)."""
     if norm:
         block_k = next_pow2(k)
-        return dict(BLOCK_N=1 if pair else max(1, min(4, 16384 // block_k)), BLOCK_K=block_k, num_warps=8,
-                    num_stages=1)
-    return dict(BLOCK_N=2 if pair else 4, BLOCK_K=_LOOP_BLOCK_K, num_warps=8 if k <= MAX_K_ONE_BLOCK else 4,
-                num_stages=2)
+        return dict(
+            BLOCK_N=1 if pair else max(1, min(4, 16384 // block_k)),
+            BLOCK_K=block_k,
+            num_warps=8,
+            num_stages=1,
+        )
+    return dict(
+        BLOCK_N=2 if pair else 4,
+        BLOCK_K=_LOOP_BLOCK_K,
+        num_warps=8 if k <= MAX_K_ONE_BLOCK else 4,
+        num_stages=2,
+    )
 
 
 @functools.cache
@@ -52,21 +64,64 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def gemv_kernel(
-        x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, N, stride_w, pair_offset, eps,
-        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        nw_ptr,
+        r_ptr,
+        out_ptr,
+        s_ptr,
+        N,
+        stride_w,
+        pair_offset,
+        eps,
+        stride_s,
+        K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PAIR: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        SCALED: tl.constexpr,
+        SCALE_N: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
         k = tl.arange(0, BLOCK_K)  # [BK]
         n_mask = n < N
         dtype = x_ptr.dtype.element_ty
+        # columns per scale (block_k, or BLOCK_K if smaller)
+        SUB: tl.constexpr = BLOCK_K // SCALE_COLS
+        sc_col = tl.arange(0, SCALE_COLS)  # [SC] this tile's scale columns, from the first below
+        s_rows = s_ptr + (n // SCALE_N)[:, None] * stride_s  # [BN, 1]: w's scale row per output
+        su_rows = s_ptr + ((n + N) // SCALE_N)[:, None] * stride_s  # the up half's rows (PAIR)
+
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w  # [BN, 1]
         if BLOCK_K >= K:  # one block: weight rows first (the long wait), then x beside them
             k_mask = k < K
             mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(w_rows + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             if PAIR:
-                u = tl.load(w_rows + pair_offset + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                u = tl.load(
+                    w_rows + pair_offset + k[None, :],
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            if SCALED:  # FP8 tile [BN, BK] → float32 times its block scales [BN, SC]
+                sc_mask = n_mask[:, None] & (sc_col * SUB < K)[None, :]
+                sc = tl.load(s_rows + sc_col[None, :], mask=sc_mask, other=0.0)
+                w = tl.reshape(
+                    tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :, None],
+                    [BLOCK_N, BLOCK_K],
+                )
+                if PAIR:
+                    su = tl.load(su_rows + sc_col[None, :], mask=sc_mask, other=0.0)
+                    u = tl.reshape(
+                        tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * su[:, :, None],
+                        [BLOCK_N, BLOCK_K],
+                    )
             x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             if NORM:  # as layers.RMSNorm: float32 statistics; normalized, rounded, times the weight, rounded
                 rstd = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
@@ -82,22 +137,47 @@ def _kernels() -> SimpleNamespace:
                 kk = i * BLOCK_K + k
                 k_mask = kk < K
                 mask = n_mask[:, None] & k_mask[None, :]
-                w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                w = tl.load(
+                    w_rows + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+                )
                 x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                cols = i * SCALE_COLS + sc_col  # [SC] scale columns of this K block
+                sc_mask = n_mask[:, None] & (cols * SUB < K)[None, :]
+                if SCALED:
+                    sc = tl.load(s_rows + cols[None, :], mask=sc_mask, other=0.0)
+                    w = tl.reshape(
+                        tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :, None],
+                        [BLOCK_N, BLOCK_K],
+                    )
                 acc += w.to(tl.float32) * x
                 if PAIR:
-                    u = tl.load(w_rows + pair_offset + kk[None, :], mask=mask, other=0.0,
-                                eviction_policy="evict_first")
+                    u = tl.load(
+                        w_rows + pair_offset + kk[None, :],
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+                    if SCALED:
+                        su = tl.load(su_rows + cols[None, :], mask=sc_mask, other=0.0)
+                        u = tl.reshape(
+                            tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB])
+                            * su[:, :, None],
+                            [BLOCK_N, BLOCK_K],
+                        )
                     acc_up += u.to(tl.float32) * x
             y = tl.sum(acc, 1)
             if PAIR:
                 up = tl.sum(acc_up, 1)
         if HAS_BIAS:
-            y = y.to(dtype).to(tl.float32) + tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+            y = y.to(dtype).to(tl.float32) + tl.load(b_ptr + n, mask=n_mask, other=0.0).to(
+                tl.float32
+            )
         y = y.to(dtype).to(tl.float32)  # rounded as F.linear's output is
         if PAIR:  # SwiGLU: silu(gate), rounded, times up
             if HAS_BIAS:
-                up = up.to(dtype).to(tl.float32) + tl.load(b_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)
+                up = up.to(dtype).to(tl.float32) + tl.load(
+                    b_ptr + N + n, mask=n_mask, other=0.0
+                ).to(tl.float32)
             up = up.to(dtype).to(tl.float32)
             y = ((y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
         if RESIDUAL:  # the residual stream plus this output, in the model dtype
@@ -109,30 +189,59 @@ def _kernels() -> SimpleNamespace:
 
 def _row(t: torch.Tensor, width: int, name: str) -> None:
     if t.shape != (1, width) or t.stride(1) != 1:
-        raise ValueError(f"{name} must be one row [1, {width}] with unit column stride; got {tuple(t.shape)} "
-                         f"strides {tuple(t.stride())}")
+        raise ValueError(
+            f"{name} must be one row [1, {width}] with unit column stride; got {tuple(t.shape)} "
+            f"strides {tuple(t.stride())}"
+        )
 
 
 def gemv(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, pair: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, **config: int,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pair: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+    **config: int,
 ) -> torch.Tensor:
     """y = x w^T (+ bias) for one row x [1, K] and a contiguous w [N, K] of x's dtype → [1, N]
     (into `out`, or into `residual`, whose row it adds to in place); see the module docstring.
+    An FP8 w takes its block scales `w_scale` [N / block[0], K / block[1]] float32.
     `config` overrides the block shape (BLOCK_N, BLOCK_K, num_warps, num_stages: for sweeps)."""
     rows, k = w.shape
     _row(x, k, "x")
-    if not w.is_contiguous() or x.dtype != w.dtype:
-        raise ValueError(f"w must be a contiguous [N, K] of x's dtype {x.dtype}; got {w.dtype} "
-                         f"strides {tuple(w.stride())}")
+    if not w.is_contiguous() or (x.dtype != w.dtype and w_scale is None):
+        raise ValueError(
+            f"w must be a contiguous [N, K] of x's dtype {x.dtype} (or FP8 with "
+            "w_scale); got "
+            f"{w.dtype} strides {tuple(w.stride())}"
+        )
+    if w_scale is not None and (
+        w_scale.shape != (-(-rows // block[0]), -(-k // block[1]))
+        or w_scale.dtype != torch.float32
+        or w_scale.stride(1) != 1
+        or block[1] & (block[1] - 1)
+    ):
+        raise ValueError(
+            f"w_scale must be float32 [{-(-rows // block[0])}, {-(-k // block[1])}] "
+            f"(blocks {block}, "
+            f"block[1] a power of two), got {tuple(w_scale.shape)} {w_scale.dtype}"
+        )
     if pair and rows % 2:
-        raise ValueError(f"gemv(pair=True) needs the fused gate|up weight (an even row count), got {rows}")
+        raise ValueError(
+            f"gemv(pair=True) needs the fused gate|up weight (an even row count), got {rows}"
+        )
     n = rows // 2 if pair else rows
     if bias is not None and bias.shape != (rows,):
         raise ValueError(f"bias must be [{rows}], got {tuple(bias.shape)}")
     if norm is not None and (norm[0].shape != (k,) or k > MAX_K_ONE_BLOCK):
-        raise ValueError(f"norm weight must be [{k}] with K ≤ {MAX_K_ONE_BLOCK}, got {tuple(norm[0].shape)}")
+        raise ValueError(
+            f"norm weight must be [{k}] with K ≤ {MAX_K_ONE_BLOCK}, got {tuple(norm[0].shape)}"
+        )
     if residual is not None:
         _row(residual, n, "residual")
         if residual.dtype != x.dtype:
@@ -145,10 +254,28 @@ def gemv(
     cfg = _config(k, pair, norm is not None) | config
     if norm is not None and cfg["BLOCK_K"] < k:
         raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
+    scale_cols = max(1, cfg["BLOCK_K"] // block[1])  # scale columns one weight tile spans
     _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](
-        x, w, x if bias is None else bias, x if norm is None else norm[0], out, out,
-        n, w.stride(0), n * w.stride(0), 0.0 if norm is None else norm[1],
-        K=k, PAIR=pair, HAS_BIAS=bias is not None, NORM=norm is not None, RESIDUAL=residual is not None,
+        x,
+        w,
+        x if bias is None else bias,
+        x if norm is None else norm[0],
+        out,
+        out,
+        x if w_scale is None else w_scale,
+        n,
+        w.stride(0),
+        n * w.stride(0),
+        0.0 if norm is None else norm[1],
+        0 if w_scale is None else w_scale.stride(0),
+        K=k,
+        PAIR=pair,
+        HAS_BIAS=bias is not None,
+        NORM=norm is not None,
+        RESIDUAL=residual is not None,
+        SCALED=w_scale is not None,
+        SCALE_N=block[0],
+        SCALE_COLS=scale_cols,
         **cfg,
     )
     return out

@@ -14,12 +14,17 @@ from typing import Any
 
 import torch
 
+from worker.model.fp8 import BlockFp8Config, Fp8Error, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",  # its own fields: worker/model/gpt_oss_config.py
+    "Qwen3NextForCausalLM",  # its own fields: worker/model/qwen3_next_config.py
+    "DeepseekV3ForCausalLM",  # config.json read by worker/model/deepseek_config.py (see loader.py)
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -80,6 +85,18 @@ class ArchConfig:
     torch_dtype: torch.dtype  # the checkpoint's declared dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
+    # Block-scaled FP8 checkpoint (quantization_config); None = unquantized weights. The loader
+    # clears it where FP8 linears do not run (CPU: the weights are dequantized at load).
+    quant: BlockFp8Config | None = None
+    # A family's own typed fields, set by its parser (e.g. gpt_oss_config.GptOssArch,
+    # deepseek_config.DeepseekArch, qwen3_next_config.Qwen3NextArch).
+    family: Any = None
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """MLA: width of the one latent row per token per layer the KV cache keeps; 0 = K/V."""
+        mla = getattr(self.family, "mla", None)  # DeepseekArch.mla
+        return int(mla.latent_dim) if mla is not None else 0
 
     @property
     def sliding_window(self) -> int | None:
@@ -88,14 +105,19 @@ class ArchConfig:
 
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-    "half": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
 }
 
 
 def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
     if key not in cfg or cfg[key] is None:
-        raise ModelLoadError(f"{source}: required field {key!r} is missing; is this a decoder-only HF checkpoint?")
+        raise ModelLoadError(
+            f"{source}: required field {key!r} is missing; is this a decoder-only HF checkpoint?"
+        )
     return cfg[key]
 
 
@@ -118,12 +140,22 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
             f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     max_pos = int(cfg.get("max_position_embeddings", 0) or 0)
-    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (1, 1.0, None):
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (
+        1,
+        1.0,
+        None,
+    ):
         raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
     factor = float(params.get("factor") or 1.0)
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
-        raise ModelLoadError(f"{source}: rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling")
-    orig = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos)
+        raise ModelLoadError(
+            f"{source}: rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling"
+        )
+    orig = int(
+        params.get("original_max_position_embeddings")
+        or cfg.get("original_max_position_embeddings")
+        or max_pos
+    )
     if rope_type == "yarn" and params.get("factor") is None:
         factor = max_pos / orig  # transformers' fallback: the implied extension ratio
     return RopeConfig(
@@ -147,7 +179,9 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     """Which layers attend through a sliding window, following transformers' rules per family."""
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get(
+        "use_sliding_window", False
+    ):
         window = None  # Qwen configs carry a window value that is off unless use_sliding_window
     if window is None:
         return (None,) * num_layers
@@ -174,16 +208,28 @@ def parse_arch_config(
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     if heads % kv_heads:
-        raise ModelLoadError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        raise ModelLoadError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
     num_layers = int(_require(cfg, "num_hidden_layers", source))
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ModelLoadError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)")
+        raise ModelLoadError(
+            f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)"
+        )
     dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
     if dtype_name not in _DTYPES:
-        raise ModelLoadError(f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16")
+        raise ModelLoadError(
+            f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16"
+        )
     attention_bias = bool(cfg.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    eos = _as_id_tuple((generation_cfg or {}).get("eos_token_id")) + _as_id_tuple(cfg.get("eos_token_id"))
+    eos = _as_id_tuple((generation_cfg or {}).get("eos_token_id")) + _as_id_tuple(
+        cfg.get("eos_token_id")
+    )
+    try:
+        quant = parse_quantization_config(cfg.get("quantization_config"), source)
+    except Fp8Error as exc:
+        raise ModelLoadError(str(exc)) from None
     return ArchConfig(
         architecture=arch,
         num_layers=num_layers,
@@ -205,21 +251,30 @@ def parse_arch_config(
         torch_dtype=_DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
         moe=parse_moe(cfg, num_layers, source) if arch == "Qwen3MoeForCausalLM" else None,
+        quant=quant,
     )
 
 
 def parse_moe(cfg: dict[str, Any], num_layers: int, source: str) -> MoEArch:
     """Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th."""
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    experts = int(
+        cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    )  # transformers 5 writes the latter
     if experts <= 0:
-        raise ModelLoadError(f"{source}: Qwen3MoeForCausalLM needs num_experts (or num_local_experts) > 0")
+        raise ModelLoadError(
+            f"{source}: Qwen3MoeForCausalLM needs num_experts (or num_local_experts) > 0"
+        )
     top_k = int(_require(cfg, "num_experts_per_tok", source))
     if not 0 < top_k <= experts:
-        raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={experts}]")
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={experts}]"
+        )
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     return MoEArch(
-        num_experts=experts, top_k=top_k, intermediate_size=int(_require(cfg, "moe_intermediate_size", source)),
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=int(_require(cfg, "moe_intermediate_size", source)),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
     )

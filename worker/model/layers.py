@@ -10,19 +10,28 @@ Tensor parallelism: column-parallel layers split the output features across rank
 row-parallel layers split the input features and all-reduce their output; the embedding and
 the LM head split the vocabulary (a masked lookup + all-reduce in, an all-gather of logit
 shards out). With tp_size 1 the slices are the whole tensors and no collective runs.
+
+Block-scaled FP8 weights (`quant`: worker/model/fp8.py): a linear built with a BlockFp8Config
+keeps its weight in float8_e4m3fn with `weight_scale_inv` [out rows / block_n, in / block_k]
+float32 and runs worker/model/fp8_gemm.py (CUDA). Tensor parallelism slices whole scale blocks,
+so every fused piece's rows on a rank (column-parallel) or the rank's input columns
+(row-parallel) must be a multiple of the block; a linear where they are not is built
+unquantized instead and its FP8 checkpoint tensor dequantized at load (as on the CPU, where the
+loader builds every linear unquantized).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import fused, gemv
+from worker.model import fp8_gemm, fused, gemv
+from worker.model.fp8 import FP8, BlockFp8Config, BlockFp8Source
 
 
 class TensorSource(Protocol):
@@ -72,6 +81,37 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp8_params(
+    module: nn.Module, rows: int, cols: int, scale_rows: int, quant: BlockFp8Config
+) -> None:
+    """An FP8 weight [rows, cols] and its block scales [scale_rows, cols / block_k] on `module`."""
+    module.weight = _param(rows, cols, dtype=FP8)
+    module.weight_scale_inv = _param(scale_rows, _cdiv(cols, quant.block_k), dtype=torch.float32)
+
+
+def _fp8_source(source: TensorSource, name: str) -> BlockFp8Source:
+    if not isinstance(source, BlockFp8Source):
+        raise WeightShapeError(
+            f"{name}: the layer is FP8 (config.json quantization_config) but "
+            "its checkpoint "
+            "tensor has no weight_scale_inv; list the module in "
+            "modules_to_not_convert"
+        )
+    return source
+
+
+def gemv_scales(linear: nn.Module) -> dict[str, Any]:
+    """The GEMV's FP8 arguments for a linear: its block scales, or nothing when unquantized."""
+    quant = getattr(linear, "quant", None)
+    if quant is None:
+        return {}
+    return {"w_scale": linear.weight_scale_inv, "block": (quant.block_n, quant.block_k)}
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in float32, weight applied in the model dtype (as transformers does).
 
@@ -93,7 +133,9 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [..., dim] → (norm(residual + x), residual + x): the sum is the new residual."""
         if self.fused:
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
@@ -111,8 +153,17 @@ class ColumnParallelLinear(nn.Module):
     across ranks separately so every rank holds its own rows of every piece.
     """
 
+    weight: nn.Parameter
+    weight_scale_inv: nn.Parameter  # FP8 only: [rows / block_n, in / block_k] float32
+
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo, dtype: torch.dtype | None = None
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype | None = None,
+        quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
         for size in output_sizes:
@@ -122,10 +173,21 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [s // tp.size for s in output_sizes]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         out_local = sum(self.local_sizes)
-        self.weight = _param(out_local, in_features, dtype=dtype)  # [out_local, in]
+        # FP8 only where every piece's rows on this rank are whole scale blocks (see module doc).
+        whole = len(output_sizes) == 1 and tp.size == 1
+        aligned = quant is not None and all(s % quant.block_n == 0 for s in self.local_sizes)
+        self.quant = quant if quant and (whole or aligned) else None
+        if self.quant is not None:
+            scale_rows = sum(_cdiv(s, self.quant.block_n) for s in self.local_sizes)
+            # [out_local, in] e4m3
+            _fp8_params(self, out_local, in_features, scale_rows, self.quant)
+        else:
+            self.weight = _param(out_local, in_features, dtype=dtype)  # [out_local, in]
         self.bias = _param(out_local, dtype=dtype) if bias else None  # [out_local]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] → [T, out_local]
+        if self.quant is not None:
+            return fp8_gemm.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.quant)
         return F.linear(x, self.weight, self.bias)
 
     def _shard_index(self, shard_id: object) -> int:
@@ -139,15 +201,27 @@ class ColumnParallelLinear(nn.Module):
         i = self._shard_index(shard_id)
         local = self.local_sizes[i]
         start = self._rank_start(i)
+        name = f"{type(self).__name__}.{param}[{shard_id}]"
+        # FP8 rows and their scale rows, as they are
+        if self.quant is not None and param == "weight":
+            w, s = _fp8_source(source, name).read_quantized(0, start, start + local)
+            _copy_checked(self.weight.data.narrow(0, self.offsets[i], local), w, name)
+            scales = self.weight_scale_inv.data.narrow(
+                0, self.offsets[i] // self.quant.block_n, s.shape[0]
+            )
+            _copy_checked(scales, s, name + ".weight_scale_inv")
+            return
         dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
-        _copy_checked(dst, source.read(0, start, start + local), f"{type(self).__name__}.{param}[{shard_id}]")
+        _copy_checked(dst, source.read(0, start, start + local), name)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads one rank holds: an even split, or one replicated head when tp_size > num_kv_heads."""
     if tp_size <= num_kv_heads:
         if num_kv_heads % tp_size:
-            raise WeightShapeError(f"num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp_size})")
+            raise WeightShapeError(
+                f"num_kv_heads ({num_kv_heads}) must be divisible by tp_size ({tp_size})"
+            )
         return num_kv_heads // tp_size
     if tp_size % num_kv_heads:
         raise WeightShapeError(
@@ -167,15 +241,24 @@ class QKVParallelLinear(ColumnParallelLinear):
     SHARDS = ("q", "k", "v")
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo,
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPInfo,
         dtype: torch.dtype | None = None,
+        quant: BlockFp8Config | None = None,
     ) -> None:
         if num_heads % tp.size:
-            raise WeightShapeError(f"num_heads ({num_heads}) must be divisible by tp_size ({tp.size})")
+            raise WeightShapeError(
+                f"num_heads ({num_heads}) must be divisible by tp_size ({tp.size})"
+            )
         kv_local = kv_heads_per_rank(num_kv_heads, tp.size)
         self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks sharing one kv head
         kv_shard = kv_local * head_dim * tp.size  # the size the base class splits evenly
-        super().__init__(hidden, [num_heads * head_dim, kv_shard, kv_shard], bias, tp, dtype)
+        super().__init__(hidden, [num_heads * head_dim, kv_shard, kv_shard], bias, tp, dtype, quant)
 
     def _shard_index(self, shard_id: object) -> int:
         return self.SHARDS.index(str(shard_id))
@@ -183,25 +266,55 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _rank_start(self, i: int) -> int:
         if i == 0 or self.kv_replicas == 1:
             return super()._rank_start(i)
-        return (self.tp.rank // self.kv_replicas) * self.local_sizes[i]  # the replicated head's rows
+        return (self.tp.rank // self.kv_replicas) * self.local_sizes[
+            i
+        ]  # the replicated head's rows
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's columns (input features) split across ranks; output all-reduced."""
 
+    weight: nn.Parameter
+    weight_scale_inv: nn.Parameter  # FP8 only: [out / block_n, in_local / block_k] float32
+
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype: torch.dtype | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPInfo,
+        dtype: torch.dtype | None = None,
+        quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
         if in_features % tp.size:
-            raise WeightShapeError(f"input size {in_features} is not divisible by tp_size {tp.size}")
+            raise WeightShapeError(
+                f"input size {in_features} is not divisible by tp_size {tp.size}"
+            )
         self.tp = tp
         self.in_local = in_features // tp.size
-        self.weight = _param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
-        self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
+        # FP8 only where this rank's input columns are whole scale blocks (see module doc).
+        aligned = quant is not None and self.in_local % quant.block_k == 0
+        self.quant = quant if quant and (tp.size == 1 or aligned) else None
+        if self.quant is not None:
+            _fp8_params(
+                self,
+                out_features,
+                self.in_local,
+                _cdiv(out_features, self.quant.block_n),
+                self.quant,
+            )
+        else:
+            self.weight = _param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
+        self.bias = (
+            _param(out_features, dtype=dtype) if bias else None
+        )  # added once, after the reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
-        y = F.linear(x, self.weight)
+        if self.quant is not None:
+            y = fp8_gemm.fp8_linear(x, self.weight, self.weight_scale_inv, None, self.quant)
+        else:
+            y = F.linear(x, self.weight)
         if self.tp.size > 1:
             dist.all_reduce(y, group=self.tp.group)
         return y if self.bias is None else y + self.bias
@@ -211,7 +324,18 @@ class RowParallelLinear(nn.Module):
             _copy_checked(self.bias.data, source.read(), "RowParallelLinear.bias")  # type: ignore[union-attr]
             return
         start = self.tp.rank * self.in_local
-        _copy_checked(self.weight.data, source.read(1, start, start + self.in_local), "RowParallelLinear.weight")
+        if self.quant is not None:  # FP8 columns and their scale columns, as they are
+            w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(
+                1, start, start + self.in_local
+            )
+            _copy_checked(self.weight.data, w, "RowParallelLinear.weight")
+            _copy_checked(self.weight_scale_inv.data, s, "RowParallelLinear.weight_scale_inv")
+            return
+        _copy_checked(
+            self.weight.data,
+            source.read(1, start, start + self.in_local),
+            "RowParallelLinear.weight",
+        )
 
 
 def vocab_shard(vocab_size: int, tp: TPInfo) -> tuple[int, int, int]:
@@ -228,7 +352,13 @@ class Embedding(nn.Module):
     (exactly one rank contributes each row, so the sum is exact).
     """
 
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype | None = None, tp: TPInfo | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        dtype: torch.dtype | None = None,
+        tp: TPInfo | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp or TPInfo()
         self.vocab_size = vocab_size
@@ -255,7 +385,11 @@ class Embedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] @ this matrix^T → full logits [N, V] float32 (gathers shards)."""
         if self.fused and self.tp.size == 1 and hidden.shape[0] == 1:
-            return gemv.gemv(hidden, self.weight, out=hidden.new_empty(1, self.weight.shape[0], dtype=torch.float32))
+            return gemv.gemv(
+                hidden,
+                self.weight,
+                out=hidden.new_empty(1, self.weight.shape[0], dtype=torch.float32),
+            )
         local = F.linear(hidden, self.weight).float()  # [N, V_local]
         if self.tp.size == 1:
             return local

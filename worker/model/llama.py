@@ -22,7 +22,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
-from worker.model import fused, gemv
+from worker.model import fp8, fused, gemv
 from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.hf_config import ArchConfig
@@ -34,6 +34,7 @@ from worker.model.layers import (
     RMSNorm,
     RowParallelLinear,
     TPInfo,
+    gemv_scales,
     kv_heads_per_rank,
 )
 from worker.model.rope import RotaryEmbedding, apply_rope
@@ -51,13 +52,25 @@ class Attention(nn.Module):
         self.num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp.size)
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_windows[layer]
+        # checkpoint names, for quantization_config's skip list
+        p = f"model.layers.{layer}.self_attn."
+        qkv_quant = cfg.quant and cfg.quant.for_module(p + "q_proj", p + "k_proj", p + "v_proj")
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp,
+                dtype, qkv_quant
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias,
+            tp, dtype,
+                                        cfg.quant and cfg.quant.for_module(p + "o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # Attention sinks [Hq on this rank] (float32): GPT-OSS sets them (worker/model/gpt_oss.py).
+        self.sinks: nn.Parameter | None = None
         self.fused = False  # one Triton kernel for q/k norm + RoPE (set_fused_kernels)
+        # FP8 KV cache: this rank's K and V scales [Hkv_local] (worker/model/fp8.py); the loader
+        # sets them from the checkpoint, or to 1.0. Used only when the cache is FP8.
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads), persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
@@ -73,6 +86,8 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
         window = self.sliding_window if self.sliding_window is not None and kv.is_window(self.layer) else None
+        scales = (cast(torch.Tensor, self.k_scale), cast(torch.Tensor,
+            self.v_scale)) if fp8.is_fp8(k_cache) else None
         # Fused: q/k norm (Qwen3), RoPE and (outside a window's ring of pages) the K/V store in one kernel.
         store = (k_cache, v_cache, batch.slot_mapping) if self.fused and window is None else None
         if self.fused:
@@ -81,6 +96,7 @@ class Attention(nn.Module):
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 0.0, kv_cache=store,
+                    kv_scales=scales,
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # [T, *] views
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -91,21 +107,27 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: normalize each head before RoPE
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if window is not None:  # a ring of the last W tokens
-            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window)
+            o = window_attention(q, k, v, k_cache, v_cache, batch, self.scale, window, self.sinks,
+                                 kv_scales=scales)
         else:
-            o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.sliding_window,
-                                     kv_stored=store is not None)
+            o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.scale,
+                                     self.sliding_window, kv_stored=store is not None,
+                                     sinks=self.sinks, kv_scales=scales)
         return o.reshape(t, q_size)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, cfg: ArchConfig, tp: TPInfo, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPInfo, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+        p = f"model.layers.{layer}.mlp."  # checkpoint names, for quantization_config's skip list
+        quant = cfg.quant and cfg.quant.for_module(p + "gate_proj", p + "up_proj")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp,
+            dtype, quant)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, dtype,
+                                           cfg.quant and cfg.quant.for_module(p + "down_proj"))
         self.fused = False  # one Triton kernel for silu(gate) * up (set_fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
@@ -122,7 +144,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp, backend, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
+        self.mlp = MLP(cfg, tp, dtype, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -148,11 +170,16 @@ class DecoderLayer(nn.Module):
         residual add inside the GEMV before it, SiLU·mul inside gate|up."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight, pre.eps))
+        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight,
+            pre.eps),
+                        **gemv_scales(attn.qkv_proj))  # FP8 weights: their block scales
         o = attn.attend(qkv, cos, sin, batch, kv)
-        gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream)
-        act = gemv.gemv(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pair=True, norm=(post.weight, post.eps))
-        gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream)
+        gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream,
+            **gemv_scales(attn.o_proj))
+        act = gemv.gemv(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pair=True,
+                        norm=(post.weight, post.eps), **gemv_scales(mlp.gate_up_proj))
+        gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream,
+            **gemv_scales(mlp.down_proj))
 
 
 class LlamaModel(nn.Module):

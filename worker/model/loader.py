@@ -9,15 +9,23 @@
    drawn where the model lives.
 4. Compute the fingerprint: sha256 over config.json bytes and each safetensors file's name,
    size and header — cheap, and it changes whenever weights or config change.
+
+FP8 (worker/model/fp8.py): a block-scaled checkpoint's `X.weight` arrives paired with its
+`X.weight_scale_inv` as one `BlockFp8Source`; on CUDA (with triton) the linears keep FP8, on the
+CPU the loader builds them in the model dtype and the source dequantizes each slice as it is
+read (at load: once, no FP8 compute on the CPU). K/V cache scales (`self_attn.k_scale`, ...)
+are collected whole and each rank's attention layers take their heads' values (1.0 where the
+checkpoint has none); `ModelSpec.kv_scales` names them for the log and the layout contract.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,29 +33,47 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from transfer.contract import heads_of_rank
 from worker.config import ModelConfig, ParallelConfig
-from worker.model import fused
-from worker.model.attention import get_attention_backend
+from worker.model import fp8, fused
+from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
+from worker.model.deepseek_config import parse_deepseek_v3
+from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
+from worker.model.gpt_oss import GptOssForCausalLM
+from worker.model.gpt_oss_config import parse_gpt_oss_config
 from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, check_deepep
 from worker.model.qwen3_moe import Qwen3MoeForCausalLM
+from worker.model.qwen3_next import Qwen3NextForCausalLM
+from worker.model.qwen3_next_config import parse_qwen3_next_config
 
 log = logging.getLogger(__name__)
 
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+_MODEL_CLASSES: dict[str, Callable[..., CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+}
+# Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
+_CONFIG_PARSERS: dict[str, Callable[..., ArchConfig]] = {
+    "GptOssForCausalLM": parse_gpt_oss_config,
+    "Qwen3NextForCausalLM": parse_qwen3_next_config,
+    "DeepseekV3ForCausalLM": parse_deepseek_v3,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
 _FP_SAMPLES, _FP_SAMPLE = 16, 4096  # data samples per file for the fingerprint, bytes each
 _DUMMY_BLOCK = 1 << 24  # elements drawn per randn call (64 MiB of float32)
+# dummy FP8 weights: e4m3 values of this spread, their scales bring them to N(0, 0.02)
+_DUMMY_FP8_STD = 16.0
 
 
 class SafetensorsSource:
@@ -60,7 +86,13 @@ class SafetensorsSource:
     def shape(self) -> tuple[int, ...]:
         return tuple(self._slice.get_shape())
 
+    @property
+    def is_fp8(self) -> bool:
+        return str(self._slice.get_dtype()).startswith("F8")
+
     def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        if not self.shape:  # a scalar (e.g. a per-tensor K/V cache scale) has nothing to slice
+            return self._slice[()]
         stop = self.shape[dim] if stop is None else stop
         index = (slice(None),) * dim + (slice(start, stop),)
         return self._slice[index]
@@ -70,17 +102,24 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelLoadError(f"{path} does not exist; model.path must be an HF-format directory") from None
+        raise ModelLoadError(
+            f"{path} does not exist; model.path must be an HF-format directory"
+        ) from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
 
 
 def load_arch_config(path: Path) -> ArchConfig:
     if not path.is_dir():
-        raise ModelLoadError(f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory")
+        raise ModelLoadError(
+            f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory"
+        )
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
-    return parse_arch_config(read_json(path / "config.json"), gen, source=str(path / "config.json"))
+    cfg = read_json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
+    return parse(cfg, gen, source=str(path / "config.json"))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -91,7 +130,9 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / n for n in names]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
-            raise ModelLoadError(f"{index} lists shards that are absent: {missing[:3]}; re-download the checkpoint")
+            raise ModelLoadError(
+                f"{index} lists shards that are absent: {missing[:3]}; re-download the checkpoint"
+            )
         return files
     single = path / "model.safetensors"
     if single.exists():
@@ -132,7 +173,9 @@ def fingerprint(path: Path, files: list[Path]) -> str:
 def resolve_dtype(model: ModelConfig, arch: ArchConfig, device: torch.device) -> torch.dtype:
     if model.dtype != "auto":
         if model.dtype not in _DTYPE_NAMES:
-            raise ModelLoadError(f"model.dtype {model.dtype!r} is not one of auto|float32|bfloat16|float16")
+            raise ModelLoadError(
+                f"model.dtype {model.dtype!r} is not one of auto|float32|bfloat16|float16"
+            )
         return _DTYPE_NAMES[model.dtype]
     if arch.torch_dtype == torch.float16 and device.type == "cpu":
         # fp16 matmul on CPU runs at a few GFLOP/s; float32 is exact for fp16 weights.
@@ -141,34 +184,92 @@ def resolve_dtype(model: ModelConfig, arch: ArchConfig, device: torch.device) ->
     return arch.torch_dtype
 
 
-def iter_checkpoint(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, SafetensorsSource]]:
+_SCALE_INV = "_scale_inv"  # X.weight's block scales are X.weight_scale_inv
+
+
+def iter_checkpoint(
+    files: list[Path],
+    stack: ExitStack,
+    quant: fp8.BlockFp8Config | None = None,
+) -> Iterator[tuple[str, SafetensorsSource | fp8.BlockFp8Source]]:
+    """Every tensor of the checkpoint; an FP8 weight comes with its block scales (the scale
+    tensor is not yielded on its own). Shards may hold a weight and its scales apart."""
+    handles: dict[str, object] = {}
     for f in files:
         handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
         for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-            yield name, SafetensorsSource(handle, name)
+            handles[name] = handle
+    for name, handle in handles.items():
+        if name.endswith(_SCALE_INV) and name.removesuffix(_SCALE_INV) in handles:
+            continue  # read with its weight
+        source = SafetensorsSource(handle, name)
+        scale = handles.get(name + _SCALE_INV)
+        if scale is None:
+            if source.is_fp8:
+                raise ModelLoadError(
+                    f"{name} is FP8 but the checkpoint has no {name}{_SCALE_INV}; "
+                    "only "
+                    "block-scaled FP8 checkpoints are supported "
+                    "(models/make_fp8.py makes one)"
+                )
+            yield name, source
+        elif quant is None:
+            raise ModelLoadError(
+                f"{name} has block scales ({name}{_SCALE_INV}) but config.json "
+                "has no "
+                "quantization_config; is this an FP8 checkpoint with its "
+                "config.json?"
+            )
+        else:
+            try:
+                yield (
+                    name,
+                    fp8.BlockFp8Source(
+                        name, source, SafetensorsSource(scale, name + _SCALE_INV), quant
+                    ),
+                )
+            except fp8.Fp8Error as exc:
+                raise ModelLoadError(str(exc)) from None
 
 
-def load_checkpoint(model: CausalLM, files: list[Path]) -> None:
-    """Stream every tensor into its slot; every slot must be filled exactly once."""
+def load_checkpoint(
+    model: CausalLM,
+    files: list[Path],
+    quant: fp8.BlockFp8Config | None = None,
+    kv_scales: fp8.KVScales | None = None,
+) -> None:
+    """Stream every tensor into its slot; every slot must be filled exactly once. K/V cache
+    scales go to `kv_scales` (they are optional: a checkpoint may have none)."""
     slots = model.weight_slots()
     loaded: set[str] = set()
     ignored: list[str] = []
     with ExitStack() as stack:
-        for name, source in iter_checkpoint(files, stack):
+        for name, source in iter_checkpoint(files, stack, quant):
+            if kv_scales is not None and fp8.kv_scale_target(name) is not None:
+                try:
+                    kv_scales.add(name, source.read())
+                except fp8.Fp8Error as exc:
+                    raise ModelLoadError(str(exc)) from None
+                continue
             slot = slots.get(name)
             if slot is None:
                 ignored.append(name)  # e.g. rotary inv_freq buffers, a tied lm_head copy
                 continue
             slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
             loaded.add(name)
-    missing = sorted(set(slots) - loaded)
+    model.drop_unloaded(loaded)  # optional modules the checkpoint lacks (DeepSeek's MTP layers)
+    missing = sorted(set(model.weight_slots()) - loaded)
     if missing:
         raise ModelLoadError(
             f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
             "does config.json (architectures, tie_word_embeddings, attention_bias) match the weights?"
         )
     if ignored:
-        log.info("ignored %d checkpoint tensors not used by the model, e.g. %s", len(ignored), ignored[:3])
+        log.info(
+            "ignored %d checkpoint tensors not used by the model, e.g. %s",
+            len(ignored),
+            ignored[:3],
+        )
 
 
 @torch.no_grad()
@@ -183,9 +284,16 @@ def init_dummy(model: CausalLM, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    for _, p in model.named_parameters():
+    for name, p in model.named_parameters():
         if id(p) in norm_weights:
             p.fill_(1.0)
+        elif name.endswith("weight_scale_inv"):  # FP8 weights: e4m3 values ~N(0, 16²) times this
+            p.fill_(_DUMMY_STD / _DUMMY_FP8_STD)
+        elif fp8.is_fp8(p):  # no normal_ for float8: draw in float32, in row blocks
+            step = max(1, _DUMMY_BLOCK // p.shape[1])
+            for r in range(0, p.shape[0], step):
+                block = p[r : r + step]
+                block.copy_(torch.randn(block.shape, generator=gen, device=device) * _DUMMY_FP8_STD)
         elif device.type != "cpu":
             p.normal_(0.0, _DUMMY_STD, generator=gen)  # in p's dtype, in place: no staging copy
         else:
@@ -213,7 +321,9 @@ def tp_info(parallel: ParallelConfig) -> TPInfo:
             f"{world} (one process per rank) before load_model"
         )
     if dist.get_rank() % parallel.tp_size != parallel.tp_rank:
-        raise ModelLoadError(f"parallel.tp_rank={parallel.tp_rank} but this process is rank {dist.get_rank()}")
+        raise ModelLoadError(
+            f"parallel.tp_rank={parallel.tp_rank} but this process is rank {dist.get_rank()}"
+        )
     if parallel.dp_size == 1:
         return TPInfo(size=parallel.tp_size, rank=parallel.tp_rank)
     tp = parallel.tp_size
@@ -227,15 +337,56 @@ def moe_parallel(parallel: ParallelConfig) -> MoEParallel:
     if parallel.all2all_backend == "deepep":
         check_deepep(torch.device(parallel.device))
     rank = dist.get_rank() if parallel.world_size > 1 else 0
-    return MoEParallel(size=parallel.world_size, rank=rank, ep=parallel.ep_size > 1,
-                       tokens_replicated=parallel.dp_size == 1, backend=parallel.all2all_backend)
+    return MoEParallel(
+        size=parallel.world_size,
+        rank=rank,
+        ep=parallel.ep_size > 1,
+        tokens_replicated=parallel.dp_size == 1,
+        backend=parallel.all2all_backend,
+    )
+
+
+def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
+    """The architecture as this device builds it: FP8 linears only on CUDA with triton; elsewhere
+    (the CPU) they are built in the model dtype and their weights dequantized at load."""
+    if arch.quant is None:
+        return arch
+    if fused.available(device):
+        log.info(
+            "FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights "
+            "(Triton GEMM/GEMV)",
+            arch.quant.block_n,
+            arch.quant.block_k,
+        )
+        return arch
+    log.info(
+        "FP8 block-scaled checkpoint: weights dequantized at load to the model dtype "
+        "(%s has no FP8 kernels)",
+        device.type,
+    )
+    return dataclasses.replace(arch, quant=None)
+
+
+def set_kv_scales(model: CausalLM, scales: fp8.KVScales, tp: TPInfo) -> None:
+    """Give every attention layer its rank's K/V cache scales (1.0 where the checkpoint has
+    none)."""
+    heads = heads_of_rank(scales.num_kv_heads, tp.size, tp.rank)
+    for module in model.modules():
+        if isinstance(getattr(module, "k_scale", None), torch.Tensor) and isinstance(
+            getattr(module, "layer", None), int
+        ):
+            layer: int = module.layer  # type: ignore[assignment]
+            for side in ("k", "v"):
+                buf: torch.Tensor = getattr(module, f"{side}_scale")
+                buf.copy_(scales.local(side, layer, heads).to(buf.device))
 
 
 def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, ModelSpec]:
     """Build and fill the model described by `model.path` for this rank."""
     path = Path(model.path)
-    arch = load_arch_config(path)
     device = torch.device(parallel.device)
+    checkpoint_arch = load_arch_config(path)
+    arch = fp8_linears_here(checkpoint_arch, device)
     dtype = resolve_dtype(model, arch, device)
     tp = tp_info(parallel)
     cls = _MODEL_CLASSES[arch.architecture]
@@ -243,6 +394,7 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
     with torch.device("meta"):
         lm = cls(arch, tp, get_attention_backend(device), dtype, rope_device=device, **extra)
     lm = lm.to_empty(device=device)
+    kv_scales = fp8.KVScales(arch.num_layers, arch.num_kv_heads)
     if model.load_format == "dummy":
         init_dummy(lm, model.seed)
         # Dummy weights depend on the device kind they were drawn on (see init_dummy): a CPU
@@ -250,10 +402,11 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         fp = f"dummy:{model.seed}" if device.type == "cpu" else f"dummy:{model.seed}:{device.type}"
     elif model.load_format == "auto":
         files = weight_files(path)
-        load_checkpoint(lm, files)
+        load_checkpoint(lm, files, checkpoint_arch.quant, kv_scales)
         fp = fingerprint(path, files)
     else:
         raise ModelLoadError(f"model.load_format {model.load_format!r} is not one of auto|dummy")
+    set_kv_scales(lm, kv_scales, tp)
     lm.eval()
     if fused.available(device):
         lm.set_fused_kernels(True)  # Triton norm / RoPE / SiLU·mul kernels (worker/model/fused.py)
@@ -271,5 +424,9 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         fingerprint=fp,
         sliding_window=arch.sliding_window,
         layer_windows=arch.layer_windows,
+        state_layers=lm.state_layers(),
+        state_shape=lm.state_shape(),
+        kv_latent_dim=arch.kv_latent_dim,
+        kv_scales=kv_scales.label(),
     )
     return lm, spec

@@ -16,10 +16,16 @@ every group's tokens), the TP rule runs on all of them, and each rank keeps its 
 
 The all-to-all runs through torch.distributed (gloo on CPU, NCCL on GPU), or through DeepEP's
 normal kernels when `backend="deepep"` (CUDA + the deep_ep package; refused clearly otherwise).
+
+Inside a CUDA graph (`graph_shapes`) every block takes the static-shape path of
+worker/model/moe_static.py instead: no host sync, fixed-capacity all-to-alls (torch's, also
+under `deepep`, whose normal kernels read counts on the host).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.layers import TensorSource, WeightShapeError, _copy_checked, _param
+from worker.model.moe_static import forward_static
 
 
 class MoEConfigError(ValueError):
@@ -58,6 +65,52 @@ def check_deepep(device: torch.device) -> None:
         raise MoEConfigError("parallel.all2all_backend 'deepep' needs CUDA devices; on CPU set all2all_backend: torch")
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Rows grouped by expert: the permutation that sorts them and each expert's end offset."""
+
+    order: torch.Tensor  # [N] int64: sorted position -> original row
+    offsets: torch.Tensor  # [E] int32: cumulative row counts (the grouped GEMM's `offs`)
+    sorted_ids: torch.Tensor  # [N] int64: the expert of each sorted row
+
+    @classmethod
+    def of(cls, local_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+        sorted_ids, order = torch.sort(local_ids, stable=True)
+        counts = torch.bincount(local_ids, minlength=num_experts)  # [E], on the device: no sync
+        return cls(order, counts.cumsum(0).to(torch.int32), sorted_ids)
+
+    def sort(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.index_select(0, self.order)
+
+    def unsort(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        out[self.order] = rows
+        return out
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, in] sorted by expert, weight [E, out, in] (bias [E, out]) → [N, out]: each row times
+    its expert's weight, with no loop over experts and no host sync. torch's grouped GEMM where
+    it runs (the CPU; CUDA for bfloat16 at 16-byte-aligned widths, CUTLASS on sm90); elsewhere a
+    loop over the experts, the reference it is tested against."""
+    n, e = x.shape[0], weight.shape[0]
+    aligned = all(d * x.element_size() % 16 == 0 for d in weight.shape[1:])
+    if n and (not x.is_cuda or (x.dtype == torch.bfloat16 and aligned)):
+        y = torch._grouped_mm(x, weight.transpose(1, 2), offs=groups.offsets)  # [N, out]
+    else:
+        y = x.new_empty(n, weight.shape[1])
+        ends = groups.offsets.tolist() if n else [0] * e
+        start = 0
+        for i, end in enumerate(ends):
+            if end > start:
+                y[start:end] = F.linear(x[start:end], weight[i])
+            start = end
+    if bias is not None:
+        y = y + bias.index_select(0, groups.sorted_ids)
+    return y
+
+
 class SparseMoEBlock(nn.Module):
     def __init__(
         self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, par: MoEParallel,
@@ -78,6 +131,14 @@ class SparseMoEBlock(nn.Module):
         self.w13 = _param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)  # [E_local, 2I, H]: gate|up
         self.w2 = _param(self.num_local, hidden, self.inter_local, dtype=dtype)  # [E_local, H, I]
         self._deepep: Any = None  # deep_ep.Buffer, built at the first dispatch
+        # True only inside `graph_shapes` (a decode graph's warm-up, capture or CPU replay): the
+        # path a CUDA graph can hold. Every rank enters it for the same steps.
+        self.static_shapes = False
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """Whether `experts` is this class's plain SwiGLU (what the graph-safe kernel computes)."""
+        return type(self).experts is SparseMoEBlock.experts
 
     # ---- loading -----------------------------------------------------------------------------
     def expert_ids(self) -> range:
@@ -109,15 +170,16 @@ class SparseMoEBlock(nn.Module):
         return ids, weights.to(x.dtype)
 
     def experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """rows [N, H], local expert of each row [N] → each row through its expert [N, H]."""
-        out = torch.empty_like(rows)
-        for e in torch.unique(local_ids).tolist():
-            sel = (local_ids == e).nonzero(as_tuple=True)[0]
-            gate, up = F.linear(rows[sel], self.w13[e]).chunk(2, dim=-1)  # [n, I] each
-            out[sel] = F.linear(F.silu(gate) * up, self.w2[e])
-        return out
+        """rows [N, H], local expert of each row [N] → each row through its expert [N, H]:
+        the rows sorted by expert, one grouped GEMM per projection (`grouped_linear`)."""
+        groups = ExpertGroups.of(local_ids, self.num_local)
+        x = groups.sort(rows)  # [N, H], expert-major
+        gate, up = grouped_linear(x, self.w13, groups).chunk(2, dim=-1)  # [N, I] each
+        return groups.unsort(grouped_linear(F.silu(gate) * up, self.w2, groups))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] → [T, H]
+        if self.static_shapes:
+            return forward_static(self, x)
         if not self.par.ep and not self.par.tokens_replicated and self.par.size > 1:
             return self._tp_over_dp(x)
         ids, weights = self.route(x)
@@ -196,26 +258,50 @@ class SparseMoEBlock(nn.Module):
         return self._combine_local(x, ids, weights, rows)
 
     def _ep_deepep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """DeepEP normal-mode dispatch / combine (CUDA). Weighted on the expert side: combine sums."""
+        """DeepEP normal-mode dispatch / combine (CUDA, intranode over NVLink). Weighted on the
+        expert side: combine sums. DeepEP moves bfloat16 rows (its combine kernel has no other
+        type), so a float32 model's rows travel as bfloat16 and come back in x's dtype."""
         import deep_ep
 
         if self._deepep is None:
             group = self.par.group or dist.group.WORLD
-            hidden_bytes = self.hidden * max(x.element_size(), 2)
-            cfgs = (deep_ep.Buffer.get_dispatch_config(self.par.size), deep_ep.Buffer.get_combine_config(self.par.size))
+            hidden_bytes = self.hidden * 2  # bfloat16 rows
+            cfgs = (deep_ep.Buffer.get_dispatch_config(self.par.size),
+                    deep_ep.Buffer.get_combine_config(self.par.size))
             nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, self.par.size) for c in cfgs)
             self._deepep = deep_ep.Buffer(group, nvl, 0)
         buf = self._deepep
+        if not x.shape[0]:  # an idle DP group still joins: one token that selects no expert
+            one = self._ep_deepep(x.new_zeros(1, self.hidden), ids.new_full((1, self.top_k), -1),
+                                  weights.new_zeros(1, self.top_k))
+            return one[:0]
+        ids = ids.contiguous()  # [T, k] int64 (deep_ep.topk_idx_t); -1 selects no expert
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
-            x, topk_idx=ids, topk_weights=weights.float(), num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            x.to(torch.bfloat16).contiguous(), topk_idx=ids,
+            topk_weights=weights.float().contiguous(), num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
         )
-        out = torch.zeros_like(recv_x)  # [R, H]: each received token, summed over its experts here
+        # [R, H]: each received token, summed over its experts on this rank (recv_ids holds
+        # local expert ids, -1 where that slot's expert is elsewhere)
+        out = torch.zeros(recv_x.shape, dtype=x.dtype, device=x.device)
         for slot in range(recv_ids.shape[1]):
-            sel = (recv_ids[:, slot] >= 0).nonzero(as_tuple=True)[0]  # -1: that expert is elsewhere
+            sel = (recv_ids[:, slot] >= 0).nonzero(as_tuple=True)[0]
             if sel.numel():
-                rows = self.experts(recv_x[sel], recv_ids[sel, slot].to(torch.int64))
+                rows = self.experts(recv_x[sel].to(x.dtype), recv_ids[sel, slot].to(torch.int64))
                 out[sel] += rows * recv_w[sel, slot, None].to(rows.dtype)
-        combined, _, _ = buf.combine(out, handle)
-        return combined  # type: ignore[no-any-return]
+        combined, _, _ = buf.combine(out.to(torch.bfloat16), handle)
+        return combined.to(x.dtype)  # type: ignore[no-any-return]
+
+@contextlib.contextmanager
+def graph_shapes(model: nn.Module) -> Iterator[None]:
+    """Every SparseMoEBlock of `model` on its static-shape path while inside (decode graphs)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoEBlock)]
+    for b in blocks:
+        b.static_shapes = True
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.static_shapes = False

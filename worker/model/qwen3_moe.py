@@ -37,7 +37,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        return False  # routing picks experts on the host (unique / split sizes) every step
+        # Eager routing picks experts on the host; inside graphs the blocks take their static
+        # path (worker/model/moe_static.py).
+        return True
 
     def mlp_slots(self, prefix: str, mlp: nn.Module) -> dict[str, WeightSlot]:
         if not isinstance(mlp, SparseMoEBlock):

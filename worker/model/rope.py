@@ -55,7 +55,9 @@ def _yarn_inv_freq(cfg: RopeConfig, dim: int, device: torch.device) -> tuple[tor
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     pos_freqs = cfg.theta ** (torch.arange(0, dim, 2, device=device).float() / dim)  # [D/2]
-    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = (
+        (torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)
+    ).clamp(0, 1)
     extrapolation_weight = 1 - ramp  # 1 = keep the original frequency
     inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
     return inv_freq, attention_factor
@@ -69,7 +71,9 @@ def _llama3_inv_freq(cfg: RopeConfig, dim: int, device: torch.device) -> torch.T
     high_freq_wavelen = old_len / cfg.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / cfg.factor, inv_freq)
-    smooth = (old_len / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+    smooth = (old_len / wavelen - cfg.low_freq_factor) / (
+        cfg.high_freq_factor - cfg.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -99,7 +103,9 @@ class RotaryEmbedding:
         max_pos = self.cfg.max_position_embeddings
         length = token_seq_lens.clamp(min=max_pos).double()  # [T]
         factor = self.cfg.factor
-        base = self.cfg.theta * ((factor * length / max_pos) - (factor - 1)) ** (self.dim / (self.dim - 2))
+        base = self.cfg.theta * ((factor * length / max_pos) - (factor - 1)) ** (
+            self.dim / (self.dim - 2)
+        )
         return _base_inv_freq(base.float(), self.dim, token_seq_lens.device)  # [T, D/2]
 
     def cos_sin(

@@ -15,6 +15,16 @@
 - prefill / mixed steps: the one-token requests go through the decode kernel; each
   multi-token request gathers its cached context into contiguous K/V and calls torch SDPA
   (FlashAttention when there is no cached prefix, lower-right causal otherwise).
+- attention sinks (GPT-OSS, `sinks` [Hq] float32): the decode kernel's split 0 starts its online
+  softmax at the sink (running max = sink, sum = 1, no value), so the merge folds it in like any
+  other split; a mixed step with sinks runs the paged prefill kernel of
+  worker/model/triton_prefill.py over the whole batch (SDPA has no sink term).
+
+FP8 KV pages (`kv_scales` given): the store divides by each head's scale and saturates before
+the e4m3 store; the decode kernel converts each K/V block to q's dtype in registers and folds
+the head's K scale into the softmax scale and its V scale into the output, so FP8 costs one
+conversion per element and halves the bytes it streams; prefill's gather dequantizes
+(scale applied in float32, then q's dtype) before SDPA.
 
 Triton is imported lazily so that this module (and its CPU-side helpers) imports without it.
 """
@@ -28,8 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
-from worker.model.attention import AttentionBackend, context_mask, gather_context
+from worker.model.attention import AttentionBackend, KVScales, context_mask, gather_context
+from worker.model.fp8 import dequantize_kv
 from worker.model.fused import next_pow2
+from worker.model.triton_prefill import triton_paged_prefill
 
 _NUM_SMS_TARGET = 264  # ~2 programs per SM on an H200 (132 SMs); fine for smaller GPUs too
 _MAX_SPLITS = 16
@@ -57,11 +69,12 @@ def _get_kernels() -> dict[str, Any]:
 
     @triton.jit
     def store_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_cp, stride_ch, stride_cs,
         stride_vcp, stride_vch, stride_vcs,
         HKV: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t)
@@ -69,9 +82,18 @@ def _get_kernels() -> dict[str, Any]:
         off = tl.maximum(slot, 0) % PAGE
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, D)
-        hm = (h < HKV)[:, None] & (slot >= 0)  # slot -1: a CUDA-graph padding row writes nothing
+        # [BH, D]; slot -1: a CUDA-graph padding row writes nothing (no heads). Built from
+        # comparisons only: Triton's interpreter widens `bool & scalar bool` to int32.
+        live = tl.where(slot >= 0, HKV, 0)
+        hm = (h < live)[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=hm)  # [BH, D]
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=hm)
+        if SCALED:  # FP8 pages: value / its head's scale, saturated at the largest e4m3 value
+            ks = tl.load(ks_ptr + h, mask=h < HKV, other=1.0)[:, None]
+            vs = tl.load(vs_ptr + h, mask=h < HKV, other=1.0)[:, None]
+            # div_rn: IEEE division, as the torch reference divides (`/` is approximate).
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), ks), -448.0, 448.0)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), vs), -448.0, 448.0)
         kc = kc_ptr + page * stride_cp + off * stride_cs + h[:, None] * stride_ch + d[None, :]
         vc = vc_ptr + page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
         tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=hm)
@@ -79,7 +101,7 @@ def _get_kernels() -> dict[str, Any]:
 
     @triton.jit
     def decode_kernel(
-        q_ptr, kc_ptr, vc_ptr, pt_ptr, sl_ptr, o_ptr, op_ptr, lse_ptr,
+        q_ptr, kc_ptr, vc_ptr, pt_ptr, sl_ptr, o_ptr, op_ptr, lse_ptr, sinks_ptr, ks_ptr, vs_ptr,
         stride_qt, stride_qh,
         stride_kp, stride_kh, stride_ks,
         stride_vp, stride_vh, stride_vs,
@@ -87,7 +109,8 @@ def _get_kernels() -> dict[str, Any]:
         stride_ot, stride_oh,
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -106,9 +129,18 @@ def _get_kernels() -> dict[str, Any]:
         heads = hkv * G + g  # this program's query heads
         gmask = g < G
         q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        v_scale = 1.0
+        if SCALED:  # FP8 pages: K's scale joins the softmax scale, V's scales the output
+            scale_log2 = scale_log2 * tl.load(ks_ptr + hkv)
+            v_scale = tl.load(vs_ptr + hkv)
 
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
+        if HAS_SINKS:  # noqa: SIM102 - constexpr apart: the kernel without sinks has no branch
+            if split == 0:  # the sink joins one split's softmax: a logit with no value
+                sink = tl.load(sinks_ptr + heads, mask=gmask, other=float("-inf"))
+                m = sink.to(tl.float32) * 1.4426950408889634  # log2 domain, like the scores
+                l_sum = tl.where(gmask, 1.0, 0.0)  # exp2(sink - m) = 1
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -123,6 +155,9 @@ def _get_kernels() -> dict[str, Any]:
                 vc_ptr + page[:, None] * stride_vp + hkv * stride_vh + off[:, None] * stride_vs + d[None, :],
                 mask=valid[:, None], other=0.0,
             )  # [BN, D]
+            if SCALED:
+                k = k.to(q.dtype)  # e4m3 → q's dtype in registers
+                v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN], log2 domain
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -133,7 +168,7 @@ def _get_kernels() -> dict[str, Any]:
             m = m_new
 
         has = l_sum > 0
-        out = acc / tl.where(has, l_sum, 1.0)[:, None]
+        out = acc / tl.where(has, l_sum, 1.0)[:, None] * v_scale
         if NUM_SPLITS == 1:
             tl.store(
                 o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -167,31 +202,45 @@ def _get_kernels() -> dict[str, Any]:
     return _kernels
 
 
+def _scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernels' scale pointers: (k_scale, v_scale, SCALED); placeholders when not FP8."""
+    if kv_scales is None:
+        return like, like, False
+    return kv_scales[0], kv_scales[1], True
+
+
 def triton_store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    kv_scales: KVScales = None,
 ) -> None:
-    """k, v [T, Hkv, D] → their slots in k_cache / v_cache [P, Hkv, S, D]; slot < 0 is skipped."""
+    """k, v [T, Hkv, D] → their slots in k_cache / v_cache [P, Hkv, S, D]; slot < 0 is skipped.
+    FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32."""
     t, hkv, d = k.shape
     if t == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    ks, vs, scaled = _scale_args(kv_scales, slot_mapping)
     _get_kernels()["store"][(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HKV=hkv, BLOCK_H=next_pow2(hkv), D=d, PAGE=k_cache.shape[2],
+        HKV=hkv, BLOCK_H=next_pow2(hkv), D=d, PAGE=k_cache.shape[2], SCALED=scaled,
     )
 
 
 def triton_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, num_splits: int | None = None,
+    sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
+    FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32.
 
-    page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). Reads no
-    host value, so it can be captured in a CUDA graph.
+    page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). sinks [Hq]
+    float32 or None. Reads no host value, so it can be captured in a CUDA graph (the sinks are
+    a parameter: a fixed address).
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -208,8 +257,10 @@ def triton_paged_decode(
         lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, NS]
     else:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
+    ks, vs, scaled = _scale_args(kv_scales, seq_lens)
     kern["decode"][(b, hkv, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, out, partial, lse,
+        q, k_cache, v_cache, page_table, seq_lens, out, partial, lse, q if sinks is None else sinks,
+        ks, vs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -218,7 +269,8 @@ def triton_paged_decode(
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
-        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2,
+        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
+        num_warps=4, num_stages=2,
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=splits)
@@ -227,7 +279,7 @@ def triton_paged_decode(
 
 def sdpa_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, seq_len: int,
-    scale: float, sliding_window: int | None,
+    scale: float, sliding_window: int | None, kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """One request's n new tokens: q [n, Hq, D] over its whole context → [n, Hq, D].
 
@@ -236,8 +288,11 @@ def sdpa_prefill(
     prefix is (chunked prefill, prefix-cache hits), an explicit mask under a sliding window.
     """
     n, hq, d = q.shape
-    ctx_k = gather_context(k_cache, pages, seq_len).to(q.dtype)[None]  # [1, Hkv, L, D]
-    ctx_v = gather_context(v_cache, pages, seq_len).to(q.dtype)[None]  # [1, Hkv, L, D]
+    ks, vs = (None, None) if kv_scales is None else kv_scales
+    # [1, Hkv, L, D]
+    ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype).to(q.dtype)[None]
+    # [1, Hkv, L, D]
+    ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype).to(q.dtype)[None]
     qi = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     if sliding_window is not None and seq_len > sliding_window:
         mask = context_mask(seq_len, n, sliding_window, q.device)
@@ -291,23 +346,38 @@ class TritonPagedBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
+        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         if not kv_stored:
-            triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping, kv_scales)
         if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
-            return triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window)
+            return triton_paged_decode(
+                q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
+                sinks=sinks, kv_scales=kv_scales,
+            )
+        if sinks is not None:  # SDPA has no sink term: one paged prefill kernel over the whole step
+            if kv_scales is not None:
+                raise ValueError("attention sinks (GPT-OSS) over FP8 KV pages have no CUDA prefill "
+                                 "kernel yet; serve this model with cache.kv_cache_dtype=auto")
+            qs = batch.query_start_list
+            longest = max(qs[i + 1] - qs[i] for i in range(batch.num_requests))
+            return triton_paged_prefill(
+                q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens, longest,
+                scale, sliding_window, sinks,
+            )
         sub = self._split(batch)
         out = torch.empty_like(q)  # [T, Hq, D]
         if sub.token_index.numel():
             out[sub.token_index] = triton_paged_decode(
                 q.index_select(0, sub.token_index), k_cache, v_cache, sub.page_table, sub.seq_lens, scale,
-                sliding_window,
+                sliding_window, kv_scales=kv_scales,
             )
         page_size = k_cache.shape[2]
         qs, lens = batch.query_start_list, batch.seq_lens_list
         for i in sub.prefills:
             pages = batch.page_table[i, : -(-lens[i] // page_size)]
             out[qs[i] : qs[i + 1]] = sdpa_prefill(
-                q[qs[i] : qs[i + 1]], k_cache, v_cache, pages, lens[i], scale, sliding_window
+                q[qs[i] : qs[i + 1]], k_cache, v_cache, pages, lens[i], scale, sliding_window,
+                    kv_scales
             )
         return out

@@ -28,7 +28,9 @@ def wait_health(cluster: Cluster, url: str, want: bool, timeout_s: float) -> flo
     """Wait until the gateway marks `url` healthy (or not); returns when it did (monotonic)."""
     deadline = time.monotonic() + timeout_s
     while cluster.healthy(url) != want:
-        assert time.monotonic() < deadline, f"{url} still {'un' if want else ''}healthy after {timeout_s}s"
+        assert time.monotonic() < deadline, (
+            f"{url} still {'un' if want else ''}healthy after {timeout_s}s"
+        )
         time.sleep(0.05)
     return time.monotonic()
 
@@ -59,11 +61,18 @@ class Outcomes:
 
 
 def body(prompt: str, max_tokens: int, stream: bool) -> dict[str, object]:
-    return {"model": MODEL.name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    return {
+        "model": MODEL.name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
-async def one_request(client: httpx.AsyncClient, payload: dict[str, object], since: list[float],
-                      out: Outcomes) -> None:
+async def one_request(
+    client: httpx.AsyncClient, payload: dict[str, object], since: list[float], out: Outcomes
+) -> None:
     """Send one request and file its ending. `since[0]`: the fault's time (errors are timed from it,
     or from the request's start if later)."""
     t0 = time.monotonic()
@@ -87,14 +96,20 @@ async def one_request(client: httpx.AsyncClient, payload: dict[str, object], sin
         out.ok += 1
 
 
-async def drive(url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float]) -> Outcomes:
+async def drive(
+    url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float]
+) -> Outcomes:
     out = Outcomes()
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_DEADLINE_S + 5, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=CLIENT_DEADLINE_S + 5, limits=limits
+    ) as client:
+
         async def guarded(p: dict[str, object]) -> None:
             async with sem:
                 await one_request(client, p, since, out)
+
         await asyncio.gather(*(guarded(p) for p in payloads))
     return out
 
@@ -105,7 +120,9 @@ class Row:
     topology: str
     outcomes: Outcomes
     pages_leaked: int
-    recover_s: float | None  # fault -> the gateway routes to the worker again (None: not applicable)
+    recover_s: (
+        float | None
+    )  # fault -> the gateway routes to the worker again (None: not applicable)
 
 
 _ROWS: list[Row] = []
@@ -126,14 +143,18 @@ def leaked_pages(cluster: Cluster, timeout_s: float = 30.0) -> int:
 
 
 def table() -> str:
-    lines = ["| fault | topology | ok | error | hung | max time to error (s) | pages leaked | recover (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| fault | topology | ok | error | hung | max time to error (s) | pages leaked | recover (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in _ROWS:
         o = r.outcomes
         rec = "-" if r.recover_s is None else f"{r.recover_s:.1f}"
         err = f"{o.error}" + (f" (+{o.aborted} client aborts)" if o.aborted else "")
-        lines.append(f"| {r.fault} | {r.topology} | {o.ok} | {err} | {o.hung} | {o.max_error_s:.2f} | "
-                     f"{r.pages_leaked} | {rec} |")
+        lines.append(
+            f"| {r.fault} | {r.topology} | {o.ok} | {err} | {o.hung} | {o.max_error_s:.2f} | "
+            f"{r.pages_leaked} | {rec} |"
+        )
     return "\n".join(lines)
 
 

@@ -25,14 +25,18 @@ MARK = 0xAB
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Cluster]:
-    c = make_cluster("mooncake", layout(), layout(), transfer_timeout_s=3.0, bootstrap_timeout_s=3.0)
+    c = make_cluster(
+        "mooncake", layout(), layout(), transfer_timeout_s=3.0, bootstrap_timeout_s=3.0
+    )
     yield c
     c.close()
 
 
 def _start_slow_room(c: Cluster, room: int, pages: list[int]) -> tuple[object, object]:
     c.prefill[0].manager.faults = TransferFaults(delay_ms=DELAY_MS)
-    recv = c.decode[0].manager.create_receiver(room, c.bootstrap_addr, pages, num_tokens=len(pages) * 4 - 1)
+    recv = c.decode[0].manager.create_receiver(
+        room, c.bootstrap_addr, pages, num_tokens=len(pages) * 4 - 1
+    )
     send = c.prefill[0].manager.create_sender(room)
     send.send([4, 5], start_page=0, last=True, first_token=1)
     wait_state(recv, RoomState.TRANSFERRING)  # the write now sleeps in its delay: in flight
@@ -43,7 +47,7 @@ def _mark(c: Cluster, pages: list[int]) -> None:
     """Decode reuses the pages: another request's KV goes in (a recognisable byte here)."""
     pb = c.decode[0].manager.layout.page_bytes
     for p in pages:
-        c.decode[0].pool[p * pb:(p + 1) * pb] = MARK
+        c.decode[0].pool[p * pb : (p + 1) * pb] = MARK
 
 
 def _marked(c: Cluster, pages: list[int]) -> bool:
@@ -63,7 +67,9 @@ def test_control_abort_alone_leaves_a_write_in_flight(pair: Cluster) -> None:
     recv.abort("client went away")  # type: ignore[attr-defined]
     _mark(pair, pages)
     time.sleep(DELAY_MS / 1e3 + 0.4)  # the in-flight write finishes meanwhile
-    assert not _marked(pair, pages), "the late write did not land: this drill no longer opens the window"
+    assert not _marked(pair, pages), (
+        "the late write did not land: this drill no longer opens the window"
+    )
     _drain(pair)
 
 
@@ -101,7 +107,9 @@ def test_release_before_prefill_starts_refuses_the_room(pair: Cluster) -> None:
 
 def test_unreachable_prefill_quarantine_is_bounded() -> None:
     """Prefill gone: no confirmation can come; pages come back after transfer_timeout_s."""
-    c = make_cluster("mooncake", layout(), layout(), transfer_timeout_s=0.5, bootstrap_timeout_s=5.0)
+    c = make_cluster(
+        "mooncake", layout(), layout(), transfer_timeout_s=0.5, bootstrap_timeout_s=5.0
+    )
     try:
         dead = c.prefill[0].addr
         c.prefill[0].server.stop(grace=None)  # type: ignore[union-attr]

@@ -1,0 +1,313 @@
+"""FP8 on one GPU (issue 20), every compared figure from ONE process.
+
+Sections (`--sections`, default all):
+- ceilings: device-to-device copy GB/s, bf16 and FP8 (torch._scaled_mm, per-tensor) 8192³
+  matmul TFLOP/s — the rates the figures below are divided by.
+- gemm: the block-scaled GEMM (worker/model/fp8_gemm.py, Triton) on the 8B projection shapes at
+  M = 64 and 8192, next to torch._scaled_mm with the same 1x128 / 128x128 scales (cuBLAS, CUDA
+  ≥ 12.9) and bf16 cuBLAS.
+- decode: the Engine (qwen3-8b shape, dummy weights) with FP8 weights at batch 1 vs its FP8
+  roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batch 64 with FP8 weights
+  and FP8 KV; the bf16 engine at batch 1 beside it.
+- prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
+- room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
+  transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
+- longctx: decode batch 1 and 8 at 16k and 32k context, bf16 and FP8 KV (bf16 weights), vs
+  roofline; and the paged decode kernel alone at 32k for split counts 8..64 (its GB/s of KV).
+
+    python3 bench/fp8.py [--quick] [--sections ceilings,decode]
+
+Writes fp8.json to $OUT (or the current directory) and prints a summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu import (  # noqa: E402
+    MODEL_DIR,
+    ceilings,
+    cuda_time,
+    model_sizes,
+    random_prompts,
+    run_requests,
+)
+from worker.config import (  # noqa: E402
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from worker.engine import Engine  # noqa: E402
+
+SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "longctx")
+PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 512, 128, 8192
+
+
+def fp8_model_dir() -> Path:
+    """The 8B-shape config with a block-scaled FP8 quantization_config (dummy weights)."""
+    out = Path(tempfile.mkdtemp(prefix="qwen3-8b-fp8-"))
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in MODEL_DIR.iterdir():
+        if f.name != "config.json" and f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def engine(path: Path, kv: str, max_len: int, seqs: int, tokens: int) -> Engine:
+    e = Engine(
+        WorkerConfig(
+            model=ModelConfig(path=str(path), load_format="dummy", max_model_len=max_len),
+            cache=CacheConfig(page_size=16, max_total_tokens=tokens,
+                              kv_cache_dtype=kv),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(max_num_seqs=seqs, chunked_prefill_size=PREFILL_LEN),
+            parallel=ParallelConfig(device="cuda"),
+        )
+    )
+    e.warm_up()
+    return e
+
+
+def kv_bytes_per_token(e: Engine) -> int:
+    s = e.kv.shape
+    return s.num_layers * 2 * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+
+
+def decode(
+    e: Engine, batch: int, prompt_len: int, new: int, bw: float, seed: int
+) -> dict[str, float]:
+    prompts = random_prompts(batch, prompt_len, e.spec.vocab_size, seed)
+    _, t = run_requests(e, prompts, new)
+    tok_s = batch * (new - 1) / t
+    weights = model_sizes(e)["weight_bytes_per_step"]
+    roof = batch / ((weights + batch * (prompt_len + new / 2) * kv_bytes_per_token(e)) / bw)
+    return {
+        "tok_s": tok_s,
+        "roofline_tok_s": roof,
+        "pct": 100 * tok_s / roof,
+        "weight_GB": weights / 1e9,
+    }
+
+
+def fp8_matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = cuda_time(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), 20)
+    return 2 * 8192**3 / t / 1e12
+
+
+def _gemm_row(m: int, wq: torch.Tensor, ws: torch.Tensor, wb: torch.Tensor) -> dict[str, Any]:
+    """One projection at M tokens: Triton block GEMM, cuBLAS blockwise scaled_mm, bf16 cuBLAS."""
+    from worker.model.fp8 import BlockFp8Config
+    from worker.model.fp8_gemm import block_fp8_matmul, quantize_activations
+
+    n, k = wq.shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_activations(x)
+    flops = 2 * m * n * k
+    quant = BlockFp8Config()
+    row: dict[str, Any] = {
+        "triton_TFLOPs": flops
+        / cuda_time(lambda: block_fp8_matmul(xq, xs, wq, ws, quant, None, torch.bfloat16), 10)
+        / 1e12,
+        "quant_act_us": cuda_time(lambda: quantize_activations(x), 10) * 1e6,
+        "bf16_TFLOPs": flops / cuda_time(lambda: x @ wb.t(), 10) / 1e12,
+    }
+    try:  # cuBLAS blockwise: A scales 1x128 (M-major), B scales 128x128
+        sa, sb = xs.t().contiguous().t(), ws.t()
+        row["scaled_mm_TFLOPs"] = (
+            flops
+            / cuda_time(lambda: torch._scaled_mm(xq, wq.t(), sa, sb, out_dtype=torch.bfloat16), 10)
+            / 1e12
+        )
+    except Exception as exc:  # not every torch / CUDA build has the blockwise recipe
+        row["scaled_mm_error"] = str(exc).splitlines()[0][:160]
+    return row
+
+
+def gemm() -> dict[str, Any]:
+    from worker.model.fp8 import quantize_blockwise
+
+    out = {}
+    for name, (n, k) in {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (24576, 4096),
+        "down": (4096, 12288),
+    }.items():
+        wq, ws = quantize_blockwise(torch.randn(n, k) * 0.02)
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (64, 8192):
+            out[f"{name}_m{m}"] = _gemm_row(m, wq.cuda(), ws.cuda(), wb)
+    return out
+
+
+def split_sweep(ctx: int, batch: int) -> dict[str, float]:
+    """The paged decode kernel alone over `ctx` tokens: KV GB/s by split count, bf16 and FP8."""
+    from worker.model.triton_attention import num_decode_splits, triton_paged_decode
+
+    hq, hkv, d, page = 32, 8, 128, 16
+    pages = batch * ctx // page
+    out: dict[str, float] = {"heuristic_splits": float(num_decode_splits(batch, hkv))}
+    table = torch.randperm(pages, device="cuda").view(batch, -1)
+    lens = torch.full((batch,), ctx, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def rate(kc: torch.Tensor, vc: torch.Tensor, scales: Any, splits: int) -> float:
+        t = cuda_time(
+            lambda: triton_paged_decode(
+                q, kc, vc, table, lens, d**-0.5, None, num_splits=splits, kv_scales=scales
+            ),
+            20,
+        )
+        return 2 * kc.numel() * kc.element_size() / t / 1e9
+
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        kc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
+        vc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
+        scales = (
+            (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda"))
+            if name == "fp8"
+            else None
+        )
+        for splits in (8, 16, 32, 64):
+            out[f"{name}_splits{splits}_GBps"] = rate(kc, vc, scales, splits)
+        del kc, vc
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
+    ap.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}"
+    )
+    args = ap.parse_args()
+    chosen = set(args.sections.split(","))
+    if chosen - set(SECTIONS):
+        ap.error(f"--sections: unknown {sorted(chosen - set(SECTIONS))}")
+    new = 32 if args.quick else NEW_TOKENS
+    out_dir = Path(os.environ.get("OUT", "."))
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    errors: dict[str, str] = {}
+
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            res[name] = fn()
+            print(
+                f"[{name}] {time.perf_counter() - t0:.1f}s "
+                f"{json.dumps(res[name], default=str)[:700]}",
+                flush=True,
+            )
+            return res[name]
+        except Exception:
+            errors[name] = traceback.format_exc()
+            print(f"[{name}] FAILED\n{errors[name]}", flush=True)
+            return None
+        finally:
+            (out_dir / "fp8.json").write_text(
+                json.dumps({**res, "errors": errors}, indent=1, default=str)
+            )
+
+    ceil = section("ceilings", lambda: {**ceilings(), "fp8_matmul_TFLOPs": fp8_matmul_rate()}) or {}
+    bw = ceil.get("copy_GBps", 4200.0) * 1e9
+    if "gemm" in chosen:
+        section("gemm", gemm)
+    fp8_dir = fp8_model_dir()
+    if chosen & {"decode", "prefill", "room"}:
+        e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new) + 2 * PREFILL_LEN)
+        if "decode" in chosen:
+            section("fp8_weights_b1", lambda: decode(e8, 1, PROMPT_LEN, new, bw, 1))
+            section("fp8_weights_fp8_kv_b64", lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
+
+        def prefill() -> dict[str, float]:
+            t = min(
+                run_requests(e8, random_prompts(1, PREFILL_LEN, e8.spec.vocab_size, s), 1)[0]
+                for s in (7, 8)
+            )
+            s = e8.spec
+            flops = (
+                2 * model_sizes(e8)["layer_matmul_params"] * PREFILL_LEN
+                + 4 * (PREFILL_LEN**2 / 2) * s.head_dim * s.num_heads * s.num_layers
+            )
+            rate = ceil.get("fp8_matmul_TFLOPs", 1600.0)
+            return {
+                "tok_s": PREFILL_LEN / t,
+                "TFLOPs": flops / t / 1e12,
+                "pct_of_fp8_matmul": 100 * flops / t / 1e12 / rate,
+            }
+
+        if "prefill" in chosen:
+            section("prefill_8k_fp8", prefill)
+        if "room" in chosen:
+            page = e8.kv.shape.page_bytes / e8.kv.shape.page_size
+            section(
+                "room_bytes_per_token", lambda: {"fp8_kv": page, "bf16_kv": 2 * page, "ratio": 0.5}
+            )
+        del e8
+        torch.cuda.empty_cache()
+    if "decode" in chosen:
+        eb = engine(MODEL_DIR, "auto", 16384, 8, 8 * (PROMPT_LEN + new))
+        section("bf16_b1", lambda: decode(eb, 1, PROMPT_LEN, new, bw, 2))
+        del eb
+        torch.cuda.empty_cache()
+    if "longctx" in chosen:
+        for kv in ("auto", "fp8_e4m3"):
+            el = engine(MODEL_DIR, kv, 32768 + 256, 8, 8 * (32768 + new) + PREFILL_LEN)
+            for ctx in (16384, 32768):
+                for b in (1, 8):
+                    section(
+                        f"longctx_{kv}_{ctx // 1024}k_b{b}",
+                        lambda el=el, ctx=ctx, b=b: decode(
+                            el, b, ctx - new, min(new, 64), bw, ctx + b
+                        ),
+                    )
+            del el
+            torch.cuda.empty_cache()
+        for b in (1, 8):
+            section(f"split_sweep_32k_b{b}", lambda b=b: split_sweep(32768, b))
+
+    print("\n== summary (one process) ==")
+    if ceil:
+        print(
+            f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul "
+            f"{ceil['matmul_TFLOPs']:.0f}, "
+            f"FP8 matmul {ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s"
+        )
+    for key, value in res.items():
+        if isinstance(value, dict) and "tok_s" in value:
+            pct = (
+                f" ({value['pct']:.1f}% of {value['roofline_tok_s']:.0f})" if "pct" in value else ""
+            )
+            print(f"{key:<28}{value['tok_s']:>10.1f} tok/s{pct}")
+    if errors:
+        print("errors in:", ", ".join(errors))
+
+
+if __name__ == "__main__":
+    main()

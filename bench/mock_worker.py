@@ -1,0 +1,114 @@
+"""A mock worker for the gateway benches: one token per request, over gRPC and over HTTP.
+
+    python -m bench.mock_worker --role decode --grpc-port P --http-port H [--tokens N]
+
+The same process answers our gateway (the Worker gRPC service with the Session stream,
+tests/gateway/gw_doubles.py's ScriptedWorker) and the Rust routers (SGLang-style HTTP:
+/v1/completions, /generate, /health, /get_model_info, /get_server_info, /v1/models), so every
+router is measured against the same worker doing the same (no) work. The HTTP side is a bare
+asyncio protocol on httptools, a few microseconds a request, so the mock is not what limits a
+router. `--tokens N --step-ms S` streams N tokens S ms apart (gRPC only: the per-token bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import httptools
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.gateway.gw_doubles import Script, ScriptedWorker  # noqa: E402
+
+TOKEN = 70  # detokenizes to one character with the bench tokenizer
+_BODY = (b'{"id":"cmpl-mock","object":"text_completion","created":0,"model":"tiny","choices":'
+         b'[{"index":0,"text":"F","logprobs":null,"finish_reason":"length"}],"usage":'
+         b'{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}')
+_SSE = (b'data: {"id":"cmpl-mock","object":"text_completion","created":0,"model":"tiny",'
+        b'"choices":[{"index":0,"text":"F","logprobs":null,"finish_reason":"length"}]}\n\n'
+        b"data: [DONE]\n\n")
+_GET = {
+    b"/get_model_info": b'{"model_path":"tiny","tokenizer_path":"tiny","is_generation":true}',
+    b"/get_server_info": b'{"model_path":"tiny","disaggregation_mode":"null"}',
+    b"/v1/models": b'{"object":"list","data":[{"id":"tiny","object":"model","created":0,'
+                   b'"owned_by":"mock"}]}',
+}
+
+
+def _response(body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class MockHTTP(asyncio.Protocol):
+    """Keep-alive HTTP/1.1: every POST answers one token (JSON, or SSE when asked)."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._body: list[bytes] = []
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self._transport is not None
+            self._transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self._url = url
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self._transport is not None
+        body = b"".join(self._body)
+        self._body = []
+        path = self._url.split(b"?")[0]
+        if self._parser.get_method() == b"POST":
+            stream = b'"stream":true' in body.replace(b" ", b"")
+            resp = _response(_SSE, b"text/event-stream") if stream else _response(_BODY)
+        else:
+            resp = _response(_GET.get(path, b"{}"))
+        self._transport.write(resp)
+
+
+async def serve(role: str, grpc_port: int, http_port: int, tokens: int, step_ms: float) -> None:
+    script = Script(tokens=[TOKEN] * tokens, finish_reason="length", delay_s=step_ms / 1e3)
+    w = ScriptedWorker(role=role, max_model_len=4096, script=script)
+    await w.start(port=grpc_port)
+    if http_port:
+        loop = asyncio.get_running_loop()
+        await loop.create_server(MockHTTP, "127.0.0.1", http_port, reuse_address=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    ap.add_argument("--grpc-port", type=int, required=True)
+    ap.add_argument("--http-port", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--step-ms", type=float, default=0.0)
+    args = ap.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args.role, args.grpc_port, args.http_port, args.tokens, args.step_ms))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Served / engine: what clients receive against what the engine makes, in one process.
+
+    python -m bench.served                       # GPU: 8B-shape Qwen3 (dummy, bf16), B = 16 64 160
+    python -m bench.served --smoke               # CPU: the embedded model, small B (4 16)
+    python -m bench.served --batches 16,64 --input-len 128 --output-len 256
+
+For every batch size B, with the same prompt and output lengths (ignore_eos, greedy):
+1. the engine in-process (worker/engine.py, no gRPC, gateway or HTTP) running 2B requests at
+   max_num_seqs = B, as a closed loop of B would: output tok/s over the whole run, and its
+   decode rate (tokens after every request of the first wave had its first token / time) —
+   the rate a decode worker alone would reach at batch B;
+2. the served clusters (`tandem serve` in the background, started together on the same
+   device): mono (`role: both`) and 1P1D, `tandem bench` at concurrency B with 2B requests:
+   output tok/s, ITL p50 / p99;
+and prints served / engine (mono against the whole engine rate, 1P1D against the decode
+rate: its decode worker only decodes). Writes served.json and served.md to --out ($OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from bench.gpu_pd import SHAPE_8B, clusters_at_once, word_level_model
+from orchestrator.bench import BenchSpec, run_bench, summarize
+from orchestrator.config import load_config, worker_config
+from orchestrator.launch.background import EMBEDDED_MODEL, REPO
+
+
+def engine_rates(config: str, sets: list[str], batch: int, prompts: list[list[int]],
+                 output_len: int) -> dict[str, float]:
+    """The in-process engine over `prompts` at max_num_seqs = batch (same config as served)."""
+    import torch
+
+    from worker.engine import Engine, RequestOutput
+    from worker.request import Request
+    from worker.sampling import SamplingParams
+
+    cluster = load_config(REPO / config, [*sets, f"scheduler.max_num_seqs={batch}"])
+    engine = Engine(worker_config(cluster, "both"))
+    engine.warm_up()
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+
+    def sink(out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if out.token_ids and out.request_id not in first:
+            first[out.request_id] = now
+        if out.finished:
+            done[out.request_id] = now
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"e{i}", list(p), params), sink)
+    while len(done) < len(prompts):
+        engine.step()
+    wall = time.perf_counter() - t0
+    wave = [f"e{i}" for i in range(min(batch, len(prompts)))]  # the first B run together
+    t_decoding = max(first[r] for r in wave)
+    t_wave_end = max(done[r] for r in wave)
+    decode_tokens = sum(1 for _ in wave) * (output_len - 1)
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"output_tok_s": round(len(prompts) * output_len / wall, 1),
+            "decode_tok_s": round(decode_tokens / max(t_wave_end - t_decoding, 1e-9), 1)}
+
+
+def prompts_for(spec: BenchSpec) -> list[list[int]]:
+    """The token ids the served run sends (ids prompts), or the embedded tokenizer's ids."""
+    from gateway.tokenizer import Tokenizer
+    from orchestrator.bench import make_prompts
+
+    prompts = [p for _, p in make_prompts(spec)]
+    if all(isinstance(p, list) for p in prompts):
+        return prompts
+    tok = Tokenizer.from_dir(str(EMBEDDED_MODEL))  # text prompts: the served path's ids
+    return [tok.encode(p) for p in prompts]
+
+
+def profiler(cluster: Any, seconds: float, out: Path) -> threading.Thread:
+    """py-spy the cluster's mono worker for `seconds`, starting after the load warms up."""
+    from bench.profile import pid_listening, record
+
+    port = int(cluster.workers["both-0"].rsplit(":", 1)[1])
+
+    def run() -> None:
+        time.sleep(2.0)  # into the steady part of the run
+        pid = pid_listening(port)
+        text = record(pid, seconds) if pid else f"no process listens on {port}\n"
+        (out / "worker_profile.txt").write_text(text)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"### served / engine ({r['date']}, {r['machine']})", "",
+             f"{r['input_len']} in / {r['output_len']} out, 2B requests at concurrency B; "
+             "engine = in-process at max_num_seqs B", "",
+             "| B | engine tok/s | engine decode tok/s | mono tok/s | mono / engine | "
+             "mono ITL p50 / p99 ms | 1P1D tok/s | 1P1D / engine decode | "
+             "1P1D ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for b, row in r["rows"].items():
+        e, m, p = row.get("engine", {}), row.get("mono", {}), row.get("1P1D", {})
+
+        def ratio(served: dict[str, Any], key: str, e: dict[str, Any] = e) -> str:
+            ref = e.get(key, 0)
+            return f"{served['output_throughput'] / ref:.2f}" if served and ref else "—"
+
+        def itl(s: dict[str, Any]) -> str:
+            return f"{s['itl_ms']['p50']:.2f} / {s['itl_ms']['p99']:.2f}" if s else "—"
+
+        lines.append(f"| {b} | {e.get('output_tok_s', '—')} | {e.get('decode_tok_s', '—')} | "
+                     f"{m.get('output_throughput', '—')} | {ratio(m, 'output_tok_s')} | {itl(m)} "
+                     f"| {p.get('output_throughput', '—')} | {ratio(p, 'decode_tok_s')} | "
+                     f"{itl(p)} |")
+    lines += [f"error: {e}" for e in r.get("errors", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, the embedded model, small B")
+    ap.add_argument("--batches", default="", help="comma-separated B (default 16,64,160; "
+                    "smoke 4,16)")
+    ap.add_argument("--input-len", type=int, default=0)
+    ap.add_argument("--output-len", type=int, default=0)
+    ap.add_argument("--num-layers", type=int, default=0, help="8B shape with fewer layers")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--skip-served", action="store_true", help="only the engine figures")
+    ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the mono worker this "
+                    "long under a load at the largest B, after the measured runs "
+                    "(worker_profile.txt in --out)")
+    args = ap.parse_args()
+    batches = [int(b) for b in (args.batches or ("4,16" if args.smoke else "16,64,160")).split(",")]
+    input_len = args.input_len or (32 if args.smoke else 128)
+    output_len = args.output_len or (32 if args.smoke else 256)
+    max_b = max(batches)
+    kv_tokens = (max_b * (input_len + output_len) + 4096)
+    common = [f"cache.max_total_tokens={kv_tokens}", f"scheduler.max_num_seqs={max_b}",
+              "launcher.ready_timeout_s=900"]
+    tmp = Path(tempfile.mkdtemp())
+    if args.smoke:
+        model, device = EMBEDDED_MODEL, "cpu"
+        spec_kw: dict[str, Any] = {"prompt_kind": "text"}
+    else:
+        model, device = word_level_model(SHAPE_8B, tmp / "model", args.num_layers), "cuda:0"
+        common += ["model.load_format=dummy", "model.dtype=bfloat16", "model.max_model_len=4096"]
+        spec_kw = {"prompt_kind": "ids", "vocab_size": 151936}
+    mono_sets = [*common, f"roles.both.parallel.device={device}"]
+    if args.smoke:  # one torch thread: the gateway and the client need the other core
+        mono_sets.append("roles.both.num_threads=1")
+    engine_sets = [*mono_sets, f"model.path={model}"]
+    pd_threads = ["roles.prefill.num_threads=1", "roles.decode.num_threads=1"] if args.smoke else []
+    result: dict[str, Any] = {"date": str(date.today()), "input_len": input_len,
+                              "output_len": output_len, "rows": {}, "errors": [],
+                              "machine": f"{platform.node()}, {os.cpu_count()} cores"}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def record() -> None:
+        (args.out / "served.json").write_text(json.dumps(result, indent=1))
+        (args.out / "served.md").write_text(table(result))
+
+    specs = {b: BenchSpec(input_len=input_len, output_len=output_len, num_requests=2 * b,
+                          concurrency=b, seed=5, **spec_kw) for b in batches}
+    for b in batches:
+        try:
+            rates = engine_rates("configs/tiny-mono.yaml", engine_sets, b, prompts_for(specs[b]),
+                                 output_len)
+            result["rows"][str(b)] = {"engine": rates}
+        except Exception as exc:  # keep the other rows; the error is in the report
+            result["errors"].append(f"engine B={b}: {type(exc).__name__}: {exc}")
+        print(f"[served] engine B={b}: {result['rows'].get(str(b))}", flush=True)
+        record()
+    if not args.skip_served:
+        runs = {"mono": ("configs/tiny-mono.yaml", mono_sets),
+                "1P1D": ("configs/tiny-1p1d.yaml", [*common, *pd_threads, "transfer.backend=" + (
+                    "mooncake" if args.smoke else "cuda_ipc"),
+                    f"roles.prefill.parallel.device={device}",
+                    f"roles.decode.parallel.device={device}"])}
+        warm = BenchSpec(input_len=16, output_len=4, num_requests=8, concurrency=8, **spec_kw)
+        with clusters_at_once(runs, tmp, model, 900) as up:
+            for name in ("mono", "1P1D"):
+                asyncio.run(run_bench(up[name].url, warm))
+                for b in batches:
+                    rs, dur = asyncio.run(run_bench(up[name].url, replace(specs[b])))
+                    s = summarize(rs, dur, specs[b])
+                    result["rows"].setdefault(str(b), {})[name] = s
+                    print(f"[served] {name} B={b}: {s['output_throughput']} tok/s, ITL "
+                          f"{s['itl_ms']}, failed {s['failed']}", flush=True)
+                    record()
+            if args.profile_s > 0:  # a load of its own, long enough for the record
+                row = result["rows"].get(str(max_b), {}).get("engine", {})
+                rate = row.get("output_tok_s", 1000.0)
+                n = max(2 * max_b, int(rate * (args.profile_s + 6) / output_len))
+                prof = profiler(up["mono"], args.profile_s, args.out)
+                asyncio.run(run_bench(up["mono"].url, replace(specs[max_b], num_requests=n)))
+                prof.join()
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""A chat request's output, read by its parsers: reasoning, content and tool calls.
+
+`ChatOutput` sits after the detokenizer and stop strings (gateway/output.py): it is fed text
+(one piece per token when a reasoning parser counts reasoning tokens) and returns `ChatPiece`s,
+which the streaming path turns into OpenAI chunks and the non-streaming path accumulates into
+one message. Both paths go through the same parsers, so a streamed answer assembles to the
+same message. With `parallel_tool_calls` false, a second call is not parsed: the output stops
+there (`stop_now`) and the worker is aborted, as with a stop string.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.agent_types import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from gateway.agents import ChatPlan
+from gateway.chunks import call_delta, content_delta, reasoning_delta
+from gateway.openai_responses import ChatDelta
+from gateway.parsers import CallDelta, ToolDelta
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(parser: str) -> str:
+    # Mistral's templates refuse a tool_call_id that is not 9 letters or digits.
+    if parser == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ChatPiece:
+    """What one feed lets out, in order: reasoning, then content, then call pieces."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def deltas(self) -> list[ChatDelta]:
+        """As OpenAI stream deltas: one per kind, and one per call piece (a call's first
+        delta carries id, type and name with empty arguments, as OpenAI sends it)."""
+        out = []
+        if self.reasoning:
+            out.append(ChatDelta(reasoning_content=self.reasoning))
+        if self.content:
+            out.append(ChatDelta(content=self.content))
+        out.extend(ChatDelta(tool_calls=[c]) for c in self.calls)
+        return out
+
+    def delta_json(self) -> list[bytes]:
+        """`deltas()` as JSON bytes, without building the pydantic deltas (the hot path)."""
+        out = []
+        if self.reasoning:
+            out.append(reasoning_delta(self.reasoning))
+        if self.content:
+            out.append(content_delta(self.content))
+        out.extend(call_delta(c) for c in self.calls)
+        return out
+
+
+class ChatOutput:
+    """Parsers and accumulated message of one chat request."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        self._think, self._tools = plan.new_parsers()
+        self._tool_parser = plan.tool_parser
+        self._parallel = plan.parallel_tool_calls
+        self.per_token = self._think is not None  # reasoning tokens are counted per token
+        self.has_reasoning_parser = self._think is not None
+        self.reasoning_tokens = 0
+        self.stop_now = False  # a second call began with parallel_tool_calls off
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def feed(self, pieces: list[str]) -> ChatPiece:
+        """Text pieces (one per token when `per_token`); returns what may be sent now."""
+        out = ChatPiece()
+        for text in pieces:
+            if self.stop_now:
+                break
+            if self._think is None:
+                self._content(text, out)
+                continue
+            before = self._think.in_reasoning
+            reasoning, content = self._think.feed(text)
+            if before or self._think.in_reasoning:
+                self.reasoning_tokens += 1
+            self._reason(reasoning, out)
+            self._content(content, out)
+        return out
+
+    def finish(self) -> ChatPiece:
+        """The output ended: release what the parsers hold."""
+        out = ChatPiece()
+        if self._think is not None:
+            reasoning, content = self._think.finish()
+            self._reason(reasoning, out)
+            self._content(content, out)
+        if self._tools is not None and not self.stop_now:
+            self._take(self._tools.finish(), out)
+        return out
+
+    def finish_reason(self, worker_reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the turn ended in calls (not when it was cut short)."""
+        if self.calls and (self.stop_now or worker_reason == "stop"):
+            return "tool_calls"
+        return worker_reason
+
+    def message_content(self) -> str | None:
+        text = "".join(self.content)
+        return None if self.calls and not text.strip() else text
+
+    def message_reasoning(self) -> str | None:
+        text = "".join(self.reasoning)
+        return text if self.has_reasoning_parser and text else None
+
+    def _reason(self, text: str, out: ChatPiece) -> None:
+        if text:
+            self.reasoning.append(text)
+            out.reasoning += text
+
+    def _content(self, text: str, out: ChatPiece) -> None:
+        if not text:
+            return
+        if self._tools is None:
+            self.content.append(text)
+            out.content += text
+            return
+        self._take(self._tools.feed(text), out)
+
+    def _take(self, delta: ToolDelta, out: ChatPiece) -> None:
+        if delta.content:
+            self.content.append(delta.content)
+            out.content += delta.content
+        for c in delta.calls:
+            if c.index > 0 and not self._parallel:
+                self.stop_now = True
+                return
+            out.calls.append(self._call_delta(c))
+
+    def _call_delta(self, c: CallDelta) -> ToolCallDelta:
+        if c.name is not None:
+            call_id = new_call_id(self._tool_parser)
+            self.calls.append(ToolCall(id=call_id, function=FunctionCall(name=c.name,
+                                                                         arguments="")))
+            return ToolCallDelta(index=c.index, id=call_id, type="function",
+                                 function=FunctionCallDelta(name=c.name, arguments=""))
+        fn = self.calls[c.index].function
+        fn.arguments += c.arguments
+        return ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))

@@ -1,0 +1,109 @@
+"""OpenAI stream events and completion bodies as bytes, without a pydantic round trip.
+
+A streamed chunk differs from the previous one only in its text (and, rarely, logprobs or a
+finish reason), so each request renders the fixed part once (`id`, `object`, `created`,
+`model`) and every chunk is that prefix, the JSON-escaped text (orjson, ~0.1 us) and a
+constant tail: two orders of magnitude cheaper than building and dumping the pydantic chunk
+(~25 us). The bytes are exactly what `model_dump_json` of the pydantic models in
+gateway/openai_responses.py gives (same keys, same order, same omitted fields;
+tests/gateway/test_chunks.py holds them side by side); the rare parts (logprobs, tool-call
+deltas, usage) are still rendered by those models.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.agent_types import ToolCallDelta
+from gateway.openai_responses import ChatLogprobs, CompletionLogprobs, Usage
+
+_NULL = b"null"
+_dumps = orjson.dumps
+
+ROLE_DELTA = b'{"role":"assistant","content":""}'  # a chat stream's first delta
+EMPTY_DELTA = b"{}"  # the delta that carries the finish reason
+
+
+def content_delta(text: str) -> bytes:
+    return b'{"content":' + _dumps(text) + b"}"
+
+
+def reasoning_delta(text: str) -> bytes:
+    return b'{"reasoning_content":' + _dumps(text) + b"}"
+
+
+def call_delta(call: ToolCallDelta) -> bytes:
+    return b'{"tool_calls":[' + call.model_dump_json().encode() + b"]}"
+
+
+def _reason(finish_reason: str | None) -> bytes:
+    return _NULL if finish_reason is None else _dumps(finish_reason)
+
+
+def _head(rid: str, obj: str, created: int, model: str) -> bytes:
+    return b'{"id":%b,"object":"%b","created":%d,"model":%b,"choices":' % (
+        _dumps(rid), obj.encode(), created, _dumps(model))
+
+
+def usage_json(usage: Usage | None) -> bytes:
+    return _NULL if usage is None else usage.model_dump_json().encode()
+
+
+class CompletionEvents:
+    """`data:` events of one /v1/completions stream (CompletionChunk's shape)."""
+
+    __slots__ = ("_head", "_text")
+
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self._head = b"data: " + _head(rid, "text_completion", created, model)
+        self._text = self._head + b'[{"index":0,"text":'
+
+    def text(self, text: str, finish_reason: str | None,
+             logprobs: CompletionLogprobs | None = None, token_ids: list[int] | None = None,
+             prompt_token_ids: list[int] | None = None) -> bytes:
+        lp = _NULL if logprobs is None else logprobs.model_dump_json().encode()
+        return b"".join((self._text, _dumps(text), b',"logprobs":', lp, b',"finish_reason":',
+                         _reason(finish_reason), _ids(token_ids, prompt_token_ids),
+                         b'}],"usage":null}\n\n'))
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._head + b'[],"usage":' + usage_json(usage) + b"}\n\n"
+
+
+class ChatEvents:
+    """`data:` events of one /v1/chat/completions stream (ChatCompletionChunk's shape)."""
+
+    __slots__ = ("_head", "_delta")
+
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self._head = b"data: " + _head(rid, "chat.completion.chunk", created, model)
+        self._delta = self._head + b'[{"index":0,"delta":'
+
+    def delta(self, delta: bytes, finish_reason: str | None = None,
+              logprobs: ChatLogprobs | None = None) -> bytes:
+        lp = _NULL if logprobs is None else logprobs.model_dump_json().encode()
+        return b"".join((self._delta, delta, b',"logprobs":', lp, b',"finish_reason":',
+                         _reason(finish_reason), b'}],"usage":null}\n\n'))
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._head + b'[],"usage":' + usage_json(usage) + b"}\n\n"
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+                    logprobs: CompletionLogprobs | None, usage: Usage | None,
+                    token_ids: list[int] | None = None,
+                    prompt_token_ids: list[int] | None = None) -> bytes:
+    """A non-streamed /v1/completions response (CompletionResponse's shape)."""
+    lp = _NULL if logprobs is None else logprobs.model_dump_json().encode()
+    return b"".join((_head(rid, "text_completion", created, model), b'[{"index":0,"text":',
+                     _dumps(text), b',"logprobs":', lp, b',"finish_reason":',
+                     _reason(finish_reason), _ids(token_ids, prompt_token_ids),
+                     b'}],"usage":', usage_json(usage), b"}"))
+
+
+def _ids(token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> bytes:
+    """return_token_ids' fields of a completion choice; nothing where they are None."""
+    out = b"" if token_ids is None else b',"token_ids":' + _dumps(token_ids)
+    if prompt_token_ids is not None:
+        out += b',"prompt_token_ids":' + _dumps(prompt_token_ids)
+    return out

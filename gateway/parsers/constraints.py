@@ -1,0 +1,136 @@
+"""Grammars, as xgrammar structural-tag JSON, that force output into a parser's format.
+
+The gateway never imports xgrammar: it writes the structural tag as text and the worker
+compiles it (`Grammar.from_structural_tag`). Used for `tool_choice` "required" / a named
+function (the output is one or more well-formed calls in the configured tool-call parser's
+own format, each call's arguments matching that tool's JSON schema), and to let a model's
+`<think>` block come before any constrained output when a reasoning parser is on.
+
+A marker that is a special token of the model's vocabulary (Mistral's `[TOOL_CALLS]`, for
+one) is written as a `{"type": "token"}` element: xgrammar never lets a special token match
+text, so spelling it out would force the model to write it character by character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.parsers.reasoning import THINK_CLOSE, THINK_OPEN
+
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_WHITESPACE: dict[str, Any] = {"type": "regex", "pattern": "[ \\n\\t]*"}
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How one tool-call format writes its calls; `{name}` stands for the tool's name."""
+
+    prefix: tuple[str, ...]  # before the arguments (markers are separate pieces)
+    suffix: tuple[str, ...]  # after the arguments
+    separator: tuple[str, ...] = ()  # between two calls
+    open: tuple[str, ...] = ()  # once, before the first call
+    close: tuple[str, ...] = ()  # once, after the last call
+    style: str = "json"  # xgrammar's JSONSchemaFormat style for the arguments
+
+
+_DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+       "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+
+CALL_FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat(prefix=("<tool_call>", '\n{"name": "{name}", "arguments": '),
+                         suffix=("}\n", "</tool_call>"), separator=("\n",)),
+    "qwen3_coder": CallFormat(prefix=("<tool_call>", "\n<function={name}>\n"),
+                              suffix=("\n</function>\n", "</tool_call>"), separator=("\n",),
+                              style="qwen_xml"),
+    "llama3_json": CallFormat(prefix=('{"name": "{name}", "parameters": ',), suffix=("}",),
+                              separator=("; ",)),
+    "mistral": CallFormat(prefix=('{"name": "{name}", "arguments": ',), suffix=("}",),
+                          separator=(", ",), open=("[TOOL_CALLS]", "["), close=("]",)),
+    # v11+ Mistral tokenizers (a vocabulary with `[ARGS]`): `[TOOL_CALLS]name[ARGS]{...}`.
+    "mistral_v11": CallFormat(prefix=("[TOOL_CALLS]", "{name}", "[ARGS]"), suffix=()),
+    "deepseek_v3": CallFormat(prefix=(_DS[2], "function", _DS[4], "{name}\n```json\n"),
+                              suffix=("\n```", _DS[3]), separator=("\n",), open=(_DS[0],),
+                              close=(_DS[1],)),
+    "deepseek_v31": CallFormat(prefix=(_DS[2], "{name}", _DS[4]), suffix=(_DS[3],),
+                               open=(_DS[0],), close=(_DS[1],)),
+}
+CALL_FORMATS["qwen3"] = CALL_FORMATS["hermes"]
+
+
+class Pieces:
+    """Turns format pieces into structural-tag elements, special tokens as token elements."""
+
+    def __init__(self, special_tokens: Collection[str]) -> None:
+        self.special = special_tokens
+
+    def elements(self, pieces: tuple[str, ...], name: str = "") -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for p in pieces:
+            if p in self.special:
+                out.append({"type": "token", "token": p})
+                continue
+            text = p.replace("{name}", name)
+            if not text:
+                continue
+            if out and out[-1]["type"] == "const_string":
+                out[-1] = {"type": "const_string", "value": out[-1]["value"] + text}
+            else:
+                out.append({"type": "const_string", "value": text})
+        return out
+
+    def one(self, piece: str) -> str | dict[str, Any]:
+        """A single marker as a tag's begin / end: the text, or its token."""
+        return {"type": "token", "token": piece} if piece in self.special else piece
+
+
+def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
+    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+
+
+def tool_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]],
+                      parallel: bool, special_tokens: Collection[str]) -> dict[str, Any]:
+    """A format accepting one call (or, with `parallel`, one or more) to any of `tools`
+    (name, parameters schema), written the way `parser` reads them."""
+    fmt = CALL_FORMATS[parser]
+    pieces = Pieces(special_tokens)
+    options = []
+    for name, schema in tools:
+        args = {"type": "json_schema", "json_schema": schema or _NO_PARAMETERS}
+        if fmt.style != "json":
+            args["style"] = fmt.style
+        options.append(_sequence([*pieces.elements(fmt.prefix, name), args,
+                                  *pieces.elements(fmt.suffix, name)]))
+    call = options[0] if len(options) == 1 else {"type": "or", "elements": options}
+    body = [call]
+    if parallel:
+        more = _sequence([*pieces.elements(fmt.separator), call])
+        body.append({"type": "star", "content": more})
+    return _sequence([*pieces.elements(fmt.open), *body, *pieces.elements(fmt.close)])
+
+
+def reasoning_prefix(parser: str, starts_in_reasoning: bool,
+                     special_tokens: Collection[str]) -> list[dict[str, Any]]:
+    """Elements that let the reasoning block come first (empty list: no reasoning parser)."""
+    if not parser:
+        return []
+    pieces = Pieces(special_tokens)
+    end = pieces.one(THINK_CLOSE)
+    if starts_in_reasoning or parser == "deepseek_r1":
+        # Already inside the block (or a model that always reasons): text up to `</think>`.
+        block: dict[str, Any] = {"type": "tag", "begin": "", "content": {"type": "any_text"},
+                                 "end": end}
+    else:
+        block = {"type": "optional", "content": {
+            "type": "tag", "begin": pieces.one(THINK_OPEN), "content": {"type": "any_text"},
+            "end": end}}
+    return [block, _WHITESPACE]
+
+
+def structural_tag(elements: list[dict[str, Any]]) -> str:
+    """The structural-tag JSON text the wire's `StructuredOutput.structural_tag` carries.
+    Raises ValueError for values JSON cannot carry (NaN or infinite numbers in a schema)."""
+    return json.dumps({"type": "structural_tag", "format": _sequence(elements)},
+                      ensure_ascii=False, allow_nan=False)

@@ -1,0 +1,291 @@
+"""The gateway's one Session stream per worker, and the demultiplexer of its outputs.
+
+Every request the gateway sends a worker rides the same long-lived bidirectional gRPC stream
+(`Worker.Session`, protocol/tandem.proto) instead of a call of its own:
+
+ 1. `WorkerSession.open(request)` gives the request a slot (unique on this stream), queues a
+    `Submit`, and returns its `Leg`. A writer task sends everything queued since its last
+    write as one frame, so a burst of requests costs one message, not one call each.
+ 2. The worker answers with one `SessionResponse` per engine step, columns for all requests
+    of this stream. The reader task splits it by slot into one `Output` per request and
+    wakes that request's reader (`Leg.read`): no per-request gRPC machinery at all.
+ 3. `Leg.cancel()` and `WorkerSession.abort()` queue a `SessionAbort` on the same stream, so
+    an abort can never overtake the submit it aborts. Each leg has its own deadline.
+ 4. A broken stream (worker gone, restarted, network) fails exactly the legs it carried, at
+    once, with UNAVAILABLE; the next `open` opens a new stream (reconnect).
+
+`Leg` reads like the grpc.aio call it replaces: `read()` returns the next output or
+`grpc.aio.EOF`, errors raise `grpc.aio.AioRpcError` with the worker's status code, so the
+dispatch code (gateway/dispatch.py) keeps its retry and abort rules unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from typing import Any
+
+import grpc
+
+from protocol import tandem_pb2, tandem_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_EOF = grpc.aio.EOF
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a leg raises: the same type a failed grpc.aio call raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class Output:
+    """One request's share of one worker message (the fields of GenerateResponse it uses)."""
+
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens",
+                 "num_cached_tokens", "transfer")
+
+    def __init__(self, token_ids: list[int], logprobs: list[Any]) -> None:
+        self.token_ids = token_ids
+        self.logprobs = logprobs  # TokenLogprob messages, one per token when asked
+        self.finish_reason = ""
+        self.num_prompt_tokens = 0  # set on a request's first output
+        self.num_cached_tokens = 0
+        self.transfer: tandem_pb2.TransferStats | None = None  # PD decode: on the last output
+
+
+class Leg:
+    """One request on a worker's stream; read it like a grpc.aio streaming call."""
+
+    __slots__ = ("_session", "slot", "_queue", "_waiter", "_ended", "_error", "_cancelled",
+                 "_timer", "_start")
+
+    def __init__(self, session: WorkerSession, slot: int) -> None:
+        self._session = session
+        self.slot = slot
+        self._queue: collections.deque[Output] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False  # the worker ended it (its last output may still be queued)
+        self._error: grpc.aio.AioRpcError | None = None
+        self._cancelled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._start: tuple[int, int] | None = None  # (num_prompt, num_cached) not yet handed on
+
+    async def read(self) -> Output | Any:
+        """Everything that arrived since the last read, as one output (several steps' tokens
+        when the reader fell behind: one detokenizer pass and one client event for all of
+        them); `grpc.aio.EOF` after the last; raises the leg's error once its outputs are read."""
+        while True:
+            if self._queue:
+                return self._take()
+            if self._cancelled:
+                raise asyncio.CancelledError
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                return _EOF
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    def done(self) -> bool:
+        return self._ended or self._cancelled or self._error is not None
+
+    def _take(self) -> Output:
+        queue = self._queue
+        out = queue.popleft()
+        while queue:
+            more = queue.popleft()
+            out.token_ids += more.token_ids
+            if more.logprobs:
+                out.logprobs += more.logprobs
+            out.finish_reason = more.finish_reason
+            if more.transfer is not None:
+                out.transfer = more.transfer
+        return out
+
+    def cancel(self) -> None:
+        """Stop reading; the worker ends the request (a SessionAbort on the stream)."""
+        if self.done():
+            return
+        self._cancelled = True
+        self._session._forget(self, abort=True)
+        self._wake()
+
+    # ---- fed by the session -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._timer is not None and self.done():
+            self._timer.cancel()
+            self._timer = None
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _push(self, out: Output) -> None:
+        if self._start is not None:
+            out.num_prompt_tokens, out.num_cached_tokens = self._start
+            self._start = None
+        self._queue.append(out)
+        self._wake()
+
+    def _end(self, end: tandem_pb2.RequestEnd) -> None:
+        if end.status_code:
+            code = _STATUS.get(end.status_code, grpc.StatusCode.UNKNOWN)
+            self._fail(rpc_error(code, end.error))
+            return
+        last = self._queue[-1] if self._queue else None  # not read yet: it can carry the end
+        carries = bool(end.finish_reason) or end.HasField("transfer")
+        if self._start is not None or (last is None and carries):
+            last = Output([], [])
+            self._push(last)
+        if last is not None:
+            last.finish_reason = end.finish_reason
+            if end.HasField("transfer"):
+                last.transfer = end.transfer
+        self._ended = True
+        self._wake()
+
+    def _fail(self, error: grpc.aio.AioRpcError) -> None:
+        if self.done():
+            return
+        self._error = error
+        self._wake()
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self.done():
+            self._session._forget(self, abort=True)
+            self._fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+
+class WorkerSession:
+    """The stream to one worker, opened on first use and again after it breaks."""
+
+    def __init__(self, stub: tandem_pb2_grpc.WorkerStub, url: str) -> None:
+        self._stub = stub
+        self.url = url
+        self._slots = itertools.count(1)
+        self._legs: dict[int, Leg] = {}
+        self._frame = tandem_pb2.SessionRequest()  # what the writer sends next
+        self._kick = asyncio.Event()  # set when _frame has something
+        self._call: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.num_streams = 0  # streams opened so far (reconnects = num_streams - 1)
+
+    @property
+    def live(self) -> int:
+        """Requests on the stream that have not ended."""
+        return len(self._legs)
+
+    def open(self, request: tandem_pb2.GenerateRequest, timeout_s: float) -> Leg:
+        """Send `request` on the stream; its outputs arrive on the returned leg."""
+        if self._call is None:
+            self._connect()
+        slot = next(self._slots)
+        leg = Leg(self, slot)
+        self._legs[slot] = leg
+        self._frame.submits.add(slot=slot, request=request)
+        self._kick.set()
+        leg._timer = asyncio.get_running_loop().call_later(timeout_s, leg._expire)
+        return leg
+
+    def abort(self, request_id: str, room: int) -> None:
+        """End every request with this id (and this room) on the worker; idempotent."""
+        if self._call is None:
+            return  # no stream: the worker already ended what the broken one carried
+        self._frame.aborts.add(request_id=request_id, room=room)
+        self._kick.set()
+
+    def _forget(self, leg: Leg, abort: bool) -> None:
+        if self._legs.pop(leg.slot, None) is not None and abort and self._call is not None:
+            self._frame.aborts.add(slot=leg.slot)
+            self._kick.set()
+
+    # ---- the stream -----------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        call = self._stub.Session()
+        self._call = call
+        self.num_streams += 1
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._write(call)), loop.create_task(self._read(call))]
+
+    async def _write(self, call: Any) -> None:
+        try:
+            while True:
+                await self._kick.wait()
+                if len(self._legs) > 1:  # others in flight: one more turn gathers their submits
+                    await asyncio.sleep(0)
+                self._kick.clear()
+                frame, self._frame = self._frame, tandem_pb2.SessionRequest()
+                await call.write(frame)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            log.debug("session to %s: write failed: %s", self.url, exc)  # the reader reports it
+
+    async def _read(self, call: Any) -> None:
+        reason = "the worker closed the stream"
+        try:
+            while True:
+                msg = await call.read()
+                if msg is _EOF:
+                    break
+                self._demux(msg)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        finally:
+            self._broken(call, reason)
+
+    def _demux(self, msg: tandem_pb2.SessionResponse) -> None:
+        legs = self._legs
+        for st in msg.started:
+            leg = legs.get(st.slot)
+            if leg is not None:
+                leg._start = (st.num_prompt_tokens, st.num_cached_tokens)
+        if msg.slots:
+            tokens = list(msg.token_ids)
+            lps = msg.logprobs
+            pos = lpos = 0
+            for slot, n, nl in zip(msg.slots, msg.num_tokens, msg.num_logprobs, strict=True):
+                leg = legs.get(slot)
+                if leg is not None:
+                    leg._push(Output(tokens[pos:pos + n], list(lps[lpos:lpos + nl]) if nl else []))
+                pos += n
+                lpos += nl
+        for end in msg.ended:
+            leg = legs.pop(end.slot, None)
+            if leg is not None:
+                leg._end(end)
+
+    def _broken(self, call: Any, reason: str) -> None:
+        """Fail exactly the legs this stream carried; the next open reconnects."""
+        if self._call is not call:
+            return
+        self._call = None
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._tasks = []
+        self._frame = tandem_pb2.SessionRequest()
+        self._kick.clear()
+        legs, self._legs = self._legs, {}
+        if legs:
+            log.warning("session to %s broke (%s): failing its %d requests", self.url, reason,
+                        len(legs))
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"session stream broke: {reason}")
+        for leg in legs.values():
+            leg._fail(error)
+
+    async def close(self) -> None:
+        """Gateway shutdown: end the stream (the worker aborts what it still carried)."""
+        call, tasks = self._call, self._tasks
+        if call is None:
+            return
+        call.cancel()
+        self._broken(call, "the gateway is shutting down")
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,115 @@
+"""One worker as the gateway sees it: its channel, identity, health, load and membership.
+
+The records and states the pool (gateway/pool.py) keeps per worker, and the JSON that
+GET /workers shows. Mutated only by the pool's tasks and by dispatch (`inflight`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from gateway.session import WorkerSession
+from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.identity import WorkerIdentity
+
+ROLE_OF_POOL = {"workers": "both", "prefill": "prefill", "decode": "decode"}
+
+
+class Membership(enum.Enum):
+    """A worker's place in the pools (the operator's doing, not its health)."""
+
+    ACTIVE = "active"
+    DRAINING = "draining"  # DELETE /workers: no new requests; dropped once drained
+    REMOVED = "removed"
+
+
+class WorkerState(enum.Enum):
+    """What GET /workers shows."""
+
+    STARTING = "starting"  # configured or added, GetInfo not answered yet
+    SERVING = "serving"  # identity accepted, healthy: takes requests
+    DRAINING = "draining"  # told to drain (SIGTERM or DELETE): finishes what it holds
+    REFUSED = "refused"  # something else answers at its address (another cluster or model)
+    DEAD = "dead"  # unreachable or failing its health checks
+    REMOVED = "removed"
+
+
+class IdentityRefused(Exception):
+    """A worker's GetInfo does not match what this gateway expects; the message is the line."""
+
+
+class WorkerUnreachable(Exception):
+    """A worker did not answer GetInfo; the message names it and the gRPC status."""
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker as the gateway sees it. Mutated only by the pool's tasks and dispatch."""
+
+    url: str  # host:port
+    pool: str  # the pool it serves in: workers | prefill | decode
+    channel: grpc.aio.Channel
+    stub: tandem_pb2_grpc.WorkerStub
+    health_stub: health_pb2_grpc.HealthStub
+    session: WorkerSession  # the one stream every request to this worker rides
+    expected: WorkerIdentity = field(default_factory=WorkerIdentity)
+    source: str = "config"  # config (the gateway's configuration) | joined (POST /workers)
+    info: tandem_pb2.WorkerInfo | None = None  # the accepted GetInfo; None until then
+    refusal: str = ""  # the one-line reason while its address answers as someone else
+    healthy: bool = False  # routable: accepted, active and passing its health checks
+    draining: bool = False  # the worker says it is draining (GetInfo / NOT_SERVING)
+    accepted: bool = False  # its identity has been accepted at least once
+    member: Membership = Membership.ACTIVE
+    fails: int = 0  # consecutive failed health checks
+    oks: int = 0  # consecutive SERVING answers
+    load: tandem_pb2.Load = field(default_factory=tandem_pb2.Load)
+    inflight: int = 0  # requests this gateway has on the worker right now
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)  # its watch and load tasks
+
+    def load_score(self) -> float:
+        """Load for routing: the worker's queue, plus our own in-flight requests (GetLoad lags
+        by up to one refresh, so a burst would otherwise all go to one worker), plus KV use."""
+        ld = self.load
+        kv = ld.kv_used_pages / ld.kv_total_pages if ld.kv_total_pages else 0.0
+        return ld.running + ld.waiting + self.inflight + kv
+
+    @property
+    def state(self) -> WorkerState:
+        if self.member is Membership.REMOVED:
+            return WorkerState.REMOVED
+        if self.member is Membership.DRAINING or self.draining:
+            return WorkerState.DRAINING
+        if self.refusal:
+            return WorkerState.REFUSED
+        if self.healthy:
+            return WorkerState.SERVING
+        return WorkerState.DEAD if self.accepted else WorkerState.STARTING
+
+    def as_json(self) -> dict[str, Any]:
+        ld, info = self.load, self.info
+        return {
+            "url": self.url,
+            "role": info.role if info else ROLE_OF_POOL[self.pool],
+            "pool": self.pool,
+            "healthy": self.healthy,
+            "state": self.state.value,
+            "source": self.source,
+            "running": ld.running,
+            "waiting": ld.waiting,
+            "kv_used_pages": ld.kv_used_pages,
+            "kv_total_pages": ld.kv_total_pages,
+            "kv_cached_pages": ld.kv_cached_pages,
+            "inflight": self.inflight,
+            "cluster_id": info.cluster_id if info else "",
+            "replica": info.replica if info else -1,
+            "model_fingerprint": info.model_fingerprint if info else "",
+            "contract_hash": info.contract_hash if info else "",
+            "epoch": f"{info.epoch:016x}" if info else "",
+            "error": self.refusal,
+        }

@@ -1,0 +1,198 @@
+"""Pre-flight checks of the model in the launcher, before any worker starts (no torch import).
+
+A checkpoint problem found by a worker ends in its log, after the cluster started and tore
+down again; found here it is one line that names the file and the field and says what to do:
+
+1. model.path: a directory, or a Hugging Face name in the local cache (orchestrator/hub.py).
+2. config.json: valid JSON, a supported architecture, the fields every family needs, as
+   integers.
+3. Weights (unless `load_format: dummy`): `model.safetensors`, or the shards
+   `model.safetensors.index.json` lists, each with a readable safetensors header.
+4. Tokenizer: `tokenizer.json` readable by the tokenizers library, `tokenizer_config.json`
+   valid JSON. A checkpoint with no tokenizer files at all is served in token-id mode (the
+   gateway takes token-id prompts on /v1/completions and answers text prompts with a 400);
+   one with a slow tokenizer's files but no `tokenizer.json` is refused, with the command that
+   writes one.
+
+The worker checks the same things again while loading (worker/model/loader.py); families' own
+fields (MLA ranks, expert counts, ...) are checked only there.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import ClusterConfig, ClusterConfigError
+from orchestrator.hub import HubModelError, looks_like_repo_id, resolve_repo_id
+
+# = worker.model.hf_config.SUPPORTED_ARCHITECTURES (tests/orchestrator/test_checkpoint.py
+# keeps the two equal; importing it here would import torch).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "GptOssForCausalLM", "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM",
+)
+# Fields every supported family reads from config.json (as integers).
+REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                   "intermediate_size")
+# A slow (Python) tokenizer's files: transformers can convert them to tokenizer.json.
+_SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+_MAX_HEADER = 100 << 20  # safetensors refuses headers above 100 MB
+
+
+class CheckpointError(ClusterConfigError):
+    """The checkpoint cannot be served; the message names the file and field and the fix."""
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What the checks found that the launcher tells the user."""
+
+    path: Path
+    config: dict[str, Any]  # config.json
+    has_tokenizer: bool  # False: token-id mode (no tokenizer files at all)
+
+
+def model_dir(path: str) -> Path:
+    """The checkpoint directory `model.path` names; CheckpointError saying where it looked."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if not p.is_absolute() and looks_like_repo_id(path):
+        try:
+            return resolve_repo_id(path)
+        except HubModelError as exc:
+            raise CheckpointError(f"model.path: {exc}") from None
+    raise CheckpointError(f"model.path: {p / 'config.json'} not found ({p} is not a "
+                          "directory); point model.path (or --model) at an HF-format checkpoint "
+                          "directory (config.json, *.safetensors, tokenizer.json) or name one in "
+                          "the Hugging Face cache as ORG/NAME")
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"model.path: {path} not found; {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); re-download or re-save it") \
+            from None
+
+
+def check_config(path: Path) -> dict[str, Any]:
+    """config.json: JSON object, supported architecture, required integer fields."""
+    file = path / "config.json"
+    cfg = read_json_file(file, "point model.path (or --model) at an HF-format directory")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{file}: the top level must be a JSON object")
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise CheckpointError(f"{file}: architectures={archs!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    for key in REQUIRED_FIELDS:
+        value = cfg.get(key)
+        if value is None:
+            raise CheckpointError(f"{file}: required field {key!r} is missing; is this a "
+                                  "decoder-only HF checkpoint's config.json?")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return cfg
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files the worker will read (single file, index with shards, or any)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = read_json_file(index, "")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: field 'weight_map' is missing or empty; "
+                                  "re-download the checkpoint")
+        files = [path / n for n in sorted(set(map(str, weight_map.values())))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists {len(missing)} shards that are absent "
+                                  f"(e.g. {missing[0]}); re-download the checkpoint")
+        return files
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+    have = f" (it has {', '.join(other[:3])})" if other else ""
+    raise CheckpointError(
+        f"{path}: no model.safetensors or model.safetensors.index.json{have}; only safetensors "
+        "checkpoints load (re-save with transformers' save_pretrained), or serve random weights "
+        "at the checkpoint's shapes with --set model.load_format=dummy")
+
+
+def check_safetensors_header(file: Path) -> None:
+    """The 8-byte length and the JSON header every safetensors file starts with."""
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        raw = fh.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < n <= min(size - 8, _MAX_HEADER):
+            raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, header length "
+                                  f"{n}); re-download it")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: its safetensors header is not a JSON object; "
+                              "re-download it")
+
+
+def check_tokenizer(path: Path) -> bool:
+    """True when the gateway can load a tokenizer; False when there are no tokenizer files."""
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        slow = [n for n in _SLOW_TOKENIZER_FILES if (path / n).is_file()]
+        if slow:
+            raise CheckpointError(
+                f"{path}: has {slow[0]} but no tokenizer.json, which the gateway reads; write "
+                f"one with `python -c \"from transformers import AutoTokenizer; "
+                f"AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')\"`, or "
+                "remove the tokenizer files to serve token-id prompts only")
+        return False
+    from tokenizers import Tokenizer  # a light import; the gateway loads the same file
+
+    try:
+        Tokenizer.from_file(str(tok))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{tok}: the tokenizers library cannot read it ({first}); "
+                              "re-download it or re-save the tokenizer with transformers' "
+                              "save_pretrained") from None
+    cfg = path / "tokenizer_config.json"
+    if cfg.is_file() and not isinstance(read_json_file(cfg, ""), dict):
+        raise CheckpointError(f"{cfg}: the top level must be a JSON object")
+    return True
+
+
+def check_checkpoint(model_path: str, load_format: str = "auto") -> CheckpointReport:
+    """Every check above, in order; CheckpointError at the first problem."""
+    path = model_dir(model_path)
+    cfg = check_config(path)
+    if load_format != "dummy":
+        for f in weight_files(path):
+            check_safetensors_header(f)
+    return CheckpointReport(path, cfg, check_tokenizer(path))
+
+
+def preflight(cluster: ClusterConfig) -> list[str]:
+    """What a launcher checks before it starts a process: the checkpoint, then every layout
+    rule (devices included) against its config.json. Returns notes for the user (e.g. token-id
+    mode); raises CheckpointError / LayoutError (both ClusterConfigError) with one line."""
+    from orchestrator.plan import check_layout  # plan imports the config tree, as we do
+
+    report = check_checkpoint(cluster.model.path, cluster.model.load_format)
+    check_layout(cluster, report.config)
+    notes = []
+    if not report.has_tokenizer:
+        notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "
+                     "prompts on /v1/completions only (text prompts and chat get a 400)")
+    return notes

@@ -1,0 +1,107 @@
+"""`tandem worker --join URL`: a worker that adds itself to a running gateway, and leaves.
+
+Lifecycle (a thread beside the worker's own serving loop):
+  1. Wait until the worker's own gRPC health says SERVING (bounded by the ready deadline).
+  2. POST {url, role} to <gateway>/workers with the admin key; the gateway checks the
+     worker's identity (cluster id, role, model) before it routes anything to it. Connection
+     errors are retried until the deadline (the gateway may still be starting); a refusal
+     (401/403/409/4xx) is final: the worker logs the gateway's one-line reason and stops.
+  3. When the worker drains (SIGTERM), `leave()` sends DELETE /workers/<url>, so the gateway
+     stops routing to it at once and drops it once it has exited.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from orchestrator.launch.readiness import HealthWatch
+from protocol.tls import TLSConfig
+
+log = logging.getLogger("tandem.join")
+_RETRY_S = 0.5
+
+
+class JoinRefused(RuntimeError):
+    """The gateway refused the worker (or never answered); the message says why."""
+
+
+@dataclass(frozen=True)
+class Join:
+    gateway_url: str  # http://host:port of the running gateway
+    worker_url: str  # host:port the gateway dials
+    role: str
+    admin_key: str
+    timeout_s: float  # from the worker's start until it must have joined
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def register(self, deadline: float) -> None:
+        """POST /workers until the gateway answers; JoinRefused on a refusal or the deadline."""
+        url = f"{self.gateway_url.rstrip('/')}/workers"
+        body = {"url": self.worker_url, "role": self.role}
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                resp = httpx.post(url, json=body, headers=self._headers(), timeout=10.0)
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                time.sleep(_RETRY_S)
+                continue
+            if resp.status_code == 201:
+                log.info("joined %s as %s %s", self.gateway_url, self.role, self.worker_url)
+                return
+            raise JoinRefused(
+                f"{self.gateway_url} refused {self.worker_url}: HTTP "
+                f"{resp.status_code}: {_message(resp)}"
+            )
+        raise JoinRefused(f"{self.gateway_url} did not answer POST /workers in time ({last})")
+
+    def leave(self) -> None:
+        """DELETE /workers/<url> (best effort: the gateway also sees the worker drain)."""
+        url = f"{self.gateway_url.rstrip('/')}/workers/{self.worker_url}"
+        try:
+            resp = httpx.delete(url, headers=self._headers(), timeout=5.0)
+        except httpx.HTTPError as exc:
+            log.warning("leaving %s: %s", self.gateway_url, exc)
+            return
+        if resp.status_code not in (202, 404):
+            log.warning(
+                "leaving %s: HTTP %d: %s", self.gateway_url, resp.status_code, _message(resp)
+            )
+
+    def start(self, tls: TLSConfig, on_refused: Callable[[str], None]) -> threading.Thread:
+        """Register in the background once the worker is SERVING; `on_refused(reason)` else."""
+
+        def run() -> None:
+            deadline = time.monotonic() + self.timeout_s
+            wake = threading.Event()
+            watch = HealthWatch(self.worker_url, wake, tls)
+            watch.start(self.timeout_s)
+            try:
+                if not watch.ready.wait(self.timeout_s):
+                    on_refused(f"the worker was not SERVING within {self.timeout_s:g} s")
+                    return
+            finally:
+                watch.close()
+            try:
+                self.register(deadline)
+            except JoinRefused as exc:
+                on_refused(str(exc))
+
+        thread = threading.Thread(target=run, name="join", daemon=True)
+        thread.start()
+        return thread
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:200]

@@ -1,0 +1,135 @@
+"""What one Slurm task knows about its allocation, and the files nodes share.
+
+`read_slurm_env` reads SLURM_* (node list through `scontrol show hostnames`); `with_node_hosts`
+gives every replica its node's address; `clear_topology_env` removes the task-layout variables
+a worker's own ranks must not see. Nodes talk through files on the shared filesystem, written
+then renamed (`publish`) and polled (`wait_files`): there is no inotify across nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from orchestrator.config import ClusterConfig
+from orchestrator.launch.processes import LaunchError
+from orchestrator.plan import ProcessRow, plan_processes
+
+# Variables that describe Slurm's task layout; a worker's own ranks must not see them
+# (torch.distributed / NCCL / MPI integrations read SLURM_PROCID, SLURM_NTASKS, PMI_*).
+_TOPOLOGY_PREFIXES = ("SLURM_", "SLURMD_", "PMI_", "PMIX_", "OMPI_")
+FILE_POLL_S = 0.2  # readiness files live on a shared filesystem: no inotify across nodes
+
+
+class SlurmEnvError(RuntimeError):
+    """Not inside a usable Slurm allocation; the message says what is missing and the fix."""
+
+
+@dataclass(frozen=True)
+class SlurmEnv:
+    """What one task knows about its allocation."""
+
+    job_id: str
+    step_id: str
+    node_id: int  # this task's node index within the allocation (0 = the gateway's node)
+    nodes: tuple[str, ...]  # host names in allocation order
+    run_id: str  # TANDEM_RUN_ID from submit.sh; "" = none
+
+    @property
+    def run_name(self) -> str:
+        return f"job{self.job_id}.{self.step_id}" + (f"-{self.run_id}" if self.run_id else "")
+
+
+def expand_nodelist(nodelist: str) -> tuple[str, ...]:
+    """`n[1-2]` -> ("n1", "n2") through scontrol (Slurm's own grammar, not ours)."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise SlurmEnvError(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
+    return tuple(out.stdout.split())
+
+
+def read_slurm_env(environ: Mapping[str, str]) -> SlurmEnv:
+    job = environ.get("SLURM_JOB_ID", "")
+    if not job:
+        raise SlurmEnvError(
+            "launcher.kind=slurm runs inside a Slurm allocation (SLURM_JOB_ID is unset); "
+            "submit with deploy/slurm/submit.sh JOB.yaml, or use launcher.kind=local"
+        )
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")
+    return SlurmEnv(
+        job_id=job,
+        step_id=environ.get("SLURM_STEP_ID", "0"),
+        node_id=int(environ.get("SLURM_NODEID", "0")),
+        nodes=expand_nodelist(nodelist) if nodelist else (socket.gethostname(),),
+        run_id=environ.get("TANDEM_RUN_ID", ""),
+    )
+
+
+def clear_topology_env(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove Slurm's task-layout variables; returns the names removed."""
+    gone = [k for k in environ if k.startswith(_TOPOLOGY_PREFIXES)]
+    for k in gone:
+        del environ[k]
+    return gone
+
+
+def with_node_hosts(cluster: ClusterConfig, addresses: tuple[str, ...]) -> ClusterConfig:
+    """Each replica's host = the address of its node 0 (plan order); the gateway stays put."""
+    first = {
+        (r.role, r.replica): r.node
+        for r in plan_processes(cluster)
+        if r.rank == 0 and r.role != "gateway"
+    }
+    roles = cluster.roles
+    for name, rc in roles.present():
+        hosts = tuple(addresses[first[(name, i)]] for i in range(rc.count))
+        roles = dataclasses.replace(roles, **{name: dataclasses.replace(rc, hosts=hosts)})
+    return dataclasses.replace(cluster, roles=roles)
+
+
+def log_name(row: ProcessRow, count: int) -> str:
+    """prefill, decode-1, prefill.node1: the issue's prefill.log / decode.log for 1P1D."""
+    name = row.role if count == 1 else f"{row.role}-{row.replica}"
+    return name + (f".node{row.node_rank}" if row.node_rank else "")
+
+
+def publish(path: Path, data: dict[str, object]) -> None:
+    """Write then rename: a reader on another node never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def wait_files(
+    run_dir: Path, names: list[str], deadline: float, err: IO[str], tail_lines: int
+) -> None:
+    """Until ready/<name>.json exists for every name; LaunchError on a failed/ file or timeout."""
+    ready, failed = run_dir / "ready", run_dir / "failed"
+    while True:
+        for f in sorted(failed.glob("*.json")) if failed.is_dir() else []:
+            info = json.loads(f.read_text())
+            print(
+                f"--- last lines of {info.get('log')} ---\n{info.get('tail') or '(log is empty)'}",
+                file=err,
+                flush=True,
+            )
+            raise LaunchError(f"{f.stem} failed on node {info.get('node')}: {info.get('error')}")
+        missing = [n for n in names if not (ready / f"{n}.json").is_file()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"no readiness file from {', '.join(missing)} in {ready} before the deadline"
+            )
+        time.sleep(FILE_POLL_S)

@@ -1,0 +1,93 @@
+"""Weight bytes of a checkpoint as a worker will hold them, for `tandem plan` (no torch import).
+
+Read from the safetensors headers (exact: every tensor's dtype and shape), or estimated from
+config.json when there are none (`load_format: dummy` shape directories). The dtype a worker
+holds a tensor in: the model dtype (`model.dtype`, or the checkpoint's), except a block-scaled
+FP8 checkpoint's linear weights on CUDA, which stay one byte per element plus their float32
+block scales; on the CPU those are dequantized at load to the model dtype (worker/model/fp8.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+_SCALE_INV = "_scale_inv"
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    total: int  # bytes of every weight of one replica (all its TP ranks together)
+    dtype: str  # what the linears are held in: e.g. "bfloat16" or "float8_e4m3fn + bfloat16"
+    exact: bool  # from the safetensors headers (True) or estimated from config.json (False)
+
+
+def _headers(path: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor's header entry ({dtype, shape, ...}) across the checkpoint's files."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        out.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _estimated_params(hf: dict[str, Any]) -> tuple[int, int]:
+    """(linear weight elements of the decoder layers, all other elements) from config.json: the
+    dense Llama/Qwen shape, MoE experts where config.json names them."""
+    hidden, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    vocab = int(hf["vocab_size"])
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts:
+        mlp = 3 * hidden * int(hf["moe_intermediate_size"]) * experts
+        router = hidden * experts
+    else:
+        mlp, router = 3 * hidden * int(hf["intermediate_size"]), 0
+    embeddings = vocab * hidden * (1 if hf.get("tie_word_embeddings") else 2)
+    norms = layers * (2 * hidden + 2 * head_dim) + hidden
+    return layers * (attn + mlp), embeddings + norms + layers * router
+
+
+def weight_bytes(
+    model_path: str, hf: dict[str, Any], dtype: str, device: str
+) -> WeightBytes | None:
+    """The weights one replica holds with compute dtype `dtype` on `device` (cpu | cuda...);
+    None when there are no safetensors and config.json lacks a shape field to estimate from."""
+    item = DTYPE_BYTES.get(dtype, 4)
+    fp8_kept = device.startswith("cuda") and bool(hf.get("quantization_config"))
+    held = f"float8_e4m3fn + {dtype}" if fp8_kept else dtype
+    headers = _headers(Path(model_path))
+    if not headers:
+        try:
+            linear, other = _estimated_params(hf)
+        except (KeyError, TypeError, ValueError):
+            return None
+        per_block = 1 / (128 * 128)  # one float32 scale per 128x128 block
+        linear_bytes = int(linear * (1 + 4 * per_block)) if fp8_kept else linear * item
+        return WeightBytes(linear_bytes + other * item, held, exact=False)
+    total = 0
+    for name, entry in headers.items():
+        n = _numel(entry["shape"])
+        if name.endswith(_SCALE_INV):
+            total += 4 * n if fp8_kept else 0  # block scales: kept with FP8 weights, else folded in
+        elif str(entry["dtype"]).startswith("F8") and fp8_kept:
+            total += n
+        else:
+            total += n * item
+    return WeightBytes(total, held, exact=True)

@@ -1,0 +1,60 @@
+"""Suite-wide: no listener of ours survives a test module.
+
+Every process the test session starts inherits `TANDEM_TEST_SESSION=<this session>` (set
+before any test runs). After each module, a process that still carries it and still listens
+on a TCP port is a leak (a cluster, worker or gateway a test did not stop): the module fails
+naming it, and the process is ended by its pid so the next module starts clean. Fixtures that
+own long-lived infrastructure for the whole session (the local Slurm cluster) start it
+without the marker and stop it themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.listeners import Listener, listeners, marked
+
+SESSION_ENV = "TANDEM_TEST_SESSION"
+_GRACE_S = 10.0  # a process asked to stop at the module's end may take this long to go
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def ours_listening() -> list[Listener]:
+    """Listeners of this session's processes, this pytest process aside (in-process servers
+    of a module are its fixtures' business)."""
+    pids = [p for p in marked(SESSION_ENV, os.environ[SESSION_ENV]) if p != os.getpid()]
+    return listeners(pids)
+
+
+def without_session_marker() -> dict[str, str]:
+    """The environment for session-wide infrastructure that outlives a module."""
+    return {k: v for k, v in os.environ.items() if k != SESSION_ENV}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_listener_survives_the_module() -> Iterator[None]:
+    yield
+    deadline = time.monotonic() + _GRACE_S
+    left = ours_listening()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = ours_listening()
+    if left:
+        for pid in sorted({ln.pid for ln in left}):
+            with contextlib.suppress(ProcessLookupError):  # it went away meanwhile
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(
+            "listeners of this test session survived the module: "
+            + "; ".join(str(ln) for ln in left),
+            pytrace=False,
+        )

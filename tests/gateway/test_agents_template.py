@@ -1,0 +1,144 @@
+"""Chat template inputs for agents: tools, tool calls and results, template kwargs, roles,
+and the 400s for what a template or a parser cannot honour (`plan_chat`, no workers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.agents import Parsers, plan_chat
+from gateway.errors import BadRequest
+from gateway.openai_types import ChatCompletionRequest
+from gateway.serving import parse_request
+from gateway.tokenizer import Tokenizer
+from orchestrator.launch.background import EMBEDDED_MODEL
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look up a variable's value (<, > and & kept as is).",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                   "required": ["name"]}}}
+HERMES = Parsers(reasoning="qwen3", tool_call="hermes")
+
+
+def request(**kw: Any) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "q?"}], **kw}
+    return parse_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def prompt(tok: Tokenizer, req: ChatCompletionRequest, parsers: Parsers = HERMES) -> str:
+    plan = plan_chat(req, tok, parsers)
+    return tok.decode(plan.prompt_ids, skip_special_tokens=False)
+
+
+def refused(tok: Tokenizer, parsers: Parsers = HERMES, **kw: Any) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        plan_chat(request(**kw), tok, parsers)
+    return info.value
+
+
+def test_tools_render_like_transformers(hermes_dir: Path) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    text = prompt(tok, request(tools=[LOOKUP]))
+    # tojson is json.dumps: no HTML escapes, keys in the order given, non-ASCII kept.
+    assert json.dumps(LOOKUP) in text
+    assert "\\u003c" not in text and "<tools>" in text
+
+
+def test_history_with_calls_and_results(hermes_dir: Path) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "lookup", "arguments": "{\"name\": \"q\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+    ]
+    text = prompt(tok, request(messages=messages, tools=[LOOKUP]))
+    assert "<|im_start|>system\nBe brief." in text  # developer is the system role
+    assert "<|im_start|>user\nq?<|im_end|>" in text  # text parts joined
+    # The JSON-text arguments reached the template as a mapping (rendered by tojson).
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"name": "q"}}\n</tool_call>' in text
+    assert "<tool_response>\n7\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_enable_thinking_kwarg_and_reasoning_start(hermes_dir: Path, open_think_dir: Path) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    off = plan_chat(request(chat_template_kwargs={"enable_thinking": False}), tok, HERMES)
+    assert tok.decode(off.prompt_ids, skip_special_tokens=False).endswith(
+        "<think>\n\n</think>\n\n")
+    assert not off.starts_in_reasoning
+    opened = plan_chat(request(), Tokenizer.from_dir(open_think_dir), HERMES)
+    assert opened.starts_in_reasoning
+
+
+def test_tool_choice_none_renders_and_parses_no_tools(hermes_dir: Path) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(request(tools=[LOOKUP], tool_choice="none"), tok, HERMES)
+    assert "<tools>" not in tok.decode(plan.prompt_ids, skip_special_tokens=False)
+    assert plan.tool_parser == "" and plan.structured is None
+
+
+def test_auto_tools_parse_without_constraint(hermes_dir: Path) -> None:
+    plan = plan_chat(request(tools=[LOOKUP]), Tokenizer.from_dir(hermes_dir), HERMES)
+    assert plan.tool_parser == "hermes" and plan.structured is None
+    assert plan.tool_parameters["lookup"]["required"] == ["name"]
+
+
+@pytest.mark.parametrize("kw,param,words", [
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "role"),
+    ({"messages": [{"role": "tool", "content": "7"}]}, "messages", "tool_call_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": ""}]}]}, "messages",
+     "image_url"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type":
+      "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages",
+     "arguments"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [LOOKUP], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice", "not in tools"),
+    ({"tools": [LOOKUP, LOOKUP]}, "tools", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "must match"),
+    ({"chat_template_kwargs": {"not_read": 1}}, "chat_template_kwargs", "does not read"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set"),
+    ({"reasoning_effort": "high"}, "reasoning_effort", "does not read"),
+])
+def test_bad_agent_inputs_are_400s(hermes_dir: Path, kw: dict[str, Any], param: str,
+                                   words: str) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    with pytest.raises(BadRequest) as info:
+        plan_chat(request(**kw), tok, HERMES)
+    assert info.value.param == param and words in info.value.message, info.value.message
+
+
+def test_tools_without_parser_are_400(hermes_dir: Path) -> None:
+    err = refused(Tokenizer.from_dir(hermes_dir), Parsers(), tools=[LOOKUP])
+    assert err.param == "tools" and "--tool-call-parser" in err.message
+
+
+def test_embedded_model_template(tmp_path: Path) -> None:
+    """The embedded model's current template: messages render; tools and kwargs it does not
+    read are refused rather than dropped."""
+    tok = Tokenizer.from_dir(EMBEDDED_MODEL)
+    if "tools" in tok.template_vars:  # the retrained model (issue 17) renders tools
+        assert "<tool_call>" in tok.template_source
+        return
+    plan = plan_chat(request(), tok, Parsers())
+    assert tok.decode(plan.prompt_ids, skip_special_tokens=False).startswith("<|user|>q?")
+    assert refused(tok, HERMES, tools=[LOOKUP]).param == "tools"
+    assert refused(tok, Parsers(), chat_template_kwargs={"enable_thinking": True}).param == \
+        "chat_template_kwargs"
+
+
+def test_unknown_fields_are_refused_by_name() -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_request(b'{"messages": [], "toolz": []}', ChatCompletionRequest)
+    assert info.value.message == "Unrecognized request argument supplied: toolz"
+    assert info.value.param == "toolz"
+    with pytest.raises(BadRequest) as info:
+        parse_request(b'{"messages": [{"role": "user", "content": "x", "colour": 1}]}',
+                      ChatCompletionRequest)
+    assert "messages.0.colour" in info.value.message

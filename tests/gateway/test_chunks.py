@@ -1,0 +1,117 @@
+"""The byte-built stream events and bodies (gateway/chunks.py) equal the pydantic models'
+JSON byte for byte: same keys, same order, same omitted fields, same escaping."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.agent_types import FunctionCallDelta, ToolCallDelta
+from gateway.chat_output import ChatPiece
+from gateway.chunks import (
+    EMPTY_DELTA,
+    ROLE_DELTA,
+    ChatEvents,
+    CompletionEvents,
+    completion_body,
+)
+from gateway.openai_responses import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    TopLogprobEntry,
+    Usage,
+)
+
+# Text as detokenizers give it: any Unicode scalar (no lone surrogates), controls included.
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+REASON = st.sampled_from([None, "stop", "length", "abort", "tool_calls"])
+
+
+def sse(model: object) -> bytes:
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"  # type: ignore[attr-defined]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT, reason=REASON, rid=TEXT, model=TEXT, created=st.integers(0, 2**40))
+def test_completion_chunk_bytes(text: str, reason: str | None, rid: str, model: str,
+                                created: int) -> None:
+    want = sse(CompletionChunk(id=rid, created=created, model=model, choices=[
+        CompletionChoice(text=text, finish_reason=reason)]))
+    assert CompletionEvents(rid, created, model).text(text, reason) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(content=TEXT, reasoning=TEXT, reason=REASON, rid=TEXT)
+def test_chat_delta_bytes(content: str, reasoning: str, reason: str | None, rid: str) -> None:
+    ev = ChatEvents(rid, 7, "m")
+    piece = ChatPiece(reasoning=reasoning, content=content)
+    assert len(piece.delta_json()) == len(piece.deltas())
+    for fast, delta in zip(piece.delta_json(), piece.deltas(), strict=True):
+        want = sse(ChatCompletionChunk(id=rid, created=7, model="m", choices=[
+            ChatChunkChoice(delta=delta, finish_reason=reason)]))
+        assert ev.delta(fast, reason) == want
+
+
+def test_chat_role_empty_and_tool_call_deltas() -> None:
+    ev = ChatEvents("chatcmpl-1", 3, "tiny")
+
+    def want(delta: ChatDelta, **kw: object) -> bytes:
+        return sse(ChatCompletionChunk(id="chatcmpl-1", created=3, model="tiny", choices=[
+            ChatChunkChoice(delta=delta, **kw)]))
+
+    assert ev.delta(ROLE_DELTA) == want(ChatDelta(role="assistant", content=""))
+    assert ev.delta(EMPTY_DELTA, "stop") == want(ChatDelta(), finish_reason="stop")
+    calls = [ToolCallDelta(index=0, id="call_1", type="function",
+                           function=FunctionCallDelta(name="lookup", arguments="")),
+             ToolCallDelta(index=0, function=FunctionCallDelta(arguments='{"name": "q"}'))]
+    piece = ChatPiece(content="x", calls=calls)
+    for fast, delta in zip(piece.delta_json(), piece.deltas(), strict=True):
+        assert ev.delta(fast) == want(delta)
+    lp = ChatLogprobs(content=[ChatLogprobEntry(token="a", logprob=-0.5, bytes=[97], top_logprobs=[
+        TopLogprobEntry(token="a", logprob=-0.5, bytes=[97])])])
+    assert ev.delta(b'{"content":"a"}', None, lp) == want(ChatDelta(content="a"), logprobs=lp)
+
+
+def test_usage_events_and_completion_body() -> None:
+    usage = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
+    with_reasoning = usage.model_copy(update={
+        "completion_tokens_details": CompletionTokensDetails(reasoning_tokens=1)})
+    for u in (usage, with_reasoning):
+        assert CompletionEvents("c", 1, "m").usage(u) == sse(
+            CompletionChunk(id="c", created=1, model="m", choices=[], usage=u))
+        assert ChatEvents("c", 1, "m").usage(u) == sse(
+            ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=u))
+    lp = CompletionLogprobs(tokens=["a"], token_logprobs=[-0.25], top_logprobs=[{"a": -0.25}],
+                            text_offset=[0])
+    for logprobs in (None, lp):
+        want = CompletionResponse(id="cmpl-9", created=11, model="tiny", usage=usage, choices=[
+            CompletionChoice(text="héllo\n\"x\"", finish_reason="length", logprobs=logprobs)])
+        got = completion_body("cmpl-9", 11, "tiny", "héllo\n\"x\"", "length", logprobs, usage)
+        assert got == want.model_dump_json().encode()
+    chunk = CompletionChunk(id="c", created=1, model="m", choices=[
+        CompletionChoice(text="a", logprobs=lp)])
+    assert CompletionEvents("c", 1, "m").text("a", None, lp) == sse(chunk)
+
+
+def test_return_token_ids_fields() -> None:
+    """return_token_ids: the choice's ids, and the prompt's on the body / the first chunk."""
+    for ids, prompt in ((None, None), ([5, 6], None), ([5], [1, 2, 3])):
+        chunk = CompletionChunk(id="c", created=1, model="m", choices=[
+            CompletionChoice(text="x", finish_reason="stop", token_ids=ids,
+                             prompt_token_ids=prompt)])
+        assert CompletionEvents("c", 1, "m").text("x", "stop", None, ids, prompt) == sse(chunk)
+        body = CompletionResponse(id="c", created=1, model="m", choices=[
+            CompletionChoice(text="x", finish_reason="stop", token_ids=ids,
+                             prompt_token_ids=prompt)])
+        got = completion_body("c", 1, "m", "x", "stop", None, None, ids, prompt)
+        assert got == body.model_dump_json().encode()

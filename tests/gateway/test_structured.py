@@ -1,0 +1,203 @@
+"""The output constraints the gateway puts on the wire, compiled and run with xgrammar the way
+a worker does (GrammarCompiler over the model's vocabulary, a matcher fed token ids)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.agents import Parsers, plan_chat
+from gateway.errors import BadRequest
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.serving import parse_request
+from gateway.structured import request_constraint
+from gateway.tokenizer import Tokenizer
+from protocol import tandem_pb2
+
+xgr = pytest.importorskip("xgrammar")
+transformers = pytest.importorskip("transformers")
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]+$"}, "tags": {"type": "array", "items": {
+        "enum": ["x", "y"]}}, "inner": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                        "required": ["n"]}},
+    "required": ["name", "tags", "inner"], "additionalProperties": False}
+GOOD = '{"name": "abc", "tags": ["x"], "inner": {"n": 3}}'
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+
+
+class Worker:
+    """What a worker does with `StructuredOutput`: compile it over the vocabulary, then check
+    token ids against the matcher."""
+
+    def __init__(self, tok_dir: Path) -> None:
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+        self.hf = hf
+        self.eos = hf.convert_tokens_to_ids("<|im_end|>")
+        info = xgr.TokenizerInfo.from_huggingface(hf, stop_token_ids=[self.eos])
+        self.compiler = xgr.GrammarCompiler(info)
+
+    def compile(self, so: tandem_pb2.StructuredOutput) -> Any:
+        kind = so.WhichOneof("kind")
+        if kind == "json_schema":
+            return self.compiler.compile_json_schema(so.json_schema)
+        if kind == "json_object":  # an object (the builtin JSON grammar also takes arrays)
+            return self.compiler.compile_json_schema('{"type": "object"}')
+        if kind == "regex":
+            return self.compiler.compile_regex(so.regex)
+        if kind == "ebnf":
+            return self.compiler.compile_grammar(so.ebnf)
+        if kind == "choice":
+            alts = " | ".join(json.dumps(c) for c in so.choice.choices)
+            return self.compiler.compile_grammar(f"root ::= {alts}")
+        return self.compiler.compile_structural_tag(so.structural_tag)
+
+    def accepts(self, so: tandem_pb2.StructuredOutput, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(self.compile(so))
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(self.eos)
+
+
+@pytest.fixture(scope="module")
+def worker(hermes_dir: Path) -> Worker:
+    return Worker(hermes_dir)
+
+
+def completion(**kw: Any) -> CompletionRequest:
+    return parse_request(json.dumps({"prompt": "x", **kw}).encode(), CompletionRequest)
+
+
+def chat(**kw: Any) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "q?"}], **kw}
+    return parse_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+SOURCES = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA,
+                                                                 "strict": True}}}, GOOD,
+     '{"name": "ABC", "tags": [], "inner": {"n": 3}}'),
+    ({"response_format": {"type": "json_object"}}, '{"any": [1, 2]}', "[1, 2]"),
+    ({"guided_json": SCHEMA}, GOOD, '{"name": "abc"}'),
+    ({"guided_json": json.dumps(SCHEMA)}, GOOD, "{}"),
+    ({"guided_regex": "[0-9]{3}-[a-z]+"}, "123-abc", "12-abc"),
+    ({"guided_choice": ["yes", "no"]}, "no", "maybe"),
+    ({"guided_grammar": 'root ::= "a" ("b" | "c")*'}, "abcb", "abd"),
+    ({"structured_outputs": {"json": SCHEMA}}, GOOD, '{"tags": ["z"]}'),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, "right", "up"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": SCHEMA},
+        "end": "</a>"}})}}, f"<a>{GOOD}</a>", GOOD),
+    ({"response_format": {"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}},
+     f"text <f>{GOOD}</f> more", "text <f>{}</f>"),
+]
+
+
+@pytest.mark.parametrize("kw,good,bad", SOURCES, ids=[next(iter(s[0])) + str(i)
+                                                      for i, s in enumerate(SOURCES)])
+def test_constraint_compiles_and_matches(worker: Worker, kw: dict[str, Any], good: str,
+                                         bad: str) -> None:
+    c = request_constraint(completion(**kw))
+    assert c is not None
+    so = c.to_proto([])
+    assert worker.accepts(so, good) and not worker.accepts(so, bad)
+
+
+def test_reasoning_block_comes_before_the_constraint(worker: Worker, hermes_dir: Path) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(chat(guided_json=SCHEMA), tok, Parsers(reasoning="qwen3"))
+    assert plan.structured is not None and plan.structured.WhichOneof("kind") == "structural_tag"
+    assert worker.accepts(plan.structured, f"<think>\nfirst a, then b\n</think>\n\n{GOOD}")
+    assert worker.accepts(plan.structured, GOOD)  # no block: straight to the answer
+    assert not worker.accepts(plan.structured, "<think>\nhm\n</think>\n\nplain text")
+
+
+@pytest.mark.parametrize("choice,parallel,good,bad", [
+    ("required", True, ['lookup', {"name": "q"}], "The answer is 3."),
+    ({"type": "function", "function": {"name": "lookup"}}, True, ['lookup', {"name": "q"}],
+     '<tool_call>\n{"name": "lookup", "arguments": {"nom": "q"}}\n</tool_call>'),
+])
+def test_forced_tool_call_in_hermes_format(worker: Worker, hermes_dir: Path, choice: Any,
+                                           parallel: bool, good: list[Any], bad: str) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(chat(tools=[LOOKUP], tool_choice=choice, parallel_tool_calls=parallel), tok,
+                     Parsers(reasoning="qwen3", tool_call="hermes"))
+    assert plan.structured is not None
+    body = json.dumps({"name": good[0], "arguments": good[1]})
+    call = f"<tool_call>\n{body}\n</tool_call>"
+    assert worker.accepts(plan.structured, call)
+    assert worker.accepts(plan.structured, "<think>\nneed q\n</think>\n\n" + call)
+    assert not worker.accepts(plan.structured, bad)
+    two = call + "\n" + call
+    assert worker.accepts(plan.structured, two) == (choice == "required")
+
+
+def test_parallel_false_allows_one_call(worker: Worker, hermes_dir: Path) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(chat(tools=[LOOKUP], tool_choice="required", parallel_tool_calls=False),
+                     tok, Parsers(tool_call="hermes"))
+    assert plan.structured is not None
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"name": "q"}}\n</tool_call>'
+    assert worker.accepts(plan.structured, call)
+    assert not worker.accepts(plan.structured, call + "\n" + call)
+
+
+def test_mistral_markers_are_special_tokens(worker: Worker, hermes_dir: Path) -> None:
+    """`[TOOL_CALLS]` / `[ARGS]` are special tokens here: the grammar names them as tokens,
+    so the model emits the one token, not the marker spelled out."""
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(chat(tools=[LOOKUP], tool_choice="required"), tok,
+                     Parsers(tool_call="mistral"))
+    assert plan.structured is not None
+    assert '{"type": "token", "token": "[TOOL_CALLS]"}' in plan.structured.structural_tag
+    ids = worker.hf.encode('[TOOL_CALLS]lookup[ARGS]{"name": "q"}', add_special_tokens=False)
+    assert ids[0] == worker.hf.convert_tokens_to_ids("[TOOL_CALLS]")
+    matcher = xgr.GrammarMatcher(worker.compile(plan.structured))
+    assert all(matcher.accept_token(t) for t in ids) and matcher.accept_token(worker.eos)
+
+
+@pytest.mark.parametrize("parser,call", [
+    ("qwen3_coder", "<tool_call>\n<function=lookup>\n<parameter=name>\nq\n</parameter>\n"
+                    "</function>\n</tool_call>"),
+    ("llama3_json", '{"name": "lookup", "parameters": {"name": "q"}}'),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>lookup\n'
+                    '```json\n{"name": "q"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>'
+                     '{"name": "q"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+])
+def test_forced_call_in_each_format(worker: Worker, hermes_dir: Path, parser: str,
+                                    call: str) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(chat(tools=[LOOKUP], tool_choice="required"), tok, Parsers(tool_call=parser))
+    assert plan.structured is not None
+    assert worker.accepts(plan.structured, call) and not worker.accepts(plan.structured, "hi")
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "whitespace_pattern": " "}}, "structured_outputs"),
+    ({"guided_json": {"type": "number", "maximum": float("inf")}}, "guided_json"),
+])
+def test_bad_constraints_are_400s(kw: dict[str, Any], param: str) -> None:
+    body = json.dumps({"prompt": "x", **kw}).encode()
+    with pytest.raises(BadRequest) as info:
+        c = request_constraint(parse_request(body, CompletionRequest))
+        assert c is not None
+        c.to_proto([])
+    assert info.value.param == param, info.value.message
+
+
+def test_forced_call_and_response_format_conflict(hermes_dir: Path) -> None:
+    with pytest.raises(BadRequest) as info:
+        plan_chat(chat(tools=[LOOKUP], tool_choice="required",
+                       response_format={"type": "json_object"}),
+                  Tokenizer.from_dir(hermes_dir), Parsers(tool_call="hermes"))
+    assert "only one output constraint" in info.value.message

@@ -1,0 +1,193 @@
+"""The launcher's checkpoint checks: each problem is one line naming the file and field, found
+before any process starts; models by name from a fake Hugging Face cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from orchestrator.checkpoint import SUPPORTED_ARCHITECTURES, check_checkpoint, preflight
+from orchestrator.cli import main
+from orchestrator.config import REPO_ROOT, load_config
+from orchestrator.hub import HubModelError, hub_cache_dir, looks_like_repo_id, resolve_repo_id
+
+EMBEDDED = REPO_ROOT / "models" / "tandem-arith"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def copy_model(tmp_path: Path, name: str = "ckpt") -> Path:
+    out = tmp_path / name
+    shutil.copytree(EMBEDDED, out)
+    return out
+
+
+def edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def fake_hub(root: Path, repo: str, model: Path, refs: bool = True) -> Path:
+    """A hub cache entry for `repo` whose snapshot links to `model`'s files (as the hub does)."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snap = repo_dir / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    for f in model.iterdir():
+        (snap / f.name).symlink_to(f)
+    if refs:
+        (repo_dir / "refs").mkdir()
+        (repo_dir / "refs" / "main").write_text(COMMIT)
+    return snap
+
+
+def _missing_field(p: Path) -> None:
+    edit_config(p, hidden_size=None)
+
+
+def _bad_json(p: Path) -> None:
+    (p / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"],')
+
+
+def _unsupported(p: Path) -> None:
+    edit_config(p, architectures=["BertModel"])
+
+
+def _not_int(p: Path) -> None:
+    edit_config(p, num_hidden_layers="four")
+
+
+def _bin_only(p: Path) -> None:
+    (p / "model.safetensors").rename(p / "pytorch_model.bin")
+
+
+def _corrupt_weights(p: Path) -> None:
+    (p / "model.safetensors").write_bytes(b"\xff" * 64)
+
+
+def _missing_shard(p: Path) -> None:
+    (p / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+
+
+def _slow_tokenizer_only(p: Path) -> None:
+    (p / "tokenizer.json").unlink()
+    (p / "tokenizer.model").write_bytes(b"sentencepiece")
+
+
+def _corrupt_tokenizer(p: Path) -> None:
+    (p / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
+
+
+CASES: list[tuple[str, Callable[[Path], None], str]] = [
+    ("missing field", _missing_field, "config.json: required field 'hidden_size' is missing"),
+    ("bad json", _bad_json, "config.json: not valid JSON"),
+    ("unsupported", _unsupported, "config.json: architectures=['BertModel'] is not supported"),
+    ("not an int", _not_int, "config.json: num_hidden_layers must be a positive integer"),
+    ("bin only", _bin_only, "no model.safetensors or model.safetensors.index.json (it has "
+                            "pytorch_model.bin)"),
+    ("corrupt weights", _corrupt_weights, "model.safetensors: not a safetensors file"),
+    ("missing shard", _missing_shard, "model.safetensors.index.json lists 1 shards that are "
+                                      "absent (e.g. model-00002-of-00002.safetensors)"),
+    ("slow tokenizer", _slow_tokenizer_only, "has tokenizer.model but no tokenizer.json"),
+    ("corrupt tokenizer", _corrupt_tokenizer, "tokenizer.json: the tokenizers library cannot "
+                                              "read it"),
+]
+
+
+@pytest.mark.parametrize(("breaks", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_checkpoint_problem_is_one_line_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], breaks: Callable[[Path], None],
+        message: str) -> None:
+    model = copy_model(tmp_path)
+    breaks(model)
+    logs = tmp_path / "logs"
+    assert main(["serve", "--model", str(model), "--set", f"launcher.log_dir={logs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert "gateway.model_path" not in err  # not a key a user sets
+    assert not logs.exists()  # nothing started
+
+
+def test_dummy_weights_need_no_safetensors_and_no_tokenizer_means_token_ids(
+        tmp_path: Path) -> None:
+    model = copy_model(tmp_path)
+    (model / "model.safetensors").unlink()
+    with pytest.raises(Exception, match="no model.safetensors"):
+        check_checkpoint(str(model))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (model / f).unlink()
+    report = check_checkpoint(str(model), load_format="dummy")
+    assert not report.has_tokenizer and report.config["architectures"] == ["Qwen3ForCausalLM"]
+    cluster = load_config(REPO_ROOT / "configs" / "tiny-1p1d.yaml",
+                          [f"model.path={model}", "model.load_format=dummy"])
+    [note] = preflight(cluster)
+    assert "token-id prompts on /v1/completions only" in note
+
+
+def test_architectures_match_the_workers_list() -> None:
+    from worker.model.hf_config import SUPPORTED_ARCHITECTURES as WORKER
+
+    assert SUPPORTED_ARCHITECTURES == WORKER
+
+
+def test_hub_cache_location_honours_the_environment(tmp_path: Path) -> None:
+    assert hub_cache_dir({"HF_HOME": "/h"}) == Path("/h/hub")
+    assert hub_cache_dir({"HF_HOME": "/h", "HF_HUB_CACHE": "/c"}) == Path("/c")
+    assert hub_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/huggingface/hub")
+    assert hub_cache_dir({}) == Path.home() / ".cache" / "huggingface" / "hub"
+    assert looks_like_repo_id("Qwen/Qwen3-0.6B") and looks_like_repo_id("org/m@v1.0")
+    assert not looks_like_repo_id("./a/b") and not looks_like_repo_id("a/b/c")
+
+
+def test_serve_resolves_a_name_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./Qwen directory shadows the name
+    snap = fake_hub(tmp_path / "hf" / "hub", "Qwen/Tiny-Arith", EMBEDDED)
+    assert resolve_repo_id("Qwen/Tiny-Arith") == snap
+    assert resolve_repo_id(f"Qwen/Tiny-Arith@{COMMIT}") == snap
+    assert main(["plan", "--config", "configs/tiny-1p1d.yaml", "--set",
+                 "model.path=Qwen/Tiny-Arith"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {snap} (served as Qwen/Tiny-Arith)" in out
+    from orchestrator.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", "--model", "Qwen/Tiny-Arith",
+                                      "--served-model-name", "arith"])
+    cluster = serve_config(args)
+    assert cluster.model.path == str(snap) and cluster.served_model_name == "arith"
+    args = build_parser().parse_args(["serve", "--model", "Qwen/Tiny-Arith"])
+    assert serve_config(args).served_model_name == "Qwen/Tiny-Arith"
+
+
+def test_a_name_missing_from_the_cache_says_where_it_looked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--model", "Qwen/Qwen3-0.6B",
+                 "--set", f"launcher.log_dir={tmp_path / 'logs'}"]) == 2
+    err = capsys.readouterr().err
+    looked = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-0.6B"
+    assert err.count("\n") == 1 and f"looked for {looked}" in err
+    assert "huggingface-cli download Qwen/Qwen3-0.6B" in err
+    # refs/ lost (a copied cache) with two snapshots: which one is ambiguous
+    snap = fake_hub(tmp_path / "hf" / "hub", "org/two", EMBEDDED, refs=False)
+    with pytest.raises(HubModelError, match="no refs/v2 and 1 snapshots") as one:
+        resolve_repo_id("org/two@v2")
+    assert "org/two@COMMIT" in str(one.value)
+    assert resolve_repo_id("org/two") == snap  # the only snapshot
+    (snap.parent / ("f" * 40)).mkdir()
+    with pytest.raises(HubModelError, match="2 snapshots"):
+        resolve_repo_id("org/two")

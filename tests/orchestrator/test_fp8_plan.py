@@ -1,0 +1,88 @@
+"""`--kv-cache-dtype` on serve / worker / launch / plan, and `tandem plan`'s KV bytes per page
+and weight bytes for the chosen dtypes (FP8 KV pages; FP8 checkpoints on CUDA and on the CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.make_fp8 import convert
+from orchestrator.cli import build_parser, main, serve_config
+from orchestrator.config import REPO_ROOT
+
+EMBEDDED = REPO_ROOT / "models" / "tandem-arith"
+
+
+def _row(out: str, role: str) -> list[str]:
+    return next(
+        line.split() for line in out.splitlines() if line.split()[:1] == [role] and "MiB" in line
+    )
+
+
+def test_kv_cache_dtype_flag_sets_the_config_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    c = serve_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"]))
+    assert c.cache.kv_cache_dtype == "fp8_e4m3"
+    assert c.roles.decode is not None and c.roles.decode.cache is not None
+    assert (
+        c.roles.decode.cache.kv_cache_dtype == "fp8_e4m3"
+    )  # the role's partial cache section inherits it
+    for cmd in (["worker", "--role", "decode"], ["launch"]):
+        args = build_parser().parse_args(
+            [*cmd, "--config", "configs/tiny-1p1d.yaml", "--kv-cache-dtype", "fp8_e4m3"]
+        )
+        assert args.kv_cache_dtype == "fp8_e4m3"
+    assert main(["serve", "--kv-cache-dtype", "fp8"]) == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+    assert (
+        main(["plan", "--config", "configs/tiny-1p1d.yaml", "--set", "cache.kv_cache_dtype=int4"])
+        == 2
+    )
+    assert "cache.kv_cache_dtype" in capsys.readouterr().err
+
+
+def test_plan_shows_kv_page_and_weight_bytes_for_the_dtypes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--config", "configs/tiny-1p1d.yaml"]) == 0
+    auto = capsys.readouterr().out
+    assert main(["plan", "--config", "configs/tiny-1p1d.yaml", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    f8 = capsys.readouterr().out
+    # 4 layers x K,V x 2 kv heads x 16 tokens x 32 dims: 4 bytes each, or 1 in FP8.
+    assert _row(auto, "decode")[3:6] == ["32768", "32.0", "MiB"] and "float32" in _row(
+        auto, "decode"
+    )
+    assert _row(f8, "decode")[3:6] == ["8192", "8.0", "MiB"] and "float8_e4m3fn" in _row(
+        f8, "decode"
+    )
+    # The embedded model's 1,000,832 float32 parameters, from its safetensors header.
+    assert _row(f8, "prefill")[7:9] == ["3.8", "MiB"]
+
+    convert(EMBEDDED, tmp_path / "fp8")
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                "configs/tiny-1p1d.yaml",
+                "--set",
+                f"model.path={tmp_path / 'fp8'}",
+                "--set",
+                "roles.prefill.parallel.device=cuda",
+                "--set",
+                "roles.decode.parallel.device=cpu",
+                "--gpus",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    cuda, cpu = _row(out, "prefill"), _row(out, "decode")
+    assert "float8_e4m3fn" in cuda[-3:] and cuda[7:9] == [
+        "1.0",
+        "MiB",
+    ]  # linears 1 byte (+ scales) on CUDA
+    assert cpu[7:9] == ["3.8", "MiB"] and cpu[-1] == "float32"  # dequantized at load on the CPU

@@ -1,0 +1,219 @@
+"""Block-scaled FP8 GEMM for the linears of an FP8 checkpoint (CUDA; the CPU dequantizes).
+
+The DeepSeek-V3 recipe, as vLLM and SGLang run it: the weight is e4m3 with one float32 scale per
+128×128 block (`weight_scale_inv`, worker/model/fp8.py); the activations are quantized on the
+fly per token and 128-wide group of input features (1×128, dynamic: `quantize_activations`), so
+each 128-deep step of the K loop is one FP8 tensor-core dot rescaled by its token's group scale
+and its weight block's scale, accumulated in float32 (`block_fp8_matmul`). One-token steps do
+not come here: the GEMV reads the FP8 weight and folds the block scales in
+(worker/model/gemv.py), leaving the activations unquantized.
+
+`fp8_linear` is the layers' entry point: Triton on CUDA, and on other devices the reference
+(dequantize the weight, F.linear) — the layers are built FP8 only on CUDA, so the reference is
+what tests compare against. `torch._scaled_mm` also takes this recipe on sm90 with CUDA ≥ 12.9
+(scales 1×128 for A, 128×128 for B); bench/fp8.py measures it beside the Triton kernel.
+Triton is imported lazily (the module imports without it). Under `TRITON_INTERPRET=1` on CPU
+tensors the GEMM kernel runs, but activations are quantized by torch: Triton 3.9's interpreter
+rounds float32 → e4m3 without the carry into the exponent (31.9 → 16) and without saturating.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.fp8 import FP8, FP8_MAX, BlockFp8Config, dequantize_weight
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K, GROUP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        k = g * GROUP + tl.arange(0, GROUP)
+        mask = k < K
+        x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-10)  # an all-zero group keeps a finite scale
+        # div_rn: IEEE division, as torch divides (Triton's `/` is the approximate one).
+        scale = tl.math.div_rn(amax, 448.0)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * stride_s + g, scale)
+
+    @triton.jit
+    def gemm_kernel(
+        a_ptr,
+        as_ptr,
+        b_ptr,
+        bs_ptr,
+        bias_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_asm,
+        stride_bn,
+        stride_bsn,
+        stride_cm,
+        BLOCK_SCALE_N: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        # Grouped program order: GROUP_M row tiles share each column tile's weights in L2.
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] tokens
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
+        kk = tl.arange(0, BLOCK_K)
+        m_mask, n_mask = m < M, n < N
+        a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_am  # [BM, 1]
+        b_cols = (
+            b_ptr + n.to(tl.int64)[None, :] * stride_bn
+        )  # [1, BN]: W is [N, K], read as [K, BN]
+        bs_rows = bs_ptr + (n // BLOCK_SCALE_N) * stride_bsn  # [BN]: each column's weight scale row
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):  # BLOCK_K = the scale block: one scale per step
+            k = kb * BLOCK_K + kk
+            k_mask = k < K
+            a = tl.load(
+                a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )  # [BM, BK]
+            b = tl.load(
+                b_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0
+            )  # [BK, BN]
+            a_s = tl.load(as_ptr + m * stride_asm + kb, mask=m_mask, other=0.0)  # [BM]
+            b_s = tl.load(bs_rows + kb, mask=n_mask, other=0.0)  # [BN]
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    return SimpleNamespace(act_quant=act_quant_kernel, gemm=gemm_kernel)
+
+
+def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (e4m3 [M, K], scales [M, ceil(K/group)] float32): per token and group of
+    `group` features, the largest |value| maps to 448 (dynamic activation scaling)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, -(-k // group)), dtype=torch.float32, device=x.device)
+    if (
+        x.device.type != "cuda"
+    ):  # torch ops (also under Triton's interpreter, whose e4m3 rounding is off)
+        xg = F.pad(x.float(), (0, s.shape[1] * group - k)).view(m, -1, group)  # [M, G, group]
+        s.copy_(xg.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
+        q.copy_((xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8))
+        return q, s
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if m:
+        _kernels().act_quant[(m, s.shape[1])](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP=group
+        )
+    return q, s
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _config(m: int) -> dict[str, int]:
+    """Tile shape by token count: decode batches take short row tiles (the weight read is the
+    cost), prefill square 128-wide tiles (tensor-core bound). Not swept yet: bench/fp8.py."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def block_fp8_matmul(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    quant: BlockFp8Config,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    **config: int,
+) -> torch.Tensor:
+    """xq [M, K] e4m3 with scales xs [M, K/bk], w [N, K] e4m3 with block scales ws
+    [N/bn, K/bk] → (xq·xs) (w·ws)^T (+ bias) [M, N] in out_dtype, float32 accumulation."""
+    m, k = xq.shape
+    n = w.shape[0]
+    if w.shape[1] != k or not w.is_contiguous() or xq.stride(1) != 1:
+        raise ValueError(
+            f"block_fp8_matmul: w must be a contiguous [N, K={k}], got {tuple(w.shape)} "
+            f"strides {tuple(w.stride())}"
+        )
+    if ws.shape != (-(-n // quant.block_n), -(-k // quant.block_k)) or xs.shape != (
+        m,
+        -(-k // quant.block_k),
+    ):
+        raise ValueError(
+            f"block_fp8_matmul: scales {tuple(xs.shape)} / {tuple(ws.shape)} do not match "
+            f"M={m}, N={n}, K={k} with blocks {quant.block_n}x{quant.block_k}"
+        )
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    cfg = _config(m) | config
+    grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
+    _kernels().gemm[grid](
+        xq,
+        xs,
+        w,
+        ws,
+        out if bias is None else bias,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        out.stride(0),
+        BLOCK_SCALE_N=quant.block_n,
+        HAS_BIAS=bias is not None,
+        BLOCK_K=quant.block_k,
+        **cfg,
+    )
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    quant: BlockFp8Config,
+) -> torch.Tensor:
+    """x [..., K] @ dequant(w [N, K], w_scale)^T (+ bias) → [..., N] in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x.device.type != "cuda" and not _interpreting():
+        return F.linear(
+            x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype), bias
+        ).view(*lead, -1)
+    xq, xs = quantize_activations(x2, quant.block_k)
+    return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)

@@ -1,0 +1,55 @@
+"""Speculative decoding: drafters propose tokens, the target verifies them in one forward.
+
+One engine step with speculation (worker/engine.py):
+
+    plan = scheduler.schedule()   # decode chunks keep room for up to k drafts (max_drafts)
+    drafter.draft(plan)           # fills chunk.drafts (n-gram lookup; a model for draft/eagle)
+    out = runner.run(plan)        # one forward over each request's last token + its drafts;
+                                  # worker/spec/verify.py accepts drafts and adds one token
+    scheduler.update(plan, out)   # appends what was accepted, frees rejected drafts' pages
+
+Greedy acceptance emits exactly what plain greedy decoding emits; rejection sampling keeps the
+target's distribution. Requests whose sampling reads more than the logits (penalties,
+logprobs) decode one token a step (worker/spec/eligible.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from worker.config import ConfigError, SpeculativeConfig
+from worker.spec.ngram import NgramProposer
+from worker.step import SchedulePlan
+
+
+class Drafter(Protocol):
+    def draft(self, plan: SchedulePlan) -> None:
+        """Fill `drafts` of the plan's chunks that keep room for them (at most max_drafts each;
+        fewer or none is fine) and grow their num_tokens and the plan's accordingly."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup over each request's own tokens (worker/spec/ngram.py)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+
+    def draft(self, plan: SchedulePlan) -> None:
+        for chunk in plan.chunks:
+            if not chunk.max_drafts:
+                continue
+            drafts = self.proposer.propose(chunk.request.all_token_ids(), chunk.max_drafts)
+            chunk.drafts = drafts
+            chunk.num_tokens += len(drafts)
+            plan.num_tokens += len(drafts)
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter | None:
+    """The drafter `speculative.method` names; None when speculation is off."""
+    if not config.enabled:
+        return None
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    raise ConfigError(f"speculative.method={config.method!r} is not available in this build; "
+                      "use ngram (or none)")
