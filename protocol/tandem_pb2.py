@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protocol/tandem.proto\x12\ttandem.v1\"\xdc\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12/\n\nstructured\x18\x10 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xac\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x0e\n\x04\x65\x62nf\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"4\n\x0c\x44isaggParams\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x16\n\x0e\x62ootstrap_addr\x18\x02 \x01(\t\"\x95\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\'\n\x06\x64isagg\x18\x04 \x01(\x0b\x32\x17.tandem.v1.DisaggParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xc9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12*\n\x08transfer\x18\x06 \x01(\x0b\x32\x18.tandem.v1.TransferStats\"B\n\rTransferStats\x12\r\n\x05pages\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\x02\"0\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x06\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb7\x02\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x15\n\rkv_used_pages\x18\x03 \x01(\x05\x12\x16\n\x0ekv_total_pages\x18\x04 \x01(\x05\x12\x17\n\x0fkv_cached_pages\x18\x05 \x01(\x05\x12)\n\x05rooms\x18\x06 \x03(\x0b\x32\x1a.tandem.v1.Load.RoomsEntry\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x03\x12\x16\n\x0etransfer_pages\x18\x08 \x01(\x03\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\x03\x12\x1c\n\x14kv_window_used_pages\x18\n \x01(\x05\x1a,\n\nRoomsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x10\n\x0eGetInfoRequest\"\xd0\x01\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0e\x62ootstrap_addr\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\r\n\x05\x65poch\x18\t \x01(\x06\x12\x18\n\x10transfer_backend\x18\n \x01(\t2\xff\x01\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load\x12;\n\x07GetInfo\x12\x19.tandem.v1.GetInfoRequest\x1a\x15.tandem.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protocol/tandem.proto\x12\ttandem.v1\"\xdc\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12/\n\nstructured\x18\x10 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xac\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x0e\n\x04\x65\x62nf\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"4\n\x0c\x44isaggParams\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x16\n\x0e\x62ootstrap_addr\x18\x02 \x01(\t\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\'\n\x06\x64isagg\x18\x04 \x01(\x0b\x32\x17.tandem.v1.DisaggParams\x12\x12\n\nattempt_id\x18\x14 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xc9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12*\n\x08transfer\x18\x06 \x01(\x0b\x32\x18.tandem.v1.TransferStats\"B\n\rTransferStats\x12\r\n\x05pages\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x64uration_ms\x18\x03 \x01(\x02\"D\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x06\x12\x12\n\nattempt_id\x18\x14 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb7\x02\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x15\n\rkv_used_pages\x18\x03 \x01(\x05\x12\x16\n\x0ekv_total_pages\x18\x04 \x01(\x05\x12\x17\n\x0fkv_cached_pages\x18\x05 \x01(\x05\x12)\n\x05rooms\x18\x06 \x03(\x0b\x32\x1a.tandem.v1.Load.RoomsEntry\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x03\x12\x16\n\x0etransfer_pages\x18\x08 \x01(\x03\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\x03\x12\x1c\n\x14kv_window_used_pages\x18\n \x01(\x05\x1a,\n\nRoomsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x10\n\x0eGetInfoRequest\"\xee\x01\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0e\x62ootstrap_addr\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\r\n\x05\x65poch\x18\t \x01(\x06\x12\x18\n\x10transfer_backend\x18\n \x01(\t\x12\x1c\n\x14max_running_requests\x18\x14 \x01(\x05\x32\xff\x01\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load\x12;\n\x07GetInfo\x12\x19.tandem.v1.GetInfoRequest\x1a\x15.tandem.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISAGGPARAMS']._serialized_start=721
   _globals['_DISAGGPARAMS']._serialized_end=773
   _globals['_GENERATEREQUEST']._serialized_start=776
-  _globals['_GENERATEREQUEST']._serialized_end=925
-  _globals['_TOPLOGPROB']._serialized_start=927
-  _globals['_TOPLOGPROB']._serialized_end=974
-  _globals['_TOKENLOGPROB']._serialized_start=976
-  _globals['_TOKENLOGPROB']._serialized_end=1061
-  _globals['_GENERATERESPONSE']._serialized_start=1064
-  _globals['_GENERATERESPONSE']._serialized_end=1265
-  _globals['_TRANSFERSTATS']._serialized_start=1267
-  _globals['_TRANSFERSTATS']._serialized_end=1333
-  _globals['_ABORTREQUEST']._serialized_start=1335
-  _globals['_ABORTREQUEST']._serialized_end=1383
-  _globals['_ABORTRESPONSE']._serialized_start=1385
-  _globals['_ABORTRESPONSE']._serialized_end=1415
-  _globals['_GETLOADREQUEST']._serialized_start=1417
-  _globals['_GETLOADREQUEST']._serialized_end=1433
-  _globals['_LOAD']._serialized_start=1436
-  _globals['_LOAD']._serialized_end=1747
-  _globals['_LOAD_ROOMSENTRY']._serialized_start=1703
-  _globals['_LOAD_ROOMSENTRY']._serialized_end=1747
-  _globals['_GETINFOREQUEST']._serialized_start=1749
-  _globals['_GETINFOREQUEST']._serialized_end=1765
-  _globals['_WORKERINFO']._serialized_start=1768
-  _globals['_WORKERINFO']._serialized_end=1976
-  _globals['_WORKER']._serialized_start=1979
-  _globals['_WORKER']._serialized_end=2234
+  _globals['_GENERATEREQUEST']._serialized_end=945
+  _globals['_TOPLOGPROB']._serialized_start=947
+  _globals['_TOPLOGPROB']._serialized_end=994
+  _globals['_TOKENLOGPROB']._serialized_start=996
+  _globals['_TOKENLOGPROB']._serialized_end=1081
+  _globals['_GENERATERESPONSE']._serialized_start=1084
+  _globals['_GENERATERESPONSE']._serialized_end=1285
+  _globals['_TRANSFERSTATS']._serialized_start=1287
+  _globals['_TRANSFERSTATS']._serialized_end=1353
+  _globals['_ABORTREQUEST']._serialized_start=1355
+  _globals['_ABORTREQUEST']._serialized_end=1423
+  _globals['_ABORTRESPONSE']._serialized_start=1425
+  _globals['_ABORTRESPONSE']._serialized_end=1455
+  _globals['_GETLOADREQUEST']._serialized_start=1457
+  _globals['_GETLOADREQUEST']._serialized_end=1473
+  _globals['_LOAD']._serialized_start=1476
+  _globals['_LOAD']._serialized_end=1787
+  _globals['_LOAD_ROOMSENTRY']._serialized_start=1743
+  _globals['_LOAD_ROOMSENTRY']._serialized_end=1787
+  _globals['_GETINFOREQUEST']._serialized_start=1789
+  _globals['_GETINFOREQUEST']._serialized_end=1805
+  _globals['_WORKERINFO']._serialized_start=1808
+  _globals['_WORKERINFO']._serialized_end=2046
+  _globals['_WORKER']._serialized_start=2049
+  _globals['_WORKER']._serialized_end=2304
 # @@protoc_insertion_point(module_scope)

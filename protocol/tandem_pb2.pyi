@@ -80,16 +80,18 @@ class DisaggParams(_message.Message):
     def __init__(self, room: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "disagg")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "disagg", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISAGG_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     disagg: DisaggParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disagg: _Optional[_Union[DisaggParams, _Mapping]] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disagg: _Optional[_Union[DisaggParams, _Mapping]] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -136,12 +138,14 @@ class TransferStats(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "room")
+    __slots__ = ("request_id", "room", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     room: int
-    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -189,7 +193,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend")
+    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend", "max_running_requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +204,7 @@ class WorkerInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     max_model_len: int
@@ -210,4 +215,5 @@ class WorkerInfo(_message.Message):
     tp_size: int
     epoch: int
     transfer_backend: str
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    max_running_requests: int
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., max_running_requests: _Optional[int] = ...) -> None: ...

@@ -3,9 +3,10 @@
 A backend registers one memory region (the rank's KV pool: base pointer + size; CPU memory for
 mooncake and nixl here, GPU memory for cuda_ipc), tells peers how to
 reach it (`agent_name` + `agent_metadata`, carried by the bootstrap), and writes batches of
-(src address, dst address, length) ranges to a peer: `submit` starts a batch, `poll` reports it,
-`release` ends it (aborting it if still in flight). Calls may block; the manager runs them on
-its transfer thread, never on the engine's.
+(src address, dst address, length) ranges to a peer: `submit` starts a batch and returns at
+once, `poll` reports it, `cancel` stops it where the backend can, `release` frees it. The
+manager calls them on its per-peer lanes (transfer/lanes.py), never on the engine's thread;
+a call that blocks holds up only its own peer's lane.
 
 The completion notice and the first token travel on the bootstrap stream (ordered after the
 confirmed writes), so backends need no notification channel of their own.
@@ -80,7 +81,14 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def release(self, handle: Any) -> None:
-        """Free the handle; aborts the batch if it is still in flight."""
+        """Free the handle of a batch that ended (or that `cancel` could not stop, once over)."""
+
+    def cancel(self, handle: Any) -> bool:
+        """Stop a batch still in flight. True: nothing of it can land any more and the handle
+        is free; False: this backend cannot stop it now, so the caller polls it until it ends
+        (then releases it). Default: `release` stops it."""
+        self.release(handle)
+        return True
 
     def write(self, peer: str, spans: list[Span], timeout_s: float) -> None:
         """Write and wait until confirmed; BackendError on failure or after `timeout_s`."""
@@ -112,7 +120,7 @@ class TransferFaults:
 
     fail: float = 0.0  # probability a write reports failure (nothing written)
     corrupt: float = 0.0  # probability a write lands, then its pages are overwritten with garbage
-    delay_ms: int = 0  # sleep before each write
+    delay_ms: int = 0  # each write lands this much later (on the wire: an abort cannot stop it)
 
     @classmethod
     def parse(cls, text: str) -> TransferFaults:
