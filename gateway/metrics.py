@@ -2,7 +2,10 @@
 
 Latency histograms (TTFT, inter-token, end-to-end), request outcomes, token counters, KV
 transfer figures (per request from the decode leg's last message; cluster totals from each
-worker's GetLoad counters), bootstrap failures, and per-worker queue gauges.
+worker's GetLoad counters), bootstrap failures, and per-worker queue gauges. Partial failure
+(docs/reliability.md): faults charged to each worker, legs that ended "abort" unasked,
+streams cut by the stall deadline, and the gateway's own queue of requests waiting for a
+decode seat (depth, wait time, rejections).
 """
 
 from __future__ import annotations
@@ -53,6 +56,24 @@ class Metrics:
         self.worker_healthy = Gauge("tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r)
         self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
         self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
+        self.worker_faults = Counter(
+            "tandem_worker_faults", "Failed attempts charged to a worker (a retry avoids it); "
+            "code: the gRPC status, or stall", ["pool", "worker", "code"], registry=r)
+        self.unasked_aborts = Counter(
+            "tandem_unasked_aborts", "Legs that ended with finish_reason abort although the "
+            "gateway did not ask (retried before the first token, else a 5xx)", ["leg"],
+            registry=r)
+        self.stream_stalls = Counter(
+            "tandem_stream_stalls", "Streams ended because no token came for "
+            "gateway.stream_stall_timeout_s after the first", ["pool"], registry=r)
+        self.queue_depth = Gauge("tandem_queue_depth", "Requests the gateway holds until a "
+                                 "worker of the pool has a free seat", ["pool"], registry=r)
+        self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time a request waited at "
+                                    "the gateway for a seat", ["pool"], registry=r,
+                                    buckets=_LATENCY_BUCKETS)
+        self.queue_rejected = Counter("tandem_queue_rejected", "Requests refused by the "
+                                      "gateway's queue (full: 429; timeout: 503)",
+                                      ["pool", "reason"], registry=r)
 
     def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
         self.worker_running.labels(pool, url).set(load.running)

@@ -1,10 +1,15 @@
-"""Run the gateway: `run_gateway(config)` serves until SIGINT/SIGTERM, then returns."""
+"""Run the gateway: `run_gateway(config)` serves until SIGINT/SIGTERM, then returns.
+
+uvicorn serves the app with the protocol of gateway/connections.py (header deadline, bound on
+connections) and `gateway.keepalive_timeout_s` for idle kept-alive connections.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import logging
+import resource
 import signal
 import threading
 from collections.abc import Iterator
@@ -13,6 +18,9 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.connections import guarded_protocol
+
+log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
@@ -41,7 +49,24 @@ def run_gateway(config: GatewayConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    _raise_fd_limit(config.max_connections + 1024)  # + gRPC channels, files, headroom
     # Access logs are off: a log line per request costs about half the throughput.
-    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop=loop, access_log=False,
-                                   log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    server_config = uvicorn.Config(
+        app, host=config.host, port=config.port, loop=loop, access_log=False,
+        log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+        http=guarded_protocol(config.header_timeout_s, config.max_connections),
+        timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]  # float works
+    )
     _Server(server_config).run()
+
+
+def _raise_fd_limit(want: int) -> None:
+    """Lift the soft limit on open files toward `want` (within the hard limit), so the
+    connection bound, not EMFILE, is what refuses clients."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < want:
+        log.warning("gateway: the open-file limit (%d) is below gateway.max_connections + 1024; "
+                    "raise `ulimit -n` or lower max_connections", target)

@@ -73,7 +73,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        external = request.request_id
+        # Keyed by the attempt: an Abort for one attempt must not end a retry on this worker.
+        external = request.attempt_id or request.request_id
         self._by_external[external].add(req.request_id)
         if req.room:
             self._by_room[req.room] = req.request_id
@@ -133,7 +134,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
     # ---- the other calls -------------------------------------------------------------------------
     async def Abort(self, request: tandem_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:  # type: ignore[override]
         engine = self._ready_engine()
-        ids = set(self._by_external.get(request.request_id, ()))
+        ids = set(self._by_external.get(request.attempt_id or request.request_id, ()))
         if request.room and request.room in self._by_room:
             ids.add(self._by_room[request.room])
         if engine is not None:
@@ -181,6 +182,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             tp_size=self.config.parallel.tp_size,
             epoch=int(self.role_info.get("epoch", self.epoch)),
             transfer_backend=self.role_info.get("transfer_backend", ""),
+            max_running_requests=self.config.scheduler.max_num_seqs * len(engine.schedulers),
         )
 
     def _ready_engine(self) -> Engine | None:
