@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transfer.room import Side
 from worker.sampling import SamplingParams
 
 
@@ -80,7 +81,16 @@ class Request:
         return FINISH_REASONS.get(self.status, "")
 
 
-def room_error_code(error: str) -> str:
-    """The status class of a failed room: its deadline passed, or the peer failed it. Neither
-    is this worker's fault, so the gateway retries elsewhere without ejecting this worker."""
-    return "deadline" if "deadline" in error or "timed out" in error else "peer"
+def room_error_code(error: str, fault: Side | None = None, mine: Side | None = None,
+                    timed_out: bool = False) -> str:
+    """The status class of a failed room, from who failed it (`fault`, the room's own verdict;
+    `mine`: this worker's side). "peer" (ABORTED) when the other side did: the gateway blames
+    that worker and retries elsewhere. This side's own fault: prefill late with the prompt is
+    "deadline"; decode at fault means prefill could not reach it in time (its transfer agent
+    does not answer, or it never registered): "unavailable", which marks it suspect.
+    Without a verdict (an older peer): a deadline, else the peer."""
+    if fault is None or mine is None:
+        return "deadline" if "deadline" in error or "timed out" in error else "peer"
+    if fault is not mine:
+        return "peer"
+    return "deadline" if timed_out and mine is Side.PREFILL else "unavailable"
