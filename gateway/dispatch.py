@@ -25,7 +25,9 @@ failed attempt (retried, or a 5xx), never an answer.
 
 After the first token, a stream with no message for `gateway.stream_stall_timeout_s` ends with
 an error (the handler sends it as an SSE error event), Abort goes to both legs, and the worker
-that went quiet is marked suspect (health checks bring it back).
+that went quiet is marked suspect (health checks bring it back). The same deadline bounds the
+wait for decode's first message once the prefill leg ended well (the KV and the first token
+are on decode, which needs only to send it): past it the attempt fails and is retried.
 
 `RequestRun.abort()` (client gone, stop string) cancels the streams and sends Abort to every
 worker involved. A worker's UNAVAILABLE marks it suspect in the pool at once.
@@ -249,15 +251,21 @@ class RequestRun:
         prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p))
         first_d = loop.create_task(self._read_first(call_d, d, "decode"))
         deadline = loop.time() + self._d.config.first_token_timeout_s
+        landed = False  # prefill's leg ended well: the KV and the first token are on decode
         try:
             while not first_d.done():
                 waiting = {first_d} if prefill.done() else {first_d, prefill}
                 left = deadline - loop.time()
                 if left <= 0:
+                    if landed:  # decode has all it needs and says nothing: it went quiet
+                        raise self._stalled(d, "decode", self._d.config.stream_stall_timeout_s)
                     raise self._first_token_timeout(d, "decode")
                 await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if prefill.done() and prefill.exception() is not None:
                     raise prefill.exception()  # type: ignore[misc]
+                if prefill.done() and not landed:
+                    landed = True
+                    deadline = min(deadline, loop.time() + self._d.config.stream_stall_timeout_s)
             try:
                 first = first_d.result()
             except WorkerCallError as err:

@@ -86,11 +86,14 @@ def room_error_code(error: str, fault: Side | None = None, mine: Side | None = N
     """The status class of a failed room, from who failed it (`fault`, the room's own verdict;
     `mine`: this worker's side). "peer" (ABORTED) when the other side did: the gateway blames
     that worker and retries elsewhere. This side's own fault: prefill late with the prompt is
-    "deadline"; decode at fault means prefill could not reach it in time (its transfer agent
-    does not answer, or it never registered): "unavailable", which marks it suspect.
+    "deadline"; decode timed out means prefill could not reach it in time (its transfer agent
+    does not answer, or it never registered): "unavailable", which marks it suspect; a write
+    that failed without a timeout is "internal" (blamed, not suspect: it still answers).
     Without a verdict (an older peer): a deadline, else the peer."""
     if fault is None or mine is None:
         return "deadline" if "deadline" in error or "timed out" in error else "peer"
     if fault is not mine:
         return "peer"
-    return "deadline" if timed_out and mine is Side.PREFILL else "unavailable"
+    if not timed_out:
+        return "internal"  # a write into this side failed: blame it, but it still answers
+    return "deadline" if mine is Side.PREFILL else "unavailable"
