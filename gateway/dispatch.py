@@ -39,6 +39,7 @@ import asyncio
 import logging
 import random
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -78,6 +79,37 @@ def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallErr
     return WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
 
 
+class StallWatch:
+    """Ends streams whose worker went quiet: one task per gateway looks every `period` at the
+    streams waiting for a message (a timer per token would cost ~20 us each; this costs two
+    clock reads). A stream stalled past `stall_s` has its call cancelled; its reader turns
+    that into the stall error. Detection lands within stall_s + period."""
+
+    def __init__(self, stall_s: float, pool: WorkerPool) -> None:
+        self.stall_s = stall_s
+        self.period = min(0.5, stall_s / 4)
+        self._pool = pool
+        self._runs: set[RequestRun] = set()
+        self._started = False
+
+    def add(self, run: RequestRun) -> None:
+        self._runs.add(run)
+        if not self._started:
+            self._started = True
+            self._pool.spawn(self._watch())
+
+    def discard(self, run: RequestRun) -> None:
+        self._runs.discard(run)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            now = time.monotonic()
+            for run in [r for r in self._runs if r.reading_since > 0]:
+                if now - run.reading_since > self.stall_s:
+                    run.stall()
+
+
 class Dispatcher:
     """Builds a `RequestRun` per request; shares the pool, policies and metrics."""
 
@@ -90,6 +122,7 @@ class Dispatcher:
         # Decode seats are held here (backpressure); prefill and mono queue inside the workers.
         self.admission = AdmissionQueue("decode", config.max_queued_requests,
                                         config.queue_timeout_s, metrics)
+        self.stalls = StallWatch(config.stream_stall_timeout_s, pool)
 
     def _healthy(self, pool: str, exclude: set[str]) -> list[Worker]:
         cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]
@@ -140,6 +173,9 @@ class RequestRun:
         self._stream_worker: Worker | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._aborted = False
+        self.reading_since = 0.0  # monotonic time the output stream's pending read began (0: none)
+        self._watched = False  # registered with the StallWatch
+        self._stall_hit = False  # the StallWatch cancelled the stream
 
     # ---- first token, with one retry ----
 
@@ -293,25 +329,40 @@ class RequestRun:
 
     async def next(self) -> tandem_pb2.GenerateResponse | None:
         """The next message of the output stream; None at its end. Errors are not retried; a
-        stall past `gateway.stream_stall_timeout_s` is one."""
+        stall past `gateway.stream_stall_timeout_s` (the StallWatch) is one."""
         w = self._stream_worker
         assert w is not None
         leg = "decode" if self.room else "mono"
-        stall = self._d.config.stream_stall_timeout_s
+        if not self._watched:
+            self._watched = True
+            self._d.stalls.add(self)
+        self.reading_since = time.monotonic()
         try:
-            async with _timeout(stall):
-                msg = await self._stream.read()
-        except asyncio.TimeoutError:
-            raise self._stalled(w, leg, stall) from None
+            msg = await self._stream.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stall_hit and not (task is not None and task.cancelling()):
+                raise self._stalled(w, leg, self._d.stalls.stall_s) from None
+            raise  # the client left: the handler aborts the request
         except grpc.aio.AioRpcError as exc:
+            if self._stall_hit:
+                raise self._stalled(w, leg, self._d.stalls.stall_s) from None
             err = self._fail(exc, w, leg)
             if err.worker_fault:
                 self._d.blame(err)
             raise err from None
+        finally:
+            self.reading_since = 0.0
         if msg is _EOF:
             return None
         self._check_abort(msg, w, leg)
         return msg
+
+    def stall(self) -> None:
+        """The StallWatch saw no message for stall_s: end the read (next() reports it)."""
+        if self._stream is not None and not self._stall_hit:
+            self._stall_hit = True
+            self._stream.cancel()
 
     def _stalled(self, w: Worker, leg: str, stall: float) -> WorkerCallError:
         """No token for `stall` s after the first: the worker went quiet (frozen, hung)."""
@@ -370,6 +421,9 @@ class RequestRun:
                 self._d.pool.spawn(_send_abort(w, req))
         self._legs.clear()
         self._stream = None
+        if self._watched:
+            self._watched = False
+            self._d.stalls.discard(self)
 
 
 async def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
