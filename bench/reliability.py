@@ -74,7 +74,8 @@ def run_faults(tmp: Path, extra: list[str], model: Path) -> None:
 def run_overload(tmp: Path, extra: list[str], model: Path) -> None:
     with running_cluster("configs/tiny-1p1d.yaml", *extra, tmp=tmp, model=model) as c:
         o = asyncio.run(overload_probe(c.url, model.name))
-        print(f"overload 300x200 tokens: {o.ok} ok, {o.errors} failed in {o.wall_s:.0f} s; "
+        print(f"overload 300x200 tokens: {o.ok} ok, {o.errors} failed {o.statuses} in "
+              f"{o.wall_s:.0f} s; "
               f"inter-token gap max {o.max_gap_s:.2f} s, p99 {o.p99_gap_s:.3f} s, "
               f"{o.gaps_over_1s} gaps > 1 s; TTFT p50 {o.ttft_p50_s:.1f} s, max "
               f"{o.ttft_max_s:.1f} s; leaked pages {_leaked(c)}", flush=True)

@@ -47,7 +47,7 @@ class GatewayConfig:
     # Backpressure: requests wait at the gateway (in arrival order) while every decode worker
     # is full; at most this many (then 429 + Retry-After), at most this long (then 503).
     max_queued_requests: int = 1024
-    queue_timeout_s: float = 60.0
+    queue_timeout_s: float = 300.0
     # Connection hygiene (gateway/connections.py): a request's headers must arrive within
     # header_timeout_s of the connection (or of its first byte, on a kept-alive one), else 408
     # and close; an idle kept-alive connection closes after keepalive_timeout_s; past

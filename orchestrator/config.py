@@ -72,7 +72,7 @@ class GatewaySettings:
     retry_before_first_token: bool = True
     stream_stall_timeout_s: float = 10.0  # after the first token: no token this long = error
     max_queued_requests: int = 1024  # held at the gateway while decode is full (then 429)
-    queue_timeout_s: float = 60.0  # the longest such wait (then 503)
+    queue_timeout_s: float = 300.0  # the longest such wait (then 503)
     header_timeout_s: float = 10.0  # request headers must arrive within this (else 408, close)
     keepalive_timeout_s: float = 5.0  # an idle kept-alive connection closes after this
     max_connections: int = 4096  # open at once; past it a new connection gets 503

@@ -286,6 +286,7 @@ class Overload:
     ttft_p50_s: float
     ttft_max_s: float
     wall_s: float
+    statuses: dict[int, int]
 
 
 async def overload_probe(url: str, model: str, n: int = 300, max_tokens: int = 200) -> Overload:
@@ -300,7 +301,8 @@ async def overload_probe(url: str, model: str, n: int = 300, max_tokens: int = 2
                     p99_gap_s=gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
                     gaps_over_1s=sum(g > 1.0 for g in gaps),
                     ttft_p50_s=statistics.median(ttft) if ttft else 0.0,
-                    ttft_max_s=ttft[-1] if ttft else 0.0, wall_s=time.monotonic() - t0)
+                    ttft_max_s=ttft[-1] if ttft else 0.0, wall_s=time.monotonic() - t0,
+                    statuses={s: sum(x.status == s for x in calls) for s in {x.status for x in calls}})
 
 
 @dataclass
