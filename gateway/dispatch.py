@@ -149,7 +149,7 @@ class Dispatcher:
     def blame(self, err: WorkerCallError) -> None:
         """Charge a failed attempt to the worker it blames (/metrics)."""
         self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url,
-                                          err.grpc_code.name.lower()).inc()
+                                          err.fault_code or err.grpc_code.name.lower()).inc()
 
     def start(self, request_id: str, prompt_ids: list[int], sampling: tandem_pb2.SamplingParams) -> RequestRun:
         return RequestRun(self, request_id, prompt_ids, sampling)
@@ -342,11 +342,11 @@ class RequestRun:
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._stall_hit and not (task is not None and task.cancelling()):
-                raise self._stalled(w, leg, self._d.stalls.stall_s) from None
+                raise self._stalled(w, leg, self._d.stalls.stall_s, blame=True) from None
             raise  # the client left: the handler aborts the request
         except grpc.aio.AioRpcError as exc:
             if self._stall_hit:
-                raise self._stalled(w, leg, self._d.stalls.stall_s) from None
+                raise self._stalled(w, leg, self._d.stalls.stall_s, blame=True) from None
             err = self._fail(exc, w, leg)
             if err.worker_fault:
                 self._d.blame(err)
@@ -364,14 +364,19 @@ class RequestRun:
             self._stall_hit = True
             self._stream.cancel()
 
-    def _stalled(self, w: Worker, leg: str, stall: float) -> WorkerCallError:
-        """No token for `stall` s after the first: the worker went quiet (frozen, hung)."""
+    def _stalled(self, w: Worker, leg: str, stall: float, blame: bool = False
+                 ) -> WorkerCallError:
+        """No token for `stall` s: the worker went quiet (frozen, hung). `blame`: charge it
+        now (after the first token; before it, `first()` charges the failed attempt)."""
         self._d.metrics.stream_stalls.labels(w.pool).inc()
-        self._d.metrics.worker_faults.labels(w.pool, w.url, "stall").inc()
         self._d.pool.mark_suspect(w)
-        return WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {stall:g} s "
-                               "(gateway.stream_stall_timeout_s); the request was aborted on "
-                               "its workers", w.url, leg)
+        err = WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {stall:g} s "
+                              "(gateway.stream_stall_timeout_s); the request was aborted on "
+                              "its workers", w.url, leg)
+        err.fault_code = "stall"
+        if blame:
+            self._d.blame(err)
+        return err
 
     async def settle(self) -> None:
         """After the final message: read the stream's end (the worker has closed it, so this is

@@ -108,6 +108,7 @@ class WorkerCallError(ApiError):
         self.leg = leg
         self.blamed_url = worker_url
         self.blamed_pool = "workers" if leg == "mono" else leg
+        self.fault_code = ""  # /metrics' code for the fault when not the gRPC one ("stall")
 
     @property
     def peer_fault(self) -> bool:

@@ -168,8 +168,14 @@ class PeerLane:
                     self._cond.wait(1.0)
                     continue
                 take: list[WriteJob] = []
-                while self._queue and len(self._flights) + len(take) < MAX_IN_FLIGHT:
+                refused: list[WriteJob] = []
+                if self.state is PeerState.FENCED and not self._probe_due(time.monotonic()):
+                    refused, take = list(self._queue), []  # fail now, whatever is in flight
+                    self._queue.clear()
+                busy = len(self._flights) - self._orphans  # orphans take no slot
+                while self._queue and busy + len(take) < MAX_IN_FLIGHT:
                     take.append(self._queue.popleft())
+            self._fail_jobs(refused, timed_out=True)
             for job in take:
                 self._start(job)
             if self._advance():

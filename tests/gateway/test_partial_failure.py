@@ -146,6 +146,7 @@ async def test_stream_stall_errors_within_the_deadline_and_aborts_both_legs(tok_
         m = (await c.get("/metrics")).text
         assert _metric(m, "tandem_stream_stalls_total", 'pool="decode"') == 1
         assert _metric(m, "tandem_worker_faults_total", f'worker="{d.url}"', 'code="stall"') == 1
+        assert _metric(m, "tandem_worker_faults_total", f'worker="{d.url}"') == 1
 
 
 async def test_decode_full_requests_wait_at_the_gateway(tok_dir):
@@ -204,3 +205,4 @@ async def test_decode_quiet_after_the_kv_landed_is_retried_on_time(tok_dir):
         assert len(quiet.requests) == 1 and len(good.requests) == 1
         m = (await c.get("/metrics")).text
         assert _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"', 'code="stall"') == 1
+        assert _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"') == 1  # once
