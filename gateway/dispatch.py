@@ -151,7 +151,8 @@ class Dispatcher:
         self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url,
                                           err.fault_code or err.grpc_code.name.lower()).inc()
 
-    def start(self, request_id: str, prompt_ids: list[int], sampling: tandem_pb2.SamplingParams) -> RequestRun:
+    def start(self, request_id: str, prompt_ids: list[int],
+              sampling: tandem_pb2.SamplingParams) -> RequestRun:
         return RequestRun(self, request_id, prompt_ids, sampling)
 
 
@@ -224,7 +225,8 @@ class RequestRun:
         except grpc.aio.AioRpcError as exc:
             raise self._fail(exc, w, leg) from None
         if msg is _EOF:
-            raise WorkerCallError(grpc.StatusCode.INTERNAL, "stream ended before any message", w.url, leg)
+            raise WorkerCallError(grpc.StatusCode.INTERNAL, "stream ended before any message",
+                                  w.url, leg)
         self._check_abort(msg, w, leg)
         return msg
 
@@ -312,7 +314,7 @@ class RequestRun:
             if not first_d.done():
                 first_d.cancel()
             elif not first_d.cancelled():
-                first_d.exception()  # mark it retrieved when the prefill leg's error is the one raised
+                first_d.exception()  # retrieved, when the prefill leg's error is the one raised
         self._stream, self._stream_worker = call_d, d
         return first
 

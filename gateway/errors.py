@@ -39,7 +39,8 @@ class ApiError(Exception):
         return {"retry-after": str(self.retry_after_s)} if self.retry_after_s else {}
 
     def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+        return {"error": {"message": self.message, "type": self.type, "code": self.code,
+                          "param": self.param}}
 
     def json_bytes(self) -> bytes:
         return json.dumps(self.body()).encode()
@@ -132,5 +133,5 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INTERNAL: (502, "server_error"),
 }
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.ABORTED})
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})

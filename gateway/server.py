@@ -36,7 +36,8 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
@@ -46,7 +47,8 @@ class _Server(uvicorn.Server):
 
 def run_gateway(config: GatewayConfig) -> None:
     """Serve the gateway on config.host:config.port; blocks until SIGINT or SIGTERM."""
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     _raise_fd_limit(config.max_connections + 1024)  # + gRPC channels, files, headroom

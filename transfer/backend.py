@@ -56,11 +56,13 @@ class TransferBackend(ABC):
     @property
     @abstractmethod
     def agent_name(self) -> str:
-        """How a peer addresses this agent (mooncake: "host:rpc_port"; nixl, cuda_ipc: the agent label)."""
+        """How a peer addresses this agent (mooncake: "host:rpc_port"; nixl, cuda_ipc: the
+        agent label)."""
 
     @property
     def agent_metadata(self) -> bytes:
-        """Blob a peer needs before writing to us (nixl, cuda_ipc); empty where the name suffices."""
+        """Blob a peer needs before writing to us (nixl, cuda_ipc); empty where the name
+        suffices."""
         return b""
 
     @abstractmethod
@@ -102,9 +104,11 @@ class TransferBackend(ABC):
                 if status is WriteStatus.DONE:
                     return
                 if status is WriteStatus.FAILED:
-                    raise BackendError(f"{self.name}: write of {len(spans)} ranges to {peer} failed")
+                    raise BackendError(f"{self.name}: write of {len(spans)} ranges to {peer} "
+                                       "failed")
                 if time.monotonic() > deadline:
-                    raise BackendError(f"{self.name}: write to {peer} not confirmed within {timeout_s}s")
+                    raise BackendError(f"{self.name}: write to {peer} not confirmed within "
+                                       f"{timeout_s}s")
                 time.sleep(0.0002)
         finally:
             self.release(handle)
@@ -129,18 +133,23 @@ class TransferFaults:
             key, sep, raw = item.partition("=")
             if not sep or key not in ("fail", "corrupt", "delay_ms"):
                 raise TransferConfigError(
-                    f"{FAULTS_ENV}: bad item {item!r}; expected fail=P, corrupt=P or delay_ms=N, comma-separated"
+                    f"{FAULTS_ENV}: bad item {item!r}; expected fail=P, corrupt=P or "
+                    "delay_ms=N, comma-separated"
                 )
             try:
                 values[key] = float(raw)
             except ValueError:
-                raise TransferConfigError(f"{FAULTS_ENV}: {key} must be a number, got {raw!r}") from None
+                raise TransferConfigError(f"{FAULTS_ENV}: {key} must be a number, got "
+                                          f"{raw!r}") from None
         for key in ("fail", "corrupt"):
             if not 0.0 <= values.get(key, 0.0) <= 1.0:
-                raise TransferConfigError(f"{FAULTS_ENV}: {key} is a probability in [0, 1], got {values[key]}")
+                raise TransferConfigError(f"{FAULTS_ENV}: {key} is a probability in [0, 1], "
+                                          f"got {values[key]}")
         if values.get("delay_ms", 0) < 0:
-            raise TransferConfigError(f"{FAULTS_ENV}: delay_ms must be >= 0, got {values['delay_ms']}")
-        return cls(values.get("fail", 0.0), values.get("corrupt", 0.0), int(values.get("delay_ms", 0)))
+            raise TransferConfigError(f"{FAULTS_ENV}: delay_ms must be >= 0, got "
+                                      f"{values['delay_ms']}")
+        return cls(values.get("fail", 0.0), values.get("corrupt", 0.0),
+                   int(values.get("delay_ms", 0)))
 
     @classmethod
     def from_env(cls) -> TransferFaults:

@@ -91,7 +91,8 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         self._peer_refusal = peer_refusal  # a fenced decode agent takes no new rooms
         self._epochs = EpochRegistry()
 
-    def Register(self, request: pb.RoomRegistration, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
+    def Register(self, request: pb.RoomRegistration,
+                 context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
         try:
             theirs = contract_from_pb(request.contract)
             self._contract.check_compatible(theirs)
@@ -106,7 +107,8 @@ class BootstrapService(pb_grpc.BootstrapServicer):
                 self._peer_restarted(request.peer_id, replaced)
         sender = self._wait_sender(request.room, self._config.bootstrap_timeout_s)
         if sender is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room:#x} unknown on this prefill rank after "
+            context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room:#x} unknown on this "
+                          "prefill rank after "
                           f"transfer.bootstrap_timeout_s={self._config.bootstrap_timeout_s}s")
             return  # abort() raises; the return is for readers and type checkers
         refused = self._peer_refusal(request.agent_name)
@@ -133,12 +135,14 @@ class BootstrapService(pb_grpc.BootstrapServicer):
                            rank_addrs=self._rank_addrs())
         yield from self._stream(sender, peer, context)
 
-    def ReleaseRoom(self, request: pb.RoomRelease, context: grpc.ServicerContext) -> pb.RoomReleased:
+    def ReleaseRoom(self, request: pb.RoomRelease,
+                    context: grpc.ServicerContext) -> pb.RoomReleased:
         drained, waited_s = self._release_room(
             request.room, f"{request.peer_id}: {request.reason}", self._config.transfer_timeout_s)
         return pb.RoomReleased(drained=drained, waited_ms=waited_s * 1e3)
 
-    def _stream(self, sender: KVSender, peer: Peer, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
+    def _stream(self, sender: KVSender, peer: Peer,
+                context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
         terminal = (pb.RoomEvent.DONE, pb.RoomEvent.FAILED, pb.RoomEvent.ABORTED)
         while context.is_active():
             try:

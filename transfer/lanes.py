@@ -41,7 +41,7 @@ from transfer.sender import WriteFailure, WriteJob
 log = logging.getLogger(__name__)
 
 CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
-MAX_QUEUED = 4096  # jobs waiting in one lane; past it a job fails at once (the peer is not draining)
+MAX_QUEUED = 4096  # jobs waiting in one lane; past it a job fails at once (the peer is stuck)
 MAX_IN_FLIGHT = 16  # jobs one lane has submitted and not yet seen end
 IDLE_EXIT_S = 30.0  # an idle, unfenced lane's thread exits (a new job starts it again)
 POLL_MIN_S, POLL_MAX_S = 0.0001, 0.002  # poll back-off while writes are in flight

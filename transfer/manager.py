@@ -100,10 +100,11 @@ class KVTransferManager:
         """Serve the bootstrap service on the worker's gRPC server (prefill ranks)."""
         if self.role != "prefill":
             raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
-        service = BootstrapService(self.config, self.contract, self._lock, wait_sender=self._wait_sender,
-                                   connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
-                                   rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room,
-                                   peer_refusal=self._writer.refusal)
+        service = BootstrapService(
+            self.config, self.contract, self._lock, wait_sender=self._wait_sender,
+            connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
+            rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room,
+            peer_refusal=self._writer.refusal)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
 
     def serve_bootstrap(self, host: str, port: int) -> tuple[grpc.Server, int]:

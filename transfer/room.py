@@ -26,7 +26,8 @@ from transfer.config import TransferConfig
 
 
 class RoomState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # sender: waiting for decode's registration(s); receiver: registering
+    # sender: waiting for decode's registration(s); receiver: registering
+    BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"  # paired; prefill is still computing the prompt
     TRANSFERRING = "transferring"  # last writes issued, not all confirmed
     SUCCESS = "success"

@@ -28,7 +28,8 @@ from gateway.config import GatewayConfig
 from gateway.server import run_gateway
 port, worker, tok = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 run_gateway(GatewayConfig(port=port, workers=(worker,), model_path=tok, log_level="warning",
-                          header_timeout_s=float(sys.argv[4]), keepalive_timeout_s=float(sys.argv[5]),
+                          header_timeout_s=float(sys.argv[4]),
+                          keepalive_timeout_s=float(sys.argv[5]),
                           max_connections=int(sys.argv[6])))
 """
 

@@ -204,5 +204,6 @@ async def test_decode_quiet_after_the_kv_landed_is_retried_on_time(tok_dir):
         assert time.monotonic() - t0 < 0.5 + 1.5
         assert len(quiet.requests) == 1 and len(good.requests) == 1
         m = (await c.get("/metrics")).text
-        assert _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"', 'code="stall"') == 1
+        stalls = _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"', 'code="stall"')
+        assert stalls == 1
         assert _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"') == 1  # once

@@ -302,7 +302,8 @@ async def overload_probe(url: str, model: str, n: int = 300, max_tokens: int = 2
                     gaps_over_1s=sum(g > 1.0 for g in gaps),
                     ttft_p50_s=statistics.median(ttft) if ttft else 0.0,
                     ttft_max_s=ttft[-1] if ttft else 0.0, wall_s=time.monotonic() - t0,
-                    statuses={s: sum(x.status == s for x in calls) for s in {x.status for x in calls}})
+                    statuses={s: sum(x.status == s for x in calls)
+                              for s in {x.status for x in calls}})
 
 
 @dataclass
