@@ -75,8 +75,14 @@ else:  # pragma: no cover - 3.10 fallback
 _random = random.SystemRandom()  # rooms must not collide across gateway processes
 
 
+ERROR_CODE_KEY = "tandem-error-code"  # the worker's error class (worker/server.py)
+
+
 def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
-    return WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
+    err = WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
+    meta = exc.trailing_metadata() or ()
+    err.peer_timeout = any(k == ERROR_CODE_KEY and v == "peer_timeout" for k, v in meta)
+    return err
 
 
 class StallWatch:
@@ -281,6 +287,8 @@ class RequestRun:
             if err.peer_fault:  # the room's other side failed it: blame that worker
                 other = p if err.leg == "decode" else d
                 err.blamed_url, err.blamed_pool = other.url, other.pool
+                if err.peer_timeout:  # it stopped answering: out until its checks say so
+                    self._d.pool.mark_suspect(other)
             raise
 
     async def _first_pd(self, call_p: Any, p: Worker, call_d: Any, d: Worker

@@ -59,7 +59,8 @@ class Request:
     page_table: list[int] = field(default_factory=list)  # pages holding this request's KV, in order
     num_preemptions: int = 0
     error: str = ""
-    error_code: str = ""  # how the error maps to a status: invalid | unavailable | deadline | peer | internal
+    # maps to a status: invalid | unavailable | deadline | peer | peer_timeout | internal
+    error_code: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # per-request seeded sampling
     transfer_stats: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of its room
@@ -85,15 +86,16 @@ def room_error_code(error: str, fault: Side | None = None, mine: Side | None = N
                     timed_out: bool = False) -> str:
     """The status class of a failed room, from who failed it (`fault`, the room's own verdict;
     `mine`: this worker's side). "peer" (ABORTED) when the other side did: the gateway blames
-    that worker and retries elsewhere. This side's own fault: prefill late with the prompt is
-    "deadline"; decode timed out means prefill could not reach it in time (its transfer agent
+    that worker and retries elsewhere; "peer_timeout" (ABORTED too) when it also stopped
+    answering in time: the gateway marks it suspect as well. This side's own fault: prefill
+    late with the prompt is "deadline"; decode timed out means prefill could not reach it in time (its transfer agent
     does not answer, or it never registered): "unavailable", which marks it suspect; a write
     that failed without a timeout is "internal" (blamed, not suspect: it still answers).
     Without a verdict (an older peer): a deadline, else the peer."""
     if fault is None or mine is None:
         return "deadline" if "deadline" in error or "timed out" in error else "peer"
     if fault is not mine:
-        return "peer"
+        return "peer_timeout" if timed_out else "peer"
     if not timed_out:
         return "internal"  # a write into this side failed: blame it, but it still answers
     return "deadline" if mine is Side.PREFILL else "unavailable"

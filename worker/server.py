@@ -34,9 +34,11 @@ STATUS_BY_ERROR = {
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere, not our fault
+    "peer_timeout": grpc.StatusCode.ABORTED,  # ... because it stopped answering in time
     "internal": grpc.StatusCode.INTERNAL,
 }
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+ERROR_CODE_KEY = "tandem-error-code"  # trailing metadata of a failed Generate: the error class
 
 
 class InvalidRequest(ValueError):
@@ -87,7 +89,11 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
                 if out.finish_reason == "error":
                     finished = True
                     log.info("request %s failed: %s", external, out.error)
-                    await context.abort(STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL), out.error)
+                    code = STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL)
+                    # The error class travels too: "peer_timeout" (the room's other side stopped
+                    # answering) lets the gateway mark that worker suspect, not just blame it.
+                    await context.abort(code, out.error,
+                                        trailing_metadata=((ERROR_CODE_KEY, out.error_code),))
                     return
                 finished = out.finished
                 yield to_message(out)

@@ -207,3 +207,38 @@ async def test_decode_quiet_after_the_kv_landed_is_retried_on_time(tok_dir):
         stalls = _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"', 'code="stall"')
         assert stalls == 1
         assert _metric(m, "tandem_worker_faults_total", f'worker="{quiet.url}"') == 1  # once
+
+
+class TimingOutPrefill(ScriptedWorker):
+    """A prefill double whose first Generate fails the way a room whose decode side stopped
+    answering does: ABORTED with the error class in trailing metadata."""
+
+    def __init__(self) -> None:
+        super().__init__(role="prefill", script=Script(tokens=TOKENS[:1]))
+        self.failed = False
+
+    async def Generate(self, request, context):  # noqa: N802
+        if not self.failed:
+            self.failed = True
+            self.requests.append(request)
+            await context.abort(grpc.StatusCode.ABORTED, "deadline in bootstrapping passed",
+                                trailing_metadata=(("tandem-error-code", "peer_timeout"),))
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+@pytest.mark.parametrize("timed_out", [True, False])
+async def test_a_peer_that_stopped_answering_is_marked_suspect(tok_dir, timed_out):
+    p = TimingOutPrefill() if timed_out else prefill(fail_code=grpc.StatusCode.ABORTED,
+                                                     fail_times=1)
+    d0, d1 = decode(first_delay_s=0.3), decode()
+    cfg = {"health_interval_s": 5.0}  # no health check brings d0 back during the test
+    async with workers(p, d0, d1), running_app(pd_config(tok_dir, [p], [d0, d1], **cfg)) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert len(d0.requests) == 1 and len(d1.requests) == 1
+        ws = {w["url"]: w for w in (await c.get("/workers")).json()}
+        # timed out: d0 stopped answering, so it is out; a plain failure only blames it
+        assert ws[d0.url]["healthy"] is (not timed_out)
+        assert ws[p.url]["healthy"] is True
