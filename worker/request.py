@@ -59,8 +59,7 @@ class Request:
     page_table: list[int] = field(default_factory=list)  # pages holding this request's KV, in order
     num_preemptions: int = 0
     error: str = ""
-    # maps to a status: invalid | unavailable | deadline | peer | peer_timeout | internal
-    error_code: str = ""
+    error_code: str = ""  # how the error maps to a status: invalid | unavailable | deadline | peer | internal
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # per-request seeded sampling
     transfer_stats: dict[str, float] | None = None  # PD: pages, bytes, duration_ms of its room
