@@ -36,6 +36,7 @@ from typing import Any
 from transfer.backend import BackendError, TransferBackend, TransferFaults, WriteStatus
 from transfer.plan import split_ranges
 from transfer.receiver import crc_of
+from transfer.room import Side
 from transfer.sender import WriteFailure, WriteJob
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,14 @@ class PeerLane:
                     self._timed_out(now)
                 continue
             ended = f.job.sender.state.finished and not f.orphan and not f.released
+            room = f.job.sender
+            if ended and room.timed_out and room.fault is Side.DECODE and not f.reported:
+                # The room's own deadline says this peer stopped answering (it fired before
+                # the write's): fence it like an unconfirmed write would.
+                self._timed_out(now)
+                if f not in self._flights:
+                    continue
+                ended = False  # an orphan now: polled until it ends
             if ended and self._cancel(f):
                 self._end(f, WriteFailure("room ended during the write"))
                 continue

@@ -43,10 +43,20 @@ def crc_of(base: int, ranges: list[tuple[int, int]]) -> int:
     return crc
 
 
+# Decode's TRANSFERRING deadline runs this much past prefill's: prefill enforces the transfer
+# deadline and names the side at fault, so while it lives its verdict arrives first; decode's
+# own deadline is the backstop for a prefill that died or froze.
+TRANSFER_GRACE_S = 1.0
+
+
 class KVReceiver(Room):
     """Decode's half of one room. Created by `KVTransferManager.create_receiver`."""
 
     side = Side.DECODE
+
+    def _timeout_of(self, state: RoomState) -> float:
+        grace = TRANSFER_GRACE_S if state is RoomState.TRANSFERRING else 0.0
+        return super()._timeout_of(state) + grace
 
     def __init__(
         self, room: int, config: TransferConfig, lock: threading.RLock, on_finish: Callable[[Room], None],

@@ -203,6 +203,12 @@ time.sleep(30)
 """
 
 
+def _stopped(pid: int) -> bool:
+    """The process is in state T (stopped): SIGSTOP reached all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.mark.slow
 def test_sigstop_mooncake_peer() -> None:
     """Prefill writes to two Mooncake decode ranks; one (another process) is SIGSTOPped with a
@@ -222,6 +228,7 @@ def test_sigstop_mooncake_peer() -> None:
         send = p.manager.create_sender(1)
         _wait(lambda: send.state is RoomState.WAITING_FOR_INPUT, 10, "the remote decode registered")
         os.kill(proc.pid, signal.SIGSTOP)
+        _wait(lambda: _stopped(proc.pid), 5, "the decode process stopped")
         t0 = time.monotonic()
         send.send([4, 5, 6, 7], start_page=0, last=True, first_token=3)
         for room in range(2, 6):  # the other peer keeps being served meanwhile
