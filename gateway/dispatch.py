@@ -154,8 +154,7 @@ class Dispatcher:
 
     def blame(self, err: WorkerCallError) -> None:
         """Charge a failed attempt to the worker it blames (/metrics)."""
-        self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url,
-                                          err.fault_code or err.grpc_code.name.lower()).inc()
+        self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url).inc()
 
     def start(self, request_id: str, prompt_ids: list[int],
               sampling: tandem_pb2.SamplingParams) -> RequestRun:
@@ -383,7 +382,6 @@ class RequestRun:
         err = WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {stall:g} s "
                               "(gateway.stream_stall_timeout_s); the request was aborted on "
                               "its workers", w.url, leg)
-        err.fault_code = "stall"
         if blame:
             self._d.blame(err)
         return err

@@ -109,7 +109,6 @@ class WorkerCallError(ApiError):
         self.leg = leg
         self.blamed_url = worker_url
         self.blamed_pool = "workers" if leg == "mono" else leg
-        self.fault_code = ""  # /metrics' code for the fault when not the gRPC one ("stall")
         # The worker says the room's other side stopped answering (trailing metadata
         # tandem-error-code: peer_timeout): the gateway marks that worker suspect too.
         self.peer_timeout = False

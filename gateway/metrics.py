@@ -56,16 +56,22 @@ class Metrics:
         self.worker_healthy = Gauge("tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r)
         self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
         self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
+        # Every series below has a sample from the start (docs/metrics.md is checked against
+        # /metrics): label values are created at zero, per worker at its first GetLoad.
         self.worker_faults = Counter(
-            "tandem_worker_faults", "Failed attempts charged to a worker (a retry avoids it); "
-            "code: the gRPC status, or stall", ["pool", "worker", "code"], registry=r)
+            "tandem_worker_faults", "Failed attempts charged to a worker (a retry avoids it)",
+            labels, registry=r)
         self.unasked_aborts = Counter(
             "tandem_unasked_aborts", "Legs that ended with finish_reason abort although the "
             "gateway did not ask (retried before the first token, else a 5xx)", ["leg"],
             registry=r)
         self.stream_stalls = Counter(
             "tandem_stream_stalls", "Streams ended because no token came for "
-            "gateway.stream_stall_timeout_s after the first", ["pool"], registry=r)
+            "gateway.stream_stall_timeout_s", ["pool"], registry=r)
+        for leg in ("prefill", "decode", "mono"):
+            self.unasked_aborts.labels(leg)
+        for pool in ("decode", "workers"):
+            self.stream_stalls.labels(pool)
         self.queue_depth = Gauge("tandem_queue_depth", "Requests the gateway holds until a "
                                  "worker of the pool has a free seat", ["pool"], registry=r)
         self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time a request waited at "
@@ -76,6 +82,7 @@ class Metrics:
                                       ["pool", "reason"], registry=r)
 
     def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
+        self.worker_faults.labels(pool, url)  # at zero until a fault is charged to it
         self.worker_running.labels(pool, url).set(load.running)
         self.worker_waiting.labels(pool, url).set(load.waiting)
         self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)
