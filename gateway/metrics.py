@@ -82,13 +82,13 @@ class Metrics:
                                       ["pool", "reason"], registry=r)
 
     def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
-        self.worker_faults.labels(pool, url)  # at zero until a fault is charged to it
         self.worker_running.labels(pool, url).set(load.running)
         self.worker_waiting.labels(pool, url).set(load.waiting)
         self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)
         self.worker_kv_total.labels(pool, url).set(load.kv_total_pages)
         self.worker_transfer_bytes.labels(pool, url).set(load.transfer_bytes)
         self.worker_healthy.labels(pool, url).set(1 if healthy else 0)
+        self.worker_faults.labels(pool, url)  # at zero until a fault is charged to it
 
     def observe_transfer(self, stats: tandem_pb2.TransferStats) -> None:
         self.kv_transfer_bytes.inc(stats.bytes)
