@@ -20,7 +20,6 @@ import pytest
 from orchestrator.launch.background import Cluster, running_cluster
 from tests.e2e.chaos.conftest import MODEL, leaked_pages
 from tests.e2e.chaos.probes import (
-    call,
     client,
     faults_probe,
     freeze_probe,
@@ -70,22 +69,32 @@ def test_frozen_decode_worker_does_not_stall_the_cluster(cluster_2p2d: Cluster) 
 
 
 def test_stream_on_a_frozen_decode_errors_within_the_stall_deadline(cluster_2p2d: Cluster) -> None:
+    """A stream that has had tokens; the decode worker running it is SIGSTOPped: the stream
+    ends with an error event within the stall deadline."""
     c = cluster_2p2d
+    body = payload("k=3;" * 20, 300, True, MODEL.name)
 
-    async def one() -> tuple[float, bool, int]:
-        async with client(c.url, 2) as cl:
-            task = asyncio.create_task(call(cl, payload("k=3;" * 20, 300, True, MODEL.name), 60))
-            victim = await asyncio.to_thread(_decode_running_one, c)
-            os.kill(c.pid("decode", int(victim[-1])), signal.SIGSTOP)
-            t0 = time.monotonic()
-            try:
-                x = await task
-            finally:
-                os.kill(c.pid("decode", int(victim[-1])), signal.SIGCONT)
-            return x.end - t0, x.ok, len(x.token_times)
+    async def one() -> tuple[float, int, str]:
+        tokens, victim, t0 = 0, "", 0.0
+        async with client(c.url, 2) as cl, cl.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if '"error"' in line:
+                    return time.monotonic() - t0, tokens, line
+                tokens += 1
+                if tokens == 3:  # mid-answer: freeze the decode worker running it
+                    victim = await asyncio.to_thread(_decode_running_one, c)
+                    os.kill(c.pid("decode", int(victim[-1])), signal.SIGSTOP)
+                    t0 = time.monotonic()
+        return float("inf"), tokens, "the stream ended without an error"
 
-    took, ok, tokens = asyncio.run(one())
-    assert not ok and tokens > 0, "the stream did not stall mid-answer"
+    try:
+        took, tokens, last = asyncio.run(one())
+    finally:
+        for i in (0, 1):
+            os.kill(c.pid("decode", i), signal.SIGCONT)
+    assert "stream_stall_timeout_s" in last, last
     assert took < STALL_S + 1.5, f"the stalled stream erred after {took:.1f}s"
     _rejoined(c, "decode-0")
     _rejoined(c, "decode-1")
