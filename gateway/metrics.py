@@ -3,8 +3,10 @@
 Latency histograms (TTFT, inter-token, end-to-end), request outcomes, token counters, KV
 transfer figures (per request from the prefill leg's last message, which every PD request
 reads however it ends; each worker's running totals from GetLoad, as counters), bootstrap
-failures, and per-worker queue gauges. docs/metrics.md lists every series; a test checks it
-against /metrics.
+failures, and per-worker queue gauges. Partial failure (docs/reliability.md): faults charged
+to each worker, legs that ended "abort" unasked, streams cut by the stall deadline, and the
+gateway's own queue of requests waiting for a decode seat (depth, wait time, rejections).
+docs/metrics.md lists every series; a test checks it against /metrics.
 """
 
 from __future__ import annotations
@@ -59,6 +61,30 @@ class Metrics:
         self.worker_healthy = Gauge("tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r)
         self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
         self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
+        # Every series below has a sample from the start (docs/metrics.md is checked against
+        # /metrics): label values are created at zero, per worker at its first GetLoad.
+        self.worker_faults = Counter(
+            "tandem_worker_faults", "Failed attempts charged to a worker (a retry avoids it)",
+            labels, registry=r)
+        self.unasked_aborts = Counter(
+            "tandem_unasked_aborts", "Legs that ended with finish_reason abort although the "
+            "gateway did not ask (retried before the first token, else a 5xx)", ["leg"],
+            registry=r)
+        self.stream_stalls = Counter(
+            "tandem_stream_stalls", "Streams ended because no token came for "
+            "gateway.stream_stall_timeout_s", ["pool"], registry=r)
+        for leg in ("prefill", "decode", "mono"):
+            self.unasked_aborts.labels(leg)
+        for pool in ("decode", "workers"):
+            self.stream_stalls.labels(pool)
+        self.queue_depth = Gauge("tandem_queue_depth", "Requests the gateway holds until a "
+                                 "worker of the pool has a free seat", ["pool"], registry=r)
+        self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time a request waited at "
+                                    "the gateway for a seat", ["pool"], registry=r,
+                                    buckets=_LATENCY_BUCKETS)
+        self.queue_rejected = Counter("tandem_queue_rejected", "Requests refused by the "
+                                      "gateway's queue (full: 429; timeout: 503)",
+                                      ["pool", "reason"], registry=r)
 
         self.spec = SpecCollector()
         r.register(self.spec)
@@ -73,11 +99,12 @@ class Metrics:
         self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)
         self.worker_kv_total.labels(pool, url).set(load.kv_total_pages)
         self.worker_healthy.labels(pool, url).set(1 if healthy else 0)
+        self.worker_faults.labels(pool, url)  # at zero until a fault is charged to it
 
     def remove_worker(self, pool: str, url: str) -> None:
         """A worker left the pool: its series leave /metrics with it (gauges, totals, spec)."""
         for gauge in (self.worker_running, self.worker_waiting, self.worker_kv_used,
-                      self.worker_kv_total, self.worker_healthy):
+                      self.worker_kv_total, self.worker_healthy, self.worker_faults):
             with contextlib.suppress(KeyError):  # never observed
                 gauge.remove(pool, url)
         self.totals.forget(pool, url)

@@ -168,7 +168,7 @@ class GenerationHandler:
         except ApiError as err:
             self.metrics.requests.labels("client_error").inc()
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers=headers)
+                            headers={**headers, **err.headers})
         watcher = DisconnectWatcher(request.receive)
         try:
             response = await self._handle(body, chat, t0, request_id, headers)
@@ -223,7 +223,7 @@ class GenerationHandler:
             self.metrics.requests.labels(outcome).inc()
             log.debug("request %s failed: %s", request_id, err.message)
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers=headers)
+                            headers={**headers, **err.headers})
         self.metrics.ttft.observe(time.perf_counter() - t0)
         out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
                               req.num_top_logprobs(),
@@ -352,7 +352,7 @@ class GenerationHandler:
         except ApiError as err:
             outcome = "client_error" if err.status < 500 else "server_error"
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers=headers)
+                            headers={**headers, **err.headers})
         except Exception:
             outcome = "server_error"
             raise

@@ -130,7 +130,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
-    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs")
+    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs", "fault", "timed_out")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RoomEvent.Kind]
@@ -156,6 +156,8 @@ class RoomEvent(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     kind: RoomEvent.Kind
     reason: str
     contract: LayoutContract
@@ -167,4 +169,6 @@ class RoomEvent(_message.Message):
     bytes: int
     duration_ms: float
     rank_addrs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ...) -> None: ...
+    fault: str
+    timed_out: bool
+    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ..., fault: _Optional[str] = ..., timed_out: _Optional[bool] = ...) -> None: ...

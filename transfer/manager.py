@@ -1,17 +1,15 @@
-"""KVTransferManager: one per worker rank; owns the backend, the rooms and the transfer thread.
+"""KVTransferManager: one per worker rank; owns the backend, the rooms and the write lanes.
 
 The engine's thread only calls non-blocking methods (create_*, send, poll, abort,
-take_finished). Blocking work runs elsewhere: backend writes on this manager's transfer
-thread (a queue of WriteJobs), bootstrap streams on the gRPC server's threads (prefill) or on
-one thread per open stream (decode).
+take_finished). Everything else runs elsewhere: backend writes on one lane per decode agent
+(transfer/lanes.py: writes to different peers never wait on each other, and a peer that stops
+answering is fenced), bootstrap streams on the gRPC server's threads (prefill) or on one thread
+per open stream (decode).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import queue
-import random
 import secrets
 import threading
 import time
@@ -25,18 +23,17 @@ from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
 from protocol.tls import TLSConfig, add_port
 from protocol.tls import channel as tls_channel
-from transfer.backend import BackendError, TransferBackend, TransferFaults
+from transfer.backend import TransferBackend, TransferFaults
 from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
 from transfer.factory import make_backend
-from transfer.plan import split_ranges
-from transfer.receiver import KVReceiver, crc_of
+from transfer.lanes import CORRUPT_BYTES, PeerState, Writer, WriterContext, scratch_buffer
+from transfer.receiver import KVReceiver
 from transfer.room import Room, RoomState, TransferTotals
-from transfer.sender import KVSender, Peer, WriteJob
+from transfer.sender import KVSender, Peer, WriteFailure, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
 
-CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
 RELEASE_THREADS = 4  # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
 MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
@@ -72,7 +69,7 @@ class KVTransferManager:
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
         # Source of the corrupt= drill's garbage; registered always, since drills can be
         # switched on at run time (`manager.faults = ...`).
-        self._scratch = ctypes.create_string_buffer(os.urandom(CORRUPT_BYTES), CORRUPT_BYTES)
+        self._scratch = scratch_buffer()
         if role == "prefill":
             self.backend.register(ctypes.addressof(self._scratch), CORRUPT_BYTES)
         self._lock = threading.RLock()
@@ -83,8 +80,6 @@ class KVTransferManager:
         self._channels: dict[str, grpc.Channel] = {}
         self._agent_epoch: dict[str, tuple[str, int]] = {}  # decode agent -> (peer_id, epoch)
         self._tp_addrs: list[str] = []  # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
-        self._rng = random.Random()
-        self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         # prefill: write jobs submitted and not yet done, per room (ReleaseRoom waits for 0);
         # rooms decode released (room -> expiry): a later registration or sender is refused.
         self._jobs_of: dict[int, int] = {}
@@ -92,8 +87,11 @@ class KVTransferManager:
         self._released: dict[int, float] = {}
         # decode: ReleaseRoom calls run here, never on the engine's thread.
         self._release_pool = ThreadPoolExecutor(max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}")
-        self._thread = threading.Thread(target=self._run_jobs, daemon=True, name=f"kv-transfer-{role}")
-        self._thread.start()
+        self._writer = Writer(WriterContext(
+            backend=self.backend, kv_ptr=kv_ptr, page_bytes=layout.page_bytes,
+            scratch=ctypes.addressof(self._scratch), checksum=config.checksum,
+            timeout_s=config.transfer_timeout_s, faults=lambda: self.faults,
+            on_result=self._write_result, on_settled=self._write_settled))
         self._closed = False
 
     # ---- prefill ------------------------------------------------------------------------
@@ -102,9 +100,11 @@ class KVTransferManager:
         """Serve the bootstrap service on the worker's gRPC server (prefill ranks)."""
         if self.role != "prefill":
             raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
-        service = BootstrapService(self.config, self.contract, self._lock, wait_sender=self._wait_sender,
-                                   connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
-                                   rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room)
+        service = BootstrapService(
+            self.config, self.contract, self._lock, wait_sender=self._wait_sender,
+            connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
+            rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room,
+            peer_refusal=self._writer.refusal)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
 
     def serve_bootstrap(self, host: str, port: int) -> tuple[grpc.Server, int]:
@@ -146,9 +146,26 @@ class KVTransferManager:
             return sender
 
     def _submit(self, job: WriteJob) -> None:
-        """Queue a write for the transfer thread, counted per room (lock held by the sender)."""
+        """Queue a write on its peer's lane, counted per room (lock held by the sender)."""
         self._jobs_of[job.sender.room] = self._jobs_of.get(job.sender.room, 0) + 1
-        self._jobs.put(job)
+        self._writer.submit(job)
+
+    def _write_result(self, job: WriteJob, failure: WriteFailure | None, nbytes: int,
+                      crc: int | None) -> None:
+        job.sender.write_done(job, failure, nbytes, crc)
+
+    def _write_settled(self, job: WriteJob) -> None:
+        """Nothing of `job` can land any more: a ReleaseRoom waiting on its room may answer."""
+        with self._lock:
+            room = job.sender.room
+            self._jobs_of[room] -= 1
+            if not self._jobs_of[room]:
+                del self._jobs_of[room]
+            self._job_done.notify_all()
+
+    def peer_states(self) -> dict[str, PeerState]:
+        """Prefill: how each decode agent written to is treated (fenced ones take no writes)."""
+        return self._writer.states()
 
     def release_room(self, room: int, reason: str, timeout_s: float) -> tuple[bool, float]:
         """Prefill: decode gives `room` up. Abort our side, refuse later registrations for it,
@@ -231,6 +248,7 @@ class KVTransferManager:
             for agent in stale:
                 del self._agent_epoch[agent]
         for agent in stale:
+            self._writer.forget(agent)
             self.backend.forget(agent)
 
     # ---- decode -------------------------------------------------------------------------
@@ -312,11 +330,12 @@ class KVTransferManager:
             r.abort(reason)
 
     def poll_all(self) -> None:
-        """Advance every live room's deadline."""
+        """Advance every live room's deadline; fence a lane stuck in a backend call."""
         with self._lock:
             rooms = list(self._rooms.values())
         for r in rooms:
             r.poll()
+        self._writer.check()
 
     def take_finished(self) -> list[Room]:
         """Rooms that ended since the last call, each returned exactly once (then forgotten)."""
@@ -360,52 +379,8 @@ class KVTransferManager:
             self._room_added.notify_all()
             for r in list(self._rooms.values()):
                 r.abort("transfer manager closing")
-        self._jobs.put(None)
-        self._thread.join(timeout=self.config.transfer_timeout_s + 1)
+        self._writer.close()
         self._release_pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels.values():
             ch.close()
         self.backend.close()
-
-    # ---- transfer thread ----------------------------------------------------------------
-
-    def _run_jobs(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.sender.state.finished:  # aborted while queued: do not touch decode memory
-                job.sender.write_done(job, "room ended before the write", 0, None)
-            else:
-                error, nbytes, crc = self._write(job)
-                job.sender.write_done(job, error, nbytes, crc)
-            with self._lock:  # after write_done: a ReleaseRoom waiting on this room may answer now
-                room = job.sender.room
-                self._jobs_of[room] -= 1
-                if not self._jobs_of[room]:
-                    del self._jobs_of[room]
-                self._job_done.notify_all()
-
-    def _write(self, job: WriteJob) -> tuple[str | None, int, int | None]:
-        """Run one job (with faults); returns (error, bytes, crc of the source bytes)."""
-        fail, corrupt = self.faults.draw(self._rng) if self.faults.active else (False, False)
-        if self.faults.delay_ms:
-            time.sleep(self.faults.delay_ms / 1e3)
-        if fail:
-            return f"injected fault ({self.faults})", 0, None
-        crc = crc_of(self.kv_ptr, [(r.src, r.length) for r in job.ranges]) if self.config.checksum else None
-        spans = [(self.kv_ptr + r.src, job.peer.kv_base + r.dst, r.length)
-                 for r in split_ranges(job.ranges, self.backend.max_range_bytes)]
-        try:
-            self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)
-            if corrupt:
-                self._corrupt(job)
-        except BackendError as e:
-            return str(e), 0, None
-        return None, sum(r.length for r in job.ranges), crc
-
-    def _corrupt(self, job: WriteJob) -> None:
-        """corrupt= fault: after the real write, overwrite the start of every landed page with
-        random bytes (up to CORRUPT_BYTES each), so the KV decode reads is garbage, for real."""
-        page = self.layout.page_bytes
-        scratch = ctypes.addressof(self._scratch)
-        spans = [(scratch, job.peer.kv_base + r.dst + off, min(CORRUPT_BYTES, r.length - off))
-                 for r in job.ranges for off in range(0, r.length, page)]
-        self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)

@@ -25,6 +25,8 @@ unset PYTORCH_CUDA_ALLOC_CONF
 mkdir -p /tmp/deps
 python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/deps') for w in glob.glob('.whl/pd/*.whl')]"
 export PYTHONPATH=/tmp/deps:$PWD
+# Wheels' scripts (py-spy's binary) land under <name>.data/scripts when a wheel is unzipped.
+for d in /tmp/deps/*.data/scripts; do [[ -d $d ]] && chmod +x "$d"/* && export PATH=$d:$PATH; done
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; nproc; } > "$OUT/env.txt" 2>&1
 if [[ $1 == h ]]; then
   run() {  # name, seconds, command...: each bench bounded, its output kept whatever happens

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.errors import ERROR_CODE_KEY
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -132,13 +133,20 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         self.abort_event.set()
         return tandem_pb2.AbortResponse(found=True)
 
+    def respond(self, request: tandem_pb2.GenerateRequest
+                ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        """One request's messages, for Generate and the Session stream alike: subclasses
+        override this (raising ScriptedFailure fails the request)."""
+        return self._script(request)
+
     async def Generate(self, request, context):  # noqa: N802
         self.requests.append(request)
         try:
-            async for msg in self._script(request):
+            async for msg in self.respond(request):
                 yield msg
         except ScriptedFailure as f:
-            await context.abort(f.code, f.details)
+            meta = ((ERROR_CODE_KEY, f.error_code),) if f.error_code else None
+            await context.abort(f.code, f.details, trailing_metadata=meta)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -149,12 +157,12 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         pending: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]] = []
         wake = asyncio.Event()
         tasks: dict[int, asyncio.Task[None]] = {}
-        ids: dict[int, tuple[str, int]] = {}  # slot -> (request id, room)
+        ids: dict[int, tandem_pb2.GenerateRequest] = {}  # slot -> its request
 
         async def run(slot: int, request: tandem_pb2.GenerateRequest) -> None:
             try:
                 finished = False
-                async for msg in self._script(request):
+                async for msg in self.respond(request):
                     pending.append((slot, msg))
                     finished = finished or bool(msg.finish_reason)
                     wake.set()
@@ -176,16 +184,15 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                 # The real worker's order: ids and rooms, then submits, then slots.
                 for ab in frame.aborts:
                     if ab.request_id or ab.room:  # what the Abort call used to carry
-                        self.aborts.append(tandem_pb2.AbortRequest(request_id=ab.request_id,
-                                                                   room=ab.room))
+                        self.aborts.append(tandem_pb2.AbortRequest(
+                            request_id=ab.request_id, room=ab.room, attempt_id=ab.attempt_id))
                         self.abort_event.set()
-                        for slot, (rid, room) in list(ids.items()):
-                            if (ab.request_id and rid == ab.request_id) or (
-                                    ab.room and room == ab.room):
+                        for slot, req in list(ids.items()):
+                            if _aborts(ab, req):
                                 tasks[slot].cancel()
                 for sub in frame.submits:
                     self.requests.append(sub.request)
-                    ids[sub.slot] = (sub.request.request_id, sub.request.disagg.room)
+                    ids[sub.slot] = sub.request
                     tasks[sub.slot] = asyncio.get_running_loop().create_task(
                         run(sub.slot, sub.request))
                 for ab in frame.aborts:
@@ -252,13 +259,23 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                 await asyncio.sleep(s.delay_s)
 
 
-class ScriptedFailure(Exception):
-    """The script fails the request with this status code."""
+def _aborts(ab: tandem_pb2.SessionAbort, req: tandem_pb2.GenerateRequest) -> bool:
+    """Whether `ab` ends `req`, as the real worker decides (an attempt id ends only it)."""
+    if ab.room and ab.room == req.disagg.room:
+        return True
+    if ab.attempt_id:
+        return ab.attempt_id == req.attempt_id
+    return bool(ab.request_id) and ab.request_id == req.request_id
 
-    def __init__(self, code: grpc.StatusCode) -> None:
+
+class ScriptedFailure(Exception):
+    """The script fails the request with this status code (and the worker's error class)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "", error_code: str = "") -> None:
         super().__init__(code.name)
         self.code = code
-        self.details = f"scripted {code.name}"
+        self.details = details or f"scripted {code.name}"
+        self.error_code = error_code
 
 
 def session_message(batch: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]],
@@ -267,7 +284,8 @@ def session_message(batch: list[tuple[int, tandem_pb2.GenerateResponse | Scripte
     out = tandem_pb2.SessionResponse()
     for slot, msg in batch:
         if isinstance(msg, ScriptedFailure):
-            out.ended.add(slot=slot, status_code=msg.code.value[0], error=msg.details)
+            out.ended.add(slot=slot, status_code=msg.code.value[0], error=msg.details,
+                          error_code=msg.error_code)
             continue
         if slot not in started:
             started.add(slot)
