@@ -144,7 +144,9 @@ def plan_processes(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> li
                 dev = f"cuda:{int(dev0[5:]) + local}" if dev0.startswith("cuda:") else dev0
                 node = first_node[(role, i)] + g // per_node
                 # Before a multi-node launcher resolves them, hosts are named by node index.
-                host = f"node{node}" if spreads_over_nodes(cluster) and not rc.hosts else rc.host_of(i)
+                host = (
+                    f"node{node}" if spreads_over_nodes(cluster) and not rc.hosts else rc.host_of(i)
+                )
                 rows.append(ProcessRow(
                     name=f"{role}-{i}" if g == 0 else f"{role}-{i}.r{g}",
                     role=role, replica=i, host=host, port=rc.port(i) if g == 0 else 0,
@@ -162,7 +164,9 @@ def read_model_config(model_path: str) -> dict[str, Any]:
     """The checkpoint's config.json as a dict; ClusterConfigError naming the path if absent."""
     path = Path(model_path) / "config.json"
     if not path.is_file():
-        raise ClusterConfigError(f"model.path: {path} not found; point model.path (or --model) at an HF-format directory")
+        raise ClusterConfigError(
+            f"model.path: {path} not found; point model.path (or --model) at an HF-format directory"
+        )
     data: dict[str, Any] = json.loads(path.read_text())
     return data
 
@@ -171,7 +175,8 @@ def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
     if cluster.model.dtype != "auto":
         return cluster.model.dtype
     name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    # worker/config.py: auto on CPU runs a float16 checkpoint in float32 (fp16 matmuls are slow there).
+    # worker/config.py: auto on CPU runs a float16 checkpoint in float32
+    # (fp16 matmuls are slow there).
     return "float32" if name in ("float16", "half") else name
 
 
@@ -223,36 +228,51 @@ def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig, cuda: CudaSt
     if p.procs_per_node and p.nnodes * p.procs_per_node != world:
         raise LayoutError(
             f"{where}: world size nnodes*procs_per_node = {p.nnodes}*{p.procs_per_node} = "
-            f"{p.nnodes * p.procs_per_node} but attention tp_size*dp_size = {p.tp_size}*{p.dp_size} = {world}; "
-            "they must be equal (change tp_size, dp_size, nnodes or procs_per_node)")
+            f"{p.nnodes * p.procs_per_node} but attention tp_size*dp_size = "
+            f"{p.tp_size}*{p.dp_size} = {world}; they must be equal (change tp_size, dp_size, "
+            "nnodes or procs_per_node)"
+        )
     if world % p.nnodes:
-        raise LayoutError(f"{where}: tp_size*dp_size = {world} ranks do not split evenly over nnodes={p.nnodes}; "
-                          "make the world a multiple of nnodes")
+        raise LayoutError(
+            f"{where}: tp_size*dp_size = {world} ranks do not split evenly over nnodes={p.nnodes}; "
+            "make the world a multiple of nnodes"
+        )
     kind = cluster.launcher.kind
     if p.nnodes > 1 and kind != "slurm":
-        raise LayoutError(f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
-                          "use launcher.kind=slurm for multi-node workers or set nnodes=1")
+        raise LayoutError(
+            f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
+            "use launcher.kind=slurm for multi-node workers or set nnodes=1"
+        )
     gpus = cluster.launcher.gpus_per_node
     if gpus and on_cuda and procs_per_node(rc) > gpus:
-        raise LayoutError(f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
-                          f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size")
+        raise LayoutError(
+            f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
+            f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size"
+        )
     if gpus and on_cuda and not spreads_over_nodes(cluster):
         used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present()
                    if resolve_device(o.parallel.device, cuda) == "cuda")
         if used > gpus:
-            raise LayoutError(f"roles: the cuda roles need {used} GPUs on this machine but launcher.gpus_per_node={gpus}; "
-                              "lower counts or tp_size, or use a multi-node launcher")
+            raise LayoutError(
+                f"roles: the cuda roles need {used} GPUs on this machine but "
+                f"launcher.gpus_per_node={gpus}; "
+                "lower counts or tp_size, or use a multi-node launcher"
+            )
 
 
-def _check_moe(cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, Any] | None) -> None:
+def _check_moe(
+    cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, Any] | None
+) -> None:
     p, where = rc.parallel, f"roles.{role}.parallel"
     world = p.world_size
     if p.ep_size > world:
         raise LayoutError(f"{where}.ep_size={p.ep_size} exceeds the world tp_size*dp_size={world}: "
                           "EP must be <= world (each rank holds at least one expert group)")
     if p.ep_size not in (1, world):
-        raise LayoutError(f"{where}.ep_size={p.ep_size}: the engine runs MoE with ep_size 1 (TP-sharded experts) "
-                          f"or ep_size = world = {world}; set one of those")
+        raise LayoutError(
+            f"{where}.ep_size={p.ep_size}: the engine runs MoE with ep_size 1 (TP-sharded experts) "
+            f"or ep_size = world = {world}; set one of those"
+        )
     if p.all2all_backend == "deepep" and p.ep_size == 1:
         raise LayoutError(f"{where}.all2all_backend=deepep needs expert parallelism (ep_size > 1); "
                           "set ep_size to the world or all2all_backend=torch")
@@ -264,15 +284,21 @@ def _check_moe(cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, 
                          else (sched.chunked_prefill_size, "chunked_prefill_size"))
         if tokens > p.deepep_max_tokens_per_rank:
             raise LayoutError(
-                f"roles.{role}: a step of up to {tokens} tokens per rank (scheduler.{field}) exceeds DeepEP's "
-                f"per-GPU capacity {where}.deepep_max_tokens_per_rank={p.deepep_max_tokens_per_rank}; such a batch "
-                f"is refused, not truncated: lower scheduler.{field} or raise the capacity")
+                f"roles.{role}: a step of up to {tokens} tokens per rank (scheduler.{field}) "
+                "exceeds DeepEP's per-GPU capacity "
+                f"{where}.deepep_max_tokens_per_rank={p.deepep_max_tokens_per_rank}; such a batch "
+                f"is refused, not truncated: lower scheduler.{field} or raise the capacity"
+            )
     if hf is not None and p.ep_size > 1:
         experts = _num_experts(hf)
         if experts == 0:
-            raise LayoutError(f"{where}.ep_size={p.ep_size} but the model has no experts (dense); set ep_size=1")
+            raise LayoutError(
+                f"{where}.ep_size={p.ep_size} but the model has no experts (dense); set ep_size=1"
+            )
         if experts % p.ep_size:
-            raise LayoutError(f"{where}.ep_size={p.ep_size} must divide the model's {experts} experts")
+            raise LayoutError(
+                f"{where}.ep_size={p.ep_size} must divide the model's {experts} experts"
+            )
 
 
 def _num_experts(hf: dict[str, Any]) -> int:
@@ -300,8 +326,11 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     gpt_oss_inter = hf.get("intermediate_size") if hf.get("model_type") == "gpt_oss" else 0
     moe_inter = int(hf.get("moe_intermediate_size") or gpt_oss_inter or 0)
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
-        raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
-                          f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
+        raise LayoutError(
+            f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
+            f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set "
+            f"ep_size={world}"
+        )
 
 
 def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:
@@ -327,8 +356,10 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
         raise LayoutError(f"{where}={addr!r}: must be tcp://HOST:PORT of the replica's node 0")
     node0 = rc.host_of(replica)
     if host != node0 and node0 not in ("0.0.0.0", ""):
-        raise LayoutError(f"{where}={addr!r} is not on replica {replica}'s node 0 ({node0}): the rendezvous runs "
-                          "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host")
+        raise LayoutError(
+            f"{where}={addr!r} is not on replica {replica}'s node 0 ({node0}): the rendezvous runs "
+            "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host"
+        )
 
 
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
@@ -371,7 +402,9 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -391,9 +424,22 @@ def format_rank_map(rows: list[ProcessRow]) -> str:
     """The rank map as a table: one line per rank process, then the gateway."""
     return _table(
         ["process", "role", "replica", "host", "port", "device", "node", "tp", "dp", "ep", "rank"],
-        [[r.name, r.role, str(r.replica) if r.replica >= 0 else "-", r.host, str(r.port) if r.port else "-",
-          r.device, str(r.node), f"{r.tp_rank}/{r.tp_size}", f"{r.dp_rank}/{r.dp_size}",
-          f"{r.ep_rank}/{r.ep_size}" if r.ep_rank >= 0 else "-", f"{r.rank}/{r.world_size}"] for r in rows],
+        [
+            [
+                r.name,
+                r.role,
+                str(r.replica) if r.replica >= 0 else "-",
+                r.host,
+                str(r.port) if r.port else "-",
+                r.device,
+                str(r.node),
+                f"{r.tp_rank}/{r.tp_size}",
+                f"{r.dp_rank}/{r.dp_size}",
+                f"{r.ep_rank}/{r.ep_size}" if r.ep_rank >= 0 else "-",
+                f"{r.rank}/{r.world_size}",
+            ]
+            for r in rows
+        ],
     )
 
 
@@ -406,8 +452,13 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     check_layout(cluster, None, cuda)
     rows = plan_processes(cluster, cuda)
     mode = "disaggregated (prefill/decode)" if cluster.roles.is_pd else "monolithic (both)"
-    parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
-             f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
+    parts = [
+        f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
+        f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}",
+        "",
+        format_rank_map(rows),
+        "",
+    ]
     if any(rc.parallel.device == "auto" for _, rc in cluster.roles.present()):
         why = f"{cuda.gpus} GPUs" if cuda.available else cuda.why_not()
         parts[1:1] = [f"device auto: {resolve_device('auto', cuda)} ({why})"]
