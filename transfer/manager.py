@@ -43,19 +43,9 @@ class KVTransferManager:
     """Moves KV pages of one rank to (prefill) or from (decode) peer ranks, room by room."""
 
     def __init__(
-        self,
-        config: TransferConfig,
-        layout: KVLayout,
-        *,
-        role: str,
-        kv_ptr: int,
-        kv_nbytes: int,
-        host: str,
-        model_fingerprint: str,
-        model_name: str = "",
-        peer_id: str = "",
-        faults: TransferFaults | None = None,
-        backend: TransferBackend | None = None,
+        self, config: TransferConfig, layout: KVLayout, *, role: str, kv_ptr: int, kv_nbytes: int,
+        host: str, model_fingerprint: str, model_name: str = "", peer_id: str = "",
+        faults: TransferFaults | None = None, backend: TransferBackend | None = None,
         tls: TLSConfig | None = None,
     ) -> None:
         config.validate()
@@ -74,12 +64,9 @@ class KVTransferManager:
         self.role = role
         self.epoch: int = secrets.randbits(64) or 1  # a new incarnation at every start
         self.kv_ptr, self.kv_nbytes = kv_ptr, kv_nbytes
-        self.contract = LayoutContract.from_layout(
-            layout,
-            model_name=model_name,
-            model_fingerprint=model_fingerprint,
-            backend=config.backend,
-        )
+        self.contract = LayoutContract.from_layout(layout, model_name=model_name,
+                                                   model_fingerprint=model_fingerprint,
+                                                   backend=config.backend)
         self.faults = faults if faults is not None else TransferFaults.from_env()
         adv = config.advertise_host or host
         label = f"tandem-{role}-{adv}-tp{layout.tp_rank}-{self.epoch:016x}"
@@ -269,19 +256,10 @@ class KVTransferManager:
         with self._lock:
             self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
         self.backend.connect(reg.agent_name, reg.agent_metadata)
-        return Peer(
-            tp_rank=theirs.tp_rank,
-            tp_size=theirs.tp_size,
-            peer_id=reg.peer_id,
-            epoch=reg.epoch,
-            agent_name=reg.agent_name,
-            kv_base=reg.kv_base,
-            layout=layout,
-            dst_pages=list(reg.dst_pages),
-            skip_pages=reg.skip_pages,
-            window_dst_pages=list(reg.window_dst_pages),
-            state_dst_slot=state_slot,
-        )
+        return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id,
+                    epoch=reg.epoch, agent_name=reg.agent_name, kv_base=reg.kv_base,
+                    layout=layout, dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages,
+                    window_dst_pages=list(reg.window_dst_pages), state_dst_slot=state_slot)
 
     def _peer_restarted(self, peer_id: str, old_epoch: int) -> None:
         """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
@@ -294,11 +272,8 @@ class KVTransferManager:
                         f"decode peer {peer_id} restarted (epoch {old_epoch:#x} replaced); "
                         "its pages are gone"
                     )
-            stale = [
-                a
-                for a, (pid, ep) in self._agent_epoch.items()
-                if pid == peer_id and ep == old_epoch
-            ]
+            stale = [a for a, (pid, ep) in self._agent_epoch.items()
+                     if pid == peer_id and ep == old_epoch]
             for agent in stale:
                 del self._agent_epoch[agent]
         for agent in stale:
@@ -353,38 +328,19 @@ class KVTransferManager:
         if state_slot >= 0:
             self.layout.state_offset(state_slot)  # raises ContractError when out of range
         reg = pb.RoomRegistration(
-            room=room,
-            peer_id=self.peer_id,
-            epoch=self.epoch,
-            agent_name=self.backend.agent_name,
-            agent_metadata=self.backend.agent_metadata,
-            kv_base=self.kv_ptr,
-            kv_nbytes=self.kv_nbytes,
-            dst_pages=dst_pages,
-            skip_pages=skip_pages,
-            num_tokens=num_tokens,
-            contract=contract_to_pb(self.contract),
-            num_window_pages=self.layout.num_window_pages,
-            window_dst_pages=ring,
-            num_state_slots=self.layout.num_state_slots,
-            state_base=self.layout.state_base,
-            **state,
+            room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
+            agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr,
+            kv_nbytes=self.kv_nbytes, dst_pages=dst_pages, skip_pages=skip_pages,
+            num_tokens=num_tokens, contract=contract_to_pb(self.contract),
+            num_window_pages=self.layout.num_window_pages, window_dst_pages=ring,
+            num_state_slots=self.layout.num_state_slots, state_base=self.layout.state_base, **state,
         )
         with self._lock:
             self._check_new(room, "decode")
-            receiver = KVReceiver(
-                room,
-                self.config,
-                self._lock,
-                self._room_finished,
-                contract=self.contract,
-                layout=self.layout,
-                kv_base=self.kv_ptr,
-                addrs=addrs,
-                registration=reg,
-                channel_of=self._channel,
-                release=self._release_pool.submit,
-            )
+            receiver = KVReceiver(room, self.config, self._lock, self._room_finished,
+                                  contract=self.contract, layout=self.layout, kv_base=self.kv_ptr,
+                                  addrs=addrs, registration=reg, channel_of=self._channel,
+                                  release=self._release_pool.submit)
             self._rooms[room] = receiver
             return receiver
 
@@ -453,12 +409,10 @@ class KVTransferManager:
         self._finished.append(room)
         t = self._totals
         self._totals = replace(
-            t,
-            rooms_succeeded=t.rooms_succeeded + (room.state is RoomState.SUCCESS),
+            t, rooms_succeeded=t.rooms_succeeded + (room.state is RoomState.SUCCESS),
             rooms_failed=t.rooms_failed + (room.state is RoomState.FAILED),
             rooms_aborted=t.rooms_aborted + (room.state is RoomState.ABORTED),
-            pages=t.pages + room.stats.pages,
-            bytes=t.bytes + room.stats.bytes,
+            pages=t.pages + room.stats.pages, bytes=t.bytes + room.stats.bytes,
             writes=t.writes + room.stats.writes,
         )
 
