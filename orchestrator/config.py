@@ -89,7 +89,8 @@ class GatewaySettings:
     health_interval_s: float = 1.0
     health_fail_threshold: int = 2  # consecutive failed checks before a worker is unhealthy
     health_ok_threshold: int = 1  # consecutive good checks before it takes requests again
-    health_timeout_s: float = 3.0  # a check slower than this fails (a busy worker is not a dead one)
+    # a check slower than this fails (a busy worker is not a dead one)
+    health_timeout_s: float = 3.0
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024
@@ -203,7 +204,8 @@ class LauncherConfig:
     # (the gateway routes around it meanwhile) up to max_restarts times.
     on_worker_exit: Literal["stop", "restart"] = "stop"
     max_restarts: int = 3
-    gpus_per_node: int = 0  # GPUs of one node (plan checks procs_per_node against it); 0 = unchecked
+    # GPUs of one node (plan checks procs_per_node against it); 0 = unchecked
+    gpus_per_node: int = 0
     # Slurm and Ray: node 0 runs the eval gate (the `eval` section) against the gateway once it
     # is ready, then stops the cluster and exits with the gate's result. False = serve on.
     eval_on_ready: bool = False
@@ -234,7 +236,8 @@ class ClusterConfig:
     roles: RolesConfig = field(default_factory=RolesConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     eval: EvalGate = field(default_factory=EvalGate)
-    tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC link (off: plaintext on loopback)
+    # every gRPC link (off: plaintext on loopback)
+    tls: TLSConfig = field(default_factory=TLSConfig)
     # Decode and mono workers draft and verify; prefill workers ship what the drafter needs.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -242,7 +245,9 @@ class ClusterConfig:
         rc = getattr(self.roles, name, None) if name in ROLE_NAMES else None
         if rc is None:
             have = ", ".join(n for n, _ in self.roles.present())
-            raise ClusterConfigError(f"role '{name}' is not in this config's roles (it has: {have})")
+            raise ClusterConfigError(
+                f"role '{name}' is not in this config's roles (it has: {have})"
+            )
         return rc
 
     @property
@@ -305,7 +310,9 @@ def _resolve_model_path(model: ModelConfig) -> ModelConfig:
     return model
 
 
-def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "") -> ClusterConfig:
+def config_from_dict(
+    data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = ""
+) -> ClusterConfig:
     """Build and validate a ClusterConfig from a YAML-shaped mapping plus `a.b=c` overrides."""
     data = _deep_copy(data)
     try:
@@ -336,13 +343,17 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Load a cluster YAML file, apply `--set` overrides (`a.b=c`), validate, return the tree."""
     p = Path(path)
     if not p.is_file():
-        raise ClusterConfigError(f"config file {str(p)!r} not found; pass --config PATH (e.g. {DEFAULT_CONFIG})")
+        raise ClusterConfigError(
+            f"config file {str(p)!r} not found; pass --config PATH (e.g. {DEFAULT_CONFIG})"
+        )
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ClusterConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ClusterConfigError(f"{p}: the top level must be a mapping of sections (model, roles, ...)")
+        raise ClusterConfigError(
+            f"{p}: the top level must be a mapping of sections (model, roles, ...)"
+        )
     return config_from_dict(data, overrides, source=str(p))
 
 
@@ -376,7 +387,10 @@ def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> Worker
     """The WorkerConfig of one replica of `role` (its rank 0; a TP worker spawns the others)."""
     rc = cluster.role(role)
     if not 0 <= replica < rc.count:
-        raise ClusterConfigError(f"--replica {replica} is out of range: roles.{role}.count is {rc.count} (0..{rc.count - 1})")
+        raise ClusterConfigError(
+            f"--replica {replica} is out of range: roles.{role}.count is {rc.count} "
+            f"(0..{rc.count - 1})"
+        )
     return WorkerConfig(
         role=role,  # type: ignore[arg-type]
         host=rc.host_of(replica),
@@ -401,7 +415,10 @@ def dist_init_addr(rc: RoleConfig, replica: int) -> str:
         return rc.parallel.dist_init_addr
     if rc.parallel.nnodes == 1:
         return ""  # the worker picks a free local port itself
-    return f"tcp://{dial_address(rc.host_of(replica), rc.port(replica) + 1).split(':')[0]}:{rc.port(replica) + 1}"
+    return (
+        f"tcp://{dial_address(rc.host_of(replica), rc.port(replica) + 1).split(':')[0]}"
+        f":{rc.port(replica) + 1}"
+    )
 
 
 def _worker_parallel(rc: RoleConfig, replica: int, device: str) -> ParallelConfig:
