@@ -13,14 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import (
-    ClusterConfig,
-    ClusterConfigError,
-    RoleConfig,
-    device_for,
-    dist_init_addr,
-    worker_config,
-)
+from orchestrator.config import ClusterConfig, ClusterConfigError, RoleConfig
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
 from orchestrator.rank_map import (
@@ -31,6 +24,7 @@ from orchestrator.rank_map import (
     spreads_over_nodes,
 )
 from orchestrator.weights import WeightBytes, weight_bytes
+from orchestrator.worker_config import device_for, dist_init_addr, worker_config
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.config import ClusterConfig, RoleConfig, device_for
+from orchestrator.config import ClusterConfig, RoleConfig
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
+from orchestrator.worker_config import device_for
 
 
 @dataclass(frozen=True)

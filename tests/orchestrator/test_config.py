@@ -19,8 +19,8 @@ from orchestrator.config import (
     dump_config,
     gateway_config,
     load_config,
-    worker_config,
 )
+from orchestrator.worker_config import worker_config
 
 CONFIGS = REPO_ROOT / "configs"
 PD = {"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000}}}

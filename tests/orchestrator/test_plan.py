@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.config import ClusterConfig, config_from_dict, worker_config
+from orchestrator.config import ClusterConfig, config_from_dict
 from orchestrator.devices import cuda_status
 from orchestrator.plan import LayoutError, check_layout, format_plan
 from orchestrator.rank_map import num_nodes, plan_processes
+from orchestrator.worker_config import worker_config
 
 # Shapes of real checkpoints' config.json (only the keys the planner reads).
 DENSE_8B = {
