@@ -72,7 +72,9 @@ def summarize(raw: str, top: int = 8) -> str:
     out = [f"{total} samples"]
     for thread, n in threads.most_common():
         out += ["", f"{n / total * 100:5.1f}%  {thread}"]
-        out += [f"    {k / total * 100:5.1f}%  {f[:150]}" for f, k in frames[thread].most_common(top)]
+        out += [
+            f"    {k / total * 100:5.1f}%  {f[:150]}" for f, k in frames[thread].most_common(top)
+        ]
     return "\n".join(out) + "\n"
 
 

@@ -45,9 +45,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -59,28 +58,13 @@ from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
 from gateway.session import Output
+from gateway.stalls import StallWatch, _timeout
 from protocol import tandem_pb2
 from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
 
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
-if sys.version_info >= (3, 11):
-    _timeout = asyncio.timeout  # no task per request, unlike wait_for
-else:  # pragma: no cover - 3.10 fallback
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def _timeout(delay: float) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        assert task is not None
-        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
-        try:
-            yield
-        except asyncio.CancelledError:
-            raise asyncio.TimeoutError from None
-        finally:
-            handle.cancel()
 _random = random.SystemRandom()  # rooms must not collide across gateway processes
 
 
@@ -89,37 +73,6 @@ def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallErr
     meta = exc.trailing_metadata() or ()
     err.peer_timeout = any(k == ERROR_CODE_KEY and v == PEER_TIMEOUT for k, v in meta)
     return err
-
-
-class StallWatch:
-    """Ends streams whose worker went quiet: one task per gateway looks every `period` at the
-    streams waiting for a message (a timer per token would cost ~20 us each; this costs two
-    clock reads). A stream stalled past `stall_s` has its call cancelled; its reader turns
-    that into the stall error. Detection lands within stall_s + period."""
-
-    def __init__(self, stall_s: float, pool: WorkerPool) -> None:
-        self.stall_s = stall_s
-        self.period = min(0.5, stall_s / 4)
-        self._pool = pool
-        self._runs: set[RequestRun] = set()
-        self._started = False
-
-    def add(self, run: RequestRun) -> None:
-        self._runs.add(run)
-        if not self._started:
-            self._started = True
-            self._pool.spawn(self._watch())
-
-    def discard(self, run: RequestRun) -> None:
-        self._runs.discard(run)
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.period)
-            now = time.monotonic()
-            for run in [r for r in self._runs if r.reading_since > 0]:
-                if now - run.reading_since > self.stall_s:
-                    run.stall()
 
 
 class Dispatcher:

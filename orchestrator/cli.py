@@ -27,8 +27,8 @@ from orchestrator.config import (
     gateway_config,
     load_config,
     resolve_config_path,
-    worker_config,
 )
+from orchestrator.worker_config import worker_config
 from worker.config import WorkerConfig
 
 EXIT_USAGE = 2  # bad flags or config, unreachable server

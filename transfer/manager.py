@@ -34,7 +34,8 @@ from transfer.room import Room, RoomState, TransferTotals
 from transfer.sender import KVSender, Peer, WriteFailure, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
 
-RELEASE_THREADS = 4  # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
+# decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
+RELEASE_THREADS = 4
 MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
 
@@ -44,21 +45,27 @@ class KVTransferManager:
     def __init__(
         self, config: TransferConfig, layout: KVLayout, *, role: str, kv_ptr: int, kv_nbytes: int,
         host: str, model_fingerprint: str, model_name: str = "", peer_id: str = "",
-        faults: TransferFaults | None = None, backend: TransferBackend | None = None, tls: TLSConfig | None = None,
+        faults: TransferFaults | None = None, backend: TransferBackend | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         config.validate()
         if role not in ("prefill", "decode"):
-            raise TransferConfigError(f"KVTransferManager role must be 'prefill' or 'decode', got {role!r}")
+            raise TransferConfigError(
+                f"KVTransferManager role must be 'prefill' or 'decode', got {role!r}"
+            )
         if kv_nbytes < layout.pool_bytes:
-            raise ContractError(f"kv_nbytes={kv_nbytes} is smaller than the layout's pool "
-                                f"({layout.num_pages} pages x {layout.page_bytes} B); describe the tensor you register")
+            raise ContractError(
+                f"kv_nbytes={kv_nbytes} is smaller than the layout's pool ({layout.num_pages} "
+                f"pages x {layout.page_bytes} B); describe the tensor you register"
+            )
         self.config = config
         self.tls = tls or TLSConfig()  # bootstrap calls to prefill ranks
         self.layout = layout
         self.role = role
         self.epoch: int = secrets.randbits(64) or 1  # a new incarnation at every start
         self.kv_ptr, self.kv_nbytes = kv_ptr, kv_nbytes
-        self.contract = LayoutContract.from_layout(layout, model_name=model_name, model_fingerprint=model_fingerprint,
+        self.contract = LayoutContract.from_layout(layout, model_name=model_name,
+                                                   model_fingerprint=model_fingerprint,
                                                    backend=config.backend)
         self.faults = faults if faults is not None else TransferFaults.from_env()
         adv = config.advertise_host or host
@@ -79,14 +86,17 @@ class KVTransferManager:
         self._totals = TransferTotals()
         self._channels: dict[str, grpc.Channel] = {}
         self._agent_epoch: dict[str, tuple[str, int]] = {}  # decode agent -> (peer_id, epoch)
-        self._tp_addrs: list[str] = []  # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
+        # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
+        self._tp_addrs: list[str] = []
         # prefill: write jobs submitted and not yet done, per room (ReleaseRoom waits for 0);
         # rooms decode released (room -> expiry): a later registration or sender is refused.
         self._jobs_of: dict[int, int] = {}
         self._job_done = threading.Condition(self._lock)
         self._released: dict[int, float] = {}
         # decode: ReleaseRoom calls run here, never on the engine's thread.
-        self._release_pool = ThreadPoolExecutor(max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}")
+        self._release_pool = ThreadPoolExecutor(
+            max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}"
+        )
         self._writer = Writer(WriterContext(
             backend=self.backend, kv_ptr=kv_ptr, page_bytes=layout.page_bytes,
             scratch=ctypes.addressof(self._scratch), checksum=config.checksum,
@@ -99,7 +109,9 @@ class KVTransferManager:
     def add_to_server(self, server: grpc.Server) -> None:
         """Serve the bootstrap service on the worker's gRPC server (prefill ranks)."""
         if self.role != "prefill":
-            raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
+            raise TransferConfigError(
+                "add_to_server is for prefill ranks; decode ranks register, they do not serve"
+            )
         service = BootstrapService(
             self.config, self.contract, self._lock, wait_sender=self._wait_sender,
             connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
@@ -131,14 +143,18 @@ class KVTransferManager:
         and registers with the other ranks itself.
         """
         if len(addrs) != self.layout.tp_size:
-            raise TransferConfigError(f"set_tp_bootstrap_addrs: got {len(addrs)} addresses for tp_size={self.layout.tp_size}; "
-                                      "give one host:port per prefill rank, in rank order")
+            raise TransferConfigError(
+                f"set_tp_bootstrap_addrs: got {len(addrs)} addresses for "
+                f"tp_size={self.layout.tp_size}; give one host:port per prefill rank, in rank order"
+            )
         self._tp_addrs = list(addrs)
 
     def create_sender(self, room: int) -> KVSender:
         with self._lock:
             self._check_new(room, "prefill")
-            sender = KVSender(room, self.config, self._lock, self._room_finished, self.layout, self._submit)
+            sender = KVSender(
+                room, self.config, self._lock, self._room_finished, self.layout, self._submit
+            )
             self._rooms[room] = sender
             if room in self._released:  # decode gave this room up before our Generate arrived
                 sender.abort(f"room {room:#x} was released by decode before prefill started it")
@@ -187,7 +203,8 @@ class KVTransferManager:
         return drained, time.monotonic() - t0
 
     def _tombstone_s(self) -> float:
-        """How long a released room stays refused: past any registration or Generate still in flight."""
+        """How long a released room stays refused: past any registration or Generate
+        still in flight."""
         c = self.config
         return 2 * (c.bootstrap_timeout_s + c.waiting_timeout_s)
 
@@ -206,7 +223,8 @@ class KVTransferManager:
                 self._room_added.wait(left)
 
     def _connect_peer(self, reg: pb.RoomRegistration) -> Peer:
-        """Turn a registration into a Peer (checks its pages against its pool); connects the backend."""
+        """Turn a registration into a Peer (checks its pages against its pool);
+        connects the backend."""
         theirs = contract_from_pb(reg.contract)
         shape = theirs.layout(num_window_pages=reg.num_window_pages)
         window_bytes = shape.window_view().pool_bytes if reg.num_window_pages else 0
@@ -214,11 +232,16 @@ class KVTransferManager:
         num_pages = (pages_end - window_bytes) // shape.page_bytes
         bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
         if bad:
-            raise ValueError(f"room {reg.room:#x}: dst_pages {bad[:4]} outside decode's pool of {num_pages} pages")
+            raise ValueError(
+                f"room {reg.room:#x}: dst_pages {bad[:4]} "
+                f"outside decode's pool of {num_pages} pages"
+            )
         bad = [p for p in reg.window_dst_pages if not 0 <= p < reg.num_window_pages]
         if bad:
-            raise ValueError(f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
-                             f"{reg.num_window_pages} pages")
+            raise ValueError(
+                f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
+                f"{reg.num_window_pages} pages"
+            )
         layout = theirs.layout(num_pages, reg.num_window_pages, reg.num_state_slots, reg.state_base)
         state_slot = reg.state_dst_slot if reg.HasField("state_dst_slot") else -1
         if (state_slot >= 0) != (self.layout.state_group is not None):
@@ -233,8 +256,8 @@ class KVTransferManager:
         with self._lock:
             self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
         self.backend.connect(reg.agent_name, reg.agent_metadata)
-        return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id, epoch=reg.epoch,
-                    agent_name=reg.agent_name, kv_base=reg.kv_base,
+        return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id,
+                    epoch=reg.epoch, agent_name=reg.agent_name, kv_base=reg.kv_base,
                     layout=layout, dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages,
                     window_dst_pages=list(reg.window_dst_pages), state_dst_slot=state_slot)
 
@@ -242,9 +265,15 @@ class KVTransferManager:
         """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
         with self._lock:
             for r in list(self._rooms.values()):
-                if isinstance(r, KVSender) and any(p.peer_id == peer_id and p.epoch == old_epoch for p in r.peers.values()):
-                    r.fail(f"decode peer {peer_id} restarted (epoch {old_epoch:#x} replaced); its pages are gone")
-            stale = [a for a, (pid, ep) in self._agent_epoch.items() if pid == peer_id and ep == old_epoch]
+                if isinstance(r, KVSender) and any(
+                    p.peer_id == peer_id and p.epoch == old_epoch for p in r.peers.values()
+                ):
+                    r.fail(
+                        f"decode peer {peer_id} restarted (epoch {old_epoch:#x} replaced); "
+                        "its pages are gone"
+                    )
+            stale = [a for a, (pid, ep) in self._agent_epoch.items()
+                     if pid == peer_id and ep == old_epoch]
             for agent in stale:
                 del self._agent_epoch[agent]
         for agent in stale:
@@ -271,17 +300,27 @@ class KVTransferManager:
         groups = bootstrap_addr.split(";")
         addrs = [a.strip() for a in groups[room % len(groups)].split(",") if a.strip()]
         if not addrs:
-            raise TransferConfigError(f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port")
+            raise TransferConfigError(
+                f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port"
+            )
         bad = [p for p in dst_pages if not 0 <= p < self.layout.num_pages]
         if bad:
-            raise ValueError(f"room {room:#x}: dst_pages {bad[:4]} outside this pool of {self.layout.num_pages} pages")
+            raise ValueError(
+                f"room {room:#x}: dst_pages {bad[:4]} "
+                f"outside this pool of {self.layout.num_pages} pages"
+            )
         ring = list(window_pages or [])
         group = self.layout.window_group
         if group is not None and len(ring) != group.ring_pages(self.layout.page_size):
-            raise ValueError(f"room {room:#x}: window_pages has {len(ring)} pages; this layout's window ring needs "
-                             f"{group.ring_pages(self.layout.page_size)} (window {group.window}, page_size {self.layout.page_size})")
+            raise ValueError(
+                f"room {room:#x}: window_pages has {len(ring)} pages; this layout's window ring "
+                f"needs {group.ring_pages(self.layout.page_size)} (window {group.window}, "
+                f"page_size {self.layout.page_size})"
+            )
         if group is None and ring:
-            raise ValueError(f"room {room:#x}: window_pages given but this layout has no window region")
+            raise ValueError(
+                f"room {room:#x}: window_pages given but this layout has no window region"
+            )
         if (state_slot >= 0) != (self.layout.state_group is not None):
             raise ValueError(f"room {room:#x}: a layout with a recurrent group needs the room's "
                              f"state_slot, and only such a layout takes one (got {state_slot})")
@@ -290,16 +329,18 @@ class KVTransferManager:
             self.layout.state_offset(state_slot)  # raises ContractError when out of range
         reg = pb.RoomRegistration(
             room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
-            agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr, kv_nbytes=self.kv_nbytes,
-            dst_pages=dst_pages, skip_pages=skip_pages, num_tokens=num_tokens, contract=contract_to_pb(self.contract),
+            agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr,
+            kv_nbytes=self.kv_nbytes, dst_pages=dst_pages, skip_pages=skip_pages,
+            num_tokens=num_tokens, contract=contract_to_pb(self.contract),
             num_window_pages=self.layout.num_window_pages, window_dst_pages=ring,
             num_state_slots=self.layout.num_state_slots, state_base=self.layout.state_base, **state,
         )
         with self._lock:
             self._check_new(room, "decode")
-            receiver = KVReceiver(room, self.config, self._lock, self._room_finished, contract=self.contract,
-                                  layout=self.layout, kv_base=self.kv_ptr, addrs=addrs, registration=reg,
-                                  channel_of=self._channel, release=self._release_pool.submit)
+            receiver = KVReceiver(room, self.config, self._lock, self._room_finished,
+                                  contract=self.contract, layout=self.layout, kv_base=self.kv_ptr,
+                                  addrs=addrs, registration=reg, channel_of=self._channel,
+                                  release=self._release_pool.submit)
             self._rooms[room] = receiver
             return receiver
 
@@ -315,9 +356,13 @@ class KVTransferManager:
         if self._closed:
             raise RuntimeError("KVTransferManager is closed")
         if self.role != role:
-            raise TransferConfigError(f"this manager's role is {self.role}; rooms of role {role} need a {role} manager")
+            raise TransferConfigError(
+                f"this manager's role is {self.role}; rooms of role {role} need a {role} manager"
+            )
         if room in self._rooms:
-            raise ValueError(f"room {room:#x} already exists on this rank (room ids must be unique per request)")
+            raise ValueError(
+                f"room {room:#x} already exists on this rank (room ids must be unique per request)"
+            )
 
     def get(self, room: int) -> Room | None:
         with self._lock:
@@ -367,7 +412,8 @@ class KVTransferManager:
             t, rooms_succeeded=t.rooms_succeeded + (room.state is RoomState.SUCCESS),
             rooms_failed=t.rooms_failed + (room.state is RoomState.FAILED),
             rooms_aborted=t.rooms_aborted + (room.state is RoomState.ABORTED),
-            pages=t.pages + room.stats.pages, bytes=t.bytes + room.stats.bytes, writes=t.writes + room.stats.writes,
+            pages=t.pages + room.stats.pages, bytes=t.bytes + room.stats.bytes,
+            writes=t.writes + room.stats.writes,
         )
 
     def close(self) -> None:

@@ -107,7 +107,9 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         # Keyed by the attempt too: an Abort for one attempt must not end a retry here.
         external = request.attempt_id or request.request_id
         self._registry.add(req, request.request_id, request.attempt_id)
-        log.debug("request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens)
+        log.debug(
+            "request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens
+        )
         engine.submit(req, sink)
         finished = False
         try:

@@ -34,9 +34,14 @@ CHATML = (
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
-    "the quick brown fox jumps over the lazy dog", "hello world, hello gateway",
-    "héllo wörld ünïcode", "日本語のテキスト", "emoji 🙂 and 🚀 rockets", "a+b=c; k3=41; answer: 42",
-    "STOP here and END there", "one two three four five six seven eight nine ten",
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello gateway",
+    "héllo wörld ünïcode",
+    "日本語のテキスト",
+    "emoji 🙂 and 🚀 rockets",
+    "a+b=c; k3=41; answer: 42",
+    "STOP here and END there",
+    "one two three four five six seven eight nine ten",
 ]
 
 
@@ -108,7 +113,11 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         return self
 
     async def set_serving(self, serving: bool) -> None:
-        st = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        st = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         await self.health.set("", st)
 
     async def stop(self) -> None:
@@ -116,9 +125,16 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
             await self.server.stop(grace=None)
 
     async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
-        return tandem_pb2.WorkerInfo(model=self.model, role=self.role, max_model_len=self.max_model_len,
-                                     page_size=4, vocab_size=self.vocab_size, eos_token_ids=[2],
-                                     epoch=self.epoch, bootstrap_addr=self._bootstrap())
+        return tandem_pb2.WorkerInfo(
+            model=self.model,
+            role=self.role,
+            max_model_len=self.max_model_len,
+            page_size=4,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[2],
+            epoch=self.epoch,
+            bootstrap_addr=self._bootstrap(),
+        )
 
     def _bootstrap(self) -> str:
         if self.role != "prefill":
@@ -320,7 +336,9 @@ async def running_app(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]
     app = create_app(config)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=20) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://gw", timeout=20
+        ) as client:
             yield client
 
 
@@ -335,7 +353,9 @@ async def workers(*ws: ScriptedWorker) -> AsyncIterator[tuple[ScriptedWorker, ..
             await w.stop()
 
 
-async def wait_workers(client: httpx.AsyncClient, healthy: bool = True, timeout: float = 5.0) -> list[dict]:
+async def wait_workers(
+    client: httpx.AsyncClient, healthy: bool = True, timeout: float = 5.0
+) -> list[dict]:
     """Poll GET /workers until every worker's `healthy` equals `healthy` (bounded)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
