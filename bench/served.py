@@ -92,7 +92,7 @@ def prompts_for(spec: BenchSpec) -> list[list[int]]:
 
 def profiler(cluster: Any, seconds: float, out: Path) -> threading.Thread:
     """py-spy the cluster's mono worker for `seconds`, starting after the load warms up."""
-    from bench.profile import pid_listening, record
+    from bench.pyspy import pid_listening, record
 
     port = int(cluster.workers["both-0"].rsplit(":", 1)[1])
 
