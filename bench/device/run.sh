@@ -117,7 +117,8 @@ elif [[ $1 == s ]]; then
     --mono configs/gpu-8b-mono.yaml --model bench/models/qwen3-8b-shape \
     --set model.load_format=dummy --pd-set roles.decode.parallel.device=cuda:0 \
     --pd-set cache.max_total_tokens=131072 --concurrency 1,8,32,64 --num-requests 128 \
-    --input-len 1024 --output-len 128 --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
+    --input-len 1024 --output-len 128 --prompt-kind ids --vocab-size 151936 \
+    --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
   echo "pd_vs_mono rc=$? at ${SECONDS}s" >> "$OUT/pd_vs_mono.txt"
   tail -20 "$OUT/pd_vs_mono.txt"
 elif [[ $1 == v ]]; then
