@@ -116,7 +116,8 @@ def sweep(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[float,
         for bn, bk, nw, ns in itertools.product((1, 2, 4), widths, (4, 8), (1, 2)):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             if bn * bk * (2 if use == "pair" else 1) > 64 * 32 * nw or (bk >= k and ns > 1):
-                continue  # partial sums past 64 registers per thread; stages mean nothing in one block
+                # partial sums past 64 registers per thread; stages mean nothing in one block
+                continue
             try:
                 scores.append((rate(name, weights, cfg), cfg))
             except Exception as e:  # a config the compiler rejects (registers, shared memory)
@@ -149,7 +150,8 @@ def main() -> None:
         ours_gbs, theirs = rate(name, weights), rate(name, weights, cublas=True)
         rows[name] = {"gemv_GBps": ours_gbs, "cublas_GBps": theirs}
         print(
-            f"{name:8s}: gemv {ours_gbs:6.0f} GB/s  cublas {theirs:6.0f} GB/s  ({ours_gbs / theirs:.2f}x)",
+            f"{name:8s}: gemv {ours_gbs:6.0f} GB/s  cublas {theirs:6.0f} GB/s  "
+            f"({ours_gbs / theirs:.2f}x)",
             flush=True,
         )
     result["rows"] = rows

@@ -242,7 +242,8 @@ def main() -> None:
     chosen = set(args.sections.split(","))
     if chosen - set(SECTIONS):
         ap.error(
-            f"--sections: unknown {sorted(chosen - set(SECTIONS))}; choose from {','.join(SECTIONS)}"
+            f"--sections: unknown {sorted(chosen - set(SECTIONS))}; choose from "
+            f"{','.join(SECTIONS)}"
         )
     new_tokens = 32 if args.quick else NEW_TOKENS
     out_dir = Path(os.environ.get("OUT", "."))
@@ -364,10 +365,12 @@ def main() -> None:
     print("\n== summary (one process) ==")
     if ceil:
         print(
-            f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s"
+            f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, "
+            f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s"
         )
     print(
-        f"load {res.get('load_s', 0):.1f}s, warm-up + graph capture {res.get('warm_up_and_graph_capture_s', 0):.1f}s"
+        f"load {res.get('load_s', 0):.1f}s, warm-up + graph capture "
+        f"{res.get('warm_up_and_graph_capture_s', 0):.1f}s"
     )
     hf = res.get("transformers") or {}
     print(
@@ -385,20 +388,22 @@ def main() -> None:
         base = hf.get(f"decode_tok_s_b{b}", float("nan"))
         print(
             f"{'b' + str(b):<10}{d['tok_s']:>10.1f}{d['roofline_tok_s']:>10.1f}"
-            f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%{plain:>10.1f}{eager:>10.1f}{unfused:>10.1f}"
+            f"{100 * d['tok_s'] / d['roofline_tok_s']:>7.1f}%"
+            f"{plain:>10.1f}{eager:>10.1f}{unfused:>10.1f}"
             f"{base:>10.1f}{d['tok_s'] / base:>8.1f}"
         )
     p = res.get("prefill_8k")
     if p:
         print(
-            f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU {100 * p['MFU_vs_measured_matmul']:.1f}%"
+            f"prefill 8k: {p['tok_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s, MFU "
+            f"{100 * p['MFU_vs_measured_matmul']:.1f}%"
         )
     for key in ("profile_b1", "profile_b8", "profile_b64"):
         pr = res.get(key)
         if pr:
             print(
-                f"{key}: step {pr['step_wall_ms']:.2f} ms, GPU kernels {pr['gpu_kernel_ms_per_step']:.2f} ms "
-                f"(idle {100 * pr['gpu_idle_fraction']:.0f}%)"
+                f"{key}: step {pr['step_wall_ms']:.2f} ms, GPU kernels "
+                f"{pr['gpu_kernel_ms_per_step']:.2f} ms (idle {100 * pr['gpu_idle_fraction']:.0f}%)"
             )
     if errors:
         print("errors in:", ", ".join(errors))

@@ -78,6 +78,11 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "bench-cpu")
+    ap.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
+                    help="ids: random token-id prompts (a model without a tokenizer, e.g. the "
+                    "8B-shape dummy)")
+    ap.add_argument("--vocab-size", type=int, default=32,
+                    help="with --prompt-kind ids: ids are drawn below this")
     args = ap.parse_args()
     if args.plot_only:
         data = json.loads((args.plot_only / "bench.json").read_text())
@@ -86,7 +91,8 @@ def main() -> int:
         return 0
     concurrency = [int(c) for c in args.concurrency.split(",")]
     spec = BenchSpec(input_len=args.input_len, output_len=args.output_len,
-                     num_requests=args.num_requests)
+                     num_requests=args.num_requests, prompt_kind=args.prompt_kind,
+                     vocab_size=args.vocab_size)
     runs = {"mono": sweep(args.mono, args.model, [*args.sets, *args.mono_set], spec, concurrency),
             "1P1D": sweep(args.pd, args.model, [*args.sets, *args.pd_set], spec, concurrency)}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +106,11 @@ def main() -> int:
     except ModuleNotFoundError as exc:  # the GPU machine may lack matplotlib: plot elsewhere
         print(f"no plots ({exc}); run: python -m bench.pd_vs_mono --plot-only {args.out}",
               file=sys.stderr)
-    return 0
+    empty = [f"{name} c={r['concurrency']}: {(r.get('errors') or ['no answer'])[0]}"
+             for name, rs in runs.items() for r in rs if not r.get("completed")]
+    for line in empty:  # a point where nothing answered is a broken run, not a figure
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if empty else 0
 
 
 if __name__ == "__main__":

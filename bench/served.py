@@ -33,8 +33,9 @@ from typing import Any
 
 from bench.gpu_pd import SHAPE_8B, clusters_at_once, word_level_model
 from orchestrator.bench import BenchSpec, run_bench, summarize
-from orchestrator.config import load_config, worker_config
+from orchestrator.config import load_config
 from orchestrator.launch.background import EMBEDDED_MODEL, REPO
+from orchestrator.worker_config import worker_config
 
 
 def engine_rates(config: str, sets: list[str], batch: int, prompts: list[list[int]],
@@ -91,7 +92,7 @@ def prompts_for(spec: BenchSpec) -> list[list[int]]:
 
 def profiler(cluster: Any, seconds: float, out: Path) -> threading.Thread:
     """py-spy the cluster's mono worker for `seconds`, starting after the load warms up."""
-    from bench.profile import pid_listening, record
+    from bench.pyspy import pid_listening, record
 
     port = int(cluster.workers["both-0"].rsplit(":", 1)[1])
 

@@ -90,7 +90,10 @@ def engine_tps(model_dir: Path, batch: int, input_len: int, output_len: int, thr
 
 
 def machine() -> str:
-    return f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
+    return (
+        f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def mono_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,13 +141,14 @@ def mono_vs_hf(args: argparse.Namespace) -> dict[str, Any]:
         r = rows[f"tandem c={conc}"]
         hf = rows[f"transformers b={conc}"]["output_throughput"]
         print(
-            f"| tandem concurrency {conc} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} | "
-            f"{r['itl_ms']['p50']:.2f} / {r['itl_ms']['p99']:.2f} | {r['output_throughput']:.1f} | "
-            f"{r['output_throughput'] / hf:.2f}x |"
+            f"| tandem concurrency {conc} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} "
+            f"| {r['itl_ms']['p50']:.2f} / {r['itl_ms']['p99']:.2f} | {r['output_throughput']:.1f} "
+            f"| {r['output_throughput'] / hf:.2f}x |"
         )
         eng = rows[f"engine b={conc}"]["output_throughput"]
         print(
-            f"| tandem engine in-process, batch {conc} (no gRPC/HTTP) | | | {eng:.1f} | {eng / hf:.2f}x |"
+            f"| tandem engine in-process, batch {conc} (no gRPC/HTTP) | | | {eng:.1f} | "
+            f"{eng / hf:.2f}x |"
         )
         print(f"| transformers generate batch {conc} | | | {hf:.1f} | 1.00x |")
     return rows
@@ -172,19 +176,21 @@ def pd_vs_mono(args: argparse.Namespace) -> dict[str, Any]:
             rows[name] = bench(c.url, spec)
     print(f"\n### mixed load: 1P1D vs mono ({date.today()}, {machine()})\n")
     print(
-        f"{spec.num_requests} requests at concurrency {spec.concurrency}; short: {spec.input_len} in / "
-        f"{spec.output_len} out; every {spec.long_every}th request has a {spec.long_input_len}-token prompt\n"
+        f"{spec.num_requests} requests at concurrency {spec.concurrency}; short: {spec.input_len} "
+        f"in / {spec.output_len} out; every {spec.long_every}th request has a "
+        f"{spec.long_input_len}-token prompt\n"
     )
     print(
-        "| cluster | short TTFT p50 / p99 ms | short ITL p50 / p99 ms | long TTFT p50 / p99 ms | output tok/s |"
+        "| cluster | short TTFT p50 / p99 ms | short ITL p50 / p99 ms | long TTFT p50 / p99 ms | "
+        "output tok/s |"
     )
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         s, lg = r["groups"]["short"], r["groups"]["long"]
         print(
-            f"| {name} | {s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f} | {s['itl_ms']['p50']:.2f} / "
-            f"{s['itl_ms']['p99']:.2f} | {lg['ttft_ms']['p50']:.1f} / {lg['ttft_ms']['p99']:.1f} | "
-            f"{r['output_throughput']:.1f} |"
+            f"| {name} | {s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p99']:.1f} | "
+            f"{s['itl_ms']['p50']:.2f} / {s['itl_ms']['p99']:.2f} | {lg['ttft_ms']['p50']:.1f} / "
+            f"{lg['ttft_ms']['p99']:.1f} | {r['output_throughput']:.1f} |"
         )
     return rows
 

@@ -1,4 +1,5 @@
-"""Step time of one worker at TP=1 vs TP=2 (MoE TP / EP=2, attention DP=2) on CPU, real gloo process groups.
+"""Step time of one worker at TP=1 vs TP=2 (MoE TP / EP=2, attention DP=2) on CPU,
+real gloo process groups.
 
     python -m bench.tp
 
@@ -42,8 +43,8 @@ def bench(name: str, path: Path, tp: int, ep: int = 1, dp: int = 1) -> None:
     seconds = time.perf_counter() - t0
     mean = seconds / (engine.num_steps - n0)
     print(
-        f"{name} tp={tp} dp={dp} ep={ep}: prefill step {prefill * 1e3:.1f} ms, mean step {mean * 1e3:.1f} ms, "
-        f"{len(prompts) * 65 / seconds:.0f} tok/s",
+        f"{name} tp={tp} dp={dp} ep={ep}: prefill step {prefill * 1e3:.1f} ms, mean step "
+        f"{mean * 1e3:.1f} ms, {len(prompts) * 65 / seconds:.0f} tok/s",
         flush=True,
     )
     engine.close()

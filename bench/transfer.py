@@ -35,7 +35,8 @@ from transfer.plan import plan_pages, split_ranges  # noqa: E402
 from transfer.room import RoomState  # noqa: E402
 
 LAYOUTS = {
-    # an 8B-class GQA model (Llama-3-8B / Qwen3-8B shapes): 36 layers, 8 kv heads, head_dim 128, bf16
+    # an 8B-class GQA model (Llama-3-8B / Qwen3-8B shapes):
+    # 36 layers, 8 kv heads, head_dim 128, bf16
     "8b": dict(num_layers=36, num_kv_heads_total=8, head_dim=128, dtype="bfloat16", page_size=16),
     # the embedded tiny model
     "tiny": dict(num_layers=4, num_kv_heads_total=2, head_dim=32, dtype="float32", page_size=16),
@@ -120,7 +121,8 @@ def _timed(fn: Callable[[], object]) -> float:
 def _room(
     p: KVTransferManager, d: KVTransferManager, addr: str, room: int, dst: list[int], tokens: int
 ) -> tuple[float, float]:
-    """One room through bootstrap + manager + backend: (send -> decode SUCCESS, create -> SUCCESS) seconds."""
+    """One room through bootstrap + manager + backend:
+    (send -> decode SUCCESS, create -> SUCCESS) seconds."""
     t0 = time.perf_counter()
     recv = d.create_receiver(room, addr, dst, num_tokens=tokens)
     send = p.create_sender(room)
@@ -206,7 +208,8 @@ def main() -> None:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     print(
-        "| backend | layout | dst pages | room MiB | pages | ranges | raw GB/s | KV GB/s | ratio | transfer ms | room ms |"
+        "| backend | layout | dst pages | room MiB | pages | ranges | raw GB/s | KV GB/s | ratio "
+        "| transfer ms | room ms |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for backend in args.backends.split(","):
@@ -216,9 +219,9 @@ def main() -> None:
                     backend, name, args.tokens, args.rooms, args.checksum, order == "shuffled"
                 )
                 print(
-                    f"| {r.backend} | {r.layout} | {order} | {r.room_bytes / 2**20:.1f} | {r.pages} | {r.ranges} | "
-                    f"{r.raw_gbps:.2f} | {r.kv_gbps:.2f} | {r.kv_gbps / r.raw_gbps:.2f} | {r.transfer_ms:.1f} | "
-                    f"{r.room_ms:.1f} |",
+                    f"| {r.backend} | {r.layout} | {order} | {r.room_bytes / 2**20:.1f} | "
+                    f"{r.pages} | {r.ranges} | {r.raw_gbps:.2f} | {r.kv_gbps:.2f} | "
+                    f"{r.kv_gbps / r.raw_gbps:.2f} | {r.transfer_ms:.1f} | {r.room_ms:.1f} |",
                     flush=True,
                 )
 

@@ -39,8 +39,9 @@ from gateway.parsers import (
     detect_tool_call_parser,
 )
 from gateway.pool import Worker, WorkerPool
+from gateway.request_body import validation_error
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
-from gateway.serving import GenerationHandler, validation_error
+from gateway.serving import GenerationHandler
 from gateway.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)

@@ -49,6 +49,21 @@ class GatewayConfig:
     # A request body must arrive within this (a slow-loris client gets 408, not a held slot).
     body_timeout_s: float = 30.0
     retry_before_first_token: bool = True
+    # Partial failure (docs/reliability.md). After the first token, a stream with no token for
+    # this long ends with an error event and an Abort to both legs, and the worker is marked
+    # suspect: a few seconds above the worst step time (a recompute after preemption).
+    stream_stall_timeout_s: float = 10.0
+    # Backpressure: requests wait at the gateway (in arrival order) while every decode worker
+    # is full; at most this many (then 429 + Retry-After), at most this long (then 503).
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 300.0
+    # Connection hygiene (gateway/connections.py): a request's headers must arrive within
+    # header_timeout_s of the connection (or of its first byte, on a kept-alive one), else 408
+    # and close; an idle kept-alive connection closes after keepalive_timeout_s; past
+    # max_connections open at once, a new connection gets 503 and is closed.
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 5.0
+    max_connections: int = 4096
     tls: TLSConfig = field(default_factory=TLSConfig)  # verify workers over TLS (ca_file)
     # GetLoad refresh period: feeds least_load / cache_aware and GET /workers.
     load_interval_s: float = 0.5
@@ -88,6 +103,10 @@ class GatewayConfig:
             "request_timeout_s",
             "first_token_timeout_s",
             "body_timeout_s",
+            "stream_stall_timeout_s",
+            "queue_timeout_s",
+            "header_timeout_s",
+            "keepalive_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise GatewayConfigError(
@@ -98,6 +117,8 @@ class GatewayConfig:
             "health_ok_threshold",
             "max_request_bytes",
             "cache_aware_max_pages",
+            "max_queued_requests",
+            "max_connections",
         ):
             if getattr(self, name) < 1:
                 raise GatewayConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")

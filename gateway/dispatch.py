@@ -6,9 +6,10 @@ gives a leg that reads like a streaming call, and aborts go on the same stream.
 Monolithic: one leg on a `workers` worker; it streams every output token.
 
 Disaggregated (PD), for one attempt:
- 1. Pick a prefill worker (its policy sees the prompt) and a decode worker; draw a random
-    64-bit `room`; take the prefill worker's `bootstrap_addr` from its GetInfo.
- 2. Send `Generate(disagg={room, bootstrap_addr})` to both at once.
+ 1. Take a seat on a decode worker (gateway/admission.py: wait in the gateway's queue while
+    every healthy decode worker is full), pick a prefill worker (its policy sees the prompt);
+    draw a random 64-bit `room`; take the prefill worker's `bootstrap_addr` from its GetInfo.
+ 2. Send `Generate(disagg={room, bootstrap_addr}, attempt_id)` to both at once.
  3. The prefill leg yields the first token (with `num_cached_tokens`) and, once the room has
     ended, a last message with the KV transfer stats; it is read by a task that keeps
     `num_cached_tokens` for usage, counts the transfer in the metrics and watches for errors.
@@ -18,9 +19,22 @@ Disaggregated (PD), for one attempt:
  4. The decode leg streams all output tokens; its first message carries the token prefill
     sampled.
  5. If either leg fails before the first token reaches the client, both calls are cancelled,
-    `Abort(request_id, room)` goes to both workers, and — when the failure is the worker's
-    fault (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL) — one retry runs on a new pair without
-    the failed worker. After the first token there is no retry: the error goes to the client.
+    `Abort(request_id, room, attempt_id)` goes to both workers, and — when the failure is a
+    worker's (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ABORTED) — one retry runs on a new pair
+    without the worker blamed (ABORTED on a PD leg blames the other leg's worker: the room's
+    other side failed it). After the first token there is no retry: the error goes to the
+    client.
+
+Retries cannot hurt: each attempt has its own `attempt_id` ("<request id>/<n>"; the request id
+stays for logs) and Abort names it, so a late Abort of attempt 1 never ends attempt 2 on the
+same worker; and a leg that ends with finish_reason "abort" the gateway did not ask for is a
+failed attempt (retried, or a 5xx), never an answer.
+
+After the first token, a stream with no message for `gateway.stream_stall_timeout_s` ends with
+an error (the handler sends it as an SSE error event), Abort goes to both legs, and the worker
+that went quiet is marked suspect (health checks bring it back). The same deadline bounds the
+wait for decode's first message once the prefill leg ended well (the KV and the first token
+are on decode, which needs only to send it): past it the attempt fails and is retried.
 
 `RequestRun.abort()` (client gone, stop string) cancels the streams and sends Abort to every
 worker involved. A worker's UNAVAILABLE marks it suspect in the pool at once.
@@ -31,44 +45,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import sys
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from gateway.admission import AdmissionQueue, has_seat
 from gateway.config import GatewayConfig
 from gateway.errors import NoHealthyWorker, WorkerCallError
 from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
 from gateway.session import Output
+from gateway.stalls import StallWatch, _timeout
 from protocol import tandem_pb2
+from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
 
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
-if sys.version_info >= (3, 11):
-    _timeout = asyncio.timeout  # no task per request, unlike wait_for
-else:  # pragma: no cover - 3.10 fallback
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def _timeout(delay: float) -> AsyncIterator[None]:
-        task = asyncio.current_task()
-        assert task is not None
-        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
-        try:
-            yield
-        except asyncio.CancelledError:
-            raise asyncio.TimeoutError from None
-        finally:
-            handle.cancel()
 _random = random.SystemRandom()  # rooms must not collide across gateway processes
 
 
 def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
-    return WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
+    err = WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
+    meta = exc.trailing_metadata() or ()
+    err.peer_timeout = any(k == ERROR_CODE_KEY and v == PEER_TIMEOUT for k, v in meta)
+    return err
 
 
 class Dispatcher:
@@ -80,15 +84,39 @@ class Dispatcher:
         self.pool = pool
         self.policies = policies
         self.metrics = metrics
+        # Decode seats are held here (backpressure); prefill and mono queue inside the workers.
+        self.admission = AdmissionQueue("decode", config.max_queued_requests,
+                                        config.queue_timeout_s, metrics)
+        self.stalls = StallWatch(config.stream_stall_timeout_s, pool)
 
-    def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
+    def _healthy(self, pool: str, exclude: set[str]) -> list[Worker]:
         cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]
         if not cands:
             which = "" if pool == "workers" else f"{pool} "
-            raise NoHealthyWorker(f"no healthy {which}worker is available; retry later", code="no_healthy_worker")
-        return self.policies[pool].pick(cands, prompt_ids)
+            raise NoHealthyWorker(f"no healthy {which}worker is available; retry later",
+                                  code="no_healthy_worker")
+        return cands
 
-    def start(self, request_id: str, prompt_ids: list[int], sampling: tandem_pb2.SamplingParams) -> RequestRun:
+    def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
+        return self.policies[pool].pick(self._healthy(pool, exclude), prompt_ids)
+
+    async def take_seat(self, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
+        """A decode worker with a free seat; waits in the gateway's queue while all are full."""
+        def pick() -> Worker | None:
+            free = [w for w in self._healthy("decode", exclude) if has_seat(w)]
+            return self.policies["decode"].pick(free, prompt_ids) if free else None
+        return await self.admission.acquire(pick)
+
+    def seat_freed(self, w: Worker) -> None:
+        if w.pool == "decode":
+            self.admission.wake()
+
+    def blame(self, err: WorkerCallError) -> None:
+        """Charge a failed attempt to the worker it blames (/metrics)."""
+        self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url).inc()
+
+    def start(self, request_id: str, prompt_ids: list[int],
+              sampling: tandem_pb2.SamplingParams) -> RequestRun:
         return RequestRun(self, request_id, prompt_ids, sampling)
 
 
@@ -102,6 +130,7 @@ class RequestRun:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.room = 0
+        self.attempt_id = ""  # "<request id>/<n>" of the live attempt (Abort names it)
         self.num_cached_tokens = 0
         self.retried = False
         self._legs: list[tuple[Worker, Any]] = []  # (worker, grpc call) of the live attempt
@@ -109,6 +138,9 @@ class RequestRun:
         self._stream_worker: Worker | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._aborted = False
+        self.reading_since = 0.0  # monotonic time the output stream's pending read began (0: none)
+        self._watched = False  # registered with the StallWatch
+        self._stall_hit = False  # the StallWatch cancelled the stream
 
     # ---- first token, with one retry ----
 
@@ -117,24 +149,33 @@ class RequestRun:
         exclude: set[str] = set()
         attempts = 2 if cfg.retry_before_first_token else 1
         for attempt in range(attempts):
+            self.attempt_id = f"{self.request_id}/{attempt}"
             try:
                 if cfg.pd:
                     return await self._attempt_pd(exclude)
                 return await self._attempt_mono(exclude)
             except WorkerCallError as err:
                 self._end_attempt(abort=True)
+                if err.worker_fault:
+                    self._d.blame(err)
                 if attempt + 1 >= attempts or not err.worker_fault:
                     raise
-                exclude.add(err.worker_url)
+                exclude.add(err.blamed_url)
                 log.debug("request %s: retrying after %s", self.request_id, err.message)
                 self._d.metrics.retries.inc()
                 self.retried = True
                 try:  # a new pair must exist; otherwise the original error is the better answer
                     for pool in self._d.pool.pools:
-                        self._d.pick(pool, self.prompt_ids, exclude)
+                        self._d._healthy(pool, exclude)
                 except NoHealthyWorker:
                     raise err from None
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def _request(self, disagg: tandem_pb2.DisaggParams | None = None
+                 ) -> tandem_pb2.GenerateRequest:
+        return tandem_pb2.GenerateRequest(
+            request_id=self.request_id, attempt_id=self.attempt_id,
+            prompt_token_ids=self.prompt_ids, sampling=self.sampling, disagg=disagg)
 
     def _open(self, w: Worker, req: tandem_pb2.GenerateRequest) -> Any:
         call = w.session.open(req, self._d.config.request_timeout_s)
@@ -148,8 +189,21 @@ class RequestRun:
         except grpc.aio.AioRpcError as exc:
             raise self._fail(exc, w, leg) from None
         if msg is _EOF:
-            raise WorkerCallError(grpc.StatusCode.INTERNAL, "stream ended before any message", w.url, leg)
+            raise WorkerCallError(grpc.StatusCode.INTERNAL, "stream ended before any message",
+                                  w.url, leg)
+        self._check_abort(msg, w, leg)
         return msg
+
+    def _check_abort(self, msg: Output, w: Worker, leg: str) -> None:
+        """finish_reason "abort" that the gateway did not ask for is a failed attempt: never an
+        answer. Prefill ends "abort" when decode gave the room up (decode's fault: ABORTED
+        blames the other leg); decode or mono when the worker itself gave up (UNAVAILABLE)."""
+        if msg.finish_reason != "abort" or self._aborted:
+            return
+        self._d.metrics.unasked_aborts.labels(leg).inc()
+        code = grpc.StatusCode.ABORTED if leg == "prefill" else grpc.StatusCode.UNAVAILABLE
+        raise WorkerCallError(code, "the worker ended the request with finish_reason 'abort' "
+                              "although nobody asked (its room or the worker gave up)", w.url, leg)
 
     def _fail(self, exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -166,9 +220,7 @@ class RequestRun:
 
     async def _attempt_mono(self, exclude: set[str]) -> Output:
         w = self._d.pick("workers", self.prompt_ids, exclude)
-        req = tandem_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
-                                         sampling=self.sampling)
-        call = self._open(w, req)
+        call = self._open(w, self._request())
         try:
             async with _timeout(self._d.config.first_token_timeout_s):
                 first = await self._read_first(call, w, "mono")
@@ -179,28 +231,45 @@ class RequestRun:
         return first
 
     async def _attempt_pd(self, exclude: set[str]) -> Output:
-        p = self._d.pick("prefill", self.prompt_ids, exclude)
-        d = self._d.pick("decode", self.prompt_ids, exclude)
+        d = await self._d.take_seat(self.prompt_ids, exclude)
+        p = self._d.pick("prefill", self.prompt_ids, exclude)  # no await since: the seat holds
         assert p.info is not None  # healthy implies GetInfo answered
         self.room = _random.getrandbits(64) or 1  # 0 means "no room" on the wire
-        req = tandem_pb2.GenerateRequest(
-            request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
-            disagg=tandem_pb2.DisaggParams(room=self.room, bootstrap_addr=p.info.bootstrap_addr))
+        req = self._request(tandem_pb2.DisaggParams(room=self.room,
+                                                    bootstrap_addr=p.info.bootstrap_addr))
         call_p = self._open(p, req)
         call_d = self._open(d, req)
+        try:
+            return await self._first_pd(call_p, p, call_d, d)
+        except WorkerCallError as err:
+            if err.peer_fault:  # the room's other side failed it: blame that worker
+                other = p if err.leg == "decode" else d
+                err.blamed_url, err.blamed_pool = other.url, other.pool
+                if err.peer_timeout:  # it stopped answering: out until its checks say so
+                    self._d.pool.mark_suspect(other)
+            raise
+
+    async def _first_pd(self, call_p: Any, p: Worker, call_d: Any, d: Worker
+                        ) -> Output:
         loop = asyncio.get_running_loop()
         prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p))
         first_d = loop.create_task(self._read_first(call_d, d, "decode"))
         deadline = loop.time() + self._d.config.first_token_timeout_s
+        landed = False  # prefill's leg ended well: the KV and the first token are on decode
         try:
             while not first_d.done():
                 waiting = {first_d} if prefill.done() else {first_d, prefill}
                 left = deadline - loop.time()
                 if left <= 0:
+                    if landed:  # decode has all it needs and says nothing: it went quiet
+                        raise self._stalled(d, "decode", self._d.config.stream_stall_timeout_s)
                     raise self._first_token_timeout(d, "decode")
                 await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if prefill.done() and prefill.exception() is not None:
                     raise prefill.exception()  # type: ignore[misc]
+                if prefill.done() and not landed:
+                    landed = True
+                    deadline = min(deadline, loop.time() + self._d.config.stream_stall_timeout_s)
             try:
                 first = first_d.result()
             except WorkerCallError as err:
@@ -211,7 +280,7 @@ class RequestRun:
             if not first_d.done():
                 first_d.cancel()
             elif not first_d.cancelled():
-                first_d.exception()  # mark it retrieved when the prefill leg's error is the one raised
+                first_d.exception()  # retrieved, when the prefill leg's error is the one raised
         self._stream, self._stream_worker = call_d, d
         return first
 
@@ -222,6 +291,7 @@ class RequestRun:
         try:
             while (msg := await call.read()) is not _EOF:
                 self._count_transfer(msg)
+                self._check_abort(msg, w, "prefill")
         except grpc.aio.AioRpcError as exc:
             raise self._fail(exc, w, "prefill") from None
 
@@ -232,13 +302,54 @@ class RequestRun:
     # ---- after the first token ----
 
     async def next(self) -> Output | None:
-        """The next message of the output stream; None at its end. Errors are not retried."""
+        """The next message of the output stream; None at its end. Errors are not retried; a
+        stall past `gateway.stream_stall_timeout_s` (the StallWatch) is one."""
+        w = self._stream_worker
+        assert w is not None
+        leg = "decode" if self.room else "mono"
+        if not self._watched:
+            self._watched = True
+            self._d.stalls.add(self)
+        self.reading_since = time.monotonic()
         try:
             msg = await self._stream.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stall_hit and not (task is not None and task.cancelling()):
+                raise self._stalled(w, leg, self._d.stalls.stall_s, blame=True) from None
+            raise  # the client left: the handler aborts the request
         except grpc.aio.AioRpcError as exc:
-            assert self._stream_worker is not None
-            raise self._fail(exc, self._stream_worker, "decode" if self.room else "mono") from None
-        return None if msg is _EOF else msg
+            if self._stall_hit:
+                raise self._stalled(w, leg, self._d.stalls.stall_s, blame=True) from None
+            err = self._fail(exc, w, leg)
+            if err.worker_fault:
+                self._d.blame(err)
+            raise err from None
+        finally:
+            self.reading_since = 0.0
+        if msg is _EOF:
+            return None
+        self._check_abort(msg, w, leg)
+        return msg
+
+    def stall(self) -> None:
+        """The StallWatch saw no message for stall_s: end the read (next() reports it)."""
+        if self._stream is not None and not self._stall_hit:
+            self._stall_hit = True
+            self._stream.cancel()
+
+    def _stalled(self, w: Worker, leg: str, stall: float, blame: bool = False
+                 ) -> WorkerCallError:
+        """No token for `stall` s: the worker went quiet (frozen, hung). `blame`: charge it
+        now (after the first token; before it, `first()` charges the failed attempt)."""
+        self._d.metrics.stream_stalls.labels(w.pool).inc()
+        self._d.pool.mark_suspect(w)
+        err = WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {stall:g} s "
+                              "(gateway.stream_stall_timeout_s); the request was aborted on "
+                              "its workers", w.url, leg)
+        if blame:
+            self._d.blame(err)
+        return err
 
     async def settle(self) -> None:
         """After the final message: read the stream's end (the worker has closed it, so this is
@@ -283,15 +394,20 @@ class RequestRun:
                 if exc is not None and not abort:
                     log.debug("request %s: prefill leg ended with %s", self.request_id, exc)
             self._prefill_task = None
-        req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room) if abort else None
+        req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room,
+                                      attempt_id=self.attempt_id) if abort else None
         for w, call in self._legs:
             w.inflight -= 1
+            self._d.seat_freed(w)
             if not call.done() and call is not draining:
                 call.cancel()
             if req is not None:
                 _send_abort(w, req)
         self._legs.clear()
         self._stream = None
+        if self._watched:
+            self._watched = False
+            self._d.stalls.discard(self)
 
 
 async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
@@ -308,4 +424,4 @@ async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) ->
 def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
     """Abort on the worker's stream: ordered after the submit, never lost to a race. Without a
     stream (it broke) the worker has already ended everything the stream carried."""
-    w.session.abort(req.request_id, req.room)
+    w.session.abort(req.request_id, req.room, req.attempt_id)

@@ -2,8 +2,9 @@
 
 Everything that can go wrong on a request is raised as an `ApiError` (or a subclass) inside
 the gateway and turned into `{"error": {"message", "type", "code", "param"}}` with a real
-status code at the HTTP edge. Worker failures arrive as gRPC status codes and are mapped
-here too, so the mapping lives in one place.
+status code (and `headers`, e.g. Retry-After on a 429) at the HTTP edge. Worker failures
+arrive as gRPC status codes and are mapped here too, so the mapping lives in one place,
+together with whom a failure blames (`WorkerCallError.blamed_url`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class ApiError(Exception):
     type: str = "server_error"
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
-                 param: str | None = None, type: str | None = None) -> None:
+                 param: str | None = None, type: str | None = None,
+                 retry_after_s: int = 0) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
@@ -29,9 +31,16 @@ class ApiError(Exception):
             self.type = type
         self.code = code
         self.param = param
+        # Seconds a client should wait before trying again (429 / 503): Retry-After.
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(self.retry_after_s)} if self.retry_after_s else {}
 
     def body(self) -> dict[str, dict[str, str | None]]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+        return {"error": {"message": self.message, "type": self.type, "code": self.code,
+                          "param": self.param}}
 
     def json_bytes(self) -> bytes:
         return json.dumps(self.body()).encode()
@@ -67,17 +76,47 @@ class NoHealthyWorker(ApiError):
     type = "service_unavailable"
 
 
+class QueueFull(ApiError):
+    """The gateway's queue of requests waiting for a decode seat is full (429)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+class QueueTimeout(ApiError):
+    """A request waited `gateway.queue_timeout_s` for a decode seat and got none (503)."""
+
+    status = 503
+    type = "service_unavailable"
+
+
 class WorkerCallError(ApiError):
-    """A worker's Generate call failed; `code` keeps the gRPC status for retry decisions."""
+    """A worker's Generate call failed; `code` keeps the gRPC status for retry decisions.
+
+    `blamed_url` / `blamed_pool`: the worker the failure is charged to (a retry avoids it, and
+    /metrics counts it there). The leg's own worker, except for ABORTED on a PD leg: the room's
+    other side failed it (the worker says so with that code), so the other leg's worker is.
+    """
 
     def __init__(self, grpc_code: grpc.StatusCode, details: str, worker_url: str, leg: str) -> None:
         status, etype = _GRPC_TO_HTTP.get(grpc_code, (502, "server_error"))
         super().__init__(f"{leg} worker {worker_url}: {grpc_code.name}: {details}", status=status,
-                         code=grpc_code.name.lower(), type=etype)
+                         code=grpc_code.name.lower(), type=etype,
+                         retry_after_s=1 if status == 429 else 0)
         self.grpc_code = grpc_code
         self.details = details
         self.worker_url = worker_url
         self.leg = leg
+        self.blamed_url = worker_url
+        self.blamed_pool = "workers" if leg == "mono" else leg
+        # The worker says the room's other side stopped answering (trailing metadata
+        # tandem-error-code: peer_timeout): the gateway marks that worker suspect too.
+        self.peer_timeout = False
+
+    @property
+    def peer_fault(self) -> bool:
+        """The worker reports that the other side of its PD room failed it."""
+        return self.grpc_code == grpc.StatusCode.ABORTED and self.leg in ("prefill", "decode")
 
     @property
     def worker_fault(self) -> bool:
@@ -96,5 +135,5 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INTERNAL: (502, "server_error"),
 }
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.ABORTED})
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})

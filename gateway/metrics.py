@@ -3,8 +3,10 @@
 Latency histograms (TTFT, inter-token, end-to-end), request outcomes, token counters, KV
 transfer figures (per request from the prefill leg's last message, which every PD request
 reads however it ends; each worker's running totals from GetLoad, as counters), bootstrap
-failures, and per-worker queue gauges. docs/metrics.md lists every series; a test checks it
-against /metrics.
+failures, and per-worker queue gauges. Partial failure (docs/reliability.md): faults charged
+to each worker, legs that ended "abort" unasked, streams cut by the stall deadline, and the
+gateway's own queue of requests waiting for a decode seat (depth, wait time, rejections).
+docs/metrics.md lists every series; a test checks it against /metrics.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from prometheus_client.registry import Collector
 from gateway.spec_metrics import SpecCollector
 from protocol import tandem_pb2
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
 
@@ -28,37 +32,96 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Request arrival to first token sent",
-                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Request arrival to first token sent",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between output tokens",
                              registry=r, buckets=_ITL_BUCKETS)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last byte",
                              registry=r, buckets=_LATENCY_BUCKETS)
-        self.requests = Counter("tandem_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter(
+            "tandem_requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
         for outcome in ("success", "client_error", "server_error", "aborted"):
             self.requests.labels(outcome)
-        self.retries = Counter("tandem_retries", "Requests retried on a new worker before the first token",
-                               registry=r)
-        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.retries = Counter(
+            "tandem_retries", "Requests retried on a new worker before the first token", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens of served requests", registry=r
+        )
         self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
-        self.cached_tokens = Counter("tandem_cached_tokens", "Prompt tokens served from a prefix cache", registry=r)
-        self.kv_transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved for PD requests", registry=r)
-        self.kv_transfer_pages = Counter("tandem_kv_transfer_pages", "KV pages moved for PD requests", registry=r)
-        self.kv_transfer_duration = Histogram("tandem_kv_transfer_duration_seconds", "KV transfer time per request",
-                                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.cached_tokens = Counter(
+            "tandem_cached_tokens", "Prompt tokens served from a prefix cache", registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "tandem_kv_transfer_bytes", "KV bytes moved for PD requests", registry=r
+        )
+        self.kv_transfer_pages = Counter(
+            "tandem_kv_transfer_pages", "KV pages moved for PD requests", registry=r
+        )
+        self.kv_transfer_duration = Histogram(
+            "tandem_kv_transfer_duration_seconds",
+            "KV transfer time per request",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.kv_transfer_failures = Counter(
-            "tandem_kv_transfer_failures", "PD requests whose decode leg failed before its first token", registry=r)
+            "tandem_kv_transfer_failures",
+            "PD requests whose decode leg failed before its first token",
+            registry=r,
+        )
         self.bootstrap_failures = Counter(
             "tandem_bootstrap_failures", "PD legs that failed with a bootstrap error", registry=r)
         labels = ["pool", "worker"]
-        self.worker_running = Gauge("tandem_worker_running", "Running requests (GetLoad)", labels, registry=r)
-        self.worker_waiting = Gauge("tandem_worker_waiting", "Queued requests (GetLoad)", labels, registry=r)
-        self.worker_kv_used = Gauge("tandem_worker_kv_used_pages", "KV pages in use (GetLoad)", labels, registry=r)
-        self.worker_kv_total = Gauge("tandem_worker_kv_total_pages", "KV pages in the pool (GetLoad)", labels,
-                                     registry=r)
-        self.worker_healthy = Gauge("tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r)
-        self.pool_running = Gauge("tandem_pool_running", "Running requests per pool", ["pool"], registry=r)
-        self.pool_waiting = Gauge("tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r)
+        self.worker_running = Gauge(
+            "tandem_worker_running", "Running requests (GetLoad)", labels, registry=r
+        )
+        self.worker_waiting = Gauge(
+            "tandem_worker_waiting", "Queued requests (GetLoad)", labels, registry=r
+        )
+        self.worker_kv_used = Gauge(
+            "tandem_worker_kv_used_pages", "KV pages in use (GetLoad)", labels, registry=r
+        )
+        self.worker_kv_total = Gauge(
+            "tandem_worker_kv_total_pages", "KV pages in the pool (GetLoad)", labels, registry=r
+        )
+        self.worker_healthy = Gauge(
+            "tandem_worker_healthy", "1 when the worker takes requests", labels, registry=r
+        )
+        self.pool_running = Gauge(
+            "tandem_pool_running", "Running requests per pool", ["pool"], registry=r
+        )
+        self.pool_waiting = Gauge(
+            "tandem_pool_waiting", "Queued requests per pool", ["pool"], registry=r
+        )
+        # Every series below has a sample from the start (docs/metrics.md is checked against
+        # /metrics): label values are created at zero, per worker at its first GetLoad.
+        self.worker_faults = Counter(
+            "tandem_worker_faults", "Failed attempts charged to a worker (a retry avoids it)",
+            labels, registry=r)
+        self.unasked_aborts = Counter(
+            "tandem_unasked_aborts", "Legs that ended with finish_reason abort although the "
+            "gateway did not ask (retried before the first token, else a 5xx)", ["leg"],
+            registry=r)
+        self.stream_stalls = Counter(
+            "tandem_stream_stalls", "Streams ended because no token came for "
+            "gateway.stream_stall_timeout_s", ["pool"], registry=r)
+        for leg in ("prefill", "decode", "mono"):
+            self.unasked_aborts.labels(leg)
+        for pool in ("decode", "workers"):
+            self.stream_stalls.labels(pool)
+        self.queue_depth = Gauge("tandem_queue_depth", "Requests the gateway holds until a "
+                                 "worker of the pool has a free seat", ["pool"], registry=r)
+        self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time a request waited at "
+                                    "the gateway for a seat", ["pool"], registry=r,
+                                    buckets=_LATENCY_BUCKETS)
+        self.queue_rejected = Counter("tandem_queue_rejected", "Requests refused by the "
+                                      "gateway's queue (full: 429; timeout: 503)",
+                                      ["pool", "reason"], registry=r)
 
         self.spec = SpecCollector()
         r.register(self.spec)
@@ -73,11 +136,12 @@ class Metrics:
         self.worker_kv_used.labels(pool, url).set(load.kv_used_pages)
         self.worker_kv_total.labels(pool, url).set(load.kv_total_pages)
         self.worker_healthy.labels(pool, url).set(1 if healthy else 0)
+        self.worker_faults.labels(pool, url)  # at zero until a fault is charged to it
 
     def remove_worker(self, pool: str, url: str) -> None:
         """A worker left the pool: its series leave /metrics with it (gauges, totals, spec)."""
         for gauge in (self.worker_running, self.worker_waiting, self.worker_kv_used,
-                      self.worker_kv_total, self.worker_healthy):
+                      self.worker_kv_total, self.worker_healthy, self.worker_faults):
             with contextlib.suppress(KeyError):  # never observed
                 gauge.remove(pool, url)
         self.totals.forget(pool, url)

@@ -1,10 +1,15 @@
-"""Run the gateway: `run_gateway(config)` serves until SIGINT/SIGTERM, then returns."""
+"""Run the gateway: `run_gateway(config)` serves until SIGINT/SIGTERM, then returns.
+
+uvicorn serves the app with the protocol of gateway/connections.py (header deadline, bound on
+connections) and `gateway.keepalive_timeout_s` for idle kept-alive connections.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import logging
+import resource
 import signal
 import threading
 from collections.abc import Iterator
@@ -13,6 +18,9 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.connections import guarded_protocol
+
+log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
@@ -28,7 +36,8 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
@@ -38,16 +47,28 @@ class _Server(uvicorn.Server):
 
 def run_gateway(config: GatewayConfig) -> None:
     """Serve the gateway on config.host:config.port; blocks until SIGINT or SIGTERM."""
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    _raise_fd_limit(config.max_connections + 1024)  # + gRPC channels, files, headroom
     # Access logs are off: a log line per request costs about half the throughput.
-    http: type | str = "auto"
-    if importlib.util.find_spec("httptools") is not None:
-        from gateway.http_protocol import NoDelayHttpToolsProtocol
-
-        http = NoDelayHttpToolsProtocol  # small answers leave in one segment, not after an ACK
-    server_config = uvicorn.Config(app, host=config.host, port=config.port, loop=loop, access_log=False,
-                                   log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
-                                   http=http)
+    server_config = uvicorn.Config(
+        app, host=config.host, port=config.port, loop=loop, access_log=False,
+        log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+        http=guarded_protocol(config.header_timeout_s, config.max_connections),
+        timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]  # float works
+    )
     _Server(server_config).run()
+
+
+def _raise_fd_limit(want: int) -> None:
+    """Lift the soft limit on open files toward `want` (within the hard limit), so the
+    connection bound, not EMFILE, is what refuses clients."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < want:
+        log.warning("gateway: the open-file limit (%d) is below gateway.max_connections + 1024; "
+                    "raise `ulimit -n` or lower max_connections", target)

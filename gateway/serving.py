@@ -1,35 +1,31 @@
 """Serving one OpenAI generation request: parse, validate, dispatch, respond.
 
 `GenerationHandler.handle(request, chat)` is the whole path for /v1/completions and
-/v1/chat/completions: read the body (size-capped), validate it into the pydantic request,
-build the prompt ids (chat template or tokenizer), check lengths against the workers'
-max_model_len, build SamplingParams, dispatch, and answer as JSON or SSE. Errors before the
-first token become an OpenAI-shaped error with its real status code; after it (streaming)
-an SSE `error` event followed by `[DONE]`.
+/v1/chat/completions: read the body (size-capped) and validate it into the pydantic request
+(gateway/request_body.py), build the prompt ids (chat template or tokenizer), check lengths
+against the workers' max_model_len, build SamplingParams, dispatch, and answer as JSON or
+SSE. Errors before the first token become an OpenAI-shaped error with its real status code;
+after it (streaming) an SSE `error` event followed by `[DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
 from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents, completion_body
-from gateway.dispatch import Dispatcher, RequestRun, _timeout
-from gateway.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, RequestTimeout
+from gateway.dispatch import Dispatcher, RequestRun
+from gateway.errors import ApiError, BadRequest, NotFound
 from gateway.metrics import Metrics
 from gateway.openai_responses import ChatChoice, ChatCompletionResponse, ChatMessageOut
 from gateway.openai_types import (
@@ -39,6 +35,7 @@ from gateway.openai_types import (
     logit_bias_ids,
 )
 from gateway.output import OutputAssembler
+from gateway.request_body import parse_request, read_body
 from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
 from gateway.structured import request_constraint
@@ -48,32 +45,7 @@ from protocol import tandem_pb2
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # cheap pre-check before the exact one
 _JSON = "application/json"
-
-
-async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
-    """The request body, refused with 413 past `limit` bytes (checked while reading) and with
-    408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "
-                              "(gateway.max_request_bytes)")
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async with _timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes "
-                                          "(gateway.max_request_bytes)")
-                parts.append(chunk)
-    except (TimeoutError, asyncio.TimeoutError):  # the same class from 3.11 on
-        raise RequestTimeout(f"request body incomplete after {timeout_s}s ({size} bytes arrived; "
-                             "gateway.body_timeout_s); send the whole body at once",
-                             code="body_timeout") from None
-    return b"".join(parts)
 
 
 def _request_id(request: Request) -> str:
@@ -82,57 +54,6 @@ def _request_id(request: Request) -> str:
         if name == b"x-request-id":  # ASGI servers lower-case header names
             return str(value.decode("latin-1"))
     return ""
-
-
-def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
-    """JSON → pydantic request; malformed JSON and wrong types are 400s naming the field."""
-    try:
-        obj = orjson.loads(body)  # the fast path; anything it refuses gets the exact answer below
-    except orjson.JSONDecodeError:
-        obj = _stdlib_loads(body)
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    return _validate(body, obj, cls)
-
-
-def _stdlib_loads(body: bytes) -> Any:
-    """What orjson refuses (bad JSON, integers past 64 bits, lone surrogates, deep nesting):
-    json's parse, and its errors as the 400 the client gets."""
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:  # thousands of nested arrays: no request of ours nests like that
-        raise BadRequest("request body nests too deeply", code="invalid_json") from None
-
-
-def _validate(body: bytes, obj: dict[str, Any], cls: type[BaseModel]) -> Any:
-    if _SURROGATE_ESCAPE.search(body):  # JSON may escape a lone UTF-16 surrogate: untokenizable
-        try:
-            json.dumps(obj, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise BadRequest("request body holds a lone UTF-16 surrogate escape "
-                             "(\\ud800-\\udfff); send valid Unicode text",
-                             code="invalid_unicode") from None
-    try:
-        return cls.model_validate(obj)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-    except RecursionError:
-        raise BadRequest("request body nests too deeply", code="invalid_json") from None
-
-
-def validation_error(errors: Any) -> BadRequest:
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc) or "body"
-    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
-        top = len(loc) == 1
-        msg = (f"Unrecognized request argument supplied: {where}" if top else
-               f"{where}: unrecognized field; remove it")
-        return BadRequest(msg, param=loc[0] if loc else None, code="unknown_parameter")
-    return BadRequest(f"{where}: {first.get('msg', 'invalid value')}",
-                      param=loc[0] if loc else None, code="invalid_value")
 
 
 class GenerationHandler:
@@ -168,7 +89,7 @@ class GenerationHandler:
         except ApiError as err:
             self.metrics.requests.labels("client_error").inc()
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers=headers)
+                            headers={**headers, **err.headers})
         watcher = DisconnectWatcher(request.receive)
         try:
             response = await self._handle(body, chat, t0, request_id, headers)
@@ -223,7 +144,7 @@ class GenerationHandler:
             self.metrics.requests.labels(outcome).inc()
             log.debug("request %s failed: %s", request_id, err.message)
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers=headers)
+                            headers={**headers, **err.headers})
         self.metrics.ttft.observe(time.perf_counter() - t0)
         out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
                               req.num_top_logprobs(),
@@ -352,7 +273,7 @@ class GenerationHandler:
         except ApiError as err:
             outcome = "client_error" if err.status < 500 else "server_error"
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers=headers)
+                            headers={**headers, **err.headers})
         except Exception:
             outcome = "server_error"
             raise

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.errors import ERROR_CODE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,13 @@ _EOF = grpc.aio.EOF
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a leg raises: the same type a failed grpc.aio call raises."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str, error_code: str = ""
+              ) -> grpc.aio.AioRpcError:
+    """The error a leg raises: the same type a failed grpc.aio call raises; the worker's error
+    class (RequestEnd.error_code) rides in its trailing metadata, as a Generate call's would."""
+    trailing = grpc.aio.Metadata((ERROR_CODE_KEY, error_code)) if error_code \
+        else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
 class Output:
@@ -137,7 +142,7 @@ class Leg:
     def _end(self, end: tandem_pb2.RequestEnd) -> None:
         if end.status_code:
             code = _STATUS.get(end.status_code, grpc.StatusCode.UNKNOWN)
-            self._fail(rpc_error(code, end.error))
+            self._fail(rpc_error(code, end.error, end.error_code))
             return
         last = self._queue[-1] if self._queue else None  # not read yet: it can carry the end
         carries = bool(end.finish_reason) or end.HasField("transfer")
@@ -195,11 +200,12 @@ class WorkerSession:
         leg._timer = asyncio.get_running_loop().call_later(timeout_s, leg._expire)
         return leg
 
-    def abort(self, request_id: str, room: int) -> None:
-        """End every request with this id (and this room) on the worker; idempotent."""
+    def abort(self, request_id: str, room: int, attempt_id: str = "") -> None:
+        """End the requests with this id (only its attempt `attempt_id`, when given) and this
+        room on the worker; idempotent."""
         if self._call is None:
             return  # no stream: the worker already ended what the broken one carried
-        self._frame.aborts.add(request_id=request_id, room=room)
+        self._frame.aborts.add(request_id=request_id, room=room, attempt_id=attempt_id)
         self._kick.set()
 
     def _forget(self, leg: Leg, abort: bool) -> None:

@@ -42,8 +42,11 @@ class SpecCollector(Collector):
             for (pool, url), spec in self._loads.items():
                 family.add_metric([pool, url], float(getattr(spec, field)))
             yield family
-        rate = GaugeMetricFamily("tandem_spec_acceptance_rate",
-                                 "Accepted / drafted tokens since the worker started", labels=_LABELS)
+        rate = GaugeMetricFamily(
+            "tandem_spec_acceptance_rate",
+            "Accepted / drafted tokens since the worker started",
+            labels=_LABELS,
+        )
         hist = HistogramMetricFamily("tandem_spec_accepted_length",
                                      "Tokens a request emits per verify step (accepted drafts + 1)",
                                      labels=_LABELS)

@@ -27,8 +27,8 @@ from orchestrator.config import (
     gateway_config,
     load_config,
     resolve_config_path,
-    worker_config,
 )
+from orchestrator.worker_config import worker_config
 from worker.config import WorkerConfig
 
 EXIT_USAGE = 2  # bad flags or config, unreachable server
@@ -133,15 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for a machine with N CUDA GPUs (default: probe this one)")
 
     gate = EvalGate()
-    p = sub.add_parser("eval", help="score a task through /v1/completions; non-zero below the bar",
-                       description="Prints `accuracy: X (k/N)`; exits 1 below --min-accuracy, 2 if the server is unreachable.")
+    p = sub.add_parser(
+        "eval", help="score a task against a server; non-zero below the bar",
+        description="Prints `accuracy: X (k/N)`; exits 1 below --min-accuracy, 2 if the server "
+                    "is unreachable. arith: raw prompts through /v1/completions. lookup: the tool "
+                    "loop (call, tool result, answer) through /v1/chat/completions.",
+    )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--config", metavar="PATH", help="take the defaults below from this config's eval section")
-    p.add_argument("--task", help=f"task family (default {gate.task})")
+    p.add_argument("--config", metavar="PATH",
+                   help="take the defaults below from this config's eval section")
+    p.add_argument("--task", help=f"task family: arith or lookup (default {gate.task})")
     p.add_argument("--samples", type=int, help=f"number of problems (default {gate.samples})")
-    p.add_argument("--concurrency", type=int, help=f"requests in flight (default {gate.concurrency})")
-    p.add_argument("--min-accuracy", type=float, help=f"the bar, 0..1 (default {gate.min_accuracy})")
+    p.add_argument("--concurrency", type=int,
+                   help=f"requests in flight (default {gate.concurrency})")
+    p.add_argument("--min-accuracy", type=float,
+                   help=f"the bar, 0..1 (default {gate.min_accuracy})")
     p.add_argument("--seed", type=int, help=f"problem seed (default {gate.seed})")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="tool tasks: send chat_template_kwargs {enable_thinking: true} and require "
+                        "reasoning_content in every reply")
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
 
@@ -354,7 +364,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from orchestrator.client import ServerError
     from orchestrator.eval import report, run_eval
-    from orchestrator.tasks import UnknownTaskError, get_task
+    from orchestrator.tasks import TaskMode, UnknownTaskError, get_task
 
     gate = _load_eval_gate(args.config)
     task_name = args.task or gate.task
@@ -363,7 +373,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     bar = args.min_accuracy if args.min_accuracy is not None else gate.min_accuracy
     seed = args.seed if args.seed is not None else gate.seed
     if samples < 1 or concurrency < 1:
-        print(f"error: --samples and --concurrency must be >= 1, got {samples} and {concurrency}", file=sys.stderr)
+        print(f"error: --samples and --concurrency must be >= 1, got {samples} and {concurrency}",
+              file=sys.stderr)
         return EXIT_USAGE
     if not 0.0 <= bar <= 1.0:
         print(f"error: --min-accuracy must be within 0..1, got {bar}", file=sys.stderr)
@@ -373,8 +384,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except UnknownTaskError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return EXIT_USAGE
+    tool_loop = task.MODE is TaskMode.TOOL_LOOP
+    if args.enable_thinking and not tool_loop:
+        print(f"error: --enable-thinking needs a chat task (lookup); {task_name} sends raw "
+              "completions", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        result = asyncio.run(run_eval(args.url, task, samples, concurrency, seed, args.model, args.api_key))  # type: ignore[arg-type]
+        if tool_loop:
+            from orchestrator.eval_tools import run_tool_eval  # lazy: imports the openai client
+
+            result = asyncio.run(run_tool_eval(
+                args.url, task, samples, concurrency, seed, args.model, args.api_key,
+                enable_thinking=args.enable_thinking,
+            ))
+        else:
+            result = asyncio.run(run_eval(
+                args.url, task, samples, concurrency, seed, args.model, args.api_key,  # type: ignore[arg-type]
+            ))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -12,8 +12,8 @@
       speculative SpeculativeConfig (worker/config.py) drafts verified by decode and mono workers
 
 Frozen dataclasses, composed. `load_config` reads YAML, applies `--set a.b=c` overrides, and
-validates every part plus the cross-field rules. `worker_config` and `gateway_config` derive
-the per-process configs the workers and the gateway receive. This module imports only the
+validates every part plus the cross-field rules. `gateway_config` derives the gateway's
+config (orchestrator/worker_config.py the workers'). This module imports only the
 config types of the other packages, never their internals.
 """
 
@@ -30,12 +30,10 @@ from gateway.config import GatewayConfig, GatewayConfigError, Policy
 from orchestrator.config_checks import (
     WILDCARD_HOSTS,
     ClusterConfigError,
-    same_host,
     validate_launcher_and_eval,
     validate_ports,
     validate_roles,
 )
-from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.hub import (
     HubModelError,
     looks_like_repo_id,
@@ -49,10 +47,8 @@ from worker.config import (
     CacheConfig,
     ConfigError,
     ModelConfig,
-    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    WorkerConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +85,19 @@ class GatewaySettings:
     health_interval_s: float = 1.0
     health_fail_threshold: int = 2  # consecutive failed checks before a worker is unhealthy
     health_ok_threshold: int = 1  # consecutive good checks before it takes requests again
-    health_timeout_s: float = 3.0  # a check slower than this fails (a busy worker is not a dead one)
+    # a check slower than this fails (a busy worker is not a dead one)
+    health_timeout_s: float = 3.0
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
     retry_before_first_token: bool = True
+    stream_stall_timeout_s: float = 10.0  # after the first token: no token this long = error
+    max_queued_requests: int = 1024  # held at the gateway while decode is full (then 429)
+    queue_timeout_s: float = 300.0  # the longest such wait (then 503)
+    header_timeout_s: float = 10.0  # request headers must arrive within this (else 408, close)
+    keepalive_timeout_s: float = 5.0  # an idle kept-alive connection closes after this
+    max_connections: int = 4096  # open at once; past it a new connection gets 503
     load_interval_s: float = 0.5  # GetLoad refresh period (routing and GET /workers)
     startup_wait_s: float = 30.0  # the gateway's own wait for a healthy worker per pool
     cache_aware_load_threshold: float = 8.0
@@ -197,7 +200,8 @@ class LauncherConfig:
     # (the gateway routes around it meanwhile) up to max_restarts times.
     on_worker_exit: Literal["stop", "restart"] = "stop"
     max_restarts: int = 3
-    gpus_per_node: int = 0  # GPUs of one node (plan checks procs_per_node against it); 0 = unchecked
+    # GPUs of one node (plan checks procs_per_node against it); 0 = unchecked
+    gpus_per_node: int = 0
     # Slurm and Ray: node 0 runs the eval gate (the `eval` section) against the gateway once it
     # is ready, then stops the cluster and exits with the gate's result. False = serve on.
     eval_on_ready: bool = False
@@ -228,7 +232,8 @@ class ClusterConfig:
     roles: RolesConfig = field(default_factory=RolesConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     eval: EvalGate = field(default_factory=EvalGate)
-    tls: TLSConfig = field(default_factory=TLSConfig)  # every gRPC link (off: plaintext on loopback)
+    # every gRPC link (off: plaintext on loopback)
+    tls: TLSConfig = field(default_factory=TLSConfig)
     # Decode and mono workers draft and verify; prefill workers ship what the drafter needs.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -236,7 +241,9 @@ class ClusterConfig:
         rc = getattr(self.roles, name, None) if name in ROLE_NAMES else None
         if rc is None:
             have = ", ".join(n for n, _ in self.roles.present())
-            raise ClusterConfigError(f"role '{name}' is not in this config's roles (it has: {have})")
+            raise ClusterConfigError(
+                f"role '{name}' is not in this config's roles (it has: {have})"
+            )
         return rc
 
     @property
@@ -299,7 +306,9 @@ def _resolve_model_path(model: ModelConfig) -> ModelConfig:
     return model
 
 
-def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = "") -> ClusterConfig:
+def config_from_dict(
+    data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = ""
+) -> ClusterConfig:
     """Build and validate a ClusterConfig from a YAML-shaped mapping plus `a.b=c` overrides."""
     data = _deep_copy(data)
     try:
@@ -330,81 +339,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Load a cluster YAML file, apply `--set` overrides (`a.b=c`), validate, return the tree."""
     p = Path(path)
     if not p.is_file():
-        raise ClusterConfigError(f"config file {str(p)!r} not found; pass --config PATH (e.g. {DEFAULT_CONFIG})")
+        raise ClusterConfigError(
+            f"config file {str(p)!r} not found; pass --config PATH (e.g. {DEFAULT_CONFIG})"
+        )
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ClusterConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ClusterConfigError(f"{p}: the top level must be a mapping of sections (model, roles, ...)")
+        raise ClusterConfigError(
+            f"{p}: the top level must be a mapping of sections (model, roles, ...)"
+        )
     return config_from_dict(data, overrides, source=str(p))
 
 
 def dump_config(cluster: ClusterConfig) -> str:
     """The resolved tree as YAML that `load_config` reads back to an equal ClusterConfig."""
     return yaml.safe_dump(to_plain(cluster), sort_keys=False)
-
-
-def device_for(cluster: ClusterConfig, role: str, replica: int,
-               cuda: CudaStatus | None = None) -> str:
-    """The device of a replica's rank 0: `cuda` hands out GPUs per host in launch order;
-    `auto` is `cuda` where `cuda` (default: this machine's status) says CUDA is usable."""
-    cuda = cuda or cuda_status()
-    rc = cluster.role(role)
-    if resolve_device(rc.parallel.device, cuda) != "cuda":
-        return resolve_device(rc.parallel.device, cuda)
-    nxt = 0
-    for name, other in cluster.roles.present():
-        if resolve_device(other.parallel.device, cuda) != "cuda":
-            continue
-        for i in range(other.count):
-            if not same_host(other.host_of(i), rc.host_of(replica)):
-                continue
-            if name == role and i == replica:
-                return f"cuda:{nxt}"
-            nxt += other.parallel.world_size // other.parallel.nnodes
-    raise ClusterConfigError(f"roles.{role}: replica {replica} is out of range (count {rc.count})")
-
-
-def worker_config(cluster: ClusterConfig, role: str, replica: int = 0) -> WorkerConfig:
-    """The WorkerConfig of one replica of `role` (its rank 0; a TP worker spawns the others)."""
-    rc = cluster.role(role)
-    if not 0 <= replica < rc.count:
-        raise ClusterConfigError(f"--replica {replica} is out of range: roles.{role}.count is {rc.count} (0..{rc.count - 1})")
-    return WorkerConfig(
-        role=role,  # type: ignore[arg-type]
-        host=rc.host_of(replica),
-        port=rc.port(replica),
-        model=dataclasses.replace(cluster.model, served_model_name=cluster.served_model_name),
-        cache=rc.cache or cluster.cache,
-        scheduler=rc.scheduler or cluster.scheduler,
-        parallel=_worker_parallel(rc, replica, device_for(cluster, role, replica)),
-        transfer=cluster.transfer,
-        num_threads=rc.num_threads,
-        tls=cluster.tls,
-        speculative=cluster.speculative,
-        cluster_id=cluster.launcher.cluster_id,
-        replica=replica,
-        drain_timeout_s=rc.drain_timeout_s,
-    )
-
-
-def dist_init_addr(rc: RoleConfig, replica: int) -> str:
-    """The replica's torch.distributed rendezvous: given, or its node-0 host at port + 1."""
-    if rc.parallel.dist_init_addr:
-        return rc.parallel.dist_init_addr
-    if rc.parallel.nnodes == 1:
-        return ""  # the worker picks a free local port itself
-    return f"tcp://{dial_address(rc.host_of(replica), rc.port(replica) + 1).split(':')[0]}:{rc.port(replica) + 1}"
-
-
-def _worker_parallel(rc: RoleConfig, replica: int, device: str) -> ParallelConfig:
-    p = rc.parallel
-    return ParallelConfig(
-        tp_size=p.tp_size, tp_rank=0, device=device, dp_size=p.dp_size, ep_size=p.ep_size,
-        all2all_backend=p.all2all_backend, nnodes=p.nnodes, node_rank=0,
-        dist_init_addr=dist_init_addr(rc, replica),
-    )
 
 
 def dial_address(host: str, port: int) -> str:

@@ -4,6 +4,8 @@ Greedy (temperature 0), `max_tokens = task.ANSWER_MAX_TOKENS`, `stop = task.STOP
 `concurrency` requests in flight over one shared client. A request that fails counts as a
 wrong answer and is reported (the gate must not pass by skipping what it cannot reach).
 `tandem eval` prints `accuracy: X (k/N)` and exits non-zero below `--min-accuracy`.
+Tool-use tasks (`TaskMode.TOOL_LOOP`) run their chat loop in orchestrator/eval_tools.py and
+report through the same `EvalResult` and `report`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class EvalResult:
     correct: int = 0
     failed: int = 0  # requests that got no completion (counted as wrong)
     errors: list[str] = field(default_factory=list)  # the first few failure messages
+    # Multi-step tasks: how many problems passed each step (printed under the accuracy line).
+    stages: dict[str, int] = field(default_factory=dict)
 
     @property
     def accuracy(self) -> float:
@@ -82,8 +86,8 @@ async def run_eval(
         name = model or await first_model(client)  # ServerError if unreachable: nothing to score
 
         async def one(problem: Any) -> None:
-            body: dict[str, Any] = {"model": name, "prompt": problem.prompt, "max_tokens": task.ANSWER_MAX_TOKENS,
-                                    "temperature": 0.0}
+            body: dict[str, Any] = {"model": name, "prompt": problem.prompt,
+                                    "max_tokens": task.ANSWER_MAX_TOKENS, "temperature": 0.0}
             if task.STOP is not None:
                 body["stop"] = [task.STOP]
             async with sem:
@@ -108,11 +112,15 @@ async def run_eval(
 def report(result: EvalResult, min_accuracy: float, out: IO[str], err: IO[str]) -> int:
     """Print the verdict; 0 if accuracy >= min_accuracy and nothing failed badly, else 1."""
     print(f"accuracy: {result.accuracy:.3f} ({result.correct}/{result.total})", file=out)
+    for stage, passed in result.stages.items():
+        print(f"  {stage}: {passed}/{result.total}", file=err)
     if result.failed:
-        print(f"failed requests: {result.failed}/{result.total} (counted as wrong); first errors:", file=err)
+        print(f"failed requests: {result.failed}/{result.total} (counted as wrong); first errors:",
+              file=err)
         for e in result.errors:
             print(f"  {e}", file=err)
     if result.accuracy < min_accuracy:
-        print(f"FAIL: accuracy {result.accuracy:.3f} is below --min-accuracy {min_accuracy:.3f}", file=err)
+        print(f"FAIL: accuracy {result.accuracy:.3f} is below --min-accuracy {min_accuracy:.3f}",
+              file=err)
         return 1
     return 0

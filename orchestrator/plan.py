@@ -1,14 +1,9 @@
-"""The layout plan: the rank map of a config, every layout rule, and the KV budget.
+"""The layout plan: every layout rule of a config, the KV budget, and `tandem plan`'s text.
 
-`plan_processes` is the single source of the process list: `tandem plan` prints it and the
-launchers start exactly these processes (one per node of each replica: its local rank 0
-spawns the node's other ranks). `check_layout` applies every rule that can be checked before
-a GPU is touched; `kv_budget` reads the checkpoint's config.json directly (no torch import:
+The rank map itself (`plan_processes`, the single source of the process list) is
+orchestrator/rank_map.py. `check_layout` applies every rule that can be checked before a GPU
+is touched; `kv_budget` reads the checkpoint's config.json directly (no torch import:
 planning must work on a machine without the engine).
-
-Node placement: the local launcher puts everything on this machine (node 0). Slurm and Ray
-give each replica `parallel.nnodes` nodes of its own, in launch order (prefill replicas, then
-decode, then both); the gateway runs on node 0.
 """
 
 from __future__ import annotations
@@ -18,17 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import (
-    ClusterConfig,
-    ClusterConfigError,
-    RoleConfig,
-    device_for,
-    dist_init_addr,
-    worker_config,
-)
+from orchestrator.config import ClusterConfig, ClusterConfigError, RoleConfig
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
+from orchestrator.rank_map import (
+    ProcessRow,
+    num_nodes,
+    plan_processes,
+    procs_per_node,
+    spreads_over_nodes,
+)
 from orchestrator.weights import WeightBytes, weight_bytes
+from orchestrator.worker_config import device_for, dist_init_addr, worker_config
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -42,37 +38,6 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 class LayoutError(ClusterConfigError):
     """A parallel layout rule is broken; the message names the field, the numbers and the fix."""
-
-
-@dataclass(frozen=True)
-class ProcessRow:
-    """One rank process of the cluster (or the gateway): where it runs and which ranks it holds."""
-
-    name: str  # log / process name: prefill-0, decode-1.r3 (rank 3), both-0, lb
-    role: str  # prefill | decode | both | gateway
-    replica: int  # -1 for the gateway
-    host: str
-    port: int  # 0 for a rank > 0 (it listens on no public port)
-    device: str  # cpu | cuda:N (N = the GPU index on its node)
-    tp_rank: int  # attention TP rank within its DP group
-    tp_size: int
-    node: int = 0  # cluster node index (0 = the gateway's node)
-    node_rank: int = 0  # which of the replica's nnodes this is
-    rank: int = 0  # global rank within the replica's world (tp_size * dp_size)
-    dp_rank: int = 0
-    dp_size: int = 1
-    ep_rank: int = -1  # -1 when the role has no expert parallelism
-    ep_size: int = 1
-    nnodes: int = 1  # nodes the replica spans
-
-    @property
-    def starts_node(self) -> bool:
-        """The process a launcher starts on its node (local rank 0; it spawns the others)."""
-        return self.role == "gateway" or self.rank % max(1, self.world_size // self.nnodes) == 0
-
-    @property
-    def world_size(self) -> int:
-        return self.tp_size * self.dp_size
 
 
 @dataclass(frozen=True)
@@ -96,73 +61,13 @@ class KVBudget:
         return self.num_pages * self.page_bytes + self.window_bytes + self.state_bytes
 
 
-def procs_per_node(rc: RoleConfig) -> int:
-    """Rank processes of one replica on each of its nodes."""
-    p = rc.parallel
-    return p.procs_per_node or max(1, p.world_size // p.nnodes)
-
-
-def spreads_over_nodes(cluster: ClusterConfig) -> bool:
-    """True when each replica gets nodes of its own (Slurm, Ray); False: all on this machine."""
-    return cluster.launcher.kind != "local"
-
-
-def replica_nodes(cluster: ClusterConfig) -> dict[tuple[str, int], int]:
-    """(role, replica) -> index of the replica's first node, in launch order."""
-    out: dict[tuple[str, int], int] = {}
-    nxt = 0
-    for role, rc in cluster.roles.present():
-        for i in range(rc.count):
-            out[(role, i)] = nxt if spreads_over_nodes(cluster) else 0
-            nxt += rc.parallel.nnodes
-    return out
-
-
-def num_nodes(cluster: ClusterConfig) -> int:
-    """Nodes the cluster needs (the Slurm allocation's size)."""
-    if not spreads_over_nodes(cluster):
-        return 1
-    return sum(rc.count * rc.parallel.nnodes for _, rc in cluster.roles.present())
-
-
-def plan_processes(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> list[ProcessRow]:
-    """Every rank process in launch order: workers (each replica's ranks), then the gateway.
-    `cuda`: the machine's CUDA status (default: probed here), which `device: auto` follows."""
-    cuda = cuda or cuda_status()
-    rows: list[ProcessRow] = []
-    first_node = replica_nodes(cluster)
-    for role, rc in cluster.roles.present():
-        p = rc.parallel
-        per_node = procs_per_node(rc)
-        for i in range(rc.count):
-            # Nodes of their own start at GPU 0; on one machine GPUs are handed out in order.
-            spread = spreads_over_nodes(cluster) and resolve_device(p.device, cuda) == "cuda"
-            dev0 = "cuda:0" if spread else device_for(cluster, role, i, cuda)
-            for g in range(p.world_size):
-                local = g % per_node
-                # A node's ranks take consecutive GPUs from its local rank 0's.
-                dev = f"cuda:{int(dev0[5:]) + local}" if dev0.startswith("cuda:") else dev0
-                node = first_node[(role, i)] + g // per_node
-                # Before a multi-node launcher resolves them, hosts are named by node index.
-                host = f"node{node}" if spreads_over_nodes(cluster) and not rc.hosts else rc.host_of(i)
-                rows.append(ProcessRow(
-                    name=f"{role}-{i}" if g == 0 else f"{role}-{i}.r{g}",
-                    role=role, replica=i, host=host, port=rc.port(i) if g == 0 else 0,
-                    device=dev, tp_rank=g % p.tp_size, tp_size=p.tp_size,
-                    node=node, node_rank=g // per_node, rank=g,
-                    dp_rank=g // p.tp_size, dp_size=p.dp_size,
-                    ep_rank=g if p.ep_size > 1 else -1, ep_size=p.ep_size, nnodes=p.nnodes,
-                ))
-    gw = cluster.gateway
-    rows.append(ProcessRow("lb", "gateway", -1, gw.host, gw.port, "cpu", 0, 1))
-    return rows
-
-
 def read_model_config(model_path: str) -> dict[str, Any]:
     """The checkpoint's config.json as a dict; ClusterConfigError naming the path if absent."""
     path = Path(model_path) / "config.json"
     if not path.is_file():
-        raise ClusterConfigError(f"model.path: {path} not found; point model.path (or --model) at an HF-format directory")
+        raise ClusterConfigError(
+            f"model.path: {path} not found; point model.path (or --model) at an HF-format directory"
+        )
     data: dict[str, Any] = json.loads(path.read_text())
     return data
 
@@ -171,7 +76,8 @@ def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
     if cluster.model.dtype != "auto":
         return cluster.model.dtype
     name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    # worker/config.py: auto on CPU runs a float16 checkpoint in float32 (fp16 matmuls are slow there).
+    # worker/config.py: auto on CPU runs a float16 checkpoint in float32
+    # (fp16 matmuls are slow there).
     return "float32" if name in ("float16", "half") else name
 
 
@@ -223,36 +129,51 @@ def _check_world(cluster: ClusterConfig, role: str, rc: RoleConfig, cuda: CudaSt
     if p.procs_per_node and p.nnodes * p.procs_per_node != world:
         raise LayoutError(
             f"{where}: world size nnodes*procs_per_node = {p.nnodes}*{p.procs_per_node} = "
-            f"{p.nnodes * p.procs_per_node} but attention tp_size*dp_size = {p.tp_size}*{p.dp_size} = {world}; "
-            "they must be equal (change tp_size, dp_size, nnodes or procs_per_node)")
+            f"{p.nnodes * p.procs_per_node} but attention tp_size*dp_size = "
+            f"{p.tp_size}*{p.dp_size} = {world}; they must be equal (change tp_size, dp_size, "
+            "nnodes or procs_per_node)"
+        )
     if world % p.nnodes:
-        raise LayoutError(f"{where}: tp_size*dp_size = {world} ranks do not split evenly over nnodes={p.nnodes}; "
-                          "make the world a multiple of nnodes")
+        raise LayoutError(
+            f"{where}: tp_size*dp_size = {world} ranks do not split evenly over nnodes={p.nnodes}; "
+            "make the world a multiple of nnodes"
+        )
     kind = cluster.launcher.kind
     if p.nnodes > 1 and kind != "slurm":
-        raise LayoutError(f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
-                          "use launcher.kind=slurm for multi-node workers or set nnodes=1")
+        raise LayoutError(
+            f"{where}.nnodes={p.nnodes}: launcher.kind={kind} runs each worker on one node; "
+            "use launcher.kind=slurm for multi-node workers or set nnodes=1"
+        )
     gpus = cluster.launcher.gpus_per_node
     if gpus and on_cuda and procs_per_node(rc) > gpus:
-        raise LayoutError(f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
-                          f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size")
+        raise LayoutError(
+            f"{where}: {procs_per_node(rc)} ranks per node but launcher.gpus_per_node={gpus}; "
+            f"raise nnodes to {-(-world // gpus)} or lower tp_size/dp_size"
+        )
     if gpus and on_cuda and not spreads_over_nodes(cluster):
         used = sum(o.count * procs_per_node(o) for _, o in cluster.roles.present()
                    if resolve_device(o.parallel.device, cuda) == "cuda")
         if used > gpus:
-            raise LayoutError(f"roles: the cuda roles need {used} GPUs on this machine but launcher.gpus_per_node={gpus}; "
-                              "lower counts or tp_size, or use a multi-node launcher")
+            raise LayoutError(
+                f"roles: the cuda roles need {used} GPUs on this machine but "
+                f"launcher.gpus_per_node={gpus}; "
+                "lower counts or tp_size, or use a multi-node launcher"
+            )
 
 
-def _check_moe(cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, Any] | None) -> None:
+def _check_moe(
+    cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, Any] | None
+) -> None:
     p, where = rc.parallel, f"roles.{role}.parallel"
     world = p.world_size
     if p.ep_size > world:
         raise LayoutError(f"{where}.ep_size={p.ep_size} exceeds the world tp_size*dp_size={world}: "
                           "EP must be <= world (each rank holds at least one expert group)")
     if p.ep_size not in (1, world):
-        raise LayoutError(f"{where}.ep_size={p.ep_size}: the engine runs MoE with ep_size 1 (TP-sharded experts) "
-                          f"or ep_size = world = {world}; set one of those")
+        raise LayoutError(
+            f"{where}.ep_size={p.ep_size}: the engine runs MoE with ep_size 1 (TP-sharded experts) "
+            f"or ep_size = world = {world}; set one of those"
+        )
     if p.all2all_backend == "deepep" and p.ep_size == 1:
         raise LayoutError(f"{where}.all2all_backend=deepep needs expert parallelism (ep_size > 1); "
                           "set ep_size to the world or all2all_backend=torch")
@@ -264,15 +185,21 @@ def _check_moe(cluster: ClusterConfig, role: str, rc: RoleConfig, hf: dict[str, 
                          else (sched.chunked_prefill_size, "chunked_prefill_size"))
         if tokens > p.deepep_max_tokens_per_rank:
             raise LayoutError(
-                f"roles.{role}: a step of up to {tokens} tokens per rank (scheduler.{field}) exceeds DeepEP's "
-                f"per-GPU capacity {where}.deepep_max_tokens_per_rank={p.deepep_max_tokens_per_rank}; such a batch "
-                f"is refused, not truncated: lower scheduler.{field} or raise the capacity")
+                f"roles.{role}: a step of up to {tokens} tokens per rank (scheduler.{field}) "
+                "exceeds DeepEP's per-GPU capacity "
+                f"{where}.deepep_max_tokens_per_rank={p.deepep_max_tokens_per_rank}; such a batch "
+                f"is refused, not truncated: lower scheduler.{field} or raise the capacity"
+            )
     if hf is not None and p.ep_size > 1:
         experts = _num_experts(hf)
         if experts == 0:
-            raise LayoutError(f"{where}.ep_size={p.ep_size} but the model has no experts (dense); set ep_size=1")
+            raise LayoutError(
+                f"{where}.ep_size={p.ep_size} but the model has no experts (dense); set ep_size=1"
+            )
         if experts % p.ep_size:
-            raise LayoutError(f"{where}.ep_size={p.ep_size} must divide the model's {experts} experts")
+            raise LayoutError(
+                f"{where}.ep_size={p.ep_size} must divide the model's {experts} experts"
+            )
 
 
 def _num_experts(hf: dict[str, Any]) -> int:
@@ -300,8 +227,11 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
     gpt_oss_inter = hf.get("intermediate_size") if hf.get("model_type") == "gpt_oss" else 0
     moe_inter = int(hf.get("moe_intermediate_size") or gpt_oss_inter or 0)
     if _num_experts(hf) and rc.parallel.ep_size == 1 and moe_inter and moe_inter % world:
-        raise LayoutError(f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
-                          f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set ep_size={world}")
+        raise LayoutError(
+            f"roles.{role}.parallel: moe_intermediate_size={moe_inter} must be divisible by "
+            f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set "
+            f"ep_size={world}"
+        )
 
 
 def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:
@@ -327,8 +257,10 @@ def _check_dist_init(role: str, rc: RoleConfig, replica: int) -> None:
         raise LayoutError(f"{where}={addr!r}: must be tcp://HOST:PORT of the replica's node 0")
     node0 = rc.host_of(replica)
     if host != node0 and node0 not in ("0.0.0.0", ""):
-        raise LayoutError(f"{where}={addr!r} is not on replica {replica}'s node 0 ({node0}): the rendezvous runs "
-                          "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host")
+        raise LayoutError(
+            f"{where}={addr!r} is not on replica {replica}'s node 0 ({node0}): the rendezvous runs "
+            "on node 0; leave it empty (node 0's host, port + 1) or name node 0's host"
+        )
 
 
 def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
@@ -371,7 +303,9 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -391,9 +325,22 @@ def format_rank_map(rows: list[ProcessRow]) -> str:
     """The rank map as a table: one line per rank process, then the gateway."""
     return _table(
         ["process", "role", "replica", "host", "port", "device", "node", "tp", "dp", "ep", "rank"],
-        [[r.name, r.role, str(r.replica) if r.replica >= 0 else "-", r.host, str(r.port) if r.port else "-",
-          r.device, str(r.node), f"{r.tp_rank}/{r.tp_size}", f"{r.dp_rank}/{r.dp_size}",
-          f"{r.ep_rank}/{r.ep_size}" if r.ep_rank >= 0 else "-", f"{r.rank}/{r.world_size}"] for r in rows],
+        [
+            [
+                r.name,
+                r.role,
+                str(r.replica) if r.replica >= 0 else "-",
+                r.host,
+                str(r.port) if r.port else "-",
+                r.device,
+                str(r.node),
+                f"{r.tp_rank}/{r.tp_size}",
+                f"{r.dp_rank}/{r.dp_size}",
+                f"{r.ep_rank}/{r.ep_size}" if r.ep_rank >= 0 else "-",
+                f"{r.rank}/{r.world_size}",
+            ]
+            for r in rows
+        ],
     )
 
 
@@ -406,8 +353,13 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     check_layout(cluster, None, cuda)
     rows = plan_processes(cluster, cuda)
     mode = "disaggregated (prefill/decode)" if cluster.roles.is_pd else "monolithic (both)"
-    parts = [f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
-             f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}", "", format_rank_map(rows), ""]
+    parts = [
+        f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
+        f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}",
+        "",
+        format_rank_map(rows),
+        "",
+    ]
     if any(rc.parallel.device == "auto" for _, rc in cluster.roles.present()):
         why = f"{cuda.gpus} GPUs" if cuda.available else cuda.why_not()
         parts[1:1] = [f"device auto: {resolve_device('auto', cuda)} ({why})"]

@@ -178,7 +178,8 @@ def apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
             child = node[key] = {}
         elif not isinstance(child, dict):
             raise SchemaError(
-                f"--set {'.'.join(keys)}: '{'.'.join(keys[: i + 1])}' is not a section in the config file"
+                f"--set {'.'.join(keys)}: '{'.'.join(keys[: i + 1])}' "
+                "is not a section in the config file"
             )
         node = child
     node[keys[-1]] = value

@@ -132,7 +132,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RoomEvent(_message.Message):
-    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs", "draft_hidden")
+    __slots__ = ("kind", "reason", "contract", "first_token", "first_logprob", "top_logprobs", "checksums", "pages", "bytes", "duration_ms", "rank_addrs", "fault", "timed_out", "draft_hidden")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RoomEvent.Kind]
@@ -158,6 +158,8 @@ class RoomEvent(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     kind: RoomEvent.Kind
     reason: str
@@ -170,5 +172,7 @@ class RoomEvent(_message.Message):
     bytes: int
     duration_ms: float
     rank_addrs: _containers.RepeatedScalarFieldContainer[str]
+    fault: str
+    timed_out: bool
     draft_hidden: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ..., draft_hidden: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[RoomEvent.Kind, str]] = ..., reason: _Optional[str] = ..., contract: _Optional[_Union[LayoutContract, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[PageGroupChecksum, _Mapping]]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., rank_addrs: _Optional[_Iterable[str]] = ..., fault: _Optional[str] = ..., timed_out: _Optional[bool] = ..., draft_hidden: _Optional[_Iterable[float]] = ...) -> None: ...

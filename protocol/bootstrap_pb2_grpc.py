@@ -56,6 +56,8 @@ class BootstrapServicer:
         Refusals are status codes: INVALID_ARGUMENT (contract mismatch, bad pages),
         FAILED_PRECONDITION (stale epoch), NOT_FOUND (no such room before bootstrap_timeout_s),
         ABORTED (the room already ended on prefill), UNAVAILABLE (decode's agent unreachable).
+        A decode agent prefill has fenced (its writes went unconfirmed) is refused with a FAILED
+        event (fault "decode") instead, so decode knows the fault is its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -80,16 +80,18 @@ class DisaggParams(_message.Message):
     def __init__(self, room: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "disagg")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "disagg", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISAGG_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     disagg: DisaggParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disagg: _Optional[_Union[DisaggParams, _Mapping]] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disagg: _Optional[_Union[DisaggParams, _Mapping]] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -136,12 +138,14 @@ class TransferStats(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "room")
+    __slots__ = ("request_id", "room", "attempt_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     room: int
-    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
@@ -209,7 +213,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend", "cluster_id", "replica", "model_fingerprint", "contract_hash", "draining")
+    __slots__ = ("model", "role", "max_model_len", "page_size", "vocab_size", "eos_token_ids", "bootstrap_addr", "tp_size", "epoch", "transfer_backend", "cluster_id", "replica", "model_fingerprint", "contract_hash", "draining", "max_running_requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +229,7 @@ class WorkerInfo(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_HASH_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     max_model_len: int
@@ -240,7 +245,8 @@ class WorkerInfo(_message.Message):
     model_fingerprint: str
     contract_hash: str
     draining: bool
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., cluster_id: _Optional[str] = ..., replica: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., contract_hash: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    max_running_requests: int
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bootstrap_addr: _Optional[str] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., cluster_id: _Optional[str] = ..., replica: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., contract_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("reason",)
@@ -273,14 +279,16 @@ class Submit(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class SessionAbort(_message.Message):
-    __slots__ = ("slot", "request_id", "room")
+    __slots__ = ("slot", "request_id", "room", "attempt_id")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     slot: int
     request_id: str
     room: int
-    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., room: _Optional[int] = ...) -> None: ...
+    attempt_id: str
+    def __init__(self, slot: _Optional[int] = ..., request_id: _Optional[str] = ..., room: _Optional[int] = ..., attempt_id: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("slots", "num_tokens", "token_ids", "num_logprobs", "logprobs", "started", "ended")
@@ -311,15 +319,17 @@ class RequestStart(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
-    __slots__ = ("slot", "finish_reason", "status_code", "error", "transfer")
+    __slots__ = ("slot", "finish_reason", "status_code", "error", "transfer", "error_code")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     finish_reason: str
     status_code: int
     error: str
     transfer: TransferStats
-    def __init__(self, slot: _Optional[int] = ..., finish_reason: _Optional[str] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    error_code: str
+    def __init__(self, slot: _Optional[int] = ..., finish_reason: _Optional[str] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., error_code: _Optional[str] = ...) -> None: ...

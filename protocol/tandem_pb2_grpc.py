@@ -77,8 +77,10 @@ class WorkerServicer:
         """Runs one request. Server-streaming: each message carries the tokens produced since the
         previous one; the last message has finish_reason set. Errors are gRPC status codes:
         INVALID_ARGUMENT (the client's fault: prompt too long, bad sampling values),
-        RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (shutting down / peer gone),
-        DEADLINE_EXCEEDED (a room deadline), ABORTED (aborted), INTERNAL (a bug).
+        RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (shutting down / its transfer agent fenced),
+        DEADLINE_EXCEEDED (this worker's own room deadline), ABORTED (the PD room's other side
+        failed it: the gateway blames the other worker), INTERNAL (a bug). finish_reason "abort"
+        that the gateway did not ask for is a failure of the attempt, never an answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,9 +3,10 @@
 A backend registers one memory region (the rank's KV pool: base pointer + size; CPU memory for
 mooncake and nixl here, GPU memory for cuda_ipc), tells peers how to
 reach it (`agent_name` + `agent_metadata`, carried by the bootstrap), and writes batches of
-(src address, dst address, length) ranges to a peer: `submit` starts a batch, `poll` reports it,
-`release` ends it (aborting it if still in flight). Calls may block; the manager runs them on
-its transfer thread, never on the engine's.
+(src address, dst address, length) ranges to a peer: `submit` starts a batch and returns at
+once, `poll` reports it, `cancel` stops it where the backend can, `release` frees it. The
+manager calls them on its per-peer lanes (transfer/lanes.py), never on the engine's thread;
+a call that blocks holds up only its own peer's lane.
 
 The completion notice and the first token travel on the bootstrap stream (ordered after the
 confirmed writes), so backends need no notification channel of their own.
@@ -55,11 +56,13 @@ class TransferBackend(ABC):
     @property
     @abstractmethod
     def agent_name(self) -> str:
-        """How a peer addresses this agent (mooncake: "host:rpc_port"; nixl, cuda_ipc: the agent label)."""
+        """How a peer addresses this agent (mooncake: "host:rpc_port"; nixl, cuda_ipc: the
+        agent label)."""
 
     @property
     def agent_metadata(self) -> bytes:
-        """Blob a peer needs before writing to us (nixl, cuda_ipc); empty where the name suffices."""
+        """Blob a peer needs before writing to us (nixl, cuda_ipc); empty where the name
+        suffices."""
         return b""
 
     @abstractmethod
@@ -80,7 +83,14 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def release(self, handle: Any) -> None:
-        """Free the handle; aborts the batch if it is still in flight."""
+        """Free the handle of a batch that ended (or that `cancel` could not stop, once over)."""
+
+    def cancel(self, handle: Any) -> bool:
+        """Stop a batch still in flight. True: nothing of it can land any more and the handle
+        is free; False: this backend cannot stop it now, so the caller polls it until it ends
+        (then releases it). Default: `release` stops it."""
+        self.release(handle)
+        return True
 
     def write(self, peer: str, spans: list[Span], timeout_s: float) -> None:
         """Write and wait until confirmed; BackendError on failure or after `timeout_s`."""
@@ -94,9 +104,11 @@ class TransferBackend(ABC):
                 if status is WriteStatus.DONE:
                     return
                 if status is WriteStatus.FAILED:
-                    raise BackendError(f"{self.name}: write of {len(spans)} ranges to {peer} failed")
+                    raise BackendError(f"{self.name}: write of {len(spans)} ranges to {peer} "
+                                       "failed")
                 if time.monotonic() > deadline:
-                    raise BackendError(f"{self.name}: write to {peer} not confirmed within {timeout_s}s")
+                    raise BackendError(f"{self.name}: write to {peer} not confirmed within "
+                                       f"{timeout_s}s")
                 time.sleep(0.0002)
         finally:
             self.release(handle)
@@ -112,7 +124,7 @@ class TransferFaults:
 
     fail: float = 0.0  # probability a write reports failure (nothing written)
     corrupt: float = 0.0  # probability a write lands, then its pages are overwritten with garbage
-    delay_ms: int = 0  # sleep before each write
+    delay_ms: int = 0  # each write lands this much later (on the wire: an abort cannot stop it)
 
     @classmethod
     def parse(cls, text: str) -> TransferFaults:
@@ -121,18 +133,23 @@ class TransferFaults:
             key, sep, raw = item.partition("=")
             if not sep or key not in ("fail", "corrupt", "delay_ms"):
                 raise TransferConfigError(
-                    f"{FAULTS_ENV}: bad item {item!r}; expected fail=P, corrupt=P or delay_ms=N, comma-separated"
+                    f"{FAULTS_ENV}: bad item {item!r}; expected fail=P, corrupt=P or "
+                    "delay_ms=N, comma-separated"
                 )
             try:
                 values[key] = float(raw)
             except ValueError:
-                raise TransferConfigError(f"{FAULTS_ENV}: {key} must be a number, got {raw!r}") from None
+                raise TransferConfigError(f"{FAULTS_ENV}: {key} must be a number, got "
+                                          f"{raw!r}") from None
         for key in ("fail", "corrupt"):
             if not 0.0 <= values.get(key, 0.0) <= 1.0:
-                raise TransferConfigError(f"{FAULTS_ENV}: {key} is a probability in [0, 1], got {values[key]}")
+                raise TransferConfigError(f"{FAULTS_ENV}: {key} is a probability in [0, 1], "
+                                          f"got {values[key]}")
         if values.get("delay_ms", 0) < 0:
-            raise TransferConfigError(f"{FAULTS_ENV}: delay_ms must be >= 0, got {values['delay_ms']}")
-        return cls(values.get("fail", 0.0), values.get("corrupt", 0.0), int(values.get("delay_ms", 0)))
+            raise TransferConfigError(f"{FAULTS_ENV}: delay_ms must be >= 0, got "
+                                      f"{values['delay_ms']}")
+        return cls(values.get("fail", 0.0), values.get("corrupt", 0.0),
+                   int(values.get("delay_ms", 0)))
 
     @classmethod
     def from_env(cls) -> TransferFaults:

@@ -9,7 +9,9 @@ the worker's gRPC address. One server-streaming call per (room, decode rank):
 2. Wait for the prefill room (both legs are dispatched in parallel, so decode may be first);
    NOT_FOUND after bootstrap_timeout_s.
 3. Attach the decode rank to the room and stream its events until the room ends; if decode
-   cancels the call (aborted or gone), the room is aborted here.
+   cancels the call (aborted or gone), the room is aborted here. A decode agent whose writes
+   went unconfirmed is fenced (transfer/lanes.py): its registration gets a FAILED event naming
+   decode as the side at fault, and the room fails here too.
 
 `ReleaseRoom` (unary) is how decode takes its pages back from a room that ended before DONE:
 prefill aborts the room, refuses any later registration for it, and answers only once no write
@@ -32,6 +34,7 @@ from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
 from transfer.config import TransferConfig
 from transfer.contract import ContractError, LayoutContract
+from transfer.room import Side
 from transfer.sender import KVSender, Peer, RoomEndedError
 from transfer.wire import contract_from_pb, contract_to_pb
 
@@ -75,6 +78,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         peer_restarted: Callable[[str, int], None],
         rank_addrs: Callable[[], list[str]],
         release_room: Callable[[int, str, float], tuple[bool, float]],
+        peer_refusal: Callable[[str], str | None] = lambda agent: None,
     ) -> None:
         self._config = config
         self._contract = contract
@@ -84,9 +88,11 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         self._peer_restarted = peer_restarted
         self._rank_addrs = rank_addrs
         self._release_room = release_room
+        self._peer_refusal = peer_refusal  # a fenced decode agent takes no new rooms
         self._epochs = EpochRegistry()
 
-    def Register(self, request: pb.RoomRegistration, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
+    def Register(self, request: pb.RoomRegistration,
+                 context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
         try:
             theirs = contract_from_pb(request.contract)
             self._contract.check_compatible(theirs)
@@ -101,9 +107,16 @@ class BootstrapService(pb_grpc.BootstrapServicer):
                 self._peer_restarted(request.peer_id, replaced)
         sender = self._wait_sender(request.room, self._config.bootstrap_timeout_s)
         if sender is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room:#x} unknown on this prefill rank after "
+            context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room:#x} unknown on this "
+                          "prefill rank after "
                           f"transfer.bootstrap_timeout_s={self._config.bootstrap_timeout_s}s")
             return  # abort() raises; the return is for readers and type checkers
+        refused = self._peer_refusal(request.agent_name)
+        if refused is not None:  # its agent does not answer our writes: its own fault
+            sender.fail(f"room {request.room:#x}: {refused}", fault=Side.DECODE, timed_out=True)
+            yield pb.RoomEvent(kind=pb.RoomEvent.FAILED, reason=refused, fault=Side.DECODE.value,
+                               timed_out=True)
+            return
         try:
             peer = self._connect_peer(request)
             sender.attach(peer)
@@ -122,12 +135,14 @@ class BootstrapService(pb_grpc.BootstrapServicer):
                            rank_addrs=self._rank_addrs())
         yield from self._stream(sender, peer, context)
 
-    def ReleaseRoom(self, request: pb.RoomRelease, context: grpc.ServicerContext) -> pb.RoomReleased:
+    def ReleaseRoom(self, request: pb.RoomRelease,
+                    context: grpc.ServicerContext) -> pb.RoomReleased:
         drained, waited_s = self._release_room(
             request.room, f"{request.peer_id}: {request.reason}", self._config.transfer_timeout_s)
         return pb.RoomReleased(drained=drained, waited_ms=waited_s * 1e3)
 
-    def _stream(self, sender: KVSender, peer: Peer, context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
+    def _stream(self, sender: KVSender, peer: Peer,
+                context: grpc.ServicerContext) -> Iterator[pb.RoomEvent]:
         terminal = (pb.RoomEvent.DONE, pb.RoomEvent.FAILED, pb.RoomEvent.ABORTED)
         while context.is_active():
             try:

@@ -1,17 +1,15 @@
-"""KVTransferManager: one per worker rank; owns the backend, the rooms and the transfer thread.
+"""KVTransferManager: one per worker rank; owns the backend, the rooms and the write lanes.
 
 The engine's thread only calls non-blocking methods (create_*, send, poll, abort,
-take_finished). Blocking work runs elsewhere: backend writes on this manager's transfer
-thread (a queue of WriteJobs), bootstrap streams on the gRPC server's threads (prefill) or on
-one thread per open stream (decode).
+take_finished). Everything else runs elsewhere: backend writes on one lane per decode agent
+(transfer/lanes.py: writes to different peers never wait on each other, and a peer that stops
+answering is fenced), bootstrap streams on the gRPC server's threads (prefill) or on one thread
+per open stream (decode).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import queue
-import random
 import secrets
 import threading
 import time
@@ -25,19 +23,19 @@ from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
 from protocol.tls import TLSConfig, add_port
 from protocol.tls import channel as tls_channel
-from transfer.backend import BackendError, TransferBackend, TransferFaults
+from transfer.backend import TransferBackend, TransferFaults
 from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
 from transfer.factory import make_backend
-from transfer.plan import split_ranges
-from transfer.receiver import KVReceiver, crc_of
+from transfer.lanes import CORRUPT_BYTES, PeerState, Writer, WriterContext, scratch_buffer
+from transfer.receiver import KVReceiver
 from transfer.room import Room, RoomState, TransferTotals
-from transfer.sender import KVSender, Peer, WriteJob
+from transfer.sender import KVSender, Peer, WriteFailure, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
 
-CORRUPT_BYTES = 64 * 1024  # garbage written at the start of each page by the corrupt= drill
-RELEASE_THREADS = 4  # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
+# decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
+RELEASE_THREADS = 4
 MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
 
@@ -47,21 +45,27 @@ class KVTransferManager:
     def __init__(
         self, config: TransferConfig, layout: KVLayout, *, role: str, kv_ptr: int, kv_nbytes: int,
         host: str, model_fingerprint: str, model_name: str = "", peer_id: str = "",
-        faults: TransferFaults | None = None, backend: TransferBackend | None = None, tls: TLSConfig | None = None,
+        faults: TransferFaults | None = None, backend: TransferBackend | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         config.validate()
         if role not in ("prefill", "decode"):
-            raise TransferConfigError(f"KVTransferManager role must be 'prefill' or 'decode', got {role!r}")
+            raise TransferConfigError(
+                f"KVTransferManager role must be 'prefill' or 'decode', got {role!r}"
+            )
         if kv_nbytes < layout.pool_bytes:
-            raise ContractError(f"kv_nbytes={kv_nbytes} is smaller than the layout's pool "
-                                f"({layout.num_pages} pages x {layout.page_bytes} B); describe the tensor you register")
+            raise ContractError(
+                f"kv_nbytes={kv_nbytes} is smaller than the layout's pool ({layout.num_pages} "
+                f"pages x {layout.page_bytes} B); describe the tensor you register"
+            )
         self.config = config
         self.tls = tls or TLSConfig()  # bootstrap calls to prefill ranks
         self.layout = layout
         self.role = role
         self.epoch: int = secrets.randbits(64) or 1  # a new incarnation at every start
         self.kv_ptr, self.kv_nbytes = kv_ptr, kv_nbytes
-        self.contract = LayoutContract.from_layout(layout, model_name=model_name, model_fingerprint=model_fingerprint,
+        self.contract = LayoutContract.from_layout(layout, model_name=model_name,
+                                                   model_fingerprint=model_fingerprint,
                                                    backend=config.backend)
         self.faults = faults if faults is not None else TransferFaults.from_env()
         adv = config.advertise_host or host
@@ -72,7 +76,7 @@ class KVTransferManager:
         self.peer_id = f"{peer_id or self.backend.agent_name}/tp{layout.tp_rank}"
         # Source of the corrupt= drill's garbage; registered always, since drills can be
         # switched on at run time (`manager.faults = ...`).
-        self._scratch = ctypes.create_string_buffer(os.urandom(CORRUPT_BYTES), CORRUPT_BYTES)
+        self._scratch = scratch_buffer()
         if role == "prefill":
             self.backend.register(ctypes.addressof(self._scratch), CORRUPT_BYTES)
         self._lock = threading.RLock()
@@ -82,18 +86,22 @@ class KVTransferManager:
         self._totals = TransferTotals()
         self._channels: dict[str, grpc.Channel] = {}
         self._agent_epoch: dict[str, tuple[str, int]] = {}  # decode agent -> (peer_id, epoch)
-        self._tp_addrs: list[str] = []  # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
-        self._rng = random.Random()
-        self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        # prefill: bootstrap address of every TP rank (set_tp_bootstrap_addrs)
+        self._tp_addrs: list[str] = []
         # prefill: write jobs submitted and not yet done, per room (ReleaseRoom waits for 0);
         # rooms decode released (room -> expiry): a later registration or sender is refused.
         self._jobs_of: dict[int, int] = {}
         self._job_done = threading.Condition(self._lock)
         self._released: dict[int, float] = {}
         # decode: ReleaseRoom calls run here, never on the engine's thread.
-        self._release_pool = ThreadPoolExecutor(max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}")
-        self._thread = threading.Thread(target=self._run_jobs, daemon=True, name=f"kv-transfer-{role}")
-        self._thread.start()
+        self._release_pool = ThreadPoolExecutor(
+            max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}"
+        )
+        self._writer = Writer(WriterContext(
+            backend=self.backend, kv_ptr=kv_ptr, page_bytes=layout.page_bytes,
+            scratch=ctypes.addressof(self._scratch), checksum=config.checksum,
+            timeout_s=config.transfer_timeout_s, faults=lambda: self.faults,
+            on_result=self._write_result, on_settled=self._write_settled))
         self._closed = False
 
     # ---- prefill ------------------------------------------------------------------------
@@ -101,10 +109,14 @@ class KVTransferManager:
     def add_to_server(self, server: grpc.Server) -> None:
         """Serve the bootstrap service on the worker's gRPC server (prefill ranks)."""
         if self.role != "prefill":
-            raise TransferConfigError("add_to_server is for prefill ranks; decode ranks register, they do not serve")
-        service = BootstrapService(self.config, self.contract, self._lock, wait_sender=self._wait_sender,
-                                   connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
-                                   rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room)
+            raise TransferConfigError(
+                "add_to_server is for prefill ranks; decode ranks register, they do not serve"
+            )
+        service = BootstrapService(
+            self.config, self.contract, self._lock, wait_sender=self._wait_sender,
+            connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
+            rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room,
+            peer_refusal=self._writer.refusal)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
 
     def serve_bootstrap(self, host: str, port: int) -> tuple[grpc.Server, int]:
@@ -131,14 +143,18 @@ class KVTransferManager:
         and registers with the other ranks itself.
         """
         if len(addrs) != self.layout.tp_size:
-            raise TransferConfigError(f"set_tp_bootstrap_addrs: got {len(addrs)} addresses for tp_size={self.layout.tp_size}; "
-                                      "give one host:port per prefill rank, in rank order")
+            raise TransferConfigError(
+                f"set_tp_bootstrap_addrs: got {len(addrs)} addresses for "
+                f"tp_size={self.layout.tp_size}; give one host:port per prefill rank, in rank order"
+            )
         self._tp_addrs = list(addrs)
 
     def create_sender(self, room: int) -> KVSender:
         with self._lock:
             self._check_new(room, "prefill")
-            sender = KVSender(room, self.config, self._lock, self._room_finished, self.layout, self._submit)
+            sender = KVSender(
+                room, self.config, self._lock, self._room_finished, self.layout, self._submit
+            )
             self._rooms[room] = sender
             if room in self._released:  # decode gave this room up before our Generate arrived
                 sender.abort(f"room {room:#x} was released by decode before prefill started it")
@@ -146,9 +162,26 @@ class KVTransferManager:
             return sender
 
     def _submit(self, job: WriteJob) -> None:
-        """Queue a write for the transfer thread, counted per room (lock held by the sender)."""
+        """Queue a write on its peer's lane, counted per room (lock held by the sender)."""
         self._jobs_of[job.sender.room] = self._jobs_of.get(job.sender.room, 0) + 1
-        self._jobs.put(job)
+        self._writer.submit(job)
+
+    def _write_result(self, job: WriteJob, failure: WriteFailure | None, nbytes: int,
+                      crc: int | None) -> None:
+        job.sender.write_done(job, failure, nbytes, crc)
+
+    def _write_settled(self, job: WriteJob) -> None:
+        """Nothing of `job` can land any more: a ReleaseRoom waiting on its room may answer."""
+        with self._lock:
+            room = job.sender.room
+            self._jobs_of[room] -= 1
+            if not self._jobs_of[room]:
+                del self._jobs_of[room]
+            self._job_done.notify_all()
+
+    def peer_states(self) -> dict[str, PeerState]:
+        """Prefill: how each decode agent written to is treated (fenced ones take no writes)."""
+        return self._writer.states()
 
     def release_room(self, room: int, reason: str, timeout_s: float) -> tuple[bool, float]:
         """Prefill: decode gives `room` up. Abort our side, refuse later registrations for it,
@@ -170,7 +203,8 @@ class KVTransferManager:
         return drained, time.monotonic() - t0
 
     def _tombstone_s(self) -> float:
-        """How long a released room stays refused: past any registration or Generate still in flight."""
+        """How long a released room stays refused: past any registration or Generate
+        still in flight."""
         c = self.config
         return 2 * (c.bootstrap_timeout_s + c.waiting_timeout_s)
 
@@ -189,7 +223,8 @@ class KVTransferManager:
                 self._room_added.wait(left)
 
     def _connect_peer(self, reg: pb.RoomRegistration) -> Peer:
-        """Turn a registration into a Peer (checks its pages against its pool); connects the backend."""
+        """Turn a registration into a Peer (checks its pages against its pool);
+        connects the backend."""
         theirs = contract_from_pb(reg.contract)
         shape = theirs.layout(num_window_pages=reg.num_window_pages)
         window_bytes = shape.window_view().pool_bytes if reg.num_window_pages else 0
@@ -197,11 +232,16 @@ class KVTransferManager:
         num_pages = (pages_end - window_bytes) // shape.page_bytes
         bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
         if bad:
-            raise ValueError(f"room {reg.room:#x}: dst_pages {bad[:4]} outside decode's pool of {num_pages} pages")
+            raise ValueError(
+                f"room {reg.room:#x}: dst_pages {bad[:4]} "
+                f"outside decode's pool of {num_pages} pages"
+            )
         bad = [p for p in reg.window_dst_pages if not 0 <= p < reg.num_window_pages]
         if bad:
-            raise ValueError(f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
-                             f"{reg.num_window_pages} pages")
+            raise ValueError(
+                f"room {reg.room:#x}: window_dst_pages {bad[:4]} outside decode's window region of "
+                f"{reg.num_window_pages} pages"
+            )
         layout = theirs.layout(num_pages, reg.num_window_pages, reg.num_state_slots, reg.state_base)
         state_slot = reg.state_dst_slot if reg.HasField("state_dst_slot") else -1
         if (state_slot >= 0) != (self.layout.state_group is not None):
@@ -216,8 +256,8 @@ class KVTransferManager:
         with self._lock:
             self._agent_epoch[reg.agent_name] = (reg.peer_id, reg.epoch)
         self.backend.connect(reg.agent_name, reg.agent_metadata)
-        return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id, epoch=reg.epoch,
-                    agent_name=reg.agent_name, kv_base=reg.kv_base,
+        return Peer(tp_rank=theirs.tp_rank, tp_size=theirs.tp_size, peer_id=reg.peer_id,
+                    epoch=reg.epoch, agent_name=reg.agent_name, kv_base=reg.kv_base,
                     layout=layout, dst_pages=list(reg.dst_pages), skip_pages=reg.skip_pages,
                     window_dst_pages=list(reg.window_dst_pages), state_dst_slot=state_slot)
 
@@ -225,12 +265,19 @@ class KVTransferManager:
         """A decode peer came back with a new epoch: its old memory is gone; fail its rooms."""
         with self._lock:
             for r in list(self._rooms.values()):
-                if isinstance(r, KVSender) and any(p.peer_id == peer_id and p.epoch == old_epoch for p in r.peers.values()):
-                    r.fail(f"decode peer {peer_id} restarted (epoch {old_epoch:#x} replaced); its pages are gone")
-            stale = [a for a, (pid, ep) in self._agent_epoch.items() if pid == peer_id and ep == old_epoch]
+                if isinstance(r, KVSender) and any(
+                    p.peer_id == peer_id and p.epoch == old_epoch for p in r.peers.values()
+                ):
+                    r.fail(
+                        f"decode peer {peer_id} restarted (epoch {old_epoch:#x} replaced); "
+                        "its pages are gone"
+                    )
+            stale = [a for a, (pid, ep) in self._agent_epoch.items()
+                     if pid == peer_id and ep == old_epoch]
             for agent in stale:
                 del self._agent_epoch[agent]
         for agent in stale:
+            self._writer.forget(agent)
             self.backend.forget(agent)
 
     # ---- decode -------------------------------------------------------------------------
@@ -253,17 +300,27 @@ class KVTransferManager:
         groups = bootstrap_addr.split(";")
         addrs = [a.strip() for a in groups[room % len(groups)].split(",") if a.strip()]
         if not addrs:
-            raise TransferConfigError(f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port")
+            raise TransferConfigError(
+                f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port"
+            )
         bad = [p for p in dst_pages if not 0 <= p < self.layout.num_pages]
         if bad:
-            raise ValueError(f"room {room:#x}: dst_pages {bad[:4]} outside this pool of {self.layout.num_pages} pages")
+            raise ValueError(
+                f"room {room:#x}: dst_pages {bad[:4]} "
+                f"outside this pool of {self.layout.num_pages} pages"
+            )
         ring = list(window_pages or [])
         group = self.layout.window_group
         if group is not None and len(ring) != group.ring_pages(self.layout.page_size):
-            raise ValueError(f"room {room:#x}: window_pages has {len(ring)} pages; this layout's window ring needs "
-                             f"{group.ring_pages(self.layout.page_size)} (window {group.window}, page_size {self.layout.page_size})")
+            raise ValueError(
+                f"room {room:#x}: window_pages has {len(ring)} pages; this layout's window ring "
+                f"needs {group.ring_pages(self.layout.page_size)} (window {group.window}, "
+                f"page_size {self.layout.page_size})"
+            )
         if group is None and ring:
-            raise ValueError(f"room {room:#x}: window_pages given but this layout has no window region")
+            raise ValueError(
+                f"room {room:#x}: window_pages given but this layout has no window region"
+            )
         if (state_slot >= 0) != (self.layout.state_group is not None):
             raise ValueError(f"room {room:#x}: a layout with a recurrent group needs the room's "
                              f"state_slot, and only such a layout takes one (got {state_slot})")
@@ -272,16 +329,18 @@ class KVTransferManager:
             self.layout.state_offset(state_slot)  # raises ContractError when out of range
         reg = pb.RoomRegistration(
             room=room, peer_id=self.peer_id, epoch=self.epoch, agent_name=self.backend.agent_name,
-            agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr, kv_nbytes=self.kv_nbytes,
-            dst_pages=dst_pages, skip_pages=skip_pages, num_tokens=num_tokens, contract=contract_to_pb(self.contract),
+            agent_metadata=self.backend.agent_metadata, kv_base=self.kv_ptr,
+            kv_nbytes=self.kv_nbytes, dst_pages=dst_pages, skip_pages=skip_pages,
+            num_tokens=num_tokens, contract=contract_to_pb(self.contract),
             num_window_pages=self.layout.num_window_pages, window_dst_pages=ring,
             num_state_slots=self.layout.num_state_slots, state_base=self.layout.state_base, **state,
         )
         with self._lock:
             self._check_new(room, "decode")
-            receiver = KVReceiver(room, self.config, self._lock, self._room_finished, contract=self.contract,
-                                  layout=self.layout, kv_base=self.kv_ptr, addrs=addrs, registration=reg,
-                                  channel_of=self._channel, release=self._release_pool.submit)
+            receiver = KVReceiver(room, self.config, self._lock, self._room_finished,
+                                  contract=self.contract, layout=self.layout, kv_base=self.kv_ptr,
+                                  addrs=addrs, registration=reg, channel_of=self._channel,
+                                  release=self._release_pool.submit)
             self._rooms[room] = receiver
             return receiver
 
@@ -297,9 +356,13 @@ class KVTransferManager:
         if self._closed:
             raise RuntimeError("KVTransferManager is closed")
         if self.role != role:
-            raise TransferConfigError(f"this manager's role is {self.role}; rooms of role {role} need a {role} manager")
+            raise TransferConfigError(
+                f"this manager's role is {self.role}; rooms of role {role} need a {role} manager"
+            )
         if room in self._rooms:
-            raise ValueError(f"room {room:#x} already exists on this rank (room ids must be unique per request)")
+            raise ValueError(
+                f"room {room:#x} already exists on this rank (room ids must be unique per request)"
+            )
 
     def get(self, room: int) -> Room | None:
         with self._lock:
@@ -312,11 +375,12 @@ class KVTransferManager:
             r.abort(reason)
 
     def poll_all(self) -> None:
-        """Advance every live room's deadline."""
+        """Advance every live room's deadline; fence a lane stuck in a backend call."""
         with self._lock:
             rooms = list(self._rooms.values())
         for r in rooms:
             r.poll()
+        self._writer.check()
 
     def take_finished(self) -> list[Room]:
         """Rooms that ended since the last call, each returned exactly once (then forgotten)."""
@@ -348,7 +412,8 @@ class KVTransferManager:
             t, rooms_succeeded=t.rooms_succeeded + (room.state is RoomState.SUCCESS),
             rooms_failed=t.rooms_failed + (room.state is RoomState.FAILED),
             rooms_aborted=t.rooms_aborted + (room.state is RoomState.ABORTED),
-            pages=t.pages + room.stats.pages, bytes=t.bytes + room.stats.bytes, writes=t.writes + room.stats.writes,
+            pages=t.pages + room.stats.pages, bytes=t.bytes + room.stats.bytes,
+            writes=t.writes + room.stats.writes,
         )
 
     def close(self) -> None:
@@ -360,52 +425,8 @@ class KVTransferManager:
             self._room_added.notify_all()
             for r in list(self._rooms.values()):
                 r.abort("transfer manager closing")
-        self._jobs.put(None)
-        self._thread.join(timeout=self.config.transfer_timeout_s + 1)
+        self._writer.close()
         self._release_pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels.values():
             ch.close()
         self.backend.close()
-
-    # ---- transfer thread ----------------------------------------------------------------
-
-    def _run_jobs(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.sender.state.finished:  # aborted while queued: do not touch decode memory
-                job.sender.write_done(job, "room ended before the write", 0, None)
-            else:
-                error, nbytes, crc = self._write(job)
-                job.sender.write_done(job, error, nbytes, crc)
-            with self._lock:  # after write_done: a ReleaseRoom waiting on this room may answer now
-                room = job.sender.room
-                self._jobs_of[room] -= 1
-                if not self._jobs_of[room]:
-                    del self._jobs_of[room]
-                self._job_done.notify_all()
-
-    def _write(self, job: WriteJob) -> tuple[str | None, int, int | None]:
-        """Run one job (with faults); returns (error, bytes, crc of the source bytes)."""
-        fail, corrupt = self.faults.draw(self._rng) if self.faults.active else (False, False)
-        if self.faults.delay_ms:
-            time.sleep(self.faults.delay_ms / 1e3)
-        if fail:
-            return f"injected fault ({self.faults})", 0, None
-        crc = crc_of(self.kv_ptr, [(r.src, r.length) for r in job.ranges]) if self.config.checksum else None
-        spans = [(self.kv_ptr + r.src, job.peer.kv_base + r.dst, r.length)
-                 for r in split_ranges(job.ranges, self.backend.max_range_bytes)]
-        try:
-            self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)
-            if corrupt:
-                self._corrupt(job)
-        except BackendError as e:
-            return str(e), 0, None
-        return None, sum(r.length for r in job.ranges), crc
-
-    def _corrupt(self, job: WriteJob) -> None:
-        """corrupt= fault: after the real write, overwrite the start of every landed page with
-        random bytes (up to CORRUPT_BYTES each), so the KV decode reads is garbage, for real."""
-        page = self.layout.page_bytes
-        scratch = ctypes.addressof(self._scratch)
-        spans = [(scratch, job.peer.kv_base + r.dst + off, min(CORRUPT_BYTES, r.length - off))
-                 for r in job.ranges for off in range(0, r.length, page)]
-        self.backend.write(job.peer.agent_name, spans, self.config.transfer_timeout_s)

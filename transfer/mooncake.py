@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from transfer.backend import BackendError, Span, TransferBackend, WriteStatus
@@ -52,6 +53,14 @@ def _quiet_stderr(drop: tuple[str, ...]) -> Iterator[None]:
                 sys.stderr.flush()
 
 
+@dataclass
+class _Batch:
+    """One write: a Mooncake batch id per range, those still in flight, the first failure."""
+
+    pending: set[int] = field(default_factory=set)
+    failed: str = ""
+
+
 class MooncakeBackend(TransferBackend):
     name = "mooncake"
 
@@ -84,6 +93,7 @@ class MooncakeBackend(TransferBackend):
             )
         self._name = f"{host}:{self._te.get_rpc_port()}"
         self._registered: list[int] = []
+        self._peers: set[str] = set()  # handshaken (connect)
 
     @property
     def agent_name(self) -> str:
@@ -96,24 +106,54 @@ class MooncakeBackend(TransferBackend):
         self._registered.append(ptr)
 
     def connect(self, agent_name: str, metadata: bytes) -> None:
-        pass  # the P2P handshake happens on the first write to "host:rpc_port"
+        # Handshake now, while the peer is provably alive (it just registered), with an empty
+        # write: Mooncake does the P2P handshake on a peer's first write, holding a lock every
+        # other write waits on, so a first write to a peer that froze would stall the writes to
+        # every peer until the handshake times out (~60 s, measured).
+        if agent_name in self._peers or not self._registered:
+            return
+        rc = self._te.transfer_sync_write(agent_name, self._registered[0], 0, 0)
+        if rc != 0:
+            raise BackendError(f"mooncake: handshake with {agent_name} returned {rc}")
+        self._peers.add(agent_name)
 
     def forget(self, agent_name: str) -> None:
-        pass  # sessions are per address; a restarted peer answers on its new rpc port
+        self._peers.discard(agent_name)  # a restarted peer answers on its new rpc port
 
     def submit(self, peer: str, spans: list[Span]) -> Any:
-        # Mooncake's Python API has no non-blocking status for a whole batch
-        # (transfer_check_status looks at task 0 only, and frees the batch when that one is
-        # done), so the batch runs to completion here, on the manager's transfer thread; the
-        # engine never waits on it. Mooncake bounds it itself (MC_TRANSFER_TIMEOUT, >= 5 s).
-        src, dst, lengths = (list(col) for col in zip(*spans, strict=True))
-        return self._te.batch_transfer_sync_write(peer, src, dst, lengths)
+        # One Mooncake batch per range (`transfer_submit_write`), each polled on its own with
+        # `transfer_check_status` (0 in flight, 1 done, -1 failed; it frees the batch once
+        # done). Never `batch_transfer_sync_write`: it blocks until the peer answers, and a
+        # frozen peer answers never. `transfer_check_status` on a many-range batch looks at its
+        # first task only, so the ranges are not batched together.
+        batch = _Batch()
+        for src, dst, n in spans:
+            bid = self._te.transfer_submit_write(peer, src, dst, n)
+            if bid <= 0:
+                batch.failed = f"transfer_submit_write to {peer} returned {bid}"
+                break
+            batch.pending.add(bid)
+        if batch.failed and not batch.pending:
+            raise BackendError(f"mooncake: {batch.failed}")
+        return batch
 
     def poll(self, handle: Any) -> WriteStatus:
-        return WriteStatus.DONE if handle == 0 else WriteStatus.FAILED
+        batch: _Batch = handle
+        for bid in list(batch.pending):
+            code = self._te.transfer_check_status(bid)
+            if code != 0:
+                batch.pending.discard(bid)
+                if code < 0:
+                    batch.failed = batch.failed or f"a range to the peer failed ({code})"
+        if batch.pending:
+            return WriteStatus.IN_FLIGHT  # even after a failure: the others may still land
+        return WriteStatus.FAILED if batch.failed else WriteStatus.DONE
+
+    def cancel(self, handle: Any) -> bool:
+        return not handle.pending  # Mooncake cannot stop a range in flight
 
     def release(self, handle: Any) -> None:
-        pass  # submit ran the batch to completion; nothing is held
+        pass  # each batch was freed by the transfer_check_status that saw it end
 
     def close(self) -> None:
         for ptr in self._registered:

@@ -46,7 +46,8 @@ def head_runs(src: KVLayout, dst: KVLayout) -> list[tuple[int, int, int]]:
     """Heads `src` sends to `dst` as runs (src_local_head, dst_local_head, num_heads)."""
     if src.num_kv_heads_total != dst.num_kv_heads_total:
         raise PlanError(
-            f"num_kv_heads_total differs: src {src.num_kv_heads_total} vs dst {dst.num_kv_heads_total}"
+            f"num_kv_heads_total differs: src {src.num_kv_heads_total} vs dst "
+            f"{dst.num_kv_heads_total}"
         )
     if (src.latent_group is None) != (dst.latent_group is None):
         raise PlanError("one side keeps MLA latent pages, the other K/V pages; check the contract")
@@ -94,7 +95,8 @@ def page_positions(
     end = start_page + num_src_pages
     if end > num_dst_pages:
         raise PlanError(
-            f"src pages cover positions [{start_page}, {end}) but decode reserved only {num_dst_pages} dst_pages"
+            f"src pages cover positions [{start_page}, {end}) but decode reserved only "
+            f"{num_dst_pages} dst_pages"
         )
     return range(max(start_page, skip_pages), end)
 
@@ -133,7 +135,8 @@ def plan_segments(
         s_page, d_page = src_pages[pos - start_page], dst_pages[pos]
         if not 0 <= s_page < src.num_pages or not 0 <= d_page < dst.num_pages:
             raise PlanError(
-                f"page id out of range at position {pos}: src {s_page}/{src.num_pages}, dst {d_page}/{dst.num_pages}"
+                f"page id out of range at position {pos}: src {s_page}/{src.num_pages}, dst "
+                f"{d_page}/{dst.num_pages}"
             )
         segs: list[Range] = []
         if (
@@ -179,7 +182,8 @@ def plan_pages(
 
 @dataclass(frozen=True)
 class TokenRun:
-    """`count` consecutive tokens starting at request position `first_token`, stored from ring `slot`."""
+    """`count` consecutive tokens starting at request position `first_token`,
+    stored from ring `slot`."""
 
     slot: int
     first_token: int
@@ -242,7 +246,8 @@ def window_tail_pages(num_tokens: int, window: int, page_size: int, ring_pages: 
     """
     if window <= 0 or page_size <= 0 or ring_pages * page_size < window:
         raise PlanError(
-            f"need window ({window}) > 0 and ring_pages ({ring_pages}) * page_size ({page_size}) >= window"
+            f"need window ({window}) > 0 and "
+            f"ring_pages ({ring_pages}) * page_size ({page_size}) >= window"
         )
     if num_tokens <= 0:
         return []

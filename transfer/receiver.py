@@ -31,7 +31,7 @@ from protocol import bootstrap_pb2_grpc as pb_grpc
 from transfer.config import TransferConfig
 from transfer.contract import ContractError, KVLayout, LayoutContract
 from transfer.plan import coalesce, plan_pages, plan_window_tail
-from transfer.room import Room, RoomState
+from transfer.room import Room, RoomState, Side
 from transfer.wire import contract_from_pb
 
 
@@ -43,8 +43,20 @@ def crc_of(base: int, ranges: list[tuple[int, int]]) -> int:
     return crc
 
 
+# Decode's TRANSFERRING deadline runs this much past prefill's: prefill enforces the transfer
+# deadline and names the side at fault, so while it lives its verdict arrives first; decode's
+# own deadline is the backstop for a prefill that died or froze.
+TRANSFER_GRACE_S = 1.0
+
+
 class KVReceiver(Room):
     """Decode's half of one room. Created by `KVTransferManager.create_receiver`."""
+
+    side = Side.DECODE
+
+    def _timeout_of(self, state: RoomState) -> float:
+        grace = TRANSFER_GRACE_S if state is RoomState.TRANSFERRING else 0.0
+        return super()._timeout_of(state) + grace
 
     def __init__(
         self, room: int, config: TransferConfig, lock: threading.RLock, on_finish: Callable[[Room], None],
@@ -115,11 +127,14 @@ class KVReceiver(Room):
                 if not self._state.finished:
                     # ABORTED: prefill ended the room before we registered (e.g. the client left).
                     state = RoomState.ABORTED if code == grpc.StatusCode.ABORTED else RoomState.FAILED
-                    self._finish(state, f"bootstrap stream to prefill {addr} ended: {code.name}: {e.details()}")  # type: ignore[attr-defined]
+                    details = e.details()  # type: ignore[attr-defined]
+                    self._finish(state, f"bootstrap stream to prefill {addr} ended: "
+                                 f"{code.name}: {details}", fault=Side.PREFILL)
             return
         with self._lock:
             if not self._state.finished and i not in self._done:
-                self._finish(RoomState.FAILED, f"bootstrap stream to prefill {addr} closed without DONE")
+                self._finish(RoomState.FAILED, f"bootstrap stream to prefill {addr} closed "
+                             "without DONE", fault=Side.PREFILL)
 
     def _on_event(self, i: int, addr: str, ev: pb.RoomEvent) -> None:
         with self._lock:
@@ -129,11 +144,12 @@ class KVReceiver(Room):
                 theirs = contract_from_pb(ev.contract)
                 diffs = self._contract.mismatches(theirs)
                 if diffs:
-                    self._finish(RoomState.FAILED, f"prefill {addr} contract differs: " + "; ".join(diffs))
+                    self._finish(RoomState.FAILED, f"prefill {addr} contract differs: "
+                                 + "; ".join(diffs), fault=Side.PREFILL)
                     return
                 err = self._add_prefill_ranks(addr, theirs, list(ev.rank_addrs))
                 if err:
-                    self._finish(RoomState.FAILED, err)
+                    self._finish(RoomState.FAILED, err, fault=Side.PREFILL)
                     return
                 self._accepted[i] = theirs
                 if len(self._accepted) == len(self._addrs) and self._state is RoomState.BOOTSTRAPPING:
@@ -145,17 +161,20 @@ class KVReceiver(Room):
                 self._done[i] = ev
                 if len(self._done) == len(self._addrs):
                     self._complete()
-            elif ev.kind == pb.RoomEvent.ABORTED:
-                self._finish(RoomState.ABORTED, f"prefill {addr} aborted the room: {ev.reason}")
-            else:
-                self._finish(RoomState.FAILED, f"prefill {addr} failed the room: {ev.reason}")
+            else:  # FAILED / ABORTED: blame whom prefill blamed (itself when it does not say)
+                fault = Side.DECODE if ev.fault == Side.DECODE.value else Side.PREFILL
+                aborted = ev.kind == pb.RoomEvent.ABORTED
+                self._finish(RoomState.ABORTED if aborted else RoomState.FAILED,
+                             f"prefill {addr} {'aborted' if aborted else 'failed'} the room: "
+                             f"{ev.reason}", fault=fault, timed_out=ev.timed_out)
 
     def _complete(self) -> None:
         """Every prefill rank confirmed: verify checksums, take the first token (lock held)."""
         for i, ev in sorted(self._done.items()):
             err = self._verify(self._accepted[i], ev)
             if err:
-                self._finish(RoomState.FAILED, f"room {self.room:#x}: KV checksum mismatch from prefill {self._addrs[i]}: {err}")
+                self._finish(RoomState.FAILED, f"room {self.room:#x}: KV checksum mismatch from "
+                             f"prefill {self._addrs[i]}: {err}", fault=Side.PREFILL)
                 return
             self.stats.pages += ev.pages
             self.stats.bytes += ev.bytes

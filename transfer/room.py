@@ -8,6 +8,10 @@ A room is one request's KV hand-off between a prefill rank (sender) and a decode
 Every non-terminal state has a deadline from TransferConfig; `poll()` expires it. A room
 finishes exactly once (later finishes are ignored), and the manager hands each finished room to
 the engine exactly once (`take_finished`), which is when the engine frees the room's pages.
+
+A room that fails names the side at fault (`fault`: the one that stopped answering or sent bad
+data) and whether it timed out; both sides agree on it (FAILED events carry it), so the
+gateway blames the worker that failed, never the bystander on the other end.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from transfer.config import TransferConfig
 
 
 class RoomState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # sender: waiting for decode's registration(s); receiver: registering
+    # sender: waiting for decode's registration(s); receiver: registering
+    BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"  # paired; prefill is still computing the prompt
     TRANSFERRING = "transferring"  # last writes issued, not all confirmed
     SUCCESS = "success"
@@ -32,6 +37,17 @@ class RoomState(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RoomState.SUCCESS, RoomState.FAILED, RoomState.ABORTED)
+
+
+class Side(enum.Enum):
+    """A side of a room; on the wire as its value (RoomEvent.fault)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @property
+    def other(self) -> Side:
+        return Side.DECODE if self is Side.PREFILL else Side.PREFILL
 
 
 @dataclass
@@ -62,12 +78,16 @@ class Room:
     All state lives under the manager's lock (`lock`), shared with the gRPC and transfer threads.
     """
 
+    side: Side  # which end of the room this object is (the sender is prefill's)
+
     def __init__(
         self, room: int, config: TransferConfig, lock: threading.RLock,
         on_finish: Callable[[Room], None],
     ) -> None:
         self.room = room
         self.error: str | None = None
+        self.fault: Side | None = None  # who failed the room (None: it succeeded, or was aborted)
+        self.timed_out = False  # a deadline passed, or the peer stopped answering
         self.stats = RoomStats()
         self._config = config
         self._lock = lock
@@ -93,14 +113,22 @@ class Room:
             self._state = state
             self._deadline = time.monotonic() + self._timeout_of(state)
 
+    def _late_side(self, state: RoomState) -> Side:
+        """Whose step is overdue when `state`'s deadline passes (default: the other side's)."""
+        return self.side.other
+
     def poll(self) -> RoomState:
         """Expire the current state's deadline; never blocks on I/O."""
         with self._lock:
-            if not self._state.finished and time.monotonic() > self._deadline:
-                name = {RoomState.BOOTSTRAPPING: "bootstrap_timeout_s", RoomState.WAITING_FOR_INPUT: "waiting_timeout_s",
-                        RoomState.TRANSFERRING: "transfer_timeout_s"}[self._state]
-                self._finish(RoomState.FAILED, f"room {self.room:#x}: deadline in {self._state.value} passed "
-                             f"(transfer.{name}={self._timeout_of(self._state)}s)")
+            state = self._state
+            if not state.finished and time.monotonic() > self._deadline:
+                name = {RoomState.BOOTSTRAPPING: "bootstrap_timeout_s",
+                        RoomState.WAITING_FOR_INPUT: "waiting_timeout_s",
+                        RoomState.TRANSFERRING: "transfer_timeout_s"}[state]
+                late = self._late_side(state)
+                self._finish(RoomState.FAILED, f"room {self.room:#x}: deadline in {state.value} "
+                             f"passed (transfer.{name}={self._timeout_of(state)}s; waiting on "
+                             f"{late.value})", fault=late, timed_out=True)
             return self._state
 
     def abort(self, reason: str) -> None:
@@ -108,13 +136,17 @@ class Room:
         with self._lock:
             self._finish(RoomState.ABORTED, reason)
 
-    def _finish(self, state: RoomState, reason: str | None) -> bool:
-        """Enter a terminal state once (caller holds the lock); False if already finished."""
+    def _finish(self, state: RoomState, reason: str | None, *, fault: Side | None = None,
+                timed_out: bool = False) -> bool:
+        """Enter a terminal state once (caller holds the lock); False if already finished.
+        `fault`: the side that failed the room; `timed_out`: it stopped answering in time."""
         assert state.finished
         if self._state.finished:
             return False
         self._state = state
         self.error = reason if state is not RoomState.SUCCESS else None
+        if state is not RoomState.SUCCESS:
+            self.fault, self.timed_out = fault, timed_out
         self._on_terminal(state, reason)
         self._on_finish(self)
         return True

@@ -23,7 +23,7 @@ from protocol import bootstrap_pb2 as pb
 from transfer.config import TransferConfig
 from transfer.contract import KVLayout
 from transfer.plan import Range, coalesce, plan_pages, plan_window_tail, window_tail_pages
-from transfer.room import Room, RoomState
+from transfer.room import Room, RoomState, Side
 
 
 class RoomEndedError(ValueError):
@@ -51,6 +51,14 @@ class Peer:
     checksums: list[pb.PageGroupChecksum] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class WriteFailure:
+    """Why a write failed; the decode peer is always the side at fault (it is the target)."""
+
+    reason: str
+    timed_out: bool = False  # unconfirmed past the deadline, or its peer is fenced for that
+
+
 @dataclass
 class WriteJob:
     """One backend batch for the transfer thread: this sender's chunk to one peer."""
@@ -74,6 +82,8 @@ class _Chunk:
 
 class KVSender(Room):
     """Prefill's half of one room. Created by `KVTransferManager.create_sender`."""
+
+    side = Side.PREFILL
 
     def __init__(
         self, room: int, config: TransferConfig, lock: threading.RLock,
@@ -173,21 +183,29 @@ class KVSender(Room):
         """The decode rank's stream ended before the room did: abort (decode cancelled or died)."""
         with self._lock:
             if self.peers.get(peer.tp_rank) is peer:
-                self._finish(RoomState.ABORTED, f"decode rank {peer.tp_rank} ({peer.peer_id}) {why}")
+                self._finish(RoomState.ABORTED, f"decode rank {peer.tp_rank} ({peer.peer_id}) "
+                             f"{why}", fault=Side.DECODE)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, fault: Side = Side.DECODE, timed_out: bool = False) -> None:
+        """Fail the room; by default the decode side is at fault (its peer restarted, its agent
+        is unreachable or fenced)."""
         with self._lock:
-            self._finish(RoomState.FAILED, reason)
+            self._finish(RoomState.FAILED, reason, fault=fault, timed_out=timed_out)
 
     # ---- transfer-thread-facing ---------------------------------------------------------
 
-    def write_done(self, job: WriteJob, error: str | None, nbytes: int, crc: int | None) -> None:
+    def write_done(self, job: WriteJob, failure: WriteFailure | None, nbytes: int,
+                   crc: int | None) -> None:
+        """A write's result (once per job, from its lane). A failure fails the room, blaming
+        the decode peer it was written to."""
         with self._lock:
             self._in_flight -= 1
             if self._state.finished:
                 return
-            if error is not None:
-                self._finish(RoomState.FAILED, f"room {self.room:#x}: write to decode rank {job.peer.tp_rank} failed: {error}")
+            if failure is not None:
+                self._finish(RoomState.FAILED, f"room {self.room:#x}: write to decode rank "
+                             f"{job.peer.tp_rank} ({job.peer.peer_id}) failed: {failure.reason}",
+                             fault=Side.DECODE, timed_out=failure.timed_out)
                 return
             job.peer.pages += job.num_pages
             job.peer.bytes += nbytes
@@ -269,9 +287,16 @@ class KVSender(Room):
             ))
         self._finish(RoomState.SUCCESS, None)
 
+    def _late_side(self, state: RoomState) -> Side:
+        # Waiting for input, the prompt is ours to compute; otherwise decode is late (it never
+        # registered, or its memory does not confirm our writes).
+        return Side.PREFILL if state is RoomState.WAITING_FOR_INPUT else Side.DECODE
+
     def _on_terminal(self, state: RoomState, reason: str | None) -> None:
         if state is RoomState.SUCCESS:
             return
         kind = pb.RoomEvent.ABORTED if state is RoomState.ABORTED else pb.RoomEvent.FAILED
+        fault = self.fault.value if self.fault is not None else ""
         for peer in self.peers.values():
-            peer.events.put(pb.RoomEvent(kind=kind, reason=reason or ""))
+            peer.events.put(pb.RoomEvent(kind=kind, reason=reason or "", fault=fault,
+                                         timed_out=self.timed_out))

@@ -1,16 +1,18 @@
 """The decode role: reserve pages, let prefill fill them, decode in the running batch.
 
 Lifecycle of one request on a decode worker:
-1. `Generate(room, bootstrap_addr)` arrives: memory for the prompt (+ the first token) is
-   reserved in every cache group (pages; for a hybrid model also a window ring, where prefill
-   lands its ring's tail); when the cache is short the request waits here, holding nothing,
-   until memory frees up.
+1. `Generate(room, bootstrap_addr)` arrives: a seat in the running batch and memory for the
+   prompt (+ the first token) are reserved together in every cache group (pages; for a hybrid
+   model also a window ring, where prefill lands its ring's tail); when seats or the cache are
+   short the request waits here, holding nothing and before its first token, until they free
+   up. (The gateway holds requests while every decode worker is full, so this queue is short.)
 2. A receiver registers the room with the prefill worker's bootstrap service: destination
    pages, this worker's transfer agent, the layout contract and this incarnation's epoch.
    The request is WAITING_FOR_REMOTE_KV.
 3. Prefill writes the pages and then reports the first token. `poll` sees the room succeed:
-   the request joins the running batch with its prompt marked computed and the first token
-   appended, and streams from there. Decode never runs the prompt through the model.
+   the request takes its reserved seat in the running batch with its prompt marked computed
+   and the first token appended, and streams from there. Decode never runs the prompt
+   through the model.
 4. If the room fails (deadline, peer gone, corrupt pages, contract mismatch) the request fails
    with that reason; it is never silently recomputed. Pages are freed exactly once.
 5. A room that ended before DONE (abort, deadline, failure) may still have a prefill write in
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from transfer.manager import KVReceiver, KVTransferManager
-from transfer.room import RoomState
+from transfer.room import RoomState, Side
 from worker.cache_manager import CacheHold
 from worker.request import DraftState, Request, RequestStatus, TokenLogprob, room_error_code
 from worker.scheduler import Scheduler
@@ -126,7 +128,7 @@ class DecodeRole:
             error = rx.error or f"room ended in state {state.name}"
             self._quarantine(req, rx, sched)
             sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}",
-                         room_error_code(error))
+                         room_error_code(error, rx.fault, Side.DECODE, rx.timed_out))
             return
         logprob = None
         if rx.first_logprob is not None and (req.sampling.logprobs or req.sampling.top_logprobs):
@@ -140,7 +142,7 @@ class DecodeRole:
             self._landed.append(_Pending(req, sched))
 
     def _seat(self) -> None:
-        """Landed requests join their group's batch in arrival order while it has seats."""
+        """Landed requests join their group's batch, in the seats they reserved."""
         self._landed = deque(p for p in self._landed if not p.sched.seat(p.request))
 
     def abort(self, request_id: str, reason: str) -> None:

@@ -25,6 +25,7 @@ class PagePool:
         ]  # ledger: page -> request ids
         self._cached: set[int] = set()  # pages the prefix cache retains
         self._num_used = 0  # pages with at least one holder
+        self._num_idle = 0  # cached pages with no holder (evictable): num_cached, in O(1)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -39,7 +40,7 @@ class PagePool:
     @property
     def num_cached(self) -> int:
         """Pages retained only by the prefix cache: evictable."""
-        return sum(1 for p in self._cached if not self._holders[p])
+        return self._num_idle
 
     def holders_of(self, page: int) -> frozenset[str]:
         return frozenset(self._holders[page])
@@ -73,7 +74,9 @@ class PagePool:
             holders.remove(holder)
             if not holders:
                 self._num_used -= 1
-                if p not in self._cached:
+                if p in self._cached:
+                    self._num_idle += 1
+                else:
                     self._free.append(p)
 
     def _hold(self, page: int, holder: str) -> None:
@@ -81,6 +84,8 @@ class PagePool:
         assert holder not in holders, f"page {page} already held by {holder!r}"
         if not holders:
             self._num_used += 1
+            if page in self._cached:
+                self._num_idle -= 1
         holders.add(holder)
 
     # ---- the prefix cache's side ----------------------------------------------------------------
@@ -90,14 +95,18 @@ class PagePool:
 
     def uncache(self, page: int) -> None:
         """The cache dropped `page`; it becomes free unless a request still holds it."""
-        self._cached.discard(page)
+        if page not in self._cached:
+            return
+        self._cached.remove(page)
         if not self._holders[page]:
+            self._num_idle -= 1
             self._free.append(page)
 
     def assert_drained(self) -> None:
         """No page is held by a request (cached pages are fine). For tests and drain checks."""
         leaked = {p: sorted(h) for p, h in enumerate(self._holders) if h}
         assert not leaked, f"pages still held: {leaked}"
+        assert self._num_idle == len(self._cached), "idle cached pages miscounted"
         assert self.num_free + len(self._cached) == self.num_pages, (
             "free list and cache do not add up"
         )

@@ -173,12 +173,16 @@ class PiecewiseGraphs:
                 self.capturing, self._warming = None, False
             torch.cuda.synchronize()
             for bs in reversed(self.buckets):
+                batch = self._static_batch(bs)  # before the capture: it copies host lists
                 bucket = _Bucket(pieces=[torch.cuda.CUDAGraph()])
                 self.capturing = bucket
                 try:
                     bucket.pieces[0].capture_begin(pool=self._pool)
-                    bucket.hidden = self.model(self._static_batch(bs), self.kv)  # [bs, H]
+                    bucket.hidden = self.model(batch, self.kv)  # [bs, H]
                     bucket.pieces[-1].capture_end()
+                except BaseException:
+                    _end_failed_capture(bucket.pieces[-1])
+                    raise
                 finally:
                     self.capturing = None
                 self._graphs[bs] = bucket
@@ -216,6 +220,16 @@ class PiecewiseGraphs:
         self.num_replays += 1
         assert bucket.hidden is not None
         return bucket.hidden[:t]
+
+
+def _end_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """A capture that raised leaves its stream capturing, which fails every later CUDA call in
+    the process: end it. Ending an invalidated capture raises too; the first error is the one
+    worth reporting, so that second one is only logged."""
+    try:
+        graph.capture_end()
+    except RuntimeError as exc:
+        log.debug("ending a failed piecewise capture: %s", exc)
 
 
 class _NoGraph:

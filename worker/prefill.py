@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from transfer.manager import KVSender, KVTransferManager
-from transfer.room import RoomState
+from transfer.room import RoomState, Side
 from worker.request import Request, RequestStatus, room_error_code
 from worker.scheduler import Scheduler
 
@@ -121,7 +121,11 @@ class PrefillRole:
             else:  # the room died before the prompt was done
                 error = error or f"room ended ({ended.state.name}) before the prompt finished"
                 room.sched.end(req.request_id, RequestStatus.FINISHED_ERROR, error,
-                               room_error_code(error))
+                               self._code(room, error))
+
+    def _code(self, room: _Room, error: str) -> str:
+        s = room.sender
+        return room_error_code(error, s.fault, Side.PREFILL, s.timed_out)
 
     def _end(self, room: _Room, state: RoomState, error: str) -> None:
         req, sched = room.request, room.sched
@@ -132,7 +136,7 @@ class PrefillRole:
                          error or "aborted by the decode side", "unavailable")
         else:
             sched.finish(req, RequestStatus.FINISHED_ERROR, f"KV transfer failed: {error}",
-                         room_error_code(error))
+                         self._code(room, error))
 
     def abort(self, request_id: str, reason: str) -> None:
         room = self._rooms.pop(request_id, None)

@@ -5,11 +5,16 @@ its value the page id holding their KV. A prompt's longest cached prefix is a wa
 root. Only full pages enter the tree, so a cached page is never written again (the request
 that made it has moved past it) and may be shared read-only by any number of requests.
 
-Eviction drops least-recently-used leaves whose page no live request holds.
+Eviction drops least-recently-used leaves whose page no live request holds. The candidates
+live in a heap keyed by last use, invalidated lazily (an entry is stale once its node was
+touched again, gained a child or left the tree), so an eviction costs O(log n) per page instead
+of a walk of the whole tree: with the cache full, every page a running request grows into
+evicts one, and a walk per eviction took a quarter of the engine thread at batch 160.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +29,7 @@ class _Node:
     parent: _Node | None
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     last_used: int = 0
+    in_tree: bool = True
 
 
 class PrefixCache:
@@ -33,6 +39,9 @@ class PrefixCache:
         self._root = _Node(key=(), page=-1, parent=None)
         self._clock = itertools.count(1)  # logical time for LRU
         self._num_nodes = 0
+        # (last_used, tiebreak, node) of leaves, oldest first; stale entries are skipped
+        self._lru: list[tuple[int, int, _Node]] = []
+        self._tiebreak = itertools.count()
 
     @property
     def num_pages(self) -> int:
@@ -49,6 +58,8 @@ class PrefixCache:
             child.last_used = now
             pages.append(child.page)
             node = child
+        if pages and not node.children:
+            self._push(node)
         return pages
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> None:
@@ -70,19 +81,36 @@ class PrefixCache:
                 self._num_nodes += 1
             child.last_used = now
             node = child
+        if node is not self._root and not node.children:
+            self._push(node)
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages no request holds, least recently used leaves first."""
-        freed = 0
-        while freed < num_pages:
-            leaves = [n for n in self._leaves() if not self.pool.is_held(n.page)]
-            if not leaves:
-                break
-            leaves.sort(key=lambda n: n.last_used)
-            for leaf in leaves[: num_pages - freed]:
-                self._remove(leaf)
-                freed += 1
+        freed, held = 0, []
+        lru = self._lru
+        while freed < num_pages and lru:
+            entry = heapq.heappop(lru)
+            used, _, node = entry
+            if not node.in_tree or node.children or node.last_used != used:
+                continue  # stale: a fresher entry exists, or it is no longer a leaf
+            if self.pool.is_held(node.page):
+                held.append(entry)  # a live request's page: a candidate again once released
+                continue
+            parent = node.parent
+            self._remove(node)
+            freed += 1
+            if parent is not None and parent is not self._root and not parent.children:
+                self._push(parent)  # a leaf now
+        for entry in held:
+            heapq.heappush(lru, entry)
         return freed
+
+    def _push(self, node: _Node) -> None:
+        lru = self._lru
+        heapq.heappush(lru, (node.last_used, next(self._tiebreak), node))
+        if len(lru) > 4 * self._num_nodes + 64:  # mostly stale: rebuild from the leaves
+            self._lru = [(n.last_used, next(self._tiebreak), n) for n in self._leaves()]
+            heapq.heapify(self._lru)
 
     def clear(self) -> None:
         """Drop every entry (pages still held by requests stay with them)."""
@@ -90,10 +118,12 @@ class PrefixCache:
             self.pool.uncache(node.page)
         self._root.children.clear()
         self._num_nodes = 0
+        self._lru = []
 
     def _remove(self, leaf: _Node) -> None:
         assert leaf.parent is not None and not leaf.children
         del leaf.parent.children[leaf.key]
+        leaf.in_tree = False
         self.pool.uncache(leaf.page)
         self._num_nodes -= 1
 

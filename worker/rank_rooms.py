@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from transfer.manager import KVTransferManager
-from transfer.room import Room, RoomState, RoomStats, TransferTotals
+from transfer.room import Room, RoomState, RoomStats, Side, TransferTotals
 from worker.config import WorkerConfig
 from worker.distributed import (
     MessageKind,
@@ -101,6 +101,15 @@ class TPRoom:
         if self.done:
             return self._merged()[1]
         return self.local.error if self.local is not None else None
+
+    @property
+    def fault(self) -> Side | None:
+        """Who failed the room, as rank 0's own room saw it (None: not known here)."""
+        return self.local.fault if self.local is not None else None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.local.timed_out if self.local is not None else False
 
     @property
     def quiesced(self) -> bool:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protocol.errors import PEER_TIMEOUT
+from transfer.room import Side
 from worker.sampling import SamplingParams
 
 if TYPE_CHECKING:  # worker/grammar_xgr.py imports xgrammar: only workers that get a grammar load it
@@ -101,7 +103,20 @@ class Request:
         return FINISH_REASONS.get(self.status, "")
 
 
-def room_error_code(error: str) -> str:
-    """The status class of a failed room: its deadline passed, or the peer failed it. Neither
-    is this worker's fault, so the gateway retries elsewhere without ejecting this worker."""
-    return "deadline" if "deadline" in error or "timed out" in error else "peer"
+def room_error_code(error: str, fault: Side | None = None, mine: Side | None = None,
+                    timed_out: bool = False) -> str:
+    """The status class of a failed room, from who failed it (`fault`, the room's own verdict;
+    `mine`: this worker's side). "peer" (ABORTED) when the other side did: the gateway blames
+    that worker and retries elsewhere; "peer_timeout" (ABORTED too) when it also stopped
+    answering in time: the gateway marks it suspect as well. This side's own fault: prefill
+    late with the prompt is "deadline"; decode timed out means prefill could not reach it in time (its transfer agent
+    does not answer, or it never registered): "unavailable", which marks it suspect; a write
+    that failed without a timeout is "internal" (blamed, not suspect: it still answers).
+    Without a verdict (an older peer): a deadline, else the peer."""
+    if fault is None or mine is None:
+        return "deadline" if "deadline" in error or "timed out" in error else "peer"
+    if fault is not mine:
+        return PEER_TIMEOUT if timed_out else "peer"
+    if not timed_out:
+        return "internal"  # a write into this side failed: blame it, but it still answers
+    return "deadline" if mine is Side.PREFILL else "unavailable"

@@ -107,6 +107,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.hooks: RoleHooks | None = None  # the role's; the engine polls it once per step
+        # Decode: requests holding a seat of the running batch before they run (reserved with
+        # their pages, so a landed request never waits for a seat after its first token).
+        self._seats: set[Request] = set()
         self._on_output = on_output  # a request has news outside a step's tokens (landed, finished)
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
@@ -187,7 +190,8 @@ class Scheduler:
         return self.cache.chunk_limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
 
     def _admit(self, plan: SchedulePlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self._seats) < self.config.max_num_seqs):
             req = self.waiting[0]
             if not self.cache.fits(req.num_tokens):
                 self.waiting.popleft()
@@ -327,6 +331,7 @@ class Scheduler:
                error_code: str = "internal") -> None:
         """End `req`: cache its computed pages, free its memory exactly once, tell the engine."""
         assert not req.status.is_finished, f"{req.request_id} finished twice"
+        self._seats.discard(req)
         self.cache.cache_computed(req)
         self.cache.free(req)
         req.status = status
@@ -369,8 +374,15 @@ class Scheduler:
         return self.cache.fits(num_tokens)
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Decode: memory for `num_tokens` tokens in every group, or nothing (False: retry)."""
-        return self.cache.reserve(req, num_tokens)
+        """Decode: a seat in the running batch and memory for `num_tokens` tokens in every
+        group, or nothing (False: retry). Preempted requests (waiting to recompute) go first:
+        they have streamed tokens already."""
+        if self.waiting or len(self.running) + len(self._seats) >= self.config.max_num_seqs:
+            return False
+        if not self.cache.reserve(req, num_tokens):
+            return False
+        self._seats.add(req)
+        return True
 
     def holdings(self, req: Request) -> Holdings:
         """What the request holds per group: what a room ships from (prefill) or lands in."""
@@ -391,9 +403,12 @@ class Scheduler:
         return True
 
     def seat(self, req: Request) -> bool:
-        """Decode: a landed request joins the running batch if it has a free seat."""
-        if len(self.running) >= self.config.max_num_seqs:
+        """Decode: a landed request joins the running batch: in the seat it reserved, else if
+        one is free."""
+        full = len(self.running) + len(self._seats) >= self.config.max_num_seqs
+        if req not in self._seats and full:
             return False
+        self._seats.discard(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True
@@ -421,4 +436,5 @@ class Scheduler:
     def assert_drained(self) -> None:
         """No request left and no memory held. Tests end with this."""
         assert not self.waiting and not self.running, "requests left in the queues"
+        assert not self._seats, "seats still held"
         self.cache.assert_drained()

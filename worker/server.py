@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc, tls
+from protocol.errors import ERROR_CODE_KEY
 from protocol.identity import model_fingerprint
 from worker.config import WorkerConfig
 from worker.drain import Drainer, Holdings
@@ -103,9 +104,12 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        external = request.request_id
-        self._registry.add(external, req)
-        log.debug("request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens)
+        # Keyed by the attempt too: an Abort for one attempt must not end a retry here.
+        external = request.attempt_id or request.request_id
+        self._registry.add(req, request.request_id, request.attempt_id)
+        log.debug(
+            "request %s (%s): %d prompt tokens", external, req.request_id, req.num_prompt_tokens
+        )
         engine.submit(req, sink)
         finished = False
         try:
@@ -115,7 +119,10 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
                     finished = True
                     log.info("request %s failed: %s", external, out.error)
                     code = STATUS_BY_ERROR.get(out.error_code, grpc.StatusCode.INTERNAL)
-                    await context.abort(code, out.error)
+                    # The error class travels too: "peer_timeout" (the room's other side stopped
+                    # answering) lets the gateway mark that worker suspect, not just blame it.
+                    await context.abort(code, out.error,
+                                        trailing_metadata=((ERROR_CODE_KEY, out.error_code),))
                     return
                 finished = out.finished
                 yield to_message(out)
@@ -124,7 +131,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         finally:
             if not finished:  # the caller went away: end the request and free its pages
                 engine.abort(req.request_id, "cancelled by the caller")
-            self._registry.remove(external, req)
+            self._registry.remove(req)
 
     def _make_request(self, engine: Engine, message: tandem_pb2.GenerateRequest) -> Request:
         prompt = list(message.prompt_token_ids)
@@ -162,7 +169,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
     async def Abort(self, request: tandem_pb2.AbortRequest,  # type: ignore[override]
                     context: grpc.aio.ServicerContext) -> tandem_pb2.AbortResponse:
         engine = self._ready_engine()
-        ids = self._registry.find(request.request_id, request.room)
+        ids = self._registry.find(request.request_id, request.attempt_id, request.room)
         if engine is not None:
             for rid in ids:
                 engine.abort(rid, "aborted")
@@ -206,13 +213,13 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
     def holdings(self) -> Holdings:
         """What the worker still holds, for the drain."""
         ld = self.load()
-        return Holdings(calls=sum(len(ids) for ids in self._registry.by_external.values()),
+        return Holdings(calls=len(self._registry),
                         running=ld.running, waiting=ld.waiting, rooms=sum(ld.rooms.values()),
                         used_pages=ld.kv_used_pages + ld.kv_window_used_pages)
 
     def abort_all(self, reason: str) -> int:
         """Abort every live request (the drain's deadline passed); returns how many."""
-        ids = [rid for rids in self._registry.by_external.values() for rid in rids]
+        ids = self._registry.live()
         if self.engine is not None:
             for rid in ids:
                 self.engine.abort(rid, reason)
@@ -247,6 +254,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             model_fingerprint=self.fingerprint,
             contract_hash=self.role_info.get("contract_hash", ""),
             draining=self.drainer.draining,
+            max_running_requests=self.config.scheduler.max_num_seqs * len(engine.schedulers),
         )
 
     def _ready_engine(self) -> Engine | None:

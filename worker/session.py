@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from protocol import tandem_pb2
+from protocol.errors import PEER_TIMEOUT
 from worker.engine import Engine
 from worker.outputs import OutputChannel, RequestEnded, StepOutputs
 from worker.request import Request
@@ -38,6 +39,7 @@ STATUS_BY_ERROR = {
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "resource": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "peer": grpc.StatusCode.ABORTED,  # the room's other side failed it: retry elsewhere
+    PEER_TIMEOUT: grpc.StatusCode.ABORTED,  # ... because it stopped answering in time
     "internal": grpc.StatusCode.INTERNAL,
 }
 _CODE_NUMBER = {code: code.value[0] for code in grpc.StatusCode}
@@ -48,31 +50,50 @@ class InvalidRequest(ValueError):
 
 
 class Registry:
-    """What the server keeps about live requests so that Abort by id or room finds them."""
+    """What the server keeps about live requests so that Abort by id, attempt or room finds
+    them. An attempt id ("<request id>/<n>", the gateway's retry) ends only that attempt: a late
+    Abort of attempt 0 never ends attempt 1 on this worker; a request id alone ends them all."""
 
     def __init__(self) -> None:
-        self.by_external: dict[str, set[str]] = collections.defaultdict(set)  # gateway id -> ours
-        self.by_room: dict[int, str] = {}
+        self._by_key: dict[str, set[str]] = collections.defaultdict(set)  # id or attempt -> ours
+        self._by_room: dict[int, str] = {}
+        self._keys: dict[str, tuple[str, ...]] = {}  # ours -> the keys it is filed under
 
-    def add(self, external: str, req: Request) -> None:
-        self.by_external[external].add(req.request_id)
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def live(self) -> list[str]:
+        """Our ids of every live request."""
+        return list(self._keys)
+
+    def add(self, req: Request, request_id: str, attempt_id: str = "") -> None:
+        keys = tuple(k for k in (request_id, _attempt_key(attempt_id)) if k)
+        self._keys[req.request_id] = keys
+        for key in keys:
+            self._by_key[key].add(req.request_id)
         if req.room:
-            self.by_room[req.room] = req.request_id
+            self._by_room[req.room] = req.request_id
 
-    def remove(self, external: str, req: Request) -> None:
-        ids = self.by_external.get(external)
-        if ids is not None:
-            ids.discard(req.request_id)
-            if not ids:
-                del self.by_external[external]
-        if req.room:
-            self.by_room.pop(req.room, None)
+    def remove(self, req: Request) -> None:
+        for key in self._keys.pop(req.request_id, ()):
+            ids = self._by_key.get(key)
+            if ids is not None:
+                ids.discard(req.request_id)
+                if not ids:
+                    del self._by_key[key]
+        if req.room and self._by_room.get(req.room) == req.request_id:
+            del self._by_room[req.room]
 
-    def find(self, external: str, room: int) -> set[str]:
-        ids = set(self.by_external.get(external, ())) if external else set()
-        if room and room in self.by_room:
-            ids.add(self.by_room[room])
+    def find(self, request_id: str, attempt_id: str, room: int) -> set[str]:
+        key = _attempt_key(attempt_id) or request_id
+        ids = set(self._by_key.get(key, ())) if key else set()
+        if room and room in self._by_room:
+            ids.add(self._by_room[room])
         return ids
+
+
+def _attempt_key(attempt_id: str) -> str:
+    return f"attempt:{attempt_id}" if attempt_id else ""
 
 
 class SessionChannel(OutputChannel):
@@ -116,6 +137,7 @@ def fill_response(msg: tandem_pb2.SessionResponse, out: StepOutputs) -> list[int
         if end.finish_reason == "error":
             code = STATUS_BY_ERROR.get(end.error_code, grpc.StatusCode.INTERNAL)
             e.finish_reason, e.status_code, e.error = "", _CODE_NUMBER[code], end.error
+            e.error_code = end.error_code  # the class, for the gateway's blame ("peer_timeout")
         if end.transfer:
             e.transfer.pages = int(end.transfer.get("pages", 0))
             e.transfer.bytes = int(end.transfer.get("bytes", 0))
@@ -150,8 +172,7 @@ class SessionFront:
         self._loop = asyncio.get_running_loop()
         self._woken = asyncio.Event()
         self.channel = SessionChannel(self._loop, self._wake)
-        # slot -> (request, gateway request id) for every request live on this stream
-        self._live: dict[int, tuple[Request, str]] = {}
+        self._live: dict[int, Request] = {}  # slot -> every request live on this stream
 
     def _wake(self) -> None:
         self.channel.scheduled = False  # first: a batch delivered from now on schedules again
@@ -180,9 +201,9 @@ class SessionFront:
         msg = tandem_pb2.SessionResponse()
         while pending:
             for slot in fill_response(msg, pending.popleft()):
-                entry = self._live.pop(slot, None)
-                if entry is not None:
-                    self._registry.remove(entry[1], entry[0])
+                req = self._live.pop(slot, None)
+                if req is not None:
+                    self._registry.remove(req)
         return msg
 
     async def _read(self, frames: AsyncIterator[tandem_pb2.SessionRequest]) -> None:
@@ -192,7 +213,7 @@ class SessionFront:
                 # frames' requests), then submits, then slots.
                 for ab in frame.aborts:
                     if ab.request_id or ab.room:
-                        self._abort_ids(ab.request_id, ab.room)
+                        self._abort_ids(ab.request_id, ab.attempt_id, ab.room)
                 if frame.submits:
                     self._submit(frame.submits)
                 for ab in frame.aborts:
@@ -221,8 +242,8 @@ class SessionFront:
                                           "worker queue is full; retry later"))
                 continue
             waiting += 1
-            self._live[s.slot] = (req, s.request.request_id)
-            self._registry.add(s.request.request_id, req)
+            self._live[s.slot] = req
+            self._registry.add(req, s.request.request_id, s.request.attempt_id)
             if req.sampling.structured is None:
                 engine.submit_to(req, self.channel, s.slot)
             else:  # compiled off the event loop and the engine thread (a big schema takes a while)
@@ -245,17 +266,17 @@ class SessionFront:
     def _end_unsubmitted(self, slot: int, end: StepOutputs) -> None:
         """A request that never reached the engine ends here (refused, or aborted while its
         grammar compiled)."""
-        entry = self._live.pop(slot, None)
-        if entry is not None:
-            self._registry.remove(entry[1], entry[0])
+        req = self._live.pop(slot, None)
+        if req is not None:
+            self._registry.remove(req)
             self.channel.post(end)
 
-    def _abort_ids(self, request_id: str, room: int) -> None:
+    def _abort_ids(self, request_id: str, attempt_id: str, room: int) -> None:
         engine = self._engine_of()
         if engine is None:
             return
-        ids = self._registry.find(request_id, room)
-        for slot in [k for k, (req, _) in self._live.items() if req.request_id in ids]:
+        ids = self._registry.find(request_id, attempt_id, room)
+        for slot in [k for k, req in self._live.items() if req.request_id in ids]:
             if slot in self._compiling:
                 self._abort_compiling(slot)
         for rid in ids:
@@ -263,11 +284,11 @@ class SessionFront:
 
     def _abort_slot(self, slot: int) -> None:
         engine = self._engine_of()
-        entry = self._live.get(slot)
+        req = self._live.get(slot)
         if slot in self._compiling:
             self._abort_compiling(slot)
-        elif engine is not None and entry is not None:
-            engine.abort(entry[0].request_id, "aborted")
+        elif engine is not None and req is not None:
+            engine.abort(req.request_id, "aborted")
 
     def _abort_compiling(self, slot: int) -> None:
         self._compiling.pop(slot).cancel()  # the executor's compile still fills the cache
@@ -282,8 +303,8 @@ class SessionFront:
             task.cancel()
         live, self._live = self._live, {}
         engine = self._engine_of()
-        for req, external in live.values():
-            self._registry.remove(external, req)
+        for req in live.values():
+            self._registry.remove(req)
             if engine is not None:
                 engine.abort(req.request_id, "the gateway's session ended")
         if live:

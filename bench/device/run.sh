@@ -9,6 +9,7 @@
 #   bash bench/device/run.sh h   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 #   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
+#   bash bench/device/run.sh w   # bench/gpu.py decode rates, then bench.served B = 64 160 + profile
 #   bash bench/device/run.sh v   # serving path (issue 18): piecewise-graph GPU tests, then
 #                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
 #                                #   with a py-spy profile of the mono worker at B = 160
@@ -27,6 +28,8 @@ unset PYTORCH_CUDA_ALLOC_CONF
 mkdir -p /tmp/deps
 python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/deps') for w in glob.glob('.whl/pd/*.whl')]"
 export PYTHONPATH=/tmp/deps:$PWD
+# Wheels' scripts (py-spy's binary) land under <name>.data/scripts when a wheel is unzipped.
+for d in /tmp/deps/*.data/scripts; do [[ -d $d ]] && chmod +x "$d"/* && export PATH=$d:$PATH; done
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; nproc; } > "$OUT/env.txt" 2>&1
 if [[ $1 == h ]]; then
   run() {  # name, seconds, command...: each bench bounded, its output kept whatever happens
@@ -116,7 +119,8 @@ elif [[ $1 == s ]]; then
     --mono configs/gpu-8b-mono.yaml --model bench/models/qwen3-8b-shape \
     --set model.load_format=dummy --pd-set roles.decode.parallel.device=cuda:0 \
     --pd-set cache.max_total_tokens=131072 --concurrency 1,8,32,64 --num-requests 128 \
-    --input-len 1024 --output-len 128 --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
+    --input-len 1024 --output-len 128 --prompt-kind ids --vocab-size 151936 \
+    --out "$OUT/bench-h200" > "$OUT/pd_vs_mono.txt" 2>&1
   echo "pd_vs_mono rc=$? at ${SECONDS}s" >> "$OUT/pd_vs_mono.txt"
   tail -20 "$OUT/pd_vs_mono.txt"
 elif [[ $1 == v ]]; then
@@ -127,6 +131,15 @@ elif [[ $1 == v ]]; then
     --profile-s 8 > "$OUT/served.txt" 2>&1
   echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
   tail -20 "$OUT/serve_tests.txt"; tail -30 "$OUT/served.txt"
+elif [[ $1 == w ]]; then
+  # Where the engine's time goes at B = 64 / 160: bench/gpu.py's decode rates (its own lengths)
+  # beside bench.served's engine, then the served runs with a py-spy profile of the mono worker.
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/gpu.py --sections decode > "$OUT/gpu_decode.txt" 2>&1
+  echo "gpu decode rc=$? at ${SECONDS}s" >> "$OUT/gpu_decode.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.served --out "$OUT" \
+    --batches 64,160 --profile-s 8 > "$OUT/served.txt" 2>&1
+  echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
+  tail -8 "$OUT/gpu_decode.txt"; tail -14 "$OUT/served.txt"; head -60 "$OUT/worker_profile.txt"
 elif [[ $1 == k ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_spec_gpu.py \
     tests/worker/test_gpu.py > "$OUT/spec_gpu_tests.txt" 2>&1

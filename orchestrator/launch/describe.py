@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.config import ClusterConfig, dial_address
-from orchestrator.plan import ProcessRow, plan_processes
+from orchestrator.rank_map import ProcessRow, plan_processes
 
 
 def _ranks(rows: list[ProcessRow]) -> str:

@@ -46,7 +46,8 @@ from orchestrator.launch.ports import require_pinned
 from orchestrator.launch.processes import LaunchError, LocalCluster, stop_on_signals
 from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.launch.slurm import run_gate
-from orchestrator.plan import check_layout, procs_per_node, read_model_config
+from orchestrator.plan import check_layout, read_model_config
+from orchestrator.rank_map import procs_per_node
 from protocol.tls import TLSConfig
 
 

@@ -65,7 +65,8 @@ from orchestrator.launch.slurm_env import (
     wait_files,
     with_node_hosts,
 )
-from orchestrator.plan import check_layout, num_nodes, plan_processes, read_model_config
+from orchestrator.plan import check_layout, read_model_config
+from orchestrator.rank_map import num_nodes, plan_processes
 from protocol.tls import TLSConfig
 
 

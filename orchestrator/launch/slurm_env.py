@@ -21,7 +21,7 @@ from typing import IO
 
 from orchestrator.config import ClusterConfig
 from orchestrator.launch.processes import LaunchError
-from orchestrator.plan import ProcessRow, plan_processes
+from orchestrator.rank_map import ProcessRow, plan_processes
 
 # Variables that describe Slurm's task layout; a worker's own ranks must not see them
 # (torch.distributed / NCCL / MPI integrations read SLURM_PROCID, SLURM_NTASKS, PMI_*).

@@ -1,16 +1,20 @@
 """Evaluation task families for `tandem eval` (pure Python: no torch, no transformers).
 
-A task family is a module with `make_problems(n, seed)`, `score(problem, completion)`,
-`ANSWER_MAX_TOKENS` and `STOP`. `get_task(name)` looks one up by its fixed name.
+A task family is a module with `MODE` (how the eval talks to the server), `make_problems(n,
+seed)`, `score(problem, completion)`, `ANSWER_MAX_TOKENS` and `STOP`; a `TaskMode.TOOL_LOOP`
+family also has the tool and its checks (see lookup.py). `get_task(name)` looks one up by its
+fixed name.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from orchestrator.tasks import arith
+from orchestrator.tasks import arith, lookup
+from orchestrator.tasks.mode import TaskMode
 
-TASKS: dict[str, ModuleType] = {"arith": arith}
+TASKS: dict[str, ModuleType] = {"arith": arith, "lookup": lookup}
+__all__ = ["TASKS", "TaskMode", "UnknownTaskError", "get_task"]
 
 
 class UnknownTaskError(KeyError):

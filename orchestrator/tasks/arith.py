@@ -31,6 +31,9 @@ import random
 import string
 from dataclasses import dataclass
 
+from orchestrator.tasks.mode import TaskMode
+
+MODE = TaskMode.COMPLETION  # raw prompts through /v1/completions
 NAMES = string.ascii_lowercase  # 26 one-letter variable names, distinct within a prompt
 MIN_ASSIGNMENTS = 20  # 20 * 5 + 6 = 106 characters: >= 64 tokens (4 pages) with margin
 MAX_ASSIGNMENTS = 26

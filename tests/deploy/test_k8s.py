@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from orchestrator.cli import build_parser
-from orchestrator.config import ClusterConfig, config_from_dict, worker_config
+from orchestrator.config import ClusterConfig, config_from_dict
+from orchestrator.worker_config import worker_config
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 

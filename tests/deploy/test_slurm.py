@@ -20,7 +20,7 @@ from orchestrator.launch.slurm_env import (
     read_slurm_env,
     with_node_hosts,
 )
-from orchestrator.plan import plan_processes
+from orchestrator.rank_map import plan_processes
 from tests.deploy.conftest import real_model_present
 
 SUBMIT = REPO_ROOT / "deploy" / "slurm" / "submit.sh"

@@ -198,8 +198,9 @@ def measure(out_dir: Path) -> None:
             total = sum(len(p) for p in workload)
             computed = sched.prompt_tokens_computed - before
             print(
-                f"{name:8s} shared-prefix workload: {total} prompt tokens, prefill computed "
-                f"{computed}, cached_tokens {cached} ({100 * (total - computed) / total:.1f}% saved)"
+                f"{name:8s} shared-prefix workload: {total} prompt tokens, "
+                f"prefill computed {computed}, cached_tokens {cached} "
+                f"({100 * (total - computed) / total:.1f}% saved)"
             )
 
 

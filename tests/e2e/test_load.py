@@ -110,8 +110,8 @@ def test_thousand_concurrent_streams(tmp_path: Path) -> None:
     q = statistics.quantiles(ttfts, n=100)
     cpu_ms = (cpu1 - cpu0) * 1e3 / NUM_REQUESTS
     print(
-        f"\nload: {NUM_REQUESTS} streams in {wall:.1f}s ({NUM_REQUESTS / wall:.0f} req/s); TTFT p50 "
-        f"{q[49] * 1e3:.0f} ms p99 {q[98] * 1e3:.0f} ms; gateway CPU {cpu_ms:.2f} ms/request; "
+        f"\nload: {NUM_REQUESTS} streams in {wall:.1f}s ({NUM_REQUESTS / wall:.0f} req/s); TTFT "
+        f"p50 {q[49] * 1e3:.0f} ms p99 {q[98] * 1e3:.0f} ms; gateway CPU {cpu_ms:.2f} ms/request; "
         f"gateway RSS {rss0:.0f} -> {rss1:.0f} MB (peak {peak:.0f} MB)"
     )
     assert peak - rss0 < RSS_GROWTH_LIMIT_MB, f"gateway RSS grew {peak - rss0:.0f} MB under load"

@@ -170,7 +170,8 @@ def test_logprobs_cross_the_room(pd_cluster: Cluster) -> None:
 
 
 def test_any_hf_checkpoint_serves_1p1d_with_model_flag(tmp_path: Path) -> None:
-    """`tandem serve --model DIR` (the default 1P1D config) serves a checkpoint nobody trained here."""
+    """`tandem serve --model DIR` (the default 1P1D config) serves a checkpoint nobody trained here.
+    """
     import shutil
 
     from tests.worker.conftest import build_tiny_checkpoint

@@ -1,4 +1,5 @@
-"""PD with a hybrid sliding-window model equals mono, and frees pages and window rings on every path.
+"""PD with a hybrid sliding-window model equals mono, and frees pages and window rings
+on every path.
 
 Real engines and real transfer (Mooncake over loopback TCP, checksums on): a prefill worker and
 a decode worker in this process, each with its engine loop on its own thread and the prefill
@@ -233,7 +234,8 @@ def test_window_pd_frees_pages_and_rings_on_abort_and_failure(checkpoint: Path) 
 
 def measure(out_dir: Path) -> None:
     """Figures for docs/hybrid-cache.md: bytes shipped per request, window model vs its all-full
-    twin (same shapes, window off), and prefill tokens saved by bounded replay on shared prefixes."""
+    twin (same shapes, window off), and prefill tokens saved by bounded replay on shared prefixes.
+    """
     rng = random.Random(0)
     models = {"window": out_dir / "window", "full": out_dir / "full"}
     build_window_checkpoint(models["window"])
@@ -264,13 +266,15 @@ def measure(out_dir: Path) -> None:
             total = sum(len(p) for p in workload)
             computed = sched.prompt_tokens_computed - before
             print(
-                f"{name:6s} shared-prefix workload: {total} prompt tokens, prefill computed {computed}, "
-                f"cached_tokens {cached} ({100 * (total - computed) / total:.1f}% saved)"
+                f"{name:6s} shared-prefix workload: {total} prompt tokens, "
+                f"prefill computed {computed}, cached_tokens {cached} "
+                f"({100 * (total - computed) / total:.1f}% saved)"
             )
             kv = prefill.engine.kv
             print(
-                f"{name:6s} KV memory per worker: {kv.nbytes()} bytes ({kv.shape.num_pages} full pages of "
-                f"{kv.shape.page_bytes} B, {kv.shape.num_window_pages} window pages of {kv.shape.window_page_bytes} B)"
+                f"{name:6s} KV memory per worker: {kv.nbytes()} bytes ({kv.shape.num_pages} full "
+                f"pages of {kv.shape.page_bytes} B, {kv.shape.num_window_pages} window pages of "
+                f"{kv.shape.window_page_bytes} B)"
             )
 
 

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from protocol import tandem_pb2, tandem_pb2_grpc
+from protocol.errors import ERROR_CODE_KEY
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -33,9 +34,14 @@ CHATML = (
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
-    "the quick brown fox jumps over the lazy dog", "hello world, hello gateway",
-    "héllo wörld ünïcode", "日本語のテキスト", "emoji 🙂 and 🚀 rockets", "a+b=c; k3=41; answer: 42",
-    "STOP here and END there", "one two three four five six seven eight nine ten",
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello gateway",
+    "héllo wörld ünïcode",
+    "日本語のテキスト",
+    "emoji 🙂 and 🚀 rockets",
+    "a+b=c; k3=41; answer: 42",
+    "STOP here and END there",
+    "one two three four five six seven eight nine ten",
 ]
 
 
@@ -107,7 +113,11 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         return self
 
     async def set_serving(self, serving: bool) -> None:
-        st = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        st = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         await self.health.set("", st)
 
     async def stop(self) -> None:
@@ -115,9 +125,16 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
             await self.server.stop(grace=None)
 
     async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
-        return tandem_pb2.WorkerInfo(model=self.model, role=self.role, max_model_len=self.max_model_len,
-                                     page_size=4, vocab_size=self.vocab_size, eos_token_ids=[2],
-                                     epoch=self.epoch, bootstrap_addr=self._bootstrap())
+        return tandem_pb2.WorkerInfo(
+            model=self.model,
+            role=self.role,
+            max_model_len=self.max_model_len,
+            page_size=4,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[2],
+            epoch=self.epoch,
+            bootstrap_addr=self._bootstrap(),
+        )
 
     def _bootstrap(self) -> str:
         if self.role != "prefill":
@@ -132,13 +149,20 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         self.abort_event.set()
         return tandem_pb2.AbortResponse(found=True)
 
+    def respond(self, request: tandem_pb2.GenerateRequest
+                ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        """One request's messages, for Generate and the Session stream alike: subclasses
+        override this (raising ScriptedFailure fails the request)."""
+        return self._script(request)
+
     async def Generate(self, request, context):  # noqa: N802
         self.requests.append(request)
         try:
-            async for msg in self._script(request):
+            async for msg in self.respond(request):
                 yield msg
         except ScriptedFailure as f:
-            await context.abort(f.code, f.details)
+            meta = ((ERROR_CODE_KEY, f.error_code),) if f.error_code else None
+            await context.abort(f.code, f.details, trailing_metadata=meta)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -149,12 +173,12 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         pending: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]] = []
         wake = asyncio.Event()
         tasks: dict[int, asyncio.Task[None]] = {}
-        ids: dict[int, tuple[str, int]] = {}  # slot -> (request id, room)
+        ids: dict[int, tandem_pb2.GenerateRequest] = {}  # slot -> its request
 
         async def run(slot: int, request: tandem_pb2.GenerateRequest) -> None:
             try:
                 finished = False
-                async for msg in self._script(request):
+                async for msg in self.respond(request):
                     pending.append((slot, msg))
                     finished = finished or bool(msg.finish_reason)
                     wake.set()
@@ -176,16 +200,15 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                 # The real worker's order: ids and rooms, then submits, then slots.
                 for ab in frame.aborts:
                     if ab.request_id or ab.room:  # what the Abort call used to carry
-                        self.aborts.append(tandem_pb2.AbortRequest(request_id=ab.request_id,
-                                                                   room=ab.room))
+                        self.aborts.append(tandem_pb2.AbortRequest(
+                            request_id=ab.request_id, room=ab.room, attempt_id=ab.attempt_id))
                         self.abort_event.set()
-                        for slot, (rid, room) in list(ids.items()):
-                            if (ab.request_id and rid == ab.request_id) or (
-                                    ab.room and room == ab.room):
+                        for slot, req in list(ids.items()):
+                            if _aborts(ab, req):
                                 tasks[slot].cancel()
                 for sub in frame.submits:
                     self.requests.append(sub.request)
-                    ids[sub.slot] = (sub.request.request_id, sub.request.disagg.room)
+                    ids[sub.slot] = sub.request
                     tasks[sub.slot] = asyncio.get_running_loop().create_task(
                         run(sub.slot, sub.request))
                 for ab in frame.aborts:
@@ -252,13 +275,23 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
                 await asyncio.sleep(s.delay_s)
 
 
-class ScriptedFailure(Exception):
-    """The script fails the request with this status code."""
+def _aborts(ab: tandem_pb2.SessionAbort, req: tandem_pb2.GenerateRequest) -> bool:
+    """Whether `ab` ends `req`, as the real worker decides (an attempt id ends only it)."""
+    if ab.room and ab.room == req.disagg.room:
+        return True
+    if ab.attempt_id:
+        return ab.attempt_id == req.attempt_id
+    return bool(ab.request_id) and ab.request_id == req.request_id
 
-    def __init__(self, code: grpc.StatusCode) -> None:
+
+class ScriptedFailure(Exception):
+    """The script fails the request with this status code (and the worker's error class)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "", error_code: str = "") -> None:
         super().__init__(code.name)
         self.code = code
-        self.details = f"scripted {code.name}"
+        self.details = details or f"scripted {code.name}"
+        self.error_code = error_code
 
 
 def session_message(batch: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]],
@@ -267,7 +300,8 @@ def session_message(batch: list[tuple[int, tandem_pb2.GenerateResponse | Scripte
     out = tandem_pb2.SessionResponse()
     for slot, msg in batch:
         if isinstance(msg, ScriptedFailure):
-            out.ended.add(slot=slot, status_code=msg.code.value[0], error=msg.details)
+            out.ended.add(slot=slot, status_code=msg.code.value[0], error=msg.details,
+                          error_code=msg.error_code)
             continue
         if slot not in started:
             started.add(slot)
@@ -302,7 +336,9 @@ async def running_app(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]
     app = create_app(config)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=20) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://gw", timeout=20
+        ) as client:
             yield client
 
 
@@ -317,7 +353,9 @@ async def workers(*ws: ScriptedWorker) -> AsyncIterator[tuple[ScriptedWorker, ..
             await w.stop()
 
 
-async def wait_workers(client: httpx.AsyncClient, healthy: bool = True, timeout: float = 5.0) -> list[dict]:
+async def wait_workers(
+    client: httpx.AsyncClient, healthy: bool = True, timeout: float = 5.0
+) -> list[dict]:
     """Poll GET /workers until every worker's `healthy` equals `healthy` (bounded)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

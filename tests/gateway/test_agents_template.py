@@ -12,7 +12,7 @@ import pytest
 from gateway.agents import Parsers, plan_chat
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest
-from gateway.serving import parse_request
+from gateway.request_body import parse_request
 from gateway.tokenizer import Tokenizer
 from orchestrator.launch.background import EMBEDDED_MODEL
 

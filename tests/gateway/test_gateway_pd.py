@@ -36,7 +36,9 @@ def decode(**kw) -> ScriptedWorker:
 def pd_config(tok_dir, ps, ds, **kw):
     kw.setdefault("decode_policy", "round_robin")
     kw.setdefault("prefill_policy", "round_robin")
-    return fast_config(tok_dir, prefill=tuple(p.url for p in ps), decode=tuple(d.url for d in ds), **kw)
+    return fast_config(
+        tok_dir, prefill=tuple(p.url for p in ps), decode=tuple(d.url for d in ds), **kw
+    )
 
 
 async def test_pd_both_legs_share_room(tok_dir):
@@ -55,7 +57,9 @@ async def test_pd_both_legs_share_room(tok_dir):
         assert list(rp.prompt_token_ids) == list(rd.prompt_token_ids)
         assert p.aborts == [] and d.aborts == []  # a finished request is not aborted
         m = (await c.get("/metrics")).text
-        assert "tandem_kv_transfer_bytes_total 12288.0" in m and "tandem_cached_tokens_total 4.0" in m
+        assert (
+            "tandem_kv_transfer_bytes_total 12288.0" in m and "tandem_cached_tokens_total 4.0" in m
+        )
         assert "tandem_kv_transfer_duration_seconds_count 1.0" in m
         ws = (await c.get("/workers")).json()
         assert sorted(w["role"] for w in ws) == ["decode", "prefill"]
@@ -120,8 +124,13 @@ async def test_no_retry_after_first_token(tok_dir):
 
 async def test_first_token_timeout_without_alternative(tok_dir):
     p, d = prefill(), decode(hang_first=True)
-    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d], first_token_timeout_s=0.3)) as c:
-        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    async with (
+        workers(p, d),
+        running_app(pd_config(tok_dir, [p], [d], first_token_timeout_s=0.3)) as c,
+    ):
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+        )
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         await d.abort_event.wait()
         assert d.aborts[0].room == d.requests[0].disagg.room != 0
@@ -130,7 +139,10 @@ async def test_first_token_timeout_without_alternative(tok_dir):
 async def test_stop_string_aborts_both_legs(tok_dir):
     p, d = prefill(), decode(delay_s=0.01)
     async with workers(p, d), running_app(pd_config(tok_dir, [p], [d])) as c:
-        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True, "stop": "\x00"})
+        r = await c.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 5, "stream": True, "stop": "\x00"},
+        )
         assert r.status_code == 200  # stop never matches: no abort for a finished request
         assert d.aborts == [] and p.aborts == []
         text = r.text

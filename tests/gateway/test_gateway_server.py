@@ -33,8 +33,9 @@ async def gateway_process(tok_dir: Path, worker_url: str) -> AsyncIterator[str]:
     port = free_port()
     code = (
         "from gateway.config import GatewayConfig; from gateway.server import run_gateway; "
-        f"run_gateway(GatewayConfig(port={port}, workers=({worker_url!r},), model_path={str(tok_dir)!r}, "
-        "health_interval_s=0.05, load_interval_s=0.05, log_level='warning'))"
+        f"run_gateway(GatewayConfig(port={port}, workers=({worker_url!r},), "
+        f"model_path={str(tok_dir)!r}, health_interval_s=0.05, load_interval_s=0.05, "
+        "log_level='warning'))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"

@@ -11,7 +11,8 @@ from gateway.tokenizer import Tokenizer, TokenizerLoadError
 
 # A Qwen-style template: optional system turn, role check through raise_exception, bos_token.
 TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -45,8 +46,12 @@ def test_chat_template_matches_transformers(hf_dir, messages):
     if not isinstance(expected, list):  # newer transformers return a BatchEncoding
         expected = expected["input_ids"]
     assert ours.encode_chat(messages) == list(expected)
-    assert ours.render_chat(messages) == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert ours.encode("héllo world", add_special_tokens=False) == hf.encode("héllo world", add_special_tokens=False)
+    assert ours.render_chat(messages) == hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert ours.encode("héllo world", add_special_tokens=False) == hf.encode(
+        "héllo world", add_special_tokens=False
+    )
 
 
 def test_template_raise_exception_is_a_400(hf_dir):

@@ -41,8 +41,18 @@ def test_flags_set_the_gateway_keys() -> None:
 
 
 def test_defaults_are_auto() -> None:
-    gw = gateway_config(load_config(Path("configs/tiny-1p1d.yaml"), PINNED))
-    assert (gw.reasoning_parser, gw.tool_call_parser) == ("auto", "auto")
+    assert (base().reasoning_parser, base().tool_call_parser) == ("auto", "auto")
+
+
+@pytest.mark.parametrize(("config", "pins"), [("configs/tiny-1p1d.yaml", PINNED),
+                                              ("configs/tiny-mono.yaml",
+                                               ["roles.both.base_port=30000"])])
+def test_tiny_configs_name_the_embedded_models_parsers(config: str, pins: list[str]) -> None:
+    """The shipped configs name them; "auto" on the embedded model's template agrees."""
+    gw = gateway_config(load_config(Path(config), pins))
+    assert (gw.reasoning_parser, gw.tool_call_parser) == ("qwen3", "hermes")
+    auto = resolve_parsers(base(), Tokenizer.from_dir(Path(gw.model_path)))
+    assert (auto.reasoning, auto.tool_call) == ("qwen3", "hermes")
 
 
 def test_auto_reads_the_template(hermes_dir: Path, tok_dir: Path) -> None:

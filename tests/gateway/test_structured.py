@@ -12,7 +12,7 @@ import pytest
 from gateway.agents import Parsers, plan_chat
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from gateway.serving import parse_request
+from gateway.request_body import parse_request
 from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2

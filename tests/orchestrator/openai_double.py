@@ -62,7 +62,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _authorized(self) -> bool:
         key = self.server.state.api_key
         if key and self.headers.get("Authorization") != f"Bearer {key}":
-            self._json(401, {"error": {"message": "bad api key", "type": "invalid_request_error", "code": 401}})
+            self._json(
+                401,
+                {"error": {"message": "bad api key", "type": "invalid_request_error", "code": 401}},
+            )
             return False
         return True
 
@@ -70,11 +73,16 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         if self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.server.state.model, "object": "model"}]})
+            self._json(
+                200,
+                {"object": "list", "data": [{"id": self.server.state.model, "object": "model"}]},
+            )
         elif self.path == "/health":
             self._json(200, {"status": "ok"})
         else:
-            self._json(404, {"error": {"message": "no such path", "type": "not_found", "code": 404}})
+            self._json(
+                404, {"error": {"message": "no such path", "type": "not_found", "code": 404}}
+            )
 
     def do_POST(self) -> None:  # noqa: N802
         if not self._authorized():
@@ -96,7 +104,16 @@ class _Handler(BaseHTTPRequestHandler):
         st = self.server.state
         verdict = st.rule(index, body["prompt"])
         if verdict == "fail":
-            self._json(503, {"error": {"message": "no healthy worker", "type": "service_unavailable", "code": 503}})
+            self._json(
+                503,
+                {
+                    "error": {
+                        "message": "no healthy worker",
+                        "type": "service_unavailable",
+                        "code": 503,
+                    }
+                },
+            )
             return
         key = body["prompt"] if isinstance(body["prompt"], str) else json.dumps(body["prompt"])
         text = st.answers.get(key, "x" * int(body.get("max_tokens", 1)))
@@ -127,10 +144,28 @@ class _Handler(BaseHTTPRequestHandler):
             return
         for _ in range(n):
             time.sleep(self.server.state.token_delay_s)  # the double's "decode step"
-            send(json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}))
+            send(
+                json.dumps(
+                    {
+                        "object": "text_completion",
+                        "choices": [{"index": 0, "text": "a", "finish_reason": None}],
+                    }
+                )
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
-            send(json.dumps({"object": "text_completion", "choices": [],
-                             "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}}))
+            send(
+                json.dumps(
+                    {
+                        "object": "text_completion",
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_len,
+                            "completion_tokens": n,
+                            "total_tokens": prompt_len + n,
+                        },
+                    }
+                )
+            )
         send("[DONE]")
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()

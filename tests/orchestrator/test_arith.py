@@ -1,4 +1,5 @@
-"""The `arith` task family: determinism, prompt length in KV pages, first-page dependence, scoring."""
+"""The `arith` task family: determinism, prompt length in KV pages, first-page dependence,
+scoring."""
 
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ def test_plan_prints_table_and_kv_budget(
         line.split()[:6] == ["decode-1", "decode", "1", "127.0.0.1", "-", "cpu"] for line in lines
     )
     assert any(line.split()[:2] == ["lb", "gateway"] for line in lines)
-    # 4 layers * K,V * 2 kv heads * 16 tokens * 32 dims * 4 bytes = 32768 bytes per page; 8192/16 pages.
+    # 4 layers * K,V * 2 kv heads * 16 tokens * 32 dims * 4 bytes = 32768 bytes per page;
+    # 8192/16 pages.
     assert any(line.split()[:4] == ["decode", "512", "16", "32768"] for line in lines), out
     assert "16.0 MiB" in out
 

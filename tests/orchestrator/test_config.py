@@ -19,8 +19,8 @@ from orchestrator.config import (
     dump_config,
     gateway_config,
     load_config,
-    worker_config,
 )
+from orchestrator.worker_config import worker_config
 
 CONFIGS = REPO_ROOT / "configs"
 PD = {"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000}}}
@@ -60,44 +60,95 @@ def test_unknown_key_names_it_lists_valid_and_suggests(tmp_path: Path) -> None:
 
 
 def test_unknown_top_level_and_nested_role_keys() -> None:
-    with pytest.raises(ClusterConfigError, match=r"unknown key 'rolez' at the top level.*Did you mean 'roles'"):
+    with pytest.raises(
+        ClusterConfigError, match=r"unknown key 'rolez' at the top level.*Did you mean 'roles'"
+    ):
         config_from_dict({**PD, "rolez": {}})
-    with pytest.raises(ClusterConfigError, match=r"unknown key 'tp' in 'roles.decode.parallel'.*tp_size"):
-        config_from_dict({"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000, "parallel": {"tp": 2}}}})
+    with pytest.raises(
+        ClusterConfigError, match=r"unknown key 'tp' in 'roles.decode.parallel'.*tp_size"
+    ):
+        config_from_dict(
+            {
+                "roles": {
+                    "prefill": {"base_port": 51000},
+                    "decode": {"base_port": 52000, "parallel": {"tp": 2}},
+                }
+            }
+        )
 
 
-@pytest.mark.parametrize(("data", "pattern"), [
-    ({"roles": {"prefill": {"count": "two"}}}, r"roles.prefill.count: expected int, got 'two' \(str\)"),
-    ({"roles": {"prefill": {"count": True}}}, r"roles.prefill.count: expected int, got True"),
-    ({"cache": {"enable_prefix_cache": "no"}}, r"cache.enable_prefix_cache: expected bool \(true or false\), got 'no'"),
-    ({"transfer": {"waiting_timeout_s": "soon"}}, r"transfer.waiting_timeout_s: expected float"),
-    ({"model": "models/x"}, r"model: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        (
+            {"roles": {"prefill": {"count": "two"}}},
+            r"roles.prefill.count: expected int, got 'two' \(str\)",
+        ),
+        ({"roles": {"prefill": {"count": True}}}, r"roles.prefill.count: expected int, got True"),
+        (
+            {"cache": {"enable_prefix_cache": "no"}},
+            r"cache.enable_prefix_cache: expected bool \(true or false\), got 'no'",
+        ),
+        (
+            {"transfer": {"waiting_timeout_s": "soon"}},
+            r"transfer.waiting_timeout_s: expected float",
+        ),
+        ({"model": "models/x"}, r"model: expected a mapping"),
+    ],
+)
 def test_wrong_type_names_field_type_and_value(data: dict, pattern: str) -> None:
     with pytest.raises(ClusterConfigError, match=pattern):
         config_from_dict(data)
 
 
 def test_bad_enum_lists_choices_and_suggests() -> None:
-    with pytest.raises(ClusterConfigError, match=r"transfer.backend: must be one of mooncake \| nixl \| cuda_ipc, got 'nixel'.*Did you mean 'nixl'"):
+    with pytest.raises(
+        ClusterConfigError,
+        match=r"transfer.backend: must be one of mooncake \| nixl \| cuda_ipc, got 'nixel'"
+        r".*Did you mean 'nixl'",
+    ):
         config_from_dict({**PD, "transfer": {"backend": "nixel"}})
-    with pytest.raises(ClusterConfigError, match=r"gateway.prefill_policy: must be one of round_robin \| least_load \| cache_aware"):
+    with pytest.raises(
+        ClusterConfigError,
+        match=r"gateway.prefill_policy: must be one of round_robin \| least_load \| cache_aware",
+    ):
         config_from_dict({**PD, "gateway": {"prefill_policy": "random"}})
-    with pytest.raises(ClusterConfigError, match=r"launcher.kind: must be one of local \| slurm \| ray"):
+    with pytest.raises(
+        ClusterConfigError, match=r"launcher.kind: must be one of local \| slurm \| ray"
+    ):
         config_from_dict({**PD, "launcher": {"kind": "k8s"}})
 
 
 def test_port_collisions() -> None:
-    with pytest.raises(ClusterConfigError, match=r"port collision: roles.decode replica 0 and roles.prefill replica 1 both use 127.0.0.1:50061"):
-        config_from_dict({"roles": {"prefill": {"count": 2, "base_port": 50051}, "decode": {"base_port": 50061}}})
-    with pytest.raises(ClusterConfigError, match=r"port collision: roles.prefill replica 0 and gateway.port"):
-        config_from_dict({"roles": {"prefill": {"base_port": 8000}, "decode": {"base_port": 52000}}})
+    with pytest.raises(
+        ClusterConfigError,
+        match=r"port collision: roles.decode replica 0 and roles.prefill replica 1 "
+        r"both use 127.0.0.1:50061",
+    ):
+        config_from_dict(
+            {"roles": {"prefill": {"count": 2, "base_port": 50051}, "decode": {"base_port": 50061}}}
+        )
+    with pytest.raises(
+        ClusterConfigError, match=r"port collision: roles.prefill replica 0 and gateway.port"
+    ):
+        config_from_dict(
+            {"roles": {"prefill": {"base_port": 8000}, "decode": {"base_port": 52000}}}
+        )
     # Different hosts may reuse a port.
-    config_from_dict({"roles": {"prefill": {"base_port": 51000, "host": "10.0.0.1"}, "decode": {"base_port": 51000, "host": "10.0.0.2"}}})
+    config_from_dict(
+        {
+            "roles": {
+                "prefill": {"base_port": 51000, "host": "10.0.0.1"},
+                "decode": {"base_port": 51000, "host": "10.0.0.2"},
+            }
+        }
+    )
 
 
 def test_missing_or_mixed_roles() -> None:
-    with pytest.raises(ClusterConfigError, match=r"needs both `prefill` and `decode`; `decode` is missing"):
+    with pytest.raises(
+        ClusterConfigError, match=r"needs both `prefill` and `decode`; `decode` is missing"
+    ):
         config_from_dict({"roles": {"prefill": {}}})
     with pytest.raises(ClusterConfigError, match=r"`prefill` is missing"):
         config_from_dict({})
@@ -106,19 +157,40 @@ def test_missing_or_mixed_roles() -> None:
 
 
 def test_part_validation_is_called_with_field_names() -> None:
-    with pytest.raises(ClusterConfigError, match=r"roles.decode.cache.page_size must be a positive power of two, got 12"):
-        config_from_dict({"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000, "cache": {"page_size": 12}}}})
-    with pytest.raises(ClusterConfigError, match=r"scheduler.chunked_prefill_size \(8\) must be >= max_num_seqs"):
+    with pytest.raises(
+        ClusterConfigError,
+        match=r"roles.decode.cache.page_size must be a positive power of two, got 12",
+    ):
+        config_from_dict(
+            {
+                "roles": {
+                    "prefill": {"base_port": 51000},
+                    "decode": {"base_port": 52000, "cache": {"page_size": 12}},
+                }
+            }
+        )
+    with pytest.raises(
+        ClusterConfigError, match=r"scheduler.chunked_prefill_size \(8\) must be >= max_num_seqs"
+    ):
         config_from_dict({**PD, "scheduler": {"chunked_prefill_size": 8}})
     with pytest.raises(ClusterConfigError, match=r"roles.prefill.count must be >= 1"):
         config_from_dict({"roles": {"prefill": {"count": 0}, "decode": {"base_port": 52000}}})
     with pytest.raises(ClusterConfigError,
                        match=r"roles.decode.parallel.device must be auto, cpu, cuda or cuda:N"):
-        config_from_dict({"roles": {"prefill": {"base_port": 51000}, "decode": {"base_port": 52000, "parallel": {"device": "gpu"}}}})
+        config_from_dict(
+            {
+                "roles": {
+                    "prefill": {"base_port": 51000},
+                    "decode": {"base_port": 52000, "parallel": {"device": "gpu"}},
+                }
+            }
+        )
 
 
 def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
-    with pytest.raises(ClusterConfigError, match=r"config file .*nope.yaml' not found; pass --config PATH"):
+    with pytest.raises(
+        ClusterConfigError, match=r"config file .*nope.yaml' not found; pass --config PATH"
+    ):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("roles: [unclosed\n")
@@ -127,11 +199,23 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 
 
 def test_overrides_are_typed_like_yaml() -> None:
-    c = load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.count=2", "transfer.backend=nixl",
-                                                  "transfer.checksum=true", "transfer.waiting_timeout_s=5",
-                                                  "model.served_model_name=007", "cache.page_size=32"])
+    c = load_config(
+        CONFIGS / "tiny-1p1d.yaml",
+        [
+            "roles.decode.count=2",
+            "transfer.backend=nixl",
+            "transfer.checksum=true",
+            "transfer.waiting_timeout_s=5",
+            "model.served_model_name=007",
+            "cache.page_size=32",
+        ],
+    )
     assert c.roles.decode is not None and c.roles.decode.count == 2
-    assert c.transfer.backend == "nixl" and c.transfer.checksum is True and c.transfer.waiting_timeout_s == 5.0
+    assert (
+        c.transfer.backend == "nixl"
+        and c.transfer.checksum is True
+        and c.transfer.waiting_timeout_s == 5.0
+    )
     assert c.served_model_name == "007"  # a string field keeps the raw text
     # The cluster cache override reaches a role with its own cache section (merged under it).
     assert worker_config(c, "decode", 1).cache.page_size == 32
@@ -139,19 +223,32 @@ def test_overrides_are_typed_like_yaml() -> None:
 
 
 def test_override_errors() -> None:
-    with pytest.raises(ClusterConfigError, match=r"--set 'roles.decode.cout=2': unknown key 'cout' in 'roles.decode'.*Did you mean 'count'"):
+    with pytest.raises(
+        ClusterConfigError,
+        match=r"--set 'roles.decode.cout=2': unknown key 'cout' in 'roles.decode'"
+        r".*Did you mean 'count'",
+    ):
         load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.cout=2"])
     with pytest.raises(ClusterConfigError, match=r"expected KEY=VALUE"):
         load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.count"])
     with pytest.raises(ClusterConfigError, match=r"roles.decode.count: expected int, got 'many'"):
         load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.count=many"])
-    with pytest.raises(ClusterConfigError, match=r"'gateway.port' is a value \(int\), it has no key 'x'"):
+    with pytest.raises(
+        ClusterConfigError, match=r"'gateway.port' is a value \(int\), it has no key 'x'"
+    ):
         load_config(CONFIGS / "tiny-1p1d.yaml", ["gateway.port.x=1"])
 
 
 def test_worker_config_derivation() -> None:
-    c = load_config(CONFIGS / "tiny-2p2d.yaml", ["transfer.backend=nixl", "roles.decode.num_threads=2",
-                                                 "roles.decode.base_port=50151", "launcher.cluster_id=c1"])
+    c = load_config(
+        CONFIGS / "tiny-2p2d.yaml",
+        [
+            "transfer.backend=nixl",
+            "roles.decode.num_threads=2",
+            "roles.decode.base_port=50151",
+            "launcher.cluster_id=c1",
+        ],
+    )
     w = worker_config(c, "decode", 1)
     assert (w.role, w.host, w.port) == ("decode", "127.0.0.1", 50161)
     assert (w.cluster_id, w.replica, w.drain_timeout_s) == ("c1", 1, 30.0)  # what GetInfo reports
@@ -160,9 +257,14 @@ def test_worker_config_derivation() -> None:
     assert (w.parallel.tp_size, w.parallel.tp_rank, w.parallel.device) == (1, 0, "cpu")
     assert w.cache.max_total_tokens == 8192 and not w.cache.enable_prefix_cache
     w.validate()
-    with pytest.raises(ClusterConfigError, match=r"--replica 2 is out of range: roles.decode.count is 2"):
+    with pytest.raises(
+        ClusterConfigError, match=r"--replica 2 is out of range: roles.decode.count is 2"
+    ):
         worker_config(c, "decode", 2)
-    with pytest.raises(ClusterConfigError, match=r"role 'both' is not in this config's roles \(it has: prefill, decode\)"):
+    with pytest.raises(
+        ClusterConfigError,
+        match=r"role 'both' is not in this config's roles \(it has: prefill, decode\)",
+    ):
         worker_config(c, "both", 0)
 
 
@@ -171,14 +273,24 @@ def test_cuda_devices_handed_out_in_plan_order() -> None:
         "prefill": {"base_port": 51000, "parallel": {"device": "cuda", "tp_size": 2}},
         "decode": {"count": 2, "base_port": 52000, "parallel": {"device": "cuda"}},
     }})
-    assert [worker_config(c, r, i).parallel.device for r, i in [("prefill", 0), ("decode", 0), ("decode", 1)]] == [
-        "cuda:0", "cuda:2", "cuda:3"]
+    assert [
+        worker_config(c, r, i).parallel.device
+        for r, i in [("prefill", 0), ("decode", 0), ("decode", 1)]
+    ] == ["cuda:0", "cuda:2", "cuda:3"]
 
 
 def test_gateway_config_derivation() -> None:
     pinned = ["roles.prefill.base_port=50051", "roles.decode.base_port=50151"]
-    c = load_config(CONFIGS / "tiny-2p2d.yaml", ["gateway.port=9000", "gateway.api_key=s3cret",
-                                                 "gateway.admin_key=adm", "launcher.cluster_id=c1", *pinned])
+    c = load_config(
+        CONFIGS / "tiny-2p2d.yaml",
+        [
+            "gateway.port=9000",
+            "gateway.api_key=s3cret",
+            "gateway.admin_key=adm",
+            "launcher.cluster_id=c1",
+            *pinned,
+        ],
+    )
     g = gateway_config(c)
     assert g.prefill == ("127.0.0.1:50051", "127.0.0.1:50061")
     assert g.decode == ("127.0.0.1:50151", "127.0.0.1:50161")
@@ -188,17 +300,24 @@ def test_gateway_config_derivation() -> None:
     mono = gateway_config(load_config(CONFIGS / "tiny-mono.yaml", ["roles.both.base_port=50051"]))
     assert mono.workers == ("127.0.0.1:50051",) and mono.prefill == () and mono.decode == ()
     # Unpinned ports (the shipped configs): only the local launcher may start such a cluster.
-    with pytest.raises(ClusterConfigError, match=r"roles.both.base_port is unset \(0\): only the local launcher"):
+    with pytest.raises(
+        ClusterConfigError, match=r"roles.both.base_port is unset \(0\): only the local launcher"
+    ):
         gateway_config(load_config(CONFIGS / "tiny-mono.yaml"))
-    with pytest.raises(ClusterConfigError, match=r"gateway.admin_key must differ from gateway.api_key"):
+    with pytest.raises(
+        ClusterConfigError, match=r"gateway.admin_key must differ from gateway.api_key"
+    ):
         load_config(CONFIGS / "tiny-mono.yaml", ["gateway.api_key=k", "gateway.admin_key=k"])
     wild = config_from_dict({"roles": {"both": {"host": "0.0.0.0", "base_port": 51000}}})
-    assert gateway_config(wild).workers == ("127.0.0.1:51000",)  # a wildcard bind is dialled on loopback
+    # a wildcard bind is dialled on loopback
+    assert gateway_config(wild).workers == ("127.0.0.1:51000",)
 
 
 def test_gateway_settings_cover_every_gateway_field() -> None:
     # A GatewayConfig field that the YAML cannot set is a field nobody can tune: keep them in step.
-    gateway_fields = {f.name for f in dataclasses.fields(GatewayConfig)} - set(GATEWAY_DERIVED_FIELDS)
+    gateway_fields = {f.name for f in dataclasses.fields(GatewayConfig)} - set(
+        GATEWAY_DERIVED_FIELDS
+    )
     assert gateway_fields <= {f.name for f in dataclasses.fields(GatewaySettings)}
 
 

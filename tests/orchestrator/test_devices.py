@@ -9,9 +9,10 @@ import pytest
 
 from orchestrator import devices
 from orchestrator.cli import main
-from orchestrator.config import REPO_ROOT, load_config, worker_config
+from orchestrator.config import REPO_ROOT, load_config
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device, visible_gpus
-from orchestrator.plan import plan_processes
+from orchestrator.rank_map import plan_processes
+from orchestrator.worker_config import worker_config
 
 SHAPE_8B = REPO_ROOT / "bench" / "models" / "qwen3-8b-shape"
 SHAPE_MOE = REPO_ROOT / "bench" / "models" / "qwen3-30b-a3b-shape"

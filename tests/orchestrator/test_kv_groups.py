@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.config import config_from_dict, load_config, worker_config
+from orchestrator.config import config_from_dict, load_config
 from orchestrator.kv_groups import FULL, RECURRENT, WINDOW, KVGroup, kv_groups, layer_windows
 from orchestrator.plan import LayoutError, check_layout, format_plan, kv_budget, read_model_config
+from orchestrator.worker_config import worker_config
 
 # openai/gpt-oss-120b's shapes (only the keys the planner reads).
 GPT_OSS_120B = {

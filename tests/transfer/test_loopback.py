@@ -81,7 +81,8 @@ def short(_short: Cluster) -> Iterator[Cluster]:
 def _run_room(
     c: Cluster, room: int, n: int, *, skip: int = 0, chunks: int = 2, seed: int = 0, addr: str = ""
 ) -> tuple[list[int], list[int]]:
-    """One room: every decode rank registers; every prefill rank sends n pages in `chunks` pieces."""
+    """One room: every decode rank registers; every prefill rank sends n pages in `chunks` pieces.
+    """
     rng = random.Random(seed)
     src = rng.sample(range(c.prefill[0].manager.layout.num_pages), n)
     dst = rng.sample(

@@ -44,7 +44,8 @@ def _layouts(
 
 
 def _src_pool(lay: KVLayout, ref: torch.Tensor, src_pages: list[int]) -> torch.Tensor:
-    """A source rank's pool: ref[pos, layer, kv, head, head_bytes] placed at its pages; noise elsewhere."""
+    """A source rank's pool: ref[pos, layer, kv, head, head_bytes] placed at its pages;
+    noise elsewhere."""
     pool = torch.randint(
         0,
         256,

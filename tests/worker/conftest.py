@@ -96,7 +96,8 @@ class PagedHarness:
         self.num_tokens: dict[str, int] = {}
 
     def step(self, chunks: list[tuple[str, list[int]]]) -> torch.Tensor:
-        """Run one step; chunks = (request id, new token ids). Returns logits [B, V] of each last token."""
+        """Run one step; chunks = (request id, new token ids).
+        Returns logits [B, V] of each last token."""
         ids, positions, qs, seq_lens, slots, last = [], [], [0], [], [], []
         for rid, toks in chunks:
             start = self.num_tokens.get(rid, 0)

@@ -54,7 +54,8 @@ def make_scheduler(
 
 
 def fake_run(plan: SchedulePlan, token: int = 5) -> RunOutput:
-    """Stands in for the model: every sampled position yields `token` (a scheduler test needs no logits)."""
+    """Stands in for the model: every sampled position yields `token`
+    (a scheduler test needs no logits)."""
     n = sum(1 for c in plan.chunks if c.sample)
     return RunOutput(token_ids=[token] * n, logprobs=[None] * n)
 

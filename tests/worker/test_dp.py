@@ -73,7 +73,8 @@ def test_moe_dp2_with_moe_tp_engine_equals_one_rank(tmp_path: Path) -> None:
 
 
 def test_dense_dp2_engine_equals_one_rank(tiny_checkpoint) -> None:
-    """A dense model: two independent replicas behind one scheduler front (no collective crosses groups)."""
+    """A dense model: two independent replicas behind one scheduler front
+    (no collective crosses groups)."""
     path, _ = tiny_checkpoint("qwen3")
     _check_dp_engine(path, ep=1)
 

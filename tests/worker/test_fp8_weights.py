@@ -216,7 +216,7 @@ def test_fp8_copy_of_the_embedded_model_answers_the_same(tmp_path: Path) -> None
     )
     err = _rel(q_logits, ref_logits)
     print(f"embedded model in FP8: logits rel. error {err:.4f}")
-    assert err < 0.05  # measured 0.012
+    assert err < 0.05  # measured 0.012; 0.015 on the 2026-12-01 weights
 
     def answer(t: list[int]) -> list[int]:
         return t[: t.index(2)] if 2 in t else t  # up to eos

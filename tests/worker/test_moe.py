@@ -117,7 +117,8 @@ def _rank_main(rank: int, path: str, init_file: str, out_dir: str) -> None:
                     list(block.expert_ids()) == [2 * rank, 2 * rank + 1] and block.w13.shape[0] == 2
                 )
             torch.save(_run(model, spec, SEQS, tp_size=2), f"{out_dir}/{name}-{rank}.pt")
-        # DP attention (tp 1, dp 2): each rank serves its own sequence; the experts are shared (EP=2).
+        # DP attention (tp 1, dp 2): each rank serves its own sequence;
+        # the experts are shared (EP=2).
         model, spec = load_model(cfg, ParallelConfig(tp_size=1, tp_rank=0, dp_size=2, ep_size=2))
         mine = {
             "ab"[rank]: SEQS["ab"[rank]][:19]

@@ -159,3 +159,31 @@ def test_the_front_does_the_same_python_work_per_step_whatever_the_batch() -> No
         return count
 
     assert calls(160) == calls(16) == calls(1)
+
+
+def test_an_attempts_abort_ends_only_that_attempt(worker: Worker) -> None:  # noqa: F811
+    """The gateway's retry runs under the same request id: a late abort of attempt 0 must not
+    end attempt 1 on this worker; the request id alone still ends every attempt."""
+    stub, _ = worker
+    s = Stream(stub)
+
+    def attempt(n: int) -> tandem_pb2.GenerateRequest:
+        return tandem_pb2.GenerateRequest(
+            request_id="rq", attempt_id=f"rq/{n}", prompt_token_ids=[3, 4, 5, n],
+            sampling=tandem_pb2.SamplingParams(max_tokens=40, ignore_eos=True))
+
+    s.submit((1, attempt(0)), (2, attempt(1)), (3, attempt(2)))
+    s.abort(request_id="rq", attempt_id="rq/0")  # a later frame: after the submits
+    s.read_until({1})
+    s.abort(request_id="rq", attempt_id="rq/0")  # late and again: ends nothing else
+    s.read_until({2})  # attempt 1 ran to its end
+    s.close()
+    assert s.ended[1].finish_reason == "abort" and len(s.tokens.get(1, [])) < 40
+    assert s.ended[2].finish_reason == "length" and len(s.tokens[2]) == 40
+    s2 = Stream(stub)
+    s2.submit((1, attempt(3)), (2, attempt(4)))
+    s2.abort(request_id="rq")  # no attempt id: every attempt of the request
+    s2.read_until({1, 2})
+    s2.close()
+    assert all(e.finish_reason == "abort" for e in s2.ended.values())
+    assert wait_idle(stub).kv_used_pages == 0

@@ -24,7 +24,8 @@ from worker.sampling import SamplingParams
 
 
 def _model_rank(rank: int, path: str, init_file: str, out_dir: str, ids: list[int]) -> None:
-    """One rank: load its shard (1 kv head over 2 ranks: replicated), prefill, decode; save logits."""
+    """One rank: load its shard (1 kv head over 2 ranks: replicated), prefill, decode; save logits.
+    """
     import torch.distributed as dist
 
     from tests.worker.conftest import PagedHarness

@@ -1,4 +1,5 @@
-"""The tiny hybrid window checkpoint the window tests share (built into a temp dir, never committed).
+"""The tiny hybrid window checkpoint the window tests share
+(built into a temp dir, never committed).
 
 A Qwen2 config with `use_sliding_window` and `max_window_layers=1`: layer 0 attends to the whole
 context (so answers can depend on the start of the prompt), layers 1..3 keep a window of

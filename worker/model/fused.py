@@ -177,7 +177,9 @@ def _kernels() -> SimpleNamespace:
         rmask = rot[:, None] & mask
         tl.store(first, y1, mask=rmask)
         tl.store(first + HALF, y2, mask=rmask)
-        if STORE:  # the new k (rotated) and v into their cache slot; slot < 0 (graph padding) writes nothing
+        if STORE:
+            # the new k (rotated) and v into their cache slot;
+            # slot < 0 (graph padding) writes nothing
             slot = tl.load(slot_ptr + t)
             page = tl.maximum(slot, 0) // PAGE
             off = tl.maximum(slot, 0) % PAGE
@@ -400,8 +402,8 @@ def qk_norm_rope(
             or v_cache.stride(3) != 1
         ):
             raise ValueError(
-                f"kv_cache must be k/v caches [P, Hkv={num_kv_heads}, page_size, D={head_dim}] with "
-                f"unit last stride and slots [T={t}]; got {tuple(k_cache.shape)}, "
+                f"kv_cache must be k/v caches [P, Hkv={num_kv_heads}, page_size, D={head_dim}] "
+                f"with unit last stride and slots [T={t}]; got {tuple(k_cache.shape)}, "
                 f"{tuple(v_cache.shape)}, {tuple(slots.shape)}"
             )
     else:  # placeholders the kernel ignores (4-D, for the cache strides)

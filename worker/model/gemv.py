@@ -123,7 +123,9 @@ def _kernels() -> SimpleNamespace:
                         [BLOCK_N, BLOCK_K],
                     )
             x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            if NORM:  # as layers.RMSNorm: float32 statistics; normalized, rounded, times the weight, rounded
+            if NORM:
+                # as layers.RMSNorm: float32 statistics;
+                # normalized, rounded, times the weight, rounded
                 rstd = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
                 nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
                 x = (nw * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)

@@ -137,7 +137,8 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            f"{source}: rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(ROPE_TYPES)}"
         )
     max_pos = int(cfg.get("max_position_embeddings", 0) or 0)
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (
@@ -201,7 +202,8 @@ def parse_arch_config(
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(
-            f"{source}: architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: architectures={archs!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     hidden = int(_require(cfg, "hidden_size", source))
     heads = int(_require(cfg, "num_attention_heads", source))
@@ -209,12 +211,14 @@ def parse_arch_config(
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     if heads % kv_heads:
         raise ModelLoadError(
-            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            f"{source}: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads})"
         )
     num_layers = int(_require(cfg, "num_hidden_layers", source))
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelLoadError(
-            f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)"
+            f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported "
+            "(SwiGLU with silu only)"
         )
     dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
     if dtype_name not in _DTYPES:
@@ -256,7 +260,8 @@ def parse_arch_config(
 
 
 def parse_moe(cfg: dict[str, Any], num_layers: int, source: str) -> MoEArch:
-    """Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th."""
+    """Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th.
+    """
     experts = int(
         cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     )  # transformers 5 writes the latter

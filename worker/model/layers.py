@@ -71,8 +71,8 @@ class WeightShapeError(ValueError):
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightShapeError(
-            f"{name}: checkpoint slice has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}; "
-            "does config.json match the weights?"
+            f"{name}: checkpoint slice has shape {tuple(src.shape)}, the model expects "
+            f"{tuple(dst.shape)}; does config.json match the weights?"
         )
     dst.copy_(src)
 
@@ -136,7 +136,8 @@ class RMSNorm(nn.Module):
     def add_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual [..., dim] → (norm(residual + x), residual + x): the sum is the new residual."""
+        """x, residual [..., dim] → (norm(residual + x), residual + x): the sum is the new residual.
+        """
         if self.fused:
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
@@ -216,7 +217,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads one rank holds: an even split, or one replicated head when tp_size > num_kv_heads."""
+    """KV heads one rank holds: an even split, or one replicated head when tp_size > num_kv_heads.
+    """
     if tp_size <= num_kv_heads:
         if num_kv_heads % tp_size:
             raise WeightShapeError(
@@ -225,8 +227,8 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
         return num_kv_heads // tp_size
     if tp_size % num_kv_heads:
         raise WeightShapeError(
-            f"tp_size ({tp_size}) > num_kv_heads ({num_kv_heads}) needs tp_size to be a multiple of num_kv_heads "
-            "(each kv head is then replicated on tp_size / num_kv_heads ranks)"
+            f"tp_size ({tp_size}) > num_kv_heads ({num_kv_heads}) needs tp_size to be a multiple "
+            "of num_kv_heads (each kv head is then replicated on tp_size / num_kv_heads ranks)"
         )
     return 1
 
@@ -339,7 +341,8 @@ class RowParallelLinear(nn.Module):
 
 
 def vocab_shard(vocab_size: int, tp: TPInfo) -> tuple[int, int, int]:
-    """(start, stop, padded shard size) of this rank's vocabulary rows; the last shard may be short."""
+    """(start, stop, padded shard size) of this rank's vocabulary rows; the last shard may be short.
+    """
     per = -(-vocab_size // tp.size)  # ceil: every rank holds the same padded shape
     start = min(tp.rank * per, vocab_size)
     return start, min(start + per, vocab_size), per

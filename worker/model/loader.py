@@ -141,8 +141,9 @@ def weight_files(path: Path) -> list[Path]:
     if found:
         return [path / n for n in found]
     raise ModelLoadError(
-        f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors checkpoints are "
-        "supported (convert .bin with transformers' save_pretrained), or use load_format: dummy"
+        f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors "
+        "checkpoints are supported (convert .bin with transformers' save_pretrained), or use "
+        "load_format: dummy"
     )
 
 
@@ -261,8 +262,8 @@ def load_checkpoint(
     missing = sorted(set(model.weight_slots()) - loaded)
     if missing:
         raise ModelLoadError(
-            f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; "
-            "does config.json (architectures, tie_word_embeddings, attention_bias) match the weights?"
+            f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; does "
+            "config.json (architectures, tie_word_embeddings, attention_bias) match the weights?"
         )
     if ignored:
         log.info(
@@ -274,7 +275,8 @@ def load_checkpoint(
 
 @torch.no_grad()
 def init_dummy(model: CausalLM, seed: int) -> None:
-    """Random weights at the real shapes: norms 1 (so activations keep their scale), rest N(0, 0.02).
+    """Random weights at the real shapes: norms 1 (so activations keep their scale), rest
+    N(0, 0.02).
 
     Drawn on the model's device from a generator seeded there: the same seed gives the same
     weights on the same kind of device (CPU: the same on every machine; CUDA: torch's Philox

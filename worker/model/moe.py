@@ -47,7 +47,8 @@ class MoEParallel:
     size: int = 1  # ranks the MoE layers span (tp_size * dp_size)
     rank: int = 0
     ep: bool = False  # True: experts split across ranks (all-to-all); False: MoE TP (all-reduce)
-    tokens_replicated: bool = True  # attention TP: all ranks hold the same tokens; attention DP: their own
+    # attention TP: all ranks hold the same tokens; attention DP: their own
+    tokens_replicated: bool = True
     backend: str = "torch"  # all-to-all: torch | deepep
     group: dist.ProcessGroup | None = None  # None = the default group
 
@@ -58,11 +59,15 @@ def check_deepep(device: torch.device) -> None:
         import deep_ep  # noqa: F401
     except ImportError:
         raise MoEConfigError(
-            "parallel.all2all_backend is 'deepep' but the deep_ep package is not installed; install DeepEP "
-            "(github.com/deepseek-ai/DeepEP, needs CUDA and NVSHMEM) or set parallel.all2all_backend: torch"
+            "parallel.all2all_backend is 'deepep' but the deep_ep package is not installed; "
+            "install DeepEP (github.com/deepseek-ai/DeepEP, needs CUDA and NVSHMEM) or set "
+            "parallel.all2all_backend: torch"
         ) from None
     if device.type != "cuda":
-        raise MoEConfigError("parallel.all2all_backend 'deepep' needs CUDA devices; on CPU set all2all_backend: torch")
+        raise MoEConfigError(
+            "parallel.all2all_backend 'deepep' needs CUDA devices; "
+            "on CPU set all2all_backend: torch"
+        )
 
 
 @dataclass(frozen=True)
@@ -113,14 +118,24 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups,
 
 class SparseMoEBlock(nn.Module):
     def __init__(
-        self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool, par: MoEParallel,
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        par: MoEParallel,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if par.ep and num_experts % par.size:
-            raise WeightShapeError(f"num_experts ({num_experts}) must be divisible by ep_size ({par.size})")
+            raise WeightShapeError(
+                f"num_experts ({num_experts}) must be divisible by ep_size ({par.size})"
+            )
         if not par.ep and inter % par.size:
-            raise WeightShapeError(f"moe_intermediate_size ({inter}) must be divisible by the MoE TP size ({par.size})")
+            raise WeightShapeError(
+                f"moe_intermediate_size ({inter}) must be divisible by the MoE TP size ({par.size})"
+            )
         self.par = par
         self.hidden, self.top_k, self.norm_topk_prob = hidden, top_k, norm_topk_prob
         self.num_experts = num_experts
@@ -128,7 +143,8 @@ class SparseMoEBlock(nn.Module):
         self.first_expert = par.rank * self.num_local if par.ep else 0
         self.inter_local = inter if par.ep else inter // par.size
         self.gate = _param(num_experts, hidden, dtype=dtype)  # router [E, hidden], replicated
-        self.w13 = _param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)  # [E_local, 2I, H]: gate|up
+        # [E_local, 2I, H]: gate|up
+        self.w13 = _param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)
         self.w2 = _param(self.num_local, hidden, self.inter_local, dtype=dtype)  # [E_local, H, I]
         self._deepep: Any = None  # deep_ep.Buffer, built at the first dispatch
         # True only inside `graph_shapes` (a decode graph's warm-up, capture or CPU replay): the
@@ -149,20 +165,27 @@ class SparseMoEBlock(nn.Module):
         if param == "gate":
             _copy_checked(self.gate.data, source.read(), "SparseMoEBlock.gate")
             return
-        expert, piece = cast(tuple[int, str], shard_id)  # (global expert id, "gate" | "up" | "down")
+        # (global expert id, "gate" | "up" | "down")
+        expert, piece = cast(tuple[int, str], shard_id)
         e = int(expert) - self.first_expert
         start = 0 if self.par.ep else self.par.rank * self.inter_local
         stop = start + self.inter_local
         if piece == "down":  # [H, I]: this rank's input columns
-            _copy_checked(self.w2.data[e], source.read(1, start, stop), f"experts.{expert}.down_proj")
+            _copy_checked(
+                self.w2.data[e], source.read(1, start, stop), f"experts.{expert}.down_proj"
+            )
         else:  # [I, H]: this rank's output rows, gate first then up
             off = 0 if piece == "gate" else self.inter_local
-            _copy_checked(self.w13.data[e, off : off + self.inter_local], source.read(0, start, stop),
-                          f"experts.{expert}.{piece}_proj")
+            _copy_checked(
+                self.w13.data[e, off : off + self.inter_local],
+                source.read(0, start, stop),
+                f"experts.{expert}.{piece}_proj",
+            )
 
     # ---- forward -----------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] → (top-k expert ids [T, k], weights [T, k] in x's dtype), as transformers does."""
+        """x [T, H] → (top-k expert ids [T, k], weights [T, k] in x's dtype), as transformers does.
+        """
         probs = F.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -185,13 +208,16 @@ class SparseMoEBlock(nn.Module):
         ids, weights = self.route(x)
         if not self.par.ep:
             flat = ids.reshape(-1)  # [T*k]
-            rows = self.experts(x.repeat_interleave(self.top_k, dim=0), flat)  # [T*k, H] (partial over I)
+            # [T*k, H] (partial over I)
+            rows = self.experts(x.repeat_interleave(self.top_k, dim=0), flat)
             y = (rows.view(-1, self.top_k, self.hidden) * weights[..., None]).sum(dim=1)
             if self.par.size > 1:
                 dist.all_reduce(y, group=self.par.group)
             return y
         if self.par.size == 1:
-            return self._combine_local(x, ids, weights, self.experts(x.repeat_interleave(self.top_k, 0), ids.reshape(-1)))
+            return self._combine_local(
+                x, ids, weights, self.experts(x.repeat_interleave(self.top_k, 0), ids.reshape(-1))
+            )
         if not self.par.tokens_replicated:
             return self._ep(x, ids, weights)
         # Attention TP: every rank has all T tokens; each dispatches its slice, then all-gather.
@@ -199,7 +225,8 @@ class SparseMoEBlock(nn.Module):
         start = sum(sizes[: self.par.rank])
         mine = slice(start, start + sizes[self.par.rank])
         y_mine = self._ep(x[mine], ids[mine], weights[mine])  # [T_r, H]
-        width = sizes[0]  # tensor_split: the first slices are the longest; gloo gathers equal shapes
+        # tensor_split: the first slices are the longest; gloo gathers equal shapes
+        width = sizes[0]
         padded = x.new_zeros(width, self.hidden)
         padded[: y_mine.shape[0]] = y_mine
         parts = [x.new_empty(width, self.hidden) for _ in sizes]
@@ -223,13 +250,16 @@ class SparseMoEBlock(nn.Module):
         dist.all_gather(parts, padded, group=self.par.group)
         everyone = torch.cat([p[:k] for p, k in zip(parts, sizes, strict=True)])  # [sum T, H]
         ids, weights = self.route(everyone)
-        rows = self.experts(everyone.repeat_interleave(self.top_k, dim=0), ids.reshape(-1))  # partial over I
+        # partial over I
+        rows = self.experts(everyone.repeat_interleave(self.top_k, dim=0), ids.reshape(-1))
         y = (rows.view(-1, self.top_k, self.hidden) * weights[..., None]).sum(dim=1)
         dist.all_reduce(y, group=self.par.group)
         start = sum(sizes[: self.par.rank])
         return y[start : start + x.shape[0]]
 
-    def _combine_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _combine_local(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         return (rows.view(-1, self.top_k, self.hidden) * weights[..., None]).sum(dim=1)  # [T, H]
 
     def _ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -252,7 +282,8 @@ class SparseMoEBlock(nn.Module):
         dist.all_to_all_single(recv_local, send_local, recv_split, send_split, group=self.par.group)
         done = self.experts(recv_rows, recv_local)  # [R, H]
         back = x.new_empty(flat.shape[0], self.hidden)
-        dist.all_to_all_single(back, done, send_split, recv_split, group=self.par.group)  # combine: same order
+        # combine: same order
+        dist.all_to_all_single(back, done, send_split, recv_split, group=self.par.group)
         rows = torch.empty_like(back)
         rows[order] = back  # [T*k, H] back in (token, slot) order
         return self._combine_local(x, ids, weights, rows)

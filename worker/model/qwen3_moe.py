@@ -47,5 +47,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         slots = {f"{prefix}.mlp.gate.weight": WeightSlot(mlp, "gate")}
         for e in mlp.expert_ids():
             for piece in ("gate", "up", "down"):
-                slots[f"{prefix}.mlp.experts.{e}.{piece}_proj.weight"] = WeightSlot(mlp, "experts", (e, piece))
+                slots[f"{prefix}.mlp.experts.{e}.{piece}_proj.weight"] = WeightSlot(
+                    mlp, "experts", (e, piece)
+                )
         return slots

@@ -129,7 +129,8 @@ _ROWS: list[Row] = []
 
 
 def record(row: Row) -> None:
-    """Add a drill's figures to the table printed at the end (and written to $TANDEM_CHAOS_REPORT)."""
+    """Add a drill's figures to the table printed at the end (and written to $TANDEM_CHAOS_REPORT).
+    """
     _ROWS.append(row)
 
 
@@ -144,7 +145,8 @@ def leaked_pages(cluster: Cluster, timeout_s: float = 30.0) -> int:
 
 def table() -> str:
     lines = [
-        "| fault | topology | ok | error | hung | max time to error (s) | pages leaked | recover (s) |",
+        "| fault | topology | ok | error | hung | max time to error (s) | pages leaked "
+        "| recover (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in _ROWS:

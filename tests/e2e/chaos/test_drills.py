@@ -34,7 +34,11 @@ from tests.e2e.chaos.conftest import (
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
-DEADLINES = ("transfer.bootstrap_timeout_s=3", "transfer.waiting_timeout_s=10", "transfer.transfer_timeout_s=2")
+DEADLINES = (
+    "transfer.bootstrap_timeout_s=3",
+    "transfer.waiting_timeout_s=10",
+    "transfer.transfer_timeout_s=2",
+)
 ERROR_WITHIN_S = 10.0  # a client of a dead worker hears its error within this
 
 
@@ -42,20 +46,34 @@ ERROR_WITHIN_S = 10.0  # a client of a dead worker hears its error within this
 def cluster_2p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """2P2D; the launcher restarts a dead worker on its port; every KV write is slowed by
     300 ms, so a kill lands while rooms are mid-transfer."""
-    # Writes are 300 ms each and one transfer thread per prefill issues them in turn, so 16
-    # rooms in flight queue for seconds: the transfer deadline must cover that queue here.
-    overrides = ("launcher.on_worker_exit=restart", "launcher.max_restarts=4", "gateway.health_interval_s=0.3",
-                 *DEADLINES, "transfer.transfer_timeout_s=10")
-    with running_cluster("configs/tiny-2p2d.yaml", *overrides, tmp=tmp_path_factory.mktemp("chaos2p2d"),
-                         model=MODEL, env={"TANDEM_TRANSFER_FAULTS": "delay_ms=300"}) as c:
+    # Writes are held 300 ms each; a generous transfer deadline keeps this drill about kills,
+    # not about the deadline (which fences a peer whose writes outlive it: test_partial_failure).
+    overrides = (
+        "launcher.on_worker_exit=restart",
+        "launcher.max_restarts=4",
+        "gateway.health_interval_s=0.3",
+        *DEADLINES,
+        "transfer.transfer_timeout_s=10",
+    )
+    with running_cluster(
+        "configs/tiny-2p2d.yaml",
+        *overrides,
+        tmp=tmp_path_factory.mktemp("chaos2p2d"),
+        model=MODEL,
+        env={"TANDEM_TRANSFER_FAULTS": "delay_ms=300"},
+    ) as c:
         yield c
 
 
-def _run(url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float]) -> Outcomes:
+def _run(
+    url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float]
+) -> Outcomes:
     return asyncio.run(drive(url, payloads, concurrency, since))
 
 
-def _kill_during(c: Cluster, role: str, payloads: list[dict[str, object]], ready: str) -> tuple[Outcomes, float, float]:
+def _kill_during(
+    c: Cluster, role: str, payloads: list[dict[str, object]], ready: str
+) -> tuple[Outcomes, float, float]:
     """Send `payloads`, SIGKILL `role`-0 once it is busy (`ready`: transferring | running), wait for
     every request; returns (outcomes, kill time, time the gateway took it back)."""
     name, url = f"{role}-0", c.workers[f"{role}-0"]
@@ -93,7 +111,9 @@ def _served_by(c: Cluster, name: str) -> None:
         assert time.monotonic() < deadline, f"{name} took no request after rejoining"
         # A new prefix each time: cache-aware routing keeps a repeated prompt where it is cached.
         prompt = f"{chr(97 + i % 26)}={i % 100:02d};" * 8
-        httpx.post(f"{c.url}/v1/completions", json=body(prompt, 2, False), timeout=60).raise_for_status()
+        httpx.post(
+            f"{c.url}/v1/completions", json=body(prompt, 2, False), timeout=60
+        ).raise_for_status()
         i += 1
 
 
@@ -142,7 +162,8 @@ def test_abort_storm(cluster_2p2d: Cluster) -> None:
                     out.ok += r.status_code == 200
                     out.error += r.status_code != 200
                 except TimeoutError:
-                    out.aborted += 1  # the client left: the gateway must abort the request on both legs
+                    # the client left: the gateway must abort the request on both legs
+                    out.aborted += 1
             await asyncio.gather(*(one(i) for i in range(500)))
 
     t0 = time.monotonic()
@@ -163,8 +184,14 @@ def test_abort_storm(cluster_2p2d: Cluster) -> None:
     ("delay_ms=2500", (), 8),  # every write outlives transfer_timeout_s=2
 ], ids=["fail5pct", "delay-beyond-deadline"])
 def test_transfer_faults(faults: str, overrides: tuple[str, ...], n: int, tmp_path: Path) -> None:
-    with running_cluster("configs/tiny-1p1d.yaml", *DEADLINES, *overrides, tmp=tmp_path, model=MODEL,
-                         env={"TANDEM_TRANSFER_FAULTS": faults}) as c:
+    with running_cluster(
+        "configs/tiny-1p1d.yaml",
+        *DEADLINES,
+        *overrides,
+        tmp=tmp_path,
+        model=MODEL,
+        env={"TANDEM_TRANSFER_FAULTS": faults},
+    ) as c:
         payloads = [body(f"f{i}=6;" * 20, 6, i % 2 == 0) for i in range(n)]
         o = _run(c.url, payloads, 8, [0.0])
         leaked = leaked_pages(c)

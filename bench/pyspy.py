@@ -1,7 +1,9 @@
-"""py-spy helpers for the serving benches: find a server's pid by its port, record it, and
-summarize the record as the share of samples per thread and per innermost frame.
+"""py-spy helpers for the serving benches (named so that it never shadows the stdlib `profile`,
+which cProfile imports, when a bench runs as `python3 bench/X.py`): find a server's pid by its
+port, record it, and summarize the record as the share of samples per thread and per innermost
+frame.
 
-    .venv/bin/python -m bench.profile --port 8001 --seconds 8   # any live worker or gateway
+    .venv/bin/python -m bench.pyspy --port 8001 --seconds 8   # any live worker or gateway
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def summarize(raw: str, top: int = 8) -> str:
     out = [f"{total} samples"]
     for thread, n in threads.most_common():
         out += ["", f"{n / total * 100:5.1f}%  {thread}"]
-        out += [f"    {k / total * 100:5.1f}%  {f[:150]}" for f, k in frames[thread].most_common(top)]
+        out += [
+            f"    {k / total * 100:5.1f}%  {f[:150]}" for f, k in frames[thread].most_common(top)
+        ]
     return "\n".join(out) + "\n"
 
 

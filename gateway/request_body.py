@@ -1,0 +1,97 @@
+"""The body of a generation request: read, parse, validate; each failure a clear 4xx.
+
+`read_body` caps the size while reading (413) and bounds the wait for the whole body (408);
+`parse_request` turns the JSON into the endpoint's pydantic model, with malformed JSON, lone
+surrogates and wrong types as 400s that name the field (OpenAI's words for an unknown one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from gateway.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.stalls import _timeout
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # cheap pre-check before the exact one
+
+
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (checked while reading) and with
+    408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "
+                              "(gateway.max_request_bytes)")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with _timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes "
+                                          "(gateway.max_request_bytes)")
+                parts.append(chunk)
+    except (TimeoutError, asyncio.TimeoutError):  # the same class from 3.11 on
+        raise RequestTimeout(f"request body incomplete after {timeout_s}s ({size} bytes arrived; "
+                             "gateway.body_timeout_s); send the whole body at once",
+                             code="body_timeout") from None
+    return b"".join(parts)
+
+
+def parse_request(body: bytes, cls: type[BaseModel]) -> Any:
+    """JSON → pydantic request; malformed JSON and wrong types are 400s naming the field."""
+    try:
+        obj = orjson.loads(body)  # the fast path; anything it refuses gets the exact answer below
+    except orjson.JSONDecodeError:
+        obj = _stdlib_loads(body)
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return _validate(body, obj, cls)
+
+
+def _stdlib_loads(body: bytes) -> Any:
+    """What orjson refuses (bad JSON, integers past 64 bits, lone surrogates, deep nesting):
+    json's parse, and its errors as the 400 the client gets."""
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # thousands of nested arrays: no request of ours nests like that
+        raise BadRequest("request body nests too deeply", code="invalid_json") from None
+
+
+def _validate(body: bytes, obj: dict[str, Any], cls: type[BaseModel]) -> Any:
+    if _SURROGATE_ESCAPE.search(body):  # JSON may escape a lone UTF-16 surrogate: untokenizable
+        try:
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest("request body holds a lone UTF-16 surrogate escape "
+                             "(\\ud800-\\udfff); send valid Unicode text",
+                             code="invalid_unicode") from None
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    except RecursionError:
+        raise BadRequest("request body nests too deeply", code="invalid_json") from None
+
+
+def validation_error(errors: Any) -> BadRequest:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or "body"
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+        top = len(loc) == 1
+        msg = (f"Unrecognized request argument supplied: {where}" if top else
+               f"{where}: unrecognized field; remove it")
+        return BadRequest(msg, param=loc[0] if loc else None, code="unknown_parameter")
+    return BadRequest(f"{where}: {first.get('msg', 'invalid value')}",
+                      param=loc[0] if loc else None, code="invalid_value")

@@ -1,0 +1,73 @@
+"""Deadlines on the gateway's waits for workers and clients.
+
+`StallWatch` ends output streams whose worker went quiet after the first token (dispatch.py's
+`RequestRun.next` turns the cancelled read into the stall error); `_timeout` bounds one await
+(the first token, a stream's end, a request body) without a task per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from gateway.pool import WorkerPool
+
+if sys.version_info >= (3, 11):
+    _timeout = asyncio.timeout  # no task per request, unlike wait_for
+else:  # pragma: no cover - 3.10 fallback
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def _timeout(delay: float) -> AsyncIterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise asyncio.TimeoutError from None
+        finally:
+            handle.cancel()
+
+
+class Watched(Protocol):
+    """What the watch reads of a stream (dispatch.RequestRun): no back-reference to the run's
+    dispatcher, only the time its pending read began and the way to end it."""
+
+    reading_since: float  # monotonic time the pending read began; 0: no read pending
+
+    def stall(self) -> None: ...
+
+
+class StallWatch:
+    """Ends streams whose worker went quiet: one task per gateway looks every `period` at the
+    streams waiting for a message (a timer per token would cost ~20 us each; this costs two
+    clock reads). A stream stalled past `stall_s` has its call cancelled; its reader turns
+    that into the stall error. Detection lands within stall_s + period."""
+
+    def __init__(self, stall_s: float, pool: WorkerPool) -> None:
+        self.stall_s = stall_s
+        self.period = min(0.5, stall_s / 4)
+        self._pool = pool
+        self._runs: set[Watched] = set()
+        self._started = False
+
+    def add(self, run: Watched) -> None:
+        self._runs.add(run)
+        if not self._started:
+            self._started = True
+            self._pool.spawn(self._watch())
+
+    def discard(self, run: Watched) -> None:
+        self._runs.discard(run)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            now = time.monotonic()
+            for run in [r for r in self._runs if r.reading_since > 0]:
+                if now - run.reading_since > self.stall_s:
+                    run.stall()
