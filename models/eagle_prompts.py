@@ -17,7 +17,10 @@ prompt greedily (train_eagle.py) and the head is trained on those continuations.
     answer         the calls' results sent back as tool messages: the target's final answer
     answer_think   the same, thinking first
 
-Shares (`MIX`) follow the target's own training mix, arith first.
+Shares (`MIX`) follow the target's own training mix (models/chat_data.py), arith first. That
+module draws the target's training samples (prompt and completion, through its own jinja
+sandbox); this one needs only prompts, written to the served template's shape before
+chat_data.py reached this branch, and it is what trained the shipped eagle/ and mtp/ heads.
 """
 
 from __future__ import annotations
