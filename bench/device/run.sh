@@ -9,6 +9,7 @@
 #   bash bench/device/run.sh h   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 #   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
+#   bash bench/device/run.sh q   # bench/fp8.py, then bench.served B = 64 160 + profile
 #   bash bench/device/run.sh w   # bench/gpu.py decode rates, then bench.served B = 64 160 + profile
 #   bash bench/device/run.sh v   # serving path (issue 18): piecewise-graph GPU tests, then
 #                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
@@ -131,6 +132,14 @@ elif [[ $1 == v ]]; then
     --profile-s 8 > "$OUT/served.txt" 2>&1
   echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
   tail -20 "$OUT/serve_tests.txt"; tail -30 "$OUT/served.txt"
+elif [[ $1 == q ]]; then
+  # FP8 figures (issue 20), then served / engine at B = 64 and 160 (issue 18) in one call.
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/fp8.py > "$OUT/fp8.txt" 2>&1
+  echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.served --out "$OUT" \
+    --batches 64,160 --profile-s 8 > "$OUT/served.txt" 2>&1
+  echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
+  tail -30 "$OUT/fp8.txt"; tail -8 "$OUT/served.txt"; head -24 "$OUT/worker_profile.txt"
 elif [[ $1 == w ]]; then
   # Where the engine's time goes at B = 64 / 160: bench/gpu.py's decode rates (its own lengths)
   # beside bench.served's engine, then the served runs with a py-spy profile of the mono worker.

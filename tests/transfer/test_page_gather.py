@@ -29,10 +29,13 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 def _spans(rng: random.Random, src_base: int, dst_base: int, page: int, pages: int,
            head: int) -> list[tuple[int, int, int]]:
-    """Shuffled whole pages, then head slices of other pages (heterogeneous TP's spans)."""
-    dst = rng.sample(range(pages), pages // 2)
+    """Shuffled whole pages into the first half of the pages, then head slices of the other
+    source pages into the second half (heterogeneous TP's spans). No two spans write the same
+    byte, as in a real room: the kernel writes spans in parallel, so overlapping writes would
+    have no defined winner."""
+    dst = rng.sample(range(pages // 2), pages // 2)
     out = [(src_base + i * page, dst_base + d * page, page) for i, d in enumerate(dst)]
-    for i, d in zip(range(pages // 2, pages), rng.sample(range(pages // 2), pages // 2),
+    for i, d in zip(range(pages // 2, pages), rng.sample(range(pages // 2, pages), pages // 2),
                     strict=True):
         for h in range(0, page, 2 * head):  # every other head slice of the page
             out.append((src_base + i * page + h, dst_base + d * page + h + head, head))
@@ -136,10 +139,16 @@ def _mixed_spans(src: torch.Tensor, dst: torch.Tensor | _At, scratch: torch.Tens
                  page: int) -> list[tuple[int, int, int]]:
     pages = src.numel() // page
     spans = _spans(random.Random(3), src.data_ptr(), dst.data_ptr(), page, pages, 512)
-    spans.append((src.data_ptr() + 5, dst.data_ptr() + 3, 1001))  # unaligned: memcpy
-    spans.append((scratch.data_ptr(), dst.data_ptr() + 7 * page + 100, 64))  # from host memory
-    spans.append((src.data_ptr(), dst.data_ptr() + 2 * page, 9 << 20))  # longer than one piece
+    past = dst.data_ptr() + pages * page  # the spans below land past those of _spans
+    spans.append((src.data_ptr() + 5, past + 3, 1001))  # unaligned: memcpy
+    spans.append((scratch.data_ptr(), past + page + 100, 64))  # from host memory
+    spans.append((src.data_ptr(), past + 2 * page, 9 << 20))  # longer than one piece
     return spans
+
+
+def _long_span_at(src: torch.Tensor, page: int) -> int:
+    """Where _mixed_spans's long span lands in the destination (its first bytes)."""
+    return (src.numel() // page + 2) * page
 
 
 @pytest.mark.gpu
@@ -155,7 +164,8 @@ def test_kernel_path_writes_what_the_per_span_path_writes() -> None:
     want = _land(CopyPath.MEMCPY, src, dst, spans, scratch)
     got = _land(CopyPath.KERNEL, src, dst, spans, scratch)
     assert torch.equal(got, want)
-    assert int(want[2 * page:2 * page + 4096].count_nonzero()) > 0, "the spans wrote something"
+    at = _long_span_at(src, page)
+    assert int(want[at:at + 4096].count_nonzero()) > 0, "the spans wrote something"
 
 
 def _serve_pool(device: str, nbytes: int, cmds: mp.Queue, out: mp.Queue) -> None:
@@ -206,7 +216,8 @@ def test_kernel_writes_across_nvlink_into_another_process_gpu() -> None:
             cmds.put("dump")
             landed.append(out.get(timeout=60))
         assert landed[0] == landed[1]
-        assert landed[0][2 * page:2 * page + 4096] != bytes(4096)
+        at = _long_span_at(src, page)
+        assert landed[0][at:at + 4096] != bytes(4096)
         cmds.put("stop")
     finally:
         proc.join(20)

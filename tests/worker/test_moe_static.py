@@ -141,7 +141,9 @@ def test_a_captured_graph_of_the_static_block_equals_eager() -> None:
         graph.replay()
         with torch.no_grad():
             want = block(x)
-        assert torch.allclose(y, want, atol=1e-4), float((y - want).abs().max())
+        # Equal up to float32 summation order (the experts' sums into the output are not
+        # ordered between programs): 3.5e-4 apart on outputs of ~100 on the H200.
+        assert torch.allclose(y, want, atol=1e-4, rtol=1e-5), float((y - want).abs().max())
 
 
 def _check_engine_graphs(tmp_path: Path, device: str) -> None:

@@ -193,7 +193,9 @@ def test_the_cuda_model_matches_transformers(checkpoint) -> None:
     harness = StateHarness(model, spec, device="cuda")
     got = [harness.step([("a", ids[:70])])[0]]
     mixed = harness.step([("a", ids[70:80]), ("b", other)])
-    assert float((mixed[1] - want_other[-1]).abs().max()) < 1e-3
+    # float32 on CUDA sums in another order than transformers on the CPU (below): 1.0e-3 to
+    # 1.4e-3 apart on the H200 for this row across runs
+    assert float((mixed[1] - want_other[-1]).abs().max()) < 2e-3
     got += [mixed[0]]
     got += [harness.step([("a", [t]), ("b", [3])])[0] for t in ids[80:90]]
     rows = torch.stack(got)
