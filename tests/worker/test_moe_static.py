@@ -142,8 +142,10 @@ def test_a_captured_graph_of_the_static_block_equals_eager() -> None:
         with torch.no_grad():
             want = block(x)
         # Equal up to float32 summation order (the experts' sums into the output are not
-        # ordered between programs): 3.5e-4 apart on outputs of ~100 on the H200.
-        assert torch.allclose(y, want, atol=1e-4, rtol=1e-5), float((y - want).abs().max())
+        # ordered between programs): 3.5e-4 apart on the H200, on outputs up to ~120, so the
+        # bound is relative to the output's scale, not to each element (some are near 0).
+        err, scale = float((y - want).abs().max()), float(want.abs().max())
+        assert err <= 1e-5 * scale, (err, scale)
 
 
 def _check_engine_graphs(tmp_path: Path, device: str) -> None:

@@ -193,8 +193,8 @@ def test_the_cuda_model_matches_transformers(checkpoint) -> None:
     harness = StateHarness(model, spec, device="cuda")
     got = [harness.step([("a", ids[:70])])[0]]
     mixed = harness.step([("a", ids[70:80]), ("b", other)])
-    # float32 on CUDA sums in another order than transformers on the CPU (below): 1.0e-3 to
-    # 1.4e-3 apart on the H200 for this row across runs
+    # float32 on CUDA sums in another order than transformers on the CPU (below): up to
+    # 1.4e-3 apart on the H200 for these rows
     assert float((mixed[1] - want_other[-1]).abs().max()) < 2e-3
     got += [mixed[0]]
     got += [harness.step([("a", [t]), ("b", [3])])[0] for t in ids[80:90]]
@@ -203,7 +203,7 @@ def test_the_cuda_model_matches_transformers(checkpoint) -> None:
     # these logits, growing over the 20 steps after the prompt
     assert float((rows - want[[69, 79, *range(80, 90)]]).abs().max()) < 3e-3
     last = harness.step([("b", [4])])[0]
-    assert float((last - hf_logits(hf, other + [3] * 10 + [4])[-1]).abs().max()) < 1e-3
+    assert float((last - hf_logits(hf, other + [3] * 10 + [4])[-1]).abs().max()) < 2e-3
 
 
 def test_a_batch_without_state_slots_is_refused(checkpoint) -> None:
