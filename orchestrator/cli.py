@@ -4,26 +4,25 @@ Every subcommand that runs cluster processes reads one cluster YAML (`--config`)
 `--set a.b=c` overrides; named flags (`--model`, `--port`, ...) are shorthands for overrides
 and are applied before the `--set` ones. `main(argv)` returns the exit status (tests call it).
 The worker and gateway code is imported only inside their subcommands, so the CLI stays light
-(no torch import for plan, eval or bench).
+(no torch import for plan, eval or bench). eval and bench, which only talk to a running
+server, live in orchestrator/cli_client.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
+from orchestrator.cli_client import EXIT_USAGE, add_client_commands, cmd_bench, cmd_eval
 from orchestrator.config import (
     DEFAULT_CONFIG,
     ClusterConfig,
     ClusterConfigError,
-    EvalGate,
     gateway_config,
     load_config,
     resolve_config_path,
@@ -31,15 +30,16 @@ from orchestrator.config import (
 from orchestrator.worker_config import worker_config
 from worker.config import WorkerConfig
 
-EXIT_USAGE = 2  # bad flags or config, unreachable server
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # worker/config.py KV_CACHE_DTYPES (no worker import here)
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--config", required=required, metavar="PATH",
-                   help="cluster YAML" + ("" if required else f" (default: configs/{DEFAULT_CONFIG.name})"))
+                   help="cluster YAML"
+                        + ("" if required else f" (default: configs/{DEFAULT_CONFIG.name})"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one field, e.g. --set roles.decode.count=2 --set transfer.backend=nixl (repeatable)")
+                   help="override one field, e.g. --set roles.decode.count=2 "
+                        "--set transfer.backend=nixl (repeatable)")
 
 
 def _add_parser_args(p: argparse.ArgumentParser) -> None:
@@ -65,9 +65,8 @@ def _parser_overrides(args: argparse.Namespace) -> list[str]:
 def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="|".join(KV_CACHE_DTYPES),
                    help="KV cache storage (= --set cache.kv_cache_dtype=...): auto = the model "
-                        "dtype, "
-                        "fp8_e4m3 = one byte per element with the checkpoint's K/V scales (else "
-                        "1.0)")
+                        "dtype, fp8_e4m3 = one byte per element with the checkpoint's K/V "
+                        "scales (else 1.0)")
 
 
 def _kv_dtype_override(args: argparse.Namespace) -> list[str]:
@@ -78,33 +77,41 @@ def _kv_dtype_override(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
-        description="Tandem: disaggregated prefill/decode LLM serving. One YAML describes the cluster.",
-        epilog="Example: tandem serve   (the embedded model, 1 prefill + 1 decode, http://127.0.0.1:8000)",
+        description="Tandem: disaggregated prefill/decode LLM serving. "
+                    "One YAML describes the cluster.",
+        epilog="Example: tandem serve   "
+               "(the embedded model, 1 prefill + 1 decode, http://127.0.0.1:8000)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run a whole cluster here in the foreground (local launcher)",
-                       description="Start every worker and the gateway on this machine; Ctrl-C stops them in order.")
+                       description="Start every worker and the gateway on this machine; "
+                                   "Ctrl-C stops them in order.")
     _add_config_args(p, required=False)
     p.add_argument("--model", metavar="DIR|ORG/NAME",
                    help="HF-format model directory, or a Hugging Face name in the local cache "
                         "(HF_HOME; offline); served as the directory's name or ORG/NAME")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype")
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
-    p.add_argument("--api-key", metavar="KEY", help="clients must send `Authorization: Bearer KEY` (default: no auth)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY` (default: no auth)")
     p.add_argument("--admin-key", metavar="KEY",
                    help="key of the admin routes (/workers, /metrics); separate from --api-key")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly (no CUDA graphs)")
     _add_parser_args(p)
     _add_kv_dtype_arg(p)
 
     p = sub.add_parser("worker", help="run one worker process (what launchers start)")
     _add_config_args(p, required=True)
     p.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
-    p.add_argument("--replica", type=int, default=0, metavar="I", help="replica index within the role (default 0)")
+    p.add_argument("--replica", type=int, default=0, metavar="I",
+                   help="replica index within the role (default 0)")
     p.add_argument("--node-rank", type=int, default=0, metavar="K",
-                   help="which of the replica's parallel.nnodes nodes this is (0 serves gRPC; default 0)")
+                   help="which of the replica's parallel.nnodes nodes this is "
+                        "(0 serves gRPC; default 0)")
     _add_kv_dtype_arg(p)
     p.add_argument("--host", metavar="H", help="bind and be dialed here (default: the role's host)")
     p.add_argument("--port", type=int, metavar="N",
@@ -118,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
     _add_config_args(p, required=True)
-    p.add_argument("--admin-key", metavar="KEY", help="key of the admin routes (/workers, /metrics)")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help="key of the admin routes (/workers, /metrics)")
     _add_parser_args(p)
 
     p = sub.add_parser("launch", help="run the launcher the config names (launcher.kind)")
@@ -132,61 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, metavar="N",
                    help="plan for a machine with N CUDA GPUs (default: probe this one)")
 
-    gate = EvalGate()
-    p = sub.add_parser(
-        "eval", help="score a task against a server; non-zero below the bar",
-        description="Prints `accuracy: X (k/N)`; exits 1 below --min-accuracy, 2 if the server "
-                    "is unreachable. arith: raw prompts through /v1/completions. lookup: the tool "
-                    "loop (call, tool result, answer) through /v1/chat/completions.",
-    )
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--config", metavar="PATH",
-                   help="take the defaults below from this config's eval section")
-    p.add_argument("--task", help=f"task family: arith or lookup (default {gate.task})")
-    p.add_argument("--samples", type=int, help=f"number of problems (default {gate.samples})")
-    p.add_argument("--concurrency", type=int,
-                   help=f"requests in flight (default {gate.concurrency})")
-    p.add_argument("--min-accuracy", type=float,
-                   help=f"the bar, 0..1 (default {gate.min_accuracy})")
-    p.add_argument("--seed", type=int, help=f"problem seed (default {gate.seed})")
-    p.add_argument("--enable-thinking", action="store_true",
-                   help="tool tasks: send chat_template_kwargs {enable_thinking: true} and require "
-                        "reasoning_content in every reply")
-    p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
-    p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
-
-    p = sub.add_parser("bench", help="a streaming serving workload against an OpenAI URL",
-                       description="TTFT / TPOT / per-token ITL / E2E percentiles and throughput, "
-                                   "for one load point or a sweep; --out DIR adds JSON and plots.")
-    p.add_argument("--url", required=True, help="server base URL")
-    p.add_argument("--input-len", type=int, default=128, help="prompt length (characters or token ids)")
-    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests per load point")
-    load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", metavar="C[,C...]",
-                      help="closed loop: requests in flight (default 4); a list sweeps")
-    load.add_argument("--request-rate", metavar="R[,R...]",
-                      help="open loop: Poisson arrivals per second; a list sweeps")
-    p.add_argument("--dataset", default="random", metavar="random|shared-prefix|jsonl:PATH",
-                   help="random prompts; synthetic multi-turn conversations over shared system "
-                        "prompts; or a JSONL file of {\"prompt\": text|ids, \"max_tokens\": N}")
-    p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: turns per conversation")
-    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: their length")
-    p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
-                   help="random text, or random token-id lists (exact lengths where the server takes ids)")
-    p.add_argument("--vocab-size", type=int, default=32, help="ids: draw token ids from [1, N)")
-    p.add_argument("--long-every", type=int, default=0, metavar="K",
-                   help="mixed load: every K-th request has a --long-input-len prompt")
-    p.add_argument("--long-input-len", type=int, default=1024, metavar="M")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print JSON (a list for a sweep)")
-    p.add_argument("--out", metavar="DIR",
-                   help="write bench.json, latency_throughput.png and itl_cdf.png there")
-    p.add_argument("--no-token-ids", action="store_true",
-                   help="do not send return_token_ids (count one token per stream event)")
-    p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
-    p.add_argument("--api-key", default="")
+    add_client_commands(sub)
     return parser
 
 
@@ -359,106 +313,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(format_plan(_load(args), cuda_status(args.gpus)))
     return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from orchestrator.client import ServerError
-    from orchestrator.eval import report, run_eval
-    from orchestrator.tasks import TaskMode, UnknownTaskError, get_task
-
-    gate = _load_eval_gate(args.config)
-    task_name = args.task or gate.task
-    samples = args.samples if args.samples is not None else gate.samples
-    concurrency = args.concurrency if args.concurrency is not None else gate.concurrency
-    bar = args.min_accuracy if args.min_accuracy is not None else gate.min_accuracy
-    seed = args.seed if args.seed is not None else gate.seed
-    if samples < 1 or concurrency < 1:
-        print(f"error: --samples and --concurrency must be >= 1, got {samples} and {concurrency}",
-              file=sys.stderr)
-        return EXIT_USAGE
-    if not 0.0 <= bar <= 1.0:
-        print(f"error: --min-accuracy must be within 0..1, got {bar}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        task = get_task(task_name)
-    except UnknownTaskError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return EXIT_USAGE
-    tool_loop = task.MODE is TaskMode.TOOL_LOOP
-    if args.enable_thinking and not tool_loop:
-        print(f"error: --enable-thinking needs a chat task (lookup); {task_name} sends raw "
-              "completions", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        if tool_loop:
-            from orchestrator.eval_tools import run_tool_eval  # lazy: imports the openai client
-
-            result = asyncio.run(run_tool_eval(
-                args.url, task, samples, concurrency, seed, args.model, args.api_key,
-                enable_thinking=args.enable_thinking,
-            ))
-        else:
-            result = asyncio.run(run_eval(
-                args.url, task, samples, concurrency, seed, args.model, args.api_key,  # type: ignore[arg-type]
-            ))
-    except ServerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    return report(result, bar, sys.stdout, sys.stderr)
-
-
-def _load_eval_gate(config: str | None) -> EvalGate:
-    return load_config(resolve_config_path(config)).eval if config else EvalGate()
-
-
-def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
-    """`--concurrency 1,4,16` -> [1, 4, 16]; ValueError names the flag."""
-    if text is None:
-        return []
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes numbers separated by commas, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{flag} values must be > 0, got {text!r}")
-    return values
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from orchestrator.bench import BenchSpec, bench_main
-    from orchestrator.bench_data import DatasetError, make_sessions_check
-
-    for name in ("input_len", "output_len", "num_requests", "num_turns", "num_groups",
-                 "prefix_len"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
-            return EXIT_USAGE
-    if args.vocab_size < 2:
-        print(f"error: --vocab-size must be >= 2, got {args.vocab_size}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        rates = _sweep_values(args.request_rate, float, "--request-rate")
-        concs = _sweep_values(args.concurrency, int, "--concurrency") if not rates else []
-        make_sessions_check(args.dataset)
-    except (ValueError, DatasetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    base = BenchSpec(
-        input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
-        seed=args.seed, prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
-        long_every=max(args.long_every, 0), long_input_len=args.long_input_len, model=args.model,
-        api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
-        num_groups=args.num_groups, prefix_len=args.prefix_len,
-        return_token_ids=not args.no_token_ids,
-    )
-    specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
-             [dataclasses.replace(base, concurrency=c) for c in concs or [4]])
-    try:
-        return bench_main(args.url, specs, args.json, sys.stdout, sys.stderr,
-                          Path(args.out) if args.out else None)
-    except DatasetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
 
 
 COMMANDS = {

@@ -66,7 +66,8 @@ class CacheGroup:
             raise ContractError(f"CacheGroup.state_bytes must be > 0 for a recurrent group and 0 "
                                 f"for any other kind, got {self.state_bytes} for {self.kind.value}")
         if self.kind is CacheKind.SLIDING_WINDOW and self.window <= 0:
-            raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, got {self.window}")
+            raise ContractError(f"CacheGroup.window must be > 0 for a sliding_window group, "
+                                f"got {self.window}")
         if (self.kind is CacheKind.MLA_LATENT) != (self.latent_dim > 0):
             raise ContractError(f"CacheGroup.latent_dim must be > 0 for an mla_latent group and 0 "
                                 f"for any other kind, got {self.latent_dim} for {self.kind.value}")
@@ -85,17 +86,20 @@ def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> list[int]:
     """
     if tp_size <= total_heads:
         if total_heads % tp_size:
-            raise ContractError(f"num_kv_heads_total={total_heads} must be divisible by tp_size={tp_size}")
+            raise ContractError(f"num_kv_heads_total={total_heads} must be divisible by "
+                                f"tp_size={tp_size}")
         per = total_heads // tp_size
         return list(range(tp_rank * per, (tp_rank + 1) * per))
     if tp_size % total_heads:
-        raise ContractError(f"tp_size={tp_size} must be a multiple of num_kv_heads_total={total_heads} when larger")
+        raise ContractError(f"tp_size={tp_size} must be a multiple of "
+                            f"num_kv_heads_total={total_heads} when larger")
     return [tp_rank // (tp_size // total_heads)]
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One rank's KV pool: `data[num_pages, num_layers, 2, num_kv_heads_local, page_size, head_dim]`.
+    """One rank's KV pool:
+    `data[num_pages, num_layers, 2, num_kv_heads_local, page_size, head_dim]`.
 
     Built by the worker from plain numbers; the transfer layer computes byte offsets from it.
 
@@ -115,8 +119,9 @@ class KVLayout:
     tp_size: int = 1
     groups: tuple[CacheGroup, ...] = ()  # () = every layer is full attention
     # Pages of the window region (SLIDING_WINDOW group) that follows the full region in the same
-    # registered memory: `window[num_window_pages, num_window_layers, 2, heads, page_size, head_dim]`
-    # at byte `window_base`. 0 = no window region (window layers, if any, live in full pages).
+    # registered memory:
+    # `window[num_window_pages, num_window_layers, 2, heads, page_size, head_dim]` at byte
+    # `window_base`. 0 = no window region (window layers, if any, live in full pages).
     num_window_pages: int = 0
     # FP8 pages: a label of the K/V scales that dequantize them ("1.0", or the checkpoint's
     # scales' digest); "" for pages that are not FP8. Both sides must agree (COMPATIBLE_FIELDS).
@@ -142,22 +147,28 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.num_state_slots and self.state_group is None:
             raise ContractError("KVLayout.num_state_slots needs a recurrent group in groups")
-        for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total", "tp_size"):
+        for name in ("num_pages", "num_layers", "page_size", "head_dim", "num_kv_heads_total",
+                     "tp_size"):
             if getattr(self, name) <= 0:
                 raise ContractError(f"KVLayout.{name} must be > 0, got {getattr(self, name)}")
         windows = [g for g in self.groups if g.kind is CacheKind.SLIDING_WINDOW]
         if self.num_window_pages < 0:
-            raise ContractError(f"KVLayout.num_window_pages must be >= 0, got {self.num_window_pages}")
+            raise ContractError(f"KVLayout.num_window_pages must be >= 0, "
+                                f"got {self.num_window_pages}")
         if self.num_window_pages and len(windows) != 1:
-            raise ContractError(f"KVLayout.num_window_pages={self.num_window_pages} needs exactly one sliding_window "
-                                f"group in KVLayout.groups, got {len(windows)} (merge window layers into one group)")
+            raise ContractError(f"KVLayout.num_window_pages={self.num_window_pages} needs exactly "
+                                f"one sliding_window group in KVLayout.groups, got {len(windows)} "
+                                "(merge window layers into one group)")
         if self.num_window_pages and len(windows[0].layers) >= self.num_layers:
-            raise ContractError("KVLayout.groups: a window region needs at least one full_attention layer; "
-                                "keep all-window models in full pages (num_window_pages=0)")
+            raise ContractError("KVLayout.groups: a window region needs at least one "
+                                "full_attention layer; keep all-window models in full pages "
+                                "(num_window_pages=0)")
         if self.dtype not in DTYPE_BYTES:
-            raise ContractError(f"KVLayout.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise ContractError(f"KVLayout.dtype must be one of {sorted(DTYPE_BYTES)}, "
+                                f"got {self.dtype!r}")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ContractError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+            raise ContractError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), "
+                                f"got {self.tp_rank}")
         heads_of_rank(self.num_kv_heads_total, self.tp_size, self.tp_rank)  # divisibility check
         self._check_latent()
 
@@ -238,7 +249,8 @@ class KVLayout:
         """The window region as a plain layout of its own (offsets from `window_base`)."""
         group = self.window_group
         if group is None:
-            raise ContractError("KVLayout.window_view: this layout has no window region (num_window_pages=0)")
+            raise ContractError("KVLayout.window_view: this layout has no window region "
+                                "(num_window_pages=0)")
         return KVLayout(
             num_pages=self.num_window_pages, num_layers=len(group.layers), page_size=self.page_size,
             head_dim=self.head_dim, dtype=self.dtype, num_kv_heads_total=self.num_kv_heads_total,
@@ -300,14 +312,17 @@ class LayoutContract:
     speculative: str = ""
 
     @classmethod
-    def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str, backend: str) -> LayoutContract:
-        groups = layout.groups or (CacheGroup(CacheKind.FULL_ATTENTION, tuple(range(layout.num_layers))),)
+    def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str,
+                    backend: str) -> LayoutContract:
+        groups = layout.groups or (
+            CacheGroup(CacheKind.FULL_ATTENTION, tuple(range(layout.num_layers))),)
         return cls(
-            model_name=model_name, model_fingerprint=model_fingerprint, num_layers=layout.num_layers,
-            page_size=layout.page_size, num_kv_heads_total=layout.num_kv_heads_total,
-            num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim, dtype=layout.dtype,
-            tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend, groups=groups,
-            kv_scales=layout.kv_scales, speculative=layout.speculative,
+            model_name=model_name, model_fingerprint=model_fingerprint,
+            num_layers=layout.num_layers, page_size=layout.page_size,
+            num_kv_heads_total=layout.num_kv_heads_total,
+            num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim,
+            dtype=layout.dtype, tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend,
+            groups=groups, kv_scales=layout.kv_scales, speculative=layout.speculative,
         )
 
     def layout(self, num_pages: int = 1, num_window_pages: int = 0, num_state_slots: int = 0,

@@ -59,7 +59,8 @@ class KVReceiver(Room):
         return super()._timeout_of(state) + grace
 
     def __init__(
-        self, room: int, config: TransferConfig, lock: threading.RLock, on_finish: Callable[[Room], None],
+        self, room: int, config: TransferConfig, lock: threading.RLock,
+        on_finish: Callable[[Room], None],
         *, contract: LayoutContract, layout: KVLayout, kv_base: int, addrs: list[str],
         registration: pb.RoomRegistration, channel_of: Callable[[str], grpc.Channel],
         release: Callable[[Callable[[], None]], Future[None]],
@@ -92,8 +93,10 @@ class KVReceiver(Room):
         threading.Thread(target=self._listen, args=(i, addr, stub), daemon=True,
                          name=f"kv-recv-{self.room:x}-{i}").start()
 
-    def _add_prefill_ranks(self, addr: str, theirs: LayoutContract, rank_addrs: list[str]) -> str | None:
-        """Match our bootstrap addresses to prefill's TP ranks; open the missing streams (lock held).
+    def _add_prefill_ranks(self, addr: str, theirs: LayoutContract,
+                           rank_addrs: list[str]) -> str | None:
+        """Match our bootstrap addresses to prefill's TP ranks; open the missing streams
+        (lock held).
 
         Returns an error, or None. One address given + prefill TP > 1: the ranks' addresses come
         from rank `theirs.tp_rank`'s ACCEPTED event.
@@ -101,9 +104,10 @@ class KVReceiver(Room):
         if len(self._addrs) == theirs.tp_size:
             return None
         if len(self._addrs) != 1 or len(rank_addrs) != theirs.tp_size:
-            return (f"prefill {addr} runs TP={theirs.tp_size}, but the room has {len(self._addrs)} bootstrap "
-                    f"address(es) and prefill published {len(rank_addrs)}; give every rank's address "
-                    "comma-separated, or have prefill call set_tp_bootstrap_addrs")
+            return (f"prefill {addr} runs TP={theirs.tp_size}, but the room has "
+                    f"{len(self._addrs)} bootstrap address(es) and prefill published "
+                    f"{len(rank_addrs)}; give every rank's address comma-separated, or have "
+                    "prefill call set_tp_bootstrap_addrs")
         for rank, other in enumerate(rank_addrs):
             if rank != theirs.tp_rank:
                 self._addrs.append(other)
@@ -126,7 +130,8 @@ class KVReceiver(Room):
             with self._lock:
                 if not self._state.finished:
                     # ABORTED: prefill ended the room before we registered (e.g. the client left).
-                    state = RoomState.ABORTED if code == grpc.StatusCode.ABORTED else RoomState.FAILED
+                    state = (RoomState.ABORTED if code == grpc.StatusCode.ABORTED
+                             else RoomState.FAILED)
                     details = e.details()  # type: ignore[attr-defined]
                     self._finish(state, f"bootstrap stream to prefill {addr} ended: "
                                  f"{code.name}: {details}", fault=Side.PREFILL)
@@ -152,7 +157,8 @@ class KVReceiver(Room):
                     self._finish(RoomState.FAILED, err, fault=Side.PREFILL)
                     return
                 self._accepted[i] = theirs
-                if len(self._accepted) == len(self._addrs) and self._state is RoomState.BOOTSTRAPPING:
+                if (len(self._accepted) == len(self._addrs)
+                        and self._state is RoomState.BOOTSTRAPPING):
                     self._enter(RoomState.WAITING_FOR_INPUT)
             elif ev.kind == pb.RoomEvent.TRANSFERRING:
                 if self._state is not RoomState.TRANSFERRING:
@@ -190,7 +196,8 @@ class KVReceiver(Room):
     def _verify(self, theirs: LayoutContract, ev: pb.RoomEvent) -> str | None:
         """Recompute each page group's crc over our landed bytes, in the sender's plan order."""
         # Page ids index the peer's pool; only our (dst) offsets matter here.
-        src = theirs.layout(num_pages=1 << 40, num_window_pages=(1 << 40) if self._layout.num_window_pages else 0)
+        src = theirs.layout(num_pages=1 << 40,
+                            num_window_pages=(1 << 40) if self._layout.num_window_pages else 0)
         dst_pages = list(self._reg.dst_pages)
         ring = list(self._reg.window_dst_pages)
         for g in ev.checksums:
@@ -204,15 +211,17 @@ class KVReceiver(Room):
                     return f"state slot crc {got:#010x} != sent {g.crc32:#010x}"
                 continue
             if g.window:  # one page of the window ring, at ring index start_page
-                ranges = plan_window_tail(src, self._layout, list(range(len(ring))), ring, [g.start_page])[0]
+                ranges = plan_window_tail(src, self._layout, list(range(len(ring))), ring,
+                                          [g.start_page])[0]
             else:
                 dummy_src = list(range(g.num_pages))  # src offsets are irrelevant on this side
-                ranges = plan_pages(src, self._layout, dummy_src, dst_pages, start_page=g.start_page,
-                                    skip_pages=self._reg.skip_pages)
+                ranges = plan_pages(src, self._layout, dummy_src, dst_pages,
+                                    start_page=g.start_page, skip_pages=self._reg.skip_pages)
             ranges = coalesce(ranges)
             got = crc_of(self._kv_base, [(r.dst, r.length) for r in ranges])
             if got != g.crc32:
-                return f"pages [{g.start_page}, {g.start_page + g.num_pages}) crc {got:#010x} != sent {g.crc32:#010x}"
+                return (f"pages [{g.start_page}, {g.start_page + g.num_pages}) "
+                        f"crc {got:#010x} != sent {g.crc32:#010x}")
         return None
 
     def _on_terminal(self, state: RoomState, reason: str | None) -> None:
@@ -240,7 +249,8 @@ class KVReceiver(Room):
         timeout = self._config.transfer_timeout_s + 1.0  # prefill waits up to transfer_timeout_s
         for addr in addrs:
             try:
-                ack = pb_grpc.BootstrapStub(self._channel_of(addr)).ReleaseRoom(msg, timeout=timeout)
+                ack = pb_grpc.BootstrapStub(self._channel_of(addr)).ReleaseRoom(
+                    msg, timeout=timeout)
             except grpc.RpcError:
                 return  # unreachable or dead: the quarantine deadline frees the pages
             if not ack.drained:

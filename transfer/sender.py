@@ -138,9 +138,11 @@ class KVSender(Room):
             group = self._layout.window_group
             if last and group is not None:
                 if window_ring is None or num_tokens <= 0:
-                    raise ValueError(f"room {self.room:#x}: the layout has a window region; the last send needs "
-                                     "window_ring and num_tokens (the ring's tail is part of the KV)")
-                tail = window_tail_pages(num_tokens, group.window, self._layout.page_size, len(window_ring))
+                    raise ValueError(f"room {self.room:#x}: the layout has a window region; the "
+                                     "last send needs window_ring and num_tokens (the ring's "
+                                     "tail is part of the KV)")
+                tail = window_tail_pages(num_tokens, group.window, self._layout.page_size,
+                                         len(window_ring))
                 self._chunks.append(_Chunk(list(window_ring), 0, tail))
             if last and self._layout.state_group is not None:
                 if state_slot < 0:
@@ -161,11 +163,14 @@ class KVSender(Room):
         """Add a decode rank's registration; raises ValueError if it does not fit the room."""
         with self._lock:
             if self._state.finished:
-                raise RoomEndedError(f"room {self.room:#x} already ended on prefill ({self._state.value}: {self.error})")
+                raise RoomEndedError(f"room {self.room:#x} already ended on prefill "
+                                     f"({self._state.value}: {self.error})")
             if self._expected_peers and peer.tp_size != self._expected_peers:
-                raise ValueError(f"room {self.room:#x}: decode tp_size {peer.tp_size} != {self._expected_peers} of earlier ranks")
+                raise ValueError(f"room {self.room:#x}: decode tp_size {peer.tp_size} != "
+                                 f"{self._expected_peers} of earlier ranks")
             if peer.tp_rank in self.peers:
-                raise ValueError(f"room {self.room:#x}: decode tp_rank {peer.tp_rank} registered twice")
+                raise ValueError(f"room {self.room:#x}: decode tp_rank {peer.tp_rank} "
+                                 "registered twice")
             self._expected_peers = peer.tp_size
             self.peers[peer.tp_rank] = peer
             if not self._paired():
@@ -237,17 +242,20 @@ class KVSender(Room):
                                     start_page=chunk.start_page, skip_pages=peer.skip_pages)
                 if not ranges:
                     continue  # decode already has these pages, or no head of ours goes to this rank
-                covered = chunk.start_page + len(chunk.src_pages) - max(chunk.start_page, peer.skip_pages)
+                covered = (chunk.start_page + len(chunk.src_pages)
+                           - max(chunk.start_page, peer.skip_pages))
                 if not self._first_write_t:
                     self._first_write_t = time.monotonic()
                 self._in_flight += 1
-                self._submit(WriteJob(self, peer, ranges, max(chunk.start_page, peer.skip_pages), covered))
+                self._submit(WriteJob(self, peer, ranges, max(chunk.start_page, peer.skip_pages),
+                                      covered))
         self._chunks.clear()
 
     def _flush_tail(self, ring: list[int], ring_indices: list[int]) -> None:
         """One write job per (peer, ring page) of the window tail (lock held)."""
         for peer in self.peers.values():
-            per_page = plan_window_tail(self._layout, peer.layout, ring, peer.window_dst_pages, ring_indices)
+            per_page = plan_window_tail(self._layout, peer.layout, ring, peer.window_dst_pages,
+                                        ring_indices)
             for idx, ranges in zip(ring_indices, per_page, strict=True):
                 if not ranges:
                     continue  # no head of ours goes to this rank
@@ -282,7 +290,8 @@ class KVSender(Room):
                 first_token=-1 if self.first_token is None else self.first_token,
                 first_logprob=self.first_logprob or 0.0,
                 top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top_logprobs],
-                checksums=peer.checksums, pages=peer.pages, bytes=peer.bytes, duration_ms=self.stats.duration_ms,
+                checksums=peer.checksums, pages=peer.pages, bytes=peer.bytes,
+                duration_ms=self.stats.duration_ms,
                 draft_hidden=self.draft_hidden,
             ))
         self._finish(RoomState.SUCCESS, None)

@@ -20,7 +20,8 @@ class ForwardBatch:
     query_start: torch.Tensor  # [B+1] int64: offsets of each request's tokens in input_ids
     seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new tokens)
     page_table: torch.Tensor  # [B, max_pages] int64: each request's pages, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset where each new token's KV goes
+    # [T] int64: page * page_size + offset where each new token's KV goes
+    slot_mapping: torch.Tensor
     logits_indices: torch.Tensor  # [B] int64: index in input_ids of each request's last new token
 
     # Host copies, so CPU attention can loop without device syncs.
@@ -29,8 +30,10 @@ class ForwardBatch:
 
     # Window layers (models whose window layers keep a ring of pages, see docs/hybrid-cache.md);
     # None when every layer reads full pages.
-    window_slot_mapping: torch.Tensor | None = None  # [T] ring page * page_size + offset; -1 = not kept
-    window_context_slots: torch.Tensor | None = None  # [C] ring slots of each request's window history
+    # [T] ring page * page_size + offset; -1 = not kept
+    window_slot_mapping: torch.Tensor | None = None
+    # [C] ring slots of each request's window history
+    window_context_slots: torch.Tensor | None = None
     # [B+1] host offsets of each request's history in window_context_slots: request i attends to
     # the history (the tokens just before its chunk that its window reaches) plus its new tokens.
     window_context_start: list[int] | None = None

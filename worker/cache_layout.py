@@ -13,7 +13,8 @@ from worker.kv_cache import KVShape
 from worker.model.base import ModelSpec
 from worker.model.fp8 import is_fp8, kv_storage_dtype
 
-WINDOW_RINGS_PER_SEQ = 2  # window rings per running seat: decode also holds rings of rooms in flight
+# window rings per running seat: decode also holds rings of rooms in flight
+WINDOW_RINGS_PER_SEQ = 2
 STATE_SLOTS_PER_SEQ = 2  # state slots per running seat, for the same reason
 
 

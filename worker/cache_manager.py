@@ -201,7 +201,7 @@ class KVCacheManager:
             self.state.release(req.request_id)
         self._replays.pop(req.request_id, None)
 
-    # ---- the roles' side ---------------------------------------------------------------------------
+    # ---- the roles' side -------------------------------------------------------------------------
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Decode: every holding a room lands in, for `num_tokens` tokens, or nothing (prefill
         writes the state slot: it needs no initialisation here)."""

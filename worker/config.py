@@ -42,7 +42,8 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:
-            raise ConfigError(f"{prefix}.max_model_len must be >= 0 (0 = from the checkpoint), got {self.max_model_len}")
+            raise ConfigError(f"{prefix}.max_model_len must be >= 0 (0 = from the checkpoint), "
+                              f"got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,14 @@ class CacheConfig:
                               f"{'|'.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"{prefix}.page_size must be a positive power of two, got {self.page_size}")
+            raise ConfigError(f"{prefix}.page_size must be a positive power of two, "
+                              f"got {self.page_size}")
         if self.num_pages < 0:
-            raise ConfigError(f"{prefix}.num_pages must be >= 0 (0 = from max_total_tokens), got {self.num_pages}")
+            raise ConfigError(f"{prefix}.num_pages must be >= 0 (0 = from max_total_tokens), "
+                              f"got {self.num_pages}")
         if self.num_pages == 0 and self.max_total_tokens < self.page_size:
-            raise ConfigError(f"{prefix}.max_total_tokens must hold at least one page ({self.page_size} tokens), got {self.max_total_tokens}")
+            raise ConfigError(f"{prefix}.max_total_tokens must hold at least one page "
+                              f"({self.page_size} tokens), got {self.max_total_tokens}")
 
     @property
     def total_pages(self) -> int:
@@ -111,12 +115,14 @@ class ParallelConfig:
     # cpu | cuda | cuda:N. A cluster config's `auto` is resolved before it gets here
     # (orchestrator/devices.py: on the machine the worker runs on), so a worker never guesses.
     device: str = "cpu"
-    dp_size: int = 1  # attention data-parallel groups: one scheduler and KV pool each (worker/dp_runner.py)
+    # attention data-parallel groups: one scheduler and KV pool each (worker/dp_runner.py)
+    dp_size: int = 1
     ep_size: int = 1  # MoE expert parallelism: 1 (experts TP-sharded) or tp_size * dp_size
     all2all_backend: All2AllBackend = "torch"  # MoE dispatch/combine: torch.distributed or DeepEP
     nnodes: int = 1  # nodes this worker's ranks span
     node_rank: int = 0  # which of them this process runs on (node 0 serves gRPC)
-    dist_init_addr: str = ""  # tcp://host:port of the rank-0 rendezvous; "" = a free local port (nnodes 1)
+    # tcp://host:port of the rank-0 rendezvous; "" = a free local port (nnodes 1)
+    dist_init_addr: str = ""
 
     @property
     def world_size(self) -> int:
@@ -128,21 +134,26 @@ class ParallelConfig:
             raise ConfigError(f"{prefix}.device must be cpu, cuda or cuda:N, got {dev!r} (a "
                               "cluster config's auto is resolved by the launcher)")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
+            raise ConfigError(f"{prefix}: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} "
+                              f"of {self.tp_size}")
         if self.dp_size <= 0:
             raise ConfigError(f"{prefix}.dp_size must be >= 1, got {self.dp_size}")
         if self.ep_size not in (1, self.world_size):
-            raise ConfigError(f"{prefix}.ep_size must be 1 (MoE TP) or tp_size*dp_size={self.world_size} "
+            raise ConfigError(f"{prefix}.ep_size must be 1 (MoE TP) or "
+                              f"tp_size*dp_size={self.world_size} "
                               f"(one expert group over every rank), got {self.ep_size}")
         if self.all2all_backend not in ("torch", "deepep"):
-            raise ConfigError(f"{prefix}.all2all_backend must be torch or deepep, got {self.all2all_backend!r}")
+            raise ConfigError(f"{prefix}.all2all_backend must be torch or deepep, "
+                              f"got {self.all2all_backend!r}")
         if self.nnodes <= 0 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"{prefix}: need 0 <= node_rank < nnodes, got node {self.node_rank} of {self.nnodes}")
+            raise ConfigError(f"{prefix}: need 0 <= node_rank < nnodes, got node {self.node_rank} "
+                              f"of {self.nnodes}")
         if self.world_size % self.nnodes:
-            raise ConfigError(f"{prefix}: tp_size*dp_size={self.world_size} ranks must split evenly over nnodes={self.nnodes}")
+            raise ConfigError(f"{prefix}: tp_size*dp_size={self.world_size} ranks must split "
+                              f"evenly over nnodes={self.nnodes}")
         if self.nnodes > 1 and not self.dist_init_addr.startswith("tcp://"):
-            raise ConfigError(f"{prefix}.dist_init_addr must be tcp://HOST:PORT (node 0's address) when nnodes > 1, "
-                              f"got {self.dist_init_addr!r}")
+            raise ConfigError(f"{prefix}.dist_init_addr must be tcp://HOST:PORT (node 0's "
+                              f"address) when nnodes > 1, got {self.dist_init_addr!r}")
 
 
 SpecMethod = Literal["none", "ngram", "draft", "eagle", "mtp"]
@@ -199,7 +210,8 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)  # used by prefill/decode roles
-    tls: TLSConfig = field(default_factory=TLSConfig)  # the Worker and bootstrap services, and bootstrap clients
+    # the Worker and bootstrap services, and bootstrap clients
+    tls: TLSConfig = field(default_factory=TLSConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Identity reported in GetInfo: the launch's cluster id ("" = none) and the replica index.

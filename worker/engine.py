@@ -21,12 +21,12 @@ import torch
 from worker.cache_groups import WindowSpec
 from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
-from worker.config import ConfigError, WorkerConfig
+from worker.config import WorkerConfig
 from worker.dp_runner import DPRunner
+from worker.fast_paths import overlap_enabled, piecewise_supported
 from worker.grammar import Grammars
 from worker.kv_cache import KVCache
 from worker.model import load_model
-from worker.model.llama import LlamaForCausalLM
 from worker.outputs import OutputChannel, PerRequestSink, RequestEnded, RequestOutput, StepOutputs
 from worker.request import Request, RequestStatus
 from worker.runner import InFlight, ModelRunner
@@ -91,19 +91,22 @@ class Engine:
             for _ in range(par.dp_size)
         ]
         self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1
-        self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids, device=self.device)
+        self.runner = ModelRunner(self.model, self.kv, eos_token_ids=self.spec.eos_token_ids,
+                                  device=self.device)
         self.runner.drafter = model_drafter  # catches up after every forward, on every role
         self.hooks: RoleHooks | None = None  # the PD role's (worker/prefill.py, worker/decode.py)
         self.dp: DPRunner | None = None
         if par.dp_size > 1:
             assert self.tp is not None
-            self.dp = DPRunner(self.runner, self.tp.channel, par.tp_size, par.dp_size, self.spec.vocab_size)
+            self.dp = DPRunner(self.runner, self.tp.channel, par.tp_size, par.dp_size,
+                               self.spec.vocab_size)
         self._inflight: InFlight | None = None  # the launched overlapped step, tokens not read yet
         self._inbox: queue.SimpleQueue[tuple[str, object, object]] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._touched: dict[str, _Tracked] = {}  # requests with something to emit after this step
         self._group: dict[str, int] = {}  # request id -> its DP group (dp_size > 1)
-        self._room_group: dict[int, int] = {}  # PD room -> the DP group holding its pages (dp_size > 1)
+        # PD room -> the DP group holding its pages (dp_size > 1)
+        self._room_group: dict[int, int] = {}
         self.num_steps = 0
         self.num_overlapped_steps = 0
         # Constrained decoding (worker/grammar.py): xgrammar loads with the first grammar.
@@ -228,7 +231,8 @@ class Engine:
         if not self.overlap or len(plans) != 1 or plans[0].empty or plans[0].state_copies:
             return False
         return all(
-            c.num_tokens == 1 and c.sample and c.request.output_token_ids and not c.request.sampling.has_penalties
+            c.num_tokens == 1 and c.sample and c.request.output_token_ids
+            and not c.request.sampling.has_penalties
             and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
             and c.request.grammar is None  # its next mask needs this step's token on the host
             for c in plans[0].chunks
@@ -253,8 +257,10 @@ class Engine:
 
     def _fail(self, plans: list[SchedulePlan], exc: Exception) -> None:
         """A bug or a device error in a step: fail the step's requests, keep serving."""
-        log.error("step failed, failing %d requests:\n%s", sum(len(p.chunks) for p in plans), traceback.format_exc())
-        for sched, plan in zip(self.schedulers, plans, strict=False):  # overlap: one plan, one group
+        log.error("step failed, failing %d requests:\n%s", sum(len(p.chunks) for p in plans),
+                  traceback.format_exc())
+        # overlap: one plan, one group
+        for sched, plan in zip(self.schedulers, plans, strict=False):
             for chunk in plan.chunks:
                 sched.end(chunk.request.request_id, RequestStatus.FINISHED_ERROR,
                           f"internal error: {exc}")
@@ -398,7 +404,8 @@ class Engine:
     def warm_up(self, timeout_s: float = 120.0) -> None:
         """Run one tiny request through the real path before reporting SERVING."""
         done = threading.Event()
-        req = Request("warmup", [0] * min(8, self.max_model_len - 1), SamplingParams(max_tokens=2, ignore_eos=True))
+        req = Request("warmup", [0] * min(8, self.max_model_len - 1),
+                      SamplingParams(max_tokens=2, ignore_eos=True))
         sink = PerRequestSink(req.request_id, lambda out: done.set() if out.finished else None)
         self._tracked[req.request_id] = _Tracked(req, sink, 0)
         self.scheduler.add(req)  # straight to the scheduler: no room, whatever the role
@@ -411,7 +418,8 @@ class Engine:
             raise RuntimeError(f"warm-up failed: {req.error}")
         self.scheduler.prompt_tokens_computed = 0  # count only real requests
         self.spec_counters.reset()
-        if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.model.supports_cuda_graphs
+        if (self.device.type == "cuda" and not self.config.model.enforce_eager
+                and self.model.supports_cuda_graphs
                 and not self.kv.shape.window_layers):  # the graphs carry no window ring fields
             self.enable_decode_graphs()
 
@@ -426,29 +434,3 @@ class Engine:
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len, k)
         if piecewise_supported(self):
             self.runner.enable_piecewise_graphs(self.config.scheduler.chunked_prefill_size)
-
-
-def piecewise_supported(engine: Engine) -> bool:
-    """Graphs around attention (worker/piecewise.py): dense one-rank models whose layers read
-    nothing of the batch outside attention (no window rings, no recurrent state, no MoE)."""
-    shape = engine.kv.shape
-    return (engine.config.model.piecewise_graphs and engine.tp is None
-            and type(engine.model) is LlamaForCausalLM and not shape.window_layers
-            and not shape.state_layers)
-
-
-def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
-    """`scheduler.overlap`: auto = on for a single-rank CUDA worker. Multi-rank workers send each
-    step's input ids to their followers from the host, so a PENDING id cannot travel there."""
-    mode, par = config.scheduler.overlap, config.parallel
-    multi_rank = par.world_size > 1 or par.nnodes > 1
-    if mode == "on" and multi_rank:
-        raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
-                          "set scheduler.overlap: auto or off for multi-rank workers")
-    if mode == "on" and config.speculative.enabled:
-        raise ConfigError("scheduler.overlap=on cannot run with speculative decoding (each step's "
-                          "drafts come from the tokens the last one accepted); set "
-                          "scheduler.overlap: auto or off")
-    if config.speculative.enabled:
-        return False
-    return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)

@@ -200,7 +200,8 @@ class KVCache:
         return self._slot[layer][0]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer: each [pages of its region, num_kv_heads, page_size, head_dim]."""
+        """K and V views of one layer: each
+        [pages of its region, num_kv_heads, page_size, head_dim]."""
         if self.shape.latent_dim:
             raise TypeError("an MLA latent cache has no K/V views; read it through latent(layer)")
         w, i = self._slot[layer]
@@ -277,7 +278,8 @@ def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
     return tuple(groups)
 
 
-def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int, tp_size: int) -> KVLayout:
+def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int,
+                    tp_size: int) -> KVLayout:
     """The rank's KV memory described to the transfer layer (plain numbers: transfer never
     imports the worker). Every rank of a worker builds it the same way."""
     return KVLayout(

@@ -141,16 +141,17 @@ class TPRoom:
         return RoomState.SUCCESS, None
 
     # sender / receiver calls the roles make -------------------------------------------------
-    def send(self, src_pages: list[int], *, start_page: int, last: bool, first_token: int | None = None,
-             first_logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None,
-             **rest: object) -> None:
+    def send(self, src_pages: list[int], *, start_page: int, last: bool,
+             first_token: int | None = None, first_logprob: float | None = None,
+             top_logprobs: list[tuple[int, float]] | None = None, **rest: object) -> None:
         """Ship pages from every rank of the room's group, each its own heads. The group's first
         rank's first token (and logprobs) is the one decode keeps."""
         if self.local is not None:
             self.local.send(src_pages, start_page=start_page, last=last, first_token=first_token,  # type: ignore[attr-defined]
                             first_logprob=first_logprob, top_logprobs=top_logprobs, **rest)
         first = FirstToken(first_token, first_logprob, list(top_logprobs or []))
-        self.facade.queue(self, [Op.SEND, start_page, int(last), *pack_first(first), len(src_pages), *src_pages])
+        self.facade.queue(self, [Op.SEND, start_page, int(last), *pack_first(first),
+                                 len(src_pages), *src_pages])
 
     def abort(self, reason: str) -> None:
         if self.local is not None:
@@ -182,7 +183,8 @@ class TPRoom:
 
 
 class TPTransferManager:
-    """What the PD roles see on rank 0 of a multi-rank worker (the same calls as one rank's manager).
+    """What the PD roles see on rank 0 of a multi-rank worker (the same calls as one rank's
+    manager).
 
     A room lives on the ranks of one attention DP group (`group_of_room`, the engine's choice;
     every rank without DP): commands go to those ranks, and the room ends when each has ended it.
@@ -219,17 +221,20 @@ class TPTransferManager:
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int], num_tokens: int,
                         skip_pages: int = 0) -> TPRoom:
         tp_room = self._open(room, lambda: self.local.create_receiver(
-            room, bootstrap_addr, dst_pages=dst_pages, num_tokens=num_tokens, skip_pages=skip_pages))
+            room, bootstrap_addr, dst_pages=dst_pages, num_tokens=num_tokens,
+            skip_pages=skip_pages))
         self.queue(tp_room, [Op.CREATE_RECEIVER, num_tokens, skip_pages, *pack_str(bootstrap_addr),
                              len(dst_pages), *dst_pages])
         return tp_room
 
     def take_finished(self) -> list[TPRoom]:
-        """Send queued commands, gather every rank's ended rooms; rooms ended on all their ranks, once."""
+        """Send queued commands, gather every rank's ended rooms; rooms ended on all their
+        ranks, once."""
         if not self._cmds and not self._live:
             return []  # nothing to say and nothing to hear: no collective while idle
         cmds, self._cmds = self._cmds, []
-        self.channel.send(MessageKind.ROOMS, torch.tensor(cmds, dtype=torch.int64) if cmds else None)
+        self.channel.send(MessageKind.ROOMS,
+                          torch.tensor(cmds, dtype=torch.int64) if cmds else None)
         reports = self.channel.all_gather_lists(report_of(self.local))
         for rank, values in enumerate(reports):
             for room, end in parse_report(values):
@@ -246,7 +251,8 @@ class TPTransferManager:
             t, rooms_succeeded=t.rooms_succeeded + (state is RoomState.SUCCESS),
             rooms_failed=t.rooms_failed + (state is RoomState.FAILED),
             rooms_aborted=t.rooms_aborted + (state is RoomState.ABORTED),
-            pages=t.pages + stats.pages, bytes=t.bytes + stats.bytes, writes=t.writes + stats.writes,
+            pages=t.pages + stats.pages, bytes=t.bytes + stats.bytes,
+            writes=t.writes + stats.writes,
         )
 
     def _record(self, rank: int, room: int, end: _End) -> None:
@@ -282,7 +288,8 @@ def unpack_float(v: int) -> float:
 
 def pack_first(f: FirstToken) -> list[int]:
     """[token or -1, has logprob, logprob bits, n top, (token, logprob bits)...]"""
-    out = [-1 if f.token is None else f.token, int(f.logprob is not None), pack_float(f.logprob or 0.0), len(f.top)]
+    out = [-1 if f.token is None else f.token, int(f.logprob is not None),
+           pack_float(f.logprob or 0.0), len(f.top)]
     for tok, lp in f.top:
         out += [tok, pack_float(lp)]
     return out
@@ -292,7 +299,8 @@ def unpack_first(values: list[int], at: int) -> tuple[FirstToken, int]:
     tok, has_lp, lp, n = values[at : at + 4]
     tops = values[at + 4 : at + 4 + 2 * n]
     top = [(tops[i], unpack_float(tops[i + 1])) for i in range(0, len(tops), 2)]
-    return FirstToken(None if tok < 0 else tok, unpack_float(lp) if has_lp else None, top), at + 4 + 2 * n
+    return (FirstToken(None if tok < 0 else tok, unpack_float(lp) if has_lp else None, top),
+            at + 4 + 2 * n)
 
 
 def report_of(manager: KVTransferManager) -> list[int]:
@@ -302,8 +310,8 @@ def report_of(manager: KVTransferManager) -> list[int]:
     for r in manager.take_finished():
         first = FirstToken(getattr(r, "first_token", None), getattr(r, "first_logprob", None),
                            list(getattr(r, "top_logprobs", [])))
-        out += [to_i64(r.room), _STATES.index(r.state), r.stats.pages, r.stats.bytes, *pack_first(first),
-                *pack_str(r.error or "")]
+        out += [to_i64(r.room), _STATES.index(r.state), r.stats.pages, r.stats.bytes,
+                *pack_first(first), *pack_str(r.error or "")]
     return out
 
 
@@ -328,7 +336,8 @@ def rank_peer_id(config: WorkerConfig, dp_rank: int) -> str:
 
 
 class FollowerRooms:
-    """A follower's transfer manager (and bootstrap service on prefill), driven by rank 0's commands."""
+    """A follower's transfer manager (and bootstrap service on prefill), driven by rank 0's
+    commands."""
 
     def __init__(self, config: WorkerConfig, kv: KVCache, num_kv_heads_total: int, fingerprint: str,
                  architecture: str, global_rank: int) -> None:
@@ -338,8 +347,8 @@ class FollowerRooms:
             transfer_layout(kv.shape, num_kv_heads_total, config.parallel.tp_rank,
                             config.parallel.tp_size),
             role=config.role, kv_ptr=kv.data_ptr(),
-            kv_nbytes=kv.nbytes(), host=config.host, model_fingerprint=fingerprint, model_name=architecture,
-            peer_id=rank_peer_id(config, self.dp_rank), tls=config.tls,
+            kv_nbytes=kv.nbytes(), host=config.host, model_fingerprint=fingerprint,
+            model_name=architecture, peer_id=rank_peer_id(config, self.dp_rank), tls=config.tls,
         )
         self.server: grpc.Server | None = None
         self.bootstrap_addr = ""
@@ -367,14 +376,15 @@ class FollowerRooms:
             num_tokens, skip = args[0], args[1]
             addr, at = unpack_str(args, 2)
             pages = args[at + 1 : at + 1 + args[at]]
-            self._rooms[room] = self.manager.create_receiver(room, addr, dst_pages=pages, num_tokens=num_tokens,
-                                                             skip_pages=skip)
+            self._rooms[room] = self.manager.create_receiver(room, addr, dst_pages=pages,
+                                                             num_tokens=num_tokens, skip_pages=skip)
         elif op is Op.SEND:
             start, last = args[0], args[1]
             first, at = unpack_first(args, 2)
             n = args[at]
             self._rooms[room].send(args[at + 1 : at + 1 + n], start_page=start, last=bool(last),  # type: ignore[attr-defined]
-                                   first_token=first.token, first_logprob=first.logprob, top_logprobs=first.top)
+                                   first_token=first.token, first_logprob=first.logprob,
+                                   top_logprobs=first.top)
         elif op is Op.ABORT:
             self.manager.abort(room, unpack_str(args, 0)[0])
 

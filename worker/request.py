@@ -109,10 +109,10 @@ def room_error_code(error: str, fault: Side | None = None, mine: Side | None = N
     `mine`: this worker's side). "peer" (ABORTED) when the other side did: the gateway blames
     that worker and retries elsewhere; "peer_timeout" (ABORTED too) when it also stopped
     answering in time: the gateway marks it suspect as well. This side's own fault: prefill
-    late with the prompt is "deadline"; decode timed out means prefill could not reach it in time (its transfer agent
-    does not answer, or it never registered): "unavailable", which marks it suspect; a write
-    that failed without a timeout is "internal" (blamed, not suspect: it still answers).
-    Without a verdict (an older peer): a deadline, else the peer."""
+    late with the prompt is "deadline"; decode timed out means prefill could not reach it in
+    time (its transfer agent does not answer, or it never registered): "unavailable", which
+    marks it suspect; a write that failed without a timeout is "internal" (blamed, not
+    suspect: it still answers). Without a verdict (an older peer): a deadline, else the peer."""
     if fault is None or mine is None:
         return "deadline" if "deadline" in error or "timed out" in error else "peer"
     if fault is not mine:

@@ -142,7 +142,8 @@ def test_thinking_comes_first_when_enabled(cluster: Cluster) -> None:
             p, msg.content)
         s = streamed(cluster, question, extra_body=THINK)
         assert (s["reasoning"], s["content"]) == (reasoning(msg), msg.content)
-        off = ask(cluster, question, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        off = ask(cluster, question,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert not reasoning(off.choices[0].message), off
         assert not off.usage.completion_tokens_details.reasoning_tokens
         right_off += arith.score(p, off.choices[0].message.content or "")

@@ -13,7 +13,8 @@ from worker.model.attention import context_mask, paged_attention, store_kv
 PAGE, HQ, HKV, D, NUM_PAGES = 4, 4, 2, 8, 32
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    window: int | None) -> torch.Tensor:
     """q [n, Hq, D] = the last n tokens of a sequence whose full k, v are [L, Hkv, D]."""
     n, length = q.shape[0], k.shape[0]
     k = k.repeat_interleave(HQ // HKV, dim=1)  # [L, Hq, D]
@@ -39,14 +40,15 @@ def batch_for(requests: list[tuple[int, int, list[int]]]) -> ForwardBatch:
         table.append(pages + [0] * (width - len(pages)))
     t = qs[-1]
     return ForwardBatch(
-        input_ids=torch.zeros(t, dtype=torch.long), positions=torch.tensor(positions), query_start=torch.tensor(qs),
-        seq_lens=torch.tensor(seq_lens), page_table=torch.tensor(table), slot_mapping=torch.tensor(slots),
+        input_ids=torch.zeros(t, dtype=torch.long), positions=torch.tensor(positions),
+        query_start=torch.tensor(qs), seq_lens=torch.tensor(seq_lens),
+        page_table=torch.tensor(table), slot_mapping=torch.tensor(slots),
         logits_indices=torch.tensor(qs[1:]) - 1, query_start_list=qs, seq_lens_list=seq_lens,
     )
 
 
-def check_against_naive(requests: list[tuple[int, int, list[int]]], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        window: int | None) -> None:
+def check_against_naive(requests: list[tuple[int, int, list[int]]], k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, window: int | None) -> None:
     """Store each request's cached K/V, run one paged step, compare every request with naive."""
     full = []
     for cached, new, pages in requests:  # fill the cached part of each context first
@@ -59,11 +61,13 @@ def check_against_naive(requests: list[tuple[int, int, list[int]]], k_cache: tor
     q = torch.cat([f[2] for f in full])
     k_new = torch.cat([f[0][c:] for f, (c, _, _) in zip(full, requests, strict=True)])
     v_new = torch.cat([f[1][c:] for f, (c, _, _) in zip(full, requests, strict=True)])
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, batch, scale=D**-0.5, sliding_window=window)
+    out = paged_attention(q, k_new, v_new, k_cache, v_cache, batch, scale=D**-0.5,
+                          sliding_window=window)
     assert out.shape == (batch.num_tokens, HQ, D)
     for i, (k_all, v_all, qi) in enumerate(full):
         s, e = batch.query_start_list[i], batch.query_start_list[i + 1]
-        torch.testing.assert_close(out[s:e], naive_attention(qi, k_all, v_all, window), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[s:e], naive_attention(qi, k_all, v_all, window),
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -71,7 +75,8 @@ def test_paged_matches_naive_for_mixed_prefill_chunks_and_decodes(window: int | 
     torch.manual_seed(0)
     # (cached, new, pages): a first chunk, a mid-prefill chunk over cached pages, a decode.
     requests = [(0, 6, [9, 3]), (7, 5, [17, 2, 30]), (10, 1, [5, 21, 11])]
-    check_against_naive(requests, torch.zeros(NUM_PAGES, HKV, PAGE, D), torch.zeros(NUM_PAGES, HKV, PAGE, D), window)
+    check_against_naive(requests, torch.zeros(NUM_PAGES, HKV, PAGE, D),
+                        torch.zeros(NUM_PAGES, HKV, PAGE, D), window)
 
 
 def test_store_kv_writes_each_token_at_its_page_and_offset() -> None:
@@ -91,7 +96,8 @@ def test_context_mask_is_causal_with_offset_and_window() -> None:
     assert mask.tolist() == [[True] * 5 + [False], [True] * 6]
     windowed = context_mask(seq_len=6, num_new=1, sliding_window=3, device=torch.device("cpu"))
     assert windowed is not None and windowed.tolist() == [[False, False, False, True, True, True]]
-    assert context_mask(seq_len=6, num_new=1, sliding_window=None, device=torch.device("cpu")) is None
+    assert context_mask(seq_len=6, num_new=1, sliding_window=None,
+                        device=torch.device("cpu")) is None
 
 
 def test_batched_decode_ignores_whatever_padding_rows_hold() -> None:

@@ -106,9 +106,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
-        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        kv_stored: bool = False, sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's tokens) → output [T, Hq, D]. k and v go to
         their slots first, unless the caller stored them already (kv_stored). sinks [Hq]: each
@@ -126,9 +126,9 @@ class TorchSDPABackend(AttentionBackend):
     (speculative decoding's verify steps: the last token and k drafts); longer chunks loop."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
-        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        kv_stored: bool = False, sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping, kv_scales)
@@ -163,7 +163,8 @@ class TorchSDPABackend(AttentionBackend):
             oi = sdpa_with_sinks(qi[None], ctx_k[None], ctx_v[None], mask, scale, sinks)
             out[start:end] = oi[0].transpose(0, 1)
         if decodes:
-            rows = torch.tensor([qs[i] for i in decodes], device=q.device)  # [B] token index of each decode
+            # rows: [B] token index of each decode
+            rows = torch.tensor([qs[i] for i in decodes], device=q.device)
             out[rows] = self._decode(q[rows], k_cache, v_cache, batch, decodes, scale,
                                      sliding_window, sinks, kv_scales)
         for n, reqs in short.items():
@@ -206,16 +207,17 @@ class TorchSDPABackend(AttentionBackend):
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, rows: list[int],
-        scale: float, sliding_window: int | None, sinks: torch.Tensor | None = None,
-        kv_scales: KVScales = None,
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        rows: list[int], scale: float, sliding_window: int | None,
+        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         """q [B, Hq, D], one token per request → [B, Hq, D] over each request's padded context."""
         page_size = k_cache.shape[2]
         seq_lens = [batch.seq_lens_list[i] for i in rows]
         max_len = max(seq_lens)
         num_pages = -(-max_len // page_size)
-        pages = batch.page_table[rows, :num_pages]  # [B, n]; padding entries point at page 0, masked below
+        # pages: [B, n]; padding entries point at page 0, masked below
+        pages = batch.page_table[rows, :num_pages]
 
         def gather(cache: torch.Tensor, head_scale: torch.Tensor | None) -> torch.Tensor:
             picked = cache[pages]  # [B, n, Hkv, S, D]
@@ -287,11 +289,13 @@ def window_attention(
         if end == start:
             continue
         n, h = end - start, hs[i + 1] - hs[i]
-        ctx_k = torch.cat([hist_k[hs[i] : hs[i + 1]], k[start:end]]).transpose(0, 1)  # [Hkv, h+n, D]
-        ctx_v = torch.cat([hist_v[hs[i] : hs[i + 1]], v[start:end]]).transpose(0, 1)  # [Hkv, h+n, D]
+        # ctx_k, ctx_v: [Hkv, h+n, D]
+        ctx_k = torch.cat([hist_k[hs[i] : hs[i + 1]], k[start:end]]).transpose(0, 1)
+        ctx_v = torch.cat([hist_v[hs[i] : hs[i + 1]], v[start:end]]).transpose(0, 1)
         mask = None
         if n > 1 or h >= window:
-            q_pos = torch.arange(h, h + n, device=q.device)[:, None]  # [n, 1], relative to the history start
+            # q_pos: [n, 1], relative to the history start
+            q_pos = torch.arange(h, h + n, device=q.device)[:, None]
             k_pos = torch.arange(h + n, device=q.device)[None, :]  # [1, h+n]
             mask = (k_pos <= q_pos) & ((q_pos - k_pos) < window)  # [n, h+n]
         qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D]

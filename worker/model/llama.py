@@ -74,22 +74,26 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv: KVCache,
     ) -> torch.Tensor:  # [T, hidden] → [T, hidden]
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, batch, kv))
 
     def attend(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv: KVCache,
     ) -> torch.Tensor:
         """The q|k|v projection's output [T, q_size + 2 kv_size] → attention output [T, q_size]:
         q/k norm and RoPE, the new K/V into the cache, attention over the pages."""
         t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv.layer(self.layer)  # [P, Hkv, S, D] each
-        window = self.sliding_window if self.sliding_window is not None and kv.is_window(self.layer) else None
-        scales = (cast(torch.Tensor, self.k_scale), cast(torch.Tensor,
-            self.v_scale)) if fp8.is_fp8(k_cache) else None
-        # Fused: q/k norm (Qwen3), RoPE and (outside a window's ring of pages) the K/V store in one kernel.
+        window = (self.sliding_window
+                  if self.sliding_window is not None and kv.is_window(self.layer) else None)
+        scales = ((cast(torch.Tensor, self.k_scale), cast(torch.Tensor, self.v_scale))
+                  if fp8.is_fp8(k_cache) else None)
+        # Fused: q/k norm (Qwen3), RoPE and (outside a window's ring of pages) the K/V store in
+        # one kernel.
         store = (k_cache, v_cache, batch.slot_mapping) if self.fused and window is None else None
         if self.fused:
             fused.qk_norm_rope(
@@ -97,7 +101,7 @@ class Attention(nn.Module):
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
                 self.q_norm.eps if self.q_norm is not None else 0.0, kv_cache=store,
-                    kv_scales=scales,
+                kv_scales=scales,
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # [T, *] views
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -164,30 +168,33 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def forward_stream(
-        self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+        self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+        kv: KVCache,
     ) -> None:
         """The same layer for one token on CUDA, as four GEMVs (worker/model/gemv.py) that update
         the residual stream [1, hidden] in place: each norm runs inside the GEMV after it, each
         residual add inside the GEMV before it, SiLU·mul inside gate|up."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=(pre.weight,
-            pre.eps),
+        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                        norm=(pre.weight, pre.eps),
                         **gemv_scales(attn.qkv_proj))  # FP8 weights: their block scales
         o = attn.attend(qkv, cos, sin, batch, kv)
         gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream,
-            **gemv_scales(attn.o_proj))
+                  **gemv_scales(attn.o_proj))
         act = gemv.gemv(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pair=True,
                         norm=(post.weight, post.eps), **gemv_scales(mlp.gate_up_proj))
         gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream,
-            **gemv_scales(mlp.down_proj))
+                  **gemv_scales(mlp.down_proj))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPInfo, backend: AttentionBackend,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, backend, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, backend, dtype)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -202,8 +209,10 @@ class LlamaForCausalLM(CausalLM):
         self.cfg = cfg
         self.model = LlamaModel(cfg, tp, backend, dtype)
         # Tied: the output projection is the embedding matrix itself (one tensor, not a copy).
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)  # plain tensors, not a buffer
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp))
+        # plain tensors, not a buffer
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, rope_device)
         self.single_token_gemv = False  # one-token steps run DecoderLayer.forward_stream
 
     @property
@@ -215,7 +224,8 @@ class LlamaForCausalLM(CausalLM):
         if self.cfg.rope.rope_type == "dynamic":
             counts = batch.query_start[1:] - batch.query_start[:-1]  # [B]
             token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
-        cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)  # [T, D] each, shared by layers
+        # cos, sin: [T, D] each, shared by layers
+        cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if self.single_token_gemv and x.shape[0] == 1:  # x is the residual stream, updated in place
             for layer in self.model.layers:
@@ -237,7 +247,8 @@ class LlamaForCausalLM(CausalLM):
                 module.fused = enabled
         one_rank = self.model.embed_tokens.tp.size == 1
         dense = all(isinstance(cast(DecoderLayer, layer).mlp, MLP) for layer in self.model.layers)
-        self.single_token_gemv = enabled and one_rank and dense and self.cfg.hidden_size <= gemv.MAX_K_ONE_BLOCK
+        self.single_token_gemv = (enabled and one_rank and dense
+                                  and self.cfg.hidden_size <= gemv.MAX_K_ONE_BLOCK)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
@@ -245,7 +256,8 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head(hidden)  # [N, V] float32
 
     def weight_slots(self) -> dict[str, WeightSlot]:
-        slots: dict[str, WeightSlot] = {"model.embed_tokens.weight": WeightSlot(self.model.embed_tokens, "weight")}
+        slots: dict[str, WeightSlot] = {
+            "model.embed_tokens.weight": WeightSlot(self.model.embed_tokens, "weight")}
         slots["model.norm.weight"] = WeightSlot(self.model.norm, "weight")
         if self.lm_head is not None:
             slots["lm_head.weight"] = WeightSlot(self.lm_head, "weight")

@@ -128,7 +128,8 @@ def _get_kernels() -> dict[str, Any]:
         d = tl.arange(0, D)
         heads = hkv * G + g  # this program's query heads
         gmask = g < G
-        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)
         v_scale = 1.0
         if SCALED:  # FP8 pages: K's scale joins the softmax scale, V's scales the output
             scale_log2 = scale_log2 * tl.load(ks_ptr + hkv)
@@ -148,11 +149,13 @@ def _get_kernels() -> dict[str, Any]:
             page = tl.load(pt_ptr + b * stride_ptb + n // PAGE, mask=valid, other=0).to(tl.int64)
             off = n % PAGE
             k = tl.load(
-                kc_ptr + page[:, None] * stride_kp + hkv * stride_kh + off[:, None] * stride_ks + d[None, :],
+                kc_ptr + page[:, None] * stride_kp + hkv * stride_kh + off[:, None] * stride_ks
+                + d[None, :],
                 mask=valid[:, None], other=0.0,
             )  # [BN, D]
             v = tl.load(
-                vc_ptr + page[:, None] * stride_vp + hkv * stride_vh + off[:, None] * stride_vs + d[None, :],
+                vc_ptr + page[:, None] * stride_vp + hkv * stride_vh + off[:, None] * stride_vs
+                + d[None, :],
                 mask=valid[:, None], other=0.0,
             )  # [BN, D]
             if SCALED:
@@ -183,7 +186,8 @@ def _get_kernels() -> dict[str, Any]:
 
     @triton.jit
     def merge_kernel(
-        op_ptr, lse_ptr, o_ptr, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        op_ptr, lse_ptr, o_ptr, stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -219,7 +223,8 @@ def triton_store_kv(
     t, hkv, d = k.shape
     if t == 0:
         return
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert (k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
+            and v_cache.stride(3) == 1)
     ks, vs, scaled = _scale_args(kv_scales, slot_mapping)
     _get_kernels()["store"][(t,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs,
@@ -232,8 +237,8 @@ def triton_store_kv(
 
 def triton_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, num_splits: int | None = None,
-    sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    num_splits: int | None = None, sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
     FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32.
@@ -253,7 +258,8 @@ def triton_paged_decode(
     q = q if q.stride(2) == 1 else q.contiguous()
     kern = _get_kernels()
     if splits > 1:
-        partial = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)  # [B, Hq, NS, D]
+        # partial: [B, Hq, NS, D]
+        partial = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, NS]
     else:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
@@ -273,13 +279,14 @@ def triton_paged_decode(
         num_warps=4, num_stages=2,
     )
     if splits > 1:
-        kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=splits)
+        kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
+                               NUM_SPLITS=splits)
     return out
 
 
 def sdpa_prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, seq_len: int,
-    scale: float, sliding_window: int | None, kv_scales: KVScales = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+    seq_len: int, scale: float, sliding_window: int | None, kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """One request's n new tokens: q [n, Hq, D] over its whole context → [n, Hq, D].
 
@@ -296,16 +303,20 @@ def sdpa_prefill(
     qi = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     if sliding_window is not None and seq_len > sliding_window:
         mask = context_mask(seq_len, n, sliding_window, q.device)
-        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
     elif n == seq_len:
-        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, is_causal=True, scale=scale,
+                                           enable_gqa=True)
     else:
         from torch.nn.attention.bias import causal_lower_right
 
         g = hq // ctx_k.shape[1]
         # CausalBias takes the flash / efficient kernels, which want equal head counts.
-        ctx_k, ctx_v = ctx_k.repeat_interleave(g, dim=1), ctx_v.repeat_interleave(g, dim=1)  # [1, Hq, L, D]
-        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, attn_mask=causal_lower_right(n, seq_len), scale=scale)
+        # ctx_k, ctx_v: [1, Hq, L, D]
+        ctx_k, ctx_v = ctx_k.repeat_interleave(g, dim=1), ctx_v.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v,
+                                           attn_mask=causal_lower_right(n, seq_len), scale=scale)
     return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
@@ -344,13 +355,14 @@ class TritonPagedBackend(AttentionBackend):
         return self._subset
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float, sliding_window: int | None = None, kv_stored: bool = False,
-        sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, batch: ForwardBatch, scale: float, sliding_window: int | None = None,
+        kv_stored: bool = False, sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
     ) -> torch.Tensor:
         if not kv_stored:
             triton_store_kv(k, v, k_cache, v_cache, batch.slot_mapping, kv_scales)
-        if batch.num_tokens == batch.num_requests:  # pure decode: the CUDA-graph path, no host reads
+        # pure decode: the CUDA-graph path, no host reads
+        if batch.num_tokens == batch.num_requests:
             return triton_paged_decode(
                 q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale, sliding_window,
                 sinks=sinks, kv_scales=kv_scales,
@@ -375,8 +387,8 @@ class TritonPagedBackend(AttentionBackend):
         out = torch.empty_like(q)  # [T, Hq, D]
         if sub.token_index.numel():
             out[sub.token_index] = triton_paged_decode(
-                q.index_select(0, sub.token_index), k_cache, v_cache, sub.page_table, sub.seq_lens, scale,
-                sliding_window, kv_scales=kv_scales,
+                q.index_select(0, sub.token_index), k_cache, v_cache, sub.page_table, sub.seq_lens,
+                scale, sliding_window, kv_scales=kv_scales,
             )
         page_size = k_cache.shape[2]
         qs, lens = batch.query_start_list, batch.seq_lens_list

@@ -1,0 +1,181 @@
+"""The `tandem` subcommands that talk to a running server: eval and bench (flags and handlers).
+
+They only speak HTTP to an OpenAI-style URL, so they import no worker or gateway code; the
+process-running subcommands stay in orchestrator/cli.py, which adds these to its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import EvalGate, load_config, resolve_config_path
+
+EXIT_USAGE = 2  # bad flags or config, unreachable server
+
+
+def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the eval and bench subcommands to the `tandem` parser's subparsers."""
+    gate = EvalGate()
+    p = sub.add_parser(
+        "eval", help="score a task against a server; non-zero below the bar",
+        description="Prints `accuracy: X (k/N)`; exits 1 below --min-accuracy, 2 if the server "
+                    "is unreachable. arith: raw prompts through /v1/completions. lookup: the tool "
+                    "loop (call, tool result, answer) through /v1/chat/completions.",
+    )
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--config", metavar="PATH",
+                   help="take the defaults below from this config's eval section")
+    p.add_argument("--task", help=f"task family: arith or lookup (default {gate.task})")
+    p.add_argument("--samples", type=int, help=f"number of problems (default {gate.samples})")
+    p.add_argument("--concurrency", type=int,
+                   help=f"requests in flight (default {gate.concurrency})")
+    p.add_argument("--min-accuracy", type=float,
+                   help=f"the bar, 0..1 (default {gate.min_accuracy})")
+    p.add_argument("--seed", type=int, help=f"problem seed (default {gate.seed})")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="tool tasks: send chat_template_kwargs {enable_thinking: true} and require "
+                        "reasoning_content in every reply")
+    p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
+
+    p = sub.add_parser("bench", help="a streaming serving workload against an OpenAI URL",
+                       description="TTFT / TPOT / per-token ITL / E2E percentiles and throughput, "
+                                   "for one load point or a sweep; --out DIR adds JSON and plots.")
+    p.add_argument("--url", required=True, help="server base URL")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="prompt length (characters or token ids)")
+    p.add_argument("--output-len", type=int, default=32,
+                   help="output tokens per request (ignore_eos)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per load point")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", metavar="C[,C...]",
+                      help="closed loop: requests in flight (default 4); a list sweeps")
+    load.add_argument("--request-rate", metavar="R[,R...]",
+                      help="open loop: Poisson arrivals per second; a list sweeps")
+    p.add_argument("--dataset", default="random", metavar="random|shared-prefix|jsonl:PATH",
+                   help="random prompts; synthetic multi-turn conversations over shared system "
+                        "prompts; or a JSONL file of {\"prompt\": text|ids, \"max_tokens\": N}")
+    p.add_argument("--num-turns", type=int, default=3, help="shared-prefix: turns per conversation")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: their length")
+    p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
+                   help="random text, or random token-id lists "
+                        "(exact lengths where the server takes ids)")
+    p.add_argument("--vocab-size", type=int, default=32, help="ids: draw token ids from [1, N)")
+    p.add_argument("--long-every", type=int, default=0, metavar="K",
+                   help="mixed load: every K-th request has a --long-input-len prompt")
+    p.add_argument("--long-input-len", type=int, default=1024, metavar="M")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON (a list for a sweep)")
+    p.add_argument("--out", metavar="DIR",
+                   help="write bench.json, latency_throughput.png and itl_cdf.png there")
+    p.add_argument("--no-token-ids", action="store_true",
+                   help="do not send return_token_ids (count one token per stream event)")
+    p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default="")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from orchestrator.client import ServerError
+    from orchestrator.eval import report, run_eval
+    from orchestrator.tasks import TaskMode, UnknownTaskError, get_task
+
+    gate = _load_eval_gate(args.config)
+    task_name = args.task or gate.task
+    samples = args.samples if args.samples is not None else gate.samples
+    concurrency = args.concurrency if args.concurrency is not None else gate.concurrency
+    bar = args.min_accuracy if args.min_accuracy is not None else gate.min_accuracy
+    seed = args.seed if args.seed is not None else gate.seed
+    if samples < 1 or concurrency < 1:
+        print(f"error: --samples and --concurrency must be >= 1, got {samples} and {concurrency}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if not 0.0 <= bar <= 1.0:
+        print(f"error: --min-accuracy must be within 0..1, got {bar}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        task = get_task(task_name)
+    except UnknownTaskError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    tool_loop = task.MODE is TaskMode.TOOL_LOOP
+    if args.enable_thinking and not tool_loop:
+        print(f"error: --enable-thinking needs a chat task (lookup); {task_name} sends raw "
+              "completions", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if tool_loop:
+            from orchestrator.eval_tools import run_tool_eval  # lazy: imports the openai client
+
+            result = asyncio.run(run_tool_eval(
+                args.url, task, samples, concurrency, seed, args.model, args.api_key,
+                enable_thinking=args.enable_thinking,
+            ))
+        else:
+            result = asyncio.run(run_eval(
+                args.url, task, samples, concurrency, seed, args.model, args.api_key,  # type: ignore[arg-type]
+            ))
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return report(result, bar, sys.stdout, sys.stderr)
+
+
+def _load_eval_gate(config: str | None) -> EvalGate:
+    return load_config(resolve_config_path(config)).eval if config else EvalGate()
+
+
+def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
+    """`--concurrency 1,4,16` -> [1, 4, 16]; ValueError names the flag."""
+    if text is None:
+        return []
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes numbers separated by commas, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} values must be > 0, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from orchestrator.bench import BenchSpec, bench_main
+    from orchestrator.bench_data import DatasetError, make_sessions_check
+
+    for name in ("input_len", "output_len", "num_requests", "num_turns", "num_groups",
+                 "prefix_len"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+    if args.vocab_size < 2:
+        print(f"error: --vocab-size must be >= 2, got {args.vocab_size}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        rates = _sweep_values(args.request_rate, float, "--request-rate")
+        concs = _sweep_values(args.concurrency, int, "--concurrency") if not rates else []
+        make_sessions_check(args.dataset)
+    except (ValueError, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    base = BenchSpec(
+        input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
+        seed=args.seed, prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
+        long_every=max(args.long_every, 0), long_input_len=args.long_input_len, model=args.model,
+        api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
+        num_groups=args.num_groups, prefix_len=args.prefix_len,
+        return_token_ids=not args.no_token_ids,
+    )
+    specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
+             [dataclasses.replace(base, concurrency=c) for c in concs or [4]])
+    try:
+        return bench_main(args.url, specs, args.json, sys.stdout, sys.stderr,
+                          Path(args.out) if args.out else None)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE

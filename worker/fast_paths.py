@@ -1,0 +1,43 @@
+"""Which fast paths a worker turns on: overlapped scheduling and piecewise CUDA graphs.
+
+Both are decisions about the config and the loaded model, made once at start-up, apart from
+the engine loop that then runs whichever path was chosen (worker/engine.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.config import ConfigError, WorkerConfig
+from worker.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+
+def piecewise_supported(engine: Engine) -> bool:
+    """Graphs around attention (worker/piecewise.py): dense one-rank models whose layers read
+    nothing of the batch outside attention (no window rings, no recurrent state, no MoE)."""
+    shape = engine.kv.shape
+    return (engine.config.model.piecewise_graphs and engine.tp is None
+            and type(engine.model) is LlamaForCausalLM and not shape.window_layers
+            and not shape.state_layers)
+
+
+def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
+    """`scheduler.overlap`: auto = on for a single-rank CUDA worker. Multi-rank workers send each
+    step's input ids to their followers from the host, so a PENDING id cannot travel there."""
+    mode, par = config.scheduler.overlap, config.parallel
+    multi_rank = par.world_size > 1 or par.nnodes > 1
+    if mode == "on" and multi_rank:
+        raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
+                          "set scheduler.overlap: auto or off for multi-rank workers")
+    if mode == "on" and config.speculative.enabled:
+        raise ConfigError("scheduler.overlap=on cannot run with speculative decoding (each step's "
+                          "drafts come from the tokens the last one accepted); set "
+                          "scheduler.overlap: auto or off")
+    if config.speculative.enabled:
+        return False
+    return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)
