@@ -15,8 +15,10 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.orchestrator.http_double import DoubleServer, HttpDouble
 
 # rule(index of the request, "calls" | "answer") -> "right" or one of the ways to go wrong
 Rule = Callable[[int, str], str]
@@ -91,7 +93,7 @@ def _reply(body: dict[str, Any], verdict: str) -> dict[str, Any]:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server  # type: ignore[assignment]
+    server: DoubleServer  # type: ignore[assignment]
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (quiet test output)
@@ -138,27 +140,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, _reply(body, verdict))
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, state: ChatDoubleState) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.state = state
-
-
-class ChatDouble:
+class ChatDouble(HttpDouble):
     """Context manager: `with ChatDouble(state) as url:` serves until the block ends."""
 
-    def __init__(self, state: ChatDoubleState) -> None:
-        self.state = state
-        self._server = _Server(state)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    handler = _Handler

@@ -14,8 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.orchestrator.http_double import DoubleServer, HttpDouble
 
 # rule(index of the request, prompt) -> "right" | "wrong" | "fail"
 Rule = Callable[[int, Any], str]
@@ -39,7 +41,7 @@ class DoubleState:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server  # type: ignore[assignment]
+    server: DoubleServer  # type: ignore[assignment]
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (quiet test output)
@@ -193,27 +195,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, state: DoubleState) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.state = state
-
-
-class OpenAIDouble:
+class OpenAIDouble(HttpDouble):
     """Context manager: `with OpenAIDouble(state) as url:` serves until the block ends."""
 
-    def __init__(self, state: DoubleState) -> None:
-        self.state = state
-        self._server = _Server(state)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    handler = _Handler

@@ -1,0 +1,36 @@
+"""A stdlib HTTP server on a free loopback port, in a thread, for the client doubles
+(openai_double.py, chat_double.py): each gives its request handler and its state."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class DoubleServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler], state: Any) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+        self.state = state  # the handler reads it as self.server.state
+
+
+class HttpDouble:
+    """Context manager: `with Double(state) as url:` serves until the block ends."""
+
+    handler: type[BaseHTTPRequestHandler]
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self._server = DoubleServer(self.handler, state)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
