@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -65,7 +65,6 @@ from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
-_random = random.SystemRandom()  # rooms must not collide across gateway processes
 
 
 def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
@@ -234,7 +233,9 @@ class RequestRun:
         d = await self._d.take_seat(self.prompt_ids, exclude)
         p = self._d.pick("prefill", self.prompt_ids, exclude)  # no await since: the seat holds
         assert p.info is not None  # healthy implies GetInfo answered
-        self.room = _random.getrandbits(64) or 1  # 0 means "no room" on the wire
+        # From the OS's randomness: rooms must not collide across gateway processes; 0 means
+        # "no room" on the wire.
+        self.room = secrets.randbits(64) or 1
         req = self._request(tandem_pb2.DisaggParams(room=self.room,
                                                     bootstrap_addr=p.info.bootstrap_addr))
         call_p = self._open(p, req)

@@ -31,6 +31,7 @@ Triton is imported lazily so that this module (and its CPU-side helpers) imports
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +58,9 @@ def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
     return splits
 
 
-_kernels: dict[str, Any] = {}
-
-
+@functools.cache
 def _get_kernels() -> dict[str, Any]:
     """Compile-on-first-use: define the Triton kernels only when a GPU backend runs."""
-    if _kernels:
-        return _kernels
     import triton
     import triton.language as tl
 
@@ -202,8 +199,7 @@ def _get_kernels() -> dict[str, Any]:
         out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
         tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
-    _kernels.update(store=store_kv_kernel, decode=decode_kernel, merge=merge_kernel)
-    return _kernels
+    return {"store": store_kv_kernel, "decode": decode_kernel, "merge": merge_kernel}
 
 
 def _scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
