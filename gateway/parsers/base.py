@@ -96,3 +96,41 @@ class TrailingText:
     def finish(self) -> str:
         self._held = ""
         return ""
+
+
+class BufferedToolParser(ToolParser):
+    """A tool parser that moves through its states over a text buffer: `feed` appends to it and
+    takes one `_step` after another until a step needs more text."""
+
+    def __init__(self, parameters: dict[str, dict[str, object]] | None = None) -> None:
+        super().__init__(parameters)
+        self._buf = ""
+        self._trailing = TrailingText()
+
+    def feed(self, text: str) -> ToolDelta:
+        self._buf += text
+        out = ToolDelta()
+        while self._buf and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: ToolDelta) -> bool:
+        """One move of the state machine; False when it needs more text."""
+        raise NotImplementedError(f"{type(self).__name__} feeds its buffer itself")
+
+    def _content(self, text: str) -> str:
+        """Plain text: before any call it is content as is; after one, whitespace is dropped."""
+        return self._trailing.feed(text) if self.num_calls else text
+
+    def _text_until(self, marker: str, out: ToolDelta) -> bool:
+        """Plain text up to `marker` goes out as content (a split marker at the end is held
+        back); True once the marker is found, the buffer then starting right after it."""
+        i = self._buf.find(marker)
+        if i == -1:
+            cut = len(self._buf) - marker_hold(self._buf, (marker,))
+            out.content += self._content(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return False
+        out.content += self._content(self._buf[:i])
+        self._buf = self._buf[i + len(marker):]
+        return True

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from gateway.parsers.base import ToolDelta, ToolParser, TrailingText, marker_hold
+from gateway.parsers.base import BufferedToolParser, ToolDelta, marker_hold
 from gateway.parsers.json_scan import JsonCallScanner
 
 
@@ -26,19 +26,13 @@ class Mode(enum.Enum):
     NAME = enum.auto()  # mistral v11: reading `name` up to `[ARGS]`
 
 
-class _JsonCallsParser(ToolParser):
+class _JsonCallsParser(BufferedToolParser):
     """Shared streaming machinery: a call object is scanned by JsonCallScanner."""
 
     def __init__(self, parameters: dict[str, dict[str, object]] | None = None) -> None:
         super().__init__(parameters)
         self.mode = Mode.TEXT
-        self._buf = ""
         self._scanner: JsonCallScanner | None = None
-        self._trailing = TrailingText()
-
-    def _content(self, text: str) -> str:
-        """Plain text: before any call it is content as is; after one, whitespace is dropped."""
-        return self._trailing.feed(text) if self.num_calls else text
 
     def _scan(self, out: ToolDelta) -> bool:
         """Feed the buffer to the current call's scanner; True once the object closed."""
@@ -81,14 +75,8 @@ class HermesParser(_JsonCallsParser):
         out = ToolDelta()
         while self._buf:
             if self.mode is Mode.TEXT:
-                i = self._buf.find(self.OPEN)
-                if i == -1:
-                    cut = len(self._buf) - marker_hold(self._buf, (self.OPEN,))
-                    out.content += self._content(self._buf[:cut])
-                    self._buf = self._buf[cut:]
+                if not self._text_until(self.OPEN, out):
                     break
-                out.content += self._content(self._buf[:i])
-                self._buf = self._buf[i + len(self.OPEN):]
                 self.mode, self._scanner, self._call_raw = Mode.CALL, JsonCallScanner(), ""
             elif self.mode is Mode.CALL:
                 before = self._buf
@@ -200,24 +188,10 @@ class MistralParser(_JsonCallsParser):
         super().__init__(parameters)
         self._in_list = False  # the current call is an element of a `[...]` array
 
-    def feed(self, text: str) -> ToolDelta:
-        self._buf += text
-        out = ToolDelta()
-        while self._buf and self._step(out):
-            pass
-        return out
-
     def _step(self, out: ToolDelta) -> bool:
-        """One move of the state machine; False when it needs more text."""
         if self.mode is Mode.TEXT:
-            i = self._buf.find(self.TOOL_CALLS)
-            if i == -1:
-                cut = len(self._buf) - marker_hold(self._buf, (self.TOOL_CALLS,))
-                out.content += self._content(self._buf[:cut])
-                self._buf = self._buf[cut:]
+            if not self._text_until(self.TOOL_CALLS, out):
                 return False
-            out.content += self._content(self._buf[:i])
-            self._buf = self._buf[i + len(self.TOOL_CALLS):]
             self.mode = Mode.BETWEEN
             return True
         if self.mode is Mode.BETWEEN:  # right after [TOOL_CALLS]: which variant?

@@ -17,7 +17,7 @@ import enum
 import json
 from typing import Any
 
-from gateway.parsers.base import ToolDelta, ToolParser, TrailingText, marker_hold
+from gateway.parsers.base import BufferedToolParser, ToolDelta, marker_hold
 from gateway.parsers.json_scan import JsonCallScanner
 
 
@@ -52,7 +52,7 @@ def typed_value(raw: str, schema: Any) -> Any:
         return raw
 
 
-class Qwen3CoderParser(ToolParser):
+class Qwen3CoderParser(BufferedToolParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     FUNC, FUNC_END = "<function=", "</function>"
     PARAM, PARAM_END = "<parameter=", "</parameter>"
@@ -61,30 +61,16 @@ class Qwen3CoderParser(ToolParser):
     def __init__(self, parameters: dict[str, dict[str, object]] | None = None) -> None:
         super().__init__(parameters)
         self.state = XmlState.TEXT
-        self._buf = ""
         self._name = ""
         self._key = ""
         self._num_params = 0
-        self._trailing = TrailingText()
-
-    def feed(self, text: str) -> ToolDelta:
-        self._buf += text
-        out = ToolDelta()
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def _step(self, out: ToolDelta) -> bool:
         st = self.state
         if st is XmlState.TEXT:
-            i = self._buf.find(self.OPEN)
-            cut = i if i != -1 else len(self._buf) - marker_hold(self._buf, (self.OPEN,))
-            piece = self._buf[:cut]
-            out.content += self._trailing.feed(piece) if self.num_calls else piece
-            if i == -1:
-                self._buf = self._buf[cut:]
+            if not self._text_until(self.OPEN, out):
                 return False
-            self._buf, self.state = self._buf[i + len(self.OPEN):], XmlState.FUNCTION
+            self.state = XmlState.FUNCTION
             return True
         if st is XmlState.FUNCTION:
             i = self._buf.find(self.FUNC)
@@ -174,7 +160,7 @@ class DSState(enum.Enum):
     CALL_TAIL = enum.auto()  # after the arguments, up to <｜tool▁call▁end｜>
 
 
-class DeepSeekV3Parser(ToolParser):
+class DeepSeekV3Parser(BufferedToolParser):
     CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
@@ -184,28 +170,14 @@ class DeepSeekV3Parser(ToolParser):
         super().__init__(parameters)
         self.v31 = v31  # name before the separator, bare JSON after it
         self.state = DSState.TEXT
-        self._buf = ""
         self._scanner: JsonCallScanner | None = None
-        self._trailing = TrailingText()
-
-    def feed(self, text: str) -> ToolDelta:
-        self._buf += text
-        out = ToolDelta()
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def _step(self, out: ToolDelta) -> bool:
         st = self.state
         if st is DSState.TEXT:
-            i = self._buf.find(self.CALLS_BEGIN)
-            cut = i if i != -1 else len(self._buf) - marker_hold(self._buf, (self.CALLS_BEGIN,))
-            piece = self._buf[:cut]
-            out.content += self._trailing.feed(piece) if self.num_calls else piece
-            if i == -1:
-                self._buf = self._buf[cut:]
+            if not self._text_until(self.CALLS_BEGIN, out):
                 return False
-            self._buf, self.state = self._buf[i + len(self.CALLS_BEGIN):], DSState.CALLS
+            self.state = DSState.CALLS
             return True
         if st is DSState.CALLS:
             stripped = self._buf.lstrip()
