@@ -31,6 +31,7 @@ from tests.e2e.test_window_pd import (
     _drained,
     _params,
     _wait,
+    measure_pd,
     running,
     submit_pd,
 )
@@ -168,40 +169,10 @@ def measure(out_dir: Path) -> None:
     """Figures for docs/gpt-oss.md: bytes shipped per request, the GPT-OSS checkpoint vs its
     same-size twin whose window never slides (every layer in full pages), and prefill tokens
     saved by bounded replay on shared prefixes."""
-    rng = random.Random(0)
     models = {"gpt-oss": out_dir / "gpt-oss", "full": out_dir / "full"}
     build_gpt_oss_checkpoint(models["gpt-oss"])
     build_gpt_oss_checkpoint(models["full"], sliding_window=256)  # >= max_model_len: no ring
-    lengths = (16, 64, 128, 200)
-    prompts = [[rng.randrange(1, 128) for _ in range(n)] for n in lengths]
-    prefixes = [[rng.randrange(1, 128) for _ in range(96)] for _ in range(4)]
-    workload = [p + [rng.randrange(1, 128) for _ in range(16)] for p in prefixes for _ in range(8)]
-    for name, path in models.items():
-        with (
-            running(_config(path, "prefill")) as prefill,
-            running(_config(path, "decode")) as decode,
-        ):
-            for n, prompt in zip(lengths, prompts, strict=True):
-                pre, dec = submit_pd(prefill, decode, prompt, f"b{n}")
-                _wait(pre, dec)
-                assert dec.transfer is not None
-                print(
-                    f"{name:8s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
-                    f"{int(dec.transfer['bytes']):8d} bytes shipped"
-                )
-            sched = prefill.engine.scheduler
-            before, cached = sched.prompt_tokens_computed, 0
-            for i, prompt in enumerate(workload):
-                pre, dec = submit_pd(prefill, decode, prompt, f"w{i}")
-                _wait(pre, dec)
-                cached += pre.cached
-            total = sum(len(p) for p in workload)
-            computed = sched.prompt_tokens_computed - before
-            print(
-                f"{name:8s} shared-prefix workload: {total} prompt tokens, "
-                f"prefill computed {computed}, cached_tokens {cached} "
-                f"({100 * (total - computed) / total:.1f}% saved)"
-            )
+    measure_pd(models, vocab=128)
 
 
 if __name__ == "__main__":

@@ -236,14 +236,22 @@ def measure(out_dir: Path) -> None:
     """Figures for docs/hybrid-cache.md: bytes shipped per request, window model vs its all-full
     twin (same shapes, window off), and prefill tokens saved by bounded replay on shared prefixes.
     """
-    rng = random.Random(0)
     models = {"window": out_dir / "window", "full": out_dir / "full"}
     build_window_checkpoint(models["window"])
     build_window_checkpoint(models["full"], window=False)
+    measure_pd(models, vocab=97)
+
+
+def measure_pd(models: dict[str, Path], vocab: int) -> None:
+    """For each checkpoint, served 1P1D: bytes and pages shipped for prompts of 16-200 tokens,
+    prefill tokens computed and cached on a shared-prefix workload, and KV memory per worker."""
+    rng = random.Random(0)
     lengths = (16, 64, 128, 200)
-    prompts = [[rng.randrange(1, 97) for _ in range(n)] for n in lengths]
-    prefixes = [[rng.randrange(1, 97) for _ in range(96)] for _ in range(4)]
-    workload = [p + [rng.randrange(1, 97) for _ in range(16)] for p in prefixes for _ in range(8)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+    prefixes = [[rng.randrange(1, vocab) for _ in range(96)] for _ in range(4)]
+    workload = [p + [rng.randrange(1, vocab) for _ in range(16)] for p in prefixes
+                for _ in range(8)]
+    width = max(len(name) for name in models)
     for name, path in models.items():
         with (
             running(_config(path, "prefill")) as prefill,
@@ -254,7 +262,7 @@ def measure(out_dir: Path) -> None:
                 _wait(pre, dec)
                 assert dec.transfer is not None
                 print(
-                    f"{name:6s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
+                    f"{name:{width}s} prompt {n:3d} tokens: {int(dec.transfer['pages']):3d} pages "
                     f"{int(dec.transfer['bytes']):8d} bytes shipped"
                 )
             sched = prefill.engine.scheduler
@@ -266,15 +274,15 @@ def measure(out_dir: Path) -> None:
             total = sum(len(p) for p in workload)
             computed = sched.prompt_tokens_computed - before
             print(
-                f"{name:6s} shared-prefix workload: {total} prompt tokens, "
+                f"{name:{width}s} shared-prefix workload: {total} prompt tokens, "
                 f"prefill computed {computed}, cached_tokens {cached} "
                 f"({100 * (total - computed) / total:.1f}% saved)"
             )
             kv = prefill.engine.kv
             print(
-                f"{name:6s} KV memory per worker: {kv.nbytes()} bytes ({kv.shape.num_pages} full "
-                f"pages of {kv.shape.page_bytes} B, {kv.shape.num_window_pages} window pages of "
-                f"{kv.shape.window_page_bytes} B)"
+                f"{name:{width}s} KV memory per worker: {kv.nbytes()} bytes ({kv.shape.num_pages} "
+                f"full pages of {kv.shape.page_bytes} B, {kv.shape.num_window_pages} window pages "
+                f"of {kv.shape.window_page_bytes} B)"
             )
 
 
