@@ -43,7 +43,7 @@ from worker.tp_runner import TPLeader
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "OutputSink", "RequestOutput", "overlap_enabled"]
+__all__ = ["Engine", "OutputSink", "RequestOutput"]
 
 OutputSink = Callable[[RequestOutput], None]
 
