@@ -254,6 +254,9 @@ class RequestRun:
                         ) -> Output:
         loop = asyncio.get_running_loop()
         prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p))
+        # Whoever ends the attempt reads this error if it matters; a leg that fails while the
+        # gateway shuts down (its drain cancelled) must not surface as "never retrieved".
+        prefill.add_done_callback(_retrieve)
         first_d = loop.create_task(self._read_first(call_d, d, "decode"))
         deadline = loop.time() + self._d.config.first_token_timeout_s
         landed = False  # prefill's leg ended well: the KV and the first token are on decode
@@ -391,7 +394,7 @@ class RequestRun:
             elif not task.done():
                 task.cancel()
             else:
-                exc = None if task.cancelled() else task.exception()  # also marks it retrieved
+                exc = None if task.cancelled() else task.exception()
                 if exc is not None and not abort:
                     log.debug("request %s: prefill leg ended with %s", self.request_id, exc)
             self._prefill_task = None
@@ -411,15 +414,22 @@ class RequestRun:
             self._d.stalls.discard(self)
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a prefill leg's error read: past the first token it changes nothing."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
-    """Wait a bounded time for a prefill leg to end by itself, then cut it off."""
-    await asyncio.wait({task}, timeout=timeout_s)
-    if not task.done():
-        task.cancel()
-        if call is not None:
-            call.cancel()
-    elif not task.cancelled():
-        task.exception()  # retrieved: an error after the answer is complete changes nothing
+    """Wait a bounded time for a prefill leg to end by itself, then cut it off (also when the
+    drain itself is cancelled, as the pool does at shutdown)."""
+    try:
+        await asyncio.wait({task}, timeout=timeout_s)
+    finally:
+        if not task.done():
+            task.cancel()
+            if call is not None:
+                call.cancel()
 
 
 def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:

@@ -176,3 +176,21 @@ async def test_a_stop_string_still_counts_the_rooms_transfer(tok_dir):
             await asyncio.sleep(0.05)
         assert "tandem_kv_transfer_duration_seconds_count 3.0" in m
         assert "tandem_kv_transfer_bytes_total 36864.0" in m  # 3 requests x 12288
+
+
+async def test_cancelled_drain_cuts_the_prefill_leg():
+    # At shutdown the pool cancels its drains; the prefill leg they waited on must end with
+    # them, and its error (the session broke) must count as read, not "never retrieved".
+    from gateway.dispatch import _drain, _retrieve
+
+    async def leg():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("session stream broke")
+
+    cut, failed = asyncio.create_task(asyncio.sleep(10)), asyncio.create_task(leg())
+    failed.add_done_callback(_retrieve)
+    drain = asyncio.create_task(_drain(cut, None))
+    await asyncio.sleep(0)
+    drain.cancel()
+    await asyncio.gather(drain, cut, failed, return_exceptions=True)
+    assert cut.cancelled() and failed.exception() is not None
