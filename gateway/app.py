@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway import admin
 from gateway.agents import Parsers
@@ -181,6 +182,38 @@ def _error_response(err: ApiError) -> Response:
     return Response(err.json_bytes(), status_code=err.status, media_type=_JSON)
 
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class _GatewayApp(FastAPI):
+    """FastAPI, except that POST to a generation route goes straight to its endpoint.
+
+    Below Starlette's stack (error middleware, exception middleware, exit stack, body limit,
+    router, route wrapper) every streamed event would pass through six `send` wrappers; here
+    it passes through none, with the same error mapping (ApiError as itself, anything else a
+    logged 500). Everything else, including those paths with another method (405), takes the
+    full stack.
+    """
+
+    def __init__(self, fast: dict[str, Endpoint], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._fast = fast
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self._fast.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            response = await endpoint(Request(scope, receive))
+        except ApiError as exc:
+            response = _error_response(exc)
+        except Exception:
+            log.exception("unexpected error on %s", scope["path"])
+            response = _error_response(ApiError("internal gateway error; see the gateway log"))
+        await response(scope, receive, send)
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     """Build the gateway app. The tokenizer loads now (fail fast); workers connect in the
     lifespan."""
@@ -199,7 +232,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await gw.stop()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The routes are plain Starlette routes: FastAPI's dependency solving and response
+    # validation cost ~15% of a request here and buy nothing (bodies are validated by hand so
+    # that every error is OpenAI-shaped).
+    async def completions(request: Request) -> Response:
+        gw.check_auth(request)
+        return await gw.handler().handle(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        gw.check_auth(request)
+        return await gw.handler().handle(request, chat=True)
+
+    app = _GatewayApp({"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+                      lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
 
     @app.exception_handler(ApiError)
@@ -221,17 +266,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _http(request: Request, exc: HTTPException) -> Response:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error_response(ApiError(str(exc.detail), status=exc.status_code, type=etype))
-
-    # The routes are plain Starlette routes: FastAPI's dependency solving and response
-    # validation cost ~15% of a request here and buy nothing (bodies are validated by hand so
-    # that every error is OpenAI-shaped).
-    async def completions(request: Request) -> Response:
-        gw.check_auth(request)
-        return await gw.handler().handle(request, chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        gw.check_auth(request)
-        return await gw.handler().handle(request, chat=True)
 
     async def models(request: Request) -> Response:
         gw.check_auth(request)

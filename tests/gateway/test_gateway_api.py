@@ -403,3 +403,22 @@ async def test_completion_logprobs_and_echo(tok_dir):
         assert got == 400 and err["param"] == "echo"
         got, err = await _post(c, "/v1/completions", json={"prompt": "a", "logprobs": 50})
         assert got == 400 and err["param"] == "logprobs"
+
+
+async def test_generation_routes_below_the_stack(tok_dir, monkeypatch):
+    # POST to a generation route skips Starlette's stack; its errors keep their shape, and the
+    # same path with another method still meets the router's 405.
+    from gateway.serving import GenerationHandler
+
+    w = ScriptedWorker(script=script_for(tok_dir, "hi"))
+    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
+        assert (await c.get("/v1/completions")).status_code == 405
+        r = await c.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+        async def broken(self, request, chat):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(GenerationHandler, "handle", broken)
+        r = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 500 and "internal gateway error" in r.json()["error"]["message"]
