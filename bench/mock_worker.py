@@ -7,7 +7,8 @@ tests/gateway/gw_doubles.py's ScriptedWorker) and the Rust routers (SGLang-style
 /v1/completions, /generate, /health, /get_model_info, /get_server_info, /v1/models), so every
 router is measured against the same worker doing the same (no) work. The HTTP side is a bare
 asyncio protocol on httptools, a few microseconds a request, so the mock is not what limits a
-router. `--tokens N --step-ms S` streams N tokens S ms apart (gRPC only: the per-token bench).
+router. `--tokens N --step-ms S` streams N tokens, one a step of S ms shared by every request (gRPC
+only: the per-token bench).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httptools
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from protocol import tandem_pb2  # noqa: E402
 from tests.gateway.gw_doubles import Script, ScriptedWorker  # noqa: E402
 
 TOKEN = 70  # detokenizes to one character with the bench tokenizer
@@ -82,9 +86,37 @@ class MockHTTP(asyncio.Protocol):
         self._transport.write(resp)
 
 
+class SteppedWorker(ScriptedWorker):
+    """Tokens on one step clock, as an engine makes them: every running request's next token
+    at the same tick, so the Session stream carries one message a step (a request's own
+    timer would spread a step's tokens over several messages)."""
+
+    def __init__(self, step_s: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.step_s = step_s
+        self._tick: asyncio.Future[None] | None = None  # the next step's end
+
+    async def respond(self, request: tandem_pb2.GenerateRequest  # type: ignore[override]
+                      ) -> AsyncIterator[tandem_pb2.GenerateResponse]:
+        async for msg in self._script(request):
+            yield msg
+            if msg.finish_reason:
+                return
+            await self._next_step()
+
+    async def _next_step(self) -> None:
+        """Wait for the step in progress to end (the first waiter starts one)."""
+        if self._tick is None or self._tick.done():
+            loop = asyncio.get_running_loop()
+            self._tick = loop.create_future()
+            loop.call_later(self.step_s, self._tick.set_result, None)
+        await asyncio.shield(self._tick)  # a cancelled request must not end the step for all
+
+
 async def serve(role: str, grpc_port: int, http_port: int, tokens: int, step_ms: float) -> None:
-    script = Script(tokens=[TOKEN] * tokens, finish_reason="length", delay_s=step_ms / 1e3)
-    w = ScriptedWorker(role=role, max_model_len=4096, script=script)
+    script = Script(tokens=[TOKEN] * tokens, finish_reason="length")
+    w = (SteppedWorker(step_ms / 1e3, role=role, max_model_len=4096, script=script) if step_ms
+         else ScriptedWorker(role=role, max_model_len=4096, script=script))
     await w.start(port=grpc_port)
     if http_port:
         loop = asyncio.get_running_loop()
