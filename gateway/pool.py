@@ -164,11 +164,18 @@ class WorkerPool:
         await asyncio.gather(*(_close(w) for w in self.all()), return_exceptions=True)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run a background coroutine owned by the pool (kept referenced until it ends)."""
+        """Run a background coroutine owned by the pool (kept referenced until it ends). One
+        that fails is a bug: logged with its traceback when it ends, not at garbage collection."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
         return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.error("gateway background task %s failed", task.get_coro(), exc_info=exc)
 
     # ---- membership ----
 

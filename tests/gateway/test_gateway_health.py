@@ -139,3 +139,19 @@ async def test_restarted_prefill_worker_gets_fresh_info(tok_dir):
             assert d.requests[-1].disagg.bootstrap_addr == "127.0.0.1:9"
         finally:
             await p2.stop()
+
+
+async def test_failed_background_task_is_logged_when_it_ends(tok_dir, caplog):
+    pool = WorkerPool(fast_config(tok_dir, workers=("127.0.0.1:1",)))
+
+    async def broken():
+        raise RuntimeError("a bug in a background task")
+
+    try:
+        task = pool.spawn(broken())
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)  # the done callbacks run
+        failed = [r for r in caplog.records if "background task" in r.getMessage()]
+        assert failed and failed[0].exc_info[1] is task.exception()
+    finally:
+        await pool.close()
