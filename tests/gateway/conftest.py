@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,16 @@ from tests.gateway.gw_doubles import (
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
-    # One event loop for every gateway test: grpc.aio's poller hands a finished call back to
-    # the loop that made it, and a call of an earlier test whose loop was already closed
-    # raised "Event loop is closed" inside a later test (seen once in a full run).
     return "asyncio"
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def one_event_loop(anyio_backend: str) -> AsyncIterator[None]:
+    """One event loop for every gateway test. grpc.aio's poller hands a finished call back to
+    the loop that made it: a call of an earlier test whose loop was already closed raised
+    "Event loop is closed" inside a later test (under load: CI and a busy dev box). anyio
+    closes its loop when no test or fixture holds it, so a session fixture holds it."""
+    yield
 
 
 @pytest.fixture(scope="session")
