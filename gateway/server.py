@@ -55,7 +55,6 @@ def run_gateway(config: GatewayConfig) -> None:
     # Access logs are off: a log line per request costs about half the throughput.
     server_config = uvicorn.Config(
         app, host=config.host, port=config.port, loop=loop, access_log=False,
-        proxy_headers=False,  # nothing reads the client address (no access log)
         log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
         http=guarded_protocol(config.header_timeout_s, config.max_connections),
         timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]  # float works
