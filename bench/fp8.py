@@ -289,8 +289,11 @@ def main() -> None:
                     )
             del el
             torch.cuda.empty_cache()
-        for b in (1, 8):
-            section(f"split_sweep_32k_b{b}", lambda b=b: split_sweep(32768, b))
+        # Short contexts too: a higher split cap must not cost the common short-context step.
+        for ctx in (1024, 4096, 32768):
+            for b in (1, 8):
+                section(f"split_sweep_{ctx // 1024}k_b{b}",
+                        lambda ctx=ctx, b=b: split_sweep(ctx, b))
 
     print("\n== summary (one process) ==")
     if ceil:
