@@ -415,9 +415,11 @@ class RequestRun:
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
-    """Mark a prefill leg's error read: past the first token it changes nothing."""
-    if not task.cancelled():
-        task.exception()
+    """Mark a prefill leg's error read (past the first token it changes nothing; before it,
+    `_first_pd` raises it)."""
+    exc = None if task.cancelled() else task.exception()
+    if exc is not None:
+        log.debug("prefill leg ended with %s", exc)
 
 
 async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
