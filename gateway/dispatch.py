@@ -253,7 +253,8 @@ class RequestRun:
     async def _first_pd(self, call_p: Any, p: Worker, call_d: Any, d: Worker
                         ) -> Output:
         loop = asyncio.get_running_loop()
-        prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p))
+        prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p),
+                                                        name=f"prefill leg of {self.request_id}")
         # Whoever ends the attempt reads this error if it matters; a leg that fails while the
         # gateway shuts down (its drain cancelled) must not surface as "never retrieved".
         prefill.add_done_callback(_retrieve)
@@ -393,10 +394,6 @@ class RequestRun:
                 self._d.pool.spawn(_drain(task, draining))
             elif not task.done():
                 task.cancel()
-            else:
-                exc = None if task.cancelled() else task.exception()
-                if exc is not None and not abort:
-                    log.debug("request %s: prefill leg ended with %s", self.request_id, exc)
             self._prefill_task = None
         req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room,
                                       attempt_id=self.attempt_id) if abort else None
@@ -419,7 +416,7 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     `_first_pd` raises it)."""
     exc = None if task.cancelled() else task.exception()
     if exc is not None:
-        log.debug("prefill leg ended with %s", exc)
+        log.debug("%s ended with %s", task.get_name(), exc)
 
 
 async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
