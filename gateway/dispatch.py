@@ -58,7 +58,7 @@ from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
 from gateway.session import Output
-from gateway.stalls import StallWatch, _timeout
+from gateway.stalls import DeadlinePassed, FirstTokenDeadline, StallWatch, _timeout
 from protocol import tandem_pb2
 from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
 
@@ -252,40 +252,29 @@ class RequestRun:
 
     async def _first_pd(self, call_p: Any, p: Worker, call_d: Any, d: Worker
                         ) -> Output:
-        loop = asyncio.get_running_loop()
-        prefill = self._prefill_task = loop.create_task(self._prefill_leg(call_p, p),
-                                                        name=f"prefill leg of {self.request_id}")
+        """Decode's first token while the prefill leg runs beside it (a task: it reads on to
+        the room's end). A prefill failure before that token is the attempt's error."""
+        cfg = self._d.config
+        prefill = self._prefill_task = asyncio.get_running_loop().create_task(
+            self._prefill_leg(call_p, p), name=f"prefill leg of {self.request_id}")
         # Whoever ends the attempt reads this error if it matters; a leg that fails while the
         # gateway shuts down (its drain cancelled) must not surface as "never retrieved".
         prefill.add_done_callback(_retrieve)
-        first_d = loop.create_task(self._read_first(call_d, d, "decode"))
-        deadline = loop.time() + self._d.config.first_token_timeout_s
-        landed = False  # prefill's leg ended well: the KV and the first token are on decode
+        deadline = FirstTokenDeadline(call_d, cfg.first_token_timeout_s,
+                                      cfg.stream_stall_timeout_s)
+        prefill.add_done_callback(deadline.prefill_ended)
         try:
-            while not first_d.done():
-                waiting = {first_d} if prefill.done() else {first_d, prefill}
-                left = deadline - loop.time()
-                if left <= 0:
-                    if landed:  # decode has all it needs and says nothing: it went quiet
-                        raise self._stalled(d, "decode", self._d.config.stream_stall_timeout_s)
-                    raise self._first_token_timeout(d, "decode")
-                await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if prefill.done() and prefill.exception() is not None:
-                    raise prefill.exception()  # type: ignore[misc]
-                if prefill.done() and not landed:
-                    landed = True
-                    deadline = min(deadline, loop.time() + self._d.config.stream_stall_timeout_s)
-            try:
-                first = first_d.result()
-            except WorkerCallError as err:
-                if err.worker_fault:
-                    self._d.metrics.kv_transfer_failures.inc()  # the KV never landed on decode
-                raise
+            first = await self._read_first(call_d, d, "decode")
+        except DeadlinePassed:
+            if deadline.landed:  # decode has all it needs and says nothing: it went quiet
+                raise self._stalled(d, "decode", cfg.stream_stall_timeout_s) from None
+            raise self._first_token_timeout(d, "decode") from None
+        except WorkerCallError as err:
+            if err.leg == "decode" and err.worker_fault:
+                self._d.metrics.kv_transfer_failures.inc()  # the KV never landed on decode
+            raise
         finally:
-            if not first_d.done():
-                first_d.cancel()
-            elif not first_d.cancelled():
-                first_d.exception()  # retrieved, when the prefill leg's error is the one raised
+            deadline.stop()
         self._stream, self._stream_worker = call_d, d
         return first
 

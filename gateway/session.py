@@ -66,7 +66,7 @@ class Leg:
     """One request on a worker's stream; read it like a grpc.aio streaming call."""
 
     __slots__ = ("_session", "slot", "_queue", "_waiter", "_ended", "_error", "_cancelled",
-                 "_timer", "_start")
+                 "_timer", "_start", "_interrupt")
 
     def __init__(self, session: WorkerSession, slot: int) -> None:
         self._session = session
@@ -78,6 +78,7 @@ class Leg:
         self._cancelled = False
         self._timer: asyncio.TimerHandle | None = None
         self._start: tuple[int, int] | None = None  # (num_prompt, num_cached) not yet handed on
+        self._interrupt: BaseException | None = None  # raised by the next read with nothing queued
 
     async def read(self) -> Output | Any:
         """Everything that arrived since the last read, as one output (several steps' tokens
@@ -88,6 +89,9 @@ class Leg:
                 return self._take()
             if self._cancelled:
                 raise asyncio.CancelledError
+            if self._interrupt is not None:
+                exc, self._interrupt = self._interrupt, None
+                raise exc
             if self._error is not None:
                 raise self._error
             if self._ended:
@@ -100,6 +104,14 @@ class Leg:
 
     def done(self) -> bool:
         return self._ended or self._cancelled or self._error is not None
+
+    def interrupt(self, exc: BaseException | None) -> None:
+        """Make the pending read (or the next one that finds nothing queued) raise `exc`: the
+        request's other leg failed, or a deadline passed. The leg itself goes on. None
+        withdraws an interrupt not raised yet."""
+        self._interrupt = exc
+        if exc is not None:
+            self._wake()
 
     def _take(self) -> Output:
         queue = self._queue

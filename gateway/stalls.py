@@ -2,7 +2,8 @@
 
 `StallWatch` ends output streams whose worker went quiet after the first token (dispatch.py's
 `RequestRun.next` turns the cancelled read into the stall error); `_timeout` bounds one await
-(the first token, a stream's end, a request body) without a task per request.
+(the first token, a stream's end, a request body) without a task per request;
+`FirstTokenDeadline` bounds PD's wait for decode's first token against its prefill leg.
 """
 
 from __future__ import annotations
@@ -31,6 +32,56 @@ else:  # pragma: no cover - 3.10 fallback
             raise asyncio.TimeoutError from None
         finally:
             handle.cancel()
+
+
+class Interruptible(Protocol):
+    def interrupt(self, exc: BaseException | None) -> None: ...
+
+
+class DeadlinePassed(Exception):
+    """Raised by a leg's read when its FirstTokenDeadline passed."""
+
+
+class FirstTokenDeadline:
+    """PD's wait for decode's first token, bounded with one timer (no task, no `asyncio.wait`):
+    it ends at `timeout_s`, or `stall_s` after the prefill leg ended well (decode then holds
+    all it needs), whichever comes first; a failed prefill leg ends it at once with that leg's
+    error. Each ending interrupts the decode leg's read (DeadlinePassed, or the prefill
+    error). `stop()` once the wait is over, however it ended: nothing reaches the leg after."""
+
+    __slots__ = ("_leg", "_loop", "_stall_s", "_when", "_timer", "landed")
+
+    def __init__(self, leg: Interruptible, timeout_s: float, stall_s: float) -> None:
+        self._leg = leg
+        self._loop = asyncio.get_running_loop()
+        self._stall_s = stall_s
+        self._when = self._loop.time() + timeout_s
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._when, self._expire)
+        self.landed = False  # the prefill leg ended well: the KV and first token are on decode
+
+    def prefill_ended(self, task: asyncio.Task[None]) -> None:
+        if self._timer is None or task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._leg.interrupt(exc)
+            return
+        self.landed = True
+        when = self._loop.time() + self._stall_s
+        if when < self._when:
+            self._timer.cancel()
+            self._when = when
+            self._timer = self._loop.call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._leg.interrupt(DeadlinePassed())
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._leg.interrupt(None)
 
 
 class Watched(Protocol):

@@ -72,3 +72,40 @@ async def test_a_reader_that_fell_behind_gets_one_merged_output():
     assert out.token_ids == [70, 71, 72] and out.finish_reason == "length"
     assert (out.num_prompt_tokens, out.num_cached_tokens) == (5, 2) and out.transfer.bytes == 64
     assert await leg.read() is grpc.aio.EOF and leg.done()
+
+
+class _Leg:
+    """What FirstTokenDeadline drives: the interrupt of a leg's read."""
+
+    def __init__(self) -> None:
+        self.interrupts: list[BaseException | None] = []
+
+    def interrupt(self, exc: BaseException | None) -> None:
+        self.interrupts.append(exc)
+
+
+async def test_first_token_deadline_shortens_when_prefill_lands_and_stops_clean():
+    from gateway.stalls import DeadlinePassed, FirstTokenDeadline
+
+    async def ok():
+        return None
+
+    async def failed():
+        raise RuntimeError("prefill failed")
+
+    leg = _Leg()
+    deadline = FirstTokenDeadline(leg, timeout_s=30.0, stall_s=0.05)
+    task = asyncio.create_task(ok())
+    task.add_done_callback(deadline.prefill_ended)
+    await asyncio.sleep(0.2)  # landed: the stall bound (0.05 s), not 30 s, ends the wait
+    assert deadline.landed and isinstance(leg.interrupts[0], DeadlinePassed)
+
+    leg = _Leg()
+    deadline = FirstTokenDeadline(leg, timeout_s=30.0, stall_s=30.0)
+    task = asyncio.create_task(failed())
+    task.add_done_callback(deadline.prefill_ended)
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert leg.interrupts == [task.exception()] and not deadline.landed
+    deadline.stop()  # the first token came anyway: the error not raised yet is withdrawn
+    assert leg.interrupts[-1] is None
