@@ -348,7 +348,9 @@ class RequestRun:
     async def settle(self) -> None:
         """After the final message: read the stream's end (the worker has closed it, so this is
         immediate, and cheaper on both sides than cancelling a call that already finished), and
-        wait briefly for the prefill leg's first message (its num_cached_tokens feeds usage)."""
+        wait briefly for the prefill leg's end: its first message's num_cached_tokens feeds
+        usage, its last carries the room's transfer stats (which a stop string's abort, sent
+        right after, would cut off)."""
         call = self._stream
         if call is not None and not call.done():
             try:
@@ -380,7 +382,7 @@ class RequestRun:
                 # Past the first token the room is done or about to be: let the prefill leg
                 # read its last message (the transfer stats) rather than cut it off.
                 draining = next((c for w, c in self._legs if c is not self._stream), None)
-                self._d.pool.spawn(_drain(task, draining))
+                _drain(task, draining)
             elif not task.done():
                 task.cancel()
             self._prefill_task = None
@@ -408,16 +410,18 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         log.debug("%s ended with %s", task.get_name(), exc)
 
 
-async def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
-    """Wait a bounded time for a prefill leg to end by itself, then cut it off (also when the
-    drain itself is cancelled, as the pool does at shutdown)."""
-    try:
-        await asyncio.wait({task}, timeout=timeout_s)
-    finally:
+def _drain(task: asyncio.Task[None], call: Any, timeout_s: float = 2.0) -> None:
+    """Give a prefill leg `timeout_s` to end by itself (its last message carries the room's
+    transfer stats), then cut it off: one timer, cancelled when the leg ends. At shutdown the
+    sessions end every leg, which cancels the timer too."""
+    def cut() -> None:
         if not task.done():
             task.cancel()
             if call is not None:
                 call.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout_s, cut)
+    task.add_done_callback(lambda _: timer.cancel())
 
 
 def _send_abort(w: Worker, req: tandem_pb2.AbortRequest) -> None:
