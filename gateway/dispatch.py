@@ -257,8 +257,8 @@ class RequestRun:
         cfg = self._d.config
         prefill = self._prefill_task = asyncio.get_running_loop().create_task(
             self._prefill_leg(call_p, p), name=f"prefill leg of {self.request_id}")
-        # Whoever ends the attempt reads this error if it matters; a leg that fails while the
-        # gateway shuts down (its drain cancelled) must not surface as "never retrieved".
+        # Before the first token the deadline raises this leg's error; after it, or while the
+        # gateway shuts down, the error changes nothing and must not surface "never retrieved".
         prefill.add_done_callback(_retrieve)
         deadline = FirstTokenDeadline(call_d, cfg.first_token_timeout_s,
                                       cfg.stream_stall_timeout_s)
