@@ -15,10 +15,9 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from tests.orchestrator.http_double import DoubleServer, HttpDouble
+from tests.orchestrator.http_double import HttpDouble, JsonHandler
 
 # rule(index of the request, "calls" | "answer") -> "right" or one of the ways to go wrong
 Rule = Callable[[int, str], str]
@@ -92,20 +91,7 @@ def _reply(body: dict[str, Any], verdict: str) -> dict[str, Any]:
                                                  "finish_reason": finish}]}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: DoubleServer  # type: ignore[assignment]
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (quiet test output)
-        pass
-
-    def _json(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+class _Handler(JsonHandler):
 
     def _error(self, status: int, message: str) -> None:
         self._json(status, {"error": {"message": message, "type": "invalid_request_error",

@@ -14,10 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from tests.orchestrator.http_double import DoubleServer, HttpDouble
+from tests.orchestrator.http_double import HttpDouble, JsonHandler
 
 # rule(index of the request, prompt) -> "right" | "wrong" | "fail"
 Rule = Callable[[int, Any], str]
@@ -40,26 +39,13 @@ class DoubleState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: DoubleServer  # type: ignore[assignment]
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (quiet test output)
-        pass
+class _Handler(JsonHandler):
 
     def setup(self) -> None:
         super().setup()
         # As uvicorn does: each write leaves at once (Nagle would hold small SSE writes until
         # the client's delayed ACK, ~40 ms, and merge them: not the stream a test scripts).
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def _json(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _authorized(self) -> bool:
         key = self.server.state.api_key
