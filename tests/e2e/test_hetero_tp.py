@@ -107,11 +107,13 @@ def pd_generate(
     bootstrap: str,
     prompt: list[int],
     room: int | None = None,
+    sampling: tandem_pb2.SamplingParams | None = None,
 ) -> tuple[list[int], tandem_pb2.GenerateResponse]:
-    """What the gateway does for one request: both legs at once, one room."""
+    """What the gateway does for one request: both legs at once, one room (this module's
+    sampling unless another is given)."""
     disagg = tandem_pb2.DisaggParams(room=room or secrets.randbits(64), bootstrap_addr=bootstrap)
     req = tandem_pb2.GenerateRequest(
-        request_id="hetero", prompt_token_ids=prompt, sampling=_sampling(), disagg=disagg
+        request_id="pd", prompt_token_ids=prompt, sampling=sampling or _sampling(), disagg=disagg
     )
     with ThreadPoolExecutor(2) as pool:
         pre = pool.submit(lambda: list(prefill.Generate(req, timeout=60)))

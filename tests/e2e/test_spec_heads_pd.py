@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -25,8 +23,8 @@ import pytest
 
 from orchestrator.launch.background import EMBEDDED_MODEL, running_cluster
 from orchestrator.tasks import arith
-from protocol import tandem_pb2, tandem_pb2_grpc
-from tests.e2e.test_hetero_tp import _wait_drained, served
+from protocol import tandem_pb2
+from tests.e2e.test_hetero_tp import _wait_drained, pd_generate, served
 from tests.e2e.test_pd import complete_all
 from tests.e2e.test_spec_pd import agent_prompts
 from transfer.config import TransferConfig
@@ -100,21 +98,6 @@ def _sampling() -> tandem_pb2.SamplingParams:
     return tandem_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
-def pd_generate(prefill: tandem_pb2_grpc.WorkerStub, decode: tandem_pb2_grpc.WorkerStub,
-                bootstrap: str, prompt: list[int],
-                ) -> tuple[list[int], tandem_pb2.GenerateResponse]:
-    """What the gateway does for one request: both legs at once, one room."""
-    disagg = tandem_pb2.DisaggParams(room=secrets.randbits(64), bootstrap_addr=bootstrap)
-    req = tandem_pb2.GenerateRequest(request_id="spec", prompt_token_ids=prompt,
-                                     sampling=_sampling(), disagg=disagg)
-    with ThreadPoolExecutor(2) as pool:
-        pre = pool.submit(lambda: list(prefill.Generate(req, timeout=60)))
-        dec = pool.submit(lambda: list(decode.Generate(req, timeout=60)))
-        decode_msgs = dec.result()
-        pre.result()  # the prefill leg must end cleanly too
-    return [t for m in decode_msgs for t in m.token_ids], decode_msgs[-1]
-
-
 def _mono(config: WorkerConfig,
           prompts: list[list[int]]) -> tuple[list[list[int]], tandem_pb2.Load]:
     with served(config) as mono:
@@ -147,7 +130,8 @@ def test_hetero_tp_with_eagle_equals_mono(
         info = prefill.GetInfo(tandem_pb2.GetInfoRequest(), timeout=5)
         got = []
         for p in prompts:  # one at a time, as mono ran them: the same batches, the same drafts
-            tokens, last = pd_generate(prefill, decode, info.bootstrap_addr, p)
+            tokens, last = pd_generate(prefill, decode, info.bootstrap_addr, p,
+                                       sampling=_sampling())
             got.append(tokens)
             assert last.transfer.pages == -(-len(p) // 16) * prefill_tp * decode_tp
         pl, dl = _wait_drained(prefill), _wait_drained(decode)
@@ -164,5 +148,5 @@ def test_a_prefill_without_the_drafter_is_refused_naming_speculative() -> None:
         info = prefill.GetInfo(tandem_pb2.GetInfoRequest(), timeout=5)
         # Refused at registration, whichever side speaks first: the field and both labels.
         with pytest.raises(grpc.RpcError, match=r"speculative: '(eagle:1:\w+)?' != '(eagle)?"):
-            pd_generate(prefill, decode, info.bootstrap_addr, prompt)
+            pd_generate(prefill, decode, info.bootstrap_addr, prompt, sampling=_sampling())
         _wait_drained(decode)
