@@ -17,8 +17,8 @@ prompt greedily (train_eagle.py) and the head is trained on those continuations.
     answer         the calls' results sent back as tool messages: the target's final answer
     answer_think   the same, thinking first
 
-Shares (`MIX`) follow the target's own training mix (models/chat_data.py), arith first. That
-module draws the target's training samples (prompt and completion, through its own jinja
+The formats and their shares (`Format`, `MIX`) are the target's own training mix, imported
+from models/chat_data.py. That module draws the target's training samples (prompt and completion, through its own jinja
 sandbox); this one needs only prompts, written to the served template's shape before
 chat_data.py reached this branch, and it is what trained the shipped eagle/ and mtp/ heads.
 """
@@ -28,30 +28,13 @@ from __future__ import annotations
 import json
 import random
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from models.chat_data import MIX, THINKING, Format  # noqa: E402
 from orchestrator.tasks import arith  # noqa: E402
 
-
-class Format(Enum):
-    RAW = "raw"
-    CHAT = "chat"
-    CHAT_THINK = "chat_think"
-    CALLS = "calls"
-    CALLS_THINK = "calls_think"
-    ANSWER = "answer"
-    ANSWER_THINK = "answer_think"
-
-
-MIX: tuple[tuple[Format, float], ...] = (
-    (Format.RAW, 0.26), (Format.CHAT, 0.22), (Format.CHAT_THINK, 0.08),
-    (Format.CALLS, 0.16), (Format.CALLS_THINK, 0.06),
-    (Format.ANSWER, 0.16), (Format.ANSWER_THINK, 0.06),
-)
-THINKING = frozenset({Format.CHAT_THINK, Format.CALLS_THINK, Format.ANSWER_THINK})
 MAX_BARE_NAMES = 3  # a bare lookup question asks 1-3 variables, none assigned
 
 
@@ -108,7 +91,7 @@ def render(tok: Any, rng: random.Random, fmt: Format) -> str:
 def render_prompts(tok: Any, n: int, seed: int) -> list[tuple[Format, list[int]]]:
     """`n` prompts drawn with the weights of `MIX`, as (format, token ids)."""
     rng = random.Random(seed)
-    formats, weights = zip(*MIX, strict=True)
+    formats, weights = zip(*MIX.items(), strict=True)
     out = []
     for _ in range(n):
         fmt = rng.choices(formats, weights=weights)[0]
