@@ -18,9 +18,10 @@ prompt greedily (train_eagle.py) and the head is trained on those continuations.
     answer_think   the same, thinking first
 
 The formats and their shares (`Format`, `MIX`) are the target's own training mix, imported
-from models/chat_data.py. That module draws the target's training samples (prompt and completion, through its own jinja
-sandbox); this one needs only prompts, written to the served template's shape before
-chat_data.py reached this branch, and it is what trained the shipped eagle/ and mtp/ heads.
+from models/chat_data.py. That module draws the target's training samples (prompt and
+completion, through its own jinja sandbox); this one needs only prompts, written to the
+served template's shape before chat_data.py reached this branch, and it is what trained the
+shipped eagle/ and mtp/ heads.
 """
 
 from __future__ import annotations
