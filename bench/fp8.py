@@ -12,8 +12,10 @@ Sections (`--sections`, default all):
 - prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
   transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
+- splits: the paged decode kernel alone at 1k, 4k and 32k context, batch 1 and 8: KV GB/s by
+  split count, context block and pipeline stages (split_sweep).
 - longctx: decode batch 1 and 8 at 16k and 32k context, bf16 and FP8 KV (bf16 weights), vs
-  roofline; and the paged decode kernel alone at 32k for split counts 8..64 (its GB/s of KV).
+  roofline.
 
     python3 bench/fp8.py [--quick] [--sections ceilings,decode]
 
@@ -23,6 +25,7 @@ Writes fp8.json to $OUT (or the current directory) and prints a summary last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -56,7 +59,7 @@ from worker.config import (  # noqa: E402
 )
 from worker.engine import Engine  # noqa: E402
 
-SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "longctx")
+SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "splits", "longctx")
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 512, 128, 8192
 
 
@@ -81,8 +84,7 @@ def engine(path: Path, kv: str, max_len: int, seqs: int, tokens: int) -> Engine:
     e = Engine(
         WorkerConfig(
             model=ModelConfig(path=str(path), load_format="dummy", max_model_len=max_len),
-            cache=CacheConfig(page_size=16, max_total_tokens=tokens,
-                              kv_cache_dtype=kv),  # type: ignore[arg-type]
+            cache=CacheConfig(page_size=16, max_total_tokens=tokens, kv_cache_dtype=kv),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(max_num_seqs=seqs, chunked_prefill_size=PREFILL_LEN),
             parallel=ParallelConfig(device="cuda"),
         )
@@ -120,29 +122,74 @@ def fp8_matmul_rate() -> float:
     return 2 * 8192**3 / t / 1e12
 
 
-def _gemm_row(m: int, wq: torch.Tensor, ws: torch.Tensor, wb: torch.Tensor) -> dict[str, Any]:
-    """One projection at M tokens: Triton block GEMM, cuBLAS blockwise scaled_mm, bf16 cuBLAS."""
+GEMM_CONFIGS = {  # the block GEMM's tile shapes tried per token count (fp8_gemm._config's)
+    64: [
+        dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=1, num_warps=4, num_stages=ns)
+        for bm in (16, 32, 64)
+        for bn in (32, 64, 128)
+        for ns in (3, 4, 5)
+    ],
+    8192: [
+        dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=nw, num_stages=ns)
+        for bm, bn, nw, ns in (
+            (128, 128, 8, 3),
+            (128, 128, 4, 3),
+            (128, 128, 8, 4),
+            (128, 256, 8, 3),
+            (128, 256, 8, 4),
+            (64, 128, 4, 4),
+            (256, 128, 8, 3),
+            (64, 256, 4, 3),
+        )
+    ],
+}
+
+
+def _gemm_row(
+    m: int, weights: list[tuple[torch.Tensor, torch.Tensor]], wb: torch.Tensor
+) -> dict[str, Any]:
+    """One projection at M tokens, replayed as a CUDA graph over `weights` (copies enough that
+    nothing is served from L2): the Triton block GEMM with each of GEMM_CONFIGS[m] (its best
+    and its default), cuBLAS blockwise scaled_mm with the same 1x128 / 128x128 scales, bf16
+    cuBLAS (one copy)."""
+    from bench.gemv import graph_time
     from worker.model.fp8 import BlockFp8Config
     from worker.model.fp8_gemm import block_fp8_matmul, quantize_activations
 
-    n, k = wq.shape
+    n, k = weights[0][0].shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     xq, xs = quantize_activations(x)
     flops = 2 * m * n * k
     quant = BlockFp8Config()
+
+    def tflops(fn: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
+        return flops * len(weights) / graph_time(lambda: [fn(w, s) for w, s in weights]) / 1e12
+
+    def triton(**cfg: int) -> float:
+        return tflops(
+            lambda w, s: block_fp8_matmul(xq, xs, w, s, quant, None, torch.bfloat16, **cfg)
+        )
+
+    tried = []
+    for cfg in GEMM_CONFIGS[m]:
+        try:
+            tried.append((triton(**cfg), cfg))
+        except Exception as exc:  # a tile the compiler rejects (shared memory, registers)
+            print(f"  gemm {n}x{k} m={m} {cfg}: {type(exc).__name__}", flush=True)
+    tried.sort(key=lambda t: -t[0])
+    default = triton()
     row: dict[str, Any] = {
-        "triton_TFLOPs": flops
-        / cuda_time(lambda: block_fp8_matmul(xq, xs, wq, ws, quant, None, torch.bfloat16), 10)
-        / 1e12,
+        "triton_TFLOPs": default,
+        "triton_weight_GBps": default * 1e3 / (2 * m),  # one byte per weight read per call
+        "triton_best_TFLOPs": tried[0][0] if tried else None,
+        "triton_best": tried[0][1] if tried else None,
         "quant_act_us": cuda_time(lambda: quantize_activations(x), 10) * 1e6,
         "bf16_TFLOPs": flops / cuda_time(lambda: x @ wb.t(), 10) / 1e12,
     }
     try:  # cuBLAS blockwise: A scales 1x128 (M-major), B scales 128x128
-        sa, sb = xs.t().contiguous().t(), ws.t()
-        row["scaled_mm_TFLOPs"] = (
-            flops
-            / cuda_time(lambda: torch._scaled_mm(xq, wq.t(), sa, sb, out_dtype=torch.bfloat16), 10)
-            / 1e12
+        sa = xs.t().contiguous().t()
+        row["scaled_mm_TFLOPs"] = tflops(
+            lambda w, s: torch._scaled_mm(xq, w.t(), sa, s.t(), out_dtype=torch.bfloat16)
         )
     except Exception as exc:  # not every torch / CUDA build has the blockwise recipe
         row["scaled_mm_error"] = str(exc).splitlines()[0][:160]
@@ -150,8 +197,6 @@ def _gemm_row(m: int, wq: torch.Tensor, ws: torch.Tensor, wb: torch.Tensor) -> d
 
 
 def gemm() -> dict[str, Any]:
-    from worker.model.fp8 import quantize_blockwise
-
     out = {}
     for name, (n, k) in {
         "qkv": (6144, 4096),
@@ -159,28 +204,40 @@ def gemm() -> dict[str, Any]:
         "gate_up": (24576, 4096),
         "down": (4096, 12288),
     }.items():
-        wq, ws = quantize_blockwise(torch.randn(n, k) * 0.02)
+        copies = max(1, -(-(256 << 20) // (n * k)))  # ≥ 256 MiB of weights: past L2
+        weights = [
+            (
+                (torch.randn(n, k, device="cuda") * 64).to(torch.float8_e4m3fn),
+                torch.rand(n // 128, k // 128, device="cuda") * 1e-3,
+            )
+            for _ in range(copies)
+        ]
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in (64, 8192):
-            out[f"{name}_m{m}"] = _gemm_row(m, wq.cuda(), ws.cuda(), wb)
+            out[f"{name}_m{m}"] = _gemm_row(m, weights if m == 64 else weights[:1], wb)
+        del weights, wb
     return out
 
 
-def split_sweep(ctx: int, batch: int) -> dict[str, float]:
-    """The paged decode kernel alone over `ctx` tokens: KV GB/s by split count, bf16 and FP8."""
+def split_sweep(ctx: int, batch: int) -> dict[str, Any]:
+    """The paged decode kernel alone over `ctx` tokens: KV GB/s by split count, context block
+    (BLOCK_N) and pipeline stages, bf16 and FP8 pages (FP8: dots in float16 and in bfloat16).
+    Keeps each dtype's default and its best few."""
     from worker.model.triton_attention import num_decode_splits, triton_paged_decode
 
     hq, hkv, d, page = 32, 8, 128, 16
     pages = batch * ctx // page
-    out: dict[str, float] = {"heuristic_splits": float(num_decode_splits(batch, hkv))}
+    out: dict[str, Any] = {"heuristic_splits": num_decode_splits(batch, hkv)}
     table = torch.randperm(pages, device="cuda").view(batch, -1)
     lens = torch.full((batch,), ctx, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
 
-    def rate(kc: torch.Tensor, vc: torch.Tensor, scales: Any, splits: int) -> float:
+    def rate(
+        kc: torch.Tensor, vc: torch.Tensor, scales: Any, splits: int | None, **cfg: int
+    ) -> float:
         t = cuda_time(
             lambda: triton_paged_decode(
-                q, kc, vc, table, lens, d**-0.5, None, num_splits=splits, kv_scales=scales
+                q, kc, vc, table, lens, d**-0.5, None, num_splits=splits, kv_scales=scales, **cfg
             ),
             20,
         )
@@ -189,13 +246,18 @@ def split_sweep(ctx: int, batch: int) -> dict[str, float]:
     for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
         kc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
         vc = torch.randn(pages, hkv, page, d, device="cuda").to(dtype)
-        scales = (
-            (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda"))
-            if name == "fp8"
-            else None
-        )
-        for splits in (8, 16, 32, 64):
-            out[f"{name}_splits{splits}_GBps"] = rate(kc, vc, scales, splits)
+        scales = None
+        if name == "fp8":
+            scales = (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda"))
+        out[f"{name}_default_GBps"] = rate(kc, vc, scales, None)
+        tried = []
+        for splits, bn, st, f16 in itertools.product(
+            (8, 16, 32, 64), (32, 64, 128), (2, 3), (True, False) if scales else (False,)
+        ):
+            cfg = dict(BLOCK_N=bn, num_stages=st, F16_DOT=f16)
+            tried.append((rate(kc, vc, scales, splits, **cfg), {"splits": splits, **cfg}))
+        tried.sort(key=lambda t: -t[0])
+        out[f"{name}_best"] = tried[:4]
         del kc, vc
     return out
 
@@ -276,6 +338,13 @@ def main() -> None:
         section("bf16_b1", lambda: decode(eb, 1, PROMPT_LEN, new, bw, 2))
         del eb
         torch.cuda.empty_cache()
+    if "splits" in chosen:
+        # Short contexts too: a higher split cap must not cost the common short-context step.
+        for ctx in (1024, 4096, 32768):
+            for b in (1, 8):
+                section(
+                    f"split_sweep_{ctx // 1024}k_b{b}", lambda ctx=ctx, b=b: split_sweep(ctx, b)
+                )
     if "longctx" in chosen:
         for kv in ("auto", "fp8_e4m3"):
             el = engine(MODEL_DIR, kv, 32768 + 256, 8, 8 * (32768 + new) + PREFILL_LEN)
@@ -289,12 +358,6 @@ def main() -> None:
                     )
             del el
             torch.cuda.empty_cache()
-        # Short contexts too: a higher split cap must not cost the common short-context step.
-        for ctx in (1024, 4096, 32768):
-            for b in (1, 8):
-                section(f"split_sweep_{ctx // 1024}k_b{b}",
-                        lambda ctx=ctx, b=b: split_sweep(ctx, b))
-
     print("\n== summary (one process) ==")
     if ceil:
         print(

@@ -7,9 +7,11 @@ stream, lm_head into float32 logits. One CUDA graph calls the projection once pe
 weight matrix (36 of them, so nothing is served from L2, as in a real step), replayed; GB/s =
 weight bytes ÷ time. cuBLAS = F.linear alone (without the glue the GEMV also does). The copy
 ceiling of the same process is printed first. `--sweep` first tries block shapes and launch
-settings on each projection and prints the best few.
+settings on each projection and prints the best few. `--fp8`: block-scaled e4m3 weights (random
+bytes, 128×128 scales) through the GEMV's FP8 path, GB/s of weight bytes read (one per weight),
+with cuBLAS bf16 beside it for reference.
 
-    python3 bench/gemv.py [--sweep] [--out DIR]
+    python3 bench/gemv.py [--fp8] [--sweep] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +77,19 @@ def copy_ceiling() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000) / 1e9
 
 
+Weight = tuple[torch.Tensor, dict[str, Any]]  # (w, the GEMV's FP8 arguments or nothing)
+
+
+def make_weight(n: int, k: int, fp8: bool) -> Weight:
+    if not fp8:
+        return torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02, {}
+    w = (torch.randn(n, k, device="cuda") * 64).to(torch.float8_e4m3fn)
+    scales = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3
+    return w, {"w_scale": scales, "block": (128, 128)}
+
+
 def ours(
-    x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm: torch.Tensor, **cfg: int
+    x: torch.Tensor, w: torch.Tensor, use: str, stream: torch.Tensor, norm: torch.Tensor, **cfg: Any
 ) -> torch.Tensor:
     if use == "norm":
         return gemv(x, w, norm=(norm, 1e-6), **cfg)
@@ -88,7 +102,7 @@ def ours(
 
 def rate(
     name: str,
-    weights: dict[str, list[torch.Tensor]],
+    weights: dict[str, list[Weight]],
     cfg: dict[str, int] | None = None,
     cublas: bool = False,
 ) -> float:
@@ -99,23 +113,28 @@ def rate(
     stream = torch.randn(1, n, dtype=torch.bfloat16, device="cuda")
     norm = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
     ws = weights[name]
-    if cublas:
-        t = graph_time(lambda: [F.linear(x, w) for w in ws])
-    else:
-        t = graph_time(lambda: [ours(x, w, use, stream, norm, **(cfg or {})) for w in ws])
-    return len(ws) * n * k * 2 / t / 1e9
+    if cublas:  # bf16 weights of the same shape (FP8 ones are not F.linear's)
+        dense = [
+            w if w.dtype == torch.bfloat16 else torch.empty_like(w, dtype=torch.bfloat16)
+            for w, _ in ws
+        ]
+        t = graph_time(lambda: [F.linear(x, w) for w in dense])
+        return len(ws) * n * k * 2 / t / 1e9
+    t = graph_time(lambda: [ours(x, w, use, stream, norm, **fp8, **(cfg or {})) for w, fp8 in ws])
+    return len(ws) * n * k * ws[0][0].element_size() / t / 1e9
 
 
-def sweep(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[float, dict]]]:
+def sweep(weights: dict[str, list[Weight]]) -> dict[str, list[tuple[float, dict]]]:
     best: dict[str, list[tuple[float, dict]]] = {}
     for name, (_, k, use, _) in SHAPES.items():
         widths = (
             (4096, 8192) if use in ("norm", "pair") else (1024, 2048, 4096)
         )  # a norm needs K whole
         scores = []
-        for bn, bk, nw, ns in itertools.product((1, 2, 4), widths, (4, 8), (1, 2)):
+        for bn, bk, nw, ns in itertools.product((1, 2, 4, 8, 16), widths, (4, 8), (1, 2)):
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-            if bn * bk * (2 if use == "pair" else 1) > 64 * 32 * nw or (bk >= k and ns > 1):
+            per_thread = bn * bk * (2 if use == "pair" else 1) * weights[name][0][0].element_size()
+            if per_thread > 128 * 32 * nw or (bk >= k and ns > 1):
                 # partial sums past 64 registers per thread; stages mean nothing in one block
                 continue
             try:
@@ -131,16 +150,18 @@ def sweep(weights: dict[str, list[torch.Tensor]]) -> dict[str, list[tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="block-scaled e4m3 weights")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
     result: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
         "copy_GBps": copy_ceiling(),
+        "weights": "fp8" if args.fp8 else "bf16",
     }
     print(f"copy ceiling {result['copy_GBps']:.0f} GB/s (read + written)", flush=True)
     weights = {
-        name: [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        name: [make_weight(n, k, args.fp8) for _ in range(copies)]
         for name, (n, k, _, copies) in SHAPES.items()
     }
     if args.sweep:
@@ -155,7 +176,9 @@ def main() -> None:
             flush=True,
         )
     result["rows"] = rows
-    Path(args.out, "gemv.json").write_text(json.dumps(result, indent=1, default=str))
+    Path(args.out, "gemv-fp8.json" if args.fp8 else "gemv.json").write_text(
+        json.dumps(result, indent=1, default=str)
+    )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ Because a program holds all of x, the layer's glue folds in (worker/model/llama.
 - `residual=stream`: y is added to the stream in place (the residual add of the next norm).
 - `pair=True`: w is the fused gate|up weight; y = silu(gate) * up (SwiGLU).
 - `out` may be float32 (logits): y is rounded to the model dtype first, as F.linear(...).float().
-- `w_scale=, block=`: w is a block-scaled FP8 weight (worker/model/fp8.py); each program
-  dequantizes its weight tile in registers (one scale per block_n rows × block_k columns, read
-  once per tile row), so a step streams one byte per weight plus 1/4096 of that in scales, and
-  x stays unquantized.
+- `w_scale=, block=`: w is a block-scaled FP8 weight (worker/model/fp8.py). A program's rows
+  lie in one block row of scales (BLOCK_N divides block_n), so w·s·x = w·(x·s): the program
+  scales its row of x by that block row (BLOCK_K multiplies, not BLOCK_N × BLOCK_K) and then
+  runs the plain GEMV over the e4m3 tile. A step streams one byte per weight plus 1/16384 of
+  that in scales, and x stays unquantized (float32 in registers).
 Sums run in float32 in another order than cuBLAS's: results agree with F.linear to bf16
 rounding, not bit for bit.
 """
@@ -85,17 +86,15 @@ def _kernels() -> SimpleNamespace:
         RESIDUAL: tl.constexpr,
         SCALED: tl.constexpr,
         SCALE_N: tl.constexpr,
-        SCALE_COLS: tl.constexpr,
+        SCALE_K: tl.constexpr,
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
         k = tl.arange(0, BLOCK_K)  # [BK]
         n_mask = n < N
         dtype = x_ptr.dtype.element_ty
-        # columns per scale (block_k, or BLOCK_K if smaller)
-        SUB: tl.constexpr = BLOCK_K // SCALE_COLS
-        sc_col = tl.arange(0, SCALE_COLS)  # [SC] this tile's scale columns, from the first below
-        s_rows = s_ptr + (n // SCALE_N)[:, None] * stride_s  # [BN, 1]: w's scale row per output
-        su_rows = s_ptr + ((n + N) // SCALE_N)[:, None] * stride_s  # the up half's rows (PAIR)
+        # FP8: the scale rows of this program's rows and of their up half (one each, see gemv())
+        s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_N) * stride_s
+        su_row = s_ptr + ((tl.program_id(0) * BLOCK_N + N) // SCALE_N) * stride_s
 
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w  # [BN, 1]
         if BLOCK_K >= K:  # one block: weight rows first (the long wait), then x beside them
@@ -109,19 +108,6 @@ def _kernels() -> SimpleNamespace:
                     other=0.0,
                     eviction_policy="evict_first",
                 )
-            if SCALED:  # FP8 tile [BN, BK] → float32 times its block scales [BN, SC]
-                sc_mask = n_mask[:, None] & (sc_col * SUB < K)[None, :]
-                sc = tl.load(s_rows + sc_col[None, :], mask=sc_mask, other=0.0)
-                w = tl.reshape(
-                    tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :, None],
-                    [BLOCK_N, BLOCK_K],
-                )
-                if PAIR:
-                    su = tl.load(su_rows + sc_col[None, :], mask=sc_mask, other=0.0)
-                    u = tl.reshape(
-                        tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * su[:, :, None],
-                        [BLOCK_N, BLOCK_K],
-                    )
             x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             if NORM:
                 # as layers.RMSNorm: float32 statistics;
@@ -129,9 +115,14 @@ def _kernels() -> SimpleNamespace:
                 rstd = tl.rsqrt(tl.sum(x * x, 0) / K + eps)
                 nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
                 x = (nw * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xu = x  # the up half's x (PAIR)
+            if SCALED:  # x times the block scale of each column: [BK]
+                if PAIR:
+                    xu = x * tl.load(su_row + k // SCALE_K, mask=k_mask, other=0.0)
+                x = x * tl.load(s_row + k // SCALE_K, mask=k_mask, other=0.0)
             y = tl.sum(w.to(tl.float32) * x[None, :], 1)  # [BN]
             if PAIR:
-                up = tl.sum(u.to(tl.float32) * x[None, :], 1)
+                up = tl.sum(u.to(tl.float32) * xu[None, :], 1)
         else:  # K blocks; a 2-D partial sum, reduced once after the loop
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -142,16 +133,13 @@ def _kernels() -> SimpleNamespace:
                 w = tl.load(
                     w_rows + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
                 )
-                x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                cols = i * SCALE_COLS + sc_col  # [SC] scale columns of this K block
-                sc_mask = n_mask[:, None] & (cols * SUB < K)[None, :]
+                x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+                xu = x
                 if SCALED:
-                    sc = tl.load(s_rows + cols[None, :], mask=sc_mask, other=0.0)
-                    w = tl.reshape(
-                        tl.reshape(w.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB]) * sc[:, :, None],
-                        [BLOCK_N, BLOCK_K],
-                    )
-                acc += w.to(tl.float32) * x
+                    if PAIR:
+                        xu = x * tl.load(su_row + kk // SCALE_K, mask=k_mask, other=0.0)
+                    x = x * tl.load(s_row + kk // SCALE_K, mask=k_mask, other=0.0)
+                acc += w.to(tl.float32) * x[None, :]
                 if PAIR:
                     u = tl.load(
                         w_rows + pair_offset + kk[None, :],
@@ -159,14 +147,7 @@ def _kernels() -> SimpleNamespace:
                         other=0.0,
                         eviction_policy="evict_first",
                     )
-                    if SCALED:
-                        su = tl.load(su_rows + cols[None, :], mask=sc_mask, other=0.0)
-                        u = tl.reshape(
-                            tl.reshape(u.to(tl.float32), [BLOCK_N, SCALE_COLS, SUB])
-                            * su[:, :, None],
-                            [BLOCK_N, BLOCK_K],
-                        )
-                    acc_up += u.to(tl.float32) * x
+                    acc_up += u.to(tl.float32) * xu[None, :]
             y = tl.sum(acc, 1)
             if PAIR:
                 up = tl.sum(acc_up, 1)
@@ -226,12 +207,10 @@ def gemv(
         w_scale.shape != (-(-rows // block[0]), -(-k // block[1]))
         or w_scale.dtype != torch.float32
         or w_scale.stride(1) != 1
-        or block[1] & (block[1] - 1)
     ):
         raise ValueError(
             f"w_scale must be float32 [{-(-rows // block[0])}, {-(-k // block[1])}] "
-            f"(blocks {block}, "
-            f"block[1] a power of two), got {tuple(w_scale.shape)} {w_scale.dtype}"
+            f"(blocks {block}), got {tuple(w_scale.shape)} {w_scale.dtype}"
         )
     if pair and rows % 2:
         raise ValueError(
@@ -256,7 +235,8 @@ def gemv(
     cfg = _config(k, pair, norm is not None) | config
     if norm is not None and cfg["BLOCK_K"] < k:
         raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
-    scale_cols = max(1, cfg["BLOCK_K"] // block[1])  # scale columns one weight tile spans
+    if w_scale is not None and (block[0] % cfg["BLOCK_N"] or (pair and n % cfg["BLOCK_N"])):
+        cfg["BLOCK_N"] = 1  # a program's rows (and their up half's) must share one scale row
     _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](
         x,
         w,
@@ -277,7 +257,7 @@ def gemv(
         RESIDUAL=residual is not None,
         SCALED=w_scale is not None,
         SCALE_N=block[0],
-        SCALE_COLS=scale_cols,
+        SCALE_K=block[1],
         **cfg,
     )
     return out

@@ -107,7 +107,7 @@ def _get_kernels() -> dict[str, Any]:
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-        SCALED: tl.constexpr,
+        SCALED: tl.constexpr, F16_DOT: tl.constexpr,
     ):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -127,6 +127,8 @@ def _get_kernels() -> dict[str, Any]:
         gmask = g < G
         q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None], other=0.0)
+        if F16_DOT:  # e4m3 → float16 is one conversion per pair (to bfloat16: several)
+            q = q.to(tl.float16)
         v_scale = 1.0
         if SCALED:  # FP8 pages: K's scale joins the softmax scale, V's scales the output
             scale_log2 = scale_log2 * tl.load(ks_ptr + hkv)
@@ -235,9 +237,12 @@ def triton_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
     num_splits: int | None = None, sinks: torch.Tensor | None = None, kv_scales: KVScales = None,
+    **config: int,
 ) -> torch.Tensor:
     """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
-    FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32.
+    FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32; their K/V tiles become
+    float16 in registers and both dots run in float16 (float32 accumulation). `config`
+    overrides BLOCK_N, F16_DOT, num_warps, num_stages (for sweeps: bench/fp8.py).
 
     page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). sinks [Hq]
     float32 or None. Reads no host value, so it can be captured in a CUDA graph (the sinks are
@@ -271,8 +276,8 @@ def triton_paged_decode(
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
-        BLOCK_N=_BLOCK_N, NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
-        num_warps=4, num_stages=2,
+        NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
+        **(dict(BLOCK_N=_BLOCK_N, F16_DOT=scaled, num_warps=4, num_stages=2) | config),
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
