@@ -4,8 +4,8 @@ Sections (`--sections`, default all):
 - ceilings: device-to-device copy GB/s, bf16 and FP8 (torch._scaled_mm, per-tensor) 8192³
   matmul TFLOP/s — the rates the figures below are divided by.
 - gemm: the block-scaled GEMM (worker/model/fp8_gemm.py, Triton) on the 8B projection shapes at
-  M = 64 and 8192, next to torch._scaled_mm with the same 1x128 / 128x128 scales (cuBLAS, CUDA
-  ≥ 12.9) and bf16 cuBLAS.
+  M = 16, 64 and 8192 (its best tile of GEMM_CONFIGS beside its default), next to
+  torch._scaled_mm with the same 1x128 / 128x128 scales (cuBLAS, CUDA ≥ 12.9) and bf16 cuBLAS.
 - decode: the Engine (qwen3-8b shape, dummy weights) with FP8 weights at batch 1 vs its FP8
   roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batch 64 with FP8 weights
   and FP8 KV; the bf16 engine at batch 1 beside it.
@@ -123,6 +123,11 @@ def fp8_matmul_rate() -> float:
 
 
 GEMM_CONFIGS = {  # the block GEMM's tile shapes tried per token count (fp8_gemm._config's)
+    16: [
+        dict(BLOCK_M=16, BLOCK_N=bn, GROUP_M=1, num_warps=4, num_stages=ns)
+        for bn in (32, 64, 128)
+        for ns in (4, 5)
+    ],
     64: [
         dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=1, num_warps=4, num_stages=ns)
         for bm in (16, 32, 64)
@@ -213,8 +218,8 @@ def gemm() -> dict[str, Any]:
             for _ in range(copies)
         ]
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (64, 8192):
-            out[f"{name}_m{m}"] = _gemm_row(m, weights if m == 64 else weights[:1], wb)
+        for m in (16, 64, 8192):
+            out[f"{name}_m{m}"] = _gemm_row(m, weights if m <= 64 else weights[:1], wb)
         del weights, wb
     return out
 

@@ -5,7 +5,6 @@
 #   bash bench/device/run.sh c   # GPT-OSS: its gpu tests, then bench/gpt_oss.py on GPU 0
 #   bash bench/device/run.sh d   # Qwen3-Next: its GPU tests, then bench/qwen3_next.py on GPU 0
 #   bash bench/device/run.sh e   # DeepSeek-V3: pytest -m gpu tests/worker/test_mla_triton.py, bench/deepseek.py
-#   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests, then bench/fp8.py on GPU 0
 #   bash bench/device/run.sh h   # figures of issues 16 and 20: bench/fp8.py, deepseek.py, qwen3_next.py, gpt_oss.py
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 #   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
@@ -13,6 +12,8 @@
 #   bash bench/device/run.sh r   # FP8 kernels (issue 20): their GPU tests, the FP8 GEMV sweep
 #                                #   (bench/gemv.py --fp8 --sweep), bench/fp8.py's GEMM tile sweep
 #                                #   and long-context decode kernel sweep
+#   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests (and the decode kernels' and
+#                                #   MLA's), bench/gemv.py --fp8, then all of bench/fp8.py
 #   bash bench/device/run.sh w   # bench/gpu.py decode rates, then bench.served B = 64 160 + profile
 #   bash bench/device/run.sh v   # serving path (issue 18): piecewise-graph GPU tests, then
 #                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
@@ -83,8 +84,12 @@ elif [[ $1 == e ]]; then
   tail -30 "$OUT/mla_gpu_tests.txt"; tail -30 "$OUT/deepseek_bench.txt"
 elif [[ $1 == f ]]; then
   timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
-    tests/worker/test_gpu.py tests/worker/test_fused_gpu.py tests/worker/test_gemv_gpu.py > "$OUT/fp8_tests.txt" 2>&1
+    tests/worker/test_gpu.py tests/worker/test_fused_gpu.py tests/worker/test_gemv_gpu.py \
+    tests/worker/test_mla_triton.py > "$OUT/fp8_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/fp8_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/gemv.py --fp8 > "$OUT/gemv_fp8.txt" 2>&1
+  echo "gemv fp8 rc=$? at ${SECONDS}s" >> "$OUT/gemv_fp8.txt"
+  cat "$OUT/gemv_fp8.txt"
   CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 bench/fp8.py > "$OUT/fp8_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
   tail -30 "$OUT/fp8_tests.txt"; tail -40 "$OUT/fp8_bench.txt"

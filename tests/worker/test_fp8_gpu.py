@@ -207,6 +207,28 @@ def test_block_fp8_gemm_matches_its_dequantized_reference(
 
 
 @pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m,n", [(128, 256), (300, 384), (300, 200)])  # 200: not whole blocks
+def test_prefill_steps_take_cublas_with_the_same_operands(m: int, n: int) -> None:
+    """fp8_linear at ≥ CUBLAS_MIN_TOKENS tokens: torch._scaled_mm (where the GPU has the
+    blockwise recipe) on the same quantized operands as the Triton GEMM, so both agree."""
+    from worker.model import fp8_gemm
+
+    if not fp8_gemm._cublas_blockwise(torch.device(DEVICE)):
+        pytest.skip("this GPU / CUDA has no blockwise scaled_mm")
+    k = 512
+    w, ws, _ = _fp8_weight(n, k, seed=m)
+    x = _dev(torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16))
+    bias = _dev(torch.randn(n).to(torch.bfloat16))
+    assert m >= fp8_gemm.CUBLAS_MIN_TOKENS
+    assert fp8_gemm._use_cublas(x, n, BLOCK) == (n % 128 == 0)
+    xq, xs = fp8_gemm.quantize_activations(x)
+    triton = fp8_gemm.block_fp8_matmul(xq, xs, w, ws, BLOCK, bias, torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x, w, ws, bias, BLOCK)
+    assert out.dtype == torch.bfloat16 and _rel(out.float(), triton.float()) < 1e-2
+
+
+@pytest.mark.gpu
 @kernels
 @pytest.mark.parametrize("n,k", [(256, 384), (130, 4096), (64, 9000)])  # 9000: the looping kernel
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,10 +8,13 @@ and its weight block's scale, accumulated in float32 (`block_fp8_matmul`). One-t
 not come here: the GEMV reads the FP8 weight and folds the block scales in
 (worker/model/gemv.py), leaving the activations unquantized.
 
-`fp8_linear` is the layers' entry point: Triton on CUDA, and on other devices the reference
-(dequantize the weight, F.linear) — the layers are built FP8 only on CUDA, so the reference is
-what tests compare against. `torch._scaled_mm` also takes this recipe on sm90 with CUDA ≥ 12.9
-(scales 1×128 for A, 128×128 for B); bench/fp8.py measures it beside the Triton kernel.
+`fp8_linear` is the layers' entry point. On CUDA, steps of at least CUBLAS_MIN_TOKENS tokens
+go to `torch._scaled_mm`, which takes this recipe on sm90 from CUDA 12.9 (scales 1×128 for A,
+M-major, and 128×128 for B): on an H200 it runs the 8B projections at 8192 tokens at 1,250
+TFLOP/s against this Triton GEMM's 650-690 (bench/fp8.py, gemm section). Shorter steps, and GPUs
+without the recipe, take the Triton GEMM. Other devices get the reference (dequantize the
+weight, F.linear) — the layers are built FP8 only on CUDA, so the reference is what tests
+compare against.
 Triton is imported lazily (the module imports without it). Under `TRITON_INTERPRET=1` on CPU
 tensors the GEMM kernel runs, but activations are quantized by torch: Triton 3.9's interpreter
 rounds float32 → e4m3 without the carry into the exponent (31.9 → 16) and without saturating.
@@ -26,6 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.fp8 import FP8, FP8_MAX, BlockFp8Config, dequantize_weight
+from worker.model.fused import next_pow2
+
+CUBLAS_MIN_TOKENS = 128  # steps of at least this many tokens take cuBLAS (_use_cublas)
 
 
 @functools.cache
@@ -34,18 +40,30 @@ def _kernels() -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K, GROUP: tl.constexpr):
+    def act_quant_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        stride_x,
+        stride_q,
+        stride_sm,
+        stride_sg,
+        K,
+        GROUP: tl.constexpr,
+        GROUPS: tl.constexpr,
+    ):
+        # One row per program: its groups as a [GROUPS, GROUP] tile (GROUPS a power of two).
         row = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
-        k = g * GROUP + tl.arange(0, GROUP)
+        g = tl.arange(0, GROUPS)
+        k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
         mask = k < K
         x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-10)  # an all-zero group keeps a finite scale
+        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-10)  # an all-zero group keeps a finite scale
         # div_rn: IEEE division, as torch divides (Triton's `/` is the approximate one).
-        scale = tl.math.div_rn(amax, 448.0)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+        scale = tl.math.div_rn(amax, 448.0)  # [G]
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_s + g, scale)
+        tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < K)
 
     @triton.jit
     def gemm_kernel(
@@ -60,6 +78,7 @@ def _kernels() -> SimpleNamespace:
         K,
         stride_am,
         stride_asm,
+        stride_asg,
         stride_bn,
         stride_bsn,
         stride_cm,
@@ -97,7 +116,7 @@ def _kernels() -> SimpleNamespace:
             b = tl.load(
                 b_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0
             )  # [BK, BN]
-            a_s = tl.load(as_ptr + m * stride_asm + kb, mask=m_mask, other=0.0)  # [BM]
+            a_s = tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_mask, other=0.0)  # [BM]
             b_s = tl.load(bs_rows + kb, mask=n_mask, other=0.0)  # [BN]
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         if HAS_BIAS:
@@ -109,23 +128,36 @@ def _kernels() -> SimpleNamespace:
 
 
 def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (e4m3 [M, K], scales [M, ceil(K/group)] float32): per token and group of
-    `group` features, the largest |value| maps to 448 (dynamic activation scaling)."""
+    """x [M, K] → (e4m3 [M, K], scales [M, ceil(K/group)] float32, M-major: the layout cuBLAS's
+    blockwise scaled_mm takes): per token and group of `group` features, the largest |value|
+    maps to 448 (dynamic activation scaling)."""
     m, k = x.shape
+    groups = -(-k // group)
     q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, -(-k // group)), dtype=torch.float32, device=x.device)
+    s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()  # [M, G], M-major
     if (
         x.device.type != "cuda"
     ):  # torch ops (also under Triton's interpreter, whose e4m3 rounding is off)
-        xg = F.pad(x.float(), (0, s.shape[1] * group - k)).view(m, -1, group)  # [M, G, group]
+        xg = F.pad(x.float(), (0, groups * group - k)).view(m, -1, group)  # [M, G, group]
         s.copy_(xg.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
         q.copy_((xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8))
         return q, s
     if x.stride(1) != 1:
         x = x.contiguous()
     if m:
-        _kernels().act_quant[(m, s.shape[1])](
-            x, q, s, x.stride(0), q.stride(0), s.stride(0), k, GROUP=group
+        padded = next_pow2(groups)
+        _kernels().act_quant[(m,)](
+            x,
+            q,
+            s,
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            k,
+            GROUP=group,
+            GROUPS=padded,
+            num_warps=8 if padded * group > 8192 else 4,
         )
     return q, s
 
@@ -190,6 +222,7 @@ def block_fp8_matmul(
         k,
         xq.stride(0),
         xs.stride(0),
+        xs.stride(1),
         w.stride(0),
         ws.stride(0),
         out.stride(0),
@@ -199,6 +232,32 @@ def block_fp8_matmul(
         **cfg,
     )
     return out
+
+
+@functools.cache
+def _cublas_blockwise(device: torch.device) -> bool:
+    """Whether torch._scaled_mm runs the 1x128 / 128x128 recipe on `device` (cuBLAS on sm90
+    from CUDA 12.9); tried once per device on one block."""
+    a = torch.zeros(128, 128, dtype=FP8, device=device)
+    one = torch.ones(1, 128, device=device).t()  # [128, 1] M-major: A's scales
+    try:
+        torch._scaled_mm(a, a.t(), one, torch.ones(1, 1, device=device), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _use_cublas(x: torch.Tensor, n: int, quant: BlockFp8Config) -> bool:
+    """cuBLAS for prefill-sized steps (bench/fp8.py's gemm rows: 1.85x the Triton GEMM at 8192
+    tokens, even at 64), Triton for the rest and wherever cuBLAS lacks the recipe."""
+    return (
+        x.shape[0] >= CUBLAS_MIN_TOKENS
+        and x.dtype == torch.bfloat16
+        and (quant.block_n, quant.block_k) == (128, 128)
+        and n % 128 == 0
+        and x.shape[1] % 128 == 0
+        and _cublas_blockwise(x.device)
+    )
 
 
 def fp8_linear(
@@ -216,4 +275,7 @@ def fp8_linear(
             x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype), bias
         ).view(*lead, -1)
     xq, xs = quantize_activations(x2, quant.block_k)
+    if x.device.type == "cuda" and _use_cublas(x2, w.shape[0], quant):
+        out = torch._scaled_mm(xq, w.t(), xs, w_scale.t(), out_dtype=x.dtype)
+        return (out if bias is None else out.add_(bias)).view(*lead, -1)
     return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)

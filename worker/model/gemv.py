@@ -37,11 +37,17 @@ MAX_K_ONE_BLOCK = 8192  # widest x a program holds whole (needed for norm=...)
 _LOOP_BLOCK_K = 2048  # K block of the looping kernel (wider K: down projections)
 
 
-def _config(k: int, pair: bool, norm: bool) -> dict[str, int]:
+def _config(k: int, pair: bool, norm: bool, fp8: bool) -> dict[str, int]:
     """Block shape and launch settings, swept on an H200 for each way the engine calls it
     (bench/gemv.py --sweep, K = 4096): a norm needs K in one block (4 rows per program, fewer
     past 4096 wide so a program holds at most 16k weights, or 1 gate|up pair; 8 warps); without
-    one, 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide, 4 past it)."""
+    one, 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide, 4 past it).
+    FP8 weights (bench/gemv.py --fp8 --sweep): twice the rows per program (8; 4 gate|up pairs),
+    and without a norm K whole up to 4096 wide (8 warps), else 1024-wide blocks (4 warps)."""
+    if fp8:
+        if norm or k <= 4096:
+            return dict(BLOCK_N=4 if pair else 8, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
+        return dict(BLOCK_N=4 if pair else 8, BLOCK_K=1024, num_warps=4, num_stages=2)
     if norm:
         block_k = next_pow2(k)
         return dict(
@@ -232,7 +238,7 @@ def gemv(
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     else:
         _row(out, n, "out")
-    cfg = _config(k, pair, norm is not None) | config
+    cfg = _config(k, pair, norm is not None, w_scale is not None) | config
     if norm is not None and cfg["BLOCK_K"] < k:
         raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
     if w_scale is not None and (block[0] % cfg["BLOCK_N"] or (pair and n % cfg["BLOCK_N"])):
