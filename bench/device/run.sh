@@ -9,9 +9,9 @@
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 #   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
 #   bash bench/device/run.sh q   # bench/fp8.py, then bench.served B = 64 160 + profile
-#   bash bench/device/run.sh r   # FP8 kernels (issue 20): their GPU tests, the FP8 GEMV sweep
-#                                #   (bench/gemv.py --fp8 --sweep), bench/fp8.py's GEMM tile sweep
-#                                #   and long-context decode kernel sweep
+#   bash bench/device/run.sh r [SECTIONS]  # FP8 kernels (issue 20): their GPU tests, the FP8
+#                                #   GEMV sweep (bench/gemv.py --fp8 --sweep), then bench/fp8.py
+#                                #   (default: all sections but the decode kernel's split sweep)
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests (and the decode kernels' and
 #                                #   MLA's), bench/gemv.py --fp8, then all of bench/fp8.py
 #   bash bench/device/run.sh w   # bench/gpu.py decode rates, then bench.served B = 64 160 + profile
@@ -150,14 +150,15 @@ elif [[ $1 == q ]]; then
   tail -30 "$OUT/fp8.txt"; tail -8 "$OUT/served.txt"; head -24 "$OUT/worker_profile.txt"
 elif [[ $1 == r ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
-    tests/worker/test_gemv_gpu.py tests/worker/test_gpu.py > "$OUT/fp8_tests.txt" 2>&1
+    tests/worker/test_gemv_gpu.py tests/worker/test_gpu.py tests/worker/test_mla_triton.py \
+    > "$OUT/fp8_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/fp8_tests.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/gemv.py --fp8 --sweep > "$OUT/gemv_fp8.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 bench/gemv.py --fp8 --sweep > "$OUT/gemv_fp8.txt" 2>&1
   echo "gemv fp8 rc=$? at ${SECONDS}s" >> "$OUT/gemv_fp8.txt"
   CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python3 bench/fp8.py \
-    --sections ceilings,gemm,splits,longctx > "$OUT/fp8.txt" 2>&1
+    --sections ${2:-ceilings,gemm,decode,prefill,room,longctx} > "$OUT/fp8.txt" 2>&1
   echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8.txt"
-  tail -8 "$OUT/fp8_tests.txt"; cat "$OUT/gemv_fp8.txt" | grep -v "^  "; grep -E "^\[|rc=" "$OUT/fp8.txt" | cut -c1-400
+  tail -8 "$OUT/fp8_tests.txt"; grep -v "^  " "$OUT/gemv_fp8.txt"; tail -16 "$OUT/fp8.txt"
 elif [[ $1 == w ]]; then
   # Where the engine's time goes at B = 64 / 160: bench/gpu.py's decode rates (its own lengths)
   # beside bench.served's engine, then the served runs with a py-spy profile of the mono worker.

@@ -208,19 +208,19 @@ def test_block_fp8_gemm_matches_its_dequantized_reference(
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m,n", [(128, 256), (300, 384), (300, 200)])  # 200: not whole blocks
-def test_prefill_steps_take_cublas_with_the_same_operands(m: int, n: int) -> None:
-    """fp8_linear at ≥ CUBLAS_MIN_TOKENS tokens: torch._scaled_mm (where the GPU has the
-    blockwise recipe) on the same quantized operands as the Triton GEMM, so both agree."""
+@pytest.mark.parametrize("m,n", [(2, 256), (130, 256), (301, 384), (300, 200)])  # 200: part blocks
+def test_multi_token_steps_take_cublas_with_the_same_operands(m: int, n: int) -> None:
+    """fp8_linear over ≥ 2 tokens: torch._scaled_mm (where the GPU has the blockwise recipe;
+    rows padded to a multiple of 4) on the same quantized operands as the Triton GEMM, so both
+    agree."""
     from worker.model import fp8_gemm
 
-    if not fp8_gemm._cublas_blockwise(torch.device(DEVICE)):
+    if not fp8_gemm.cublas_blockwise(torch.device(DEVICE)):
         pytest.skip("this GPU / CUDA has no blockwise scaled_mm")
     k = 512
     w, ws, _ = _fp8_weight(n, k, seed=m)
     x = _dev(torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16))
     bias = _dev(torch.randn(n).to(torch.bfloat16))
-    assert m >= fp8_gemm.CUBLAS_MIN_TOKENS
     assert fp8_gemm._use_cublas(x, n, BLOCK) == (n % 128 == 0)
     xq, xs = fp8_gemm.quantize_activations(x)
     triton = fp8_gemm.block_fp8_matmul(xq, xs, w, ws, BLOCK, bias, torch.bfloat16)
@@ -232,12 +232,19 @@ def test_prefill_steps_take_cublas_with_the_same_operands(m: int, n: int) -> Non
 @kernels
 @pytest.mark.parametrize("n,k", [(256, 384), (130, 4096), (64, 9000)])  # 9000: the looping kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_gemv_folds_the_block_scales_in(dtype: torch.dtype, n: int, k: int) -> None:
+@pytest.mark.parametrize("bits", [True, False])  # e4m3 widened by integer ops, or converted
+def test_fp8_gemv_folds_the_block_scales_in(
+    dtype: torch.dtype, n: int, k: int, bits: bool
+) -> None:
     from tests.worker.test_fused_gpu import _norm
     from worker.model import gemv
 
     g = torch.Generator().manual_seed(n + k)
-    w, ws, w_ref = _fp8_weight(n, k, seed=k)
+    w, ws, _ = _fp8_weight(n, k, seed=k)
+    # Row 0 all e4m3 subnormals (bytes 0x01-0x07 and their negatives): widening must keep them.
+    sub = torch.arange(k) % 7 + 1
+    w.view(torch.uint8)[0] = _dev((sub | (torch.arange(k) % 2 * 0x80)).to(torch.uint8))
+    w_ref = fp8.dequantize_weight(w.cpu(), ws.cpu(), (128, 128))
     x = _dev(torch.randn(1, k, generator=g).to(dtype))
     ref = F.linear(x.cpu().float(), w_ref)
     out = gemv.gemv(
@@ -246,23 +253,24 @@ def test_fp8_gemv_folds_the_block_scales_in(dtype: torch.dtype, n: int, k: int) 
         w_scale=ws,
         block=(128, 128),
         out=torch.empty(1, n, dtype=torch.float32, device=DEVICE),
+        BITS=bits,
     )
-    assert _rel(out.cpu(), ref) < 1e-2
+    assert _rel(out.cpu(), ref) < 1e-2 and _rel(out[:, :1].cpu(), ref[:, :1]) < 1e-2
     if k <= gemv.MAX_K_ONE_BLOCK:  # the norm folded in, and the gate|up pair with SiLU·mul
         norm = _norm(k, dtype, g)
         with torch.no_grad():
             xn = norm(x).cpu().float()
-        out = gemv.gemv(x, w, norm=(norm.weight, norm.eps), w_scale=ws, block=(128, 128))
+        out = gemv.gemv(x, w, norm=(norm.weight, norm.eps), w_scale=ws, block=(128, 128), BITS=bits)
         assert _rel(out.cpu(), F.linear(xn, w_ref)) < 2e-2
-        pair = gemv.gemv(x, w, pair=True, w_scale=ws, block=(128, 128))
+        pair = gemv.gemv(x, w, pair=True, w_scale=ws, block=(128, 128), BITS=bits)
         gate, up = ref.chunk(2, dim=-1)
         assert _rel(pair.cpu(), F.silu(gate) * up) < 2e-2
     stream = _dev(torch.randn(1, n, generator=g).to(dtype))
     before = stream.cpu().float()
-    gemv.gemv(x, w, residual=stream, w_scale=ws, block=(128, 128))
+    gemv.gemv(x, w, residual=stream, w_scale=ws, block=(128, 128), BITS=bits)
     assert _rel(stream.cpu().float(), before + ref) < 1e-2
     with pytest.raises(ValueError, match="w_scale must be float32"):
-        gemv.gemv(x, w, w_scale=ws[:, :1], block=(128, 128))
+        gemv.gemv(x, w, w_scale=ws[:, :1], block=(128, 128), BITS=bits)
 
 
 @pytest.mark.gpu

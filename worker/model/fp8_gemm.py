@@ -8,13 +8,13 @@ and its weight block's scale, accumulated in float32 (`block_fp8_matmul`). One-t
 not come here: the GEMV reads the FP8 weight and folds the block scales in
 (worker/model/gemv.py), leaving the activations unquantized.
 
-`fp8_linear` is the layers' entry point. On CUDA, steps of at least CUBLAS_MIN_TOKENS tokens
-go to `torch._scaled_mm`, which takes this recipe on sm90 from CUDA 12.9 (scales 1×128 for A,
-M-major, and 128×128 for B): on an H200 it runs the 8B projections at 8192 tokens at 1,250
-TFLOP/s against this Triton GEMM's 650-690 (bench/fp8.py, gemm section). Shorter steps, and GPUs
-without the recipe, take the Triton GEMM. Other devices get the reference (dequantize the
-weight, F.linear) — the layers are built FP8 only on CUDA, so the reference is what tests
-compare against.
+`fp8_linear` is the layers' entry point. On CUDA, multi-token steps go to `torch._scaled_mm`,
+which takes this recipe on sm90 from CUDA 12.9 (scales 1×128 for A, M-major, and 128×128 for
+B): on an H200 it runs the 8B projections at 8192 tokens at 1,250-1,300 TFLOP/s against this
+Triton GEMM's 600-690, and at 16 and 64 tokens ahead of or level with it (bench/fp8.py, gemm
+section). GPUs without the recipe, and shapes it does not take, use the Triton GEMM. Other
+devices get the reference (dequantize the weight, F.linear) — the layers are built FP8 only on
+CUDA, so the reference is what tests compare against.
 Triton is imported lazily (the module imports without it). Under `TRITON_INTERPRET=1` on CPU
 tensors the GEMM kernel runs, but activations are quantized by torch: Triton 3.9's interpreter
 rounds float32 → e4m3 without the carry into the exponent (31.9 → 16) and without saturating.
@@ -30,8 +30,6 @@ import torch.nn.functional as F
 
 from worker.model.fp8 import FP8, FP8_MAX, BlockFp8Config, dequantize_weight
 from worker.model.fused import next_pow2
-
-CUBLAS_MIN_TOKENS = 128  # steps of at least this many tokens take cuBLAS (_use_cublas)
 
 
 @functools.cache
@@ -127,20 +125,24 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(act_quant=act_quant_kernel, gemm=gemm_kernel)
 
 
-def quantize_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (e4m3 [M, K], scales [M, ceil(K/group)] float32, M-major: the layout cuBLAS's
+def quantize_activations(
+    x: torch.Tensor, group: int = 128, pad_rows: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (e4m3 [M', K], scales [M', ceil(K/group)] float32, M-major: the layout cuBLAS's
     blockwise scaled_mm takes): per token and group of `group` features, the largest |value|
-    maps to 448 (dynamic activation scaling)."""
+    maps to 448 (dynamic activation scaling). M' is M rounded up to a multiple of `pad_rows`;
+    the rows past M are not written (their products are sliced off)."""
     m, k = x.shape
     groups = -(-k // group)
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()  # [M, G], M-major
+    rows = -(-m // pad_rows) * pad_rows
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()  # [M', G], M-major
     if (
         x.device.type != "cuda"
     ):  # torch ops (also under Triton's interpreter, whose e4m3 rounding is off)
         xg = F.pad(x.float(), (0, groups * group - k)).view(m, -1, group)  # [M, G, group]
-        s.copy_(xg.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
-        q.copy_((xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8))
+        s[:m].copy_(xg.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
+        q[:m].copy_((xg / s[:m, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8))
         return q, s
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -235,9 +237,10 @@ def block_fp8_matmul(
 
 
 @functools.cache
-def _cublas_blockwise(device: torch.device) -> bool:
+def cublas_blockwise(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs the 1x128 / 128x128 recipe on `device` (cuBLAS on sm90
-    from CUDA 12.9); tried once per device on one block."""
+    from CUDA 12.9); tried once per device on one block. The loader asks first, outside any
+    CUDA graph capture."""
     a = torch.zeros(128, 128, dtype=FP8, device=device)
     one = torch.ones(1, 128, device=device).t()  # [128, 1] M-major: A's scales
     try:
@@ -248,15 +251,15 @@ def _cublas_blockwise(device: torch.device) -> bool:
 
 
 def _use_cublas(x: torch.Tensor, n: int, quant: BlockFp8Config) -> bool:
-    """cuBLAS for prefill-sized steps (bench/fp8.py's gemm rows: 1.85x the Triton GEMM at 8192
-    tokens, even at 64), Triton for the rest and wherever cuBLAS lacks the recipe."""
+    """cuBLAS for every multi-token step it takes (bench/fp8.py's gemm rows, H200: ahead of or
+    level with the Triton GEMM's best tile at 16 and 64 tokens, 1.9x at 8192); Triton where
+    cuBLAS lacks the recipe or the shape."""
     return (
-        x.shape[0] >= CUBLAS_MIN_TOKENS
-        and x.dtype == torch.bfloat16
+        x.dtype == torch.bfloat16
         and (quant.block_n, quant.block_k) == (128, 128)
         and n % 128 == 0
         and x.shape[1] % 128 == 0
-        and _cublas_blockwise(x.device)
+        and cublas_blockwise(x.device)
     )
 
 
@@ -274,8 +277,11 @@ def fp8_linear(
         return F.linear(
             x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype), bias
         ).view(*lead, -1)
-    xq, xs = quantize_activations(x2, quant.block_k)
+    m = x2.shape[0]
     if x.device.type == "cuda" and _use_cublas(x2, w.shape[0], quant):
-        out = torch._scaled_mm(xq, w.t(), xs, w_scale.t(), out_dtype=x.dtype)
+        # cuBLAS wants A's scales 16-byte aligned per group: M padded to a multiple of 4 rows.
+        xq, xs = quantize_activations(x2, quant.block_k, pad_rows=4)
+        out = torch._scaled_mm(xq, w.t(), xs, w_scale.t(), out_dtype=x.dtype)[:m]
         return (out if bias is None else out.add_(bias)).view(*lead, -1)
+    xq, xs = quantize_activations(x2, quant.block_k)
     return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)

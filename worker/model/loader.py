@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from transfer.contract import heads_of_rank
 from worker.config import ModelConfig, ParallelConfig
-from worker.model import fp8, fused
+from worker.model import fp8, fp8_gemm, fused
 from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
 from worker.model.deepseek_config import parse_deepseek_v3
@@ -356,9 +356,10 @@ def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
     if fused.available(device):
         log.info(
             "FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights "
-            "(Triton GEMM/GEMV)",
+            "(%s GEMM, Triton GEMV)",
             arch.quant.block_n,
             arch.quant.block_k,
+            "cuBLAS blockwise" if fp8_gemm.cublas_blockwise(device) else "Triton",
         )
         return arch
     log.info(
