@@ -131,11 +131,8 @@ def sweep(weights: dict[str, list[Weight]]) -> dict[str, list[tuple[float, dict]
             (4096, 8192) if use in ("norm", "pair") else (1024, 2048, 4096)
         )  # a norm needs K whole
         scores = []
-        fp8 = bool(weights[name][0][1])
-        for bn, bk, nw, ns, bits in itertools.product(
-            (1, 2, 4, 8, 16), widths, (4, 8), (1, 2), (True, False) if fp8 else (False,)
-        ):
-            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, BITS=bits)
+        for bn, bk, nw, ns in itertools.product((1, 2, 4, 8, 16), widths, (4, 8), (1, 2)):
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             per_thread = bn * bk * (2 if use == "pair" else 1) * weights[name][0][0].element_size()
             if per_thread > 128 * 32 * nw or (bk >= k and ns > 1):
                 # partial sums past 64 registers per thread; stages mean nothing in one block

@@ -253,12 +253,12 @@ def cublas_blockwise(device: torch.device) -> bool:
 def _use_cublas(x: torch.Tensor, n: int, quant: BlockFp8Config) -> bool:
     """cuBLAS for every multi-token step it takes (bench/fp8.py's gemm rows, H200: ahead of or
     level with the Triton GEMM's best tile at 16 and 64 tokens, 1.9x at 8192); Triton where
-    cuBLAS lacks the recipe or the shape."""
+    cuBLAS lacks the recipe or the shape (K a multiple of 512, N of 128)."""
     return (
         x.dtype == torch.bfloat16
         and (quant.block_n, quant.block_k) == (128, 128)
         and n % 128 == 0
-        and x.shape[1] % 128 == 0
+        and x.shape[1] % 512 == 0  # B's scales [K/128, N/128]: K/128 a multiple of 4 (see above)
         and cublas_blockwise(x.device)
     )
 
@@ -279,7 +279,9 @@ def fp8_linear(
         ).view(*lead, -1)
     m = x2.shape[0]
     if x.device.type == "cuda" and _use_cublas(x2, w.shape[0], quant):
-        # cuBLAS wants A's scales 16-byte aligned per group: M padded to a multiple of 4 rows.
+        # cuBLAS reads each scale tensor's leading dimension in 16-byte units: A's (M) is padded
+        # to a multiple of 4 rows here, B's (K/128) must be one already (_use_cublas). With
+        # K/128 = 2 or 3 it does not refuse: it misreads the scales (an H200, torch 2.13).
         xq, xs = quantize_activations(x2, quant.block_k, pad_rows=4)
         out = torch._scaled_mm(xq, w.t(), xs, w_scale.t(), out_dtype=x.dtype)[:m]
         return (out if bias is None else out.add_(bias)).view(*lead, -1)

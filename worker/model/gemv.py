@@ -19,11 +19,7 @@ Because a program holds all of x, the layer's glue folds in (worker/model/llama.
   lie in one block row of scales (BLOCK_N divides block_n), so w·s·x = w·(x·s): the program
   scales its row of x by that block row (BLOCK_K multiplies, not BLOCK_N × BLOCK_K) and then
   runs the plain GEMV over the e4m3 tile. A step streams one byte per weight plus 1/16384 of
-  that in scales, and x stays unquantized (float32 in registers). With BITS (the FP8 default)
-  the tile is widened to float32 by integer ops rather than the conversion unit: the byte's
-  sign goes to bit 31 and its exponent and mantissa to bits 26..20, which is the value times
-  2^-120 (the exponent biases differ by 120), subnormals included; x takes 2^60 of that back
-  and y the other 2^60, so no product leaves float32's range.
+  that in scales, and x stays unquantized (float32 in registers).
 Sums run in float32 in another order than cuBLAS's: results agree with F.linear to bf16
 rounding, not bit for bit.
 """
@@ -47,14 +43,11 @@ def _config(k: int, pair: bool, norm: bool, fp8: bool) -> dict[str, int]:
     past 4096 wide so a program holds at most 16k weights, or 1 gate|up pair; 8 warps); without
     one, 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide, 4 past it).
     FP8 weights (bench/gemv.py --fp8 --sweep): twice the rows per program (8; 4 gate|up pairs),
-    and without a norm K whole up to 4096 wide (8 warps), else 1024-wide blocks (4 warps); e4m3
-    widened to float32 by integer ops (BITS, see `widen`)."""
+    and without a norm K whole up to 4096 wide (8 warps), else 1024-wide blocks (4 warps)."""
     if fp8:
         if norm or k <= 4096:
-            shape = dict(BLOCK_N=4 if pair else 8, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
-        else:
-            shape = dict(BLOCK_N=4 if pair else 8, BLOCK_K=1024, num_warps=4, num_stages=2)
-        return shape | dict(BITS=True)
+            return dict(BLOCK_N=4 if pair else 8, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
+        return dict(BLOCK_N=4 if pair else 8, BLOCK_K=1024, num_warps=4, num_stages=2)
     if norm:
         block_k = next_pow2(k)
         return dict(
@@ -62,14 +55,12 @@ def _config(k: int, pair: bool, norm: bool, fp8: bool) -> dict[str, int]:
             BLOCK_K=block_k,
             num_warps=8,
             num_stages=1,
-            BITS=False,
         )
     return dict(
         BLOCK_N=2 if pair else 4,
         BLOCK_K=_LOOP_BLOCK_K,
         num_warps=8 if k <= MAX_K_ONE_BLOCK else 4,
         num_stages=2,
-        BITS=False,
     )
 
 
@@ -100,7 +91,6 @@ def _kernels() -> SimpleNamespace:
         NORM: tl.constexpr,
         RESIDUAL: tl.constexpr,
         SCALED: tl.constexpr,
-        BITS: tl.constexpr,
         SCALE_N: tl.constexpr,
         SCALE_K: tl.constexpr,
     ):
@@ -136,16 +126,6 @@ def _kernels() -> SimpleNamespace:
                 if PAIR:
                     xu = x * tl.load(su_row + k // SCALE_K, mask=k_mask, other=0.0)
                 x = x * tl.load(s_row + k // SCALE_K, mask=k_mask, other=0.0)
-                if BITS:
-                    x, xu = x * 1.152921504606846976e18, xu * 1.152921504606846976e18  # 2^60
-            if BITS:  # e4m3 → float32 by integer ops (see gemv's docstring): value × 2^-120
-                w = ((w.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -0x78100000).to(
-                    tl.float32, bitcast=True
-                )
-                if PAIR:
-                    u = ((u.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -0x78100000).to(
-                        tl.float32, bitcast=True
-                    )
             y = tl.sum(w.to(tl.float32) * x[None, :], 1)  # [BN]
             if PAIR:
                 up = tl.sum(u.to(tl.float32) * xu[None, :], 1)
@@ -165,12 +145,6 @@ def _kernels() -> SimpleNamespace:
                     if PAIR:
                         xu = x * tl.load(su_row + kk // SCALE_K, mask=k_mask, other=0.0)
                     x = x * tl.load(s_row + kk // SCALE_K, mask=k_mask, other=0.0)
-                    if BITS:
-                        x, xu = x * 1.152921504606846976e18, xu * 1.152921504606846976e18  # 2^60
-                if BITS:
-                    w = ((w.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -0x78100000).to(
-                        tl.float32, bitcast=True
-                    )
                 acc += w.to(tl.float32) * x[None, :]
                 if PAIR:
                     u = tl.load(
@@ -179,18 +153,10 @@ def _kernels() -> SimpleNamespace:
                         other=0.0,
                         eviction_policy="evict_first",
                     )
-                    if BITS:
-                        u = ((u.to(tl.int8, bitcast=True).to(tl.int32) << 20) & -0x78100000).to(
-                            tl.float32, bitcast=True
-                        )
                     acc_up += u.to(tl.float32) * xu[None, :]
             y = tl.sum(acc, 1)
             if PAIR:
                 up = tl.sum(acc_up, 1)
-        if BITS:
-            y = y * 1.152921504606846976e18
-            if PAIR:
-                up = up * 1.152921504606846976e18
         if HAS_BIAS:
             y = y.to(dtype).to(tl.float32) + tl.load(b_ptr + n, mask=n_mask, other=0.0).to(
                 tl.float32
@@ -234,8 +200,7 @@ def gemv(
     """y = x w^T (+ bias) for one row x [1, K] and a contiguous w [N, K] of x's dtype → [1, N]
     (into `out`, or into `residual`, whose row it adds to in place); see the module docstring.
     An FP8 w takes its block scales `w_scale` [N / block[0], K / block[1]] float32.
-    `config` overrides the block shape (BLOCK_N, BLOCK_K, num_warps, num_stages) and BITS (for
-    sweeps)."""
+    `config` overrides the block shape (BLOCK_N, BLOCK_K, num_warps, num_stages: for sweeps)."""
     rows, k = w.shape
     _row(x, k, "x")
     if not w.is_contiguous() or (x.dtype != w.dtype and w_scale is None):
@@ -276,8 +241,6 @@ def gemv(
     cfg = _config(k, pair, norm is not None, w_scale is not None) | config
     if norm is not None and cfg["BLOCK_K"] < k:
         raise ValueError(f"norm=... needs K ({k}) in one block, got BLOCK_K={cfg['BLOCK_K']}")
-    if cfg["BITS"] and w_scale is None:
-        raise ValueError("BITS=True widens e4m3 weights: it needs an FP8 w (w_scale=)")
     if w_scale is not None and (block[0] % cfg["BLOCK_N"] or (pair and n % cfg["BLOCK_N"])):
         cfg["BLOCK_N"] = 1  # a program's rows (and their up half's) must share one scale row
     _kernels().gemv[(-(-n // cfg["BLOCK_N"]),)](
