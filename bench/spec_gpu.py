@@ -1,9 +1,11 @@
 """Speculative decoding on one GPU: what a verify step costs, and the speed-up it buys.
 
-    python3 -m bench.spec_gpu [--acceptance spec-cpu.json] [--out DIR]
+    python3 -m bench.spec_gpu [--acceptance spec-cpu.json] [--methods eagle,draft]
+        [--batches 1] [--out DIR]
 
 At the qwen3-8b shape (bench/models/qwen3-8b-shape, dummy weights, bf16, Triton attention,
-CUDA graphs for decode and for verify steps), with 512-token prompts, at batch 1 and 16:
+CUDA graphs for decode and verify steps, and for a model drafter's draft steps), with
+512-token prompts, at batch 1 and 16:
 
 1. ms per step of a plain decode step and of a verify step scoring k = 1..8 drafts per request
    (one forward over k + 1 tokens each, acceptance included): the verify's cost over decode's.
@@ -169,10 +171,11 @@ def draft_costs(engine: Engine, method: str) -> dict[str, float]:
     return out
 
 
-def speedups(costs: dict[str, Any], alpha: dict[str, float]) -> dict[str, Any]:
+def speedups(costs: dict[str, Any], alpha: dict[str, float],
+             batches: tuple[int, ...] = BATCHES) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for method, a in alpha.items():
-        for b in BATCHES:
+        for b in batches:
             c = costs[method][f"b{b}"]
             best = (0.0, 0)
             row = {}
@@ -197,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the 8B shape (dummy); another directory: its real weights and drafters")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    p.add_argument("--methods", default="ngram,eagle,mtp,draft", help="comma-separated subset")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="e.g. 1 or 1,16")
     args = p.parse_args(argv)
+    methods = args.methods.split(",")
+    batches = tuple(int(b) for b in args.batches.split(","))
     alpha: dict[str, float] = {"ngram": 0.5, "eagle": 0.7, "mtp": 0.7, "draft": 0.7}
     if args.acceptance:
         for r in json.loads(args.acceptance.read_text())["results"]:
@@ -207,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         name, value = item.split("=")
         alpha[name] = float(value)
     costs: dict[str, Any] = {}
-    for method in ("ngram", "eagle", "mtp", "draft"):
+    for method in methods:
         engine = engine_for(method, args.model, args.device)
         costs[method] = {}
-        for b in BATCHES:
+        for b in batches:
             prefill(engine, b, args.prompt_len)
             costs[method][f"b{b}"] = {**step_costs(engine, b), **draft_costs(engine, method)}
             for req in list(engine.scheduler.running):
@@ -221,22 +228,22 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {"device": name, "costs": costs,
-              "speedups": speedups(costs, alpha)}
+              "speedups": speedups(costs, {m: alpha[m] for m in methods}, batches)}
     print(f"# bench.spec_gpu on {result['device']}: {args.model.name}, prompts "
-          f"{args.prompt_len}, CUDA graphs for decode and verify steps")
-    c = costs["ngram"]
+          f"{args.prompt_len}, CUDA graphs for decode, verify and draft steps")
+    c = costs[methods[0]]
     print("| batch | decode ms | " + " | ".join(f"verify k={k}" for k in range(1, MAX_K + 1))
           + " |")
     print("|---|---|" + "---|" * MAX_K)
-    for b in BATCHES:
+    for b in batches:
         row = c[f"b{b}"]
         print(f"| {b} | {row['decode_ms']:.2f} | " + " | ".join(
             f"{row[f'verify_ms_k{k}']:.2f} ({row[f'verify_ms_k{k}'] / row['decode_ms']:.2f}x)"
             for k in range(1, MAX_K + 1)) + " |")
     print("\n| method | a | batch | draft ms k=3 | best k | speed-up |")
     print("|---|---|---|---|---|---|")
-    for method in alpha:
-        for b in BATCHES:
+    for method in methods:
+        for b in batches:
             s = result["speedups"][f"{method}_b{b}"]
             d = costs[method][f"b{b}"]
             draft = d.get("draft_ms_k3", 0.0) + d.get("catch_up_ms_k3", 0.0)

@@ -432,5 +432,9 @@ class Engine:
         else:  # speculative decoding: verify graphs too, at k + 1 tokens per request
             k = self.config.speculative.num_speculative_tokens if self.drafter is not None else 0
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len, k)
+            model_drafter = self.runner.drafter
+            if k and model_drafter is not None:  # and a model drafter's draft steps
+                model_drafter.enable_cuda_graphs(max_num_seqs, self.max_model_len, k,
+                                                 self.spec.hidden_size)
         if piecewise_supported(self):
             self.runner.enable_piecewise_graphs(self.config.scheduler.chunked_prefill_size)

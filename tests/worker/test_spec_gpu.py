@@ -55,17 +55,21 @@ def _greedy(i: int) -> SamplingParams:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("method", ["eagle", "ngram"])
+@pytest.mark.parametrize("method", ["eagle", "ngram", "draft"])
 def test_verify_graphs_replay_what_the_eager_verify_computes(method: str) -> None:
+    """Verify steps (and a model drafter's draft steps) as graphs give the eager output."""
     prompts = _prompts()
     eager = Engine(_config(method))
     want = _generate(eager, prompts, _greedy)
     graphed = Engine(_config(method))
-    graphed.warm_up()  # captures decode and verify graphs after the warm-up request
+    graphed.warm_up()  # captures decode, verify and draft graphs after the warm-up request
     verify = graphed.runner.verify_graphs
     assert verify is not None and verify.width == 4
     got = _generate(graphed, prompts, _greedy)
     assert verify.num_replays > 0
+    drafter = graphed.runner.drafter
+    if drafter is not None:
+        assert drafter.graphs is not None and drafter.graphs.num_replays > 0
     assert got == want
     assert _generate(Engine(_config("none")), prompts, _greedy) == want  # lossless on CUDA too
     graphed.scheduler.assert_drained()

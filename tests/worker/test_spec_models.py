@@ -386,6 +386,25 @@ def test_decode_graph_steps_beside_eagle_drafts_hold(
     assert graphed_accepted == eager_accepted > 0
 
 
+@pytest.mark.parametrize("method", ["eagle", "draft"])
+def test_draft_steps_over_the_graph_buffers_hold(
+        method: str, arith_prompts: list[list[int]]) -> None:
+    """A model drafter's draft steps through DraftGraphs' static buffers (on a CPU: run eagerly
+    over them; worker/spec/draft_graphs.py), batches padded to their bucket: the output equals
+    speculation off's, acceptance equals the eager drafter's, and every page comes back."""
+    plain = _generate(Engine(_config("none")), arith_prompts[:5], _lengths)
+    eager = Engine(_config(method))
+    assert _generate(eager, arith_prompts[:5], _lengths) == plain
+    engine = Engine(_config(method))
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    assert drafter.enable_cuda_graphs(6, engine.max_model_len, 4, engine.spec.hidden_size)
+    assert _generate(engine, arith_prompts[:5], _lengths) == plain
+    assert drafter.graphs is not None and drafter.graphs.num_replays > 0
+    assert engine.spec_counters.accepted == eager.spec_counters.accepted > 0
+    engine.scheduler.assert_drained()
+
+
 def test_a_decode_graph_step_returns_the_eager_hidden_states(
         arith_prompts: list[list[int]]) -> None:
     """What a model drafter catches up on after a pure-decode step replayed as a graph (on a

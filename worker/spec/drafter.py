@@ -35,6 +35,7 @@ from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
 from worker.request import DraftState, Request
 from worker.spec.counters import SpecCounters
+from worker.spec.draft_graphs import DraftGraphs
 from worker.spec.heads import DraftHead
 from worker.spec.verify import target_probs
 from worker.step import RunOutput, ScheduledChunk, SchedulePlan
@@ -82,6 +83,20 @@ class ModelDrafter:
         self.page_size = kv.shape.page_size
         self.counters = counters  # catch-up time counts as drafting time
         self.run: HeadRun = run or (lambda b, h: run_head(head, kv, b, h))
+        self.single_rank = run is None
+        self.graphs: DraftGraphs | None = None  # the draft steps' graphs (enable_cuda_graphs)
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                           num_speculative_tokens: int, hidden_size: int) -> bool:
+        """Capture the draft steps (worker/spec/draft_graphs.py): single-rank workers with a
+        head whose steps read no host value. Returns whether it did."""
+        if not (self.single_rank and self.head.graph_safe()):
+            return False
+        graphs = DraftGraphs(self.head, self.kv, max_num_seqs, max_model_len,
+                             num_speculative_tokens, hidden_size, self.dtype)
+        graphs.capture()
+        self.graphs = graphs
+        return True
 
     # ---- 1. after the target's forward --------------------------------------------------------
     @torch.inference_mode()
@@ -151,7 +166,7 @@ class ModelDrafter:
                     last = drafts[i][-1] if drafts[i] else c.request.all_token_ids()[-1]
                     rows.append(_Row(c.request, c.start + step - (1 if eagle else 0), [last]))
                 h = feats[live] if feats is not None else None
-                new, logits = self.run(self._batch(rows, logits=True), h)
+                new, logits = self._step(rows, h)
                 if feats is not None and new is not None:
                     feats[live] = new.to(feats.dtype)
             assert logits is not None
@@ -169,6 +184,15 @@ class ModelDrafter:
             c.draft_probs = torch.stack(ps) if ps else None  # [k, V]
             c.num_tokens += len(ds)
             plan.num_tokens += len(ds)
+
+    def _step(self, rows: list[_Row], hidden: torch.Tensor | None,
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One single-token head step over `rows`: a graph replay when captured for their
+        count, else the eager head call."""
+        if self.graphs is not None and self.graphs.bucket_for(len(rows)) is not None:
+            return self.graphs.run([r.tokens[0] for r in rows], [r.start for r in rows],
+                                   [r.request.page_table for r in rows], hidden)
+        return self.run(self._batch(rows, logits=True), hidden)
 
     def _ready(self, chunk: ScheduledChunk) -> bool:
         """The head's KV covers every token but the last, which this chunk feeds."""

@@ -91,6 +91,11 @@ class DraftHead(nn.Module, ABC):
         """The head checkpoint's tensor names (heads inside the target checkpoint have none)."""
         return {}
 
+    def graph_safe(self) -> bool:
+        """Whether a single-token step reads no host value, so it can be captured in a CUDA
+        graph (worker/spec/draft_graphs.py)."""
+        return False
+
 
 class EagleHead(DraftHead):
     """EAGLE: one decoder layer of the target's family over fc([embed(x_{p+1}) | h_p])."""
@@ -122,6 +127,9 @@ class EagleHead(DraftHead):
 
     def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.parts.logits(feature)
+
+    def graph_safe(self) -> bool:
+        return not self.parts.dynamic_rope  # a dynamic rope reads each request's length
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         slots = layer_slots("layers.0", cast(DecoderLayer, self.layers[0]))
@@ -236,6 +244,9 @@ class DraftLM(DraftHead):
     def forward(self, batch: ForwardBatch, kv: KVCache,
                 hidden: torch.Tensor | None) -> torch.Tensor:
         return self.lm(batch, kv)  # type: ignore[no-any-return]
+
+    def graph_safe(self) -> bool:
+        return self.lm.supports_cuda_graphs
 
     def compute_logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.lm.compute_logits(feature)
