@@ -70,6 +70,7 @@ def test_verify_graphs_replay_what_the_eager_verify_computes(method: str) -> Non
     drafter = graphed.runner.drafter
     if drafter is not None:
         assert drafter.graphs is not None and drafter.graphs.num_replays > 0
+        assert drafter.catch_up_graphs is not None and drafter.catch_up_graphs.num_replays > 0
     assert got == want
     assert _generate(Engine(_config("none")), prompts, _greedy) == want  # lossless on CUDA too
     graphed.scheduler.assert_drained()

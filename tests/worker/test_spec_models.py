@@ -389,9 +389,10 @@ def test_decode_graph_steps_beside_eagle_drafts_hold(
 @pytest.mark.parametrize("method", ["eagle", "draft"])
 def test_draft_steps_over_the_graph_buffers_hold(
         method: str, arith_prompts: list[list[int]]) -> None:
-    """A model drafter's draft steps through DraftGraphs' static buffers (on a CPU: run eagerly
-    over them; worker/spec/draft_graphs.py), batches padded to their bucket: the output equals
-    speculation off's, acceptance equals the eager drafter's, and every page comes back."""
+    """A model drafter's draft steps and catch-ups through the graphs' static buffers (on a
+    CPU: run eagerly over them; worker/spec/draft_graphs.py), batches padded to their bucket,
+    catch-up rows to k + 1: the output equals speculation off's, acceptance equals the eager
+    drafter's, and every page comes back."""
     plain = _generate(Engine(_config("none")), arith_prompts[:5], _lengths)
     eager = Engine(_config(method))
     assert _generate(eager, arith_prompts[:5], _lengths) == plain
@@ -401,6 +402,7 @@ def test_draft_steps_over_the_graph_buffers_hold(
     assert drafter.enable_cuda_graphs(6, engine.max_model_len, 4, engine.spec.hidden_size)
     assert _generate(engine, arith_prompts[:5], _lengths) == plain
     assert drafter.graphs is not None and drafter.graphs.num_replays > 0
+    assert drafter.catch_up_graphs is not None and drafter.catch_up_graphs.num_replays > 0
     assert engine.spec_counters.accepted == eager.spec_counters.accepted > 0
     engine.scheduler.assert_drained()
 

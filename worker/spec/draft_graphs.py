@@ -1,4 +1,4 @@
-"""CUDA graphs for a model drafter's draft steps: B requests x one token each.
+"""CUDA graphs for a model drafter's draft steps (B requests x one token) and its catch-up.
 
 `ModelDrafter.draft` runs k - 1 (eagle / mtp) or k (draft model) head steps per verify, each a
 single-token step over every drafting request. Eagerly a step is a few dozen launches from
@@ -17,8 +17,10 @@ captured once per padded batch-size bucket (worker/cuda_graphs.py's buckets) and
 
 Which heads: those whose single-token step reads no host value (`DraftHead.graph_safe`):
 the EAGLE head and the dense MTP module (one decoder layer of a dense family) and a draft
-model, with a rope that does not depend on the request's length. The catch-up (a variable
-number of tokens per request) and eagle's first draft (the LM head alone) stay eager.
+model, with a rope that does not depend on the request's length. Eagle's first draft (the LM
+head alone) stays eager. `CatchUpGraphs` does the same for the catch-up after a decode or
+verify step (up to k + 1 positions per request, padded as the verify graphs pad); a prompt
+chunk's catch-up runs eagerly.
 
 On a CPU the same object runs each step eagerly over the same static buffers (nothing to
 capture): what the CPU tests use to check the buffers against the plain step.
@@ -143,3 +145,133 @@ class DraftGraphs:
         else:
             feats, logits = self._forward(bs)
         return feats[:n], logits[:n]
+
+
+class CatchUpGraphs:
+    """CUDA graphs for the catch-up after a decode or verify step: B requests x up to
+    w = k + 1 positions each (the verified token and the accepted drafts), laid out as the
+    verify graphs lay theirs (worker/verify_graphs.py): request i owns rows [i*w, (i+1)*w),
+    its real positions first, then padding rows (positions continued, slot -1: never stored;
+    only they attend past the real rows). Attention is the paged kernel over device tensors
+    (`ForwardBatch.uniform_query_len` = w), so FP8 KV pages, which it does not read, stay
+    eager. `run` returns each request's feature at its last real position (eagle / mtp: what
+    the next draft starts from)."""
+
+    def __init__(self, head: DraftHead, kv: KVCache, max_num_seqs: int, max_model_len: int,
+                 num_speculative_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        self.head, self.kv = head, kv
+        self.replays = kv.data.is_cuda
+        self.page_size = kv.shape.page_size
+        self.width = w = num_speculative_tokens + 1
+        self.max_model_len = max_model_len
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_bs = b = self.buckets[-1]
+        self.max_pages = -(-(max_model_len + w) // self.page_size)
+        device = kv.data.device
+        t = b * w
+        self._head = 3 * t + b  # ids | positions | slots (one per row), seq_lens, page table
+        size = self._head + b * self.max_pages
+        self._flat = torch.zeros(size, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slots = self._flat[: 3 * t].view(3, t)
+        self.seq_lens = self._flat[3 * t : self._head]
+        self.page_table = self._flat[self._head :].view(b, self.max_pages)
+        self.query_start = torch.arange(0, (b + 1) * w, w, dtype=torch.int64, device=device)
+        self.hidden = (torch.zeros(t, hidden_size, dtype=dtype, device=device)
+                       if head.needs_hidden else None)  # [Bmax*w, H]
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=self.replays)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._out: dict[int, torch.Tensor] = {}  # bucket → features [bucket*w, H]
+        self.num_replays = 0
+
+    def _batch(self, bs: int, seq_lens: list[int] | None = None) -> ForwardBatch:
+        t, w = bs * self.width, self.width
+        empty = self.query_start[:0]
+        return ForwardBatch(
+            input_ids=self.input_ids[:t], positions=self.positions[:t],
+            query_start=self.query_start[: bs + 1], seq_lens=self.seq_lens[:bs],
+            page_table=self.page_table[:bs], slot_mapping=self.slots[:t], logits_indices=empty,
+            # Placeholders for the CUDA kernel (it reads none); exact on the CPU.
+            query_start_list=list(range(0, (bs + 1) * w, w)),
+            seq_lens_list=seq_lens if seq_lens is not None else [w] * bs,
+            uniform_query_len=w,
+        )
+
+    def _forward(self, bs: int, seq_lens: list[int] | None = None) -> torch.Tensor:
+        hidden = self.hidden[: bs * self.width] if self.hidden is not None else None
+        return self.head(self._batch(bs, seq_lens), self.kv, hidden)  # [bs*w, H]
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        for bs in self.buckets:
+            if bs >= batch_size:
+                return bs
+        return None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        if not self.replays:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in self.buckets:
+                for _ in range(2):
+                    self._forward(bs)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for bs in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._out[bs] = self._forward(bs)
+            self._graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def run(self, starts: list[int], tokens: list[list[int]], tables: list[list[int]],
+            hidden: torch.Tensor | None) -> torch.Tensor:
+        """Request i feeds tokens[i] (1..w of them) from position starts[i] over its page table
+        tables[i]; `hidden` [sum of lengths, H]: the head's inputs in that order (eagle /
+        mtp). → features [n, H] at each request's last real position."""
+        n, w, ps = len(starts), self.width, self.page_size
+        bs = self.bucket_for(n) if self.replays else n  # the CPU reference reads host lengths
+        assert bs is not None, f"no catch-up graph for {n} requests"
+        host = self._host
+        t = self.max_bs * w
+        ids, pos, slots = host[: 3 * t].view(3, t)
+        lens = host[3 * t : self._head]
+        table = host[self._head :].view(self.max_bs, self.max_pages)
+        rows: list[int] = []
+        last: list[int] = []
+        for i, (start, toks, pages) in enumerate(zip(starts, tokens, tables, strict=True)):
+            k, row = len(toks), i * w
+            ids[row : row + w] = 0
+            ids[row : row + k] = torch.as_tensor(toks)
+            pos[row : row + w] = torch.arange(start, start + w).clamp(max=self.max_model_len - 1)
+            slots[row : row + w] = -1
+            slots[row : row + k] = torch.as_tensor(
+                [pages[p // ps] * ps + p % ps for p in range(start, start + k)])
+            lens[i] = start + w
+            used = min(len(pages), self.max_pages)
+            table[i].zero_()
+            table[i, :used] = torch.as_tensor(pages[:used])
+            rows.extend(range(row, row + k))
+            last.append(row + k - 1)
+        lens[n:bs] = 0
+        slots[n * w : bs * w] = -1
+        self._flat[: self._head].copy_(host[: self._head], non_blocking=True)
+        end = self._head + bs * self.max_pages
+        self._flat[self._head : end].copy_(host[self._head : end], non_blocking=True)
+        device = self._flat.device
+        if self.hidden is not None:
+            assert hidden is not None, "an eagle / mtp head catches up on the target's states"
+            dst = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+            self.hidden.index_copy_(0, dst, hidden.to(self.hidden.dtype))
+        self.num_replays += 1
+        if self.replays:
+            self._graphs[bs].replay()
+            feats = self._out[bs]
+        else:
+            feats = self._forward(bs, [s + w for s in starts])
+        return feats.index_select(0, torch.tensor(last, dtype=torch.int64).to(device))

@@ -33,9 +33,10 @@ import torch
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
+from worker.model.fp8 import is_fp8
 from worker.request import DraftState, Request
 from worker.spec.counters import SpecCounters
-from worker.spec.draft_graphs import DraftGraphs
+from worker.spec.draft_graphs import CatchUpGraphs, DraftGraphs
 from worker.spec.heads import DraftHead
 from worker.spec.verify import target_probs
 from worker.step import RunOutput, ScheduledChunk, SchedulePlan
@@ -85,6 +86,7 @@ class ModelDrafter:
         self.run: HeadRun = run or (lambda b, h: run_head(head, kv, b, h))
         self.single_rank = run is None
         self.graphs: DraftGraphs | None = None  # the draft steps' graphs (enable_cuda_graphs)
+        self.catch_up_graphs: CatchUpGraphs | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
                            num_speculative_tokens: int, hidden_size: int) -> bool:
@@ -92,10 +94,15 @@ class ModelDrafter:
         head whose steps read no host value. Returns whether it did."""
         if not (self.single_rank and self.head.graph_safe()):
             return False
-        graphs = DraftGraphs(self.head, self.kv, max_num_seqs, max_model_len,
-                             num_speculative_tokens, hidden_size, self.dtype)
+        args = (self.head, self.kv, max_num_seqs, max_model_len, num_speculative_tokens,
+                hidden_size, self.dtype)
+        graphs = DraftGraphs(*args)
         graphs.capture()
         self.graphs = graphs
+        if not is_fp8(self.kv.data):  # the catch-up's paged kernel reads no K/V scales
+            catch_up = CatchUpGraphs(*args)
+            catch_up.capture()
+            self.catch_up_graphs = catch_up
         return True
 
     # ---- 1. after the target's forward --------------------------------------------------------
@@ -128,6 +135,15 @@ class ModelDrafter:
             if self.head.needs_hidden:
                 assert hidden is not None, "eagle / mtp catch up on the target's hidden states"
                 h = hidden[torch.tensor(hidden_rows, device=hidden.device)]  # [T', H]
+            if self._catch_up_graphed(rows):
+                assert self.catch_up_graphs is not None
+                last = self.catch_up_graphs.run([r.start for r in rows], [r.tokens for r in rows],
+                                                [r.request.page_table for r in rows], h)
+                for i, row in enumerate(rows):
+                    feature = last[i].clone() if self.head.needs_hidden else None
+                    row.request.draft = DraftState(row.start + len(row.tokens), feature)
+                self.counters.draft_seconds += time.perf_counter() - t0
+                return
             feats, _ = self.run(self._batch(rows, logits=False), h)
             end = 0
             for row in rows:
@@ -184,6 +200,13 @@ class ModelDrafter:
             c.draft_probs = torch.stack(ps) if ps else None  # [k, V]
             c.num_tokens += len(ds)
             plan.num_tokens += len(ds)
+
+    def _catch_up_graphed(self, rows: list[_Row]) -> bool:
+        """A catch-up the graphs take: every row a decode or verify chunk's (at most k + 1
+        positions, none over shared pages) and a bucket for their count."""
+        graphs = self.catch_up_graphs
+        return (graphs is not None and graphs.bucket_for(len(rows)) is not None
+                and all(len(r.tokens) <= graphs.width and r.full_from <= r.start for r in rows))
 
     def _step(self, rows: list[_Row], hidden: torch.Tensor | None,
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
