@@ -20,7 +20,9 @@ CUDA graphs for decode and verify steps, and for a model drafter's draft steps),
    the step's time (verify(k) + draft(k)), against plain decode's 1 / decode_step; the best k.
    The issue's goal: >= 2x decode tok/s at batch 1 where L >= 3.
 
-Prints markdown tables and writes spec_gpu.json to --out (default $OUT or .).
+Prints markdown tables and writes spec_gpu.json to --out (default $OUT or .), and
+spec_speedup.png there where matplotlib is installed (`--plot-only DIR` draws it from DIR's
+spec_gpu.json afterwards): speed-up against k per method and batch, and the verify step's cost.
 """
 
 from __future__ import annotations
@@ -191,6 +193,46 @@ def speedups(costs: dict[str, Any], alpha: dict[str, float],
     return result
 
 
+def plot(result: dict[str, Any], out: Path) -> Path:
+    """spec_speedup.png: decode speed-up against k (one line per method, solid batch 1, dashed
+    batch 16), and verify ms / decode ms against k."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ks = list(range(1, MAX_K + 1))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    methods = list(result["costs"])
+    for method, color in zip(methods, colors, strict=False):
+        for b, style in ((1, "-"), (16, "--")):
+            s = result["speedups"].get(f"{method}_b{b}")
+            if s is None:
+                continue
+            left.plot(ks, [s["per_k"][f"k{k}"]["speedup"] for k in ks], style, color=color,
+                      marker="o", ms=3, label=f"{method} b={b} (a={s['alpha']:.2f})")
+    left.axhline(2.0, color="grey", lw=0.8, ls=":")
+    left.set(xlabel="drafts per step k", ylabel="decode tok/s vs no speculation",
+             title="speed-up at each method's acceptance")
+    left.legend(fontsize=7)
+    first = result["costs"][methods[0]]
+    for b, style in ((1, "-"), (16, "--")):
+        c = first.get(f"b{b}")
+        if c is not None:
+            right.plot(ks, [c[f"verify_ms_k{k}"] / c["decode_ms"] for k in ks], style,
+                       color="black", marker="o", ms=3, label=f"b={b}")
+    right.set(xlabel="drafts per step k", ylabel="verify ms / decode ms",
+              title="a verify step's cost")
+    right.legend(fontsize=7)
+    fig.suptitle(f"bench.spec_gpu on {result['device']}")
+    fig.tight_layout()
+    path = out / "spec_speedup.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--acceptance", type=Path, help="bench/spec.py --json output")
@@ -202,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     p.add_argument("--methods", default="ngram,eagle,mtp,draft", help="comma-separated subset")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="e.g. 1 or 1,16")
+    p.add_argument("--plot-only", type=Path, metavar="DIR",
+                   help="draw spec_speedup.png from DIR/spec_gpu.json, nothing else")
     args = p.parse_args(argv)
+    if args.plot_only:
+        print(plot(json.loads((args.plot_only / "spec_gpu.json").read_text()), args.plot_only))
+        return 0
     methods = args.methods.split(",")
     batches = tuple(int(b) for b in args.batches.split(","))
     alpha: dict[str, float] = {"ngram": 0.5, "eagle": 0.7, "mtp": 0.7, "draft": 0.7}
@@ -251,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['best_speedup']:.2f}x |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spec_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        print(plot(result, args.out))
+    except ModuleNotFoundError as exc:  # the GPU machine may lack matplotlib: plot elsewhere
+        print(f"no plot ({exc}); run: python -m bench.spec_gpu --plot-only {args.out}",
+              file=sys.stderr)
     return 0
 
 
