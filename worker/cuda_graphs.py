@@ -37,7 +37,8 @@ On a CPU the same object runs each "replay" as an eager forward over the same st
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -46,6 +47,8 @@ from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.model.moe import graph_shapes
 from worker.step import ScheduledChunk
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -68,6 +71,32 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
     sizes += list(range(8, max_num_seqs, 8))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+def capture_buckets(buckets: list[int], forward: Callable[[int], T],
+                    ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
+    """One graph per bucket of `forward(bs)`: each bucket run twice on a side stream first
+    (Triton compiles, the allocator settles), then captured largest first into one memory pool
+    (smaller graphs reuse its blocks). Returns the graphs and what each capture returned (its
+    static outputs)."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for bs in buckets:
+            for _ in range(2):
+                forward(bs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outs: dict[int, T] = {}
+    for bs in reversed(buckets):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outs[bs] = forward(bs)
+        graphs[bs] = graph
+    torch.cuda.synchronize()
+    return graphs, outs
 
 
 class DecodeGraphs:
@@ -147,22 +176,10 @@ class DecodeGraphs:
             self._capture()
 
     def _capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in self.buckets:
-                for _ in range(2):
-                    self._forward(bs)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._hidden[bs], self._logits[bs] = self._forward(bs)
-            self._graphs[bs] = graph
-            self._ready.add(bs)
-        torch.cuda.synchronize()
+        self._graphs, outs = capture_buckets(self.buckets, self._forward)
+        for bs, (hidden, logits) in outs.items():
+            self._hidden[bs], self._logits[bs] = hidden, logits
+        self._ready.update(self.buckets)
 
     def bucket_for(self, batch_size: int) -> int | None:
         for bs in self.buckets:
