@@ -19,8 +19,11 @@ target, so it must see every position the target computes. Two calls per engine 
    rejection sampling (`chunk.draft_probs`).
 
 Draft steps write the head's KV at positions past the verified ones; the next catch-up
-rewrites those that get accepted, with the true inputs. A prefill worker only catches up: the
-prompt's head KV goes to decode with the pages, and the last feature with the first token.
+rewrites those that get accepted, with the true inputs. On a one-rank CUDA worker with a dense
+head, draft steps and the catch-ups after decode and verify steps replay CUDA graphs
+(`enable_cuda_graphs`, worker/spec/draft_graphs.py); the rest runs eagerly. A prefill worker
+only catches up: the prompt's head KV goes to decode with the pages, and the last feature with
+the first token.
 """
 
 from __future__ import annotations
