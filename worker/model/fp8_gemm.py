@@ -241,11 +241,17 @@ def block_fp8_matmul(
     return out
 
 
-@functools.cache
 def cublas_blockwise(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs the 1x128 / 128x128 recipe on `device` (cuBLAS on sm90
-    from CUDA 12.9); tried once per device on one block. The loader asks first, outside any
-    CUDA graph capture."""
+    from CUDA 12.9); tried once per GPU on one block. The loader asks first, outside any CUDA
+    graph capture (`cuda` and `cuda:0` are one GPU: one probe)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    return _probe_cublas(device)
+
+
+@functools.cache
+def _probe_cublas(device: torch.device) -> bool:
     a = torch.zeros(128, 128, dtype=FP8, device=device)
     one = torch.ones(1, 128, device=device).t()  # [128, 1] M-major: A's scales
     try:
