@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(plot(json.loads((args.plot_only / "spec_gpu.json").read_text()), args.plot_only))
         return 0
     methods = args.methods.split(",")
+    if set(methods) - {"ngram", "eagle", "mtp", "draft"}:
+        p.error(f"--methods: unknown {sorted(set(methods) - {'ngram', 'eagle', 'mtp', 'draft'})};"
+                " pick from ngram,eagle,mtp,draft")
     batches = tuple(int(b) for b in args.batches.split(","))
     alpha: dict[str, float] = {"ngram": 0.5, "eagle": 0.7, "mtp": 0.7, "draft": 0.7}
     if args.acceptance:
