@@ -21,7 +21,7 @@ from typing import Any
 from gateway.parsers.reasoning import THINK_CLOSE, THINK_OPEN
 
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-_WHITESPACE: dict[str, Any] = {"type": "regex", "pattern": "[ \\n\\t]*"}
+_WHITESPACE: dict[str, Any] = {"type": "regex", "pattern": "[ \\n\\t]{0,8}"}  # bounded: no loop
 
 
 @dataclass(frozen=True)
