@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xgrammar as xgr
 
 from gateway.agents import Parsers, plan_chat
 from gateway.errors import BadRequest
@@ -16,8 +17,9 @@ from gateway.request_body import parse_request
 from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
+from worker.grammar_xgr import GrammarBackend, tokenizer_info
+from worker.sampling import StructuredOutput
 
-xgr = pytest.importorskip("xgrammar")
 transformers = pytest.importorskip("transformers")
 
 SCHEMA = {"type": "object", "properties": {
@@ -31,30 +33,18 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
 
 
 class Worker:
-    """What a worker does with `StructuredOutput`: compile it over the vocabulary, then check
-    token ids against the matcher."""
+    """What a worker does with `StructuredOutput`: the worker's own grammar backend compiles it
+    over the vocabulary (worker/grammar_xgr.py), then token ids are checked against a matcher."""
 
     def __init__(self, tok_dir: Path) -> None:
         hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
         self.hf = hf
         self.eos = hf.convert_tokens_to_ids("<|im_end|>")
-        info = xgr.TokenizerInfo.from_huggingface(hf, stop_token_ids=[self.eos])
-        self.compiler = xgr.GrammarCompiler(info)
+        text = (tok_dir / "tokenizer.json").read_text()
+        self.backend = GrammarBackend(tokenizer_info(text, len(hf), [self.eos]))
 
     def compile(self, so: tandem_pb2.StructuredOutput) -> Any:
-        kind = so.WhichOneof("kind")
-        if kind == "json_schema":
-            return self.compiler.compile_json_schema(so.json_schema)
-        if kind == "json_object":  # an object (the builtin JSON grammar also takes arrays)
-            return self.compiler.compile_json_schema('{"type": "object"}')
-        if kind == "regex":
-            return self.compiler.compile_regex(so.regex)
-        if kind == "ebnf":
-            return self.compiler.compile_grammar(so.ebnf)
-        if kind == "choice":
-            alts = " | ".join(json.dumps(c) for c in so.choice.choices)
-            return self.compiler.compile_grammar(f"root ::= {alts}")
-        return self.compiler.compile_structural_tag(so.structural_tag)
+        return self.backend.compile(StructuredOutput.from_proto(so))
 
     def accepts(self, so: tandem_pb2.StructuredOutput, text: str) -> bool:
         matcher = xgr.GrammarMatcher(self.compile(so))
@@ -114,6 +104,8 @@ def test_reasoning_block_comes_before_the_constraint(worker: Worker, hermes_dir:
     assert worker.accepts(plan.structured, f"<think>\nfirst a, then b\n</think>\n\n{GOOD}")
     assert worker.accepts(plan.structured, GOOD)  # no block: straight to the answer
     assert not worker.accepts(plan.structured, "<think>\nhm\n</think>\n\nplain text")
+    # The whitespace between the block and the answer is bounded: no loop on newlines there.
+    assert not worker.accepts(plan.structured, f"<think>\nhm\n</think>{' ' * 9}{GOOD}")
 
 
 @pytest.mark.parametrize("choice,parallel,good,bad", [
