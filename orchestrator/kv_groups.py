@@ -14,6 +14,10 @@ docs/recurrent-state.md):
   state per request whatever its length: the conv state (the last K-1 inputs of q|k|v, model
   dtype) and the delta-rule state (value heads x head_k_dim x head_v_dim, float32), per layer.
 
+A model drafter (`speculative.method` draft, eagle or mtp, worker/spec/) keeps its own K/V in
+the paged group's pages, as layers after the model's own (`draft_layers`): one for eagle and
+mtp, the draft model's `num_hidden_layers` for draft (its KV geometry is the target's).
+
 Which layers slide follows transformers per family: `layer_types` with `sliding_window`
 (GPT-OSS, Gemma-2 style; GPT-OSS defaults to even layers sliding when `layer_types` is absent),
 Qwen2/3's `use_sliding_window` + `max_window_layers`, else every layer when `sliding_window` is
@@ -39,6 +43,7 @@ class KVGroup:
     bytes_per_token: int  # what one more token of context adds (0 for a recurrent group)
     window: int = 0  # sliding_window: tokens a request keeps; 0 = every token
     bytes_per_request: int = 0  # recurrent: fixed per request, whatever its length
+    draft_layers: int = 0  # of `layers`, the drafter's (the last ones; full or MLA group)
 
     def ring_pages(self, page_size: int) -> int:
         return -(-self.window // page_size) + 1 if self.window else 0
@@ -92,15 +97,18 @@ def _recurrent(hf: dict[str, Any], layers: tuple[int, ...], dtype_bytes: int) ->
 
 def kv_groups(
     hf: dict[str, Any], dtype_bytes: int, tp_size: int = 1, max_model_len: int = 1 << 62,
-    state_dtype_bytes: int = 0,
+    state_dtype_bytes: int = 0, draft_layers: int = 0,
 ) -> list[KVGroup]:
     """The groups a worker with `tp_size` ranks keeps for this checkpoint (see module doc), for
     KV pages of `dtype_bytes`-byte elements (a recurrent conv state: `state_dtype_bytes`, the
-    model dtype's, default the same)."""
+    model dtype's, default the same), with a drafter's `draft_layers` in the paged group."""
+    n = int(hf["num_hidden_layers"])
+    drafts = tuple(range(n, n + draft_layers))
     latent = mla_latent_dim(hf)
     if latent:  # every rank keeps each page whole: the replica holds tp_size copies
-        layers = tuple(range(int(hf["num_hidden_layers"])))
-        return [KVGroup(MLA, layers, len(layers) * latent * dtype_bytes * tp_size)]
+        layers = (*range(n), *drafts)
+        return [KVGroup(MLA, layers, len(layers) * latent * dtype_bytes * tp_size,
+                        draft_layers=draft_layers)]
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
@@ -109,15 +117,16 @@ def kv_groups(
     linear = linear_layers(hf)
     tail = [_recurrent(hf, linear, state_dtype_bytes or dtype_bytes)] if linear else []
     windows = [w for i, w in enumerate(layer_windows(hf)) if i not in linear]
-    attention = [i for i in range(int(hf["num_hidden_layers"])) if i not in linear]
+    attention = [i for i in range(n) if i not in linear]
     slid = tuple(i for i, w in zip(attention, windows, strict=True) if w is not None)
     sizes = {w for w in windows if w is not None}
     ring = bool(slid) and len(slid) < len(attention) and len(sizes) == 1
     if not ring or min(sizes) >= max_model_len:
-        return [KVGroup(FULL, tuple(attention), len(attention) * per_layer), *tail]
-    full = tuple(i for i in attention if i not in slid)
+        paged = (*attention, *drafts)
+        return [KVGroup(FULL, paged, len(paged) * per_layer, draft_layers=draft_layers), *tail]
+    full = (*(i for i in attention if i not in slid), *drafts)
     return [
-        KVGroup(FULL, full, len(full) * per_layer),
+        KVGroup(FULL, full, len(full) * per_layer, draft_layers=draft_layers),
         KVGroup(WINDOW, slid, len(slid) * per_layer, window=sizes.pop()),
         *tail,
     ]

@@ -25,6 +25,7 @@ from orchestrator.rank_map import (
 )
 from orchestrator.weights import WeightBytes, weight_bytes
 from orchestrator.worker_config import device_for, dist_init_addr, worker_config
+from worker.config import SpeculativeConfig
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -55,6 +56,7 @@ class KVBudget:
     state_bytes: int = 0  # the recurrent-state region: request and snapshot slots
     tp_size: int = 1  # ranks of one replica (the groups' bytes/token count all of them)
     weights: WeightBytes | None = None  # the replica's weights in the dtype it holds them in
+    speculative: str = "none"  # speculative.method (a model drafter's layers are in groups)
 
     @property
     def total_bytes(self) -> int:
@@ -70,6 +72,19 @@ def read_model_config(model_path: str) -> dict[str, Any]:
         )
     data: dict[str, Any] = json.loads(path.read_text())
     return data
+
+
+def drafter_kv_layers(speculative: SpeculativeConfig, model_path: str) -> int:
+    """The KV layers a model drafter adds to the paged group (worker/spec/load.py): one for
+    eagle and mtp (an MTP layer of the checkpoint or a module beside it), the draft model's
+    `num_hidden_layers` for draft, none for ngram."""
+    if speculative.method != "draft":
+        return 1 if speculative.method in ("eagle", "mtp") else 0
+    path = Path(speculative.drafter_path(model_path)) / "config.json"
+    if not path.is_file():
+        raise ClusterConfigError(f"speculative.model: {path} not found; point speculative.model "
+                                 "at the draft model's directory")
+    return int(json.loads(path.read_text())["num_hidden_layers"])
 
 
 def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
@@ -280,7 +295,9 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
         kv_dtype, item = _KV_CACHE_DTYPES.get(cache.kv_cache_dtype, (dtype, _DTYPE_BYTES[dtype]))
         max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
         max_len = min(wc.model.max_model_len or max_pos, max_pos)
-        groups = tuple(kv_groups(hf, item, tp, max_len, state_dtype_bytes=_DTYPE_BYTES[dtype]))
+        drafts = drafter_kv_layers(wc.speculative, cluster.model.path)
+        groups = tuple(kv_groups(hf, item, tp, max_len, state_dtype_bytes=_DTYPE_BYTES[dtype],
+                                 draft_layers=drafts))
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
         paged = next(g for g in groups if g.kind in (FULL, MLA))
         page_bytes = paged.bytes_per_token * cache.page_size
@@ -298,7 +315,7 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
             state_bytes = slots * state.bytes_per_request
         weights = weight_bytes(cluster.model.path, hf, dtype, device_for(cluster, role, 0, cuda))
         out.append(KVBudget(role, cache.page_size, num_pages, page_bytes, kv_dtype, groups,
-                            window_bytes, state_bytes, tp, weights))
+                            window_bytes, state_bytes, tp, weights, wc.speculative.method))
     return out
 
 
@@ -380,7 +397,7 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
           b.dtype, _weights_cell(b.weights), b.weights.dtype if b.weights else "-"]
          for b in budgets],
     ))
-    group_rows = [[b.role, g.kind, str(len(g.layers)),
+    group_rows = [[b.role, g.kind, _layers_cell(g, b.speculative),
                    _human(g.bytes_per_token) if g.bytes_per_token else "-",
                    _human(g.bytes_per_token // b.tp_size) if g.bytes_per_token else "-",
                    _human(g.bytes_per_request) if g.bytes_per_request else "-",
@@ -390,6 +407,12 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
               _table(["role", "group", "layers", "bytes/token", "per rank", "bytes/request",
                       "kept per request"], group_rows)]
     return "\n".join(parts)
+
+
+def _layers_cell(group: KVGroup, method: str) -> str:
+    if not group.draft_layers:
+        return str(len(group.layers))
+    return f"{len(group.layers) - group.draft_layers} + {group.draft_layers} {method}"
 
 
 def _kept(group: KVGroup, page_size: int) -> str:

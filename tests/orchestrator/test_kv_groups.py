@@ -102,6 +102,24 @@ def test_plan_budget_equals_the_workers_allocation(tmp_path: Path) -> None:
         assert budget.page_bytes == engine.kv.shape.page_bytes
 
 
+@pytest.mark.parametrize(("method", "drafts"), [("eagle", 1), ("mtp", 1), ("draft", 2)])
+def test_plan_counts_a_drafters_kv_layers_as_the_worker_allocates(method: str,
+                                                                  drafts: int) -> None:
+    """A model drafter keeps its K/V in the target's pages (the embedded model ships all three
+    drafters: eagle and mtp one layer each, the draft model two)."""
+    from worker.engine import Engine
+
+    cluster = load_config("configs/tiny-1p1d.yaml", [f"speculative.method={method}"])
+    text = format_plan(cluster)
+    assert f"full_attention  4 + {drafts} {method}" in text, text
+    budget = kv_budget(cluster, read_model_config(cluster.model.path))[1]
+    (group,) = budget.groups
+    assert (len(group.layers), group.draft_layers) == (4 + drafts, drafts)
+    engine = Engine(worker_config(cluster, budget.role, 0))
+    assert budget.page_bytes == engine.kv.shape.page_bytes
+    assert budget.total_bytes == engine.kv.nbytes()
+
+
 # Qwen3-Next-80B-A3B's config.json, the keys the planner reads: 48 layers, every 4th full.
 QWEN3_NEXT_80B = {
     "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
