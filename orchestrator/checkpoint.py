@@ -183,6 +183,27 @@ def check_checkpoint(model_path: str, load_format: str = "auto") -> CheckpointRe
     return CheckpointReport(path, cfg, check_tokenizer(path))
 
 
+# Targets whose checkpoints carry their own MTP layer (worker/spec/load.py `_mtp`).
+_OWN_MTP = ("DeepseekV3ForCausalLM", "Qwen3NextForCausalLM")
+
+
+def check_drafter(cluster: ClusterConfig, report: CheckpointReport) -> None:
+    """A model drafter (`speculative.method` draft | eagle | mtp) has its directory, so a
+    missing head is one line here rather than a worker's exit."""
+    spec = cluster.speculative
+    path = Path(spec.drafter_path(str(report.path)))
+    if spec.method not in ("draft", "eagle", "mtp") or (path / "config.json").is_file():
+        return
+    archs = report.config.get("architectures") or []
+    if spec.method == "mtp" and not spec.model and any(a in _OWN_MTP for a in archs):
+        return  # the checkpoint's own MTP layer (the worker checks that it has one)
+    fix = ("models/train_eagle.py writes one" if spec.method != "draft"
+           else "an HF checkpoint with the target's token ids")
+    raise CheckpointError(f"speculative.model: {path} has no config.json; point speculative.model "
+                          f"at the {spec.method} drafter's directory ({fix}), or set "
+                          "speculative.method ngram or none")
+
+
 def preflight(cluster: ClusterConfig) -> list[str]:
     """What a launcher checks before it starts a process: the checkpoint, then every layout
     rule (devices included) against its config.json. Returns notes for the user (e.g. token-id
@@ -191,6 +212,7 @@ def preflight(cluster: ClusterConfig) -> list[str]:
 
     report = check_checkpoint(cluster.model.path, cluster.model.load_format)
     check_layout(cluster, report.config)
+    check_drafter(cluster, report)
     notes = []
     if not report.has_tokenizer:
         notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "

@@ -197,6 +197,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         run_node(config)
         return 0
+    from worker.config import ConfigError
     from worker.model import ModelLoadError
     from worker.server import BindError, run_worker  # lazy: only a worker process loads the engine
 
@@ -225,8 +226,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except BindError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except ModelLoadError as exc:  # a checkpoint it cannot load: one line naming why, no traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except (ModelLoadError, ConfigError) as exc:  # a checkpoint or drafter it cannot load: one
+        print(f"error: {exc}", file=sys.stderr)  # line naming why and the fix, no traceback
         return EXIT_USAGE
     code = 1 if refused else 0
     if args.reexec:

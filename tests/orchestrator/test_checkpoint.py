@@ -117,6 +117,44 @@ def test_each_checkpoint_problem_is_one_line_before_anything_starts(
     assert not logs.exists()  # nothing started
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp", "draft"])
+def test_a_missing_drafter_is_one_line_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str) -> None:
+    model = copy_model(tmp_path)
+    cluster = load_config(REPO_ROOT / "configs" / "tiny-1p1d.yaml",
+                          [f"model.path={model}", f"speculative.method={method}"])
+    assert preflight(cluster) == []  # the embedded model ships all three drafters
+    shutil.rmtree(model / method)
+    logs = tmp_path / "logs"
+    assert main(["serve", "--model", str(model), "--set", f"speculative.method={method}",
+                 "--set", f"launcher.log_dir={logs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: speculative.model: ") and err.count("\n") == 1, err
+    assert f"{model / method} has no config.json" in err
+    assert not logs.exists()  # nothing started
+
+
+def test_a_worker_refusing_its_drafter_exits_with_one_line(tmp_path: Path) -> None:
+    """The same refusal from the worker itself (`tandem worker` started by hand): its
+    ConfigError is one line on stderr and exit status 2, not a traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "worker", "--config", "configs/tiny-1p1d.yaml",
+         "--role", "decode", "--port", str(port), "--set", "speculative.method=eagle",
+         "--set", f"speculative.model={tmp_path / 'nope'}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: speculative.model: ") and "Traceback" not in out.stderr, \
+        out.stderr
+
+
 def test_dummy_weights_need_no_safetensors_and_no_tokenizer_means_token_ids(
         tmp_path: Path) -> None:
     model = copy_model(tmp_path)
