@@ -28,6 +28,7 @@ the first token.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,23 +139,22 @@ class ModelDrafter:
             if self.head.needs_hidden:
                 assert hidden is not None, "eagle / mtp catch up on the target's hidden states"
                 h = hidden[torch.tensor(hidden_rows, device=hidden.device)]  # [T', H]
+            # Each row's feature at its last position: it predicts the token after the next one.
+            last: torch.Tensor | None = None  # [n, H]
             if self._catch_up_graphed(rows):
                 assert self.catch_up_graphs is not None
                 last = self.catch_up_graphs.run([r.start for r in rows], [r.tokens for r in rows],
                                                 [r.request.page_table for r in rows], h)
-                for i, row in enumerate(rows):
-                    feature = last[i].clone() if self.head.needs_hidden else None
-                    row.request.draft = DraftState(row.start + len(row.tokens), feature)
-                self.counters.draft_seconds += time.perf_counter() - t0
-                return
-            feats, _ = self.run(self._batch(rows, logits=False), h)
-            end = 0
-            for row in rows:
-                end += len(row.tokens)
+            else:
+                feats, _ = self.run(self._batch(rows, logits=False), h)
+                if feats is not None:
+                    ends = itertools.accumulate(len(r.tokens) for r in rows)
+                    last = feats[[end - 1 for end in ends]]
+            for i, row in enumerate(rows):
                 feature = None
                 if self.head.needs_hidden:
-                    assert feats is not None
-                    feature = feats[end - 1].clone()  # predicts the token after the next one
+                    assert last is not None
+                    feature = last[i]
                 row.request.draft = DraftState(row.start + len(row.tokens), feature)
         self.counters.draft_seconds += time.perf_counter() - t0
 
