@@ -25,6 +25,7 @@ Writes fp8.json to $OUT (or the current directory) and prints a summary last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,24 @@ def decode(
         "pct": 100 * tok_s / roof,
         "weight_GB": weights / 1e9,
     }
+
+
+@contextlib.contextmanager
+def without_splitk() -> Iterator[None]:
+    """The dispatch before the split-K GEMM (worker/model/fp8_splitk.py), for the baseline rows
+    of the same process: one-token FP8 steps through the FP8 GEMV, 2-64 tokens through
+    cuBLAS's blockwise _scaled_mm. Engines built inside capture their graphs this way."""
+    from worker.model import fp8_splitk, gemv
+
+    def gemv_fp8(x, w, w_scale, quant, counters, bias=None, **kw):  # type: ignore[no-untyped-def]
+        return gemv.gemv(x, w, bias, w_scale=w_scale, block=(quant.block_n, quant.block_k), **kw)
+
+    saved = fp8_splitk.takes, fp8_splitk.fp8_splitk
+    fp8_splitk.takes, fp8_splitk.fp8_splitk = (lambda *a: False), gemv_fp8  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fp8_splitk.takes, fp8_splitk.fp8_splitk = saved
 
 
 def fp8_matmul_rate() -> float:
@@ -338,7 +357,15 @@ def main() -> None:
             )
         del e8
         torch.cuda.empty_cache()
-    if "decode" in chosen:
+    if "decode" in chosen:  # the baseline: the same engine with the dispatch before split-K
+        with without_splitk():
+            e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new))
+            section("before_fp8_weights_b1", lambda: decode(e8, 1, PROMPT_LEN, new, bw, 1))
+            section(
+                "before_fp8_weights_fp8_kv_b64", lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64)
+            )
+            del e8
+            torch.cuda.empty_cache()
         eb = engine(MODEL_DIR, "auto", 16384, 8, 8 * (PROMPT_LEN + new))
         section("bf16_b1", lambda: decode(eb, 1, PROMPT_LEN, new, bw, 2))
         del eb

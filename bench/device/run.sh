@@ -18,6 +18,9 @@
 #   bash bench/device/run.sh v   # serving path (issue 18): piecewise-graph GPU tests, then
 #                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
 #                                #   with a py-spy profile of the mono worker at B = 160
+#   bash bench/device/run.sh n [sweep]  # split-K FP8 GEMM (issue 20): its GPU tests and the FP8
+#                                #   ones, bench/fp8_splitk.py, bench/fp8.py decode (split-K vs
+#                                #   the dispatch before it), then with `sweep` its tile sweep
 #   bash bench/device/run.sh k   # speculative decoding (issue 21): its GPU tests (verify
 #                                #   graphs), then bench/spec_gpu.py on GPU 0 (bench/spec-cpu.json)
 # Results land in $OUT (the device tool brings them back).
@@ -176,6 +179,23 @@ elif [[ $1 == k ]]; then
     --acceptance bench/spec-cpu.json --out "$OUT" > "$OUT/spec_gpu_bench.txt" 2>&1
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/spec_gpu_bench.txt"
   tail -20 "$OUT/spec_gpu_tests.txt"; cat "$OUT/spec_gpu_bench.txt"
+elif [[ $1 == n ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_splitk.py \
+    tests/worker/test_fp8_gpu.py > "$OUT/splitk_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/splitk_tests.txt"
+  tail -15 "$OUT/splitk_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/fp8_splitk.py > "$OUT/fp8_splitk.txt" 2>&1
+  echo "fp8_splitk rc=$? at ${SECONDS}s" >> "$OUT/fp8_splitk.txt"
+  cat "$OUT/fp8_splitk.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/fp8.py --sections ceilings,decode \
+    > "$OUT/fp8_bench.txt" 2>&1
+  echo "bench rc=$? at ${SECONDS}s" >> "$OUT/fp8_bench.txt"
+  tail -14 "$OUT/fp8_bench.txt"
+  if [[ ${2:-} == sweep ]]; then  # what time is left: tiles and splits (its files stay there)
+    OUT=/tmp CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python3 bench/fp8_splitk.py \
+      --sweep > "$OUT/fp8_splitk_sweep.txt" 2>&1
+    grep -E "best|rc=" "$OUT/fp8_splitk_sweep.txt"
+  fi
 else
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m bench.gpu_pd --out "$OUT" --deadline-s 540 > "$OUT/gpu_pd.txt" 2>&1
   echo "gpu_pd rc=$? at ${SECONDS}s" >> "$OUT/gpu_pd.txt"

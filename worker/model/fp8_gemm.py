@@ -28,7 +28,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from worker.model import fp8_splitk
 from worker.model.fp8 import FP8, FP8_MAX, BlockFp8Config, dequantize_weight
+from worker.model.fp8_splitk import SplitCounters
 from worker.model.fused import next_pow2
 
 
@@ -280,8 +282,10 @@ def fp8_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     quant: BlockFp8Config,
+    counters: SplitCounters | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ dequant(w [N, K], w_scale)^T (+ bias) → [..., N] in x's dtype."""
+    """x [..., K] @ dequant(w [N, K], w_scale)^T (+ bias) → [..., N] in x's dtype. `counters`
+    (the linear's own) lets decode-sized steps take the split-K GEMM (fp8_splitk.py)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x.device.type != "cuda" and not _interpreting():
@@ -289,6 +293,8 @@ def fp8_linear(
             x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype), bias
         ).view(*lead, -1)
     m = x2.shape[0]
+    if counters is not None and fp8_splitk.takes(x2, quant):
+        return fp8_splitk.fp8_splitk(x2, w, w_scale, quant, counters, bias).view(*lead, -1)
     if x.device.type == "cuda" and _use_cublas(x2, w.shape[0], quant):
         # cuBLAS reads each scale tensor's leading dimension in 16-byte units: A's (M) is padded
         # to a multiple of 4 rows here, B's (K/128) must be one already (_use_cublas). With

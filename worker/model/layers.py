@@ -23,14 +23,14 @@ loader builds every linear unquantized).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import fp8_gemm, fused, gemv
+from worker.model import fp8_gemm, fp8_splitk, fused, gemv
 from worker.model.fp8 import FP8, BlockFp8Config, BlockFp8Source
 
 
@@ -86,11 +86,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _fp8_params(
-    module: nn.Module, rows: int, cols: int, scale_rows: int, quant: BlockFp8Config
+    module: ColumnParallelLinear | RowParallelLinear,
+    rows: int,
+    cols: int,
+    scale_rows: int,
+    quant: BlockFp8Config,
 ) -> None:
-    """An FP8 weight [rows, cols] and its block scales [scale_rows, cols / block_k] on `module`."""
+    """An FP8 weight [rows, cols], its block scales [scale_rows, cols / block_k] and the split-K
+    GEMM's tile counters on `module`."""
     module.weight = _param(rows, cols, dtype=FP8)
     module.weight_scale_inv = _param(scale_rows, _cdiv(cols, quant.block_k), dtype=torch.float32)
+    module.splitk = fp8_splitk.SplitCounters()
 
 
 def _fp8_source(source: TensorSource, name: str) -> BlockFp8Source:
@@ -104,12 +110,23 @@ def _fp8_source(source: TensorSource, name: str) -> BlockFp8Source:
     return source
 
 
-def gemv_scales(linear: nn.Module) -> dict[str, Any]:
-    """The GEMV's FP8 arguments for a linear: its block scales, or nothing when unquantized."""
-    quant = getattr(linear, "quant", None)
-    if quant is None:
-        return {}
-    return {"w_scale": linear.weight_scale_inv, "block": (quant.block_n, quant.block_k)}
+def one_token(
+    linear: ColumnParallelLinear | RowParallelLinear,
+    x: torch.Tensor,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    pair: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A one-token step [1, K] through `linear` with the step's glue folded in (the norm before
+    it, SwiGLU, the residual add after it): block-scaled FP8 weights by the split-K GEMM
+    (worker/model/fp8_splitk.py), the others by the GEMV (worker/model/gemv.py)."""
+    if linear.quant is not None:
+        return fp8_splitk.fp8_splitk(
+            x, linear.weight, linear.weight_scale_inv, linear.quant, linear.splitk, linear.bias,
+            norm=norm, pair=pair, residual=residual,
+        )
+    return gemv.gemv(x, linear.weight, linear.bias, norm=norm, pair=pair, residual=residual)
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +173,7 @@ class ColumnParallelLinear(nn.Module):
 
     weight: nn.Parameter
     weight_scale_inv: nn.Parameter  # FP8 only: [rows / block_n, in / block_k] float32
+    splitk: fp8_splitk.SplitCounters  # FP8 only: the split-K GEMM's tile counters
 
     def __init__(
         self,
@@ -188,7 +206,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] → [T, out_local]
         if self.quant is not None:
-            return fp8_gemm.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.quant)
+            return fp8_gemm.fp8_linear(
+                x, self.weight, self.weight_scale_inv, self.bias, self.quant, self.splitk
+            )
         return F.linear(x, self.weight, self.bias)
 
     def _shard_index(self, shard_id: object) -> int:
@@ -278,6 +298,7 @@ class RowParallelLinear(nn.Module):
 
     weight: nn.Parameter
     weight_scale_inv: nn.Parameter  # FP8 only: [out / block_n, in_local / block_k] float32
+    splitk: fp8_splitk.SplitCounters  # FP8 only: the split-K GEMM's tile counters
 
     def __init__(
         self,
@@ -314,7 +335,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
         if self.quant is not None:
-            y = fp8_gemm.fp8_linear(x, self.weight, self.weight_scale_inv, None, self.quant)
+            y = fp8_gemm.fp8_linear(
+                x, self.weight, self.weight_scale_inv, None, self.quant, self.splitk
+            )
         else:
             y = F.linear(x, self.weight)
         if self.tp.size > 1:

@@ -1,0 +1,181 @@
+"""The split-K FP8 GEMM (worker/model/fp8_splitk.py) against what decode-sized FP8 steps ran
+before it, per 8B projection, one GPU, one process (issue 20).
+
+At M = 1 each projection runs as the engine's one-token step calls it (qkv with the input
+norm, o adding into the stream, gate|up with the post norm and SwiGLU, down adding into the
+stream): the FP8 GEMV (worker/model/gemv.py) vs the split-K GEMM. At M = 16 and 64, a plain
+linear as `fp8_linear` runs it: cuBLAS's blockwise _scaled_mm with its activation quantizer vs
+the split-K GEMM quantizing in the kernel, and fed quantized activations. Each row is a CUDA
+graph over enough copies of the weight that nothing is served from L2; GB/s = e4m3 weight
+bytes read ÷ time. `--sweep` tries tiles and splits on o and gate|up at M = 1 and 64 first.
+The copy ceiling of the same process is printed first; fp8-splitk.json and a plot
+(fp8-splitk.png) land in $OUT.
+
+    python3 bench/fp8_splitk.py [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gemv import copy_ceiling, graph_time  # noqa: E402
+from worker.model.fp8 import BlockFp8Config  # noqa: E402
+from worker.model.fp8_gemm import quantize_activations  # noqa: E402
+from worker.model.fp8_splitk import SplitCounters, default_config, fp8_splitk  # noqa: E402
+from worker.model.gemv import gemv  # noqa: E402
+
+HIDDEN, INTER, Q, KV = 4096, 12288, 4096, 1024
+SHAPES = {  # name: (rows of W, K, the one-token glue)
+    "qkv": (Q + 2 * KV, HIDDEN, "norm"),
+    "o": (HIDDEN, Q, "residual"),
+    "gate_up": (2 * INTER, HIDDEN, "pair"),
+    "down": (HIDDEN, INTER, "residual"),
+}
+QUANT = BlockFp8Config()
+
+
+Weights = list[tuple[torch.Tensor, torch.Tensor, SplitCounters]]
+
+
+def weights(n: int, k: int) -> Weights:
+    """Copies of an e4m3 [n, k] with block scales, ≥ 512 MiB in all (past L2), each with its
+    own tile counters as each linear has."""
+    copies = max(2, -(-(512 << 20) // (n * k)))
+    return [
+        (
+            (torch.randn(n, k, device="cuda") * 64).to(torch.float8_e4m3fn),
+            torch.rand(n // 128, k // 128, device="cuda") * 1e-3,
+            SplitCounters(),
+        )
+        for _ in range(copies)
+    ]
+
+
+def gbps(ws: Weights, fn: Callable[[torch.Tensor, torch.Tensor, SplitCounters], object]) -> float:
+    t = graph_time(lambda: [fn(w, s, c) for w, s, c in ws])
+    return len(ws) * ws[0][0].numel() / t / 1e9
+
+
+def one_token(name: str, ws: Weights, **cfg: int) -> dict[str, float]:
+    n, k, glue = SHAPES[name]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.randn(1, n // 2 if glue == "pair" else n, device="cuda", dtype=torch.bfloat16)
+    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    kw: dict[str, Any] = {
+        "norm": {"norm": (nw, 1e-6)},
+        "pair": {"norm": (nw, 1e-6), "pair": True},
+        "residual": {"residual": stream},
+    }[glue]
+    out: dict[str, float] = {}
+    if not cfg:
+        out["gemv"] = gbps(ws, lambda w, s, c: gemv(x, w, w_scale=s, block=(128, 128), **kw))
+    out["splitk"] = gbps(ws, lambda w, s, c: fp8_splitk(x, w, s, QUANT, c, **kw, **cfg))
+    return out
+
+
+def tokens(name: str, ws: Weights, m: int, **cfg: int) -> dict[str, float]:
+    n, k, _ = SHAPES[name]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out: dict[str, float] = {}
+
+    if not cfg:
+
+        def cublas(w: torch.Tensor, s: torch.Tensor, c: SplitCounters) -> object:
+            xq, xs = quantize_activations(x, 128, pad_rows=4, m_major=True)
+            return torch._scaled_mm(xq, w.t(), xs, s.t(), out_dtype=torch.bfloat16)
+
+        out["cublas"] = gbps(ws, cublas)
+
+        def prequantized(w: torch.Tensor, s: torch.Tensor, c: SplitCounters) -> object:
+            xq, xs = quantize_activations(x, 128)
+            return fp8_splitk(xq, w, s, QUANT, c, x_scale=xs, out_dtype=torch.bfloat16)
+
+        out["splitk_prequantized"] = gbps(ws, prequantized)
+    out["splitk"] = gbps(ws, lambda w, s, c: fp8_splitk(x, w, s, QUANT, c, **cfg))
+    return out
+
+
+def sweep(name: str, ws: Weights, m: int) -> list[tuple[float, dict[str, int]]]:
+    n, k, glue = SHAPES[name]
+    rows = n // 2 if glue == "pair" else n
+    scores = []
+    for bn, split, stages in itertools.product((64, 128), (1, 2, 4, 8, 16), (3, 5)):
+        if -(-k // 128) < split or (split == 1 and rows < 8192):
+            continue
+        cfg = dict(BN=bn, SPLIT=split, num_stages=stages, num_warps=4)
+        try:
+            row = one_token(name, ws, **cfg) if m == 1 else tokens(name, ws, m, **cfg)
+            scores.append((row["splitk"], cfg))
+        except Exception as exc:  # a tile the compiler rejects (shared memory, registers)
+            print(f"  {name} m={m} {cfg}: {type(exc).__name__}", flush=True)
+    scores.sort(key=lambda s: -s[0])
+    default = default_config(m, rows, k, 128)
+    print(f"{name} m={m}: default {default}; best " + "; ".join(
+        f"{g:.0f} {c}" for g, c in scores[:4]), flush=True)
+    return scores[:6]
+
+
+def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    names = list(rows)
+    kinds = sorted({kind for r in rows.values() for kind in r})
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        ax.bar([j + i * width for j in range(len(names))],
+               [rows[nm].get(kind, 0) for nm in names], width, label=kind)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30)
+    ax.set_ylabel("e4m3 weight GB/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    out_dir = Path(os.environ.get("OUT", "."))
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_ceiling()}
+    print(f"copy ceiling {result['copy_GBps']:.0f} GB/s (read + written)", flush=True)
+    rows: dict[str, dict[str, float]] = {}
+    sweeps: dict[str, Any] = {}
+    for name, (n, k, _) in SHAPES.items():
+        ws = weights(n, k)
+        if args.sweep and name in ("o", "gate_up"):
+            for m in (1, 64):
+                sweeps[f"{name}_m{m}"] = sweep(name, ws, m)
+        rows[f"{name} m=1"] = one_token(name, ws)
+        for m in (16, 64):
+            rows[f"{name} m={m}"] = tokens(name, ws, m)
+        for key in (f"{name} m=1", f"{name} m=16", f"{name} m=64"):
+            print(f"{key:<12}" + "  ".join(f"{kind} {v:5.0f}" for kind, v in rows[key].items()),
+                  flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    result |= {"rows": rows, "sweeps": sweeps}
+    (out_dir / "fp8-splitk.json").write_text(json.dumps(result, indent=1, default=str))
+    plot(rows, out_dir / "fp8-splitk.png")
+
+
+if __name__ == "__main__":
+    main()
