@@ -5,7 +5,8 @@ At M = 1 each projection runs as the engine's one-token step calls it (qkv with 
 norm, o adding into the stream, gate|up with the post norm and SwiGLU, down adding into the
 stream): the FP8 GEMV (worker/model/gemv.py) vs the split-K GEMM. At M = 16 and 64, a plain
 linear as `fp8_linear` runs it: cuBLAS's blockwise _scaled_mm with its activation quantizer vs
-the split-K GEMM quantizing in the kernel, and fed quantized activations. Each row is a CUDA
+the split-K GEMM (weights widened to float16 in registers, x unquantized), and the split-K GEMM's
+e4m3 × e4m3 mode fed quantized activations. Each row is a CUDA
 graph over enough copies of the weight that nothing is served from L2; GB/s = e4m3 weight
 bytes read ÷ time. `--sweep` tries tiles and splits on o and gate|up at M = 1 and 64 first.
 The copy ceiling of the same process is printed first; fp8-splitk.json and a plot
@@ -110,10 +111,12 @@ def sweep(name: str, ws: Weights, m: int) -> list[tuple[float, dict[str, int]]]:
     n, k, glue = SHAPES[name]
     rows = n // 2 if glue == "pair" else n
     scores = []
-    for bn, split, stages in itertools.product((64, 128), (1, 2, 4, 8, 16), (3, 5)):
-        if -(-k // 128) < split or (split == 1 and rows < 8192):
+    for bn, split, stages, warps in itertools.product(
+        (64, 128), (1, 2, 4, 8, 16), (2, 4), (4, 8)
+    ):
+        if -(-k // 128) < split or (split == 1 and rows < 8192) or (bn == 64 and warps == 8):
             continue
-        cfg = dict(BN=bn, SPLIT=split, num_stages=stages, num_warps=4)
+        cfg = dict(BN=bn, SPLIT=split, num_stages=stages, num_warps=warps)
         try:
             row = one_token(name, ws, **cfg) if m == 1 else tokens(name, ws, m, **cfg)
             scores.append((row["splitk"], cfg))

@@ -65,7 +65,7 @@ def _kernels() -> SimpleNamespace:
         STEPS: tl.constexpr, SPLIT: tl.constexpr, SCALE_N: tl.constexpr, K_POW2: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         X_FP8: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, HAS_BIAS: tl.constexpr,
-        RESIDUAL: tl.constexpr,
+        RESIDUAL: tl.constexpr, F16: tl.constexpr,
     ):
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -85,29 +85,59 @@ def _kernels() -> SimpleNamespace:
         su_row = ws_ptr + ((tile * BN + N) // SCALE_N) * stride_wsn  # its up half's (PAIR)
         acc = tl.zeros([BN, BM], tl.float32)
         acc_up = tl.zeros([BN, BM], tl.float32)
-        for kb in range(split * STEPS, tl.minimum(split * STEPS + STEPS, tl.cdiv(K, BK))):
-            k = kb * BK + tl.arange(0, BK)
-            k_mask = k < K
-            wmask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0,
-                        eviction_policy="evict_first")  # [BN, BK] e4m3
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if X_FP8:  # quantized already: [BM, BK] e4m3 and its scales [BM]
-                xq = x
-                xs = tl.load(xs_ptr + m * stride_xsm + kb, mask=m_mask, other=0.0)
-            else:  # quantize this block per token, as quantize_activations does
-                xf = x.to(tl.float32)
+        kb0 = split * STEPS
+        kb1 = tl.minimum(kb0 + STEPS, tl.cdiv(K, BK))
+        if F16:  # weights widened to float16, x scaled by each block's weight scale: one sum
+            # Iteration kb loads block kb + 1's x and scales (their latency behind this step's
+            # dot) and multiplies block kb; the first (kb0 - 1) only loads.
+            xb = tl.zeros([BM, BK], tl.float32)
+            sw = 0.0
+            su = 0.0
+            k_end = tl.minimum(K, kb1 * BK)  # masks from comparisons only (the interpreter's)
+            for kb in range(kb0 - 1, kb1):
+                kn = (kb + 1) * BK + tl.arange(0, BK)
+                xn = tl.load(x_rows + kn[None, :], mask=m_mask[:, None] & (kn < k_end)[None, :],
+                             other=0.0).to(tl.float32)
                 if NORM:  # as layers.RMSNorm: normalized, rounded, times the weight, rounded
-                    nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-                    xf = (nw[None, :] * (xf * rstd).to(dtype).to(tl.float32))
-                    xf = xf.to(dtype).to(tl.float32)
-                xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), 1e-10), 448.0)  # [BM]
-                xq = tl.clamp(tl.math.div_rn(xf, xs[:, None]), -448.0, 448.0).to(tl.float8e4nv)
-            acc += tl.dot(w, tl.trans(xq)) * (tl.load(s_row + kb) * xs)[None, :]
-            if PAIR:
-                u = tl.load(u_rows + k[None, :], mask=wmask, other=0.0,
-                            eviction_policy="evict_first")
-                acc_up += tl.dot(u, tl.trans(xq)) * (tl.load(su_row + kb) * xs)[None, :]
+                    nw = tl.load(nw_ptr + kn, mask=kn < k_end, other=0.0).to(tl.float32)
+                    xn = (nw[None, :] * (xn * rstd).to(dtype).to(tl.float32)).to(dtype)
+                    xn = xn.to(tl.float32)
+                sn = tl.load(s_row + kb + 1, mask=kb + 1 < kb1, other=0.0)
+                sun = 0.0
+                if PAIR:
+                    sun = tl.load(su_row + kb + 1, mask=kb + 1 < kb1, other=0.0)
+                k = kb * BK + tl.arange(0, BK)
+                wmask = n_mask[:, None] & ((k >= kb0 * BK) & (k < K))[None, :]
+                w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0)  # [BN, BK] e4m3
+                acc = tl.dot(w.to(tl.float16), tl.trans((xb * sw).to(tl.float16)), acc)
+                if PAIR:
+                    u = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
+                    acc_up = tl.dot(u.to(tl.float16), tl.trans((xb * su).to(tl.float16)), acc_up)
+                xb, sw, su = xn, sn, sun
+        else:
+            for kb in range(kb0, kb1):
+                k = kb * BK + tl.arange(0, BK)
+                k_mask = k < K
+                wmask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0,
+                            eviction_policy="evict_first")  # [BN, BK] e4m3
+                x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if X_FP8:  # quantized already: [BM, BK] e4m3 and its scales [BM]
+                    xq = x
+                    xs = tl.load(xs_ptr + m * stride_xsm + kb, mask=m_mask, other=0.0)
+                else:  # quantize this block per token, as quantize_activations does
+                    xf = x.to(tl.float32)
+                    if NORM:  # as layers.RMSNorm: normalized, rounded, times the weight, rounded
+                        nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+                        xf = (nw[None, :] * (xf * rstd).to(dtype).to(tl.float32))
+                        xf = xf.to(dtype).to(tl.float32)
+                    xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), 1e-10), 448.0)  # [BM]
+                    xq = tl.clamp(tl.math.div_rn(xf, xs[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+                acc += tl.dot(w, tl.trans(xq)) * (tl.load(s_row + kb) * xs)[None, :]
+                if PAIR:
+                    u = tl.load(u_rows + k[None, :], mask=wmask, other=0.0,
+                                eviction_policy="evict_first")
+                    acc_up += tl.dot(u, tl.trans(xq)) * (tl.load(su_row + kb) * xs)[None, :]
         last = True
         if SPLIT > 1:  # park the partials; the tile's last program sums them in split order
             planes: tl.constexpr = 2 if PAIR else 1
@@ -212,6 +242,7 @@ def fp8_splitk(
         )
     cfg = default_config(m, n, k, bk) | config
     bn, split = cfg.pop("BN"), cfg.pop("SPLIT")
+    f16 = bool(cfg.pop("F16", x_scale is None))
     if quant.block_n % bn or (pair and n % quant.block_n):
         raise ValueError(
             f"fp8_splitk: BN={bn} must divide the scale block {quant.block_n} (and a pair's half "
@@ -243,6 +274,6 @@ def fp8_splitk(
         0.0 if norm is None else norm[1],
         STEPS=steps, SPLIT=split, SCALE_N=quant.block_n, K_POW2=_next_pow2(k), BM=bm, BN=bn, BK=bk,
         X_FP8=x_scale is not None, NORM=norm is not None, PAIR=pair, HAS_BIAS=bias is not None,
-        RESIDUAL=residual is not None, **cfg,
+        RESIDUAL=residual is not None, F16=f16, **cfg,
     )
     return out
