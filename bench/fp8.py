@@ -7,8 +7,9 @@ Sections (`--sections`, default all):
   M = 16, 64 and 8192 (its best tile of GEMM_CONFIGS beside its default), next to
   torch._scaled_mm with the same 1x128 / 128x128 scales (cuBLAS, CUDA ≥ 12.9) and bf16 cuBLAS.
 - decode: the Engine (qwen3-8b shape, dummy weights) with FP8 weights at batch 1 vs its FP8
-  roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batch 64 with FP8 weights
-  and FP8 KV; the bf16 engine at batch 1 beside it.
+  roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batches 16 and 64 with FP8
+  weights and FP8 KV; batch 16 again with the split-K GEMM off (`without_splitk`, the baseline
+  of the same process); the bf16 engine at batch 1 beside it.
 - prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
   transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
@@ -118,19 +119,16 @@ def decode(
 @contextlib.contextmanager
 def without_splitk() -> Iterator[None]:
     """The dispatch before the split-K GEMM (worker/model/fp8_splitk.py), for the baseline rows
-    of the same process: one-token FP8 steps through the FP8 GEMV, 2-64 tokens through
-    cuBLAS's blockwise _scaled_mm. Engines built inside capture their graphs this way."""
-    from worker.model import fp8_splitk, gemv
+    of the same process: 1-16 tokens through cuBLAS's blockwise _scaled_mm (or the Triton GEMM).
+    Engines built inside capture their graphs this way."""
+    from worker.model import fp8_splitk
 
-    def gemv_fp8(x, w, w_scale, quant, counters, bias=None, **kw):  # type: ignore[no-untyped-def]
-        return gemv.gemv(x, w, bias, w_scale=w_scale, block=(quant.block_n, quant.block_k), **kw)
-
-    saved = fp8_splitk.takes, fp8_splitk.fp8_splitk
-    fp8_splitk.takes, fp8_splitk.fp8_splitk = (lambda *a: False), gemv_fp8  # type: ignore[assignment]
+    saved = fp8_splitk.takes
+    fp8_splitk.takes = lambda *a: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        fp8_splitk.takes, fp8_splitk.fp8_splitk = saved
+        fp8_splitk.takes = saved
 
 
 def fp8_matmul_rate() -> float:
@@ -329,6 +327,7 @@ def main() -> None:
         e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new) + 2 * PREFILL_LEN)
         if "decode" in chosen:
             section("fp8_weights_b1", lambda: decode(e8, 1, PROMPT_LEN, new, bw, 1))
+            section("fp8_weights_fp8_kv_b16", lambda: decode(e8, 16, PROMPT_LEN, new, bw, 16))
             section("fp8_weights_fp8_kv_b64", lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
 
         def prefill() -> dict[str, float]:
@@ -360,9 +359,8 @@ def main() -> None:
     if "decode" in chosen:  # the baseline: the same engine with the dispatch before split-K
         with without_splitk():
             e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new))
-            section("before_fp8_weights_b1", lambda: decode(e8, 1, PROMPT_LEN, new, bw, 1))
             section(
-                "before_fp8_weights_fp8_kv_b64", lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64)
+                "before_fp8_weights_fp8_kv_b16", lambda: decode(e8, 16, PROMPT_LEN, new, bw, 16)
             )
             del e8
             torch.cuda.empty_cache()

@@ -1,16 +1,11 @@
-"""The split-K FP8 GEMM (worker/model/fp8_splitk.py) against what decode-sized FP8 steps ran
-before it, per 8B projection, one GPU, one process (issue 20).
+"""The split-K FP8 GEMM (worker/model/fp8_splitk.py) against cuBLAS's blockwise _scaled_mm
+(with its activation quantizer, as fp8_linear runs it) and, at one token, the FP8 GEMV
+(worker/model/gemv.py), per 8B projection at 1 to 64 tokens, one GPU, one process (issue 20).
 
-At M = 1 each projection runs as the engine's one-token step calls it (qkv with the input
-norm, o adding into the stream, gate|up with the post norm and SwiGLU, down adding into the
-stream): the FP8 GEMV (worker/model/gemv.py) vs the split-K GEMM. At M = 16 and 64, a plain
-linear as `fp8_linear` runs it: cuBLAS's blockwise _scaled_mm with its activation quantizer vs
-the split-K GEMM (weights widened to float16 in registers, x unquantized), and the split-K GEMM's
-e4m3 × e4m3 mode fed quantized activations. Each row is a CUDA
-graph over enough copies of the weight that nothing is served from L2; GB/s = e4m3 weight
-bytes read ÷ time. `--sweep` tries tiles and splits on o and gate|up at M = 1 and 64 first.
-The copy ceiling of the same process is printed first; fp8-splitk.json and a plot
-(fp8-splitk.png) land in $OUT.
+Each figure is a CUDA graph over enough copies of the weight that nothing is served from L2;
+GB/s = e4m3 weight bytes read ÷ time. `--sweep` first tries tiles, splits and pipeline depths
+on o and gate|up at 16 tokens. The copy ceiling of the same process is printed first;
+fp8-splitk.json and a plot (fp8-splitk.png) land in $OUT.
 
     python3 bench/fp8_splitk.py [--sweep]
 """
@@ -37,12 +32,9 @@ from worker.model.fp8_splitk import SplitCounters, default_config, fp8_splitk  #
 from worker.model.gemv import gemv  # noqa: E402
 
 HIDDEN, INTER, Q, KV = 4096, 12288, 4096, 1024
-SHAPES = {  # name: (rows of W, K, the one-token glue)
-    "qkv": (Q + 2 * KV, HIDDEN, "norm"),
-    "o": (HIDDEN, Q, "residual"),
-    "gate_up": (2 * INTER, HIDDEN, "pair"),
-    "down": (HIDDEN, INTER, "residual"),
-}
+SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN),
+          "down": (HIDDEN, INTER)}  # name: (rows of W, K)
+TOKENS = (1, 4, 16, 32, 64)
 QUANT = BlockFp8Config()
 
 
@@ -68,28 +60,13 @@ def gbps(ws: Weights, fn: Callable[[torch.Tensor, torch.Tensor, SplitCounters], 
     return len(ws) * ws[0][0].numel() / t / 1e9
 
 
-def one_token(name: str, ws: Weights, **cfg: int) -> dict[str, float]:
-    n, k, glue = SHAPES[name]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    stream = torch.randn(1, n // 2 if glue == "pair" else n, device="cuda", dtype=torch.bfloat16)
-    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-    kw: dict[str, Any] = {
-        "norm": {"norm": (nw, 1e-6)},
-        "pair": {"norm": (nw, 1e-6), "pair": True},
-        "residual": {"residual": stream},
-    }[glue]
-    out: dict[str, float] = {}
-    if not cfg:
-        out["gemv"] = gbps(ws, lambda w, s, c: gemv(x, w, w_scale=s, block=(128, 128), **kw))
-    out["splitk"] = gbps(ws, lambda w, s, c: fp8_splitk(x, w, s, QUANT, c, **kw, **cfg))
-    return out
-
-
-def tokens(name: str, ws: Weights, m: int, **cfg: int) -> dict[str, float]:
-    n, k, _ = SHAPES[name]
+def row(name: str, ws: Weights, m: int, **cfg: int) -> dict[str, float]:
+    """GB/s of one projection at m tokens: the split-K GEMM (with `cfg`), and without cfg also
+    cuBLAS's blockwise _scaled_mm after its activation quantizer (fp8_linear's path past 16
+    tokens) and, at one token, the FP8 GEMV."""
+    n, k = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out: dict[str, float] = {}
-
     if not cfg:
 
         def cublas(w: torch.Tensor, s: torch.Tensor, c: SplitCounters) -> object:
@@ -97,34 +74,27 @@ def tokens(name: str, ws: Weights, m: int, **cfg: int) -> dict[str, float]:
             return torch._scaled_mm(xq, w.t(), xs, s.t(), out_dtype=torch.bfloat16)
 
         out["cublas"] = gbps(ws, cublas)
-
-        def prequantized(w: torch.Tensor, s: torch.Tensor, c: SplitCounters) -> object:
-            xq, xs = quantize_activations(x, 128)
-            return fp8_splitk(xq, w, s, QUANT, c, x_scale=xs, out_dtype=torch.bfloat16)
-
-        out["splitk_prequantized"] = gbps(ws, prequantized)
+        if m == 1:
+            out["gemv"] = gbps(ws, lambda w, s, c: gemv(x, w, w_scale=s, block=(128, 128)))
     out["splitk"] = gbps(ws, lambda w, s, c: fp8_splitk(x, w, s, QUANT, c, **cfg))
     return out
 
 
 def sweep(name: str, ws: Weights, m: int) -> list[tuple[float, dict[str, int]]]:
-    n, k, glue = SHAPES[name]
-    rows = n // 2 if glue == "pair" else n
+    n, k = SHAPES[name]
     scores = []
     for bn, split, stages, warps in itertools.product(
-        (64, 128), (1, 2, 4, 8, 16), (2, 4), (4, 8)
+        (64, 128), (1, 2, 4, 8, 16), (2, 3, 4), (4, 8)
     ):
-        if -(-k // 128) < split or (split == 1 and rows < 8192) or (bn == 64 and warps == 8):
+        if -(-k // 128) < split or (bn == 64 and warps == 8):
             continue
         cfg = dict(BN=bn, SPLIT=split, num_stages=stages, num_warps=warps)
         try:
-            row = one_token(name, ws, **cfg) if m == 1 else tokens(name, ws, m, **cfg)
-            scores.append((row["splitk"], cfg))
+            scores.append((row(name, ws, m, **cfg)["splitk"], cfg))
         except Exception as exc:  # a tile the compiler rejects (shared memory, registers)
             print(f"  {name} m={m} {cfg}: {type(exc).__name__}", flush=True)
     scores.sort(key=lambda s: -s[0])
-    default = default_config(m, rows, k, 128)
-    print(f"{name} m={m}: default {default}; best " + "; ".join(
+    print(f"{name} m={m}: default {default_config(n, k, 128)}; best " + "; ".join(
         f"{g:.0f} {c}" for g, c in scores[:4]), flush=True)
     return scores[:6]
 
@@ -162,17 +132,14 @@ def main() -> None:
     print(f"copy ceiling {result['copy_GBps']:.0f} GB/s (read + written)", flush=True)
     rows: dict[str, dict[str, float]] = {}
     sweeps: dict[str, Any] = {}
-    for name, (n, k, _) in SHAPES.items():
+    for name, (n, k) in SHAPES.items():
         ws = weights(n, k)
         if args.sweep and name in ("o", "gate_up"):
-            for m in (1, 64):
-                sweeps[f"{name}_m{m}"] = sweep(name, ws, m)
-        rows[f"{name} m=1"] = one_token(name, ws)
-        for m in (16, 64):
-            rows[f"{name} m={m}"] = tokens(name, ws, m)
-        for key in (f"{name} m=1", f"{name} m=16", f"{name} m=64"):
-            print(f"{key:<12}" + "  ".join(f"{kind} {v:5.0f}" for kind, v in rows[key].items()),
-                  flush=True)
+            sweeps[f"{name}_m16"] = sweep(name, ws, 16)
+        for m in TOKENS:
+            rows[f"{name} m={m}"] = row(name, ws, m)
+            print(f"{name + ' m=' + str(m):<12}" + "  ".join(
+                f"{kind} {v:5.0f}" for kind, v in rows[f"{name} m={m}"].items()), flush=True)
         del ws
         torch.cuda.empty_cache()
     result |= {"rows": rows, "sweeps": sweeps}

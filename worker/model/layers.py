@@ -23,7 +23,7 @@ loader builds every linear unquantized).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -110,23 +110,12 @@ def _fp8_source(source: TensorSource, name: str) -> BlockFp8Source:
     return source
 
 
-def one_token(
-    linear: ColumnParallelLinear | RowParallelLinear,
-    x: torch.Tensor,
-    *,
-    norm: tuple[torch.Tensor, float] | None = None,
-    pair: bool = False,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A one-token step [1, K] through `linear` with the step's glue folded in (the norm before
-    it, SwiGLU, the residual add after it): block-scaled FP8 weights by the split-K GEMM
-    (worker/model/fp8_splitk.py), the others by the GEMV (worker/model/gemv.py)."""
-    if linear.quant is not None:
-        return fp8_splitk.fp8_splitk(
-            x, linear.weight, linear.weight_scale_inv, linear.quant, linear.splitk, linear.bias,
-            norm=norm, pair=pair, residual=residual,
-        )
-    return gemv.gemv(x, linear.weight, linear.bias, norm=norm, pair=pair, residual=residual)
+def gemv_scales(linear: nn.Module) -> dict[str, Any]:
+    """The GEMV's FP8 arguments for a linear: its block scales, or nothing when unquantized."""
+    quant = getattr(linear, "quant", None)
+    if quant is None:
+        return {}
+    return {"w_scale": linear.weight_scale_inv, "block": (quant.block_n, quant.block_k)}
 
 
 class RMSNorm(nn.Module):

@@ -35,8 +35,8 @@ from worker.model.layers import (
     RMSNorm,
     RowParallelLinear,
     TPInfo,
+    gemv_scales,
     kv_heads_per_rank,
-    one_token,
 )
 from worker.model.rope import RotaryEmbedding, apply_rope
 
@@ -176,11 +176,16 @@ class DecoderLayer(nn.Module):
         residual add inside the GEMV before it, SiLU·mul inside gate|up."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm
-        qkv = one_token(attn.qkv_proj, stream, norm=(pre.weight, pre.eps))
+        qkv = gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                        norm=(pre.weight, pre.eps),
+                        **gemv_scales(attn.qkv_proj))  # FP8 weights: their block scales
         o = attn.attend(qkv, cos, sin, batch, kv)
-        one_token(attn.o_proj, o, residual=stream)
-        act = one_token(mlp.gate_up_proj, stream, pair=True, norm=(post.weight, post.eps))
-        one_token(mlp.down_proj, act, residual=stream)
+        gemv.gemv(o, attn.o_proj.weight, attn.o_proj.bias, residual=stream,
+                  **gemv_scales(attn.o_proj))
+        act = gemv.gemv(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pair=True,
+                        norm=(post.weight, post.eps), **gemv_scales(mlp.gate_up_proj))
+        gemv.gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=stream,
+                  **gemv_scales(mlp.down_proj))
 
 
 class LlamaModel(nn.Module):
