@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tests.worker.test_fused_gpu import HAS_TRITON, _rel, gpu
 from worker.model import fp8
 from worker.model.fp8 import BlockFp8Config
-from worker.model.fp8_splitk import MAX_TOKENS, SplitCounters, fp8_splitk, takes
+from worker.model.fp8_splitk import KERNEL_TOKENS, MAX_TOKENS, SplitCounters, fp8_splitk, takes
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = BlockFp8Config()
@@ -27,6 +27,7 @@ CASES = [  # m, n, k, split, bias
     (3, 256, 512, 2, False),
     (5, 200, 300, 1, False),  # N and K not whole blocks
     (16, 384, 1024, 8, True),
+    (40, 128, 512, 2, False),  # past what `takes` sends: the bench's 32 and 64 tokens
     (9, 192, 640, 3, True),  # 5 K blocks over 3 splits: the last one short
 ]
 
@@ -74,8 +75,8 @@ def test_takes_small_bf16_batches_on_cuda_only() -> None:
     if torch.cuda.is_available():
         assert takes(x.cuda(), BLOCK) and not takes(x.cuda().float(), BLOCK)
         assert not takes(torch.zeros(MAX_TOKENS + 1, 256, device="cuda"), BLOCK)
-    with pytest.raises(ValueError, match="M ≤ 16"):
-        fp8_splitk(torch.zeros(MAX_TOKENS + 1, 256), torch.zeros(128, 256, dtype=fp8.FP8),
+    with pytest.raises(ValueError, match="M ≤ 64"):
+        fp8_splitk(torch.zeros(KERNEL_TOKENS + 1, 256), torch.zeros(128, 256, dtype=fp8.FP8),
                    torch.ones(1, 2), BLOCK, SplitCounters())
 
 

@@ -36,7 +36,8 @@ import torch
 
 from worker.model.fp8 import BlockFp8Config
 
-MAX_TOKENS = 16  # the widest x sent here (bench/fp8_splitk.py: behind cuBLAS at 64)
+MAX_TOKENS = 16  # the widest x `takes` sends here (bench/fp8_splitk.py: behind cuBLAS at 64)
+KERNEL_TOKENS = 64  # the widest x the kernel runs (its tile's token side, for the bench)
 
 
 @dataclass
@@ -150,13 +151,13 @@ def fp8_splitk(
     bias: torch.Tensor | None = None,
     **config: int,
 ) -> torch.Tensor:
-    """x [M ≤ 16, K] (bf16/fp16) @ dequant(w [N, K] e4m3, w_scale)^T (+ bias) → [M, N] in x's
+    """x [M ≤ 64, K] (bf16/fp16) @ dequant(w [N, K] e4m3, w_scale)^T (+ bias) → [M, N] in x's
     dtype. `config` overrides default_config (BN, SPLIT, num_warps, num_stages: for sweeps)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > MAX_TOKENS or w.shape[1] != k or not w.is_contiguous() or x.stride(1) != 1:
+    if m > KERNEL_TOKENS or w.shape[1] != k or not w.is_contiguous() or x.stride(1) != 1:
         raise ValueError(
-            f"fp8_splitk: x [M ≤ {MAX_TOKENS}, K] with unit column stride and a contiguous "
+            f"fp8_splitk: x [M ≤ {KERNEL_TOKENS}, K] with unit column stride and a contiguous "
             f"w [N, K]; got x {tuple(x.shape)} strides {tuple(x.stride())}, w {tuple(w.shape)}"
         )
     cfg = default_config(n, k, quant.block_k) | config
@@ -166,7 +167,7 @@ def fp8_splitk(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm = 16  # the tensor core's narrowest N side (Triton's dot)
+    bm = max(16, 1 << (m - 1).bit_length())  # ≥ 16: the tensor core's narrowest N (Triton's dot)
     tiles = -(-n // bn)
     blocks = -(-k // quant.block_k)
     steps = -(-blocks // split)  # K blocks per split
