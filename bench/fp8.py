@@ -119,7 +119,7 @@ def decode(
 @contextlib.contextmanager
 def without_splitk() -> Iterator[None]:
     """The dispatch before the split-K GEMM (worker/model/fp8_splitk.py), for the baseline rows
-    of the same process: 1-16 tokens through cuBLAS's blockwise _scaled_mm (or the Triton GEMM).
+    of the same process: 1-32 tokens through cuBLAS's blockwise _scaled_mm (or the Triton GEMM).
     Engines built inside capture their graphs this way."""
     from worker.model import fp8_splitk
 

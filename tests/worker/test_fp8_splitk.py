@@ -92,7 +92,7 @@ def test_splitk_matches_its_reference_on_cuda(case: tuple) -> None:
 @gpu
 def test_graph_replays_and_fp8_linear_dispatch() -> None:
     """A CUDA graph of the GEMM replays right (each replay's last program resets its tile's
-    counter), and fp8_linear takes it for 1-16 tokens when the linear hands its counters."""
+    counter), and fp8_linear takes it for 1-32 tokens when the linear hands its counters."""
     from worker.model.fp8_gemm import fp8_linear
 
     g = torch.Generator().manual_seed(4)

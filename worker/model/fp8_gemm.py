@@ -8,7 +8,7 @@ and its weight block's scale, accumulated in float32 (`block_fp8_matmul`). One-t
 not come here: the GEMV reads the FP8 weight and folds the block scales in
 (worker/model/gemv.py), leaving the activations unquantized.
 
-`fp8_linear` is the layers' entry point. On CUDA, steps of 1-16 tokens go to the split-K GEMM
+`fp8_linear` is the layers' entry point. On CUDA, steps of 1-32 tokens go to the split-K GEMM
 (fp8_splitk.py: weights widened in registers, x unquantized) when the linear hands its tile
 counters; larger multi-token steps go to `torch._scaled_mm`,
 which takes this recipe on sm90 from CUDA 12.9 (scales 1×128 for A, M-major, and 128×128 for

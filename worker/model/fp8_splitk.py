@@ -1,4 +1,4 @@
-"""Split-K block-scaled FP8 GEMM for small decode batches (1 to 16 tokens) on CUDA.
+"""Split-K block-scaled FP8 GEMM for small decode batches (1 to 32 tokens) on CUDA.
 
 At decode sizes an FP8 linear is weight streaming: every step reads all of W [N, K] e4m3 for
 a few rows of x. cuBLAS's blockwise `_scaled_mm` (fp8_gemm.py) gives one program per output
@@ -7,7 +7,7 @@ their weights at 1.0-2.7 TB/s at 16 tokens on an H200. Here:
 
 - **swap AB**: a program's tile is BN weight rows × BM tokens, `dot(W tile [BN, BK],
   x tile [BM, BK]^T)`, so the weights fill the tensor core's M side and the few tokens its N
-  side (16);
+  side (16 to 64);
 - **weights widened, x scaled**: each e4m3 tile is converted to float16 in registers (one
   instruction per pair), and x's block [BM, BK] is multiplied by the tile's block scale (one
   scale per 128 x 128 block: a program's rows share a scale row), so the K loop is one float32
@@ -18,10 +18,11 @@ their weights at 1.0-2.7 TB/s at 16 tokens on an H200. Here:
   the partials in split order — deterministic — and writes the output with the bias; it sets
   the counter back to 0, so a CUDA graph replays with no memset.
 
-bench/fp8_splitk.py measures it per projection against cuBLAS and the one-token GEMV: at 16
-tokens it reads 1.1-1.6x cuBLAS's GB/s; at 64 tokens it is behind (the float16 tensor-core work
+bench/fp8_splitk.py measures it per projection against cuBLAS and the one-token GEMV (H200,
+8B shapes): at 4-16 tokens it reads 1.1-1.6x cuBLAS's GB/s, at 32 tokens 1.2x over a layer's
+four projections (gate|up alone 0.96x); at 64 tokens it is behind (the float16 tensor-core work
 and the widening grow with the tokens), and at one token the GEMV (worker/model/gemv.py) is
-ahead, so `takes` sends it 1-16 tokens and the engine's one-token step keeps the GEMV.
+ahead, so `takes` sends it 1-32 tokens and the engine's one-token step keeps the GEMV.
 x·scale is rounded to float16 (x · 2^-7..2^-12 for typical blocks: well inside its range).
 The output is rounded to the model dtype as F.linear's is, then the bias added and rounded.
 """
@@ -36,7 +37,7 @@ import torch
 
 from worker.model.fp8 import BlockFp8Config
 
-MAX_TOKENS = 16  # the widest x `takes` sends here (bench/fp8_splitk.py: behind cuBLAS at 64)
+MAX_TOKENS = 32  # the widest x `takes` sends here (bench/fp8_splitk.py: behind cuBLAS at 64)
 KERNEL_TOKENS = 64  # the widest x the kernel runs (its tile's token side, for the bench)
 
 
@@ -119,7 +120,7 @@ def _kernels() -> SimpleNamespace:
 
 
 def takes(x: torch.Tensor, quant: BlockFp8Config) -> bool:
-    """Whether a step x [M, K] of a linear with this quantization runs here: CUDA, 1 to 16
+    """Whether a step x [M, K] of a linear with this quantization runs here: CUDA, 1 to 32
     tokens of bf16/fp16 rows, scale blocks whole multiples of the 64-row tile."""
     return (
         x.device.type == "cuda"
