@@ -45,7 +45,9 @@ KERNEL_TOKENS = 64  # the widest x the kernel runs (its tile's token side, for t
 class SplitCounters:
     """One int32 per output tile, zero between calls (the kernel's last program resets its own).
     A linear owns one; it is created on first use, outside CUDA-graph capture in the engine
-    (its warm-up runs every shape eagerly first); inside a capture the zeroing is captured too."""
+    (its warm-up runs every shape eagerly first); inside a capture the zeroing is captured too.
+    Two calls of one linear must not run at once on two streams (they would share counters):
+    a worker runs its forwards on one stream."""
 
     counts: torch.Tensor | None = None
 
