@@ -135,14 +135,15 @@ def takes(x: torch.Tensor, quant: BlockFp8Config) -> bool:
 
 def default_config(n: int, k: int, block_k: int) -> dict[str, int]:
     """Tile and split against W [N, K]: BN = 64 weight rows, and splits doubled while tiles ×
-    splits stays within ~3 programs per SM of an H200 (132 SMs) and each split keeps ≥ 4 K
-    blocks (bench/fp8_splitk.py --sweep, H200: o and gate|up best at 4 and 2 splits)."""
+    splits stays within ~4 programs per SM of an H200 (132 SMs) and each split keeps ≥ 4 K
+    blocks; 3 pipeline stages (bench/fp8_splitk.py --sweep at 16 tokens, H200: o best at 8
+    splits and 3 stages, 1,762 GB/s against 1,538 at 4 and 4; gate|up level at 1 or 2)."""
     tiles = -(-n // 64)
     blocks = -(-k // block_k)
     split = 1
-    while tiles * split * 2 <= 396 and blocks // (split * 2) >= 4:
+    while tiles * split * 2 <= 528 and blocks // (split * 2) >= 4:
         split *= 2
-    return dict(BN=64, SPLIT=split, num_warps=4, num_stages=4)
+    return dict(BN=64, SPLIT=split, num_warps=4, num_stages=3)
 
 
 def fp8_splitk(
