@@ -19,8 +19,8 @@ their weights at 1.0-2.7 TB/s at 16 tokens on an H200. Here:
   the counter back to 0, so a CUDA graph replays with no memset.
 
 bench/fp8_splitk.py measures it per projection against cuBLAS and the one-token GEMV (H200,
-8B shapes): at 4-16 tokens it reads 1.1-1.6x cuBLAS's GB/s, at 32 tokens 1.2x over a layer's
-four projections (gate|up alone 0.96x); at 64 tokens it is behind (the float16 tensor-core work
+8B shapes): at 4-16 tokens it reads 1.1-1.8x cuBLAS's GB/s, at 32 tokens 1.2x over a layer's
+four projections (gate|up alone 1.02x); at 64 tokens it is behind (the float16 tensor-core work
 and the widening grow with the tokens), and at one token the GEMV (worker/model/gemv.py) is
 ahead, so `takes` sends it 1-32 tokens and the engine's one-token step keeps the GEMV.
 x·scale is rounded to float16 (x · 2^-7..2^-12 for typical blocks: well inside its range).
