@@ -94,9 +94,10 @@ def sweep(name: str, ws: Weights, m: int) -> list[tuple[float, dict[str, int]]]:
         except Exception as exc:  # a tile the compiler rejects (shared memory, registers)
             print(f"  {name} m={m} {cfg}: {type(exc).__name__}", flush=True)
     scores.sort(key=lambda s: -s[0])
-    print(f"{name} m={m}: default {default_config(n, k, 128)} "
-          f"{row(name, ws, m, **default_config(n, k, 128))['splitk']:.0f}; best " + "; ".join(
-        f"{g:.0f} {c}" for g, c in scores[:4]), flush=True)
+    default = default_config(m, n, k, 128)
+    best = "; ".join(f"{g:.0f} {c}" for g, c in scores[:4])
+    got = row(name, ws, m, **default)["splitk"]
+    print(f"{name} m={m}: default {default} {got:.0f}; best {best}", flush=True)
     return scores[:6]
 
 

@@ -133,15 +133,17 @@ def takes(x: torch.Tensor, quant: BlockFp8Config) -> bool:
     )
 
 
-def default_config(n: int, k: int, block_k: int) -> dict[str, int]:
-    """Tile and split against W [N, K]: BN = 64 weight rows, and splits doubled while tiles ×
-    splits stays within ~4 programs per SM of an H200 (132 SMs) and each split keeps ≥ 4 K
-    blocks; 3 pipeline stages (bench/fp8_splitk.py --sweep at 16 tokens, H200: o best at 8
-    splits and 3 stages, 1,762 GB/s against 1,538 at 4 and 4; gate|up level at 1 or 2)."""
+def default_config(m: int, n: int, k: int, block_k: int) -> dict[str, int]:
+    """Tile and split for M tokens against W [N, K]: BN = 64 weight rows, and splits doubled
+    while tiles × splits stays within ~4 programs per SM of an H200 (132 SMs) and each split
+    keeps ≥ 4 K blocks, at most 4 splits past 16 tokens; 3 pipeline stages. From
+    bench/fp8_splitk.py on an H200: at 16 tokens o read 1,762 GB/s with 8 splits and 3 stages
+    against 1,538 with 4 and 4 (gate|up level at 1 or 2 splits); at 32 tokens o and down read
+    1,407 and 1,918 with 4 splits, 1,158 and 1,692 with 8."""
     tiles = -(-n // 64)
     blocks = -(-k // block_k)
     split = 1
-    while tiles * split * 2 <= 528 and blocks // (split * 2) >= 4:
+    while tiles * split * 2 <= 528 and blocks // (split * 2) >= 4 and (m <= 16 or split < 4):
         split *= 2
     return dict(BN=64, SPLIT=split, num_warps=4, num_stages=3)
 
@@ -164,7 +166,7 @@ def fp8_splitk(
             f"fp8_splitk: x [M ≤ {KERNEL_TOKENS}, K] with unit column stride and a contiguous "
             f"w [N, K]; got x {tuple(x.shape)} strides {tuple(x.stride())}, w {tuple(w.shape)}"
         )
-    cfg = default_config(n, k, quant.block_k) | config
+    cfg = default_config(m, n, k, quant.block_k) | config
     bn, split = cfg.pop("BN"), cfg.pop("SPLIT")
     if quant.block_n % bn:
         raise ValueError(f"fp8_splitk: BN={bn} must divide the scale block {quant.block_n}")
