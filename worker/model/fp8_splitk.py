@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 
 from worker.model.fp8 import BlockFp8Config
+from worker.model.fused import next_pow2
 
 MAX_TOKENS = 32  # the widest x `takes` sends here (bench/fp8_splitk.py: behind cuBLAS at 64)
 KERNEL_TOKENS = 64  # the widest x the kernel runs (its tile's token side, for the bench)
@@ -173,7 +174,7 @@ def fp8_splitk(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm = max(16, 1 << (m - 1).bit_length())  # ≥ 16: the tensor core's narrowest N (Triton's dot)
+    bm = max(16, next_pow2(m))  # ≥ 16: the tensor core's narrowest N side (Triton's dot)
     tiles = -(-n // bn)
     blocks = -(-k // quant.block_k)
     steps = -(-blocks // split)  # K blocks per split
