@@ -25,13 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemv import copy_ceiling, graph_time  # noqa: E402
+from bench.gemv import HIDDEN, INTER, KV, Q, copy_ceiling, graph_time  # noqa: E402
 from worker.model.fp8 import BlockFp8Config  # noqa: E402
 from worker.model.fp8_gemm import quantize_activations  # noqa: E402
 from worker.model.fp8_splitk import SplitCounters, default_config, fp8_splitk  # noqa: E402
 from worker.model.gemv import gemv  # noqa: E402
 
-HIDDEN, INTER, Q, KV = 4096, 12288, 4096, 1024
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN),
           "down": (HIDDEN, INTER)}  # name: (rows of W, K)
 TOKENS = (1, 4, 16, 32, 64)
@@ -62,7 +61,7 @@ def gbps(ws: Weights, fn: Callable[[torch.Tensor, torch.Tensor, SplitCounters], 
 
 def row(name: str, ws: Weights, m: int, **cfg: int) -> dict[str, float]:
     """GB/s of one projection at m tokens: the split-K GEMM (with `cfg`), and without cfg also
-    cuBLAS's blockwise _scaled_mm after its activation quantizer (fp8_linear's path past 16
+    cuBLAS's blockwise _scaled_mm after its activation quantizer (fp8_linear's path past 32
     tokens) and, at one token, the FP8 GEMV."""
     n, k = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
