@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -34,6 +35,7 @@ from orchestrator.bench_data import (
     random_sessions,
     shared_prefix_sessions,
 )
+from orchestrator.bench_procs import run_processes, shares
 from orchestrator.bench_stats import (
     RequestResult,
     format_summary,
@@ -67,6 +69,7 @@ class BenchSpec:
     num_groups: int = 4  # shared-prefix: distinct system prompts
     prefix_len: int = 512  # shared-prefix: characters of each system prompt
     return_token_ids: bool = True  # count tokens per stream event from `token_ids`
+    clients: int = 1  # load-generator processes (orchestrator/bench_procs.py)
 
     @property
     def mode(self) -> str:
@@ -147,18 +150,36 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], res: Reque
     res.ok = True
 
 
-async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = None
+def load(url: str, spec: BenchSpec, progress_to: IO[str] | None = None
+         ) -> tuple[list[RequestResult], float]:
+    """Run one load point from this process, or from spec.clients processes."""
+    width = spec.concurrency if spec.concurrency > 0 else spec.num_requests
+    n = max(1, min(spec.clients, width, spec.num_requests))
+    if n == 1:
+        return asyncio.run(run_bench(url, spec, progress_to))
+    return run_processes(url, spec, n)
+
+
+async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = None,
+                    share: tuple[int, int] = (0, 1), ready: Callable[[], None] | None = None
                     ) -> tuple[list[RequestResult], float]:
-    """Run one load point; (per-request results, wall duration in seconds)."""
-    sessions = make_sessions(spec)
-    offsets = arrival_times(len(sessions), spec.request_rate, spec.seed)
-    width = spec.concurrency if spec.concurrency > 0 else len(sessions)
+    """Run one load point; (per-request results, wall duration in seconds). `share` (k, n):
+    only sessions k, k+n, ... with 1/n of the concurrency; `ready` is called once the client is
+    set up, before the clock starts (bench_procs starts its processes together there)."""
+    k, n = share
+    everyone = make_sessions(spec)
+    offsets = arrival_times(len(everyone), spec.request_rate, spec.seed)[k::n]
+    sessions = everyone[k::n]
+    width = spec.concurrency if spec.concurrency > 0 else len(everyone)
+    width = shares(width, n)[k]
     sem = asyncio.Semaphore(width)
     total = sum(len(s.turns) for s in sessions)
     bar = Progress(total, spec.mode, progress_to)
     results: list[RequestResult] = []
     async with make_client(url, spec.api_key, spec.timeout_s, min(width, 256)) as client:
         model = spec.model or await first_model(client)
+        if ready is not None:
+            ready()
         t0 = time.perf_counter()
 
         async def session(i: int) -> None:
@@ -226,7 +247,7 @@ def spec_totals(url: str, api_key: str = "") -> tuple[float, float]:
 def run_point(url: str, spec: BenchSpec, err: IO[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """One load point: (summary, raw samples for plots)."""
     before = spec_totals(url, spec.api_key)
-    results, duration = asyncio.run(run_bench(url, spec, progress_to=err))
+    results, duration = load(url, spec, progress_to=err)
     summary = summarize(results, duration, spec)
     time.sleep(0.6)  # the gateway's GetLoad refresh (gateway.load_interval_s) catches up
     accepted, steps = (a - b for a, b in zip(spec_totals(url, spec.api_key), before, strict=True))

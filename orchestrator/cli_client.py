@@ -71,6 +71,9 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="mixed load: every K-th request has a --long-input-len prompt")
     p.add_argument("--long-input-len", type=int, default=1024, metavar="M")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", type=int, default=1, metavar="N",
+                   help="load-generator processes (default 1: one core parses every stream event; "
+                        "give more at high concurrency on a fast server)")
     p.add_argument("--json", action="store_true", help="print JSON (a list for a sweep)")
     p.add_argument("--out", metavar="DIR",
                    help="write bench.json, latency_throughput.png and itl_cdf.png there")
@@ -148,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from orchestrator.bench_data import DatasetError, make_sessions_check
 
     for name in ("input_len", "output_len", "num_requests", "num_turns", "num_groups",
-                 "prefix_len"):
+                 "prefix_len", "clients"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
                   file=sys.stderr)
@@ -169,7 +172,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         long_every=max(args.long_every, 0), long_input_len=args.long_input_len, model=args.model,
         api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
         num_groups=args.num_groups, prefix_len=args.prefix_len,
-        return_token_ids=not args.no_token_ids,
+        return_token_ids=not args.no_token_ids, clients=args.clients,
     )
     specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
              [dataclasses.replace(base, concurrency=c) for c in concs or [4]])

@@ -1,0 +1,86 @@
+"""One load point from several load-generator processes (`tandem bench --clients N`).
+
+Why: one Python asyncio client parses every SSE event of every stream on one core. At high
+concurrency on a fast engine that core, not the server, sets the rate: the client falls
+behind, reads several of a stream's events back to back (an ITL p50 of a few µs says so), and a
+closed loop's next request leaves late. N processes each run `run_bench` over every N-th
+session (process k takes sessions k, k+N, ...; a closed loop's concurrency is split as evenly),
+so the client side has N cores.
+
+Lifecycle: spawn the N processes; each opens its client and asks the server its model, then
+reports ready and waits; once all are ready the parent starts them together, each runs its
+share and sends back its results and its own duration. The point's duration is the longest
+share's. Failure paths: a process that raises sends the exception, which the parent re-raises
+after stopping the others (a `ServerError` stays one, so an unreachable server still exits 2);
+a process that dies without a word (killed, out of memory) is an error naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue as queue_mod
+from typing import Any
+
+from orchestrator.bench_stats import RequestResult
+
+_POLL_S = 1.0
+
+
+def shares(width: int, n: int) -> list[int]:
+    """A closed loop's `width` requests in flight split over n processes, as evenly as can be."""
+    return [width // n + (1 if k < width % n else 0) for k in range(n)]
+
+
+def _run_share(url: str, spec: Any, k: int, n: int, out: Any, go: Any) -> None:
+    """Process k of n: run its share of the load point (module level, so spawn can pickle it)."""
+    from orchestrator.bench import run_bench
+
+    def ready() -> None:
+        out.put(("ready", k))
+        go.wait()
+
+    try:
+        results, duration = asyncio.run(run_bench(url, spec, share=(k, n), ready=ready))
+    except BaseException as exc:  # the parent re-raises it; nothing else would report it
+        out.put(("error", k, exc))
+        return
+    out.put(("done", k, results, duration))
+
+
+def run_processes(url: str, spec: Any, n: int) -> tuple[list[RequestResult], float]:
+    """(results, duration) of one load point run by n processes started together."""
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_run_share, args=(url, spec, k, n, out, go), daemon=True)
+             for k in range(n)]
+    for p in procs:
+        p.start()
+    ready: set[int] = set()
+    done: dict[int, tuple[list[RequestResult], float]] = {}
+    try:
+        while len(done) < n:
+            try:
+                msg = out.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                for k, p in enumerate(procs):
+                    if k not in done and p.exitcode is not None:
+                        raise RuntimeError(
+                            f"load generator process {k} of {n} exited with status "
+                            f"{p.exitcode} before sending its results") from None
+                continue
+            if msg[0] == "error":
+                raise msg[2]
+            if msg[0] == "ready":
+                ready.add(msg[1])
+                if len(ready) == n:
+                    go.set()
+            else:
+                done[msg[1]] = (msg[2], msg[3])
+    finally:
+        for p in procs:
+            if p.is_alive() and len(done) < n:
+                p.terminate()
+            p.join(timeout=10)
+    results = [r for k in range(n) for r in done[k][0]]
+    return results, max(d for _, d in done.values())
