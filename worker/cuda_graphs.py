@@ -238,8 +238,11 @@ class DecodeGraphs:
         """Write bucket `bs`'s inputs for `chunks` (padding rows past them) into a flat host
         buffer laid out like the static one; returns the prefix length to copy."""
         n, ps = len(chunks), self.page_size
-        ids, pos, lens, slots, rows = host[: self._head].view(5, self.max_bs)
-        table_rows = host[self._head : self.used_len(bs)].view(bs, self.max_pages)
+        # numpy views of the (pinned) host buffer: an element store there costs ~0.1 µs against
+        # ~1.5 µs through a tensor's __setitem__, and this loop runs for every row of every step
+        flat = host.numpy()
+        ids, pos, lens, slots, rows = flat[: self._head].reshape(5, self.max_bs)
+        table_rows = flat[self._head : self.used_len(bs)].reshape(bs, self.max_pages)
         for i, chunk in enumerate(chunks):
             req, p = chunk.request, chunk.start
             table = req.page_table
@@ -252,10 +255,10 @@ class DecodeGraphs:
             lens[i] = p + 1
             slots[i] = table[p // ps] * ps + p % ps
             used = p // ps + 1
-            table_rows[i, :used] = torch.as_tensor(table[:used])
+            table_rows[i, :used] = table[:used]
         lens[n:bs] = 0  # padding rows: attend to nothing
         slots[n:bs] = -1  # padding rows: write nowhere
-        rows[:n] = torch.as_tensor(src_rows) if src_rows is not None else -1
+        rows[:n] = src_rows if src_rows is not None else -1
         return self.used_len(bs)
 
     def hidden(self, n: int) -> torch.Tensor:
