@@ -12,9 +12,12 @@
   more than one split, a second kernel merges the partial outputs by their log-sum-exp. The
   split count depends only on the batch size (a CUDA graph captures it), chosen so that
   B * Hkv * splits fills the GPU; a split whose share is empty exits at once.
-- prefill / mixed steps: the one-token requests go through the decode kernel; each
-  multi-token request gathers its cached context into contiguous K/V and calls torch SDPA
-  (FlashAttention when there is no cached prefix, lower-right causal otherwise).
+- prefill / mixed steps: the one-token requests go through the decode kernel. The multi-token
+  requests, while they are short (none with more than PREFILL_KERNEL_CELLS new-token x context
+  pairs: a mixed step's prompts and chunks), go through one launch of the paged prefill kernel of
+  worker/model/triton_prefill.py, which reads the pages in place; longer ones each gather their
+  context into contiguous K/V and call torch SDPA (FlashAttention when nothing is cached before
+  the chunk, lower-right causal otherwise).
 - attention sinks (GPT-OSS, `sinks` [Hq] float32): the decode kernel's split 0 starts its online
   softmax at the sink (running max = sink, sum = 1, no value), so the merge folds it in like any
   other split; a mixed step with sinks runs the paged prefill kernel of
@@ -23,8 +26,8 @@
 FP8 KV pages (`kv_scales` given): the store divides by each head's scale and saturates before
 the e4m3 store; the decode kernel converts each K/V block to q's dtype in registers and folds
 the head's K scale into the softmax scale and its V scale into the output, so FP8 costs one
-conversion per element and halves the bytes it streams; prefill's gather dequantizes
-(scale applied in float32, then q's dtype) before SDPA.
+conversion per element and halves the bytes it streams; the prefill kernel does the same per
+block; SDPA's gather dequantizes (scale applied in float32, then q's dtype).
 
 Triton is imported lazily so that this module (and its CPU-side helpers) imports without it.
 """
@@ -42,7 +45,7 @@ from worker.batch import ForwardBatch
 from worker.model.attention import AttentionBackend, KVScales, context_mask, gather_context
 from worker.model.fp8 import dequantize_kv
 from worker.model.fused import next_pow2
-from worker.model.triton_prefill import triton_paged_prefill
+from worker.model.triton_prefill import scale_args, triton_paged_prefill
 
 # Programs the split decode aims at: ~4 per SM on an H200 (132 SMs). bench/fp8.py's split sweep
 # (H200, 32k context): batch 1 streams bf16 KV at 2,244 GB/s with 32 splits against 1,771 with
@@ -52,6 +55,11 @@ _MAX_SPLITS = 32
 # Context tokens per inner-loop iteration and pipeline depth, by page dtype (the same sweep):
 # e4m3 pages stream fastest in 128-token blocks over 3 stages (+30-35% against 64 over 2).
 _DECODE_TILES = {False: dict(BLOCK_N=64, num_stages=2), True: dict(BLOCK_N=128, num_stages=3)}
+# A step's prefill rows take the paged-prefill kernel while no request of them has more (new
+# token, context token) pairs than this; else SDPA per request. bench/mixed_attention.py (H200,
+# one 8B layer): the kernel takes 0.22-0.79x SDPA's time up to 1024 x 1024, 0.50x for four
+# 512-token chunks after 1,536 cached; 1.19x for one 2,048-token prompt, 5.3x for 8,192.
+PREFILL_KERNEL_CELLS = 1 << 20
 
 
 def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
@@ -210,13 +218,6 @@ def _get_kernels() -> dict[str, Any]:
     return {"store": store_kv_kernel, "decode": decode_kernel, "merge": merge_kernel}
 
 
-def _scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The kernels' scale pointers: (k_scale, v_scale, SCALED); placeholders when not FP8."""
-    if kv_scales is None:
-        return like, like, False
-    return kv_scales[0], kv_scales[1], True
-
-
 def triton_store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
@@ -229,7 +230,7 @@ def triton_store_kv(
         return
     assert (k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
             and v_cache.stride(3) == 1)
-    ks, vs, scaled = _scale_args(kv_scales, slot_mapping)
+    ks, vs, scaled = scale_args(kv_scales, slot_mapping)
     _get_kernels()["store"][(t,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -270,7 +271,7 @@ def triton_paged_decode(
         lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, NS]
     else:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
-    ks, vs, scaled = _scale_args(kv_scales, seq_lens)
+    ks, vs, scaled = scale_args(kv_scales, seq_lens)
     kern["decode"][(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, partial, lse, q if sinks is None else sinks,
         ks, vs,
@@ -328,38 +329,64 @@ def sdpa_prefill(
 
 
 @dataclass
-class _DecodeSubset:
-    """The one-token requests of a mixed step (computed once per batch, shared by layers)."""
+class _MixedPlan:
+    """How a mixed step's rows split (computed once per batch, shared by its layers)."""
 
-    token_index: torch.Tensor  # [Bd] int64: their token's row in q
+    token_index: torch.Tensor  # [Bd] int64: the one-token requests' rows in q
     page_table: torch.Tensor  # [Bd, max_pages]
     seq_lens: torch.Tensor  # [Bd]
     prefills: list[int]  # indices of the multi-token requests
+    # One paged-prefill launch for all of them (else one gather + SDPA each); its inputs:
+    prefill_kernel: bool
+    prefill_start: torch.Tensor | None = None  # [Bp] first row in q
+    prefill_end: torch.Tensor | None = None  # [Bp] one past the last row
+    prefill_table: torch.Tensor | None = None  # [Bp, max_pages]
+    prefill_lens: torch.Tensor | None = None  # [Bp]
+    longest: int = 0  # the most new tokens of one of them
 
 
 class TritonPagedBackend(AttentionBackend):
-    """CUDA backend: Triton store + split-K paged decode; SDPA for multi-token requests."""
+    """CUDA backend: Triton store + split-K paged decode; multi-token requests of a step through
+    one Triton paged-prefill launch while they are short, else SDPA each.
 
-    def __init__(self) -> None:
+    `prefill_kernel_cells`: the step takes the kernel while none of its prefill requests has
+    more new tokens x context than this. Short prompts and chunks beside a running batch (what
+    a mixed step carries) pay ~5 launches and a context gather each per layer through SDPA; a
+    long prompt's attention is worth FlashAttention's speed.
+    """
+
+    def __init__(self, prefill_kernel_cells: int = PREFILL_KERNEL_CELLS) -> None:
+        self.prefill_kernel_cells = prefill_kernel_cells
         self._batch: ForwardBatch | None = None
-        self._subset: _DecodeSubset | None = None
+        self._plan: _MixedPlan | None = None
 
-    def _split(self, batch: ForwardBatch) -> _DecodeSubset:
-        if self._batch is not batch:  # one plan per forward pass; layers share it
-            qs = batch.query_start_list
-            dec = [i for i in range(batch.num_requests) if qs[i + 1] - qs[i] == 1]
-            idx = torch.tensor(dec, dtype=torch.int64).to(batch.seq_lens.device, non_blocking=True)
-            self._subset = _DecodeSubset(
-                token_index=torch.tensor([qs[i] for i in dec], dtype=torch.int64).to(
-                    batch.seq_lens.device, non_blocking=True
-                ),
-                page_table=batch.page_table.index_select(0, idx),
-                seq_lens=batch.seq_lens.index_select(0, idx),
-                prefills=[i for i in range(batch.num_requests) if qs[i + 1] - qs[i] > 1],
-            )
-            self._batch = batch
-        assert self._subset is not None
-        return self._subset
+    def _split(self, batch: ForwardBatch) -> _MixedPlan:
+        if self._batch is batch:  # one plan per forward pass; layers share it
+            assert self._plan is not None
+            return self._plan
+        qs, lens, dev = batch.query_start_list, batch.seq_lens_list, batch.seq_lens.device
+        dec = [i for i in range(batch.num_requests) if qs[i + 1] - qs[i] == 1]
+        pre = [i for i in range(batch.num_requests) if qs[i + 1] - qs[i] > 1]
+        cells = max(((qs[i + 1] - qs[i]) * lens[i] for i in pre), default=0)
+
+        def rows(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+
+        idx = rows(dec)
+        plan = _MixedPlan(
+            token_index=rows([qs[i] for i in dec]),
+            page_table=batch.page_table.index_select(0, idx),
+            seq_lens=batch.seq_lens.index_select(0, idx), prefills=pre,
+            prefill_kernel=cells <= self.prefill_kernel_cells)
+        if plan.prefill_kernel and pre:
+            pidx = rows(pre)
+            plan.prefill_start = rows([qs[i] for i in pre])
+            plan.prefill_end = rows([qs[i + 1] for i in pre])
+            plan.prefill_table = batch.page_table.index_select(0, pidx)
+            plan.prefill_lens = batch.seq_lens.index_select(0, pidx)
+            plan.longest = max(qs[i + 1] - qs[i] for i in pre)
+        self._batch, self._plan = batch, plan
+        return plan
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -381,28 +408,35 @@ class TritonPagedBackend(AttentionBackend):
                 batch.uniform_query_len, scale, sliding_window, sinks,
             )
         if sinks is not None:  # SDPA has no sink term: one paged prefill kernel over the whole step
-            if kv_scales is not None:
-                raise ValueError("attention sinks (GPT-OSS) over FP8 KV pages have no CUDA prefill "
-                                 "kernel yet; serve this model with cache.kv_cache_dtype=auto")
             qs = batch.query_start_list
             longest = max(qs[i + 1] - qs[i] for i in range(batch.num_requests))
             return triton_paged_prefill(
                 q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens, longest,
-                scale, sliding_window, sinks,
+                scale, sliding_window, sinks, kv_scales,
             )
-        sub = self._split(batch)
+        plan = self._split(batch)
         out = torch.empty_like(q)  # [T, Hq, D]
-        if sub.token_index.numel():
-            out[sub.token_index] = triton_paged_decode(
-                q.index_select(0, sub.token_index), k_cache, v_cache, sub.page_table, sub.seq_lens,
-                scale, sliding_window, kv_scales=kv_scales,
+        if plan.token_index.numel():
+            out[plan.token_index] = triton_paged_decode(
+                q.index_select(0, plan.token_index), k_cache, v_cache, plan.page_table,
+                plan.seq_lens, scale, sliding_window, kv_scales=kv_scales,
             )
+        if plan.prefill_kernel:
+            if plan.prefills:
+                assert plan.prefill_start is not None and plan.prefill_table is not None
+                assert plan.prefill_lens is not None
+                triton_paged_prefill(
+                    q, k_cache, v_cache, plan.prefill_table, plan.prefill_start,
+                    plan.prefill_lens, plan.longest, scale, sliding_window, None, kv_scales,
+                    query_end=plan.prefill_end, out=out,
+                )
+            return out
         page_size = k_cache.shape[2]
         qs, lens = batch.query_start_list, batch.seq_lens_list
-        for i in sub.prefills:
+        for i in plan.prefills:
             pages = batch.page_table[i, : -(-lens[i] // page_size)]
             out[qs[i] : qs[i + 1]] = sdpa_prefill(
                 q[qs[i] : qs[i + 1]], k_cache, v_cache, pages, lens[i], scale, sliding_window,
-                    kv_scales
+                kv_scales,
             )
         return out

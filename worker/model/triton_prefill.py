@@ -1,12 +1,16 @@
 """A Triton paged-attention kernel for multi-token steps, with attention sinks and windows.
 
 Why a kernel of its own: GPT-OSS's sink logit joins every softmax's denominator, and torch SDPA
-(the prefill path of worker/model/triton_attention.py) has no such term. This kernel reads the
-context straight out of the pages (no gather) and runs one online softmax per query row that
-starts at the sink: running max = sink, running sum = 1, no value.
+has no such term; and a mixed step's short prompts and chunks, through SDPA, cost a context
+gather and ~5 launches each per layer. This kernel reads the context straight out of the pages
+(no gather), every request of the step in one launch, and runs one online softmax per query row;
+with sinks it starts at the sink: running max = sink, running sum = 1, no value. FP8 pages:
+each K/V block becomes q's dtype in registers, the head's K scale joins the softmax scale and
+its V scale the output.
 
 Layout of one launch: program (request b, query head h, block of BLOCK_M query rows). Request b
-owns rows `query_start[b] : query_start[b+1]` of q; its new tokens sit at positions
+owns rows `query_start[b] : query_end[b]` of q (query_end defaults to query_start[1:]; a subset
+of a step's requests passes both); its new tokens sit at positions
 `seq_len - n .. seq_len - 1`, so row r (its position p) may see keys `k <= p` and, under a
 sliding window W, `p - k < W`. A program loops over the key span its block can see, BLOCK_N
 keys at a time; a block past the request's rows has an empty span and stores nothing. Rows of
@@ -23,6 +27,8 @@ import functools
 from typing import Any
 
 import torch
+
+from worker.model.attention import KVScales
 
 _BLOCK_M = 32  # query rows per program
 _BLOCK_N = 32  # context tokens per inner-loop iteration
@@ -41,8 +47,11 @@ def _get_kernel() -> Any:
         vc_ptr,
         pt_ptr,
         qs_ptr,
+        qe_ptr,
         sl_ptr,
         sinks_ptr,
+        ks_ptr,
+        vs_ptr,
         o_ptr,
         stride_qt,
         stride_qh,
@@ -63,13 +72,14 @@ def _get_kernel() -> Any:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HAS_SINKS: tl.constexpr,
+        SCALED: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         hkv = h // G
         q_start = tl.load(qs_ptr + b)
-        n = tl.load(qs_ptr + b + 1) - q_start
+        n = tl.load(qe_ptr + b) - q_start
         seq_len = tl.load(sl_ptr + b)
         rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row within the request
         row_ok = rows < n
@@ -80,6 +90,8 @@ def _get_kernel() -> Any:
             mask=row_ok[:, None],
             other=0.0,
         )  # [BM, D]
+        if SCALED:  # FP8 pages: the head's K scale joins the softmax scale, its V scale the output
+            scale_log2 = scale_log2 * tl.load(ks_ptr + hkv)
         # The keys this block can see: up to its last row's position, from its first row's window.
         first = seq_len - n + tl.program_id(2) * BLOCK_M
         hi = tl.minimum(first + BLOCK_M, seq_len)
@@ -109,7 +121,7 @@ def _get_kernel() -> Any:
                 + d[None, :],
                 mask=k_ok[:, None],
                 other=0.0,
-            )  # [BN, D]
+            ).to(q.dtype)  # [BN, D]
             v = tl.load(
                 vc_ptr
                 + page[:, None] * stride_vp
@@ -118,10 +130,8 @@ def _get_kernel() -> Any:
                 + d[None, :],
                 mask=k_ok[:, None],
                 other=0.0,
-            )  # [BN, D]
-            s = (
-                tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2
-            )  # [BM, BN]
+            ).to(q.dtype)  # [BN, D]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BM, BN]
             seen = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if window > 0:
                 seen = seen & ((q_pos[:, None] - kpos[None, :]) < window)
@@ -131,11 +141,11 @@ def _get_kernel() -> Any:
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m - m_safe)
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype), v.to(v.dtype), input_precision=PRECISION
-            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        if SCALED:
+            out = out * tl.load(vs_ptr + hkv)
         tl.store(
             o_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
             out.to(o_ptr.dtype.element_ty),
@@ -143,6 +153,13 @@ def _get_kernel() -> Any:
         )
 
     return prefill_kernel
+
+
+def scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The kernels' scale pointers: (k_scale, v_scale, SCALED); placeholders when not FP8."""
+    if kv_scales is None:
+        return like, like, False
+    return kv_scales[0], kv_scales[1], True
 
 
 def triton_paged_prefill(
@@ -156,22 +173,30 @@ def triton_paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: KVScales = None,
+    query_end: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every request's new tokens over its pages: q [T, Hq, D] → out [T, Hq, D] (q's dtype).
 
     k_cache / v_cache [P, Hkv, page_size, D] (this step's K/V already stored), page_table
     [B, max_pages], query_start [B+1] and seq_lens [B] on q's device; max_query_len: the longest
-    request's new tokens (sizes the grid); sinks [Hq] float32 or None.
+    request's new tokens (sizes the grid); sinks [Hq] float32 or None; kv_scales: FP8 pages'
+    (k_scale, v_scale) [Hkv]. A subset of a step's requests: query_start [B] their first rows
+    and query_end [B] one past their last; only those rows of `out` (given, or a new tensor)
+    are written.
     """
     t, hq, d = q.shape
     b = seq_lens.shape[0]
     hkv = k_cache.shape[1]
     assert hq % hkv == 0, f"num q heads {hq} is not a multiple of kv heads {hkv}"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if t == 0 or b == 0:
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
+    ends = query_start[1:] if query_end is None else query_end
+    ks, vs, scaled = scale_args(kv_scales, seq_lens)
     grid = (b, hq, -(-max_query_len // _BLOCK_M))
     _get_kernel()[grid](
         q,
@@ -179,8 +204,11 @@ def triton_paged_prefill(
         v_cache,
         page_table,
         query_start,
+        ends,
         seq_lens,
         q if sinks is None else sinks,
+        ks,
+        vs,
         out,
         q.stride(0),
         q.stride(1),
@@ -201,6 +229,7 @@ def triton_paged_prefill(
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         HAS_SINKS=sinks is not None,
+        SCALED=scaled,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
