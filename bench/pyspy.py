@@ -41,7 +41,8 @@ def pid_listening(port: int) -> int | None:
 
 
 def record(pid: int, seconds: float, rate: int = 250) -> str:
-    """A summary of `seconds` of py-spy samples of `pid` (idle threads included: '--idle')."""
+    """A summary of `seconds` of py-spy samples of `pid`. py-spy drops the samples of a thread it
+    sees idle, so a thread's samples / (rate * seconds) is how busy it was."""
     beside = Path(sys.executable).parent / "py-spy"  # a venv's, when the venv is not on PATH
     spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
@@ -53,7 +54,8 @@ def record(pid: int, seconds: float, rate: int = 250) -> str:
                               capture_output=True, text=True, timeout=seconds + 60)
         if not raw.exists():
             return f"py-spy failed: {done.stderr[-500:]}\n"
-        return summarize(raw.read_text())
+        return (f"{rate} Hz for {int(seconds)} s: {rate * int(seconds)} samples a thread busy "
+                f"throughout would have\n" + summarize(raw.read_text()))
 
 
 def summarize(raw: str, top: int = 8) -> str:

@@ -19,7 +19,6 @@ rate: its decode worker only decodes). Writes served.json and served.md to --out
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_pd import SHAPE_8B, clusters_at_once, word_level_model
-from orchestrator.bench import BenchSpec, run_bench, summarize
+from orchestrator.bench import BenchSpec, load, summarize
 from orchestrator.config import load_config
 from orchestrator.launch.background import EMBEDDED_MODEL, REPO
 from orchestrator.worker_config import worker_config
@@ -60,6 +59,16 @@ def engine_rates(config: str, sets: list[str], batch: int, prompts: list[list[in
         if out.finished:
             done[out.request_id] = now
 
+    # A warm load first, as the served clusters get one: the mixed steps' kernels (Triton
+    # compiles each new specialization on first use) are compiled before the clock starts.
+    # Reversed prompts: the same shapes, and no prefix-cache hit for the timed run.
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(prompts[:batch]):
+        engine.submit(Request(f"w{i}", p[::-1], warm), sink)
+    while len(done) < min(batch, len(prompts)):
+        engine.step()
+    first.clear()
+    done.clear()
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -90,17 +99,30 @@ def prompts_for(spec: BenchSpec) -> list[list[int]]:
     return [tok.encode(p) for p in prompts]
 
 
-def profiler(cluster: Any, seconds: float, out: Path) -> threading.Thread:
-    """py-spy the cluster's mono worker for `seconds`, starting after the load warms up."""
+def profiler(cluster: Any, seconds: float, out: Path, client: bool) -> threading.Thread:
+    """py-spy, for `seconds` after the load warms up and all at once, the cluster's mono worker
+    (worker_profile.txt), its gateway (gateway_profile.txt) and, with `client`, this process,
+    the load generator (client_profile.txt): which of them limits the served rate."""
     from bench.pyspy import pid_listening, record
 
-    port = int(cluster.workers["both-0"].rsplit(":", 1)[1])
+    ports = {"worker": int(cluster.workers["both-0"].rsplit(":", 1)[1]),
+             "gateway": int(cluster.url.rsplit(":", 1)[1])}
+
+    def one(name: str, pid: int | None, what: str) -> None:
+        text = record(pid, seconds) if pid else f"no process listens on {what}\n"
+        (out / f"{name}_profile.txt").write_text(text)
 
     def run() -> None:
         time.sleep(2.0)  # into the steady part of the run
-        pid = pid_listening(port)
-        text = record(pid, seconds) if pid else f"no process listens on {port}\n"
-        (out / "worker_profile.txt").write_text(text)
+        pids = {name: (pid_listening(port), f"port {port}") for name, port in ports.items()}
+        if client:
+            pids["client"] = (os.getpid(), "")
+        spies = [threading.Thread(target=one, args=(n, pid, what))
+                 for n, (pid, what) in pids.items()]
+        for t in spies:
+            t.start()
+        for t in spies:
+            t.join()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -110,7 +132,9 @@ def profiler(cluster: Any, seconds: float, out: Path) -> threading.Thread:
 def table(r: dict[str, Any]) -> str:
     lines = [f"### served / engine ({r['date']}, {r['machine']})", "",
              f"{r['input_len']} in / {r['output_len']} out, 2B requests at concurrency B; "
-             "engine = in-process at max_num_seqs B", "",
+             "engine = in-process at max_num_seqs B; "
+             f"{r['clients']} load-generator processes"
+             + "".join(f"; --set {kv}" for kv in r["sets"]), "",
              "| B | engine tok/s | engine decode tok/s | mono tok/s | mono / engine | "
              "mono ITL p50 / p99 ms | 1P1D tok/s | 1P1D / engine decode | "
              "1P1D ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
@@ -141,19 +165,26 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=0)
     ap.add_argument("--output-len", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=0, help="8B shape with fewer layers")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the engine and every cluster (repeatable), "
+                         "e.g. scheduler.chunked_prefill_size=256")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--skip-served", action="store_true", help="only the engine figures")
-    ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the mono worker this "
-                    "long under a load at the largest B, after the measured runs "
-                    "(worker_profile.txt in --out)")
+    ap.add_argument("--clients", type=int, default=0, help="load-generator processes "
+                    "(default 4 on the GPU, 1 with --smoke; with 1 the profile covers it too)")
+    ap.add_argument("--profile-s", type=float, default=0.0, help="py-spy the mono worker, its "
+                    "gateway and the load generator this long under a load at the largest B, "
+                    "after the measured runs (*_profile.txt in --out)")
     args = ap.parse_args()
     batches = [int(b) for b in (args.batches or ("4,16" if args.smoke else "16,64,160")).split(",")]
     input_len = args.input_len or (32 if args.smoke else 128)
     output_len = args.output_len or (32 if args.smoke else 256)
     max_b = max(batches)
+    args.clients = args.clients or (1 if args.smoke else 4)
     kv_tokens = (max_b * (input_len + output_len) + 4096)
     common = [f"cache.max_total_tokens={kv_tokens}", f"scheduler.max_num_seqs={max_b}",
               "launcher.ready_timeout_s=900"]
+    common += args.set
     tmp = Path(tempfile.mkdtemp())
     if args.smoke:
         model, device = EMBEDDED_MODEL, "cpu"
@@ -168,6 +199,7 @@ def main() -> None:
     engine_sets = [*mono_sets, f"model.path={model}"]
     pd_threads = ["roles.prefill.num_threads=1", "roles.decode.num_threads=1"] if args.smoke else []
     result: dict[str, Any] = {"date": str(date.today()), "input_len": input_len,
+                              "clients": args.clients, "sets": args.set,
                               "output_len": output_len, "rows": {}, "errors": [],
                               "machine": f"{platform.node()}, {os.cpu_count()} cores"}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +209,8 @@ def main() -> None:
         (args.out / "served.md").write_text(table(result))
 
     specs = {b: BenchSpec(input_len=input_len, output_len=output_len, num_requests=2 * b,
-                          concurrency=b, seed=5, **spec_kw) for b in batches}
+                          concurrency=b, seed=5, clients=args.clients, **spec_kw)
+             for b in batches}
     for b in batches:
         try:
             rates = engine_rates("configs/tiny-mono.yaml", engine_sets, b, prompts_for(specs[b]),
@@ -196,9 +229,9 @@ def main() -> None:
         warm = BenchSpec(input_len=16, output_len=4, num_requests=8, concurrency=8, **spec_kw)
         with clusters_at_once(runs, tmp, model, 900) as up:
             for name in ("mono", "1P1D"):
-                asyncio.run(run_bench(up[name].url, warm))
+                load(up[name].url, warm)
                 for b in batches:
-                    rs, dur = asyncio.run(run_bench(up[name].url, replace(specs[b])))
+                    rs, dur = load(up[name].url, specs[b])
                     s = summarize(rs, dur, specs[b])
                     result["rows"].setdefault(str(b), {})[name] = s
                     print(f"[served] {name} B={b}: {s['output_throughput']} tok/s, ITL "
@@ -208,9 +241,14 @@ def main() -> None:
                 row = result["rows"].get(str(max_b), {}).get("engine", {})
                 rate = row.get("output_tok_s", 1000.0)
                 n = max(2 * max_b, int(rate * (args.profile_s + 6) / output_len))
-                prof = profiler(up["mono"], args.profile_s, args.out)
-                asyncio.run(run_bench(up["mono"].url, replace(specs[max_b], num_requests=n)))
+                prof = profiler(up["mono"], args.profile_s, args.out, args.clients == 1)
+                spec = replace(specs[max_b], num_requests=n)
+                s = summarize(*load(up["mono"].url, spec), spec)
                 prof.join()
+                result["profiled"] = s
+                print(f"[served] profiled: mono B={max_b}, {args.clients} client processes: "
+                      f"{s['output_throughput']} tok/s, ITL {s['itl_ms']}", flush=True)
+                record()
     print(table(result))
 
 

@@ -18,6 +18,10 @@
 #   bash bench/device/run.sh v   # serving path (issue 18): piecewise-graph GPU tests, then
 #                                #   bench/served.py (engine vs served mono and 1P1D, B = 16 64 160)
 #                                #   with a py-spy profile of the mono worker at B = 160
+#   bash bench/device/run.sh o   # serving path (issue 18): mixed-step attention GPU tests and
+#                                #   bench/mixed_attention.py, then bench/served.py B = 64 160
+#                                #   and py-spy of the mono worker and its gateway; `o "" K=V`
+#                                #   adds a second served run with that override
 #   bash bench/device/run.sh n [sweep]  # split-K FP8 GEMM (issue 20): its GPU tests and the FP8
 #                                #   ones, bench/fp8_splitk.py, bench/fp8.py decode (split-K vs
 #                                #   the dispatch before it), then with `sweep` its tile sweep
@@ -171,6 +175,24 @@ elif [[ $1 == w ]]; then
     --batches 64,160 --profile-s 8 > "$OUT/served.txt" 2>&1
   echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
   tail -8 "$OUT/gpu_decode.txt"; tail -14 "$OUT/served.txt"; head -60 "$OUT/worker_profile.txt"
+elif [[ $1 == o ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_mixed_attention.py \
+    tests/worker/test_piecewise.py tests/worker/test_gpt_oss_kernels.py tests/worker/test_overlap.py \
+    > "$OUT/serve_tests.txt" 2>&1
+  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/serve_tests.txt"
+  tail -6 "$OUT/serve_tests.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m bench.mixed_attention > "$OUT/mixed_attention.txt" 2>&1
+  echo "mixed_attention rc=$? at ${SECONDS}s" >> "$OUT/mixed_attention.txt"
+  cat "$OUT/mixed_attention.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((575 - SECONDS)) python3 -m bench.served --out "$OUT" \
+    --batches 64,160 --profile-s 8 ${2:-} > "$OUT/served.txt" 2>&1
+  echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
+  tail -14 "$OUT/served.txt"; for f in worker gateway client; do head -40 "$OUT/${f}_profile.txt"; done
+  if [[ -n ${3:-} ]]; then  # a second run with one more override (its table on stdout only)
+    CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python3 -m bench.served --out /tmp/served2 \
+      --batches 64,160 --set "$3" > /tmp/served2.txt 2>&1
+    echo "served --set $3 rc=$? at ${SECONDS}s"; tail -12 /tmp/served2.txt
+  fi
 elif [[ $1 == k ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_spec_gpu.py \
     tests/worker/test_gpu.py > "$OUT/spec_gpu_tests.txt" 2>&1
