@@ -105,6 +105,27 @@ def test_bench_numbers_present_and_sane(capsys: pytest.CaptureFixture[str]) -> N
     assert state.max_inflight <= 3
 
 
+def test_bench_from_several_processes_sends_the_same_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--clients 3: the 12 requests of the one-process run, split over three processes whose
+    concurrency adds up to the 4 asked for; an unreachable server still exits 2."""
+    argv = ["bench", "--input-len", "16", "--output-len", "4", "--num-requests", "12",
+            "--concurrency", "4", "--prompt-kind", "ids", "--vocab-size", "1000", "--json"]
+    sent = []
+    for clients in ("1", "3"):
+        state = DoubleState(token_delay_s=0.02)
+        with OpenAIDouble(state) as url:
+            assert main([*argv, "--url", url, "--clients", clients]) == 0
+        s = json.loads(capsys.readouterr().out)
+        assert s["completed"] == 12 and s["failed"] == 0 and s["output_tokens"] == 12 * 4
+        assert state.max_inflight <= 4
+        sent.append(sorted(tuple(b["prompt"]) for b in state.requests))
+    assert sent[0] == sent[1] and len(set(sent[0])) == 12
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--clients", "2"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+
+
 def test_bench_mixed_load_reports_groups_and_text_output(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
