@@ -73,8 +73,11 @@ def engine_rates(config: str, sets: list[str], batch: int, prompts: list[list[in
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.submit(Request(f"e{i}", list(p), params), sink)
+    steps: dict[bool, list[float]] = {True: [], False: []}  # overlapped decode or not: seconds
     while len(done) < len(prompts):
+        before, t = engine.num_overlapped_steps, time.perf_counter()
         engine.step()
+        steps[engine.num_overlapped_steps > before].append(time.perf_counter() - t)
     wall = time.perf_counter() - t0
     wave = [f"e{i}" for i in range(min(batch, len(prompts)))]  # the first B run together
     t_decoding = max(first[r] for r in wave)
@@ -84,7 +87,23 @@ def engine_rates(config: str, sets: list[str], batch: int, prompts: list[list[in
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"output_tok_s": round(len(prompts) * output_len / wall, 1),
-            "decode_tok_s": round(decode_tokens / max(t_wave_end - t_decoding, 1e-9), 1)}
+            "decode_tok_s": round(decode_tokens / max(t_wave_end - t_decoding, 1e-9), 1),
+            "steps": step_times(steps)}
+
+
+def step_times(steps: dict[bool, list[float]]) -> dict[str, Any]:
+    """How many of the timed run's engine steps were overlapped decodes and how many were not
+    (steps that carry prefill, or follow one), and each kind's p50 / p99 in ms. An overlapped
+    step's call returns once the step before it is done on the device, so its time is that
+    step's; another step's call runs it to the end."""
+    from orchestrator.bench_stats import percentile
+
+    out: dict[str, Any] = {}
+    for kind, times in (("decode", steps[True]), ("other", steps[False])):
+        ms = [t * 1e3 for t in times]
+        out[kind] = {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2),
+                     "p99_ms": round(percentile(ms, 99), 2)}
+    return out
 
 
 def prompts_for(spec: BenchSpec) -> list[list[int]]:
