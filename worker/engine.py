@@ -172,7 +172,8 @@ class Engine:
 
         Overlapped decode (`scheduler.overlap`): a pure-decode plan is launched, counted in the
         scheduler with its tokens PENDING, and only then are the previous step's tokens read
-        and processed — while the device runs this one. Any other plan first reads them.
+        and processed — while the device runs this one. Any other plan first reads them, and
+        sends them out before it runs.
         """
         self._drain_inbox(block_s=0.0)
         if self.hooks is not None:
@@ -188,8 +189,10 @@ class Engine:
             self._complete_inflight()  # this plan reads tokens the host must hold first
             for plan in plans:  # a request that stopped on those tokens has given its pages back
                 plan.drop_finished()
+            # Those tokens leave now: held until this plan's run (a mixed step, 2-3 decode
+            # steps long) they reached clients a whole decode step late.
+            self._flush()
             if all(p.empty for p in plans):
-                self._flush()
                 return True
         if all(p.empty for p in plans):
             self._flush()

@@ -143,6 +143,31 @@ def test_overlap_equals_plain_steps(checkpoint: Path) -> None:
     assert late_stops, "a request stopped on a token the host read a step late"
 
 
+def test_tokens_read_before_a_mixed_step_leave_before_it_runs(checkpoint: Path) -> None:
+    """A prompt joining overlapped decodes: the in-flight step's tokens are read first (the
+    plan needs them) and delivered then, not after the mixed step has run."""
+    engine = _engine(checkpoint, "on")
+    log: list[str] = []
+    run = engine.runner.run
+
+    def spy(plan):  # noqa: ANN001, ANN202
+        log.append("run")
+        return run(plan)
+
+    engine.runner.run = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.submit(Request("a", [5, 6, 7], params), lambda out: log.extend("a" * len(out.token_ids)))
+    while engine._inflight is None:  # until a decode step of "a" is in flight
+        engine.step()
+    log.clear()
+    engine.submit(Request("b", list(range(1, 12)), params), lambda out: log.append("b"))
+    engine.step()  # "b"'s prompt joins: a plain step, which reads "a"'s token first
+    assert log[:2] == ["a", "run"], log
+    while engine.has_pending_work():
+        engine.step()
+    engine.scheduler.assert_drained()
+
+
 def test_overlap_with_preemption_and_aborts(checkpoint: Path) -> None:
     """Few pages: running requests are preempted while a step is in flight; two are aborted."""
     reqs = _requests(seed=2)
