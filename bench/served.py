@@ -6,11 +6,13 @@
 
 For every batch size B, with the same prompt and output lengths (ignore_eos, greedy):
 1. the engine in-process (worker/engine.py, no gRPC, gateway or HTTP) running 2B requests at
-   max_num_seqs = B, as a closed loop of B would: output tok/s over the whole run, and its
-   decode rate (tokens after every request of the first wave had its first token / time) —
-   the rate a decode worker alone would reach at batch B;
+   max_num_seqs = B, as a closed loop of B would, after a warm pass of B short requests: output
+   tok/s over the whole run, its decode rate (tokens after every request of the first wave
+   had its first token / time) — the rate a decode worker alone would reach at batch B — and
+   its step times by kind (overlapped decode steps, and the others);
 2. the served clusters (`tandem serve` in the background, started together on the same
-   device): mono (`role: both`) and 1P1D, `tandem bench` at concurrency B with 2B requests:
+   device): mono (`role: both`) and 1P1D, `tandem bench` at concurrency B with 2B requests,
+   from --clients load-generator processes (4 on the GPU: one caps the rate at B = 160):
    output tok/s, ITL p50 / p99;
 and prints served / engine (mono against the whole engine rate, 1P1D against the decode
 rate: its decode worker only decodes). Writes served.json and served.md to --out ($OUT).

@@ -2,10 +2,10 @@
 
 Why: one Python asyncio client parses every SSE event of every stream on one core. At high
 concurrency on a fast engine that core, not the server, sets the rate: the client falls
-behind, reads several of a stream's events back to back (an ITL p50 of a few µs says so), and a
-closed loop's next request leaves late. N processes each run `run_bench` over every N-th
+behind, reads several of a stream's events back to back (an ITL p50 of tens of µs says so), and
+a closed loop's next request leaves late. N processes each run `run_bench` over every N-th
 session (process k takes sessions k, k+N, ...; a closed loop's concurrency is split as evenly),
-so the client side has N cores.
+so the client side has N cores. There is no progress bar across the processes.
 
 Lifecycle: spawn the N processes; each opens its client and asks the server its model, then
 reports ready and waits; once all are ready the parent starts them together, each runs its
@@ -20,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import queue as queue_mod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.bench_stats import RequestResult
+
+if TYPE_CHECKING:
+    from orchestrator.bench import BenchSpec
 
 _POLL_S = 1.0
 
@@ -32,7 +35,7 @@ def shares(width: int, n: int) -> list[int]:
     return [width // n + (1 if k < width % n else 0) for k in range(n)]
 
 
-def _run_share(url: str, spec: Any, k: int, n: int, out: Any, go: Any) -> None:
+def _run_share(url: str, spec: BenchSpec, k: int, n: int, out: Any, go: Any) -> None:
     """Process k of n: run its share of the load point (module level, so spawn can pickle it)."""
     from orchestrator.bench import run_bench
 
@@ -48,7 +51,7 @@ def _run_share(url: str, spec: Any, k: int, n: int, out: Any, go: Any) -> None:
     out.put(("done", k, results, duration))
 
 
-def run_processes(url: str, spec: Any, n: int) -> tuple[list[RequestResult], float]:
+def run_processes(url: str, spec: BenchSpec, n: int) -> tuple[list[RequestResult], float]:
     """(results, duration) of one load point run by n processes started together."""
     ctx = mp.get_context("spawn")
     out, go = ctx.Queue(), ctx.Event()

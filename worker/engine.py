@@ -189,8 +189,8 @@ class Engine:
             self._complete_inflight()  # this plan reads tokens the host must hold first
             for plan in plans:  # a request that stopped on those tokens has given its pages back
                 plan.drop_finished()
-            # Those tokens leave now: held until this plan's run (a mixed step, 2-3 decode
-            # steps long) they reached clients a whole decode step late.
+            # Those tokens leave now, not after this plan's run (a mixed step costs 2-3
+            # decode steps: bench/served.py's step times).
             self._flush()
             if all(p.empty for p in plans):
                 return True
