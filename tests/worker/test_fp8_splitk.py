@@ -6,21 +6,16 @@ in a subprocess (CI has no GPU; float16 there, the interpreter has no bfloat16 r
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.worker.interpreter import run_interpreted
 from tests.worker.test_fused_gpu import HAS_TRITON, _rel, gpu
 from worker.model import fp8
 from worker.model.fp8 import BlockFp8Config
 from worker.model.fp8_splitk import KERNEL_TOKENS, MAX_TOKENS, SplitCounters, fp8_splitk, takes
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK = BlockFp8Config()
 CASES = [  # m, n, k, split, bias
     (1, 256, 512, 4, True),
@@ -63,10 +58,7 @@ for case in CASES:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_splitk_under_the_interpreter_sums_its_splits_and_resets_its_counters() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_interpreted(_INTERPRETED)
 
 
 def test_takes_small_bf16_batches_on_cuda_only() -> None:

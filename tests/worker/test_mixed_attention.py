@@ -8,19 +8,14 @@ caches are the strided views of a real `KVCache` with page 0 (padding) full of N
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.worker.interpreter import run_interpreted
 from tests.worker.test_gpt_oss_kernels import DEVICE, HAS_GPU, HAS_TRITON, HKV, D, _batch
 from worker.model import fp8
 from worker.model.attention import TorchSDPABackend
 
-REPO = Path(__file__).resolve().parents[2]
 # (cached tokens, new tokens) per request: decodes, fresh prompts, a chunk after a cached prefix
 # longer than a program's 32 rows, a one-token prompt
 MIXED = [(12, 1), (0, 7), (30, 1), (9, 40), (0, 1), (5, 3), (0, 70), (47, 1)]
@@ -80,10 +75,7 @@ for case in CASES:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_mixed_step_under_the_interpreter_equals_the_reference() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_interpreted(_INTERPRETED)
 
 
 @pytest.mark.gpu
