@@ -157,7 +157,13 @@ def load(url: str, spec: BenchSpec, progress_to: IO[str] | None = None
     n = max(1, min(spec.clients, width, spec.num_requests))
     if n == 1:
         return asyncio.run(run_bench(url, spec, progress_to))
-    return run_processes(url, spec, n)
+    return run_processes(_run_share, (url, spec), n)
+
+
+def _run_share(url: str, spec: BenchSpec, k: int, n: int, ready: Callable[[], None]
+               ) -> tuple[list[RequestResult], float]:
+    """Process k of n's part of the point (bench_procs runs it in each process)."""
+    return asyncio.run(run_bench(url, spec, share=(k, n), ready=ready))
 
 
 async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = None,

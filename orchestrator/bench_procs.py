@@ -5,7 +5,8 @@ concurrency on a fast engine that core, not the server, sets the rate: the clien
 behind, reads several of a stream's events back to back (an ITL p50 of tens of µs says so), and
 a closed loop's next request leaves late. N processes each run `run_bench` over every N-th
 session (process k takes sessions k, k+N, ...; a closed loop's concurrency is split as evenly),
-so the client side has N cores. There is no progress bar across the processes.
+so the client side has N cores. There is no progress bar across the processes. This module
+knows nothing of what a share runs: orchestrator/bench.py passes `_run_share`.
 
 Lifecycle: spawn the N processes; each opens its client and asks the server its model, then
 reports ready and waits; once all are ready the parent starts them together, each runs its
@@ -17,17 +18,17 @@ a process that dies without a word (killed, out of memory) is an error naming it
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import queue as queue_mod
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from orchestrator.bench_stats import RequestResult
 
-if TYPE_CHECKING:
-    from orchestrator.bench import BenchSpec
-
 _POLL_S = 1.0
+# What a process runs: share(*args, k, n, ready) -> (results, duration); a module-level function
+# (spawn pickles it by name), which calls ready() once set up, before its clock starts.
+Share = Callable[..., tuple[list[RequestResult], float]]
 
 
 def shares(width: int, n: int) -> list[int]:
@@ -35,27 +36,27 @@ def shares(width: int, n: int) -> list[int]:
     return [width // n + (1 if k < width % n else 0) for k in range(n)]
 
 
-def _run_share(url: str, spec: BenchSpec, k: int, n: int, out: Any, go: Any) -> None:
-    """Process k of n: run its share of the load point (module level, so spawn can pickle it)."""
-    from orchestrator.bench import run_bench
+def _child(share: Share, args: tuple[Any, ...], k: int, n: int, out: Any, go: Any) -> None:
+    """Process k of n: run its share of the load point and send back what it got."""
 
     def ready() -> None:
         out.put(("ready", k))
         go.wait()
 
     try:
-        results, duration = asyncio.run(run_bench(url, spec, share=(k, n), ready=ready))
+        results, duration = share(*args, k, n, ready)
     except BaseException as exc:  # the parent re-raises it; nothing else would report it
         out.put(("error", k, exc))
         return
     out.put(("done", k, results, duration))
 
 
-def run_processes(url: str, spec: BenchSpec, n: int) -> tuple[list[RequestResult], float]:
+def run_processes(share: Share, args: tuple[Any, ...], n: int
+                  ) -> tuple[list[RequestResult], float]:
     """(results, duration) of one load point run by n processes started together."""
     ctx = mp.get_context("spawn")
     out, go = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_run_share, args=(url, spec, k, n, out, go), daemon=True)
+    procs = [ctx.Process(target=_child, args=(share, args, k, n, out, go), daemon=True)
              for k in range(n)]
     for p in procs:
         p.start()
