@@ -34,6 +34,14 @@ from worker.model.fp8 import dequantize_kv, quantize_kv
 KVScales = tuple[torch.Tensor, torch.Tensor] | None  # (k_scale, v_scale) [Hkv] each; None = not FP8
 
 
+def scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The Triton kernels' scale arguments: (k_scale, v_scale, SCALED); `like` twice (pointers
+    the kernel never reads) when the pages are not FP8."""
+    if kv_scales is None:
+        return like, like, False
+    return kv_scales[0], kv_scales[1], True
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,

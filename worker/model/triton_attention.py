@@ -42,10 +42,16 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
-from worker.model.attention import AttentionBackend, KVScales, context_mask, gather_context
+from worker.model.attention import (
+    AttentionBackend,
+    KVScales,
+    context_mask,
+    gather_context,
+    scale_args,
+)
 from worker.model.fp8 import dequantize_kv
 from worker.model.fused import next_pow2
-from worker.model.triton_prefill import scale_args, triton_paged_prefill
+from worker.model.triton_prefill import triton_paged_prefill
 
 # Programs the split decode aims at: ~4 per SM on an H200 (132 SMs). bench/fp8.py's split sweep
 # (H200, 32k context): batch 1 streams bf16 KV at 2,244 GB/s with 32 splits against 1,771 with
@@ -329,6 +335,17 @@ def sdpa_prefill(
 
 
 @dataclass
+class _KernelRows:
+    """A step's prefill requests as one paged-prefill launch takes them."""
+
+    start: torch.Tensor  # [Bp] first row in q
+    end: torch.Tensor  # [Bp] one past the last row
+    page_table: torch.Tensor  # [Bp, max_pages]
+    seq_lens: torch.Tensor  # [Bp]
+    longest: int  # the most new tokens of one of them
+
+
+@dataclass
 class _MixedPlan:
     """How a mixed step's rows split (computed once per batch, shared by its layers)."""
 
@@ -336,13 +353,11 @@ class _MixedPlan:
     page_table: torch.Tensor  # [Bd, max_pages]
     seq_lens: torch.Tensor  # [Bd]
     prefills: list[int]  # indices of the multi-token requests
-    # One paged-prefill launch for all of them (else one gather + SDPA each); its inputs:
-    prefill_kernel: bool
-    prefill_start: torch.Tensor | None = None  # [Bp] first row in q
-    prefill_end: torch.Tensor | None = None  # [Bp] one past the last row
-    prefill_table: torch.Tensor | None = None  # [Bp, max_pages]
-    prefill_lens: torch.Tensor | None = None  # [Bp]
-    longest: int = 0  # the most new tokens of one of them
+    kernel_rows: _KernelRows | None  # set: they take one launch; None: SDPA each (if any)
+
+    @property
+    def prefill_kernel(self) -> bool:
+        return self.kernel_rows is not None
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -372,19 +387,19 @@ class TritonPagedBackend(AttentionBackend):
         def rows(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
 
+        kernel_rows = None
+        if pre and cells <= self.prefill_kernel_cells:
+            pidx = rows(pre)
+            kernel_rows = _KernelRows(
+                start=rows([qs[i] for i in pre]), end=rows([qs[i + 1] for i in pre]),
+                page_table=batch.page_table.index_select(0, pidx),
+                seq_lens=batch.seq_lens.index_select(0, pidx),
+                longest=max(qs[i + 1] - qs[i] for i in pre))
         idx = rows(dec)
         plan = _MixedPlan(
             token_index=rows([qs[i] for i in dec]),
             page_table=batch.page_table.index_select(0, idx),
-            seq_lens=batch.seq_lens.index_select(0, idx), prefills=pre,
-            prefill_kernel=cells <= self.prefill_kernel_cells)
-        if plan.prefill_kernel and pre:
-            pidx = rows(pre)
-            plan.prefill_start = rows([qs[i] for i in pre])
-            plan.prefill_end = rows([qs[i + 1] for i in pre])
-            plan.prefill_table = batch.page_table.index_select(0, pidx)
-            plan.prefill_lens = batch.seq_lens.index_select(0, pidx)
-            plan.longest = max(qs[i + 1] - qs[i] for i in pre)
+            seq_lens=batch.seq_lens.index_select(0, idx), prefills=pre, kernel_rows=kernel_rows)
         self._batch, self._plan = batch, plan
         return plan
 
@@ -421,16 +436,11 @@ class TritonPagedBackend(AttentionBackend):
                 q.index_select(0, plan.token_index), k_cache, v_cache, plan.page_table,
                 plan.seq_lens, scale, sliding_window, kv_scales=kv_scales,
             )
-        if plan.prefill_kernel:
-            if plan.prefills:
-                assert plan.prefill_start is not None and plan.prefill_table is not None
-                assert plan.prefill_lens is not None
-                triton_paged_prefill(
-                    q, k_cache, v_cache, plan.prefill_table, plan.prefill_start,
-                    plan.prefill_lens, plan.longest, scale, sliding_window, None, kv_scales,
-                    query_end=plan.prefill_end, out=out,
-                )
-            return out
+        if (rows := plan.kernel_rows) is not None:
+            return triton_paged_prefill(
+                q, k_cache, v_cache, rows.page_table, rows.start, rows.seq_lens, rows.longest,
+                scale, sliding_window, None, kv_scales, query_end=rows.end, out=out,
+            )
         page_size = k_cache.shape[2]
         qs, lens = batch.query_start_list, batch.seq_lens_list
         for i in plan.prefills:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from worker.model.attention import KVScales
+from worker.model.attention import KVScales, scale_args
 
 _BLOCK_M = 32  # query rows per program
 _BLOCK_N = 32  # context tokens per inner-loop iteration
@@ -153,13 +153,6 @@ def _get_kernel() -> Any:
         )
 
     return prefill_kernel
-
-
-def scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The kernels' scale pointers: (k_scale, v_scale, SCALED); placeholders when not FP8."""
-    if kv_scales is None:
-        return like, like, False
-    return kv_scales[0], kv_scales[1], True
 
 
 def triton_paged_prefill(
