@@ -35,7 +35,7 @@ from orchestrator.bench_data import (
     random_sessions,
     shared_prefix_sessions,
 )
-from orchestrator.bench_procs import run_processes, shares
+from orchestrator.bench_procs import LoadError, run_processes, shares
 from orchestrator.bench_stats import (
     RequestResult,
     format_summary,
@@ -277,6 +277,9 @@ def bench_main(url: str, spec: BenchSpec | list[BenchSpec], as_json: bool, out: 
         except ServerError as exc:
             print(f"error: {exc}", file=err)
             return 2
+        except LoadError as exc:
+            print(f"error: {exc}", file=err)
+            return 1
         if summary["completed"] == 0:
             print(f"error: all {summary['num_requests']} requests failed ({s.mode}):", file=err)
             for e in summary["errors"]:

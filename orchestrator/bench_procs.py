@@ -11,9 +11,11 @@ knows nothing of what a share runs: orchestrator/bench.py passes `_run_share`.
 Lifecycle: spawn the N processes; each opens its client and asks the server its model, then
 reports ready and waits; once all are ready the parent starts them together, each runs its
 share and sends back its results and its own duration. The point's duration is the longest
-share's. Failure paths: a process that raises sends the exception, which the parent re-raises
-after stopping the others (a `ServerError` stays one, so an unreachable server still exits 2);
-a process that dies without a word (killed, out of memory) is an error naming it.
+share's. Failure paths: a process that raises sends the error, which the parent re-raises after
+stopping the others (a `ServerError` stays one, so an unreachable server still exits 2; any
+other arrives as a LoadError naming the process and the exception, pickled or not);
+a process that dies without a word (killed, out of memory) is a LoadError naming it. `tandem
+bench` prints either as one line.
 """
 
 from __future__ import annotations
@@ -24,11 +26,16 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.bench_stats import RequestResult
+from orchestrator.client import ServerError
 
 _POLL_S = 1.0
 # What a process runs: share(*args, k, n, ready) -> (results, duration); a module-level function
 # (spawn pickles it by name), which calls ready() once set up, before its clock starts.
 Share = Callable[..., tuple[list[RequestResult], float]]
+
+
+class LoadError(RuntimeError):
+    """A load-generator process failed (raised, or died without a word); names which."""
 
 
 def shares(width: int, n: int) -> list[int]:
@@ -45,8 +52,12 @@ def _child(share: Share, args: tuple[Any, ...], k: int, n: int, out: Any, go: An
 
     try:
         results, duration = share(*args, k, n, ready)
-    except BaseException as exc:  # the parent re-raises it; nothing else would report it
+    except ServerError as exc:  # unreachable server: the parent re-raises it (exit status 2)
         out.put(("error", k, exc))
+        return
+    except BaseException as exc:  # as text: an exception that does not pickle would be lost
+        out.put(("error", k, LoadError(
+            f"load generator process {k} of {n}: {type(exc).__name__}: {exc}")))
         return
     out.put(("done", k, results, duration))
 
@@ -69,7 +80,7 @@ def run_processes(share: Share, args: tuple[Any, ...], n: int
             except queue_mod.Empty:
                 for k, p in enumerate(procs):
                     if k not in done and p.exitcode is not None:
-                        raise RuntimeError(
+                        raise LoadError(
                             f"load generator process {k} of {n} exited with status "
                             f"{p.exitcode} before sending its results") from None
                 continue

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,25 @@ def test_bench_from_several_processes_sends_the_same_load(
     assert sent[0] == sent[1] and len(set(sent[0])) == 12
     assert main(["bench", "--url", "http://127.0.0.1:9", "--clients", "2"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+def _share_that_raises(k: int, n: int, ready: Callable[[], None]) -> None:
+    ready()
+    raise ValueError(f"share {k} broke")
+
+
+def _share_that_dies(k: int, n: int, ready: Callable[[], None]) -> None:
+    ready()
+    os._exit(3)
+
+
+def test_a_failing_load_process_is_one_named_error() -> None:
+    from orchestrator.bench_procs import LoadError, run_processes
+
+    with pytest.raises(LoadError, match=r"process (\d) of 2: ValueError: share \1 broke"):
+        run_processes(_share_that_raises, (), 2)
+    with pytest.raises(LoadError, match="exited with status 3"):
+        run_processes(_share_that_dies, (), 2)
 
 
 def test_bench_mixed_load_reports_groups_and_text_output(
