@@ -99,24 +99,26 @@ class RowGraphs(ABC):
         n, w, ps = len(starts), self.width, self.page_size
         host = self._host
         t = self.max_bs * w
-        ids, pos, slots = host[: 3 * t].view(3, t)
-        lens = host[3 * t : self._head]
-        table = host[self._head :].view(self.max_bs, self.max_pages)
+        # numpy views of the host buffer: element and slice stores from lists cost a fraction of
+        # a tensor's __setitem__ (worker/cuda_graphs.py DecodeGraphs.fill does the same)
+        flat = host.numpy()
+        ids, pos, slots = flat[: 3 * t].reshape(3, t)
+        lens = flat[3 * t : self._head]
+        table = flat[self._head :].reshape(self.max_bs, self.max_pages)
         real: list[int] = []
         last = self.max_model_len - 1
         for i, (start, toks, pages) in enumerate(zip(starts, tokens, tables, strict=True)):
             k, row = len(toks), i * w
             ids[row : row + w] = 0
-            ids[row : row + k] = torch.as_tensor(toks)
+            ids[row : row + k] = toks
             # Padding rows continue the positions (clamped: the rope table ends at the context).
-            pos[row : row + w] = torch.arange(start, start + w).clamp(max=last)
+            pos[row : row + w] = [min(p, last) for p in range(start, start + w)]
             slots[row : row + w] = -1
-            slots[row : row + k] = torch.as_tensor(
-                [pages[p // ps] * ps + p % ps for p in range(start, start + k)])
+            slots[row : row + k] = [pages[p // ps] * ps + p % ps for p in range(start, start + k)]
             lens[i] = start + w  # the kernel's rows sit at seq_len - w ..: the real ones first
             used = min(len(pages), self.max_pages)
-            table[i].zero_()
-            table[i, :used] = torch.as_tensor(pages[:used])
+            table[i] = 0
+            table[i, :used] = pages[:used]
             real.extend(range(row, row + k))
         lens[n:bs] = 0
         slots[n * w : bs * w] = -1
