@@ -61,6 +61,7 @@ class BenchSpec:
     vocab_size: int = 32  # ids: prompt token ids are drawn from [1, vocab_size)
     long_every: int = 0  # mixed load: every K-th request is long (0 = off)
     long_input_len: int = 1024
+    range_ratio: float = 0.0  # random: lengths drawn from [L(1-r), L(1+r)] (0 = exact)
     model: str = ""  # "" = the first model of /v1/models
     api_key: str = ""
     timeout_s: float = 600.0
@@ -87,7 +88,7 @@ def make_sessions(spec: BenchSpec) -> list[Session]:
         return jsonl_sessions(Path(spec.dataset[6:]), spec.output_len, spec.num_requests)
     return random_sessions(spec.num_requests, spec.input_len, spec.output_len, spec.seed,
                            spec.prompt_kind, spec.vocab_size, spec.long_every,
-                           spec.long_input_len)
+                           spec.long_input_len, spec.range_ratio)
 
 
 def make_prompts(spec: BenchSpec) -> list[tuple[str, Any]]:
@@ -222,7 +223,7 @@ def summarize(results: list[RequestResult], duration_s: float, spec: BenchSpec) 
     """All figures of one load point as one JSON-able dict."""
     extra = {"input_len": spec.input_len, "output_len": spec.output_len,
              "dataset": spec.dataset, "concurrency": spec.concurrency,
-             "request_rate": spec.request_rate}
+             "request_rate": spec.request_rate, "range_ratio": spec.range_ratio}
     return summarize_results(results, duration_s, spec.mode, extra)
 
 

@@ -2,7 +2,9 @@
 
 - `random` (the default): one-turn sessions with random prompts of `input_len` (text drawn
   from letters and digits, which every tokenizer encodes; or token-id lists with
-  `prompt_kind: ids`); mixed load with `long_every K`: every K-th prompt is `long_input_len`.
+  `prompt_kind: ids`); mixed load with `long_every K`: every K-th prompt is `long_input_len`;
+  `range_ratio r` draws each request's input and output length from [L(1-r), L(1+r)], so a
+  closed loop's requests do not all start and finish together (a steady load, not waves).
 - `jsonl:PATH`: one session per line, `{"prompt": "text" | [ids], "max_tokens": N}`
   (`max_tokens` optional, else `output_len`); a line with `"turns": ["q1", "q2", ...]` is a
   multi-turn session.
@@ -53,15 +55,23 @@ def random_text(rng: random.Random, n: int) -> str:
 
 
 def random_sessions(n: int, input_len: int, output_len: int, seed: int, prompt_kind: str,
-                    vocab_size: int, long_every: int, long_input_len: int) -> list[Session]:
+                    vocab_size: int, long_every: int, long_input_len: int,
+                    range_ratio: float = 0.0) -> list[Session]:
     rng = random.Random(seed)
+
+    def spread(length: int) -> int:  # uniform in [L(1-r), L(1+r)], at least 1
+        if range_ratio <= 0:
+            return length
+        return max(1, rng.randint(round(length * (1 - range_ratio)),
+                                  round(length * (1 + range_ratio))))
+
     out = []
     for i in range(n):
         long = long_every > 0 and i % long_every == long_every - 1
-        length = long_input_len if long else input_len
+        length = spread(long_input_len if long else input_len)
         prompt: Any = ([rng.randrange(1, vocab_size) for _ in range(length)]
                        if prompt_kind == "ids" else random_text(rng, length))
-        out.append(Session("long" if long else "short", (prompt,), output_len))
+        out.append(Session("long" if long else "short", (prompt,), spread(output_len)))
     return out
 
 

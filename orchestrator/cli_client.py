@@ -70,6 +70,9 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--long-every", type=int, default=0, metavar="K",
                    help="mixed load: every K-th request has a --long-input-len prompt")
     p.add_argument("--long-input-len", type=int, default=1024, metavar="M")
+    p.add_argument("--range-ratio", type=float, default=0.0, metavar="R",
+                   help="random: draw each input and output length from [L(1-R), L(1+R)], "
+                        "0 <= R < 1 (a steady closed loop rather than waves; vLLM's flag)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=1, metavar="N",
                    help="load-generator processes (default 1: one core parses every stream event; "
@@ -156,6 +159,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
                   file=sys.stderr)
             return EXIT_USAGE
+    if not 0 <= args.range_ratio < 1:
+        print(f"error: --range-ratio must be in [0, 1), got {args.range_ratio}", file=sys.stderr)
+        return EXIT_USAGE
     if args.vocab_size < 2:
         print(f"error: --vocab-size must be >= 2, got {args.vocab_size}", file=sys.stderr)
         return EXIT_USAGE
@@ -173,6 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
         num_groups=args.num_groups, prefix_len=args.prefix_len,
         return_token_ids=not args.no_token_ids, clients=args.clients,
+        range_ratio=args.range_ratio,
     )
     specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
              [dataclasses.replace(base, concurrency=c) for c in concs or [4]])

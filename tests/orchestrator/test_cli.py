@@ -162,6 +162,8 @@ def test_eval_and_bench_validate_numbers(capsys: pytest.CaptureFixture[str]) -> 
     assert "--min-accuracy must be within 0..1" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--output-len", "0"]) == 2
     assert "--output-len must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--range-ratio", "1"]) == 2
+    assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
     assert "cannot reach" in capsys.readouterr().err
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -191,6 +192,18 @@ def test_bench_helpers() -> None:
     assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:], strict=False))
     assert arrival_times(3, 0.0, 0) == [0.0, 0.0, 0.0]
     assert bench.summarize([], 1.0, spec)["completed"] == 0
+
+
+def test_range_ratio_spreads_both_lengths_and_keeps_the_exact_load() -> None:
+    exact = BenchSpec(num_requests=40, input_len=20, output_len=30, prompt_kind="ids", seed=3)
+    spread = dataclasses.replace(exact, range_ratio=0.5)
+    sessions = make_sessions(spread)
+    ins = [len(s.turns[0]) for s in sessions]
+    outs = [s.max_tokens for s in sessions]
+    assert all(10 <= n <= 30 for n in ins) and all(15 <= n <= 45 for n in outs)
+    assert len(set(ins)) > 5 and len(set(outs)) > 5  # spread, not one length
+    assert make_sessions(spread) == sessions  # deterministic in the seed
+    assert {len(s.turns[0]) for s in make_sessions(exact)} == {20}  # 0: exact lengths
 
 
 class _Tty(io.StringIO):
