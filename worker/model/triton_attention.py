@@ -39,17 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
-from worker.model.attention import (
-    AttentionBackend,
-    KVScales,
-    context_mask,
-    gather_context,
-    scale_args,
-)
-from worker.model.fp8 import dequantize_kv
+from worker.model.attention import AttentionBackend, KVScales, scale_args, sdpa_prefill
 from worker.model.fused import next_pow2
 from worker.model.triton_prefill import triton_paged_prefill
 
@@ -296,42 +288,6 @@ def triton_paged_decode(
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
                                NUM_SPLITS=splits)
     return out
-
-
-def sdpa_prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
-    seq_len: int, scale: float, sliding_window: int | None, kv_scales: KVScales = None,
-) -> torch.Tensor:
-    """One request's n new tokens: q [n, Hq, D] over its whole context → [n, Hq, D].
-
-    Gathers the context into contiguous K/V (one copy) and calls SDPA: FlashAttention with
-    plain causal masking when nothing is cached before the chunk, lower-right causal when a
-    prefix is (chunked prefill, prefix-cache hits), an explicit mask under a sliding window.
-    """
-    n, hq, d = q.shape
-    ks, vs = (None, None) if kv_scales is None else kv_scales
-    # [1, Hkv, L, D]
-    ctx_k = dequantize_kv(gather_context(k_cache, pages, seq_len), ks, q.dtype).to(q.dtype)[None]
-    # [1, Hkv, L, D]
-    ctx_v = dequantize_kv(gather_context(v_cache, pages, seq_len), vs, q.dtype).to(q.dtype)[None]
-    qi = q.transpose(0, 1)[None]  # [1, Hq, n, D]
-    if sliding_window is not None and seq_len > sliding_window:
-        mask = context_mask(seq_len, n, sliding_window, q.device)
-        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-    elif n == seq_len:
-        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-
-        g = hq // ctx_k.shape[1]
-        # CausalBias takes the flash / efficient kernels, which want equal head counts.
-        # ctx_k, ctx_v: [1, Hq, L, D]
-        ctx_k, ctx_v = ctx_k.repeat_interleave(g, dim=1), ctx_v.repeat_interleave(g, dim=1)
-        o = F.scaled_dot_product_attention(qi, ctx_k, ctx_v,
-                                           attn_mask=causal_lower_right(n, seq_len), scale=scale)
-    return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
 @dataclass
