@@ -8,6 +8,23 @@ import torch
 
 
 @dataclass
+class MixedRows:
+    """The attention rows of a captured mixed step (worker/mixed_graphs.py): device tensors of
+    fixed shape per token bucket, so the step's attention reads no host value. D one-token
+    rows, R multi-token requests; padding decode rows have context 0 and write into row T (a
+    spare row past the bucket), padding requests have no rows (start = end)."""
+
+    decode_q_rows: torch.Tensor  # [D] int64: each one-token request's row in q (padding: 0)
+    decode_out_rows: torch.Tensor  # [D] int64: its row in the output (padding: T)
+    decode_seq_lens: torch.Tensor  # [D] int64: context after this step (padding: 0)
+    decode_page_table: torch.Tensor  # [D, max_pages] int64
+    prefill_start: torch.Tensor  # [R] int64: each multi-token request's first row in q
+    prefill_end: torch.Tensor  # [R] int64: one past its last row
+    prefill_seq_lens: torch.Tensor  # [R] int64: context after this step
+    prefill_page_table: torch.Tensor  # [R, max_pages] int64
+
+
+@dataclass
 class ForwardBatch:
     """Flattened tokens of every request scheduled this step, and where their KV lives.
 
@@ -53,6 +70,9 @@ class ForwardBatch:
     # backend then runs one paged kernel over them instead of a per-request loop. The host
     # lists above are placeholders then. 0 = a step built by the runner.
     uniform_query_len: int = 0
+    # Set: a captured mixed step (worker/mixed_graphs.py); the CUDA backend reads only these
+    # and slot_mapping, and the request fields above are placeholders.
+    mixed_rows: MixedRows | None = None
 
     @property
     def num_requests(self) -> int:

@@ -39,6 +39,9 @@ class ModelConfig:
     # CUDA, dense models: steps with prefill chunks replay graphs around eager attention
     # (worker/piecewise.py), so the decode rows riding in them keep graph speed.
     piecewise_graphs: bool = True
+    # Those of them that fit (up to 8 prompts or chunks of modest context) replay one graph of
+    # the whole forward, attention included (worker/mixed_graphs.py); needs piecewise_graphs.
+    mixed_graphs: bool = True
 
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:

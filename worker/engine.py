@@ -23,7 +23,7 @@ from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
 from worker.config import WorkerConfig
 from worker.dp_runner import DPRunner
-from worker.fast_paths import overlap_enabled, piecewise_supported
+from worker.fast_paths import mixed_graphs_supported, overlap_enabled, piecewise_supported
 from worker.grammar import Grammars
 from worker.kv_cache import KVCache
 from worker.model import load_model
@@ -440,4 +440,7 @@ class Engine:
                 model_drafter.enable_cuda_graphs(max_num_seqs, self.max_model_len, k,
                                                  self.spec.hidden_size)
         if piecewise_supported(self):
-            self.runner.enable_piecewise_graphs(self.config.scheduler.chunked_prefill_size)
+            chunk = self.config.scheduler.chunked_prefill_size
+            self.runner.enable_piecewise_graphs(chunk)
+            if mixed_graphs_supported(self):
+                self.runner.enable_mixed_graphs(chunk, max_num_seqs, self.max_model_len)

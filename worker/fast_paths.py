@@ -1,4 +1,4 @@
-"""Which fast paths a worker turns on: overlapped scheduling and piecewise CUDA graphs.
+"""Which fast paths a worker turns on: overlapped scheduling, piecewise and mixed CUDA graphs.
 
 Both are decisions about the config and the loaded model, made once at start-up, apart from
 the engine loop that then runs whichever path was chosen (worker/engine.py).
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.config import ConfigError, WorkerConfig
+from worker.model import fused
 from worker.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -24,6 +25,13 @@ def piecewise_supported(engine: Engine) -> bool:
     return (engine.config.model.piecewise_graphs and engine.tp is None
             and type(engine.model) is LlamaForCausalLM and not shape.window_layers
             and not shape.state_layers)
+
+
+def mixed_graphs_supported(engine: Engine) -> bool:
+    """Whole-step graphs for steps with prompt tokens (worker/mixed_graphs.py): where piecewise
+    graphs run and attention is the Triton backend's (its mixed-rows path)."""
+    return (engine.config.model.mixed_graphs and piecewise_supported(engine)
+            and fused.available(engine.device))
 
 
 def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:

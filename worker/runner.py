@@ -21,6 +21,7 @@ import torch
 from worker.batch import ForwardBatch
 from worker.cuda_graphs import DecodeGraphs, StepMirror
 from worker.kv_cache import KVCache
+from worker.mixed_graphs import MixedGraphs
 from worker.model import CausalLM
 from worker.model.fp8 import is_fp8
 from worker.piecewise import PiecewiseGraphs
@@ -70,6 +71,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs (CUDA only)
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks (CUDA only)
+        self.mixed_graphs: MixedGraphs | None = None  # those that fit, attention captured too
         self.verify_graphs: VerifyGraphs | None = None  # the same, for verify steps (drafts)
         # speculative decoding's model drafter: it catches up on each step's target hidden
         # states after sampling (worker/spec/drafter.py); None without one
@@ -98,6 +100,13 @@ class ModelRunner:
         graphs = PiecewiseGraphs(self.model, self.kv, max_tokens)
         graphs.capture()
         self.piecewise = graphs
+
+    def enable_mixed_graphs(self, max_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture whole-step graphs for the steps with prompt tokens that fit them (after
+        warm-up; where piecewise graphs run, behind the Triton backend: worker/mixed_graphs.py)."""
+        graphs = MixedGraphs(self.model, self.kv, max_tokens, max_num_seqs, max_model_len)
+        graphs.capture()
+        self.mixed_graphs = graphs
 
     def build_batch(self, plan: SchedulePlan) -> ForwardBatch:
         page_size = self.page_size
@@ -228,6 +237,10 @@ class ModelRunner:
         verify = self.verify_graphs
         if verify is not None and any(c.drafts for c in plan.chunks) and verify.fits(plan.chunks):
             return verify.run(plan.chunks)  # replayed: B x (k + 1) tokens
+        mixed = self.mixed_graphs
+        if mixed is not None and prev is None and (bs := mixed.bucket_for(plan.chunks)):
+            hidden, rows = mixed.run(plan.chunks, bs)  # replayed: attention inside the graph
+            return hidden, self.model.compute_logits(hidden[rows]) if sampling else None
         batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
         if prev is not None and src is not None:
             rows = torch.tensor(src, device=self.device)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from worker.batch import ForwardBatch
+from worker.batch import ForwardBatch, MixedRows
 from worker.model.attention import AttentionBackend, KVScales, scale_args, sdpa_prefill
 from worker.model.fused import next_pow2
 from worker.model.triton_prefill import triton_paged_prefill
@@ -385,6 +385,9 @@ class TritonPagedBackend(AttentionBackend):
                 q, k_cache, v_cache, batch.page_table, batch.query_start, batch.seq_lens, longest,
                 scale, sliding_window, sinks, kv_scales,
             )
+        if batch.mixed_rows is not None:  # a captured mixed step (worker/mixed_graphs.py)
+            return mixed_rows_attention(q, k_cache, v_cache, batch.mixed_rows, scale,
+                                        sliding_window, kv_scales)
         plan = self._split(batch)
         out = torch.empty_like(q)  # [T, Hq, D]
         if plan.token_index.numel():
@@ -406,3 +409,24 @@ class TritonPagedBackend(AttentionBackend):
                 kv_scales,
             )
         return out
+
+
+def mixed_rows_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: MixedRows,
+    scale: float, sliding_window: int | None, kv_scales: KVScales,
+) -> torch.Tensor:
+    """A mixed step's attention from device tensors of fixed shape only (capturable): q [T, Hq,
+    D] → [T, Hq, D]. The one-token rows through the decode kernel (padding rows: context 0,
+    zeros, scattered into a spare row T), then every multi-token request through one
+    paged-prefill launch over the whole T (padding requests have no rows). Rows of neither
+    (the bucket's padding tokens) are left unwritten."""
+    t = q.shape[0]
+    out = q.new_empty(t + 1, *q.shape[1:])  # [T+1, Hq, D]: row T takes the padding decode rows
+    decoded = triton_paged_decode(q.index_select(0, rows.decode_q_rows), k_cache, v_cache,
+                                  rows.decode_page_table, rows.decode_seq_lens, scale,
+                                  sliding_window, kv_scales=kv_scales)  # [D, Hq, D]
+    out.index_copy_(0, rows.decode_out_rows, decoded)
+    triton_paged_prefill(q, k_cache, v_cache, rows.prefill_page_table, rows.prefill_start,
+                         rows.prefill_seq_lens, t, scale, sliding_window, None, kv_scales,
+                         query_end=rows.prefill_end, out=out)
+    return out[:t]
