@@ -22,8 +22,10 @@
 #                                #   bench/mixed_attention.py, then bench/served.py B = 64 160
 #                                #   and py-spy of the mono worker and its gateway; `o "" K=V`
 #                                #   adds a second served run with that override
-#   bash bench/device/run.sh u   # GPU tests of the mixed-step, graph-fill, FP8 and speculative
-#                                #   paths, then bench/served.py at B = 160 (engine step times)
+#   bash bench/device/run.sh u [ARGS [K=V]]  # GPU tests of the mixed-step, graph-fill, FP8 and
+#                                #   speculative paths, then bench/served.py at B = 160 (engine
+#                                #   step times) with ARGS, e.g. "--range-ratio 0.5 --waves 4";
+#                                #   K=V: a second served run with that override
 #   bash bench/device/run.sh n [sweep]  # split-K FP8 GEMM (issue 20): its GPU tests and the FP8
 #                                #   ones, bench/fp8_splitk.py, bench/fp8.py decode (split-K vs
 #                                #   the dispatch before it), then with `sweep` its tile sweep
@@ -197,17 +199,27 @@ elif [[ $1 == o ]]; then
   fi
 elif [[ $1 == u ]]; then
   # The GPU tests of every engine path a mixed step or a decode-graph fill reaches, then
-  # bench.served at B = 160 (engine step times by kind in served.txt).
-  timeout 330 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_gpu.py \
+  # bench.served at B = 160 (engine step times by kind in served.txt) with ARGS ($2); with $3
+  # (KEY=VALUE) a second served run with that override too (its table in served2.txt).
+  # (TESTS="..." runs those test files instead)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu ${TESTS:-tests/worker/test_gpu.py \
     tests/worker/test_fp8_gpu.py tests/worker/test_spec_gpu.py tests/worker/test_fp8_splitk.py \
     tests/worker/test_mixed_attention.py tests/worker/test_piecewise.py tests/worker/test_overlap.py \
-    tests/worker/test_gpt_oss_kernels.py tests/worker/test_fused_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+    tests/worker/test_gpt_oss_kernels.py tests/worker/test_fused_gpu.py \
+    tests/worker/test_mixed_graphs.py} > "$OUT/gpu_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/gpu_tests.txt"
   grep -E "passed|failed|FAILED|ERROR|rc=" "$OUT/gpu_tests.txt" | tail -20
   CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python3 -m bench.served --out "$OUT" \
-    --batches 160 > "$OUT/served.txt" 2>&1
+    --batches 160 ${2:-} > "$OUT/served.txt" 2>&1
   echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
-  tail -12 "$OUT/served.txt"
+  grep -E "engine B=|profiled steps|^decode|^other" "$OUT/served.txt"; tail -12 "$OUT/served.txt"
+  if [[ -n ${3:-} ]]; then
+    mkdir -p /tmp/served2
+    CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python3 -m bench.served --out /tmp/served2 \
+      --batches 160 ${2:-} --set "$3" > "$OUT/served2.txt" 2>&1
+    echo "served --set $3 rc=$? at ${SECONDS}s" >> "$OUT/served2.txt"
+    grep -E "engine B=|profiled steps|^decode|^other" "$OUT/served2.txt"; tail -10 "$OUT/served2.txt"
+  fi
 elif [[ $1 == k ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_spec_gpu.py \
     tests/worker/test_gpu.py > "$OUT/spec_gpu_tests.txt" 2>&1
