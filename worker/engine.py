@@ -170,10 +170,10 @@ class Engine:
     def step(self) -> bool:
         """One schedule → run → update. Returns False when there was nothing to run.
 
-        Overlapped decode (`scheduler.overlap`): a pure-decode plan is launched, counted in the
-        scheduler with its tokens PENDING, and only then are the previous step's tokens read
-        and processed — while the device runs this one. Any other plan first reads them, and
-        sends them out before it runs.
+        Overlapped steps (`scheduler.overlap`): a plan of decodes (and, outside PD roles,
+        prompt chunks) is launched, counted in the scheduler with its tokens PENDING, and only
+        then are the previous step's tokens read and processed — while the device runs this
+        one. Any other plan first reads them, and sends them out before it runs.
         """
         self._drain_inbox(block_s=0.0)
         if self.hooks is not None:
@@ -229,16 +229,21 @@ class Engine:
         return True
 
     def _overlappable(self, plans: list[SchedulePlan]) -> bool:
-        """A plan the overlapped path runs: one group, every chunk a decode of a request that
-        needs no host view of its newest token (penalties read them; logprobs stay eager)."""
+        """A plan the overlapped path runs: one group, no drafts, a chunk that samples, every
+        request needing no host view of its newest token (penalties read them, a grammar's next
+        mask needs it, logprobs stay eager). Prompt chunks join decodes there too (mixed steps),
+        unless a PD role must hear of a prompt's end with its first token (prefill ships it)."""
         if not self.overlap or len(plans) != 1 or plans[0].empty or plans[0].state_copies:
             return False
-        return all(
-            c.num_tokens == 1 and c.sample and c.request.output_token_ids
+        chunks = plans[0].chunks
+        prompts = self.hooks is None
+        return any(c.sample for c in chunks) and all(
+            not c.drafts and not c.max_drafts
+            and (prompts or (c.num_tokens == 1 and c.sample and c.request.output_token_ids))
             and not c.request.sampling.has_penalties
             and not (c.request.sampling.logprobs or c.request.sampling.top_logprobs)
-            and c.request.grammar is None  # its next mask needs this step's token on the host
-            for c in plans[0].chunks
+            and c.request.grammar is None
+            for c in chunks
         )
 
     def _overlap_step(self, plan: SchedulePlan) -> bool:

@@ -66,9 +66,9 @@ class MixedGraphs:
         d = self.max_decode = min(t, max_num_seqs)
         r = self.max_prefills = max(1, min(t // 2, max_prefills))
         w = self.max_pages = -(-max_model_len // self.page_size)
-        # ids | positions | slots | logits rows [T], decode q rows | out rows | lengths [D],
-        # prefill starts | ends | lengths [R], then the decode and prefill page tables.
-        self._head = 4 * t + 3 * d + 3 * r
+        # ids | positions | slots | logits rows | PENDING sources [T], decode q rows | out rows |
+        # lengths [D], prefill starts | ends | lengths [R], then the two page tables.
+        self._head = 5 * t + 3 * d + 3 * r
         self._tables = (self._head, self._head + d * w, self._head + (d + r) * w)
         device = kv.data.device
         self._flat = torch.zeros(self._tables[2], dtype=torch.int64, device=device)
@@ -82,10 +82,11 @@ class MixedGraphs:
         """Named views of a flat buffer (the device one or the host one)."""
         t, d, r, w = self.max_tokens, self.max_decode, self.max_prefills, self.max_pages
         head, dec_end, end = self._tables
-        ids, pos, slots, logit_rows = flat[: 4 * t].view(4, t)
-        dq, do, dl = flat[4 * t : 4 * t + 3 * d].view(3, d)
-        ps, pe, pl = flat[4 * t + 3 * d : head].view(3, r)
-        return {"ids": ids, "pos": pos, "slots": slots, "logit_rows": logit_rows, "dq": dq,
+        ids, pos, slots, logit_rows, src = flat[: 5 * t].view(5, t)
+        dq, do, dl = flat[5 * t : 5 * t + 3 * d].view(3, d)
+        ps, pe, pl = flat[5 * t + 3 * d : head].view(3, r)
+        return {"ids": ids, "pos": pos, "slots": slots, "logit_rows": logit_rows, "src": src,
+                "dq": dq,
                 "do": do, "dl": dl, "ps": ps, "pe": pe, "pl": pl,
                 "dt": flat[head:dec_end].view(d, w), "pt": flat[dec_end:end].view(r, w)}
 
@@ -131,13 +132,21 @@ class MixedGraphs:
             return None
         return bs
 
-    def run(self, chunks: list[ScheduledChunk], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, chunks: list[ScheduledChunk], bs: int, prev_tokens: torch.Tensor | None = None,
+            src_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay bucket `bs` for `chunks` → (hidden [T, H], the logits rows [N] of the chunks
-        that sample, in order): views of graph memory, valid until the next replay."""
+        that sample, in order): views of graph memory, valid until the next replay.
+
+        An overlapped step: `src_rows[i] >= 0` means token i's input is `prev_tokens[src_rows[i]]`
+        (runner.py `pending_rows`), patched on the device before the replay."""
         if self._copied is not None:
             self._copied.synchronize()  # the host buffer's last copy has left it
-        t, n = self.fill(chunks, bs)
+        t, n = self.fill(chunks, bs, src_rows)
         self.num_replays += 1
+        if prev_tokens is not None:
+            v = self._views(self._flat)
+            ids, src = v["ids"][:t], v["src"][:t]
+            ids.copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids))
         if self.replays:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -147,9 +156,10 @@ class MixedGraphs:
             hidden = self._forward(bs)
         return hidden[:t], self._views(self._flat)["logit_rows"][:n]
 
-    def fill(self, chunks: list[ScheduledChunk], bs: int) -> tuple[int, int]:
-        """Write bucket `bs`'s inputs for `chunks` and copy them to the device; returns (real
-        tokens, sampling chunks)."""
+    def fill(self, chunks: list[ScheduledChunk], bs: int,
+             src_rows: list[int] | None = None) -> tuple[int, int]:
+        """Write bucket `bs`'s inputs for `chunks` (a PENDING input as 0 until patched) and copy
+        them to the device; returns (real tokens, sampling chunks)."""
         ps = self.page_size
         # numpy views of the pinned host buffer (worker/cuda_graphs.py DecodeGraphs.fill)
         v = {k: x.numpy() for k, x in self._views(self._host).items()}
@@ -157,7 +167,7 @@ class MixedGraphs:
         for chunk in chunks:
             table, start, n = chunk.request.page_table, chunk.start, chunk.num_tokens
             end = start + n
-            v["ids"][t : t + n] = chunk.input_ids()
+            v["ids"][t : t + n] = [max(i, 0) for i in chunk.input_ids()]
             v["pos"][t : t + n] = range(start, end)
             # A replayed token (below full_from) has its KV in a shared cached page already.
             v["slots"][t : t + n] = [table[p // ps] * ps + p % ps if p >= chunk.full_from else -1
@@ -175,6 +185,7 @@ class MixedGraphs:
             if chunk.sample:
                 v["logit_rows"][s] = t - 1
                 s += 1
+        v["src"][:t] = src_rows if src_rows is not None else -1
         self._fill_padding(v, t, d, r, bs)
         head, dec, _ = self._tables
         w = self.max_pages

@@ -29,19 +29,19 @@ from worker.request import Request, TokenLogprob
 from worker.sampler import GrammarDeadEnd, NoAllowedToken, Sampler, TokenMask, min_tokens_bans
 from worker.spec.drafter import ModelDrafter
 from worker.spec.verify import accept, ban_rows
-from worker.step import RunOutput, ScheduledChunk, SchedulePlan
+from worker.step import PENDING, RunOutput, ScheduledChunk, SchedulePlan
 from worker.verify_graphs import VerifyGraphs
 
 
 @dataclass
 class InFlight:
-    """A launched pure-decode step whose sampled tokens may still be on the device."""
+    """A launched step whose sampled tokens may still be on the device."""
 
     plan: SchedulePlan
-    tokens: torch.Tensor  # [B] int64 on the device, in plan order
+    tokens: torch.Tensor  # [N] int64 on the device: the sampling chunks', in plan order
     host: torch.Tensor | None  # pinned copy target (CUDA); None: `tokens` is already on the host
     copied: torch.cuda.Event | None
-    rows: dict[int, int]  # id(request) → its row in `tokens`
+    rows: dict[int, int]  # id(request) → its row in `tokens` (chunks that sample)
 
     def token_ids(self) -> list[int]:
         """Wait for this step's tokens (only this step: the next one may keep the device busy)."""
@@ -58,6 +58,19 @@ def forward_logits(model: CausalLM, kv: KVCache, batch: ForwardBatch) -> torch.T
     if not batch.logits_indices.numel():
         return None
     return model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] fp32
+
+
+def pending_rows(plan: SchedulePlan, prev: InFlight) -> list[int]:
+    """Per token of `plan`: the row of `prev.tokens` its input is (-1: the host knows it). Only
+    a chunk's last input can be PENDING: the newest token of a request in `prev`."""
+    rows: list[int] = []
+    for c in plan.chunks:
+        rows.extend([-1] * (c.num_tokens - 1))
+        req, last = c.request, c.start + c.num_tokens - 1
+        pending = last >= req.num_prompt_tokens and (
+            req.output_token_ids[last - req.num_prompt_tokens] == PENDING)
+        rows.append(prev.rows.get(id(req), -1) if pending else -1)
+    return rows
 
 
 class ModelRunner:
@@ -212,8 +225,8 @@ class ModelRunner:
     def forward(self, plan: SchedulePlan, prev: InFlight | None = None) -> torch.Tensor | None:
         """One forward pass; the logits [B, vocab] fp32 of the chunks that sample (None: none do).
 
-        `prev` (overlapped decode): an input still PENDING is the previous step's token for that
-        request, read from `prev.tokens` on the device.
+        `prev` (an overlapped step): an input still PENDING is the previous step's token for
+        that request, read from `prev.tokens` on the device.
         """
         return self.forward_hidden(plan, prev)[1]
 
@@ -223,7 +236,7 @@ class ModelRunner:
         if plan.state_copies:  # new requests' state slots: zeroed or restored from a snapshot
             self.kv.apply_state_copies(plan.state_copies)
         sampling = sum(c.sample for c in plan.chunks)
-        src = [prev.rows.get(id(c.request), -1) for c in plan.chunks] if prev is not None else None
+        src = pending_rows(plan, prev) if prev is not None else None
         graphs = self.decode_graphs
         if (
             graphs is not None
@@ -238,8 +251,10 @@ class ModelRunner:
         if verify is not None and any(c.drafts for c in plan.chunks) and verify.fits(plan.chunks):
             return verify.run(plan.chunks)  # replayed: B x (k + 1) tokens
         mixed = self.mixed_graphs
-        if mixed is not None and prev is None and (bs := mixed.bucket_for(plan.chunks)):
-            hidden, rows = mixed.run(plan.chunks, bs)  # replayed: attention inside the graph
+        if mixed is not None and (bs := mixed.bucket_for(plan.chunks)):
+            prev_tokens = prev.tokens if prev is not None else None
+            # replayed, attention inside the graph
+            hidden, rows = mixed.run(plan.chunks, bs, prev_tokens, src)
             return hidden, self.model.compute_logits(hidden[rows]) if sampling else None
         batch = self.build_batch(plan)  # a PENDING input reads as -1 here, replaced below
         if prev is not None and src is not None:
@@ -257,10 +272,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: SchedulePlan, prev: InFlight | None) -> InFlight:
-        """Queue a pure-decode step without waiting for the device (see `forward` for `prev`)."""
-        reqs = [c.request for c in plan.chunks]
+        """Queue a step without waiting for the device (see `forward` for `prev`); its tokens,
+        one per chunk that samples, stay on the device until read (engine `_overlappable`)."""
+        reqs = [c.request for c in plan.chunks if c.sample]
         logits = self.forward(plan, prev)
-        assert logits is not None  # every chunk of a pure-decode plan samples
+        assert logits is not None  # an overlapped plan has a chunk that samples
         tokens = self.sampler.sample_tokens(logits, [r.sampling for r in reqs],
                                             [r.generator for r in reqs],
                                             [len(r.output_token_ids) for r in reqs],

@@ -244,12 +244,9 @@ class Scheduler:
             if chunk.drafts:
                 self._verified(req, chunk, [token, *extra])  # type: ignore[list-item]
                 continue
-            req.num_computed_tokens += chunk.num_tokens
-            self.cache.computed(req)
+            self._computed(chunk)
             if chunk.max_drafts:  # room was kept for drafts the drafter did not propose
                 self.cache.shrink(req, req.num_tokens + 1)
-            computed = min(req.num_prompt_tokens, req.num_computed_tokens)
-            self.prompt_tokens_computed += max(0, computed - chunk.start)
             if token is None:
                 continue
             prompt_done = not req.output_token_ids
@@ -269,6 +266,14 @@ class Scheduler:
                 self.running.remove(req)
                 self.finish(req, status)
 
+    def _computed(self, chunk: ScheduledChunk) -> None:
+        """A chunk's tokens have their KV now (or will, once its launched step runs)."""
+        req = chunk.request
+        req.num_computed_tokens += chunk.num_tokens
+        self.cache.computed(req)
+        computed = min(req.num_prompt_tokens, req.num_computed_tokens)
+        self.prompt_tokens_computed += max(0, computed - chunk.start)
+
     def _verified(self, req: Request, chunk: ScheduledChunk, tokens: list[int]) -> None:
         """A verify step emitted `tokens` (accepted drafts, then one more): append them up to the
         first that stops the request. The KV of the last token and of each accepted draft is
@@ -286,20 +291,32 @@ class Scheduler:
 
     # ---- overlapped decode (the engine's overlap schedule) ------------------------------------
     def advance(self, plan: SchedulePlan) -> None:
-        """A pure-decode plan was launched and its tokens are not back yet: count each request's
-        token computed and hold its output slot with PENDING, so the next plan can be scheduled
-        now (its input for the slot is read on the device, worker/runner.py)."""
+        """A plan was launched and its tokens are not back yet: count each chunk's tokens
+        computed and hold the output slot of each that samples with PENDING, so the next plan
+        can be scheduled now (its input for the slot is read on the device, worker/runner.py).
+        A prompt that ends here enters the prefix cache now (its pages hold only prompt
+        tokens); stop checks wait for `complete`. Only plans without drafts, and prompts only
+        where no PD role hears of their end (worker/engine.py `_overlappable`)."""
         for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += 1
-            chunk.request.output_token_ids.append(PENDING)
+            req = chunk.request
+            self._computed(chunk)
+            if not chunk.sample:
+                continue
+            prompt_done = not req.output_token_ids
+            req.output_token_ids.append(PENDING)
+            if prompt_done:
+                self.cache.cache_computed(req)
 
     def complete(self, plan: SchedulePlan, token_ids: list[int]) -> None:
-        """An advanced plan's tokens are back: fill each PENDING slot, then stop checks. A request
-        that stops here may already sit in the next plan (launched): that step's token for it is
-        dropped, and its pages are reused only by work queued after that step."""
-        for chunk, token in zip(plan.chunks, token_ids, strict=True):
+        """An advanced plan's tokens are back (one per chunk that samples): fill each PENDING
+        slot, then stop checks. A request that stops here may already sit in the next plan
+        (launched): that step's token for it is dropped, and its pages are reused only by work
+        queued after that step."""
+        sampled = [c for c in plan.chunks if c.sample]
+        for chunk, token in zip(sampled, token_ids, strict=True):
             req = chunk.request
-            at = chunk.start + 1 - req.num_prompt_tokens  # the output index this chunk sampled
+            # the output index this chunk sampled
+            at = chunk.start + chunk.num_tokens - req.num_prompt_tokens
             if at >= len(req.output_token_ids) or req.output_token_ids[at] != PENDING:
                 continue  # its output was cut (preempted and finished, or stopped a step earlier)
             req.output_token_ids[at] = token

@@ -9,6 +9,7 @@ eagerly on CPU tensors under Triton's interpreter, in a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +23,9 @@ from tests.worker.test_gpu import HAS_GPU, tiny_gpu_engine_setup
 
 def check_engine(path: Path, device: str) -> dict[str, float]:
     """Serve prompts through an engine whose steps with prompt tokens take MixedGraphs (room for
-    2 prompts a step, so a step of 3 falls back) and through one without; every replayed step's
-    hidden states are checked against the eager Triton split of the same step first. Returns
+    2 prompts a step, so a step of 3 falls back) and through one without, both overlapping
+    their steps; every replayed step's hidden states are checked against the eager Triton
+    split of the same step first (its PENDING inputs read from the last step's tokens). Returns
     the figures the caller asserts on."""
     from tests.worker.test_engine import generate
     from worker.config import CacheConfig, ParallelConfig, SchedulerConfig
@@ -38,7 +40,7 @@ def check_engine(path: Path, device: str) -> dict[str, float]:
         config = config.__class__(
             model=config.model.__class__(path=config.model.path, dtype="float32"),
             cache=CacheConfig(page_size=4, num_pages=256),
-            scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=32),
+            scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=32, overlap="on"),
             parallel=ParallelConfig(device="cpu"))
         prompts = [p[:10] for p in prompts[:4]] + [list(range(1, 40))]  # one past a chunk
     want = generate(Engine(config), prompts, max_tokens=3)
@@ -53,13 +55,18 @@ def check_engine(path: Path, device: str) -> dict[str, float]:
     graphs.capture()
     engine.runner.mixed_graphs = graphs
     errors: list[float] = []
-    fallbacks = [0]
+    fallbacks, overlapped = [0], [0]
     replay, bucket_for = graphs.run, graphs.bucket_for
 
-    def checked(chunks, bs):  # type: ignore[no-untyped-def]
+    def checked(chunks, bs, prev_tokens=None, src_rows=None):  # type: ignore[no-untyped-def]
         batch = engine.runner.build_batch(SchedulePlan(chunks=list(chunks)))
+        if prev_tokens is not None:  # an overlapped step: PENDING inputs from the last one's
+            overlapped[0] += 1
+            src = torch.tensor(src_rows, device=batch.input_ids.device)
+            ids = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], batch.input_ids)
+            batch = dataclasses.replace(batch, input_ids=ids)
         eager = engine.model(batch, engine.kv).float()  # stores the same K/V the replay stores
-        hidden, rows = replay(chunks, bs)
+        hidden, rows = replay(chunks, bs, prev_tokens, src_rows)
         errors.append(float((hidden.float() - eager).abs().max()))
         assert rows.tolist() == batch.logits_indices.tolist()
         return hidden, rows
@@ -74,7 +81,8 @@ def check_engine(path: Path, device: str) -> dict[str, float]:
     got = generate(engine, prompts, max_tokens=3)
     assert got == want
     assert engine.scheduler.stats().used_pages == 0
-    return {"replays": graphs.num_replays, "fallbacks": fallbacks[0], "worst": max(errors)}
+    return {"replays": graphs.num_replays, "fallbacks": fallbacks[0], "worst": max(errors),
+            "overlapped": overlapped[0]}
 
 
 _INTERPRETED = """
@@ -85,6 +93,7 @@ with tempfile.TemporaryDirectory() as tmp:
     figures = check_engine(Path(tmp) / "q3", "cpu")
 print(figures)
 assert figures["replays"] >= 3 and figures["fallbacks"] >= 1, figures
+assert figures["overlapped"] >= 1, figures
 assert figures["worst"] < 1e-4, figures
 """
 
@@ -126,3 +135,4 @@ def test_steps_that_do_not_fit_take_another_path() -> None:
 def test_mixed_steps_on_captured_graphs_equal_eager(tmp_path: Path) -> None:
     figures = check_engine(tmp_path / "q3", "cuda")
     assert figures["replays"] >= 3 and figures["worst"] < 0.05, figures
+    assert figures["overlapped"] >= 1, figures

@@ -1,12 +1,13 @@
-"""Overlapped decode (`scheduler.overlap`) gives exactly what the plain step gives.
+"""Overlapped steps (`scheduler.overlap`) give exactly what the plain step gives.
 
-With overlap a pure-decode step is launched and counted before the previous step's tokens are
-read; a request that stops on those tokens has already been put in the next step (its token
-there is dropped). On a CPU the device is synchronous, so the overlap gains nothing here, but
-every piece of its bookkeeping runs: PENDING slots, inputs read from the previous step's
-tokens, late stops, steps that must first read the tokens (prefill joining, penalties,
-logprobs), preemption with a step in flight, aborts. Each case compares token for token (and
-finish reason) with `overlap: off`, and checks every page came back.
+With overlap a step of decodes (and prompt chunks joining them) is launched and counted before
+the previous step's tokens are read; a request that stops on those tokens has already been put
+in the next step (its token there is dropped). On a CPU the device is synchronous, so the
+overlap gains nothing here, but every piece of its bookkeeping runs: PENDING slots, inputs read
+from the previous step's tokens, late stops, prompts joining running decodes, steps that must
+first read the tokens (penalties, logprobs), preemption with a step in flight, aborts. Each
+case compares token for token (and finish reason) with `overlap: off`, and checks every page
+came back.
 """
 
 from __future__ import annotations
@@ -143,26 +144,34 @@ def test_overlap_equals_plain_steps(checkpoint: Path) -> None:
     assert late_stops, "a request stopped on a token the host read a step late"
 
 
-def test_tokens_read_before_a_mixed_step_leave_before_it_runs(checkpoint: Path) -> None:
-    """A prompt joining overlapped decodes: the in-flight step's tokens are read first (the
-    plan needs them) and delivered then, not after the mixed step has run."""
+def test_a_prompt_joining_decodes_is_launched_before_their_tokens_are_read(
+    checkpoint: Path,
+) -> None:
+    """A mixed step (a prompt joining running decodes) is overlapped too: it is launched first,
+    then the in-flight step's tokens are read and delivered while it runs, and the prompt's
+    first token follows a step later."""
     engine = _engine(checkpoint, "on")
     log: list[str] = []
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def spy(plan):  # noqa: ANN001, ANN202
-        log.append("run")
-        return run(plan)
+    def spy(plan, prev):  # noqa: ANN001, ANN202
+        log.append("launch mixed" if any(c.num_tokens > 1 for c in plan.chunks) else "launch")
+        return launch(plan, prev)
 
-    engine.runner.run = spy  # type: ignore[method-assign]
+    engine.runner.launch = spy  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.submit(Request("a", [5, 6, 7], params), lambda out: log.extend("a" * len(out.token_ids)))
     while engine._inflight is None:  # until a decode step of "a" is in flight
         engine.step()
     log.clear()
-    engine.submit(Request("b", list(range(1, 12)), params), lambda out: log.append("b"))
-    engine.step()  # "b"'s prompt joins: a plain step, which reads "a"'s token first
-    assert log[:2] == ["a", "run"], log
+    engine.submit(Request("b", list(range(1, 12)), params),
+                  lambda out: log.extend("b" * len(out.token_ids)))
+    overlapped = engine.num_overlapped_steps
+    engine.step()  # "b"'s prompt joins "a"'s decode: launched, then "a"'s token is read
+    assert log == ["launch mixed", "a"], log
+    assert engine.num_overlapped_steps == overlapped + 1
+    engine.step()  # the next decode is launched, then the mixed step's tokens leave
+    assert log[2:] == ["launch", "a", "b"], log
     while engine.has_pending_work():
         engine.step()
     engine.scheduler.assert_drained()
