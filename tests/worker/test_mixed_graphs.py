@@ -43,7 +43,8 @@ def check_engine(path: Path, device: str) -> dict[str, float]:
             scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=32, overlap="on"),
             parallel=ParallelConfig(device="cpu"))
         prompts = [p[:10] for p in prompts[:4]] + [list(range(1, 40))]  # one past a chunk
-    want = generate(Engine(config), prompts, max_tokens=3)
+    max_tokens = 2 if device == "cpu" else 3  # interpreted kernels are slow
+    want = generate(Engine(config), prompts, max_tokens=max_tokens)
     engine = Engine(config)
     backend = TritonPagedBackend()  # the CUDA backend; on a CPU, interpreted
     for module in engine.model.modules():
@@ -78,7 +79,7 @@ def check_engine(path: Path, device: str) -> dict[str, float]:
         return bs
 
     graphs.run, graphs.bucket_for = checked, counted  # type: ignore[method-assign]
-    got = generate(engine, prompts, max_tokens=3)
+    got = generate(engine, prompts, max_tokens=max_tokens)
     assert got == want
     assert engine.scheduler.stats().used_pages == 0
     return {"replays": graphs.num_replays, "fallbacks": fallbacks[0], "worst": max(errors),
