@@ -9,11 +9,14 @@ client deadline is `hung`, which every drill asserts is zero.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,6 +46,7 @@ class Outcomes:
     error: int = 0
     hung: int = 0
     aborted: int = 0  # the client itself left (abort storm)
+    started: int = 0  # answers whose first bytes reached the client (a stream under way)
     error_after_s: list[float] = field(default_factory=list)  # fault (or request start) -> error
     statuses: dict[int, int] = field(default_factory=dict)
 
@@ -51,6 +55,7 @@ class Outcomes:
         self.error += other.error
         self.hung += other.hung
         self.aborted += other.aborted
+        self.started += other.started
         self.error_after_s += other.error_after_s
         for k, v in other.statuses.items():
             self.statuses[k] = self.statuses.get(k, 0) + v
@@ -80,7 +85,11 @@ async def one_request(
         async with asyncio.timeout(CLIENT_DEADLINE_S):
             async with client.stream("POST", "/v1/completions", json=payload) as r:
                 out.statuses[r.status_code] = out.statuses.get(r.status_code, 0) + 1
-                text = (await r.aread()).decode(errors="replace")
+                parts: list[bytes] = []
+                async for part in r.aiter_bytes():
+                    out.started += not parts
+                    parts.append(part)
+                text = b"".join(parts).decode(errors="replace")
     except TimeoutError:
         out.hung += 1
         return
@@ -97,9 +106,12 @@ async def one_request(
 
 
 async def drive(
-    url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float]
+    url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float],
+    out: Outcomes | None = None,
 ) -> Outcomes:
-    out = Outcomes()
+    """Send `payloads`, at most `concurrency` at a time; `out` (filled as they go) lets another
+    thread watch their progress."""
+    out = Outcomes() if out is None else out
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(
@@ -120,18 +132,30 @@ class Row:
     topology: str
     outcomes: Outcomes
     pages_leaked: int
-    recover_s: (
-        float | None
-    )  # fault -> the gateway routes to the worker again (None: not applicable)
+    recover_s: float | None  # fault -> the gateway routes to the worker again (None: n/a)
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Row:
+        o = d["outcomes"]
+        outcomes = Outcomes(**{**o, "statuses": {int(k): v for k, v in o["statuses"].items()}})
+        return cls(**{**d, "outcomes": outcomes})
 
 
-_ROWS: list[Row] = []
+_ROWS = pytest.StashKey[list[Row]]()
 
 
-def record(row: Row) -> None:
-    """Add a drill's figures to the table printed at the end (and written to $TANDEM_CHAOS_REPORT).
-    """
-    _ROWS.append(row)
+def _rows(config: pytest.Config) -> list[Row]:
+    return config.stash.setdefault(_ROWS, [])
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest) -> Callable[[Row], None]:
+    """Add a drill's figures to the table printed at the end of the session (and written to
+    $TANDEM_CHAOS_REPORT)."""
+    return _rows(request.config).append
 
 
 def leaked_pages(cluster: Cluster, timeout_s: float = 30.0) -> int:
@@ -143,13 +167,13 @@ def leaked_pages(cluster: Cluster, timeout_s: float = 30.0) -> int:
         return sum(cluster.load(n).kv_used_pages for n in cluster.workers)
 
 
-def table() -> str:
+def table(rows: list[Row]) -> str:
     lines = [
         "| fault | topology | ok | error | hung | max time to error (s) | pages leaked "
         "| recover (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in _ROWS:
+    for r in rows:
         o = r.outcomes
         rec = "-" if r.recover_s is None else f"{r.recover_s:.1f}"
         err = f"{o.error}" + (f" (+{o.aborted} client aborts)" if o.aborted else "")
@@ -160,11 +184,26 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist a worker hands its rows to the controller, which prints the table."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["chaos_rows"] = json.dumps([r.to_json() for r in _rows(session.config)])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    rows = getattr(node, "workeroutput", {}).get("chaos_rows")
+    if rows:
+        _rows(node.config).extend(Row.from_json(r) for r in json.loads(rows))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not _ROWS:
+    rows = _rows(terminalreporter.config)
+    if not rows:
         return
     terminalreporter.write_sep("=", "chaos drills")
-    terminalreporter.write_line(table())
+    terminalreporter.write_line(table(rows))
     path = os.environ.get("TANDEM_CHAOS_REPORT")
     if path:
-        Path(path).write_text(table() + "\n" + json.dumps([r.fault for r in _ROWS]) + "\n")
+        Path(path).write_text(table(rows) + "\n" + json.dumps([r.fault for r in rows]) + "\n")

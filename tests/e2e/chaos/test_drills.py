@@ -14,7 +14,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -28,7 +28,6 @@ from tests.e2e.chaos.conftest import (
     body,
     drive,
     leaked_pages,
-    record,
     wait_health,
 )
 
@@ -66,25 +65,35 @@ def cluster_2p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def _run(
-    url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float]
+    url: str, payloads: list[dict[str, object]], concurrency: int, since: list[float],
+    out: Outcomes | None = None,
 ) -> Outcomes:
-    return asyncio.run(drive(url, payloads, concurrency, since))
+    return asyncio.run(drive(url, payloads, concurrency, since, out))
 
 
 def _kill_during(
     c: Cluster, role: str, payloads: list[dict[str, object]], ready: str
 ) -> tuple[Outcomes, float, float]:
     """Send `payloads`, SIGKILL `role`-0 once it is busy (`ready`: transferring | running), wait for
-    every request; returns (outcomes, kill time, time the gateway took it back)."""
+    every request; returns (outcomes, kill time, time the gateway took it back).
+
+    "running" also waits until more than half the streams have their first bytes, so at least
+    one of the killed worker's streams is under way: one killed before its first token is
+    retried on another pair and succeeds (docs/reliability.md), which is no mid-stream kill."""
     name, url = f"{role}-0", c.workers[f"{role}-0"]
     since = [float("inf")]
     result: list[Outcomes] = []
-    t = threading.Thread(target=lambda: result.append(_run(c.url, payloads, 16, since)))
+    progress = Outcomes()
+    t = threading.Thread(
+        target=lambda: result.append(_run(c.url, payloads, 16, since, progress)))
     t.start()
     deadline = time.monotonic() + 60
     while True:
         ld = c.load(name)
-        busy = ld.rooms.get("TRANSFERRING", 0) if ready == "transferring" else ld.running
+        if ready == "transferring":
+            busy = ld.rooms.get("TRANSFERRING", 0) > 0
+        else:
+            busy = ld.running > 0 and progress.started > len(payloads) // 2
         if busy:
             break
         assert time.monotonic() < deadline, f"{name} never became busy ({ready})"
@@ -123,7 +132,7 @@ def _check(o: Outcomes, leaked: int) -> None:
     assert leaked == 0, f"{leaked} pages leaked"
 
 
-def test_kill_prefill_mid_transfer(cluster_2p2d: Cluster) -> None:
+def test_kill_prefill_mid_transfer(cluster_2p2d: Cluster, record: Callable[[Row], None]) -> None:
     c = cluster_2p2d
     payloads = [body(f"p{i}=3;" * 40, 8, i % 2 == 0) for i in range(24)]
     o, killed, back = _kill_during(c, "prefill", payloads, ready="transferring")
@@ -134,9 +143,10 @@ def test_kill_prefill_mid_transfer(cluster_2p2d: Cluster) -> None:
     _served_by(c, "prefill-0")
 
 
-def test_kill_decode_mid_stream(cluster_2p2d: Cluster) -> None:
+def test_kill_decode_mid_stream(cluster_2p2d: Cluster, record: Callable[[Row], None]) -> None:
     c = cluster_2p2d
-    payloads = [body(f"d{i}=4;" * 10, 200, True) for i in range(8)]
+    # 400 tokens (of the model's 512 positions): streams long enough to be killed mid-way.
+    payloads = [body(f"d{i}=4;" * 10, 400, True) for i in range(8)]
     o, killed, back = _kill_during(c, "decode", payloads, ready="running")
     leaked = leaked_pages(c)
     record(Row("SIGKILL decode mid-stream", "2P2D", o, leaked, back - killed))
@@ -145,7 +155,7 @@ def test_kill_decode_mid_stream(cluster_2p2d: Cluster) -> None:
     _served_by(c, "decode-0")
 
 
-def test_abort_storm(cluster_2p2d: Cluster) -> None:
+def test_abort_storm(cluster_2p2d: Cluster, record: Callable[[Row], None]) -> None:
     """500 requests whose clients leave at random moments (before, during and after prefill)."""
     c = cluster_2p2d
     rng = random.Random(9)
@@ -183,7 +193,8 @@ def test_abort_storm(cluster_2p2d: Cluster) -> None:
     ("fail=0.05", (), 60),
     ("delay_ms=2500", (), 8),  # every write outlives transfer_timeout_s=2
 ], ids=["fail5pct", "delay-beyond-deadline"])
-def test_transfer_faults(faults: str, overrides: tuple[str, ...], n: int, tmp_path: Path) -> None:
+def test_transfer_faults(faults: str, overrides: tuple[str, ...], n: int, tmp_path: Path,
+                         record: Callable[[Row], None]) -> None:
     with running_cluster(
         "configs/tiny-1p1d.yaml",
         *DEADLINES,
