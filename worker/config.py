@@ -84,6 +84,10 @@ Overlap = Literal["auto", "on", "off"]
 class SchedulerConfig:
     max_num_seqs: int = 64  # most requests in one running batch
     chunked_prefill_size: int = 512  # token budget of one step (prefill chunks + decodes)
+    # The budget of a step while some request decodes (0 = chunked_prefill_size). Every decode
+    # in a step waits for the step's prompt chunks, so this bounds the ITL p99 under load; an
+    # idle worker still prefills in chunked_prefill_size chunks. docs/config.md has figures.
+    mixed_step_tokens: int = 0
     max_waiting: int = 4096  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
     # Overlapped decode: schedule and launch step N+1 before reading step N's tokens. auto = on
     # where the device runs asynchronously (CUDA); on a CPU it would only delay each token a step.
@@ -99,6 +103,17 @@ class SchedulerConfig:
                 f"{prefix}.chunked_prefill_size ({self.chunked_prefill_size}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
             )
+        if self.mixed_step_tokens and not (
+                self.max_num_seqs <= self.mixed_step_tokens <= self.chunked_prefill_size):
+            raise ConfigError(
+                f"{prefix}.mixed_step_tokens ({self.mixed_step_tokens}) must be 0 (off) or "
+                f"between max_num_seqs ({self.max_num_seqs}) and chunked_prefill_size "
+                f"({self.chunked_prefill_size})")
+
+    @property
+    def step_tokens_while_decoding(self) -> int:
+        """The token budget of a step in which some request decodes."""
+        return self.mixed_step_tokens or self.chunked_prefill_size
 
 
 All2AllBackend = Literal["torch", "deepep"]

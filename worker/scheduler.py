@@ -115,12 +115,12 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
         self.num_speculative_tokens = num_speculative_tokens  # drafts per decode step at most
         self.spec_counters = spec_counters or SpecCounters()  # shared by a worker's schedulers
-        window = cache.window.spec if cache.window is not None else None
-        if window is not None and scheduler.chunked_prefill_size < window.window + self.page_size:
+        budget = scheduler.step_tokens_while_decoding  # the smaller budget (validated)
+        if budget < cache.min_step_tokens():
+            name = "mixed_step_tokens" if scheduler.mixed_step_tokens else "chunked_prefill_size"
             raise ConfigError(
-                f"scheduler.chunked_prefill_size ({scheduler.chunked_prefill_size}) must be at "
-                f"least the model's sliding window plus one page ({window.window} + "
-                f"{self.page_size}) so a replayed window fits one step; raise it")
+                f"scheduler.{name} ({budget}) must be at least the model's sliding window plus one "
+                f"page ({cache.min_step_tokens()}) so a replayed window fits one step; raise it")
 
     # ---- intake ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -145,7 +145,7 @@ class Scheduler:
     # ---- step 1: schedule ---------------------------------------------------------------------
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
-        budget = self.config.chunked_prefill_size
+        budget = self._step_budget()
         preempted = False
         for req in list(self.running):
             if budget == 0:
@@ -170,6 +170,13 @@ class Scheduler:
             self._admit(plan, budget)
         plan.state_copies = self.cache.take_state_copies()
         return plan
+
+    def _step_budget(self) -> int:
+        """Tokens this step may carry: `chunked_prefill_size`, or `mixed_step_tokens` while a
+        request decodes (each of its decodes waits for the step's prompt chunks)."""
+        if any(r.output_token_ids for r in self.running):
+            return self.config.step_tokens_while_decoding
+        return self.config.chunked_prefill_size
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Room for draft tokens after a decode chunk (speculative decoding): at most
@@ -315,13 +322,12 @@ class Scheduler:
         sampled = [c for c in plan.chunks if c.sample]
         for chunk, token in zip(sampled, token_ids, strict=True):
             req = chunk.request
-            # the output index this chunk sampled
-            at = chunk.start + chunk.num_tokens - req.num_prompt_tokens
+            at = chunk.start + chunk.num_tokens - req.num_prompt_tokens  # the output it sampled
             if at >= len(req.output_token_ids) or req.output_token_ids[at] != PENDING:
                 continue  # its output was cut (preempted and finished, or stopped a step earlier)
             req.output_token_ids[at] = token
-            queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting}
-            queue = queues.get(req.status)
+            queue = {RequestStatus.RUNNING: self.running,
+                     RequestStatus.WAITING: self.waiting}.get(req.status)
             if queue is None:  # finished meanwhile (aborted)
                 continue
             status = self.stop_status(req, at + 1)  # a preempted request (waiting) can stop too

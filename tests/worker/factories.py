@@ -38,13 +38,15 @@ def make_scheduler(
     page_size: int = 4,
     max_num_seqs: int = 8,
     chunked_prefill_size: int = 32,
+    mixed_step_tokens: int = 0,
     prefix_cache: bool = True,
     max_model_len: int = 4096,
     eos: tuple[int, ...] = (0,),
 ) -> tuple[Scheduler, list[Request]]:
     finished: list[Request] = []
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunked_prefill_size),
+        SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunked_prefill_size,
+                        mixed_step_tokens=mixed_step_tokens),
         KVCacheManager(num_pages, page_size, prefix_cache=prefix_cache),
         max_model_len=max_model_len,
         eos_token_ids=eos,

@@ -55,6 +55,38 @@ def test_decodes_are_scheduled_before_new_prefills() -> None:
     sched.assert_drained()
 
 
+def test_steps_with_decodes_keep_to_mixed_step_tokens() -> None:
+    """An idle worker prefills in chunked_prefill_size chunks; once a request decodes, a step
+    carries at most mixed_step_tokens (its decodes included), and back to full chunks after."""
+    sched, _ = make_scheduler(chunked_prefill_size=32, mixed_step_tokens=8, num_pages=128)
+    first = make_request(40, max_tokens=6)
+    sched.add(first)
+    plans = []
+    while sched.has_work:
+        if len(plans) == 3:  # first decodes now: a long prompt joins it
+            sched.add(second := make_request(prompt=list(range(100, 150)), max_tokens=1))
+        plans.append(plan := sched.schedule())
+        sched.update(plan, fake_run(plan))
+    decoding = [p for p in plans if any(c.request is first and c.num_tokens == 1
+                                        for c in p.chunks)]
+    assert [c.num_tokens for c in plans[0].chunks] == [32]  # idle: a full chunk
+    assert decoding and all(p.num_tokens <= 8 for p in decoding)
+    joined = [p for p in decoding if any(c.request is second for c in p.chunks)]
+    assert [c.num_tokens for c in joined[0].chunks] == [1, 7]  # the rest of 8 after the decode
+    alone = [p for p in plans if p not in decoding and p.chunks[0].request is second]
+    assert alone and max(p.num_tokens for p in alone) > 8  # first finished: full chunks again
+    sched.assert_drained()
+
+
+def test_mixed_step_tokens_is_validated() -> None:
+    from worker.config import ConfigError, SchedulerConfig
+
+    for bad in (4, 64):  # below max_num_seqs (8), above chunked_prefill_size (32)
+        with pytest.raises(ConfigError, match="mixed_step_tokens"):
+            SchedulerConfig(max_num_seqs=8, chunked_prefill_size=32,
+                            mixed_step_tokens=bad).validate()
+
+
 def test_max_num_seqs_limits_the_batch() -> None:
     sched, _ = make_scheduler(max_num_seqs=2, chunked_prefill_size=64)
     reqs = [make_request(4, max_tokens=3) for _ in range(5)]
