@@ -9,8 +9,8 @@ For every batch size B, with the same prompt and output lengths (ignore_eos, gre
    (--waves K, default 2) at max_num_seqs = B, as a closed loop of B would, after a warm pass
    of B short requests: output tok/s over the whole run, its decode rate (tokens while every
    request of the first wave has its first token and none has finished / that time) — the
-   rate a decode worker alone would reach at batch B — and its step times by kind (overlapped
-   decode steps, and the others);
+   rate a decode worker alone would reach at batch B — and its step times by kind (decode
+   steps, and mixed steps by their prompt tokens);
 2. the served clusters (`tandem serve` in the background, started together on the same
    device): mono (`role: both`) and 1P1D, `tandem bench` at concurrency B with K x B requests,
    from --clients load-generator processes (4 on the GPU: one caps the rate at B = 160):
@@ -90,7 +90,7 @@ def engine_rates(config: str, sets: list[str], batch: int, work: list[tuple[list
     for i, (p, n) in enumerate(work):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         engine.submit(Request(f"e{i}", list(p), params), sink)
-    steps: list[tuple[bool, float, int]] = []  # (overlapped decode, seconds, prompt tokens)
+    steps: list[tuple[bool, float, int]] = []  # (overlapped, seconds, prompt tokens)
     sched = engine.scheduler
     window = range(150, 150 + trace[0]) if trace else range(0)
     prof = torch.profiler.profile() if trace else None
@@ -129,7 +129,7 @@ def device_steps(prof: Any, steps: list[tuple[bool, float, int]], out: Path) -> 
                    key=lambda e: e.time_range.start)
     kinds: dict[str, list[tuple[float, float]]] = {}
     for (overlapped, seconds, prompt), mark in zip(steps, marks, strict=False):
-        kind = "decode" if overlapped else f"other ({'with' if prompt else 'no'} prompt tokens)"
+        kind = ("mixed" if prompt else "decode") + ("" if overlapped else " (plain)")
         kinds.setdefault(kind, []).append((seconds * 1e3, mark.device_time_total / 1e3))
     lines = [f"{len(marks)} profiled steps (wall: the step call; device: its launches' kernels)"]
     for kind, rows in kinds.items():
@@ -142,24 +142,32 @@ def device_steps(prof: Any, steps: list[tuple[bool, float, int]], out: Path) -> 
 
 
 def step_times(steps: list[tuple[bool, float, int]]) -> dict[str, Any]:
-    """The timed run's engine steps by kind, each kind's count and p50 / p99 in ms: overlapped
-    decodes, and the others (steps that carry prompt tokens, or follow one) by how many prompt
-    tokens they ran, which shows whether a mixed step costs its prompts' compute or a fixed
-    price. An overlapped step's call returns once the step before it is done on the device, so
-    its time is that step's; another step's call runs it to the end."""
+    """The timed run's engine steps by what they ran, each kind's count and p50 / p99 in ms:
+    decodes (no prompt token) and mixed steps (decodes and prompt chunks), those also by how
+    many prompt tokens they ran, which shows whether a mixed step costs its prompts' compute or
+    a fixed price; `plain` counts the steps that were not overlapped. An overlapped step's call
+    returns once the in-flight step before it is done on the device, so its time is that step's
+    (filed under that step's kind; none after a plain step); a plain step's call runs it to
+    the end."""
     from orchestrator.bench_stats import percentile
 
-    kinds: dict[str, list[float]] = {"decode": [], "other": []}
+    kinds: dict[str, list[float]] = {"decode": [], "mixed": []}
     edges = (0, 64, 128, 256, 512)
-    for overlapped, seconds, prompt in steps:
-        kinds["decode" if overlapped else "other"].append(seconds * 1e3)
-        if not overlapped:
+    for i, (overlapped, seconds, prompt) in enumerate(steps):
+        if overlapped:  # it waited for the step before it, if that one was in flight too
+            if i == 0 or not steps[i - 1][0]:
+                continue
+            prompt = steps[i - 1][2]
+        kinds["mixed" if prompt else "decode"].append(seconds * 1e3)
+        if prompt:
             lo = max((e for e in edges if e < prompt), default=-1)
             hi = min((e for e in edges if e >= prompt), default=None)
-            name = f"other {lo + 1}-{hi}" if hi is not None else f"other >{edges[-1]}"
-            kinds.setdefault(name if prompt else "other 0", []).append(seconds * 1e3)
-    return {kind: {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2),
-                   "p99_ms": round(percentile(ms, 99), 2)} for kind, ms in kinds.items()}
+            name = f"mixed {lo + 1}-{hi}" if hi is not None else f"mixed >{edges[-1]}"
+            kinds.setdefault(name, []).append(seconds * 1e3)
+    out = {kind: {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2),
+                  "p99_ms": round(percentile(ms, 99), 2)} for kind, ms in kinds.items()}
+    out["plain"] = {"n": sum(not overlapped for overlapped, _, _ in steps)}
+    return out
 
 
 def work_for(spec: BenchSpec) -> list[tuple[list[int], int]]:
@@ -272,15 +280,18 @@ def main() -> None:
     kv_tokens = round(max_b * (input_len + output_len) * (1 + args.range_ratio)) + 4096
     common = [f"cache.max_total_tokens={kv_tokens}", f"scheduler.max_num_seqs={max_b}",
               "launcher.ready_timeout_s=900"]
-    common += args.set
     tmp = Path(tempfile.mkdtemp())
     if args.smoke:
         model, device = EMBEDDED_MODEL, "cpu"
         spec_kw: dict[str, Any] = {"prompt_kind": "text"}
     else:
         model, device = word_level_model(SHAPE_8B, tmp / "model", args.num_layers), "cuda:0"
-        common += ["model.load_format=dummy", "model.dtype=bfloat16", "model.max_model_len=4096"]
+        common += ["model.load_format=dummy", "model.dtype=bfloat16", "model.max_model_len=4096",
+                   # as configs/gpu-8b-mono.yaml: 256-token steps while requests decode (the ITL
+                   # p99); --set scheduler.mixed_step_tokens=0 measures the full budget
+                   "scheduler.mixed_step_tokens=256"]
         spec_kw = {"prompt_kind": "ids", "vocab_size": 151936}
+    common += args.set  # last: they override the defaults above
     mono_sets = [*common, f"roles.both.parallel.device={device}"]
     if args.smoke:  # one torch thread: the gateway and the client need the other core
         mono_sets.append("roles.both.num_threads=1")

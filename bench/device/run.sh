@@ -212,13 +212,13 @@ elif [[ $1 == u ]]; then
   CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python3 -m bench.served --out "$OUT" \
     --batches 160 ${2:-} > "$OUT/served.txt" 2>&1
   echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
-  grep -E "engine B=|profiled steps|^decode|^other" "$OUT/served.txt"; tail -12 "$OUT/served.txt"
+  grep -E "engine B=|profiled steps|^decode|^mixed" "$OUT/served.txt"; tail -12 "$OUT/served.txt"
   if [[ -n ${3:-} ]]; then
     mkdir -p /tmp/served2
     CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python3 -m bench.served --out /tmp/served2 \
       --batches 160 ${2:-} --set "$3" > "$OUT/served2.txt" 2>&1
     echo "served --set $3 rc=$? at ${SECONDS}s" >> "$OUT/served2.txt"
-    grep -E "engine B=|profiled steps|^decode|^other" "$OUT/served2.txt"; tail -10 "$OUT/served2.txt"
+    grep -E "engine B=|profiled steps|^decode|^mixed" "$OUT/served2.txt"; tail -10 "$OUT/served2.txt"
   fi
 elif [[ $1 == k ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_spec_gpu.py \
