@@ -16,9 +16,11 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from tests.e2e.chaos import report as chaos_report
 from tests.listeners import Listener, listeners, marked
 
 SESSION_ENV = "TANDEM_TEST_SESSION"
@@ -58,3 +60,18 @@ def no_listener_survives_the_module() -> Iterator[None]:
             + "; ".join(str(ln) for ln in left),
             pytrace=False,
         )
+
+
+# The chaos drills' table (tests/e2e/chaos/report.py): here, because every process of a run
+# loads this conftest, an xdist controller too.
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    chaos_report.session_finished(session)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    chaos_report.node_down(node, error)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    chaos_report.terminal_summary(terminalreporter)

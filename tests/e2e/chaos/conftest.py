@@ -9,19 +9,16 @@ client deadline is `hung`, which every drill asserts is zero.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from orchestrator.launch.background import EMBEDDED_MODEL, Cluster
+from tests.e2e.chaos.report import Outcomes, Row, rows
 
 MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
 CLIENT_DEADLINE_S = 30.0  # a request open longer than this counts as hung
@@ -36,33 +33,6 @@ def wait_health(cluster: Cluster, url: str, want: bool, timeout_s: float) -> flo
         )
         time.sleep(0.05)
     return time.monotonic()
-
-
-@dataclass
-class Outcomes:
-    """How a drill's requests ended."""
-
-    ok: int = 0
-    error: int = 0
-    hung: int = 0
-    aborted: int = 0  # the client itself left (abort storm)
-    started: int = 0  # answers whose first bytes reached the client (a stream under way)
-    error_after_s: list[float] = field(default_factory=list)  # fault (or request start) -> error
-    statuses: dict[int, int] = field(default_factory=dict)
-
-    def add(self, other: Outcomes) -> None:
-        self.ok += other.ok
-        self.error += other.error
-        self.hung += other.hung
-        self.aborted += other.aborted
-        self.started += other.started
-        self.error_after_s += other.error_after_s
-        for k, v in other.statuses.items():
-            self.statuses[k] = self.statuses.get(k, 0) + v
-
-    @property
-    def max_error_s(self) -> float:
-        return max(self.error_after_s, default=0.0)
 
 
 def body(prompt: str, max_tokens: int, stream: bool) -> dict[str, object]:
@@ -126,36 +96,11 @@ async def drive(
     return out
 
 
-@dataclass
-class Row:
-    fault: str
-    topology: str
-    outcomes: Outcomes
-    pages_leaked: int
-    recover_s: float | None  # fault -> the gateway routes to the worker again (None: n/a)
-
-    def to_json(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Row:
-        o = d["outcomes"]
-        outcomes = Outcomes(**{**o, "statuses": {int(k): v for k, v in o["statuses"].items()}})
-        return cls(**{**d, "outcomes": outcomes})
-
-
-_ROWS = pytest.StashKey[list[Row]]()
-
-
-def _rows(config: pytest.Config) -> list[Row]:
-    return config.stash.setdefault(_ROWS, [])
-
-
 @pytest.fixture
 def record(request: pytest.FixtureRequest) -> Callable[[Row], None]:
     """Add a drill's figures to the table printed at the end of the session (and written to
     $TANDEM_CHAOS_REPORT)."""
-    return _rows(request.config).append
+    return rows(request.config).append
 
 
 def leaked_pages(cluster: Cluster, timeout_s: float = 30.0) -> int:
@@ -167,43 +112,3 @@ def leaked_pages(cluster: Cluster, timeout_s: float = 30.0) -> int:
         return sum(cluster.load(n).kv_used_pages for n in cluster.workers)
 
 
-def table(rows: list[Row]) -> str:
-    lines = [
-        "| fault | topology | ok | error | hung | max time to error (s) | pages leaked "
-        "| recover (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        o = r.outcomes
-        rec = "-" if r.recover_s is None else f"{r.recover_s:.1f}"
-        err = f"{o.error}" + (f" (+{o.aborted} client aborts)" if o.aborted else "")
-        lines.append(
-            f"| {r.fault} | {r.topology} | {o.ok} | {err} | {o.hung} | {o.max_error_s:.2f} | "
-            f"{r.pages_leaked} | {rec} |"
-        )
-    return "\n".join(lines)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Under pytest-xdist a worker hands its rows to the controller, which prints the table."""
-    out = getattr(session.config, "workeroutput", None)
-    if out is not None:
-        out["chaos_rows"] = json.dumps([r.to_json() for r in _rows(session.config)])
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object) -> None:
-    rows = getattr(node, "workeroutput", {}).get("chaos_rows")
-    if rows:
-        _rows(node.config).extend(Row.from_json(r) for r in json.loads(rows))
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    rows = _rows(terminalreporter.config)
-    if not rows:
-        return
-    terminalreporter.write_sep("=", "chaos drills")
-    terminalreporter.write_line(table(rows))
-    path = os.environ.get("TANDEM_CHAOS_REPORT")
-    if path:
-        Path(path).write_text(table(rows) + "\n" + json.dumps([r.fault for r in rows]) + "\n")
