@@ -108,6 +108,7 @@ def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None,
         _check_moe(cluster, role, rc, hf)
         if hf is not None:
             _check_shapes(role, rc, hf)
+            _check_step_budget(cluster, role, hf)
         for i in range(rc.count):
             _check_dist_init(role, rc, i)
     _check_gpu_count(cluster, cuda)
@@ -247,6 +248,22 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
             f"tp_size*dp_size={world} when experts are TP-sharded (ep_size=1); or set "
             f"ep_size={world}"
         )
+
+
+def _check_step_budget(cluster: ClusterConfig, role: str, hf: dict[str, Any]) -> None:
+    """A window model's bounded replay runs in one step: every step budget holds the window and
+    one page (the worker checks the same at start; here it is one line before any process)."""
+    wc = worker_config(cluster, role, 0)
+    max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
+    groups = kv_groups(hf, 1, max_model_len=min(wc.model.max_model_len or max_pos, max_pos))
+    window = next((g.window for g in groups if g.kind == WINDOW), 0)
+    sched, need = wc.scheduler, window + wc.cache.page_size
+    budget = sched.step_tokens_while_decoding  # the smaller of the two budgets
+    if window and budget < need:
+        name = "mixed_step_tokens" if sched.mixed_step_tokens else "chunked_prefill_size"
+        raise LayoutError(f"roles.{role}: scheduler.{name} ({budget}) must be at least the "
+                          f"model's sliding window plus one page ({window} + "
+                          f"{wc.cache.page_size}) so a replayed window fits one step; raise it")
 
 
 def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:

@@ -36,6 +36,10 @@ MOE_30B = {
     "num_experts": 128,
     "torch_dtype": "bfloat16",
 }
+# GPT-OSS-like: sliding layers (window 128) beside full ones, so window rings and bounded replay.
+WINDOWED = {**DENSE_8B, "model_type": "gpt_oss", "sliding_window": 128,
+            "max_position_embeddings": 4096,
+            "layer_types": ["sliding_attention", "full_attention"] * 18}
 
 
 def cluster(prefill: dict[str, Any], decode: dict[str, Any] | None = None, kind: str = "slurm",
@@ -144,6 +148,13 @@ REJECTIONS: list[
      "a step of up to 512 tokens per rank (scheduler.chunked_prefill_size) exceeds DeepEP's "
      "per-GPU capacity roles.prefill.parallel.deepep_max_tokens_per_rank=128; such a batch is "
      "refused, not truncated"),
+    ("step budget below a window", gpu(), "slurm",
+     {"max_num_seqs": 64, "chunked_prefill_size": 128}, WINDOWED,
+     "scheduler.chunked_prefill_size (128) must be at least the model's sliding window plus one "
+     "page (128 + 16)"),
+    ("mixed-step budget below a window", gpu(), "slurm",
+     {"max_num_seqs": 64, "chunked_prefill_size": 512, "mixed_step_tokens": 96}, WINDOWED,
+     "scheduler.mixed_step_tokens (96) must be at least the model's sliding window plus one page"),
     ("dist_init_addr off node 0", gpu(tp_size=16, nnodes=2, dist_init_addr="tcp://10.0.0.9:29500"),
      "slurm", None, None,
      "dist_init_addr='tcp://10.0.0.9:29500' is not on replica 0's node 0 (127.0.0.1)"),
