@@ -25,7 +25,7 @@ from orchestrator.rank_map import (
 )
 from orchestrator.weights import WeightBytes, weight_bytes
 from orchestrator.worker_config import device_for, dist_init_addr, worker_config
-from worker.config import SpeculativeConfig
+from worker.config import ConfigError, SpeculativeConfig
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -251,19 +251,15 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
 
 
 def _check_step_budget(cluster: ClusterConfig, role: str, hf: dict[str, Any]) -> None:
-    """A window model's bounded replay runs in one step: every step budget holds the window and
-    one page (the worker checks the same at start; here it is one line before any process)."""
+    """The worker's window rule (`SchedulerConfig.check_window`), before any process starts."""
     wc = worker_config(cluster, role, 0)
     max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
     groups = kv_groups(hf, 1, max_model_len=min(wc.model.max_model_len or max_pos, max_pos))
     window = next((g.window for g in groups if g.kind == WINDOW), 0)
-    sched, need = wc.scheduler, window + wc.cache.page_size
-    budget = sched.step_tokens_while_decoding  # the smaller of the two budgets
-    if window and budget < need:
-        name = "mixed_step_tokens" if sched.mixed_step_tokens else "chunked_prefill_size"
-        raise LayoutError(f"roles.{role}: scheduler.{name} ({budget}) must be at least the "
-                          f"model's sliding window plus one page ({window} + "
-                          f"{wc.cache.page_size}) so a replayed window fits one step; raise it")
+    try:
+        wc.scheduler.check_window(window, wc.cache.page_size)
+    except ConfigError as exc:
+        raise LayoutError(f"roles.{role}: {exc}") from None
 
 
 def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:

@@ -97,10 +97,9 @@ class KVCacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return self.full.pages_for(num_tokens)
 
-    def min_step_tokens(self) -> int:
-        """The fewest tokens a step's budget may hold: a replayed window and one page (a window
-        group's bounded replay runs in one step); 0 without a window group."""
-        return self.window.spec.window + self.page_size if self.window is not None else 0
+    def window_tokens(self) -> int:
+        """The window group's window in tokens; 0 without one."""
+        return self.window.spec.window if self.window is not None else 0
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a request of `num_tokens` tokens could ever be held by this cache."""

@@ -84,9 +84,10 @@ Overlap = Literal["auto", "on", "off"]
 class SchedulerConfig:
     max_num_seqs: int = 64  # most requests in one running batch
     chunked_prefill_size: int = 512  # token budget of one step (prefill chunks + decodes)
-    # The budget of a step while some request decodes (0 = chunked_prefill_size). Every decode
-    # in a step waits for the step's prompt chunks, so this bounds the ITL p99 under load; an
-    # idle worker still prefills in chunked_prefill_size chunks. docs/config.md has figures.
+    # The budget of a step while some request decodes (0 = chunked_prefill_size); decodes and
+    # their drafts count, as in chunked_prefill_size. Every decode in a step waits for the
+    # step's prompt chunks, so this bounds the ITL p99 under load; an idle worker still
+    # prefills in chunked_prefill_size chunks. docs/config.md has figures.
     mixed_step_tokens: int = 0
     max_waiting: int = 4096  # queued requests beyond this are refused (RESOURCE_EXHAUSTED)
     # Overlapped decode: schedule and launch step N+1 before reading step N's tokens. auto = on
@@ -110,10 +111,15 @@ class SchedulerConfig:
                 f"between max_num_seqs ({self.max_num_seqs}) and chunked_prefill_size "
                 f"({self.chunked_prefill_size})")
 
-    @property
-    def step_tokens_while_decoding(self) -> int:
-        """The token budget of a step in which some request decodes."""
-        return self.mixed_step_tokens or self.chunked_prefill_size
+    def check_window(self, window: int, page_size: int) -> None:
+        """A window model's bounded replay runs in one step: every step budget must hold the
+        window and one page (window 0: no window group, nothing to check)."""
+        budget = self.mixed_step_tokens or self.chunked_prefill_size  # the smaller one
+        if window and budget < window + page_size:
+            name = "mixed_step_tokens" if self.mixed_step_tokens else "chunked_prefill_size"
+            raise ConfigError(
+                f"scheduler.{name} ({budget}) must be at least the model's sliding window plus "
+                f"one page ({window} + {page_size}) so a replayed window fits one step; raise it")
 
 
 All2AllBackend = Literal["torch", "deepep"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from worker.cache_manager import CacheHold, Holdings, KVCacheManager
-from worker.config import ConfigError, SchedulerConfig
+from worker.config import SchedulerConfig
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.spec.counters import SpecCounters
 from worker.spec.eligible import speculable
@@ -115,12 +115,7 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
         self.num_speculative_tokens = num_speculative_tokens  # drafts per decode step at most
         self.spec_counters = spec_counters or SpecCounters()  # shared by a worker's schedulers
-        budget = scheduler.step_tokens_while_decoding  # the smaller budget (validated)
-        if budget < cache.min_step_tokens():
-            name = "mixed_step_tokens" if scheduler.mixed_step_tokens else "chunked_prefill_size"
-            raise ConfigError(
-                f"scheduler.{name} ({budget}) must be at least the model's sliding window plus one "
-                f"page ({cache.min_step_tokens()}) so a replayed window fits one step; raise it")
+        scheduler.check_window(cache.window_tokens(), self.page_size)
 
     # ---- intake ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -174,8 +169,9 @@ class Scheduler:
     def _step_budget(self) -> int:
         """Tokens this step may carry: `chunked_prefill_size`, or `mixed_step_tokens` while a
         request decodes (each of its decodes waits for the step's prompt chunks)."""
-        if any(r.output_token_ids for r in self.running):
-            return self.config.step_tokens_while_decoding
+        cap = self.config.mixed_step_tokens  # 0: off, and no scan of the batch
+        if cap and any(r.output_token_ids for r in self.running):
+            return cap
         return self.config.chunked_prefill_size
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:

@@ -87,6 +87,26 @@ def test_mixed_step_tokens_is_validated() -> None:
                             mixed_step_tokens=bad).validate()
 
 
+def test_a_window_model_needs_each_step_budget_to_hold_its_window() -> None:
+    """A worker started by hand (no preflight) refuses a budget its bounded replay overflows."""
+    from worker.cache_groups import WindowSpec
+    from worker.cache_manager import KVCacheManager
+    from worker.config import ConfigError, SchedulerConfig
+    from worker.scheduler import Scheduler
+
+    def start(**budgets: int) -> Scheduler:
+        cache = KVCacheManager(64, 4, prefix_cache=True, window=WindowSpec(16, 2, 4),
+                               num_window_pages=64)
+        return Scheduler(SchedulerConfig(max_num_seqs=4, **budgets), cache, max_model_len=512,
+                         eos_token_ids=[0], on_output=lambda r: None)
+
+    start(chunked_prefill_size=32, mixed_step_tokens=20)  # 16 + one page of 4 fits
+    with pytest.raises(ConfigError, match=r"mixed_step_tokens \(8\) must be at least"):
+        start(chunked_prefill_size=32, mixed_step_tokens=8)
+    with pytest.raises(ConfigError, match=r"chunked_prefill_size \(16\) must be at least"):
+        start(chunked_prefill_size=16)
+
+
 def test_max_num_seqs_limits_the_batch() -> None:
     sched, _ = make_scheduler(max_num_seqs=2, chunked_prefill_size=64)
     reqs = [make_request(4, max_tokens=3) for _ in range(5)]
