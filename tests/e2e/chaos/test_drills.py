@@ -21,15 +21,8 @@ import httpx
 import pytest
 
 from orchestrator.launch.background import Cluster, running_cluster
-from tests.e2e.chaos.conftest import (
-    MODEL,
-    Outcomes,
-    Row,
-    body,
-    drive,
-    leaked_pages,
-    wait_health,
-)
+from tests.e2e.chaos.conftest import MODEL, body, drive, leaked_pages, wait_health
+from tests.e2e.chaos.report import Outcomes, Row
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
