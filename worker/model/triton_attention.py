@@ -50,9 +50,15 @@ from worker.model.triton_prefill import triton_paged_prefill
 # 16, batch 8 at 4,153 with 8 against 3,266 with 4; 64 splits gain under 2% over 32.
 _NUM_SMS_TARGET = 528
 _MAX_SPLITS = 32
-# Context tokens per inner-loop iteration and pipeline depth, by page dtype (the same sweep):
-# e4m3 pages stream fastest in 128-token blocks over 3 stages (+30-35% against 64 over 2).
-_DECODE_TILES = {False: dict(BLOCK_N=64, num_stages=2), True: dict(BLOCK_N=128, num_stages=3)}
+# The decode kernel's settings by page dtype (False: 16/32-bit pages, True: e4m3): context
+# tokens per iteration, pipeline depth and warps (bench/fp8.py's sweep, H200, 32k context: e4m3
+# pages stream fastest in 128-token blocks over 3 stages, +30-35% against 64 over 2); over e4m3
+# pages both dots in float16 (F16_DOT) and V masked after its conversion (MASK_V, kernel note;
+# False only for the bench's same-process baseline).
+DECODE_CONFIGS: dict[bool, dict[str, int]] = {
+    False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False, MASK_V=True),
+    True: dict(BLOCK_N=128, num_stages=3, num_warps=4, F16_DOT=True, MASK_V=True),
+}
 # A step's prefill rows take the paged-prefill kernel while no request of them has more (new
 # token, context token) pairs than this; else SDPA per request. bench/mixed_attention.py (H200,
 # one 8B layer): the kernel takes 0.22-0.79x SDPA's time up to 1024 x 1024, 0.50x for four
@@ -119,7 +125,7 @@ def _get_kernels() -> dict[str, Any]:
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-        SCALED: tl.constexpr, F16_DOT: tl.constexpr,
+        SCALED: tl.constexpr, F16_DOT: tl.constexpr, MASK_V: tl.constexpr,
     ):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -172,6 +178,12 @@ def _get_kernels() -> dict[str, Any]:
             if SCALED:
                 k = k.to(q.dtype)  # e4m3 → q's dtype in registers
                 v = v.to(q.dtype)
+                if MASK_V:
+                    # Masked after the conversion, V stays in the load's layout as float16 and
+                    # reaches the dot through ldmatrix.trans; unmasked, Triton moves the
+                    # conversion past the layout change and gathers e4m3 bytes from shared
+                    # memory one at a time (1.2x slower at 32k x 8, 1.2-1.5x at 576 x 64).
+                    v = tl.where(valid[:, None], v, 0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN], log2 domain
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -247,7 +259,7 @@ def triton_paged_decode(
     """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
     FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32; their K/V tiles become
     float16 in registers and both dots run in float16 (float32 accumulation). `config`
-    overrides BLOCK_N, F16_DOT, num_warps, num_stages (for sweeps: bench/fp8.py).
+    overrides DECODE_CONFIGS (BLOCK_N, num_stages, num_warps, F16_DOT, MASK_V; for bench/fp8.py).
 
     page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). sinks [Hq]
     float32 or None. Reads no host value, so it can be captured in a CUDA graph (the sinks are
@@ -282,7 +294,7 @@ def triton_paged_decode(
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
         NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
-        **(dict(F16_DOT=scaled, num_warps=4, **_DECODE_TILES[scaled]) | config),
+        **(DECODE_CONFIGS[scaled] | config),
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,

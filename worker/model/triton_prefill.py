@@ -131,6 +131,8 @@ def _get_kernel() -> Any:
                 mask=k_ok[:, None],
                 other=0.0,
             ).to(q.dtype)  # [BN, D]
+            if SCALED:  # keeps e4m3 V's conversion before its layout change (decode_kernel's note)
+                v = tl.where(k_ok[:, None], v, 0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BM, BN]
             seen = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if window > 0:
