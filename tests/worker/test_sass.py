@@ -1,0 +1,31 @@
+"""The FP8 attention kernels as ptxas builds them for an H200, compiled on the CPU
+(bench/sass.py): V's e4m3 tiles reach the PV dot through ldmatrix.trans after their float16
+conversion, never as single bytes gathered from shared memory, and nothing spills."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+    pytest.skip("this triton wheel carries no CUDA tools", allow_module_level=True)
+
+from bench.sass import KERNELS, compile_sm90, inspect  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["decode_fp8", "prefill_fp8"])
+def test_fp8_attention_feeds_v_through_ldmatrix(name: str) -> None:
+    report = inspect(compile_sm90(KERNELS[name]()))
+    assert report.opcodes["LDS.U8"] == 0, report.opcodes
+    assert report.opcodes["LDSM.16.MT88.4"] > 0, report.opcodes
+    assert report.stack == 0 and report.opcodes["STL"] == 0
+
+
+def test_without_the_v_mask_triton_gathers_e4m3_bytes() -> None:
+    """Pins the compiler behaviour that MASK_V works around (triton_attention.DECODE_CONFIGS):
+    this fails once Triton stops moving the conversion past the layout change, and then the
+    mask can go."""
+    report = inspect(compile_sm90(KERNELS["decode_fp8_unmasked_v"]()))
+    assert report.opcodes["LDS.U8"] > 0, report.opcodes
