@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # Opcodes the one-line summary shows (the rest are in --dump).
-SHOWN = ("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HMMA", "F2FP", "PRMT", "STL", "LDL")
+SHOWN = ("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HMMA", "F2FP", "HADD2", "FFMA", "PRMT", "STL",
+         "LDL")
 
 
 @dataclass
@@ -80,11 +81,32 @@ def _prefill_fp8() -> Kernel:
     )
 
 
+def _gemv_fp8(pair: bool) -> Kernel:
+    """The one-token FP8 GEMV as the 8B layer calls it: gate|up with the norm folded in
+    (pair), or o with the residual; K = 4096, 128 x 128 scale blocks."""
+    from worker.model.gemv import _config, _kernels
+
+    cfg = _config(4096, pair, pair, True)
+    return Kernel(
+        fn=lambda: _kernels().gemv,
+        pointers={"x_ptr": "bf16", "w_ptr": "fp8e4nv", "b_ptr": "bf16", "nw_ptr": "bf16",
+                  "r_ptr": "bf16", "out_ptr": "bf16", "s_ptr": "fp32"},
+        constexprs=dict(K=4096, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PAIR=pair,
+                        HAS_BIAS=False, NORM=pair, RESIDUAL=not pair, SCALED=True, SCALE_N=128,
+                        SCALE_K=128),
+        floats=("eps",),
+        unaligned=("eps",),
+        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+    )
+
+
 KERNELS: dict[str, Callable[[], Kernel]] = {
     "decode_bf16": lambda: _decode(False),
     "decode_fp8": lambda: _decode(True),
     "decode_fp8_unmasked_v": lambda: _decode(True, mask_v=False),
     "prefill_fp8": _prefill_fp8,
+    "gemv_fp8_gate_up": lambda: _gemv_fp8(True),
+    "gemv_fp8_o": lambda: _gemv_fp8(False),
 }
 
 
