@@ -182,8 +182,8 @@ def _get_kernels() -> dict[str, Any]:
                     # Masked after the conversion, V stays in the load's layout as float16 and
                     # reaches the dot through ldmatrix.trans; unmasked, Triton moves the
                     # conversion past the layout change and gathers e4m3 bytes from shared
-                    # memory one at a time (bench/sass.py: 128 byte loads an iteration, 59 more
-                    # registers; bench/fp8.py, H200: 1.02-1.06x at long contexts).
+                    # memory one at a time (bench/sass.py: 128 single-byte loads in its code,
+                    # 59 more registers; bench/fp8.py, H200: 1.02-1.06x at long contexts).
                     v = tl.where(valid[:, None], v, 0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN], log2 domain
             s = tl.where(valid[None, :], s, float("-inf"))
