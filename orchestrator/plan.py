@@ -25,7 +25,7 @@ from orchestrator.rank_map import (
 )
 from orchestrator.weights import WeightBytes, weight_bytes
 from orchestrator.worker_config import device_for, dist_init_addr, worker_config
-from worker.config import ConfigError, SpeculativeConfig
+from worker.config import ConfigError, SpeculativeConfig, WorkerConfig
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -250,11 +250,17 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
         )
 
 
+def _max_model_len(wc: WorkerConfig, hf: dict[str, Any]) -> int:
+    """The context a role's requests may reach (worker/cache_layout.py's max_model_len, from
+    config.json): the config's cap, never past the checkpoint's max_position_embeddings."""
+    limit = int(hf.get("max_position_embeddings") or 0) or 1 << 62
+    return min(wc.model.max_model_len or limit, limit)
+
+
 def _check_step_budget(cluster: ClusterConfig, role: str, hf: dict[str, Any]) -> None:
     """The worker's window rule (`SchedulerConfig.check_window`), before any process starts."""
     wc = worker_config(cluster, role, 0)
-    max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
-    groups = kv_groups(hf, 1, max_model_len=min(wc.model.max_model_len or max_pos, max_pos))
+    groups = kv_groups(hf, 1, max_model_len=_max_model_len(wc, hf))
     window = next((g.window for g in groups if g.kind == WINDOW), 0)
     try:
         wc.scheduler.check_window(window, wc.cache.page_size)
@@ -306,11 +312,9 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
         wc = worker_config(cluster, role, 0)
         cache = wc.cache
         kv_dtype, item = _KV_CACHE_DTYPES.get(cache.kv_cache_dtype, (dtype, _DTYPE_BYTES[dtype]))
-        max_pos = int(hf.get("max_position_embeddings") or 0) or 1 << 62
-        max_len = min(wc.model.max_model_len or max_pos, max_pos)
         drafts = drafter_kv_layers(wc.speculative, cluster.model.path)
-        groups = tuple(kv_groups(hf, item, tp, max_len, state_dtype_bytes=_DTYPE_BYTES[dtype],
-                                 draft_layers=drafts))
+        groups = tuple(kv_groups(hf, item, tp, _max_model_len(wc, hf),
+                                 state_dtype_bytes=_DTYPE_BYTES[dtype], draft_layers=drafts))
         # Each DP group holds its own pool of num_pages pages: the replica's bytes scale with dp.
         paged = next(g for g in groups if g.kind in (FULL, MLA))
         page_bytes = paged.bytes_per_token * cache.page_size
