@@ -322,8 +322,8 @@ class Scheduler:
             if at >= len(req.output_token_ids) or req.output_token_ids[at] != PENDING:
                 continue  # its output was cut (preempted and finished, or stopped a step earlier)
             req.output_token_ids[at] = token
-            queue = {RequestStatus.RUNNING: self.running,
-                     RequestStatus.WAITING: self.waiting}.get(req.status)
+            queue = (self.running if req.status is RequestStatus.RUNNING
+                     else self.waiting if req.status is RequestStatus.WAITING else None)
             if queue is None:  # finished meanwhile (aborted)
                 continue
             status = self.stop_status(req, at + 1)  # a preempted request (waiting) can stop too
