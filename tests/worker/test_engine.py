@@ -24,13 +24,15 @@ def make_engine(
     num_pages: int = 256,
     max_num_seqs: int = 16,
     prefix_cache: bool = True,
+    mixed_step_tokens: int = 0,
 ) -> Engine:
     config = WorkerConfig(
         model=ModelConfig(path=str(path), dtype="float32"),
         cache=CacheConfig(
             page_size=page_size, num_pages=num_pages, enable_prefix_cache=prefix_cache
         ),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunk),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, chunked_prefill_size=chunk,
+                                  mixed_step_tokens=mixed_step_tokens),
     )
     return Engine(config)
 
@@ -119,6 +121,19 @@ def test_batch_invariance_with_chunked_prefill_and_prefix_hits(
     assert batched_engine.scheduler.stats().cached_pages > 0
     alone_engine.scheduler.assert_drained()
     batched_engine.scheduler.assert_drained()
+
+
+def test_mixed_step_budget_keeps_outputs_exact(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
+    """Prompts arriving while others decode take mixed_step_tokens-sized steps (here 16 of a
+    64-token chunk budget): the same greedy tokens as each prompt run alone."""
+    path, _ = qwen3_dir
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 97) for _ in range(rng.randrange(5, 50))] for _ in range(8)]
+    alone_engine = make_engine(path, chunk=64, prefix_cache=False)
+    alone = [generate(alone_engine, [p], max_tokens=8)[0] for p in prompts]
+    mixed = make_engine(path, chunk=64, mixed_step_tokens=16)
+    assert generate(mixed, prompts, max_tokens=8) == alone
+    mixed.scheduler.assert_drained()
 
 
 def test_preemption_keeps_outputs_exact(qwen3_dir: tuple[Path, torch.nn.Module]) -> None:
