@@ -147,7 +147,10 @@ def test_client_disconnect_mid_stream_frees_everything(pd_cluster: Cluster) -> N
 
 
 def test_client_timeout_before_first_token_frees_everything(pd_cluster: Cluster) -> None:
-    body = {"model": MODEL.name, "prompt": "b=2;" * 100, "max_tokens": 50, "ignore_eos": True}
+    # A short prompt and the longest answer the model's 512 positions allow: the request runs
+    # ~2 s, so a client stalled by a loaded machine cannot wake to find the answer complete
+    # (450 tokens in 0.37 s once did exactly that on CI).
+    body = {"model": MODEL.name, "prompt": "b=2;" * 10, "max_tokens": 440, "ignore_eos": True}
     for _ in range(3):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{pd_cluster.url}/v1/completions", json=body, timeout=0.005)
