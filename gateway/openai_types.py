@@ -100,8 +100,12 @@ class CompletionRequest(_SamplingFields):
         return -1 if self.logprobs is None else self.logprobs
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(BaseModel):
+    """One part of a message's content. Every part type parses (image_url, input_audio, file
+    carry fields of their own), so that `ChatMessage.text` refuses what is not text by its type
+    rather than a union error naming neither."""
+
+    model_config = ConfigDict(extra="allow")
     type: str = "text"
     text: str = ""
 
@@ -127,7 +131,7 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[HistoryToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
@@ -145,8 +149,13 @@ class ChatMessage(BaseModel):
             return self.content
         for part in self.content:
             if part.type != "text":
-                raise BadRequest(f"message content part type {part.type!r} is not supported; "
-                                 "send text parts", param="messages")
+                raise BadRequest(f"message content part type {part.type!r} is not supported: "
+                                 "this model reads text only; send text parts",
+                                 param="messages", code="unsupported_parameter")
+            if part.model_extra:
+                raise BadRequest(f"text content part: unrecognized field "
+                                 f"{next(iter(part.model_extra))!r}; remove it",
+                                 param="messages", code="unknown_parameter")
         return "".join(p.text for p in self.content)
 
 
@@ -216,6 +225,9 @@ def check_unsupported(req: _SamplingFields) -> None:
         raise BadRequest(f"service_tier {req.service_tier!r} is not supported; send \"auto\"",
                          param="service_tier", code="unsupported_parameter")
     so = req.stream_options
+    if so is not None and not req.stream:  # OpenAI's rule too: it would change nothing
+        raise BadRequest("stream_options is only allowed with stream=true; omit it or stream",
+                         param="stream_options", code="invalid_value")
     if so is not None and so.include_obfuscation:
         raise BadRequest("stream_options.include_obfuscation is not supported; omit it",
                          param="stream_options", code="unsupported_parameter")

@@ -92,8 +92,10 @@ def test_auto_tools_parse_without_constraint(hermes_dir: Path) -> None:
 @pytest.mark.parametrize("kw,param,words", [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "role"),
     ({"messages": [{"role": "tool", "content": "7"}]}, "messages", "tool_call_id"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": ""}]}]}, "messages",
-     "image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url":
+      "https://x/y.png"}}]}]}, "messages", "'image_url' is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control":
+      {}}]}]}, "messages", "'cache_control'"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type":
       "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages",
      "arguments"),

@@ -1,0 +1,59 @@
+"""Fields the OpenAI API defines and Tandem does not honour are 400s that name the field, and
+the same requests without them pass (no rule refuses a field's default)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, check_sampling
+from gateway.request_body import parse_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+REFUSED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": "auto"}, "function_call"),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CHAT, {"web_search_options": {}}, "web_search_options"),
+    (CHAT, {"verbosity": "low"}, "verbosity"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (COMPLETION, {"suffix": "tail"}, "suffix"),
+    (COMPLETION, {"best_of": 3}, "best_of"),
+    (COMPLETION, {"echo": True}, "echo"),
+    (CHAT, {"store": True}, "store"),
+    (CHAT, {"service_tier": "flex"}, "service_tier"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+    (CHAT, {"n": 2}, "n"),
+]
+
+ACCEPTED: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    (CHAT, {"modalities": ["text"], "store": False, "service_tier": "auto", "n": 1}),
+    (COMPLETION, {"best_of": 1, "suffix": "", "echo": False}),
+    (CHAT, {"stream": True, "stream_options": {"include_usage": True}}),
+]
+
+
+def _check(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    cls = ChatCompletionRequest if "messages" in base else CompletionRequest
+    check_sampling(parse_request(json.dumps({**base, **extra}).encode(), cls))
+
+
+@pytest.mark.parametrize("base,extra,param", REFUSED, ids=[p for _, _, p in REFUSED])
+def test_unhonoured_fields_are_refused_by_name(base: dict[str, Any], extra: dict[str, Any],
+                                               param: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        _check(base, extra)
+    assert err.value.param == param, err.value.message
+
+
+@pytest.mark.parametrize("base,extra", ACCEPTED)
+def test_their_defaults_pass(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    _check(base, extra)
