@@ -51,6 +51,7 @@ class ChatPlan:
     starts_in_reasoning: bool = False  # the prompt opened the think block
     parallel_tool_calls: bool = True
     structured: tandem_pb2.StructuredOutput | None = None
+    constraint_source: str = ""  # the request field the constraint came from
     # Special tokens the parsers look for: kept when the output is detokenized.
     keep_token_ids: frozenset[int] = frozenset()
 
@@ -202,4 +203,5 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
                     tool_parser=tool_parser, tool_parameters=params if parse_tools else {},
                     reasoning_parser=parsers.reasoning, starts_in_reasoning=starts,
                     parallel_tool_calls=req.parallel_tool_calls, structured=structured,
+                    constraint_source=constraint.source if constraint is not None else "",
                     keep_token_ids=keep)

@@ -124,6 +124,18 @@ class WorkerCallError(ApiError):
         return self.grpc_code in RETRYABLE
 
 
+def refused_constraint(err: ApiError, source: str) -> ApiError:
+    """A worker's refusal of the request's output constraint (its grammar does not compile),
+    reworded for the client: the worker names its wire field (sampling.structured...), the
+    client needs the request field it sent (`source`: response_format, guided_regex, ...)."""
+    if not (source and isinstance(err, WorkerCallError)
+            and err.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+            and err.details.startswith("sampling.structured")):
+        return err
+    why = err.details.partition(": ")[2] or err.details
+    return BadRequest(f"{source}: {why}", param=source, code="invalid_grammar")
+
+
 # The worker's error vocabulary (protocol/tandem.proto) → HTTP status and OpenAI error type.
 _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

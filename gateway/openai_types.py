@@ -304,3 +304,5 @@ def check_sampling(req: _SamplingFields) -> None:
     chat_top = req.top_logprobs if isinstance(req, ChatCompletionRequest) else None
     if top < -1 or (chat_top is not None and chat_top < 0):
         raise BadRequest("top_logprobs must be >= 0", param="top_logprobs")
+    if chat_top and top < 0:  # OpenAI's rule: alternatives come only with the logprobs
+        raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")

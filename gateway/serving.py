@@ -25,7 +25,7 @@ from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
 from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents, completion_body
 from gateway.dispatch import Dispatcher, RequestRun
-from gateway.errors import ApiError, BadRequest, NotFound
+from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
 from gateway.metrics import Metrics
 from gateway.openai_responses import ChatChoice, ChatCompletionResponse, ChatMessageOut
 from gateway.openai_types import (
@@ -112,6 +112,7 @@ class GenerationHandler:
     async def _handle(self, body: bytes, chat: bool, t0: float, request_id: str,
                       headers: dict[str, str]) -> Response:
         plan: ChatPlan | None = None
+        source = ""  # the request field of its output constraint, if any
         try:
             req = parse_request(body, ChatCompletionRequest if chat else CompletionRequest)
             check_sampling(req)
@@ -123,10 +124,12 @@ class GenerationHandler:
             if chat:
                 plan = plan_chat(req, self.tok, self.parsers)
                 prompt_ids, structured = plan.prompt_ids, plan.structured
+                source = plan.constraint_source
             else:
                 prompt_ids = self._prompt_ids(req)
                 constraint = request_constraint(req)
                 structured = None if constraint is None else constraint.to_proto([])
+                source = "" if constraint is None else constraint.source
             sampling = self._sampling(req, len(prompt_ids))
             if structured is not None:
                 sampling.structured.CopyFrom(structured)
@@ -140,6 +143,7 @@ class GenerationHandler:
                     self.metrics.requests.labels("aborted").inc()
                 raise
         except ApiError as err:
+            err = refused_constraint(err, source)
             outcome = "client_error" if err.status < 500 else "server_error"
             self.metrics.requests.labels(outcome).inc()
             log.debug("request %s failed: %s", request_id, err.message)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import httpx
 import pytest
 
 from orchestrator.launch.background import Cluster, running_cluster
@@ -134,6 +135,27 @@ def test_greedy_pd_equals_mono_under_every_grammar(mono: Cluster, pd: Cluster) -
 
 
 # ---- two engines in this process: matchers and pages on every path --------------------------
+@pytest.mark.parametrize("field,body", [
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "object", "properties": {"b": {"$ref": "#/$defs/no"}}}}}}),
+    ("guided_regex", {"guided_regex": "b=(4"}),
+])
+def test_a_grammar_the_workers_refuse_is_a_400_naming_the_request_field(
+        mono: Cluster, pd: Cluster, field: str, body: dict[str, object]) -> None:
+    """Only the worker compiles the grammar; its refusal reaches the client as the field the
+    client sent (not the wire field, not the worker's address), from either topology."""
+    for cluster in (mono, pd):
+        r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "a=3;\na?"}], "max_tokens": 4, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "invalid_grammar", err
+        assert err["message"].startswith(f"{field}: cannot be compiled"), err
+        assert "sampling." not in err["message"] and "worker" not in err["message"], err
+    pd.wait_drained()
+    mono.wait_drained()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

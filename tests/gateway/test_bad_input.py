@@ -108,7 +108,6 @@ BAD_FIELDS: list[tuple[str, dict[str, object]]] = [
     ("stop-int", {"stop": 7}),
     ("stream-string", {"stream": "yes please"}),
     ("stream-options-wrong", {"stream_options": "all"}),
-    ("stream-options-without-stream", {"stream_options": {"include_usage": True}}),
     ("token-ids-negative", {"prompt": [1, -2, 3]}),
     ("token-ids-out-of-vocab", {"prompt": [1, 10**9]}),
     ("token-ids-huge", {"prompt": [2**70]}),

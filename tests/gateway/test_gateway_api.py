@@ -189,7 +189,7 @@ async def test_stop_string_across_tokens_aborts_worker(tok_dir, stream):
                 "max_tokens": 30,
                 "stop": ["OP h", "zz"],
                 "stream": stream,
-                "stream_options": {"include_usage": True},
+                **({"stream_options": {"include_usage": True}} if stream else {}),
             },
         )
         assert r.status_code == 200

@@ -32,12 +32,15 @@ REFUSED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     (COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
     (CHAT, {"n": 2}, "n"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),
 ]
 
 ACCEPTED: list[tuple[dict[str, Any], dict[str, Any]]] = [
     (CHAT, {"modalities": ["text"], "store": False, "service_tier": "auto", "n": 1}),
     (COMPLETION, {"best_of": 1, "suffix": "", "echo": False}),
     (CHAT, {"stream": True, "stream_options": {"include_usage": True}}),
+    (CHAT, {"logprobs": True, "top_logprobs": 2}),
+    (CHAT, {"top_logprobs": 0}),
 ]
 
 
