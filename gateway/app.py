@@ -1,10 +1,10 @@
 """The gateway's HTTP app: `create_app(config)`.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /health (200 when every pool has a healthy worker, else 503), and behind the admin key
-(gateway/admin.py): GET /metrics (Prometheus), GET/POST /workers and DELETE /workers/{url}
-(the pools at run time). A lifespan owns the worker pool (gRPC channels, health and load
-tasks). Every error leaves as `{"error": {...}}` with a real status code.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models
+and /v1/models/{model}, GET /health (200 when every pool has a healthy worker, else 503), and
+behind the admin key (gateway/admin.py): GET /metrics (Prometheus), GET/POST /workers and
+DELETE /workers/{url} (the pools at run time). A lifespan owns the worker pool (gRPC channels,
+health and load tasks). Every error leaves as `{"error": {...}}` with a real status code.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gateway import admin
 from gateway.agents import Parsers
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.dispatch import Dispatcher
-from gateway.errors import ApiError, NoHealthyWorker, Unauthorized
+from gateway.errors import ApiError, NoHealthyWorker, NotFound, Unauthorized
 from gateway.metrics import Metrics
 from gateway.openai_responses import ModelCard, ModelList
 from gateway.parsers import (
@@ -267,19 +267,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error_response(ApiError(str(exc.detail), status=exc.status_code, type=etype))
 
-    async def models(request: Request) -> Response:
-        gw.check_auth(request)
+    def model_card() -> ModelCard:
         lens = [
             i.max_model_len for i in (gw.pool.infos() if gw.pool else []) if i.max_model_len > 0
         ]
-        body = ModelList(
-            data=[
-                ModelCard(
-                    id=gw.model_name(), created=gw.created, max_model_len=min(lens, default=0)
-                )
-            ]
-        )
+        return ModelCard(id=gw.model_name(), created=gw.created, max_model_len=min(lens, default=0))
+
+    async def models(request: Request) -> Response:
+        gw.check_auth(request)
+        body = ModelList(data=[model_card()])
         return Response(body.model_dump_json().encode(), media_type=_JSON)
+
+    async def model(request: Request) -> Response:  # the openai client's models.retrieve
+        gw.check_auth(request)
+        name = request.path_params["model"]
+        if name != gw.model_name():
+            raise NotFound(f"model {name!r} does not exist; this gateway serves "
+                           f"{gw.model_name()!r}", code="model_not_found", param="model")
+        return Response(model_card().model_dump_json().encode(), media_type=_JSON)
 
     async def health(request: Request) -> Response:
         pool = gw.pool
@@ -317,6 +322,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/v1/models/{model:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/workers", workers, methods=["GET"])
     app.add_route("/workers", add_worker, methods=["POST"])

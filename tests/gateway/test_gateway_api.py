@@ -210,6 +210,10 @@ async def test_models_workers_metrics(tok_dir):
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
         models = (await c.get("/v1/models")).json()
         assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+        assert (await c.get("/v1/models/tiny")).json() == models["data"][0]
+        missing = await c.get("/v1/models/gpt-4")
+        assert missing.status_code == 404, missing.text
+        assert missing.json()["error"]["code"] == "model_not_found"
         assert (
             await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
         ).status_code == 200
@@ -382,6 +386,7 @@ async def test_api_key(tok_dir):
             got, err = await _post(c, "/v1/completions", json={"prompt": "a"}, headers=headers)
             assert got == 401 and err["type"] == "authentication_error"
         assert (await c.get("/v1/models")).status_code == 401
+        assert (await c.get("/v1/models/tiny")).status_code == 401
         assert (await c.get("/health")).status_code == 200
         r = await c.post(
             "/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sekret"}
