@@ -78,6 +78,24 @@ def tree_cpu(pid: int) -> float:
     return sum(times.get(p, 0.0) for p in tree)
 
 
+def thread_cpu(pid: int) -> tuple[float, float, float]:
+    """(user, system) CPU seconds of the process's main thread, and the CPU seconds of all its
+    other threads together (grpc's poller and event-engine threads, the executor)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main_user = main_sys = rest = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        user, system = int(fields[11]) / tick, int(fields[12]) / tick
+        if task.name == str(pid):
+            main_user, main_sys = user, system
+        else:
+            rest += user + system
+    return main_user, main_sys, rest
+
+
 @contextmanager
 def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
@@ -211,14 +229,17 @@ def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int
         url = f"http://127.0.0.1:{gport}"
         wait_ready(url, gw, log)
         http_load(f"{url}/v1/completions", body(True, 64), 64, 8)
-        cpu0 = tree_cpu(gw.pid)
+        cpu0, threads0 = tree_cpu(gw.pid), thread_cpu(gw.pid)
         r = http_load(f"{url}/v1/completions", body(True, 64), max(c * 8, 256), c)
         cpu = tree_cpu(gw.pid) - cpu0  # the probe run included: it streams the same tokens
+        user, system, rest = (b - a for a, b in zip(threads0, thread_cpu(gw.pid), strict=True))
         requests = r.count
         tokens = requests * 64
+        per = 1e6 / tokens
         print(f"streamed 64 tokens a request (PD, 2 ms steps): c={c}: {r.rps * 64:.0f} tok/s, "
-              f"gateway CPU {cpu / tokens * 1e6:.1f} us/token "
-              f"({cpu / requests * 1e6:.0f} us/request); failed {r.failed}", flush=True)
+              f"gateway CPU {cpu * per:.1f} us/token ({cpu / requests * 1e6:.0f} us/request; "
+              f"event-loop thread {user * per:.1f} user + {system * per:.1f} system, "
+              f"grpc's threads {rest * per:.1f}); failed {r.failed}", flush=True)
 
 
 def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,

@@ -4,8 +4,8 @@ uvicorn writes a response's head and its body as two socket writes. With Nagle's
 the body of a small non-streamed answer waits for the client's delayed ACK of the head (~3 ms
 on loopback for an answer ready in 0.2 ms), so client connections get TCP_NODELAY. Without
 Nagle every write is a packet and a syscall, so the cycle's writes are gathered for the rest of
-the event loop's turn and leave as one (`_GatheredWrites`): a non-streamed answer is one write,
-and stream events produced in the same turn share one.
+the event loop's turn and leave as one (`_GatheredWrites`): a non-streamed answer is one write.
+A stream's events skip uvicorn's per-message `send` (`DirectChunks`).
 """
 
 from __future__ import annotations
@@ -64,3 +64,42 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         # The request cycles write through this; flow control keeps the real transport.
         self.transport = _GatheredWrites(transport, asyncio.get_running_loop())  # type: ignore[assignment]
+
+
+class DirectChunks:
+    """A started chunked response's body events, written straight to its connection.
+
+    uvicorn's ASGI `send` costs ~3.4 µs an event on the dev box (an awaited call, its state
+    checks, the chunk framed as a list and joined) against ~0.2 µs for framing the chunk
+    here; the event still leaves with the turn's gathered write (writing each one at once
+    measured slower: the client's wake-ups then interleave with the turn's work). `of(send)`
+    gives one only for this gateway's own protocol (the cycle writes through
+    `_GatheredWrites`) and a chunked response (HTTP/1.1); `write` refuses while the client is
+    gone or the transport is paused for flow control, and the caller then sends through ASGI
+    as before (which waits for the drain). The response's start and end always go through
+    ASGI, so uvicorn's cycle state stays its own.
+    """
+
+    __slots__ = ("_cycle", "_out")
+
+    def __init__(self, cycle: Any, out: _GatheredWrites) -> None:
+        self._cycle = cycle
+        self._out = out
+
+    @classmethod
+    def of(cls, send: Any) -> DirectChunks | None:
+        """After `http.response.start` was sent through `send` (the encoding is chosen then)."""
+        cycle = getattr(send, "__self__", None)
+        out = getattr(cycle, "transport", None)
+        if not isinstance(out, _GatheredWrites) or getattr(cycle, "chunked_encoding", None) \
+                is not True or not hasattr(cycle, "flow"):
+            return None
+        return cls(cycle, out)
+
+    def write(self, chunk: bytes) -> bool:
+        """The event as one HTTP/1.1 chunk; False when it must go through ASGI `send`."""
+        cycle = self._cycle
+        if cycle.disconnected or cycle.flow.write_paused or not chunk:
+            return False
+        self._out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        return True

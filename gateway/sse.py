@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.http_protocol import DirectChunks
+
 
 class SSEResponse(Response):
     """`text/event-stream` response whose body is an async iterator of ready-made event bytes.
@@ -56,8 +58,10 @@ class SSEResponse(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             started = True
+            direct = DirectChunks.of(send)
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if direct is None or not direct.write(chunk):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if watcher is None or not watcher.fired:

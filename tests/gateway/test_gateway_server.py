@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -146,3 +148,75 @@ async def test_client_timeout_before_first_token_aborts_worker(tok_dir):
         async with httpx.AsyncClient() as client:
             m = (await client.get(f"{url}/metrics")).text
         assert 'tandem_requests_total{outcome="aborted"} 1.0' in m
+
+
+def _read_response(sock: socket.socket, buf: bytes) -> tuple[bytes, bytes, bytes]:
+    """One HTTP response from `sock` (after what `buf` already holds): (head, body, the bytes
+    after it). Chunked bodies are de-chunked by hand, so a malformed frame fails here."""
+    def fill(n: int) -> None:
+        nonlocal buf
+        while len(buf) < n:
+            more = sock.recv(65536)
+            assert more, f"connection closed mid-response: {buf[-200:]!r}"
+            buf += more
+
+    while b"\r\n\r\n" not in buf:
+        fill(len(buf) + 1)
+    head, buf = buf.split(b"\r\n\r\n", 1)
+    if b"transfer-encoding: chunked" not in head.lower():  # HTTP/1.0: the body ends at close
+        while more := sock.recv(65536):
+            buf += more
+        return head, buf, b""
+    body = b""
+    while True:
+        while b"\r\n" not in buf:
+            fill(len(buf) + 1)
+        size_line, buf = buf.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        fill(size + 2)
+        assert buf[size:size + 2] == b"\r\n", buf[:size + 2]
+        body, buf = body + buf[:size], buf[size + 2:]
+        if size == 0:
+            return head, body, buf
+
+
+async def test_streamed_events_are_exact_chunks_and_the_connection_lives_on(tok_dir):
+    """Stream events leave as HTTP/1.1 chunks written past uvicorn's send (DirectChunks): the
+    framing is exact, a slow reader (flow control) loses nothing, the kept-alive connection
+    serves the next request, and an HTTP/1.0 client (no chunked encoding) gets the same
+    events through uvicorn's own path."""
+    tok = Tokenizer.from_dir(tok_dir)
+    tokens = tok.encode(" word" * 500, add_special_tokens=False)  # ~300 KB of events
+    w = ScriptedWorker(script=Script(tokens=tokens, finish_reason="length"),
+                       max_model_len=len(tokens) + 8)
+    async with workers(w), gateway_process(tok_dir, w.url) as url:
+        host, port = url.removeprefix("http://").split(":")
+        body = b'{"prompt": "x", "max_tokens": %d, "stream": true}' % len(tokens)
+
+        def request(version: bytes) -> bytes:
+            return (b"POST /v1/completions HTTP/" + version + b"\r\nhost: x\r\n"
+                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(body), body))
+
+        def texts(raw: bytes) -> str:
+            events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+            assert events[-1] == "[DONE]", events[-3:]
+            return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]
+                           if json.loads(e)["choices"])
+
+        def exchange() -> tuple[list[str], str]:
+            with socket.create_connection((host, int(port)), timeout=30) as s:
+                s.sendall(request(b"1.1"))
+                time.sleep(1.0)  # nothing read yet: the gateway's transport fills and pauses
+                head, first, rest = _read_response(s, b"")
+                s.sendall(request(b"1.1"))  # the same connection: the cycle ended cleanly
+                _, second, _ = _read_response(s, rest)
+            with socket.create_connection((host, int(port)), timeout=30) as s:
+                s.sendall(request(b"1.0"))
+                head10, old, _ = _read_response(s, b"")
+            assert b" 200 " in head.split(b"\r\n")[0] and b" 200 " in head10.split(b"\r\n")[0]
+            return [texts(first), texts(second)], texts(old)
+
+        streamed, http10 = await asyncio.to_thread(exchange)
+    want = tok.decode(tokens)
+    assert streamed == [want, want] and http10 == want

@@ -101,3 +101,46 @@ async def test_watcher_cancels_only_on_disconnect():
     assert not task.done()
     got.set()
     assert await asyncio.wait_for(task, 5) == "left"
+
+
+def test_direct_chunks_frame_events_and_defer_to_asgi_when_they_must():
+    """DirectChunks writes an event as one HTTP/1.1 chunk, and refuses (the caller then uses
+    ASGI `send`, which waits out flow control) while paused, after a disconnect, for an empty
+    event; it exists only for this gateway's protocol and a chunked response."""
+    from types import SimpleNamespace
+
+    from gateway.http_protocol import DirectChunks, _GatheredWrites
+
+    wire: list[bytes] = []
+    raw = SimpleNamespace(write=wire.append, is_closing=lambda: False)
+    loop = asyncio.new_event_loop()  # holds the deferred flushes; the test flushes by hand
+    out = _GatheredWrites(raw, loop)  # type: ignore[arg-type]
+    cycle = SimpleNamespace(transport=out, chunked_encoding=True, disconnected=False,
+                            flow=SimpleNamespace(write_paused=False))
+
+    class Cycle:  # what uvicorn's send is bound to
+        def __init__(self, **kw: object) -> None:
+            self.__dict__.update(kw)
+
+        async def send(self, message: object) -> None: ...
+
+    direct = DirectChunks.of(Cycle(**vars(cycle)).send)
+    assert direct is not None
+    assert direct.write(b"data: 1\n\n") and wire == []
+    out.flush()  # the end of the loop's turn
+    assert wire == [b"9\r\ndata: 1\n\n\r\n"]
+    out.write(b"head")  # gathered this turn: the event goes out after it, in one write
+    assert direct.write(b"data: 22\n\n")
+    out.flush()
+    assert wire[1] == b"head" + b"a\r\ndata: 22\n\n\r\n"
+    assert not direct.write(b"")
+    direct._cycle.flow.write_paused = True
+    assert not direct.write(b"data: 3\n\n")
+    direct._cycle.flow.write_paused, direct._cycle.disconnected = False, True
+    assert not direct.write(b"data: 3\n\n")
+    out.flush()
+    assert len(wire) == 2
+    assert DirectChunks.of(Cycle(**{**vars(cycle), "chunked_encoding": False}).send) is None
+    assert DirectChunks.of(Cycle(**{**vars(cycle), "transport": raw}).send) is None
+    assert DirectChunks.of(lambda message: None) is None
+    loop.close()
