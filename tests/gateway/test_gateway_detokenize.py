@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,39 @@ def test_stream_equals_full_decode(tok, text, step):
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+class _Wrapped:
+    """A bare tokenizers.Tokenizer as the gateway's Tokenizer presents it."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback", "embedded"])
+def test_every_tokenizer_kind_streams_what_the_whole_decodes_to(kind):
+    """Deltas after a prompt's tail join to the text the tail plus the output decodes to past
+    the tail (the leading space a SentencePiece decoder keeps only in context included)."""
+    from tokenizers import Tokenizer as HF
+
+    from tests.worker.grammar_tokenizers import EMBEDDED, byte_fallback_bpe, byte_level_bpe
+
+    hf = {"byte_level": byte_level_bpe, "byte_fallback": byte_fallback_bpe,
+          "embedded": lambda: HF.from_file(str(EMBEDDED))}[kind]()
+    tok = _Wrapped(hf)
+    texts = ["héllo 🙂 wörld", " leading space", "Ünïcödé ∑ 東京 naïve café", "a=12;b=34;"]
+    for text, prompt, skip in itertools.product(texts, ["", "prompt", "x 🙂", "end "],
+                                                [True, False]):
+        ids = hf.encode(text, add_special_tokens=False).ids
+        tail = hf.encode(prompt, add_special_tokens=False).ids[-IncrementalDetokenizer.CONTEXT:]
+        detok = IncrementalDetokenizer(tok, skip, tail)
+        deltas = [detok.step([i]) for i in ids]
+        got = "".join(deltas) + detok.flush()
+        before = tok.decode(tail, skip)
+        assert got == tok.decode(tail + ids, skip)[len(before):], (text, prompt, deltas)
 
 
 def test_incomplete_character_is_held_then_flushed(tok):
