@@ -70,3 +70,22 @@ def test_no_template_is_a_clear_400(tok_dir, tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
     with pytest.raises(BadRequest, match="no chat template"):
         Tokenizer.from_dir(tmp_path).encode_chat([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback", "embedded"])
+def test_encode_gives_the_ids_of_the_libraries_plain_encode(kind):
+    """`Tokenizer.encode` takes the fast batch path (no offsets): the same ids as `encode`,
+    added and special tokens and the special-token switch included."""
+    from tokenizers import Tokenizer as HF
+
+    from tests.worker.grammar_tokenizers import EMBEDDED, byte_fallback_bpe, byte_level_bpe
+
+    hf = {"byte_level": byte_level_bpe, "byte_fallback": byte_fallback_bpe,
+          "embedded": lambda: HF.from_file(str(EMBEDDED))}[kind]()
+    tok = Tokenizer(hf, {})
+    specials = ["<|endoftext|>", "<tool_call>", "<s>", "</s>", "<|im_end|>", "<think>"]
+    texts = ["", " leading", "héllo 🙂 wörld  x", "a=12;b=34;\nq?", "Ünïcödé ∑ 東京 " * 30,
+             *(f"before {s} after{s}" for s in specials)]
+    for text in texts:
+        for special in (True, False):
+            assert tok.encode(text, special) == hf.encode(text, add_special_tokens=special).ids
