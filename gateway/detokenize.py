@@ -43,28 +43,46 @@ class IncrementalDetokenizer:
         tail = list(prompt_tail[-self.CONTEXT:])
         self._stream = DecodeStream(ids=tail or None, skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []  # ids whose text is held back (an incomplete character)
-        self._last: int | None = tail[-1] if tail else None  # the id before the held ones
+        # The ids whose text went out last (whole characters): context for a restart or flush.
+        self._last: list[int] = tail
 
     def step(self, new_ids: Sequence[int]) -> str:
         """Append `new_ids` and return the text they complete ("" while bytes are pending)."""
         hf, stream, held = self._tok.hf, self._stream, self._held
         out = ""
         for i in new_ids:
-            text = stream.step(hf, i)
+            try:
+                text = stream.step(hf, i)
+            except Exception:  # tokenizers raises a bare Exception; see _restart
+                text = self._restart(i)
+                stream = self._stream
             if text is None:
                 held.append(i)
             else:
                 out += text
+                self._last = [*held, i] if held else [i]
                 held.clear()
-                self._last = i
         return out
+
+    def _restart(self, token_id: int) -> str | None:
+        """DecodeStream refuses a token when its window's text no longer starts with the text
+        it already gave (a decoder that rewrites earlier text; vLLM meets this too): start a
+        new stream after the last token that gave text, replay the held ones and this one."""
+        hf = self._tok.hf
+        self._stream = DecodeStream(ids=self._last or None, skip_special_tokens=self._skip)
+        text: str | None = None
+        for i in [*self._held, token_id]:
+            piece = self._stream.step(hf, i)  # a second refusal is a broken tokenizer: raise
+            if piece is not None:
+                text = (text or "") + piece
+        return text
 
     def flush(self) -> str:
         """Text of trailing tokens still held back (an incomplete character at the end)."""
         held, self._held = self._held, []
         if not held:
             return ""
-        context = [] if self._last is None else [self._last]
+        context = self._last
         prefix = self._tok.decode(context, self._skip) if context else ""
         full = self._tok.decode(context + held, self._skip)
         return full[len(prefix):] if len(full) > len(prefix) else ""

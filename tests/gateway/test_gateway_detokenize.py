@@ -65,6 +65,35 @@ def test_every_tokenizer_kind_streams_what_the_whole_decodes_to(kind):
         assert got == tok.decode(tail + ids, skip)[len(before):], (text, prompt, deltas)
 
 
+class _Refusing:
+    """A DecodeStream that raises on its n-th step (1-based), as tokenizers does on a window
+    whose text no longer starts with what it gave."""
+
+    def __init__(self, real: Any, n: int) -> None:
+        self.real, self.n, self.calls = real, n, 0
+
+    def step(self, hf: Any, i: int) -> str | None:
+        self.calls += 1
+        if self.calls == self.n:
+            raise Exception("Invalid prefix encountered")  # tokenizers' bare Exception
+        return self.real.step(hf, i)  # type: ignore[no-any-return]
+
+
+def test_a_refused_step_restarts_the_stream_and_loses_nothing(tok):
+    """The detokenizer starts a new stream after the last token that gave text and replays the
+    held ones: the text is the same whichever step was refused."""
+    ids = tok.encode("héllo 🙂 wörld", add_special_tokens=False)
+    plain = IncrementalDetokenizer(tok)
+    want = "".join(plain.step([i]) for i in ids) + plain.flush()
+    assert want == "héllo 🙂 wörld"
+    for n in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tok)
+        detok._stream = _Refusing(detok._stream, n)  # type: ignore[assignment]
+        got = [detok.step([i]) for i in ids]
+        assert "".join(got) + detok.flush() == want, (n, got)
+        assert not isinstance(detok._stream, _Refusing)
+
+
 def test_incomplete_character_is_held_then_flushed(tok):
     ids = tok.encode("🙂", add_special_tokens=False)
     assert len(ids) > 1
