@@ -31,23 +31,41 @@ def new_call_id(parser: str) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+@dataclass(slots=True)
+class CallPiece:
+    """One streamed piece of a tool call; the call's first carries its id and name."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def model(self) -> ToolCallDelta:
+        """The OpenAI shape (a first piece: id, type and name with empty arguments)."""
+        if self.id is None:
+            return ToolCallDelta(index=self.index,
+                                 function=FunctionCallDelta(arguments=self.arguments))
+        return ToolCallDelta(index=self.index, id=self.id, type="function",
+                             function=FunctionCallDelta(name=self.name,
+                                                        arguments=self.arguments))
+
+
 @dataclass
 class ChatPiece:
     """What one feed lets out, in order: reasoning, then content, then call pieces."""
 
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCallDelta] = field(default_factory=list)
+    calls: list[CallPiece] = field(default_factory=list)
 
     def deltas(self) -> list[ChatDelta]:
-        """As OpenAI stream deltas: one per kind, and one per call piece (a call's first
-        delta carries id, type and name with empty arguments, as OpenAI sends it)."""
+        """As OpenAI stream deltas (pydantic): one per kind, and one per call piece."""
         out = []
         if self.reasoning:
             out.append(ChatDelta(reasoning_content=self.reasoning))
         if self.content:
             out.append(ChatDelta(content=self.content))
-        out.extend(ChatDelta(tool_calls=[c]) for c in self.calls)
+        out.extend(ChatDelta(tool_calls=[c.model()]) for c in self.calls)
         return out
 
     def delta_json(self) -> list[bytes]:
@@ -57,7 +75,7 @@ class ChatPiece:
             out.append(reasoning_delta(self.reasoning))
         if self.content:
             out.append(content_delta(self.content))
-        out.extend(call_delta(c) for c in self.calls)
+        out.extend(call_delta(c.index, c.arguments, c.id, c.name) for c in self.calls)
         return out
 
 
@@ -142,13 +160,12 @@ class ChatOutput:
                 return
             out.calls.append(self._call_delta(c))
 
-    def _call_delta(self, c: CallDelta) -> ToolCallDelta:
+    def _call_delta(self, c: CallDelta) -> CallPiece:
         if c.name is not None:
             call_id = new_call_id(self._tool_parser)
             self.calls.append(ToolCall(id=call_id, function=FunctionCall(name=c.name,
                                                                          arguments="")))
-            return ToolCallDelta(index=c.index, id=call_id, type="function",
-                                 function=FunctionCallDelta(name=c.name, arguments=""))
+            return CallPiece(c.index, id=call_id, name=c.name)
         fn = self.calls[c.index].function
         fn.arguments += c.arguments
-        return ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))
+        return CallPiece(c.index, c.arguments)

@@ -6,15 +6,14 @@ finish reason), so each request renders the fixed part once (`id`, `object`, `cr
 constant tail: two orders of magnitude cheaper than building and dumping the pydantic chunk
 (~25 us). The bytes are exactly what `model_dump_json` of the pydantic models in
 gateway/openai_responses.py gives (same keys, same order, same omitted fields;
-tests/gateway/test_chunks.py holds them side by side); the rare parts (logprobs, tool-call
-deltas, usage) are still rendered by those models.
+tests/gateway/test_chunks.py holds them side by side); the rare parts (logprobs, usage) are
+still rendered by those models.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from gateway.agent_types import ToolCallDelta
 from gateway.openai_responses import ChatLogprobs, CompletionLogprobs, Usage
 
 _NULL = b"null"
@@ -32,8 +31,14 @@ def reasoning_delta(text: str) -> bytes:
     return b'{"reasoning_content":' + _dumps(text) + b"}"
 
 
-def call_delta(call: ToolCallDelta) -> bytes:
-    return b'{"tool_calls":[' + call.model_dump_json().encode() + b"]}"
+def call_delta(index: int, arguments: str, call_id: str | None = None,
+               name: str | None = None) -> bytes:
+    """A tool call's piece (ToolCallDelta's shape); the call's first has its id and name."""
+    if call_id is None:
+        return b'{"tool_calls":[{"index":%d,"function":{"arguments":%b}}]}' % (
+            index, _dumps(arguments))
+    return (b'{"tool_calls":[{"index":%d,"id":%b,"type":"function","function":{"name":%b,'
+            b'"arguments":%b}}]}' % (index, _dumps(call_id), _dumps(name), _dumps(arguments)))
 
 
 def _reason(finish_reason: str | None) -> bytes:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.agent_types import FunctionCallDelta, ToolCallDelta
-from gateway.chat_output import ChatPiece
+from gateway.chat_output import CallPiece, ChatPiece
 from gateway.chunks import (
     EMPTY_DELTA,
     ROLE_DELTA,
@@ -61,6 +61,15 @@ def test_chat_delta_bytes(content: str, reasoning: str, reason: str | None, rid:
         assert ev.delta(fast, reason) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(index=st.integers(0, 99), args=TEXT, call_id=st.one_of(st.none(), TEXT), name=TEXT)
+def test_tool_call_piece_bytes(index: int, args: str, call_id: str | None, name: str) -> None:
+    piece = ChatPiece(calls=[CallPiece(index, args, call_id, None if call_id is None else name)])
+    (fast,), (delta,) = piece.delta_json(), piece.deltas()
+    assert ChatEvents("r", 1, "m").delta(fast) == sse(ChatCompletionChunk(
+        id="r", created=1, model="m", choices=[ChatChunkChoice(delta=delta)]))
+
+
 def test_chat_role_empty_and_tool_call_deltas() -> None:
     ev = ChatEvents("chatcmpl-1", 3, "tiny")
 
@@ -70,10 +79,10 @@ def test_chat_role_empty_and_tool_call_deltas() -> None:
 
     assert ev.delta(ROLE_DELTA) == want(ChatDelta(role="assistant", content=""))
     assert ev.delta(EMPTY_DELTA, "stop") == want(ChatDelta(), finish_reason="stop")
-    calls = [ToolCallDelta(index=0, id="call_1", type="function",
-                           function=FunctionCallDelta(name="lookup", arguments="")),
-             ToolCallDelta(index=0, function=FunctionCallDelta(arguments='{"name": "q"}'))]
+    calls = [CallPiece(0, id="call_1", name="lookup"), CallPiece(0, '{"name": "q"}')]
     piece = ChatPiece(content="x", calls=calls)
+    assert calls[0].model() == ToolCallDelta(index=0, id="call_1", type="function", function=
+                                             FunctionCallDelta(name="lookup", arguments=""))
     for fast, delta in zip(piece.delta_json(), piece.deltas(), strict=True):
         assert ev.delta(fast) == want(delta)
     lp = ChatLogprobs(content=[ChatLogprobEntry(token="a", logprob=-0.5, bytes=[97], top_logprobs=[
