@@ -91,8 +91,8 @@ class DirectChunks:
         """After `http.response.start` was sent through `send` (the encoding is chosen then)."""
         cycle = getattr(send, "__self__", None)
         out = getattr(cycle, "transport", None)
-        if not isinstance(out, _GatheredWrites) or getattr(cycle, "chunked_encoding", None) \
-                is not True or not hasattr(cycle, "flow"):
+        chunked = getattr(cycle, "chunked_encoding", None) is True
+        if not (isinstance(out, _GatheredWrites) and chunked and hasattr(cycle, "flow")):
             return None
         return cls(cycle, out)
 
