@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
@@ -90,6 +90,10 @@ class GenerationHandler:
             self.metrics.requests.labels("client_error").inc()
             return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
                             headers={**headers, **err.headers})
+        except ClientDisconnect:  # nothing started on the workers; not an error of ours
+            self.metrics.requests.labels("aborted").inc()
+            log.debug("request %s: client left before its body was complete", request_id)
+            return Response(status_code=499)
         watcher = DisconnectWatcher(request.receive)
         try:
             response = await self._handle(body, chat, t0, request_id, headers)

@@ -31,7 +31,9 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(tok_dir: Path, worker_url: str) -> AsyncIterator[str]:
+async def gateway_process(tok_dir: Path, worker_url: str, log: Path | None = None
+                          ) -> AsyncIterator[str]:
+    """A gateway process on a free port; its stdout and stderr go to `log` when given."""
     port = free_port()
     code = (
         "from gateway.config import GatewayConfig; from gateway.server import run_gateway; "
@@ -39,7 +41,9 @@ async def gateway_process(tok_dir: Path, worker_url: str) -> AsyncIterator[str]:
         f"model_path={str(tok_dir)!r}, health_interval_s=0.05, load_interval_s=0.05, "
         "log_level='warning'))"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    out = log.open("wb") if log is not None else None
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT if out is not None else None)
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as client:
@@ -59,6 +63,9 @@ async def gateway_process(tok_dir: Path, worker_url: str) -> AsyncIterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+        finally:
+            if out is not None:
+                out.close()
     assert rc == 0  # SIGTERM is a clean shutdown
 
 
@@ -220,3 +227,31 @@ async def test_streamed_events_are_exact_chunks_and_the_connection_lives_on(tok_
         streamed, http10 = await asyncio.to_thread(exchange)
     want = tok.decode(tokens)
     assert streamed == [want, want] and http10 == want
+
+
+async def test_a_client_leaving_mid_body_is_an_abort_not_an_error(tok_dir, tmp_path):
+    """Headers and part of the body, then the client closes: the gateway counts an aborted
+    request, starts nothing on the workers and logs no error (it used to log a traceback)."""
+    w = ScriptedWorker(script=Script(tokens=[70, 71]))
+    log = tmp_path / "gateway.log"
+    async with workers(w), gateway_process(tok_dir, w.url, log) as url:
+        host, port = url.removeprefix("http://").split(":")
+
+        def leave_mid_body() -> None:
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                          b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                          b'{"prompt": ')
+                time.sleep(0.3)  # the gateway is waiting for the rest of the body
+
+        await asyncio.to_thread(leave_mid_body)
+        async with httpx.AsyncClient() as client:
+            for _ in range(100):
+                m = (await client.get(f"{url}/metrics")).text
+                if 'tandem_requests_total{outcome="aborted"} 1.0' in m:
+                    break
+                await asyncio.sleep(0.05)
+        assert 'tandem_requests_total{outcome="aborted"} 1.0' in m
+        assert w.requests == []
+    text = log.read_text()
+    assert "Traceback" not in text and "unexpected error" not in text, text[-2000:]
