@@ -251,10 +251,8 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
 
 
 def _max_model_len(wc: WorkerConfig, hf: dict[str, Any]) -> int:
-    """The context a role's requests may reach (worker/cache_layout.py's max_model_len, from
-    config.json): the config's cap, never past the checkpoint's max_position_embeddings."""
-    limit = int(hf.get("max_position_embeddings") or 0) or 1 << 62
-    return min(wc.model.max_model_len or limit, limit)
+    """The context a role's requests may reach, from config.json (the worker's formula)."""
+    return wc.model.context_len(int(hf.get("max_position_embeddings") or 0))
 
 
 def _check_step_budget(cluster: ClusterConfig, role: str, hf: dict[str, Any]) -> None:

@@ -20,8 +20,7 @@ STATE_SLOTS_PER_SEQ = 2  # state slots per running seat, for the same reason
 
 def max_model_len(spec: ModelSpec, config: WorkerConfig) -> int:
     """The context a request may reach: the config's cap, never past the checkpoint's."""
-    limit = spec.max_position_embeddings
-    return min(config.model.max_model_len or limit, limit)
+    return config.model.context_len(spec.max_position_embeddings)
 
 
 def window_layers(spec: ModelSpec, max_len: int) -> tuple[tuple[int, ...], int]:

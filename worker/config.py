@@ -43,6 +43,12 @@ class ModelConfig:
     # the whole forward, attention included (worker/mixed_graphs.py); needs piecewise_graphs.
     mixed_graphs: bool = True
 
+    def context_len(self, max_position_embeddings: int) -> int:
+        """The context a request may reach: `max_model_len`, never past the checkpoint's
+        `max_position_embeddings` (0 there: no limit from the checkpoint)."""
+        limit = max_position_embeddings or 1 << 62
+        return min(self.max_model_len or limit, limit)
+
     def validate(self, prefix: str = "model") -> None:
         if self.max_model_len < 0:
             raise ConfigError(f"{prefix}.max_model_len must be >= 0 (0 = from the checkpoint), "
