@@ -100,8 +100,11 @@ class WorkerCallError(ApiError):
 
     def __init__(self, grpc_code: grpc.StatusCode, details: str, worker_url: str, leg: str) -> None:
         status, etype = _GRPC_TO_HTTP.get(grpc_code, (502, "server_error"))
-        super().__init__(f"{leg} worker {worker_url}: {grpc_code.name}: {details}", status=status,
-                         code=grpc_code.name.lower(), type=etype,
+        # The client's own mistake reads as the worker's words alone; a failure of ours names
+        # the leg and the worker (operators read those).
+        message = details if grpc_code in _CLIENT_FAULTS else \
+            f"{leg} worker {worker_url}: {grpc_code.name}: {details}"
+        super().__init__(message, status=status, code=grpc_code.name.lower(), type=etype,
                          retry_after_s=1 if status == 429 else 0)
         self.grpc_code = grpc_code
         self.details = details
@@ -126,8 +129,8 @@ class WorkerCallError(ApiError):
 
 def refused_constraint(err: ApiError, source: str) -> ApiError:
     """A worker's refusal of the request's output constraint (its grammar does not compile),
-    reworded for the client: the worker names its wire field (sampling.structured...), the
-    client needs the request field it sent (`source`: response_format, guided_regex, ...)."""
+    named as the client sent it: the worker names the wire field (sampling.structured...) that
+    the gateway built from a request field (`source`: response_format, guided_regex, ...)."""
     if not (source and isinstance(err, WorkerCallError)
             and err.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
             and err.details.startswith("sampling.structured")):
@@ -147,5 +150,6 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INTERNAL: (502, "server_error"),
 }
 
+_CLIENT_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})

@@ -106,6 +106,8 @@ async def test_client_error_is_not_retried(tok_dir):
         await wait_workers(c)
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument"
+        # The client's mistake in the worker's words, not our topology (which worker, which leg).
+        assert r.json()["error"]["message"] == "scripted INVALID_ARGUMENT", r.json()
         assert len(bad.requests) == 1 and good.requests == []
         assert all(w["healthy"] for w in (await c.get("/workers")).json())
 
