@@ -15,10 +15,9 @@ import string
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.agent_types import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from gateway.agent_types import FunctionCall, ToolCall
 from gateway.agents import ChatPlan
 from gateway.chunks import call_delta, content_delta, reasoning_delta
-from gateway.openai_responses import ChatDelta
 from gateway.parsers import CallDelta, ToolDelta
 
 _ALNUM = string.ascii_letters + string.digits
@@ -40,15 +39,6 @@ class CallPiece:
     id: str | None = None
     name: str | None = None
 
-    def model(self) -> ToolCallDelta:
-        """The OpenAI shape (a first piece: id, type and name with empty arguments)."""
-        if self.id is None:
-            return ToolCallDelta(index=self.index,
-                                 function=FunctionCallDelta(arguments=self.arguments))
-        return ToolCallDelta(index=self.index, id=self.id, type="function",
-                             function=FunctionCallDelta(name=self.name,
-                                                        arguments=self.arguments))
-
 
 @dataclass
 class ChatPiece:
@@ -58,18 +48,10 @@ class ChatPiece:
     content: str = ""
     calls: list[CallPiece] = field(default_factory=list)
 
-    def deltas(self) -> list[ChatDelta]:
-        """As OpenAI stream deltas (pydantic): one per kind, and one per call piece."""
-        out = []
-        if self.reasoning:
-            out.append(ChatDelta(reasoning_content=self.reasoning))
-        if self.content:
-            out.append(ChatDelta(content=self.content))
-        out.extend(ChatDelta(tool_calls=[c.model()]) for c in self.calls)
-        return out
-
     def delta_json(self) -> list[bytes]:
-        """`deltas()` as JSON bytes, without building the pydantic deltas (the hot path)."""
+        """As OpenAI stream deltas (ChatDelta's JSON, byte for byte: tests/gateway/
+        test_chunks.py): one per kind, and one per call piece (a call's first carries id, type
+        and name with empty arguments, as OpenAI sends it)."""
         out = []
         if self.reasoning:
             out.append(reasoning_delta(self.reasoning))

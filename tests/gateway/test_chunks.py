@@ -36,6 +36,25 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 REASON = st.sampled_from([None, "stop", "length", "abort", "tool_calls"])
 
 
+def call_model(c: CallPiece) -> ToolCallDelta:
+    """A call piece in the pydantic shape (a first piece: id, type and name, no arguments)."""
+    if c.id is None:
+        return ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))
+    return ToolCallDelta(index=c.index, id=c.id, type="function",
+                         function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+
+
+def pydantic_deltas(piece: ChatPiece) -> list[ChatDelta]:
+    """The reference for `ChatPiece.delta_json`: the same deltas as pydantic models."""
+    out = []
+    if piece.reasoning:
+        out.append(ChatDelta(reasoning_content=piece.reasoning))
+    if piece.content:
+        out.append(ChatDelta(content=piece.content))
+    out.extend(ChatDelta(tool_calls=[call_model(c)]) for c in piece.calls)
+    return out
+
+
 def sse(model: object) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"  # type: ignore[attr-defined]
 
@@ -54,8 +73,8 @@ def test_completion_chunk_bytes(text: str, reason: str | None, rid: str, model: 
 def test_chat_delta_bytes(content: str, reasoning: str, reason: str | None, rid: str) -> None:
     ev = ChatEvents(rid, 7, "m")
     piece = ChatPiece(reasoning=reasoning, content=content)
-    assert len(piece.delta_json()) == len(piece.deltas())
-    for fast, delta in zip(piece.delta_json(), piece.deltas(), strict=True):
+    assert len(piece.delta_json()) == len(pydantic_deltas(piece))
+    for fast, delta in zip(piece.delta_json(), pydantic_deltas(piece), strict=True):
         want = sse(ChatCompletionChunk(id=rid, created=7, model="m", choices=[
             ChatChunkChoice(delta=delta, finish_reason=reason)]))
         assert ev.delta(fast, reason) == want
@@ -65,7 +84,7 @@ def test_chat_delta_bytes(content: str, reasoning: str, reason: str | None, rid:
 @given(index=st.integers(0, 99), args=TEXT, call_id=st.one_of(st.none(), TEXT), name=TEXT)
 def test_tool_call_piece_bytes(index: int, args: str, call_id: str | None, name: str) -> None:
     piece = ChatPiece(calls=[CallPiece(index, args, call_id, None if call_id is None else name)])
-    (fast,), (delta,) = piece.delta_json(), piece.deltas()
+    (fast,), (delta,) = piece.delta_json(), pydantic_deltas(piece)
     assert ChatEvents("r", 1, "m").delta(fast) == sse(ChatCompletionChunk(
         id="r", created=1, model="m", choices=[ChatChunkChoice(delta=delta)]))
 
@@ -81,9 +100,9 @@ def test_chat_role_empty_and_tool_call_deltas() -> None:
     assert ev.delta(EMPTY_DELTA, "stop") == want(ChatDelta(), finish_reason="stop")
     calls = [CallPiece(0, id="call_1", name="lookup"), CallPiece(0, '{"name": "q"}')]
     piece = ChatPiece(content="x", calls=calls)
-    assert calls[0].model() == ToolCallDelta(index=0, id="call_1", type="function", function=
+    assert call_model(calls[0]) == ToolCallDelta(index=0, id="call_1", type="function", function=
                                              FunctionCallDelta(name="lookup", arguments=""))
-    for fast, delta in zip(piece.delta_json(), piece.deltas(), strict=True):
+    for fast, delta in zip(piece.delta_json(), pydantic_deltas(piece), strict=True):
         assert ev.delta(fast) == want(delta)
     lp = ChatLogprobs(content=[ChatLogprobEntry(token="a", logprob=-0.5, bytes=[97], top_logprobs=[
         TopLogprobEntry(token="a", logprob=-0.5, bytes=[97])])])
