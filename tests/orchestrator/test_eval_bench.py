@@ -216,7 +216,8 @@ def test_itl_is_per_token_from_arrival_times() -> None:
     events in one write, after 100 ms one event of 2 tokens, after 50 ms 1. Per token: the
     gaps 50, 25, 25, 50, 50, 50 ms (a per-SSE-line timer would say 50, 50, 0, 100, 50). The
     double stamps each write as it leaves (same clock, same process): the bench's figures
-    must match those stamps, so a loaded machine's late wake-ups do not fail the test."""
+    must match those stamps within 30 ms (a loaded CI box's reader woke 14 ms late once); the
+    split of a multi-token event is checked exactly, by the equal gaps it must give."""
     tokens_per_write = [1, 1, 2, 2, 1]
     writes = [(0.0, [1]), (0.05, [1]), (0.05, [1, 1]), (0.1, [2]), (0.05, [1])]
     results, stamps = [], []
@@ -232,14 +233,14 @@ def test_itl_is_per_token_from_arrival_times() -> None:
     _, want = token_latencies(0.0, list(zip(stamps[0], tokens_per_write, strict=True)))
     assert with_ids.ok and with_ids.output_tokens == 7 and len(with_ids.itl_s) == 6
     for got, expected in zip(with_ids.itl_s, want, strict=True):
-        assert abs(got - expected) < 0.01, (with_ids.itl_s, want)
+        assert abs(got - expected) < 0.03, (with_ids.itl_s, want)
     assert with_ids.itl_s[1] == with_ids.itl_s[2] and with_ids.itl_s[3] == with_ids.itl_s[4]
     assert abs(with_ids.tpot_s - (stamps[0][-1] - stamps[0][0]) / 6) < 0.01
     # without token ids each event counts one token: the 2-token event is one gap
     _, want = token_latencies(0.0, list(zip(stamps[1], [1, 1, 2, 1, 1], strict=True)))
     assert len(without.itl_s) == 5
     for got, expected in zip(without.itl_s, want, strict=True):
-        assert abs(got - expected) < 0.01, (without.itl_s, want)
+        assert abs(got - expected) < 0.03, (without.itl_s, want)
     assert token_latencies(1.0, [(1.5, 2), (2.0, 4)]) == (0.5, [0.125] * 4)
 
 
