@@ -10,7 +10,8 @@ HTTP for the routers), one gateway or router at a time, and the load generator
 the gateway at concurrency 1 minus the median round trip straight to the worker (gRPC
 Generate for ours, HTTP for the routers). CPU figures are the gateway's (or router's) process
 tree's user + system time over the concurrency-N run. Then a streaming run (64 tokens a
-request, one per 2 ms "step") gives the gateway's CPU per streamed token.
+request, one per 2 ms "step", on the mocks' gRPC for ours and their HTTP for the routers) gives
+each one's CPU per streamed token.
 Install the routers for the comparison only: `.venv/bin/pip install sglang-router smg vllm-router`.
 """
 
@@ -215,12 +216,27 @@ def main() -> None:
                           f"{(r['p50_1'] - direct) * 1e3:.3f} ms); c={c}: {r['rps']:.0f} req/s, "
                           f"p50 {r['p50_n'] * 1e3:.2f} ms; gateway CPU {r['cpu_us']:.0f} "
                           f"us/request; failed {r['failed']} [{mode}: {legs}]", flush=True)
-        streamed(tmp, tok_dir, ports, c)
+        st = streamed(tmp, tok_dir, ports, c)
+        rows["tandem"].update(stream_us=st["us_token"], stream_failed=st["failed"])
         if not args.no_routers:
             routers(tmp, ports, n, c, rows)
 
 
-def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int) -> None:
+def measure_stream(url: str, pid: int, c: int) -> dict[str, float]:
+    """CPU per streamed token of the process tree at `pid` (64 tokens a request, c streams), and
+    its split by thread (meaningful for our one-event-loop gateway)."""
+    http_load(f"{url}/v1/completions", body(True, 64), 64, 8)  # warm-up
+    cpu0, threads0 = tree_cpu(pid), thread_cpu(pid)
+    r = http_load(f"{url}/v1/completions", body(True, 64), max(c * 8, 256), c)
+    cpu = tree_cpu(pid) - cpu0  # the probe run included: it streams the same tokens
+    user, system, rest = (b - a for a, b in zip(threads0, thread_cpu(pid), strict=True))
+    per = 1e6 / (r.count * 64)
+    return {"tok_s": r.rps * 64, "us_token": cpu * per, "us_request": cpu / r.count * 1e6,
+            "user": user * per, "system": system * per, "rest": rest * per, "failed": r.failed}
+
+
+def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int
+             ) -> dict[str, float]:
     """Gateway CPU per streamed token: PD, 64 tokens a request, one per 2 ms step."""
     gport = free_port()
     workers = {"prefill": [ports["stream-p"][0]], "decode": [ports["stream-d"][0]]}
@@ -228,23 +244,18 @@ def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int
     with process(gateway_argv(gport, tok_dir, workers), log) as gw:
         url = f"http://127.0.0.1:{gport}"
         wait_ready(url, gw, log)
-        http_load(f"{url}/v1/completions", body(True, 64), 64, 8)
-        cpu0, threads0 = tree_cpu(gw.pid), thread_cpu(gw.pid)
-        r = http_load(f"{url}/v1/completions", body(True, 64), max(c * 8, 256), c)
-        cpu = tree_cpu(gw.pid) - cpu0  # the probe run included: it streams the same tokens
-        user, system, rest = (b - a for a, b in zip(threads0, thread_cpu(gw.pid), strict=True))
-        requests = r.count
-        tokens = requests * 64
-        per = 1e6 / tokens
-        print(f"streamed 64 tokens a request (PD, 2 ms steps): c={c}: {r.rps * 64:.0f} tok/s, "
-              f"gateway CPU {cpu * per:.1f} us/token ({cpu / requests * 1e6:.0f} us/request; "
-              f"event-loop thread {user * per:.1f} user + {system * per:.1f} system, "
-              f"grpc's threads {rest * per:.1f}); failed {r.failed}", flush=True)
+        r = measure_stream(url, gw.pid, c)
+    print(f"streamed 64 tokens a request (PD, 2 ms steps): c={c}: {r['tok_s']:.0f} tok/s, "
+          f"gateway CPU {r['us_token']:.1f} us/token ({r['us_request']:.0f} us/request; "
+          f"event-loop thread {r['user']:.1f} user + {r['system']:.1f} system, "
+          f"grpc's threads {r['rest']:.1f}); failed {r['failed']:.0f}", flush=True)
+    return r
 
 
 def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
             rows: dict[str, dict[str, float]]) -> None:
-    """The Rust PD routers on the same mock workers (HTTP), one at a time; then one table."""
+    """The Rust PD routers on the same mock workers (HTTP), one at a time, each run twice: the
+    one-token load on the plain mocks, the streamed load on the stepped ones; then one table."""
     mock_url = f"http://127.0.0.1:{ports['decode'][1]}"
     direct = http_load(f"{mock_url}/v1/completions", body(False), 500, 1).p50_s
     notes: dict[str, str] = {}
@@ -253,26 +264,36 @@ def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
                                            and importlib.util.find_spec("sglang_router") is None):
             notes[name] = "not installed"
             continue
-        rport = free_port()
-        full = [*argv, "--prefill", f"http://127.0.0.1:{ports['prefill'][1]}", "--decode",
-                mock_url, "--host", "127.0.0.1", "--port", str(rport)]
-        log = tmp / f"{name}.log"
         try:
-            with process(full, log) as proc:
-                url = f"http://127.0.0.1:{rport}"
-                wait_ready(url, proc, log)
-                rows[name] = measure(url, proc.pid, False, n, c)
+            for p, d in (("prefill", "decode"), ("stream-p", "stream-d")):
+                rport = free_port()
+                full = [*argv, "--prefill", f"http://127.0.0.1:{ports[p][1]}", "--decode",
+                        f"http://127.0.0.1:{ports[d][1]}", "--host", "127.0.0.1", "--port",
+                        str(rport)]
+                log = tmp / f"{name}-{p}.log"
+                with process(full, log) as proc:
+                    url = f"http://127.0.0.1:{rport}"
+                    wait_ready(url, proc, log)
+                    if p == "prefill":
+                        rows[name] = measure(url, proc.pid, False, n, c)
+                    else:
+                        st = measure_stream(url, proc.pid, c)
+                        rows[name].update(stream_us=st["us_token"], stream_failed=st["failed"])
         except (RuntimeError, AssertionError, subprocess.SubprocessError) as exc:
             notes[name] = f"failed: {str(exc)[-300:]}"
-    print(f"\nPD path (two worker legs), max_tokens=1, non-streaming, same mock workers, same load "
-          f"generator; direct HTTP to the mock p50 {direct * 1e3:.3f} ms (ours: direct gRPC)\n")
-    print(f"| gateway | c=1 p50 ms | c={c} req/s | c={c} p50 ms | CPU us/request | failed |")
-    print("|---|---|---|---|---|---|")
+            rows.pop(name, None)
+    print(f"\nPD path (two worker legs), same mock workers, same load generator; max_tokens=1, "
+          f"non-streaming, direct HTTP to the mock p50 {direct * 1e3:.3f} ms (ours: direct "
+          f"gRPC); streamed: 64 tokens a request, one per 2 ms step, c={c}\n")
+    print(f"| gateway | c=1 p50 ms | c={c} req/s | c={c} p50 ms | CPU us/request | "
+          "CPU us/streamed token | failed |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['p50_1'] * 1e3:.3f} | {r['rps']:.0f} | {r['p50_n'] * 1e3:.2f} | "
-              f"{r['cpu_us']:.0f} | {r['failed']:.0f} |")
+              f"{r['cpu_us']:.0f} | {r.get('stream_us', float('nan')):.1f} | "
+              f"{r['failed'] + r.get('stream_failed', 0):.0f} |")
     for name, note in notes.items():
-        print(f"| {name} | {note} | | | | |")
+        print(f"| {name} | {note} | | | | | |")
 
 
 def run_gateway_process(argv: list[str]) -> None:

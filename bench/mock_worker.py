@@ -7,8 +7,9 @@ tests/gateway/gw_doubles.py's ScriptedWorker) and the Rust routers (SGLang-style
 /v1/completions, /generate, /health, /get_model_info, /get_server_info, /v1/models), so every
 router is measured against the same worker doing the same (no) work. The HTTP side is a bare
 asyncio protocol on httptools, a few microseconds a request, so the mock is not what limits a
-router. `--tokens N --step-ms S` streams N tokens, one a step of S ms shared by every request (gRPC
-only: the per-token bench).
+router. `--tokens N --step-ms S` streams N tokens, one a step of S ms shared by every request (the
+per-token bench): on gRPC, and on HTTP as N server-sent events of one chunk each for a decode
+or mono mock (a prefill mock answers one event at once, as a prefill server's stream does).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ TOKEN = 70  # detokenizes to one character with the bench tokenizer
 _BODY = (b'{"id":"cmpl-mock","object":"text_completion","created":0,"model":"tiny","choices":'
          b'[{"index":0,"text":"F","logprobs":null,"finish_reason":"length"}],"usage":'
          b'{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}')
-_SSE = (b'data: {"id":"cmpl-mock","object":"text_completion","created":0,"model":"tiny",'
-        b'"choices":[{"index":0,"text":"F","logprobs":null,"finish_reason":"length"}]}\n\n'
-        b"data: [DONE]\n\n")
+_EVENT = (b'data: {"id":"cmpl-mock","object":"text_completion","created":0,"model":"tiny",'
+          b'"choices":[{"index":0,"text":"F","logprobs":null,"finish_reason":%s}]}\n\n')
+_SSE = _EVENT % b'"length"' + b"data: [DONE]\n\n"
+_CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
 _GET = {
     b"/get_model_info": b'{"model_path":"tiny","tokenizer_path":"tiny","is_generation":true}',
     b"/get_server_info": b'{"model_path":"tiny","disaggregation_mode":"null"}',
@@ -48,10 +51,48 @@ def _response(body: bytes, ctype: bytes = b"application/json") -> bytes:
             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-class MockHTTP(asyncio.Protocol):
-    """Keep-alive HTTP/1.1: every POST answers one token (JSON, or SSE when asked)."""
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
-    def __init__(self) -> None:
+
+class HTTPSteps:
+    """The HTTP side's step clock: each tick writes every open stream's next event (one chunk);
+    a stream's last event carries finish_reason "length", then `[DONE]` and the last chunk."""
+
+    def __init__(self, tokens: int, step_s: float) -> None:
+        self.tokens = tokens
+        self.step_s = step_s
+        self._streams: dict[asyncio.Transport, int] = {}  # transport -> events still to send
+        self._ticking = False
+
+    def start(self, transport: asyncio.Transport) -> None:
+        transport.write(_CHUNKED_HEAD + _chunk(_EVENT % b"null"))
+        self._streams[transport] = self.tokens - 1
+        if not self._ticking:
+            self._ticking = True
+            asyncio.get_running_loop().call_later(self.step_s, self._tick)
+
+    def _tick(self) -> None:
+        for transport, left in list(self._streams.items()):
+            if transport.is_closing():
+                del self._streams[transport]
+            elif left > 1:
+                transport.write(_chunk(_EVENT % b"null"))
+                self._streams[transport] = left - 1
+            else:
+                transport.write(_chunk(_EVENT % b'"length"' + b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                del self._streams[transport]
+        self._ticking = bool(self._streams)
+        if self._ticking:
+            asyncio.get_running_loop().call_later(self.step_s, self._tick)
+
+
+class MockHTTP(asyncio.Protocol):
+    """Keep-alive HTTP/1.1: every POST answers one token (JSON, or SSE when asked), or streams
+    `steps.tokens` events on the step clock when one is given."""
+
+    def __init__(self, steps: HTTPSteps | None = None) -> None:
+        self._steps = steps
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._body: list[bytes] = []
@@ -80,6 +121,9 @@ class MockHTTP(asyncio.Protocol):
         path = self._url.split(b"?")[0]
         if self._parser.get_method() == b"POST":
             stream = b'"stream":true' in body.replace(b" ", b"")
+            if stream and self._steps is not None:
+                self._steps.start(self._transport)
+                return
             resp = _response(_SSE, b"text/event-stream") if stream else _response(_BODY)
         else:
             resp = _response(_GET.get(path, b"{}"))
@@ -120,7 +164,9 @@ async def serve(role: str, grpc_port: int, http_port: int, tokens: int, step_ms:
     await w.start(port=grpc_port)
     if http_port:
         loop = asyncio.get_running_loop()
-        await loop.create_server(MockHTTP, "127.0.0.1", http_port, reuse_address=True)
+        steps = HTTPSteps(tokens, step_ms / 1e3) if step_ms and role != "prefill" else None
+        await loop.create_server(lambda: MockHTTP(steps), "127.0.0.1", http_port,
+                                 reuse_address=True)
     await asyncio.Event().wait()
 
 
