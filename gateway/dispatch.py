@@ -46,7 +46,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -57,7 +57,7 @@ from gateway.errors import NoHealthyWorker, WorkerCallError
 from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
-from gateway.session import Output
+from gateway.session import Output, Push
 from gateway.stalls import DeadlinePassed, FirstTokenDeadline, StallWatch, _timeout
 from protocol import tandem_pb2
 from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
@@ -325,6 +325,18 @@ class RequestRun:
             return None
         self._check_abort(msg, w, leg)
         return msg
+
+    def push(self, sink: Callable[[Output], Push]) -> None:
+        """Hand the output stream's next outputs to `sink` as they arrive (Leg.push_to): the
+        pending `next()` returns only what it refuses, the end, or an error. A pushed output
+        counts as a message for the stall watch."""
+        assert self._stream is not None
+
+        def take(msg: Output) -> Push:
+            self.reading_since = time.monotonic()
+            return sink(msg)
+
+        self._stream.push_to(take)
 
     def stall(self) -> None:
         """The StallWatch saw no message for stall_s: end the read (next() reports it)."""

@@ -96,10 +96,14 @@ class DirectChunks:
             return None
         return cls(cycle, out)
 
+    def writable(self) -> bool:
+        """False while the client is gone or its transport is paused for flow control."""
+        cycle = self._cycle
+        return not (cycle.disconnected or cycle.flow.write_paused)
+
     def write(self, chunk: bytes) -> bool:
         """The event as one HTTP/1.1 chunk; False when it must go through ASGI `send`."""
-        cycle = self._cycle
-        if cycle.disconnected or cycle.flow.write_paused or not chunk:
+        if not chunk or not self.writable():
             return False
         self._out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         return True

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
-from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents, completion_body
+from gateway.chunks import completion_body
 from gateway.dispatch import Dispatcher, RequestRun
 from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
 from gateway.metrics import Metrics
@@ -38,6 +38,7 @@ from gateway.output import OutputAssembler
 from gateway.request_body import parse_request, read_body
 from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
+from gateway.streaming import StreamEvents
 from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
@@ -160,8 +161,11 @@ class GenerationHandler:
         out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
         chat_out = ChatOutput(plan) if plan is not None else None
         if req.stream:
-            gen = self._stream(run, first, out, chat_out, req.include_usage(), request_id, t0)
-            return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0))
+            stream = StreamEvents(request_id, self.model_name, out, chat_out, self.metrics.itl)
+            gen = self._stream(run, first, out, chat_out, stream, req.include_usage(), request_id,
+                               t0)
+            return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0),
+                               on_direct=stream.attach)
         return await self._complete(run, first, out, chat_out, request_id, t0, headers)
 
     # ---- request → prompt ids and sampling ----
@@ -310,70 +314,31 @@ class GenerationHandler:
                                 finish_reason=chat_out.finish_reason(out.finish_reason))])
         return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)
 
-    @staticmethod
-    def _chat_chunks(events: ChatEvents, deltas: list[bytes], finish: str | None,
-                     logprobs: Any) -> list[bytes]:
-        """SSE events for one message's deltas; the finish reason rides on a last empty delta
-        (as OpenAI sends it), logprobs on the first chunk."""
-        if finish is not None:
-            deltas = [*deltas, EMPTY_DELTA]
-        last = len(deltas) - 1
-        return [events.delta(d, finish if i == last else None, logprobs if i == 0 else None)
-                for i, d in enumerate(deltas)]
-
-    async def _stream(self, run: RequestRun, first: Output,
-                      out: OutputAssembler, chat_out: ChatOutput | None, include_usage: bool,
+    async def _stream(self, run: RequestRun, first: Output, out: OutputAssembler,
+                      chat_out: ChatOutput | None, stream: StreamEvents, include_usage: bool,
                       request_id: str, t0: float) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        chat = chat_out is not None
-        model = self.model_name
-        events = (ChatEvents(f"chatcmpl-{request_id}", created, model) if chat else
-                  CompletionEvents(f"cmpl-{request_id}", created, model))
         outcome = "aborted"  # what is left if the client goes away mid-stream
-        text_pos = 0
-        first_chunk = True  # the first completion chunk carries prompt_token_ids
         try:
-            if isinstance(events, ChatEvents):
-                yield events.delta(ROLE_DELTA)
+            for event in stream.opening():
+                yield event
             msg: Output | None = first
-            last = time.perf_counter()
             while msg is not None:
-                lp_entries = msg.logprobs if out.want_logprobs else None
-                if chat_out is not None:
-                    assert isinstance(events, ChatEvents)
-                    piece = chat_out.feed(out.add_pieces(msg, chat_out.per_token))
-                    if chat_out.stop_now:
-                        out.stop_early()
-                    deltas = piece.delta_json()
-                    if out.finished:
-                        deltas += chat_out.finish().delta_json()
-                    finish = chat_out.finish_reason(out.finish_reason)
-                    lp = out.chat_logprobs(lp_entries) if lp_entries else None
-                    if deltas or out.finished or lp:
-                        for event in self._chat_chunks(events, deltas, finish, lp):
-                            yield event
-                else:
-                    assert isinstance(events, CompletionEvents)
-                    text = out.add(msg)
-                    ids = list(msg.token_ids) if out.return_token_ids else None
-                    if text or out.finished or lp_entries or ids:
-                        yield events.text(text, out.finish_reason,
-                                          out.completion_logprobs(lp_entries, text_pos)
-                                          if lp_entries else None, ids,
-                                          out.prompt_ids if ids is not None and first_chunk
-                                          else None)
-                        first_chunk = False
-                    text_pos += len(text)
+                for event in stream.of(msg):
+                    yield event
                 if out.finished:
                     break
-                msg, last = await self._next_timed(run, last)
+                if stream.direct is not None:  # what the sink refuses comes back here
+                    run.push(stream.sink)
+                msg = await run.next()
+                if msg is not None:
+                    stream.arrived(msg)
             if not out.finished:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
             await run.settle()
             if include_usage:
                 reasoning = (chat_out.reasoning_tokens if chat_out is not None
                              and chat_out.has_reasoning_parser else None)
-                yield events.usage(out.usage(run.num_cached_tokens, reasoning))
+                yield stream.usage(out.usage(run.num_cached_tokens, reasoning))
             outcome = "success"
             yield _DONE
         except ApiError as err:

@@ -8,7 +8,10 @@ Every request the gateway sends a worker rides the same long-lived bidirectional
     write as one frame, so a burst of requests costs one message, not one call each.
  2. The worker answers with one `SessionResponse` per engine step, columns for all requests
     of this stream. The reader task splits it by slot into one `Output` per request and
-    wakes that request's reader (`Leg.read`): no per-request gRPC machinery at all.
+    wakes that request's reader (`Leg.read`): no per-request gRPC machinery at all. A
+    streamed response's leg has its outputs pushed instead (`Leg.push_to`): the reader hands
+    each to the response's sink, which writes its events to the client in the same pass, and
+    the request's task is woken only at the end (gateway/streaming.py).
  3. `Leg.cancel()` and `WorkerSession.abort()` queue a `SessionAbort` on the same stream, so
     an abort can never overtake the submit it aborts. Each leg has its own deadline.
  4. A broken stream (worker gone, restarted, network) fails exactly the legs it carried, at
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -62,11 +67,20 @@ class Output:
         self.transfer: tandem_pb2.TransferStats | None = None  # PD decode: on the last output
 
 
+class Push(enum.Enum):
+    """A push sink's answer for one output (`Leg.push_to`)."""
+
+    TAKEN = "taken"  # handled; the reader is not woken
+    REFUSED = "refused"  # not handled: queued for the reader, and pushing stops
+    ENDED = "ended"  # handled, and it ended the output here: the reader's next read is the end
+
+
 class Leg:
-    """One request on a worker's stream; read it like a grpc.aio streaming call."""
+    """One request on a worker's stream; read it like a grpc.aio streaming call, or have its
+    outputs pushed to a sink as they arrive (`push_to`)."""
 
     __slots__ = ("_session", "slot", "_queue", "_waiter", "_ended", "_error", "_cancelled",
-                 "_timer", "_start", "_interrupt")
+                 "_timer", "_start", "_interrupt", "_sink", "_sink_error", "_pushed_end")
 
     def __init__(self, session: WorkerSession, slot: int) -> None:
         self._session = session
@@ -79,12 +93,17 @@ class Leg:
         self._timer: asyncio.TimerHandle | None = None
         self._start: tuple[int, int] | None = None  # (num_prompt, num_cached) not yet handed on
         self._interrupt: BaseException | None = None  # raised by the next read with nothing queued
+        self._sink: Callable[[Output], Push] | None = None
+        self._sink_error: Exception | None = None  # what the sink raised: the next read's
+        self._pushed_end = False  # the sink ended the output (a stop string): reads are EOF
 
     async def read(self) -> Output | Any:
         """Everything that arrived since the last read, as one output (several steps' tokens
         when the reader fell behind: one detokenizer pass and one client event for all of
         them); `grpc.aio.EOF` after the last; raises the leg's error once its outputs are read."""
         while True:
+            if self._sink_error is not None:
+                raise self._sink_error
             if self._queue:
                 return self._take()
             if self._cancelled:
@@ -94,7 +113,7 @@ class Leg:
                 raise exc
             if self._error is not None:
                 raise self._error
-            if self._ended:
+            if self._ended or self._pushed_end:
                 return _EOF
             waiter = self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -112,6 +131,31 @@ class Leg:
         self._interrupt = exc
         if exc is not None:
             self._wake()
+
+    def push_to(self, sink: Callable[[Output], Push]) -> None:
+        """From now on each output goes to `sink` as it arrives (called by the session's reader,
+        in the pass that splits the worker's message), while nothing is queued; `read` then
+        returns only what the sink refused (queued, and pushing stops), the end, or an error:
+        the worker's, or what the sink raised (pushing stops and the output is dropped)."""
+        self._sink = sink
+
+    def _offer(self, out: Output) -> bool:
+        """Give `out` to the sink; False when it must be queued instead."""
+        assert self._sink is not None
+        try:
+            verdict = self._sink(out)
+        except Exception as exc:  # raised to the reader, whose request fails with it
+            self._sink, self._sink_error = None, exc
+            self._wake()
+            return True
+        if verdict is Push.TAKEN:
+            return True
+        self._sink = None
+        if verdict is Push.REFUSED:
+            return False
+        self._pushed_end = True
+        self._wake()
+        return True
 
     def _take(self) -> Output:
         queue = self._queue
@@ -148,6 +192,8 @@ class Leg:
         if self._start is not None:
             out.num_prompt_tokens, out.num_cached_tokens = self._start
             self._start = None
+        if self._sink is not None and not self._queue and self._offer(out):
+            return
         self._queue.append(out)
         self._wake()
 
@@ -156,15 +202,17 @@ class Leg:
             code = _STATUS.get(end.status_code, grpc.StatusCode.UNKNOWN)
             self._fail(rpc_error(code, end.error, end.error_code))
             return
+        transfer = end.transfer if end.HasField("transfer") else None
         last = self._queue[-1] if self._queue else None  # not read yet: it can carry the end
-        carries = bool(end.finish_reason) or end.HasField("transfer")
-        if self._start is not None or (last is None and carries):
-            last = Output([], [])
-            self._push(last)
-        if last is not None:
+        if last is not None and self._start is None:
             last.finish_reason = end.finish_reason
-            if end.HasField("transfer"):
-                last.transfer = end.transfer
+            if transfer is not None:
+                last.transfer = transfer
+        elif self._start is not None or end.finish_reason or transfer is not None:
+            final = Output([], [])  # whole before it is pushed: a sink sees it once
+            final.finish_reason = end.finish_reason
+            final.transfer = transfer
+            self._push(final)
         self._ended = True
         self._wake()
 

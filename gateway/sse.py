@@ -31,12 +31,16 @@ class SSEResponse(Response):
         chunks: AsyncIterator[bytes],
         headers: Mapping[str, str],
         on_abandon: Callable[[], None] | None = None,
+        on_direct: Callable[[DirectChunks], None] | None = None,
     ) -> None:
         # Response.__init__ would render a body; this one streams, so set only what ASGI needs.
         self.chunks = chunks
         # Called instead when the body generator never started (its own `finally` would not
         # run): the owner releases what the generator would have.
         self.on_abandon = on_abandon
+        # Called once the response started on a connection that takes direct writes: events
+        # may then be written past this response (gateway/streaming.py pushes them).
+        self.on_direct = on_direct
         self.status_code = 200
         self.background = None
         self.watcher: DisconnectWatcher | None = None
@@ -59,6 +63,8 @@ class SSEResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             started = True
             direct = DirectChunks.of(send)
+            if direct is not None and self.on_direct is not None:
+                self.on_direct(direct)
             async for chunk in self.chunks:
                 if direct is None or not direct.write(chunk):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -31,15 +31,16 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(tok_dir: Path, worker_url: str, log: Path | None = None
-                          ) -> AsyncIterator[str]:
-    """A gateway process on a free port; its stdout and stderr go to `log` when given."""
+async def gateway_process(tok_dir: Path, worker_url: str, log: Path | None = None,
+                          config: str = "") -> AsyncIterator[str]:
+    """A gateway process on a free port; its stdout and stderr go to `log` when given;
+    `config`: more GatewayConfig keywords, as source text ("stream_stall_timeout_s=0.3, ")."""
     port = free_port()
     code = (
         "from gateway.config import GatewayConfig; from gateway.server import run_gateway; "
         f"run_gateway(GatewayConfig(port={port}, workers=({worker_url!r},), "
         f"model_path={str(tok_dir)!r}, health_interval_s=0.05, load_interval_s=0.05, "
-        "log_level='warning'))"
+        f"{config}log_level='warning'))"
     )
     out = log.open("wb") if log is not None else None
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=out,
@@ -227,6 +228,73 @@ async def test_streamed_events_are_exact_chunks_and_the_connection_lives_on(tok_
         streamed, http10 = await asyncio.to_thread(exchange)
     want = tok.decode(tokens)
     assert streamed == [want, want] and http10 == want
+
+
+async def test_pushed_events_equal_the_tasks_events(tok_dir):
+    """Over HTTP/1.1 a stream's outputs are pushed from the worker's stream (gateway/
+    streaming.py); over HTTP/1.0 (no chunked encoding, no direct writes) the request's task
+    writes each. The events are the same bytes but for ids: a stop string met mid-stream
+    (the push path's ENDED, then an abort to the worker), chat deltas, usage, [DONE]."""
+    tok = Tokenizer.from_dir(tok_dir)
+    # A long tail after the stop string: the abort reaches the worker well before its end.
+    tokens = tok.encode(" alpha beta gamma delta" + " epsilon zeta" * 4,
+                        add_special_tokens=False)
+    w = ScriptedWorker(script=Script(tokens=tokens, finish_reason="length", delay_s=0.01),
+                       max_model_len=len(tokens) + 64)
+    bodies = [
+        {"prompt": "x", "max_tokens": len(tokens), "stream": True, "stop": ["delta"],
+         "stream_options": {"include_usage": True}},
+        {"prompt": "x", "max_tokens": len(tokens), "stream": True},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": len(tokens),
+         "stream": True, "stream_options": {"include_usage": True}},
+    ]
+
+    def events(version: bytes, body: dict) -> list[dict | str]:
+        raw = json.dumps(body).encode()
+        path = b"/v1/chat/completions" if "messages" in body else b"/v1/completions"
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST " + path + b" HTTP/" + version + b"\r\nhost: x\r\n"
+                      b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                      % (len(raw), raw))
+            _, payload, _ = _read_response(s, b"")
+        out: list[dict | str] = []
+        for e in payload.decode().split("\n\n"):
+            if e.startswith("data: {"):
+                out.append({k: v for k, v in json.loads(e[6:]).items()
+                            if k not in ("id", "created")})
+            elif e:
+                out.append(e)
+        return out
+
+    async with workers(w), gateway_process(tok_dir, w.url) as url:
+        host, port = url.removeprefix("http://").split(":")
+        for body in bodies:
+            pushed = await asyncio.to_thread(events, b"1.1", body)
+            by_task = await asyncio.to_thread(events, b"1.0", body)
+            assert pushed == by_task and pushed[-1] == "data: [DONE]", (pushed, by_task)
+            assert len(pushed) >= 6  # one event a token: the outputs came one by one
+        stopped = await asyncio.to_thread(events, b"1.1", bodies[0])
+    text = "".join(e["choices"][0]["text"] for e in stopped[:-1]  # type: ignore[index]
+                   if isinstance(e, dict) and e["choices"])
+    assert text == tok.decode(tokens).split("delta")[0]
+    assert stopped[-3]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+    assert w.cancelled >= 3  # each stop-string stream was ended on the worker
+
+
+async def test_a_pushed_stream_longer_than_the_stall_bound_is_not_a_stall(tok_dir):
+    """While outputs are pushed the request's read stays pending; each pushed output counts
+    as a message for the stall watch, so a steady stream outlives the stall bound."""
+    w = ScriptedWorker(script=Script(tokens=[70 + i % 50 for i in range(80)], delay_s=0.01),
+                       max_model_len=128)
+    stall = "stream_stall_timeout_s=0.3, "
+    async with workers(w), gateway_process(tok_dir, w.url, config=stall) as url, \
+            httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(f"{url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 80, "stream": True,
+            "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    assert "error" not in events[-1] and events[-1]["usage"]["completion_tokens"] == 80
+    assert w.cancelled == 0
 
 
 async def test_a_client_leaving_mid_body_is_an_abort_not_an_error(tok_dir, tmp_path):

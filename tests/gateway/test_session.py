@@ -4,6 +4,7 @@ exactly the requests it carried (an error, never a hang) and the next request re
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -109,3 +110,122 @@ async def test_first_token_deadline_shortens_when_prefill_lands_and_stops_clean(
     assert leg.interrupts == [task.exception()] and not deadline.landed
     deadline.stop()  # the first token came anyway: the error not raised yet is withdrawn
     assert leg.interrupts[-1] is None
+
+
+async def test_pushed_outputs_skip_the_reader_until_one_is_refused_or_ends_the_stream():
+    """Leg.push_to: what the sink takes never reaches `read`; a refused output is queued and
+    pushing stops; ENDED makes the next read the end while the leg can still be aborted."""
+    from gateway.session import Leg, Output, Push
+    from protocol import tandem_pb2
+
+    seen: list[list[int]] = []
+    verdicts = [Push.TAKEN, Push.TAKEN, Push.REFUSED]
+
+    def sink(out: Output) -> Push:
+        seen.append(out.token_ids)
+        return verdicts.pop(0)
+
+    leg = Leg(None, 1)  # type: ignore[arg-type]  # fed by hand: no stream needed
+    leg.push_to(sink)
+    for t in (70, 71, 72, 73):
+        leg._push(Output([t], []))
+    assert seen == [[70], [71], [72]]  # 73 came after the refusal: queued, not offered
+    assert (await leg.read()).token_ids == [72, 73]  # the refused one and what followed
+    offered: list[tuple[list[int], str]] = []
+
+    def until_the_end(out: Output) -> Push:
+        offered.append((out.token_ids, out.finish_reason))
+        return Push.REFUSED if out.finish_reason else Push.TAKEN
+
+    leg.push_to(until_the_end)  # the reader hands the stream back
+    leg._push(Output([74], []))
+    leg._end(tandem_pb2.RequestEnd(slot=1, finish_reason="length"))
+    assert offered == [([74], ""), ([], "length")]  # the end was whole when first offered
+    final = await leg.read()
+    assert final.token_ids == [] and final.finish_reason == "length"
+    assert await leg.read() is grpc.aio.EOF
+
+    ended = Leg(None, 2)  # type: ignore[arg-type]
+    ended.push_to(lambda out: Push.ENDED)  # a stop string in this output
+    ended._push(Output([70], []))
+    assert await ended.read() is grpc.aio.EOF and not ended.done()  # still abortable
+
+
+async def test_a_failing_sink_fails_the_read_even_with_outputs_queued_behind_it():
+    from gateway.session import Leg, Output
+
+    def sink(out: Output):
+        raise ValueError("parser bug")
+
+    leg = Leg(None, 1)  # type: ignore[arg-type]
+    leg.push_to(sink)
+    leg._push(Output([70], []))  # dropped: its text can never be sent
+    leg._push(Output([71], []))  # queued behind the failure
+    with pytest.raises(ValueError, match="parser bug"):
+        await leg.read()
+
+
+class _Direct:
+    """The DirectChunks face StreamEvents.sink uses: writable() and write()."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return self.open
+
+    def write(self, chunk: bytes) -> bool:
+        self.writes.append(chunk)
+        return True
+
+
+def test_stream_events_sink_writes_takes_and_refuses_as_the_task_would(tok_dir):
+    """Pushed outputs give the bytes the task's loop gives for the same outputs; the sink
+    refuses the finishing output and anything while the client cannot take a write, and ends
+    the stream at a stop string."""
+    from gateway.output import OutputAssembler
+    from gateway.session import Output, Push
+    from gateway.streaming import StreamEvents
+    from gateway.tokenizer import Tokenizer
+
+    class _Itl:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def observe(self, v: float) -> None:
+            self.values.append(v)
+
+    tok = Tokenizer.from_dir(tok_dir)
+    ids = tok.encode(" one two three four", add_special_tokens=False)
+
+    def events(stops: list[str]) -> tuple[StreamEvents, _Direct, _Itl]:
+        out = OutputAssembler(tok, [1, 2], True, stops, -1)
+        itl = _Itl()
+        stream = StreamEvents("r1", "tiny", out, None, itl)
+        stream.attach(_Direct())  # type: ignore[arg-type]
+        assert stream.direct is not None
+        return stream, stream.direct, itl  # type: ignore[return-value]
+
+    pushed, direct, itl = events([])
+    by_task, _, _ = events([])
+    assert pushed.sink(Output([ids[0]], [])) is Push.TAKEN
+    assert direct.writes == [b"".join(by_task.of(Output([ids[0]], [])))]
+    assert len(itl.values) == 1  # a token's latency, recorded as it arrived
+    direct.open = False  # the client's transport paused
+    assert pushed.sink(Output([ids[1]], [])) is Push.REFUSED and len(direct.writes) == 1
+    direct.open = True
+    last = Output([ids[2]], [])
+    last.finish_reason = "length"
+    assert pushed.sink(last) is Push.REFUSED  # the task writes the end, usage and [DONE]
+
+    stopped, direct, _ = events(["three"])
+    verdicts = []
+    for t in ids:  # the leg stops offering after ENDED
+        verdicts.append(stopped.sink(Output([t], [])))
+        if verdicts[-1] is Push.ENDED:
+            break
+    assert verdicts[-1] is Push.ENDED and len(verdicts) < len(ids)
+    texts = [json.loads(w[6:])["choices"][0] for w in direct.writes]
+    assert "".join(c["text"] for c in texts) == tok.decode(ids).split("three")[0]
+    assert texts[-1]["finish_reason"] == "stop"

@@ -1,0 +1,126 @@
+"""One streamed response's SSE events, written by its request's task or pushed from the
+worker's stream.
+
+`StreamEvents.of(output)` turns each worker output of one request into the response's events
+(the same bytes whichever way they leave). Once the first events are out and the client's
+connection takes direct writes (gateway/http_protocol.py's DirectChunks), the handler hands
+`StreamEvents.sink` to the run (`RequestRun.push`): the session's reader then turns each later
+output into events and writes them to the client in the pass that splits the worker's step
+message, with no wake-up of the request's task, no future and no async-generator step per
+token (together a quarter of the gateway's CPU per streamed token). The task wakes only when:
+
+- the output carries the finish reason: refused, the task writes the last events, the usage
+  and `[DONE]` as before;
+- a stop string or a tool parser ended the output here: ENDED, the task's read returns the
+  end, and it finishes the same way (and aborts the worker's request);
+- the client is slow (its transport paused) or gone: refused, the output goes through ASGI
+  `send`, which waits for the drain; pushing resumes with the next read (a gone client's
+  task is cancelled by its watcher);
+- the worker's stream fails or stalls, or the sink raises: the task's read raises it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.chat_output import ChatOutput
+from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents
+from gateway.http_protocol import DirectChunks
+from gateway.openai_responses import Usage
+from gateway.output import OutputAssembler
+from gateway.session import Output, Push
+
+
+class StreamEvents:
+    """The events of one streamed /v1/completions or /v1/chat/completions response."""
+
+    __slots__ = ("_out", "_chat_out", "_chat", "_completion", "_itl", "_text_pos",
+                 "_first_chunk", "last", "direct")
+
+    def __init__(self, request_id: str, model: str, out: OutputAssembler,
+                 chat_out: ChatOutput | None, itl: Any) -> None:
+        created = int(time.time())
+        self._out = out
+        self._chat_out = chat_out
+        self._chat = (ChatEvents(f"chatcmpl-{request_id}", created, model)
+                      if chat_out is not None else None)
+        self._completion = (CompletionEvents(f"cmpl-{request_id}", created, model)
+                            if chat_out is None else None)
+        self._itl = itl  # the inter-token latency histogram (per token)
+        self._text_pos = 0  # completions' logprobs text_offset
+        self._first_chunk = True  # the first completion chunk carries prompt_token_ids
+        self.last = time.perf_counter()  # when the last output arrived
+        self.direct: DirectChunks | None = None  # the client's connection, once it started
+
+    def attach(self, direct: DirectChunks) -> None:
+        """The response started on a connection that takes direct writes: outputs may be
+        pushed from now on."""
+        self.direct = direct
+
+    def opening(self) -> list[bytes]:
+        """Events before the first output's: chat's role delta."""
+        return [self._chat.delta(ROLE_DELTA)] if self._chat is not None else []
+
+    def arrived(self, msg: Output) -> None:
+        """Record the inter-token latency of an output (not the first)."""
+        now = time.perf_counter()
+        if msg.token_ids:
+            self._itl.observe((now - self.last) / len(msg.token_ids))
+        self.last = now
+
+    def of(self, msg: Output) -> list[bytes]:
+        """The events of one output (none when it adds nothing the client sees)."""
+        if self._chat is not None:
+            return self._chat_events(self._chat, msg)
+        assert self._completion is not None
+        out = self._out
+        lp_entries = msg.logprobs if out.want_logprobs else None
+        text = out.add(msg)
+        ids = list(msg.token_ids) if out.return_token_ids else None
+        events = []
+        if text or out.finished or lp_entries or ids:
+            lp = out.completion_logprobs(lp_entries, self._text_pos) if lp_entries else None
+            prompt_ids = out.prompt_ids if ids is not None and self._first_chunk else None
+            events.append(self._completion.text(text, out.finish_reason, lp, ids, prompt_ids))
+            self._first_chunk = False
+        self._text_pos += len(text)
+        return events
+
+    def _chat_events(self, events: ChatEvents, msg: Output) -> list[bytes]:
+        """One output's deltas; the finish reason rides on a last empty delta (as OpenAI sends
+        it), logprobs on the first chunk."""
+        out, chat_out = self._out, self._chat_out
+        assert chat_out is not None
+        piece = chat_out.feed(out.add_pieces(msg, chat_out.per_token))
+        if chat_out.stop_now:
+            out.stop_early()
+        deltas = piece.delta_json()
+        if out.finished:
+            deltas += chat_out.finish().delta_json()
+        finish = chat_out.finish_reason(out.finish_reason)
+        lp = out.chat_logprobs(msg.logprobs) if out.want_logprobs and msg.logprobs else None
+        if not (deltas or out.finished or lp):
+            return []
+        if finish is not None:
+            deltas = [*deltas, EMPTY_DELTA]
+        last = len(deltas) - 1
+        return [events.delta(d, finish if i == last else None, lp if i == 0 else None)
+                for i, d in enumerate(deltas)]
+
+    def usage(self, usage: Usage) -> bytes:
+        events = self._chat or self._completion
+        assert events is not None
+        return events.usage(usage)
+
+    def sink(self, msg: Output) -> Push:
+        """An output pushed from the worker's stream (Leg.push_to): its events straight to the
+        client; refused when it ends the stream or the client cannot take a write now."""
+        direct = self.direct
+        if msg.finish_reason or direct is None or not direct.writable():
+            return Push.REFUSED
+        self.arrived(msg)
+        events = self.of(msg)
+        if events:
+            direct.write(b"".join(events))
+        return Push.ENDED if self._out.finished else Push.TAKEN
