@@ -11,12 +11,16 @@ docs/metrics.md lists every series; a test checks it against /metrics.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-from collections.abc import Iterator
+import itertools
+import math
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gateway.spec_metrics import SpecCollector
 from protocol import tandem_pb2
@@ -32,16 +36,14 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds",
-            "Request arrival to first token sent",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between output tokens",
-                             registry=r, buckets=_ITL_BUCKETS)
-        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last byte",
-                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = LoopHistogram("tandem_time_to_first_token_seconds",
+                                  "Request arrival to first token sent", _LATENCY_BUCKETS)
+        self.itl = LoopHistogram("tandem_inter_token_latency_seconds",
+                                 "Time between output tokens", _ITL_BUCKETS)
+        self.e2e = LoopHistogram("tandem_e2e_request_latency_seconds",
+                                 "Request arrival to last byte", _LATENCY_BUCKETS)
+        for histogram in (self.ttft, self.itl, self.e2e):
+            r.register(histogram)
         self.requests = Counter(
             "tandem_requests", "Finished requests by outcome", ["outcome"], registry=r
         )
@@ -154,6 +156,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopHistogram(Collector):
+    """A latency histogram observed only on the gateway's event loop (one thread): a bisect
+    and two additions, ~0.3 us, where prometheus_client's Histogram takes a lock for the sum
+    and for the bucket (~1.5 us here; the inter-token one is observed per streamed token).
+    Exported as the same Prometheus histogram: `_bucket` (cumulative, `le`), `_sum`,
+    `_count`."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self._name = name
+        self._doc = documentation
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1  # the first bound >= value
+        self._sum += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative = itertools.accumulate(self._counts)
+        yield HistogramMetricFamily(self._name, self._doc, sum_value=self._sum, buckets=[
+            (floatToGoString(b), c) for b, c in zip(self._bounds, cumulative, strict=True)])
 
 
 class WorkerTotals(Collector):
