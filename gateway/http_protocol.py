@@ -5,7 +5,8 @@ the body of a small non-streamed answer waits for the client's delayed ACK of th
 on loopback for an answer ready in 0.2 ms), so client connections get TCP_NODELAY. Without
 Nagle every write is a packet and a syscall, so the cycle's writes are gathered for the rest of
 the event loop's turn and leave as one (`_GatheredWrites`): a non-streamed answer is one write.
-A stream's events skip uvicorn's per-message `send` (`DirectChunks`).
+A stream's events skip uvicorn's per-message `send` (`DirectChunks`), and a body that arrived
+whole is read without a deadline (`body_arrived`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         # The request cycles write through this; flow control keeps the real transport.
         self.transport = _GatheredWrites(transport, asyncio.get_running_loop())  # type: ignore[assignment]
+
+
+def body_arrived(receive: Any) -> bool:
+    """True when `receive` is a uvicorn request cycle's and the cycle holds the request's
+    whole body: the next `receive()` returns it without waiting (uvicorn sets its message
+    event when the body's last byte arrived and clears it once read)."""
+    cycle = getattr(receive, "__self__", None)
+    event = getattr(cycle, "message_event", None)
+    return (isinstance(event, asyncio.Event) and event.is_set()
+            and getattr(cycle, "more_body", True) is False
+            and getattr(cycle, "disconnected", True) is False)
 
 
 class DirectChunks:

@@ -297,6 +297,40 @@ async def test_a_pushed_stream_longer_than_the_stall_bound_is_not_a_stall(tok_di
     assert w.cancelled == 0
 
 
+async def test_a_body_that_arrived_whole_is_capped_and_read_without_waiting(tok_dir):
+    """uvicorn holds a body that came with its headers: the gateway takes it without a
+    deadline (gateway/http_protocol.py's body_arrived), and still refuses one past the cap
+    (413) however it was framed; a body still arriving goes the timed way and answers."""
+    w = ScriptedWorker(script=Script(tokens=[70, 71]))
+    big = json.dumps({"prompt": "x" * 2000, "max_tokens": 2}).encode()
+    small = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+
+    def exchange(body: bytes, chunked: bool, pause_s: float | None = None) -> bytes:
+        framing = (b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                   % (len(body), body) if chunked
+                   else b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        raw = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+               b"content-type: application/json\r\n" + framing)
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            if pause_s is None:
+                s.sendall(raw)
+            else:  # the body's end comes after the app began to read
+                s.sendall(raw[:len(raw) - 5])
+                time.sleep(pause_s)
+                s.sendall(raw[len(raw) - 5:])
+            head, payload, _ = _read_response(s, b"")
+        return head.split(b"\r\n")[0] + b" " + payload
+
+    async with workers(w), gateway_process(tok_dir, w.url,
+                                           config="max_request_bytes=1000, ") as url:
+        host, port = url.removeprefix("http://").split(":")
+        for chunked in (False, True):
+            assert b" 413 " in await asyncio.to_thread(exchange, big, chunked)
+            for pause_s in (None, 0.3):
+                answer = await asyncio.to_thread(exchange, small, chunked, pause_s)
+                assert b" 200 " in answer and b'"completion_tokens":2' in answer, answer
+
+
 async def test_a_client_leaving_mid_body_is_an_abort_not_an_error(tok_dir, tmp_path):
     """Headers and part of the body, then the client closes: the gateway counts an aborted
     request, starts nothing on the workers and logs no error (it used to log a traceback)."""
