@@ -229,3 +229,27 @@ def test_stream_events_sink_writes_takes_and_refuses_as_the_task_would(tok_dir):
     texts = [json.loads(w[6:])["choices"][0] for w in direct.writes]
     assert "".join(c["text"] for c in texts) == tok.decode(ids).split("three")[0]
     assert texts[-1]["finish_reason"] == "stop"
+
+
+async def test_a_leg_past_request_timeout_ends_with_504_and_an_abort(tok_dir):
+    """gateway.request_timeout_s bounds a whole request on its stream (the session's sweep,
+    not a timer per leg): a worker still streaming past it has the request ended (504, an
+    abort on the stream), within a tenth of the timeout; the stream itself lives on."""
+    w = ScriptedWorker(script=Script(tokens=[70 + i for i in range(40)], delay_s=0.05),
+                       max_model_len=128)
+    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,),
+                                                   request_timeout_s=0.6)) as c:
+        await wait_workers(c)
+        t0 = asyncio.get_running_loop().time()
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40})
+        took = asyncio.get_running_loop().time() - t0
+        assert r.status_code == 504 and "Deadline Exceeded" in r.json()["error"]["message"]
+        assert 0.6 <= took < 1.5, took  # 40 tokens would take 2 s
+        for _ in range(100):  # the abort reaches the worker
+            if w.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert w.cancelled == 1
+        w.script = Script(tokens=[70], finish_reason="stop")
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200 and w.sessions == 1
