@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -22,13 +23,26 @@ class _GatheredWrites:
     """The connection's transport as uvicorn's request cycle sees it: writes wait for the end
     of the loop's turn and go out joined; everything else is the real transport's."""
 
-    __slots__ = ("_transport", "_loop", "_parts", "_scheduled")
+    __slots__ = ("_transport", "_loop", "_parts", "_scheduled", "_on_lost")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._parts: list[bytes] = []
         self._scheduled = False
+        self._on_lost: list[Callable[[], None]] = []  # called once the client's socket is gone
+
+    def watch_lost(self, callback: Callable[[], None]) -> None:
+        self._on_lost.append(callback)
+
+    def unwatch_lost(self, callback: Callable[[], None]) -> None:
+        if callback in self._on_lost:  # not once the connection was lost: the list is spent
+            self._on_lost.remove(callback)
+
+    def lost(self) -> None:
+        callbacks, self._on_lost = self._on_lost, []
+        for callback in callbacks:
+            callback()
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -65,6 +79,19 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         # The request cycles write through this; flow control keeps the real transport.
         self.transport = _GatheredWrites(transport, asyncio.get_running_loop())  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        out = self.transport
+        super().connection_lost(exc)
+        if isinstance(out, _GatheredWrites):
+            out.lost()
+
+
+def connection_of(receive: Any) -> _GatheredWrites | None:
+    """The connection of a uvicorn request cycle's `receive`, when it is this gateway's own
+    protocol's: it tells its watchers when the client's socket is gone (`watch_lost`)."""
+    out = getattr(getattr(receive, "__self__", None), "transport", None)
+    return out if isinstance(out, _GatheredWrites) else None
 
 
 def body_arrived(receive: Any) -> bool:
