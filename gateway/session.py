@@ -104,6 +104,8 @@ class Leg:
         while True:
             if self._sink_error is not None:
                 raise self._sink_error
+            if self._pushed_end:  # what came after the end the sink chose is not the client's
+                return _EOF
             if self._queue:
                 return self._take()
             if self._cancelled:
@@ -113,7 +115,7 @@ class Leg:
                 raise exc
             if self._error is not None:
                 raise self._error
-            if self._ended or self._pushed_end:
+            if self._ended:
                 return _EOF
             waiter = self._waiter = asyncio.get_running_loop().create_future()
             try:

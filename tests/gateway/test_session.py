@@ -148,7 +148,10 @@ async def test_pushed_outputs_skip_the_reader_until_one_is_refused_or_ends_the_s
     ended = Leg(None, 2)  # type: ignore[arg-type]
     ended.push_to(lambda out: Push.ENDED)  # a stop string in this output
     ended._push(Output([70], []))
-    assert await ended.read() is grpc.aio.EOF and not ended.done()  # still abortable
+    assert not ended.done()  # ended here, not by the worker: it is still to be aborted
+    # The worker's own end in the same message (queued: pushing stopped) is not read.
+    ended._end(tandem_pb2.RequestEnd(slot=2, finish_reason="length"))
+    assert await ended.read() is grpc.aio.EOF
 
 
 async def test_a_failing_sink_fails_the_read_even_with_outputs_queued_behind_it():
