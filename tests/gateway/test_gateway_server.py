@@ -234,7 +234,8 @@ async def test_pushed_events_equal_the_tasks_events(tok_dir):
     """Over HTTP/1.1 a stream's outputs are pushed from the worker's stream (gateway/
     streaming.py); over HTTP/1.0 (no chunked encoding, no direct writes) the request's task
     writes each. The events are the same bytes but for ids: a stop string met mid-stream
-    (the push path's ENDED, then an abort to the worker), chat deltas, usage, [DONE]."""
+    (the push path's ENDED, then an abort to the worker), chat deltas, usage, logprobs in
+    both shapes, token ids, [DONE]."""
     tok = Tokenizer.from_dir(tok_dir)
     # A long tail after the stop string: the abort reaches the worker well before its end.
     tokens = tok.encode(" alpha beta gamma delta" + " epsilon zeta" * 4,
@@ -247,6 +248,10 @@ async def test_pushed_events_equal_the_tasks_events(tok_dir):
         {"prompt": "x", "max_tokens": len(tokens), "stream": True},
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": len(tokens),
          "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "x", "max_tokens": 12, "stream": True, "logprobs": 2,
+         "return_token_ids": True},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 12, "stream": True,
+         "logprobs": True, "top_logprobs": 2},
     ]
 
     def events(version: bytes, body: dict) -> list[dict | str]:
