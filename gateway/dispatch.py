@@ -58,7 +58,7 @@ from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import Policy
 from gateway.session import Output, Push
-from gateway.stalls import DeadlinePassed, FirstTokenDeadline, StallWatch, _timeout
+from gateway.stalls import DeadlinePassed, FirstTokenDeadline, StallWatch, _timeout, wait_done
 from protocol import tandem_pb2
 from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
 
@@ -373,7 +373,7 @@ class RequestRun:
                 pass  # the answer is complete; close() cancels whatever is left
         task = self._prefill_task
         if task is not None and not task.done():
-            await asyncio.wait({task}, timeout=1.0)
+            await wait_done(task, 1.0)
 
     def abort(self) -> None:
         """Client gone or stop string: cancel the streams and Abort on every worker. Idempotent."""

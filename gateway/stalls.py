@@ -3,7 +3,8 @@
 `StallWatch` ends output streams whose worker went quiet after the first token (dispatch.py's
 `RequestRun.next` turns the cancelled read into the stall error); `_timeout` bounds one await
 (the first token, a stream's end, a request body) without a task per request;
-`FirstTokenDeadline` bounds PD's wait for decode's first token against its prefill leg.
+`FirstTokenDeadline` bounds PD's wait for decode's first token against its prefill leg;
+`wait_done` bounds a wait for a task's end.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.pool import WorkerPool
 
@@ -32,6 +33,26 @@ else:  # pragma: no cover - 3.10 fallback
             raise asyncio.TimeoutError from None
         finally:
             handle.cancel()
+
+
+async def wait_done(task: asyncio.Future[Any], timeout_s: float) -> None:
+    """Wait until `task` is done or `timeout_s` passed, whichever comes first; neither
+    cancels it nor raises its error (asyncio.wait's contract for one task, at half its cost:
+    no set, no second future)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(wake)
+    handle = loop.call_later(timeout_s, wake)
+    try:
+        await waiter
+    finally:
+        handle.cancel()
+        task.remove_done_callback(wake)
 
 
 class Interruptible(Protocol):

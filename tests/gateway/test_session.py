@@ -256,3 +256,28 @@ async def test_a_leg_past_request_timeout_ends_with_504_and_an_abort(tok_dir):
         w.script = Script(tokens=[70], finish_reason="stop")
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200 and w.sessions == 1
+
+
+async def test_wait_done_returns_at_the_tasks_end_or_the_timeout_and_never_raises():
+    from gateway.stalls import wait_done
+
+    loop = asyncio.get_running_loop()
+
+    async def sleeper(s: float) -> None:
+        await asyncio.sleep(s)
+
+    async def failing() -> None:
+        raise RuntimeError("prefill leg failed")
+
+    t0 = loop.time()
+    quick = asyncio.create_task(sleeper(0.05))
+    await wait_done(quick, 5.0)
+    assert quick.done() and loop.time() - t0 < 2.0
+    slow = asyncio.create_task(sleeper(5.0))
+    t0 = loop.time()
+    await wait_done(slow, 0.1)
+    assert not slow.done() and 0.1 <= loop.time() - t0 < 2.0  # left running, not cancelled
+    slow.cancel()
+    bad = asyncio.create_task(failing())
+    await wait_done(bad, 5.0)  # its error is the task's, not the waiter's
+    assert isinstance(bad.exception(), RuntimeError)
