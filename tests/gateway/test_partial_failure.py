@@ -16,6 +16,7 @@ from tests.gateway.gw_doubles import (
     Script,
     ScriptedFailure,
     ScriptedWorker,
+    fast_config,
     running_app,
     wait_workers,
     workers,
@@ -246,3 +247,32 @@ async def test_a_peer_that_stopped_answering_is_marked_suspect(tok_dir, timed_ou
         # timed out: d0 stopped answering, so it is out; a plain failure only blames it
         assert ws[d0.url]["healthy"] is (not timed_out)
         assert ws[p.url]["healthy"] is True
+
+
+async def test_mono_first_token_timeout_retries_then_answers_504(tok_dir):
+    """A mono worker that never answers: past first_token_timeout_s the attempt fails and is
+    retried on another worker; with none left the client gets 504 and the worker an abort."""
+    hung = ScriptedWorker(script=Script(tokens=[70], hang_first=True))
+    good = ScriptedWorker(script=Script(tokens=[70, 71], finish_reason="stop"))
+    async with workers(hung, good), running_app(fast_config(
+            tok_dir, workers=(hung.url, good.url), first_token_timeout_s=0.3,
+            prefill_policy="round_robin")) as c:
+        await wait_workers(c)
+        rs = [await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+              for _ in range(2)]  # round robin: one of the two starts on the hung worker
+        assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+        assert len(hung.requests) >= 1 and len(good.requests) == 2  # retried there
+    hung = ScriptedWorker(script=Script(tokens=[70], hang_first=True))
+    async with workers(hung), running_app(fast_config(
+            tok_dir, workers=(hung.url,), first_token_timeout_s=0.3)) as c:
+        await wait_workers(c)
+        t0 = time.monotonic()
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
+        assert "no first token within 0.3 s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 3.0
+        for _ in range(100):
+            if hung.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert hung.cancelled == 1  # the attempt was aborted on the worker
