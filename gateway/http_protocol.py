@@ -5,8 +5,9 @@ the body of a small non-streamed answer waits for the client's delayed ACK of th
 on loopback for an answer ready in 0.2 ms), so client connections get TCP_NODELAY. Without
 Nagle every write is a packet and a syscall, so the cycle's writes are gathered for the rest of
 the event loop's turn and leave as one (`_GatheredWrites`): a non-streamed answer is one write.
-A stream's events skip uvicorn's per-message `send` (`DirectChunks`), and a body that arrived
-whole is read without a deadline (`body_arrived`).
+A stream's events skip uvicorn's per-message `send` (`DirectChunks`), a body that arrived
+whole is read without a deadline (`body_arrived`), and the connection tells the requests that
+watch it when its socket is gone (`connection_of`: no task per request waits for that).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 class _GatheredWrites:
     """The connection's transport as uvicorn's request cycle sees it: writes wait for the end
-    of the loop's turn and go out joined; everything else is the real transport's."""
+    of the loop's turn and go out joined; callbacks given to `watch_lost` run once the socket
+    is gone; everything else is the real transport's."""
 
     __slots__ = ("_transport", "_loop", "_parts", "_scheduled", "_on_lost")
 
