@@ -138,7 +138,7 @@ def join(c: Cluster, role: str, tmp: Path, name: str) -> Joined:
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or being reaped as we read (ESRCH)
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
