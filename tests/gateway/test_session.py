@@ -237,17 +237,17 @@ def test_stream_events_sink_writes_takes_and_refuses_as_the_task_would(tok_dir):
 async def test_a_leg_past_request_timeout_ends_with_504_and_an_abort(tok_dir):
     """gateway.request_timeout_s bounds a whole request on its stream (the session's sweep,
     not a timer per leg): a worker still streaming past it has the request ended (504, an
-    abort on the stream), within a tenth of the timeout; the stream itself lives on."""
-    w = ScriptedWorker(script=Script(tokens=[70 + i for i in range(40)], delay_s=0.05),
+    abort on the stream) soon after the timeout; the stream itself lives on."""
+    w = ScriptedWorker(script=Script(tokens=[70 + i % 50 for i in range(80)], delay_s=0.05),
                        max_model_len=128)
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,),
                                                    request_timeout_s=0.6)) as c:
         await wait_workers(c)
         t0 = asyncio.get_running_loop().time()
-        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40})
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 80})
         took = asyncio.get_running_loop().time() - t0
         assert r.status_code == 504 and "Deadline Exceeded" in r.json()["error"]["message"]
-        assert 0.6 <= took < 1.5, took  # 40 tokens would take 2 s
+        assert 0.6 <= took < 3.0, took  # 80 tokens would take 4 s
         for _ in range(100):  # the abort reaches the worker
             if w.cancelled:
                 break
