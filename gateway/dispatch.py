@@ -220,16 +220,14 @@ class RequestRun:
     async def _attempt_mono(self, exclude: set[str]) -> Output:
         w = self._d.pick("workers", self.prompt_ids, exclude)
         call = self._open(w, self._request())
-        # One timer that interrupts the leg's read (asyncio.timeout cost twice as much).
-        timer = asyncio.get_running_loop().call_later(
-            self._d.config.first_token_timeout_s, call.interrupt, DeadlinePassed())
+        cfg = self._d.config  # no prefill leg to end it early: the deadline is the timeout
+        deadline = FirstTokenDeadline(call, cfg.first_token_timeout_s, cfg.stream_stall_timeout_s)
         try:
             first = await self._read_first(call, w, "mono")
         except DeadlinePassed:
             raise self._first_token_timeout(w, "mono") from None
         finally:
-            timer.cancel()
-            call.interrupt(None)  # withdraw it if it came with the first token
+            deadline.stop()
         self.num_cached_tokens = first.num_cached_tokens
         self._stream, self._stream_worker = call, w
         return first

@@ -3,7 +3,7 @@
 `StallWatch` ends output streams whose worker went quiet after the first token (dispatch.py's
 `RequestRun.next` turns the cancelled read into the stall error); `_timeout` bounds one await
 (the first token, a stream's end, a request body) without a task per request;
-`FirstTokenDeadline` bounds PD's wait for decode's first token against its prefill leg;
+`FirstTokenDeadline` bounds a wait for the first token (PD's, also against its prefill leg);
 `wait_done` bounds a wait for a task's end.
 """
 
@@ -64,11 +64,12 @@ class DeadlinePassed(Exception):
 
 
 class FirstTokenDeadline:
-    """PD's wait for decode's first token, bounded with one timer (no task, no `asyncio.wait`):
-    it ends at `timeout_s`, or `stall_s` after the prefill leg ended well (decode then holds
-    all it needs), whichever comes first; a failed prefill leg ends it at once with that leg's
-    error. Each ending interrupts the decode leg's read (DeadlinePassed, or the prefill
-    error). `stop()` once the wait is over, however it ended: nothing reaches the leg after."""
+    """A wait for a leg's first token, bounded with one timer (no task, no `asyncio.wait`):
+    it ends at `timeout_s`, or (PD) `stall_s` after the prefill leg ended well (decode then
+    holds all it needs), whichever comes first; a failed prefill leg ends it at once with that
+    leg's error. Each ending interrupts the leg's read (DeadlinePassed, or the prefill error).
+    Mono has no prefill leg: only `timeout_s` ends it. `stop()` once the wait is over, however
+    it ended: nothing reaches the leg after."""
 
     __slots__ = ("_leg", "_loop", "_stall_s", "_when", "_timer", "landed")
 
