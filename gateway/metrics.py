@@ -15,6 +15,7 @@ import bisect
 import contextlib
 import itertools
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -180,6 +181,23 @@ class LoopHistogram(Collector):
         cumulative = itertools.accumulate(self._counts)
         yield HistogramMetricFamily(self._name, self._doc, sum_value=self._sum, buckets=[
             (floatToGoString(b), c) for b, c in zip(self._bounds, cumulative, strict=True)])
+
+
+class TokenClock:
+    """Inter-token latency of one request's output: every output after the first gives one
+    sample per token, the gap since the previous output divided over its tokens."""
+
+    __slots__ = ("_itl", "_last")
+
+    def __init__(self, itl: LoopHistogram) -> None:
+        self._itl = itl
+        self._last = time.perf_counter()  # when the previous output arrived
+
+    def arrived(self, num_tokens: int) -> None:
+        now = time.perf_counter()
+        if num_tokens:
+            self._itl.observe((now - self._last) / num_tokens)
+        self._last = now
 
 
 class WorkerTotals(Collector):

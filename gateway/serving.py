@@ -26,7 +26,7 @@ from gateway.chat_output import ChatOutput
 from gateway.chunks import completion_body
 from gateway.dispatch import Dispatcher, RequestRun
 from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, TokenClock
 from gateway.openai_responses import ChatChoice, ChatCompletionResponse, ChatMessageOut
 from gateway.openai_types import (
     ChatCompletionRequest,
@@ -161,7 +161,8 @@ class GenerationHandler:
         out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
         chat_out = ChatOutput(plan) if plan is not None else None
         if req.stream:
-            stream = StreamEvents(request_id, self.model_name, out, chat_out, self.metrics.itl)
+            stream = StreamEvents(request_id, self.model_name, out, chat_out,
+                                  TokenClock(self.metrics.itl))
             gen = self._stream(run, first, out, chat_out, stream, req.include_usage(), request_id,
                                t0)
             return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0),
@@ -249,15 +250,6 @@ class GenerationHandler:
         run.close()
         self._account("aborted", out, run, t0)
 
-    async def _next_timed(self, run: RequestRun, last: float
-                          ) -> tuple[Output | None, float]:
-        """The run's next message, recording inter-token latency since `last` (per token)."""
-        msg = await run.next()
-        now = time.perf_counter()
-        if msg is not None and msg.token_ids:
-            self.metrics.itl.observe((now - last) / len(msg.token_ids))
-        return msg, now
-
     async def _complete(self, run: RequestRun, first: Output,
                         out: OutputAssembler, chat_out: ChatOutput | None, request_id: str,
                         t0: float, headers: dict[str, str]) -> Response:
@@ -265,7 +257,7 @@ class GenerationHandler:
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
             msg: Output | None = first
-            last = time.perf_counter()
+            clock = TokenClock(self.metrics.itl)
             while msg is not None:
                 if chat_out is None:
                     parts.append(out.add(msg))
@@ -275,7 +267,9 @@ class GenerationHandler:
                         out.stop_early()
                 if out.finished:
                     break
-                msg, last = await self._next_timed(run, last)
+                msg = await run.next()
+                if msg is not None:
+                    clock.arrived(len(msg.token_ids))
             if not out.finished:
                 raise ApiError("the worker's stream ended without a finish_reason", status=502)
             if chat_out is not None:

@@ -22,11 +22,11 @@ token (together a quarter of the gateway's CPU per streamed token). The task wak
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from gateway.chat_output import ChatOutput
 from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents
 from gateway.http_protocol import DirectChunks
+from gateway.metrics import TokenClock
 from gateway.openai_responses import Usage
 from gateway.output import OutputAssembler
 from gateway.session import Output, Push
@@ -35,11 +35,11 @@ from gateway.session import Output, Push
 class StreamEvents:
     """The events of one streamed /v1/completions or /v1/chat/completions response."""
 
-    __slots__ = ("_out", "_chat_out", "_chat", "_completion", "_itl", "_text_pos",
-                 "_first_chunk", "last", "direct")
+    __slots__ = ("_out", "_chat_out", "_chat", "_completion", "_clock", "_text_pos",
+                 "_first_chunk", "direct")
 
     def __init__(self, request_id: str, model: str, out: OutputAssembler,
-                 chat_out: ChatOutput | None, itl: Any) -> None:
+                 chat_out: ChatOutput | None, clock: TokenClock) -> None:
         created = int(time.time())
         self._out = out
         self._chat_out = chat_out
@@ -47,10 +47,9 @@ class StreamEvents:
                       if chat_out is not None else None)
         self._completion = (CompletionEvents(f"cmpl-{request_id}", created, model)
                             if chat_out is None else None)
-        self._itl = itl  # the inter-token latency histogram (per token)
+        self._clock = clock
         self._text_pos = 0  # completions' logprobs text_offset
         self._first_chunk = True  # the first completion chunk carries prompt_token_ids
-        self.last = time.perf_counter()  # when the last output arrived
         self.direct: DirectChunks | None = None  # the client's connection, once it started
 
     def attach(self, direct: DirectChunks) -> None:
@@ -64,10 +63,7 @@ class StreamEvents:
 
     def arrived(self, msg: Output) -> None:
         """Record the inter-token latency of an output (not the first)."""
-        now = time.perf_counter()
-        if msg.token_ids:
-            self._itl.observe((now - self.last) / len(msg.token_ids))
-        self.last = now
+        self._clock.arrived(len(msg.token_ids))
 
     def of(self, msg: Output) -> list[bytes]:
         """The events of one output (none when it adds nothing the client sees)."""
