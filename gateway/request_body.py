@@ -28,7 +28,7 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot).
     A body the server already holds whole (the usual case: it came with the headers) is taken
     without arming the deadline, which costs ~9 us a request on the dev box."""
-    declared = _content_length(request.scope["headers"])
+    declared = raw_header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "
                               "(gateway.max_request_bytes)")
@@ -58,11 +58,12 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return b"".join(parts)
 
 
-def _content_length(headers: list[tuple[bytes, bytes]]) -> str | None:
-    """The Content-Length header off the raw ASGI headers (no Headers mapping built)."""
-    for name, value in headers:
-        if name == b"content-length":  # ASGI servers lower-case header names
-            return value.decode("latin-1")
+def raw_header(request: Request, name: bytes) -> str | None:
+    """A header read off the raw ASGI headers (no Headers mapping built); `name` lower-case,
+    as ASGI servers give header names."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
     return None
 
 

@@ -35,7 +35,7 @@ from gateway.openai_types import (
     logit_bias_ids,
 )
 from gateway.output import OutputAssembler
-from gateway.request_body import parse_request, read_body
+from gateway.request_body import parse_request, raw_header, read_body
 from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
 from gateway.streaming import StreamEvents
@@ -47,14 +47,6 @@ log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
 _JSON = "application/json"
-
-
-def _request_id(request: Request) -> str:
-    """The client's X-Request-Id, read off the raw ASGI headers (no Headers mapping built)."""
-    for name, value in request.scope["headers"]:
-        if name == b"x-request-id":  # ASGI servers lower-case header names
-            return str(value.decode("latin-1"))
-    return ""
 
 
 class GenerationHandler:
@@ -83,7 +75,7 @@ class GenerationHandler:
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
-        request_id = _request_id(request) or self._new_id()
+        request_id = raw_header(request, b"x-request-id") or self._new_id()
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
