@@ -89,18 +89,29 @@ class NoDelayHttpToolsProtocol(HttpToolsProtocol):
             out.lost()
 
 
+def _cycle(bound: Any) -> Any:
+    """The uvicorn request cycle behind an ASGI `receive` or `send` (a bound method of it);
+    None for another server's (whose attributes the callers below then do not find)."""
+    return getattr(bound, "__self__", None)
+
+
 def connection_of(receive: Any) -> _GatheredWrites | None:
     """The connection of a uvicorn request cycle's `receive`, when it is this gateway's own
     protocol's: it tells its watchers when the client's socket is gone (`watch_lost`)."""
-    out = getattr(getattr(receive, "__self__", None), "transport", None)
+    out = getattr(_cycle(receive), "transport", None)
     return out if isinstance(out, _GatheredWrites) else None
+
+
+def client_gone(receive: Any) -> bool:
+    """The cycle already knows its client left (the next `receive()` says http.disconnect)."""
+    return getattr(_cycle(receive), "disconnected", False) is True
 
 
 def body_arrived(receive: Any) -> bool:
     """True when `receive` is a uvicorn request cycle's and the cycle holds the request's
     whole body: the next `receive()` returns it without waiting (uvicorn sets its message
     event when the body's last byte arrived and clears it once read)."""
-    cycle = getattr(receive, "__self__", None)
+    cycle = _cycle(receive)
     event = getattr(cycle, "message_event", None)
     return (isinstance(event, asyncio.Event) and event.is_set()
             and getattr(cycle, "more_body", True) is False
@@ -130,7 +141,7 @@ class DirectChunks:
     @classmethod
     def of(cls, send: Any) -> DirectChunks | None:
         """After `http.response.start` was sent through `send` (the encoding is chosen then)."""
-        cycle = getattr(send, "__self__", None)
+        cycle = _cycle(send)
         out = getattr(cycle, "transport", None)
         chunked = getattr(cycle, "chunked_encoding", None) is True
         if not (isinstance(out, _GatheredWrites) and chunked and hasattr(cycle, "flow")):

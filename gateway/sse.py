@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_protocol import DirectChunks, connection_of
+from gateway.http_protocol import DirectChunks, client_gone, connection_of
 
 
 class SSEResponse(Response):
@@ -109,7 +109,7 @@ class DisconnectWatcher:
             self._watcher = loop.create_task(self._watch(receive))
             return
         self._conn.watch_lost(self._lost)
-        if getattr(getattr(receive, "__self__", None), "disconnected", False):
+        if client_gone(receive):
             loop.call_soon(self._lost)  # gone already: as the next receive() would have said
 
     async def _watch(self, receive: Receive) -> None:

@@ -103,6 +103,44 @@ async def test_watcher_cancels_only_on_disconnect():
     assert await asyncio.wait_for(task, 5) == "left"
 
 
+async def test_watcher_on_our_protocol_fires_on_a_lost_socket_and_on_one_lost_already():
+    """On the gateway's own connection no task waits on receive(): the connection calls the
+    watcher back when its socket goes; a client gone before the watcher began counts too."""
+    from gateway.http_protocol import _GatheredWrites
+
+    class Transport:
+        def is_closing(self) -> bool:
+            return False
+
+    class Cycle:  # what a uvicorn cycle's receive is bound to, as far as the watcher looks
+        def __init__(self, disconnected: bool) -> None:
+            self.transport = _GatheredWrites(Transport(), asyncio.get_running_loop())
+            self.disconnected = disconnected
+
+        async def receive(self) -> dict:
+            raise AssertionError("no task may wait on receive() here")
+
+    async def work(cycle: Cycle) -> str:
+        w = DisconnectWatcher(cycle.receive)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            assert w.fired
+            w.absorb()
+            return "left"
+        finally:
+            w.stop()
+        return "done"
+
+    live = Cycle(disconnected=False)
+    task = asyncio.ensure_future(work(live))
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    live.transport.lost()  # what the protocol's connection_lost calls
+    assert await asyncio.wait_for(task, 5) == "left"
+    assert await asyncio.wait_for(work(Cycle(disconnected=True)), 5) == "left"
+
+
 def test_direct_chunks_frame_events_and_defer_to_asgi_when_they_must():
     """DirectChunks writes an event as one HTTP/1.1 chunk, and refuses (the caller then uses
     ASGI `send`, which waits out flow control) while paused, after a disconnect, for an empty
