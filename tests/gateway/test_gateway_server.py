@@ -336,6 +336,34 @@ async def test_a_body_that_arrived_whole_is_capped_and_read_without_waiting(tok_
                 assert b" 200 " in answer and b'"completion_tokens":2' in answer, answer
 
 
+async def test_expect_100_continue_gets_its_go_ahead_and_an_answer(tok_dir):
+    """curl sends `Expect: 100-continue` with a body over 1 KB (a long prompt) and waits for
+    the go-ahead before the body: the body is then not there when the app starts reading,
+    and the gateway must ask for it (the timed way) rather than wait for it."""
+    w = ScriptedWorker(script=Script(tokens=[70, 71]), max_model_len=4096)
+    body = json.dumps({"prompt": "x " * 800, "max_tokens": 2}).encode()
+
+    def exchange() -> tuple[bytes, bytes]:
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                      b"content-type: application/json\r\nexpect: 100-continue\r\n"
+                      b"content-length: %d\r\n\r\n" % len(body))
+            go = b""
+            while b"\r\n\r\n" not in go:  # the go-ahead, before any byte of the body
+                more = s.recv(1024)
+                assert more, go
+                go += more
+            s.sendall(body)
+            head, payload, _ = _read_response(s, go.split(b"\r\n\r\n", 1)[1])
+        return go, head + b" " + payload
+
+    async with workers(w), gateway_process(tok_dir, w.url) as url:
+        host, port = url.removeprefix("http://").split(":")
+        go, answer = await asyncio.to_thread(exchange)
+    assert go.startswith(b"HTTP/1.1 100 Continue"), go
+    assert b" 200 " in answer and b'"completion_tokens":2' in answer, answer
+
+
 async def test_a_client_leaving_mid_body_is_an_abort_not_an_error(tok_dir, tmp_path):
     """Headers and part of the body, then the client closes: the gateway counts an aborted
     request, starts nothing on the workers and logs no error (it used to log a traceback)."""
