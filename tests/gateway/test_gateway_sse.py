@@ -75,6 +75,20 @@ async def test_abandoned_before_start_calls_owner():
     assert abandoned == [True] and not body.closed
 
 
+async def _watched_wait(receive) -> str:
+    """A request's wait under a DisconnectWatcher: "left" when the watcher ended it."""
+    w = DisconnectWatcher(receive)
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        assert w.fired
+        w.absorb()
+        return "left"
+    finally:
+        w.stop()
+    return "done"
+
+
 async def test_watcher_cancels_only_on_disconnect():
     got = asyncio.Event()
 
@@ -82,21 +96,7 @@ async def test_watcher_cancels_only_on_disconnect():
         await got.wait()
         return {"type": "http.disconnect"}
 
-    async def work(w_out: list[DisconnectWatcher]) -> str:
-        w = DisconnectWatcher(receive)
-        w_out.append(w)
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            assert w.fired
-            w.absorb()
-            return "left"
-        finally:
-            w.stop()
-        return "done"
-
-    ws: list[DisconnectWatcher] = []
-    task = asyncio.ensure_future(work(ws))
+    task = asyncio.ensure_future(_watched_wait(receive))
     await asyncio.sleep(0.01)
     assert not task.done()
     got.set()
@@ -120,25 +120,13 @@ async def test_watcher_on_our_protocol_fires_on_a_lost_socket_and_on_one_lost_al
         async def receive(self) -> dict:
             raise AssertionError("no task may wait on receive() here")
 
-    async def work(cycle: Cycle) -> str:
-        w = DisconnectWatcher(cycle.receive)
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            assert w.fired
-            w.absorb()
-            return "left"
-        finally:
-            w.stop()
-        return "done"
-
     live = Cycle(disconnected=False)
-    task = asyncio.ensure_future(work(live))
+    task = asyncio.ensure_future(_watched_wait(live.receive))
     await asyncio.sleep(0.01)
     assert not task.done()
     live.transport.lost()  # what the protocol's connection_lost calls
     assert await asyncio.wait_for(task, 5) == "left"
-    assert await asyncio.wait_for(work(Cycle(disconnected=True)), 5) == "left"
+    assert await asyncio.wait_for(_watched_wait(Cycle(disconnected=True).receive), 5) == "left"
 
 
 def test_direct_chunks_frame_events_and_defer_to_asgi_when_they_must():
