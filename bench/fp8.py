@@ -16,7 +16,7 @@ Sections (`--sections`, default all):
 - splits: the paged decode kernel alone (32k context at batch 8 and 1, 4k at 8, 576 at 64): KV
   GB/s and error, bf16 pages, e4m3 pages before/after the V mask and at twice the splits.
 - longctx: decode batch 1 and 8 at 16k and 32k context, bf16 and FP8 KV (bf16 weights), vs
-  roofline.
+  roofline; a torch.profiler look at batch 1's steps at 32k (kernel time per step, top kernels).
 
     python3 bench/fp8.py [--quick] [--sections ceilings,decode]
 
@@ -48,6 +48,7 @@ from bench.gpu import (  # noqa: E402
     ceilings,
     cuda_time,
     model_sizes,
+    profile_decode,
     random_prompts,
     run_requests,
 )
@@ -397,6 +398,8 @@ def main() -> None:
                             el, b, ctx - new, min(new, 64), bw, ctx + b
                         ),
                     )
+            section(f"profile_longctx_{kv}_32k_b1",
+                    lambda el=el: profile_decode(el, 1, 10, 32768 - 64))
             del el
             torch.cuda.empty_cache()
     print("\n== summary (one process) ==")

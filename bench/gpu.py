@@ -145,11 +145,13 @@ def decode_rate(engine: Engine, batch: int, new_tokens: int, seed: int) -> float
     return batch * (new_tokens - 1) / t_decode
 
 
-def profile_decode(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
+def profile_decode(
+    engine: Engine, batch: int, steps: int, prompt_len: int = PROMPT_LEN
+) -> dict[str, Any]:
     """Wall time per decode step vs GPU kernel time per step, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = random_prompts(batch, PROMPT_LEN, engine.spec.vocab_size, 1000 + batch)
+    prompts = random_prompts(batch, prompt_len, engine.spec.vocab_size, 1000 + batch)
     tag = random.random()
     for i, p in enumerate(prompts):
         engine.submit(
@@ -160,7 +162,7 @@ def profile_decode(engine: Engine, batch: int, steps: int) -> dict[str, Any]:
             ),
             lambda out: None,
         )
-    for _ in range(8):  # prefill + a few decode steps
+    for _ in range(8):  # prefill (up to four 8k chunks) + a few decode steps
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -33,6 +33,11 @@
 #                                #   context): its GPU tests (bf16 and FP8 pages, mixed steps), then
 #                                #   bench/fp8.py (default: ceilings, the kernel sweep, the
 #                                #   long-context engine), then bench/fp8.py SECTIONS2 if given
+#   bash bench/device/run.sh i [--check [SECTIONS]]  # the decode kernel at long context
+#                                #   (issue 20): bench/decode_kernel.py (its settings at 32k,
+#                                #   graph-timed; --check: the attention GPU tests first, then
+#                                #   the engine's settings against the ones before), then
+#                                #   bench/fp8.py SECTIONS (default: ceilings,longctx)
 #   bash bench/device/run.sh k   # speculative decoding (issue 21): its GPU tests (verify
 #                                #   graphs), then bench/spec_gpu.py on GPU 0 (bench/spec-cpu.json)
 # Results land in $OUT (the device tool brings them back).
@@ -189,6 +194,20 @@ elif [[ $1 == l ]]; then
     echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8_b.txt"
   fi
   tail -6 "$OUT/attn_tests.txt"; grep -v "^\[" "$OUT"/fp8*.txt | tail -60
+elif [[ $1 == i ]]; then
+  if [[ ${2:-} == --check ]]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
+      tests/worker/test_gpu.py tests/worker/test_mixed_attention.py \
+      tests/worker/test_gpt_oss_kernels.py > "$OUT/attn_tests.txt" 2>&1
+    echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/attn_tests.txt"
+    tail -4 "$OUT/attn_tests.txt"
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m bench.decode_kernel ${2:-} > "$OUT/decode_kernel.txt" 2>&1
+  echo "decode_kernel rc=$? at ${SECONDS}s" >> "$OUT/decode_kernel.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python3 bench/fp8.py \
+    --sections ${3:-ceilings,longctx} > "$OUT/fp8.txt" 2>&1
+  echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8.txt"
+  grep -v Warning "$OUT/decode_kernel.txt"; grep -v "^\[" "$OUT/fp8.txt" | tail -30
 elif [[ $1 == w ]]; then
   # Where the engine's time goes at B = 64 / 160: bench/gpu.py's decode rates (its own lengths)
   # beside bench.served's engine, then the served runs with a py-spy profile of the mono worker.

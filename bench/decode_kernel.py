@@ -1,0 +1,210 @@
+"""The paged decode kernel's launch settings at long context (issue 20), swept on one GPU.
+
+Every (BLOCK_N, num_stages, num_warps, splits) over bf16 and e4m3 pages, at 32k context with
+batch 1 (splits 16-128) and batch 8 (splits 4-16); 32 q / 8 kv heads of 128, pages of 16 tokens
+shuffled, int64 page table and lengths as the engine's graphs hold them. Triton compiles each
+setting in a pool of processes first (the shared cache), then one process times them all: KV
+GB/s (read once a call, the merge of the splits included) over 16-64 calls captured in one CUDA
+graph (at batch 1 rotating over four copies of the pages, so L2 holds none), best of `--rounds`
+interleaved rounds, beside the setting the engine picks today (DECODE_CONFIGS and
+num_decode_splits). `--check`: the engine's settings against the ones before this sweep
+(BEFORE) over long and short contexts and batches, in one process, graph-timed the same way.
+Writes decode_kernel.json to $OUT (or the current directory).
+
+    python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+CTX = 32768
+SPLITS = {1: (16, 32, 64, 128), 8: (4, 8, 16)}  # batch: split counts tried
+GRID = list(itertools.product((32, 64, 128), (2, 3, 4), (4, 8)))  # BLOCK_N, stages, warps
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# --check: (context, batch) pairs, and the settings before the sweep: (BLOCK_N, stages, warps)
+# by page dtype, the split rule's defaults (528 programs, at most 32 splits) for both.
+CHECK = ((32768, 1), (32768, 8), (4096, 8), (2048, 16), (1024, 1), (576, 64))
+BEFORE = {"bf16": (64, 2, 4), "fp8": (128, 3, 4)}
+
+
+def _tensors(dtype: torch.dtype, batch: int, pages: int, width: int) -> dict[str, Any]:
+    kc = torch.randn(pages, HKV, PAGE, D, device="cuda").to(dtype)
+    vc = torch.randn(pages, HKV, PAGE, D, device="cuda").to(dtype)
+    table = torch.randint(0, pages, (batch, width), device="cuda")  # int64, as the engine's
+    scales = None
+    if dtype == torch.float8_e4m3fn:
+        scales = (torch.rand(HKV, device="cuda") + 0.5, torch.rand(HKV, device="cuda") + 0.5)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    return dict(q=q, k_cache=kc, v_cache=vc, page_table=table, kv_scales=scales)
+
+
+def _setting(name: str, bn: int, stages: int, warps: int) -> dict[str, Any]:
+    from worker.model.triton_attention import DECODE_CONFIGS
+
+    fp8 = name == "fp8"
+    return DECODE_CONFIGS[fp8] | dict(BLOCK_N=bn, num_stages=stages, num_warps=warps)
+
+
+def _compile(job: tuple[str, int, int, int, int]) -> str | None:
+    """One setting compiled (a call on a short context with the long one's specializations)."""
+    from worker.model.triton_attention import triton_paged_decode
+
+    name, bn, stages, warps, splits = job
+    t = _tensors(DTYPES[name], 1, 64, CTX // PAGE)
+    lens = torch.full((1,), 256, device="cuda")
+    try:
+        triton_paged_decode(t["q"], t["k_cache"], t["v_cache"], t["page_table"], lens, D**-0.5,
+                            num_splits=splits, kv_scales=t["kv_scales"],
+                            **_setting(name, bn, stages, warps))
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # shared memory or registers past the SM's: not a setting
+        return f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def _graph_time(calls: list[Any]) -> float:
+    """Seconds per call of `calls` captured back to back in one CUDA graph, as the engine's
+    decode steps replay the kernel (timed eagerly, a one-request call measures Python's launch
+    of its two kernels, ~50 us, not the GPU); replayed for >= 20 ms."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = 1
+    for _ in range(2):  # the first pass finds how many replays make 20 ms
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+        replays, per_replay = max(3, int(0.02 * replays / seconds) + 1), seconds / replays
+    return per_replay / len(calls)
+
+
+class Shape:
+    """One (page dtype, context, batch): pages shuffled over enough copies that the calls of a
+    graph (rotating over them) find none in L2, and the KV GB/s of a setting."""
+
+    def __init__(self, name: str, ctx: int, batch: int) -> None:
+        dtype = DTYPES[name]
+        need = batch * ctx // PAGE
+        self.gb = 2 * need * HKV * PAGE * D * dtype.itemsize / 1e9
+        self.sets = max(1, min(64, -(-256 // int(self.gb * 1000 + 1))))  # >= 256 MB in all
+        self.bufs = _tensors(dtype, batch, need * self.sets, CTX // PAGE)
+        # [sets, B, 2048]: the width (the row stride) of the engine's table at 32k
+        self.tables = torch.zeros(self.sets, batch, CTX // PAGE, dtype=torch.int64, device="cuda")
+        self.tables[..., : ctx // PAGE] = torch.randperm(need * self.sets, device="cuda").view(
+            self.sets, batch, -1)
+        self.lens = torch.full((batch,), ctx, device="cuda")
+
+    def rate(self, cfg: dict[str, Any], splits: int) -> float:
+        from worker.model.triton_attention import triton_paged_decode
+
+        b = self.bufs
+
+        def call(table: torch.Tensor) -> torch.Tensor:
+            return triton_paged_decode(b["q"], b["k_cache"], b["v_cache"], table, self.lens,
+                                       D**-0.5, num_splits=splits, kv_scales=b["kv_scales"],
+                                       **cfg)
+
+        reps = max(16, self.sets)
+        return self.gb / _graph_time([functools.partial(call, self.tables[i % self.sets])
+                                      for i in range(reps)])
+
+
+def sweep(rounds: int, top: int) -> dict[str, Any]:
+    from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
+
+    jobs = [(name, bn, st, nw, sp) for name in DTYPES for bn, st, nw in GRID
+            for sp in sorted({s for ss in SPLITS.values() for s in ss})]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(min(14, os.cpu_count() or 1)) as pool:
+        failed = {job: err for job, err in zip(jobs, pool.map(_compile, jobs), strict=True) if err}
+    print(f"compiled {len(jobs) - len(failed)} of {len(jobs)} settings in "
+          f"{time.perf_counter() - t0:.0f}s", flush=True)
+    out: dict[str, Any] = {"ctx": CTX, "failed": [list(j) for j in failed]}
+    for name in DTYPES:
+        fp8 = name == "fp8"
+        for batch, split_counts in SPLITS.items():
+            shape = Shape(name, CTX, batch)
+            cfg = DECODE_CONFIGS[fp8]
+            default = (cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"],
+                       num_decode_splits(batch, HKV, *DECODE_SPLITS[fp8]))
+            best: dict[tuple[int, ...], float] = {}
+            for _ in range(rounds):
+                for (bn, st, nw), sp in itertools.product(GRID, split_counts):
+                    if (name, bn, st, nw, sp) not in failed:
+                        rate = shape.rate(_setting(name, bn, st, nw), sp)
+                        best[(bn, st, nw, sp)] = max(best.get((bn, st, nw, sp), 0.0), rate)
+            ranked = sorted(best.items(), key=lambda kv: -kv[1])
+            row = {"default": [list(default), round(best.get(default, 0.0))],
+                   "best": [[list(k), round(v)] for k, v in ranked[:top]]}
+            out[f"{name}_b{batch}"] = row
+            print(f"{name} 32k x {batch}: default {default} {row['default'][1]} GB/s; best "
+                  + "; ".join(f"{k} {v}" for k, v in row["best"]), flush=True)
+            del shape
+            torch.cuda.empty_cache()
+    return out
+
+
+def check(rounds: int) -> dict[str, Any]:
+    """The engine's settings now against BEFORE, per (page dtype, context, batch)."""
+    from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
+
+    out: dict[str, Any] = {}
+    for name in DTYPES:
+        fp8 = name == "fp8"
+        for ctx, batch in CHECK:
+            shape = Shape(name, ctx, batch)
+            now = (DECODE_CONFIGS[fp8], num_decode_splits(batch, HKV, *DECODE_SPLITS[fp8]))
+            before = (_setting(name, *BEFORE[name]), num_decode_splits(batch, HKV))
+            best = [0.0, 0.0]
+            for _ in range(rounds):
+                for i, (cfg, splits) in enumerate((before, now)):
+                    best[i] = max(best[i], shape.rate(cfg, splits))
+            row = {"before_GBps": round(best[0]), "now_GBps": round(best[1]),
+                   "ratio": round(best[1] / best[0], 3), "splits": [before[1], now[1]]}
+            out[f"{name}_{ctx}_b{batch}"] = row
+            print(f"check {name} {ctx} x {batch}: {row}", flush=True)
+            del shape
+            torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--check", action="store_true", help="the engine's settings against BEFORE")
+    args = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name()}
+    out |= check(args.rounds + 1) if args.check else sweep(args.rounds, args.top)
+    name = "decode_kernel_check.json" if args.check else "decode_kernel.json"
+    Path(os.environ.get("OUT", "."), name).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
