@@ -10,8 +10,9 @@
   streams its share of the request's context straight out of the pages (the per-layer K/V
   views of `KVCache.layer` are strided: no gather, no copy), online softmax in float32. With
   more than one split, a second kernel merges the partial outputs by their log-sum-exp. The
-  split count depends only on the batch size (a CUDA graph captures it), chosen so that
-  B * Hkv * splits fills the GPU; a split whose share is empty exits at once.
+  split count depends only on the batch size and the page dtype (a CUDA graph captures it),
+  chosen so that B * Hkv * splits fills the GPU (DECODE_SPLITS); a split whose share is empty
+  exits at once.
 - prefill / mixed steps: the one-token requests go through the decode kernel. The multi-token
   requests, while they are short (none with more than PREFILL_KERNEL_CELLS new-token x context
   pairs: a mixed step's prompts and chunks), go through one launch of the paged prefill kernel of
@@ -45,20 +46,23 @@ from worker.model.attention import AttentionBackend, KVScales, scale_args, sdpa_
 from worker.model.fused import next_pow2
 from worker.model.triton_prefill import triton_paged_prefill
 
-# Programs the split decode aims at: ~4 per SM on an H200 (132 SMs). bench/fp8.py's split sweep
-# (H200, 32k context): batch 1 streams bf16 KV at 2,244 GB/s with 32 splits against 1,771 with
-# 16, batch 8 at 4,153 with 8 against 3,266 with 4; 64 splits gain under 2% over 32.
-_NUM_SMS_TARGET = 528
-_MAX_SPLITS = 32
 # The decode kernel's settings by page dtype (False: 16/32-bit pages, True: e4m3): context
-# tokens per iteration, pipeline depth and warps (bench/fp8.py's sweep, H200, 32k context: e4m3
-# pages stream fastest in 128-token blocks over 3 stages, +30-35% against 64 over 2); over e4m3
-# pages both dots in float16 (F16_DOT) and V masked after its conversion (MASK_V, kernel note;
-# False only for the bench's same-process baseline).
+# tokens per iteration, pipeline depth and warps; over e4m3 pages both dots in float16
+# (F16_DOT) and V masked after its conversion (MASK_V, kernel note; False only for the bench's
+# same-process baseline). bench/decode_kernel.py (H200, 32k context, calls replayed in a CUDA
+# graph): bf16 pages stream fastest in 64-token blocks over 2 stages (4,320 GB/s at batch 8),
+# e4m3 pages in 128-token blocks over 2 stages (2,650 against 2,603 over 3 at batch 8).
 DECODE_CONFIGS: dict[bool, dict[str, int]] = {
     False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False, MASK_V=True),
-    True: dict(BLOCK_N=128, num_stages=3, num_warps=4, F16_DOT=True, MASK_V=True),
+    True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True, MASK_V=True),
 }
+# How far the decode kernel splits a request's context, by page dtype: (programs aimed at, most
+# splits); see num_decode_splits. Same sweep: at batch 1 bf16 pages stream at 3,288 GB/s with
+# 64 splits against 2,855 with 32, e4m3 pages no faster with 64 (1,743 against 1,849); at
+# batch 8 e4m3 pages at 2,650 with 16 splits against 2,398 with 8 (an e4m3 tile costs the math
+# of a bf16 one for half its bytes, so more of them must be in flight), bf16 pages at 4,320
+# with 8 and 4,307 with 16.
+DECODE_SPLITS: dict[bool, tuple[int, int]] = {False: (528, 64), True: (1056, 32)}
 # A step's prefill rows take the paged-prefill kernel while no request of them has more (new
 # token, context token) pairs than this; else SDPA per request. bench/mixed_attention.py (H200,
 # one 8B layer): the kernel takes 0.22-0.79x SDPA's time up to 1024 x 1024, 0.50x for four
@@ -66,12 +70,14 @@ DECODE_CONFIGS: dict[bool, dict[str, int]] = {
 PREFILL_KERNEL_CELLS = 1 << 20
 
 
-def num_decode_splits(batch_size: int, num_kv_heads: int) -> int:
-    """Split-K factor for the decode kernel: a power of two so B * Hkv * splits comes to 2-4
-    programs per SM."""
+def num_decode_splits(
+    batch_size: int, num_kv_heads: int, target: int = 528, max_splits: int = 32
+) -> int:
+    """Split-K factor for a decode kernel: a power of two, doubled while B * Hkv * splits stays
+    within half of `target` programs (528: ~4 per SM of an H200's 132), at most `max_splits`."""
     programs = max(1, batch_size * num_kv_heads)
     splits = 1
-    while programs * splits * 2 <= _NUM_SMS_TARGET and splits < _MAX_SPLITS:
+    while programs * splits * 2 <= target and splits < max_splits:
         splits *= 2
     return splits
 
@@ -202,9 +208,11 @@ def _get_kernels() -> dict[str, Any]:
                 out.to(o_ptr.dtype.element_ty), mask=gmask[:, None],
             )
         else:
-            # partials: op [B, Hq, NUM_SPLITS, D] fp32, lse [B, Hq, NUM_SPLITS] fp32 (log2 domain)
+            # partials: op [B, Hq, NUM_SPLITS, D] fp32, lse [B, Hq, NUM_SPLITS] fp32 (log2 domain).
+            # An empty split (a short context's tail) writes its lse (-inf) only: the merge
+            # reads no partial row whose lse is -inf.
             row = (b * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + split  # [BG]
-            tl.store(op_ptr + row[:, None] * D + d[None, :], out, mask=gmask[:, None])
+            tl.store(op_ptr + row[:, None] * D + d[None, :], out, mask=(gmask & has)[:, None])
             lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
             tl.store(lse_ptr + row, lse, mask=gmask)
 
@@ -220,8 +228,10 @@ def _get_kernels() -> dict[str, Any]:
         row = (b * HQ + h) * NUM_SPLITS + sp  # [NS]
         lse = tl.load(lse_ptr + row)  # [NS]
         mx = tl.max(lse, 0)
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)  # [NS]; all-empty rows get 0
-        parts = tl.load(op_ptr + row[:, None] * D + d[None, :])  # [NS, D]
+        held = lse > float("-inf")  # [NS]: the splits that saw tokens (or a sink)
+        w = tl.where(held, tl.exp2(lse - mx), 0.0)  # [NS]; all-empty rows get 0
+        # [NS, D]: an empty split's row is neither written nor read
+        parts = tl.load(op_ptr + row[:, None] * D + d[None, :], mask=held[:, None], other=0.0)
         den = tl.sum(w, 0)
         out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0, den, 1.0)
         tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
@@ -270,7 +280,9 @@ def triton_paged_decode(
     hkv = k_cache.shape[1]
     assert hq % hkv == 0, f"num q heads {hq} is not a multiple of kv heads {hkv}"
     g = hq // hkv
-    splits = num_splits or num_decode_splits(b, hkv)
+    ks, vs, scaled = scale_args(kv_scales, seq_lens)
+    splits = num_splits or num_decode_splits(b, hkv, *DECODE_SPLITS[scaled])
+    cfg = DECODE_CONFIGS[scaled] | config
     out = torch.empty_like(q)
     if b == 0:
         return out
@@ -282,7 +294,6 @@ def triton_paged_decode(
         lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)  # [B, Hq, NS]
     else:
         partial = lse = out  # unused by the kernel when NUM_SPLITS == 1
-    ks, vs, scaled = scale_args(kv_scales, seq_lens)
     kern["decode"][(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, partial, lse, q if sinks is None else sinks,
         ks, vs,
@@ -294,8 +305,7 @@ def triton_paged_decode(
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
-        NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
-        **(DECODE_CONFIGS[scaled] | config),
+        NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled, **cfg,
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
