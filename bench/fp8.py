@@ -13,8 +13,6 @@ Sections (`--sections`, default all):
 - prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
   transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
-- splits: the paged decode kernel alone (32k context at batch 8 and 1, 4k at 8, 576 at 64): KV
-  GB/s and error, bf16 pages, e4m3 pages before/after the V mask and at twice the splits.
 - longctx: decode batch 1 and 8 at 16k and 32k context, bf16 and FP8 KV (bf16 weights), vs
   roofline; a torch.profiler look at batch 1's steps at 32k (kernel time per step, top kernels).
 
@@ -61,7 +59,7 @@ from worker.config import (  # noqa: E402
 )
 from worker.engine import Engine  # noqa: E402
 
-SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "splits", "longctx")
+SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "longctx")
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 512, 128, 8192
 
 
@@ -241,64 +239,6 @@ def gemm() -> dict[str, Any]:
     return out
 
 
-def split_sweep(ctx: int, batch: int) -> dict[str, Any]:
-    """The paged decode kernel alone over `ctx` tokens at `batch` requests: KV GB/s and the error
-    against a float32 reference. bf16 pages with DECODE_CONFIGS; e4m3 pages with it ("after"),
-    without the V mask ("before": the kernel before it, same process) and at twice the split
-    count. Each setting is timed over >= 50 ms of calls in three interleaved rounds (best kept:
-    the first timings after a compile run at low clocks); small contexts rotate over four page
-    sets so the cache holds none of them."""
-    from worker.model.triton_attention import num_decode_splits, triton_paged_decode
-
-    hq, hkv, d, page = 32, 8, 128, 16
-    need = batch * ctx // page
-    sets = 1 if need * page * hkv * d * 2 > (1 << 28) else 4
-    splits = num_decode_splits(batch, hkv)
-    tables = [
-        torch.randperm(need * sets, device="cuda")[:need].view(batch, -1) for _ in range(sets)
-    ]
-    lens = torch.full((batch,), ctx, device="cuda")
-    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    ks, vs = torch.rand(hkv, device="cuda") + 0.5, torch.rand(hkv, device="cuda") + 0.5
-    out: dict[str, Any] = {"heuristic_splits": splits}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
-        kc = torch.randn(need * sets, hkv, page, d, device="cuda").to(dtype)
-        vc = torch.randn(need * sets, hkv, page, d, device="cuda").to(dtype)
-        scales = (ks, vs) if name == "fp8" else None
-
-        def dense(c: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:  # [B, Hkv, ctx, D]
-            x = c[tables[0]].float().permute(0, 2, 1, 3, 4).reshape(batch, hkv, ctx, d)
-            return x if s is None else x * s[None, :, None, None]
-
-        k, v = dense(kc, scales and ks), dense(vc, scales and vs)
-        p = torch.einsum("bhgd,bhnd->bhgn", q.float().view(batch, hkv, hq // hkv, d), k)
-        ref = torch.einsum("bhgn,bhnd->bhgd", (p * d**-0.5).softmax(-1), v).reshape(batch, hq, d)
-        del k, v, p
-        settings = {"after": {}} if name == "bf16" else {
-            "before": {"MASK_V": False}, "after": {}, "after_2x_splits": {"splits": 2 * splits}}
-        rows: dict[str, dict[str, Any]] = {}
-        for _ in range(3):
-            for label, cfg in settings.items():
-                cfg = {"splits": splits} | cfg
-                def call(kc: torch.Tensor = kc, vc: torch.Tensor = vc, scales: Any = scales,
-                         cfg: dict[str, Any] = cfg,
-                         turn: Iterator[int] = iter(range(1 << 30))) -> torch.Tensor:
-                    return triton_paged_decode(
-                        q, kc, vc, tables[next(turn) % sets], lens, d**-0.5, None,
-                        num_splits=cfg["splits"], kv_scales=scales,
-                        **{k: v for k, v in cfg.items() if k != "splits"})
-
-                err = ((call().float() - ref).norm() / ref.norm()).item()
-                t = cuda_time(call, max(20, min(5000, int(0.05 / cuda_time(call, 10)))))
-                gbps = 2 * need * hkv * page * d * kc.element_size() / t / 1e9
-                if gbps > rows.get(label, {}).get("GBps", 0):
-                    rows[label] = {"GBps": round(gbps), "err": float(f"{err:.2g}"), **cfg}
-        out[name] = rows
-        del kc, vc
-        torch.cuda.empty_cache()
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
@@ -383,10 +323,6 @@ def main() -> None:
         section("bf16_b1", lambda: decode(eb, 1, PROMPT_LEN, new, bw, 2))
         del eb
         torch.cuda.empty_cache()
-    if "splits" in chosen:
-        # Short contexts too: a change for long ones must not cost the common short step.
-        for ctx, b in ((32768, 8), (32768, 1), (4096, 8), (576, 64)):
-            section(f"split_sweep_{ctx}_b{b}", lambda ctx=ctx, b=b: split_sweep(ctx, b))
     if "longctx" in chosen:
         for kv in ("auto", "fp8_e4m3"):
             el = engine(MODEL_DIR, kv, 32768 + 256, 8, 8 * (32768 + new) + PREFILL_LEN)
@@ -415,10 +351,6 @@ def main() -> None:
                 f" ({value['pct']:.1f}% of {value['roofline_tok_s']:.0f})" if "pct" in value else ""
             )
             print(f"{key:<28}{value['tok_s']:>10.1f} tok/s{pct}")
-        if key.startswith("split_sweep") and isinstance(value, dict):
-            for name in ("bf16", "fp8"):
-                for label, row in value[name].items():
-                    print(f"{key} {name} {label}: {row}")
     if errors:
         print("errors in:", ", ".join(errors))
 

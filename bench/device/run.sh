@@ -29,10 +29,6 @@
 #   bash bench/device/run.sh n [sweep]  # split-K FP8 GEMM (issue 20): its GPU tests and the FP8
 #                                #   ones, bench/fp8_splitk.py, bench/fp8.py decode (split-K vs
 #                                #   the dispatch before it), then with `sweep` its tile sweep
-#   bash bench/device/run.sh l [SECTIONS [SECTIONS2]]  # the paged decode kernel (issue 20, long
-#                                #   context): its GPU tests (bf16 and FP8 pages, mixed steps), then
-#                                #   bench/fp8.py (default: ceilings, the kernel sweep, the
-#                                #   long-context engine), then bench/fp8.py SECTIONS2 if given
 #   bash bench/device/run.sh i [--check [SECTIONS]]  # the decode kernel at long context
 #                                #   (issue 20): bench/decode_kernel.py (its settings at 32k,
 #                                #   graph-timed; --check: the attention GPU tests first, then
@@ -179,21 +175,6 @@ elif [[ $1 == r ]]; then
     --sections ${2:-ceilings,gemm,decode,prefill,room,longctx} > "$OUT/fp8.txt" 2>&1
   echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8.txt"
   tail -8 "$OUT/fp8_tests.txt"; grep -v "^  " "$OUT/gemv_fp8.txt"; tail -16 "$OUT/fp8.txt"
-elif [[ $1 == l ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
-    tests/worker/test_gpu.py tests/worker/test_mixed_attention.py > "$OUT/attn_tests.txt" 2>&1
-  echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/attn_tests.txt"
-  mkdir -p "$OUT/a"
-  OUT=$OUT/a CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python3 bench/fp8.py \
-    --sections ${2:-ceilings,splits,longctx} > "$OUT/fp8.txt" 2>&1
-  echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8.txt"
-  if [[ -n ${3:-} ]]; then
-    mkdir -p "$OUT/b"
-    OUT=$OUT/b CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python3 bench/fp8.py \
-      --sections "$3" > "$OUT/fp8_b.txt" 2>&1
-    echo "fp8 rc=$? at ${SECONDS}s" >> "$OUT/fp8_b.txt"
-  fi
-  tail -6 "$OUT/attn_tests.txt"; grep -v "^\[" "$OUT"/fp8*.txt | tail -60
 elif [[ $1 == i ]]; then
   if [[ ${2:-} == --check ]]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
