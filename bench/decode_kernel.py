@@ -12,6 +12,7 @@ num_decode_splits). `--check`: the engine's settings against the ones before thi
 Writes decode_kernel.json to $OUT (or the current directory).
 
     python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check]
+    python3 -m bench.decode_kernel --pages fp8 --warps 2,4 --splits 8=16,32  # a narrower sweep
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CTX = 32768
-SPLITS = {1: (16, 32, 64, 128), 8: (4, 8, 16)}  # batch: split counts tried
-GRID = list(itertools.product((32, 64, 128), (2, 3, 4), (4, 8)))  # BLOCK_N, stages, warps
+# The sweep's defaults: batch: split counts tried; BLOCK_N, stages and warps
+SPLITS = {1: (16, 32, 64, 128), 8: (4, 8, 16)}
+TILES = ((32, 64, 128), (2, 3, 4), (4, 8))
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # --check: (context, batch) pairs, and the settings before the sweep: (BLOCK_N, stages, warps)
 # by page dtype, the split rule's defaults (528 programs, at most 32 splits) for both.
@@ -135,27 +137,28 @@ class Shape:
                                       for i in range(reps)])
 
 
-def sweep(rounds: int, top: int) -> dict[str, Any]:
+def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
+          splits: dict[int, tuple[int, ...]]) -> dict[str, Any]:
     from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
 
-    jobs = [(name, bn, st, nw, sp) for name in DTYPES for bn, st, nw in GRID
-            for sp in sorted({s for ss in SPLITS.values() for s in ss})]
+    jobs = [(name, bn, st, nw, sp) for name in pages for bn, st, nw in grid
+            for sp in sorted({s for ss in splits.values() for s in ss})]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(min(14, os.cpu_count() or 1)) as pool:
         failed = {job: err for job, err in zip(jobs, pool.map(_compile, jobs), strict=True) if err}
     print(f"compiled {len(jobs) - len(failed)} of {len(jobs)} settings in "
           f"{time.perf_counter() - t0:.0f}s", flush=True)
     out: dict[str, Any] = {"ctx": CTX, "failed": [list(j) for j in failed]}
-    for name in DTYPES:
+    for name in pages:
         fp8 = name == "fp8"
-        for batch, split_counts in SPLITS.items():
+        for batch, split_counts in splits.items():
             shape = Shape(name, CTX, batch)
             cfg = DECODE_CONFIGS[fp8]
             default = (cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"],
                        num_decode_splits(batch, HKV, *DECODE_SPLITS[fp8]))
             best: dict[tuple[int, ...], float] = {}
             for _ in range(rounds):
-                for (bn, st, nw), sp in itertools.product(GRID, split_counts):
+                for (bn, st, nw), sp in itertools.product(grid, split_counts):
                     if (name, bn, st, nw, sp) not in failed:
                         rate = shape.rate(_setting(name, bn, st, nw), sp)
                         best[(bn, st, nw, sp)] = max(best.get((bn, st, nw, sp), 0.0), rate)
@@ -199,9 +202,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="the engine's settings against BEFORE")
+    ap.add_argument("--pages", default="bf16,fp8", help="page dtypes swept")
+    for flag, values in zip(("--blocks", "--stages", "--warps"), TILES, strict=True):
+        ap.add_argument(flag, default=",".join(map(str, values)), help="values swept")
+    ap.add_argument("--splits", action="append", metavar="B=S,S",
+                    help="a batch and its split counts (repeatable; default "
+                         + " ".join(f"{b}={','.join(map(str, ss))}" for b, ss in SPLITS.items())
+                         + ")")
     args = ap.parse_args()
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(v) for v in text.split(","))
+
+    grid = list(itertools.product(ints(args.blocks), ints(args.stages), ints(args.warps)))
+    splits = ({int(b): ints(ss) for b, ss in (item.split("=") for item in args.splits)}
+              if args.splits else SPLITS)
     out = {"device": torch.cuda.get_device_name()}
-    out |= check(args.rounds + 1) if args.check else sweep(args.rounds, args.top)
+    out |= (check(args.rounds + 1) if args.check
+            else sweep(args.rounds, args.top, args.pages.split(","), grid, splits))
     name = "decode_kernel_check.json" if args.check else "decode_kernel.json"
     Path(os.environ.get("OUT", "."), name).write_text(json.dumps(out, indent=1))
 
