@@ -63,6 +63,9 @@ DECODE_CONFIGS: dict[bool, dict[str, int]] = {
 # of a bf16 one for half its bytes, so more of them must be in flight), bf16 pages at 4,320
 # with 8 and 4,307 with 16.
 DECODE_SPLITS: dict[bool, tuple[int, int]] = {False: (528, 64), True: (1056, 32)}
+# The split rule fills an H200's SMs. On CPU tensors (Triton's interpreter, the CI's check of
+# the kernels) a program costs ~20 ms of Python each: at most 4 splits, still merged.
+_INTERPRETER_SPLITS = 4
 # A step's prefill rows take the paged-prefill kernel while no request of them has more (new
 # token, context token) pairs than this; else SDPA per request. bench/mixed_attention.py (H200,
 # one 8B layer): the kernel takes 0.22-0.79x SDPA's time up to 1024 x 1024, 0.50x for four
@@ -281,7 +284,10 @@ def triton_paged_decode(
     assert hq % hkv == 0, f"num q heads {hq} is not a multiple of kv heads {hkv}"
     g = hq // hkv
     ks, vs, scaled = scale_args(kv_scales, seq_lens)
-    splits = num_splits or num_decode_splits(b, hkv, *DECODE_SPLITS[scaled])
+    target, most = DECODE_SPLITS[scaled]
+    if not q.is_cuda:  # Triton's interpreter runs the programs one after another
+        most = _INTERPRETER_SPLITS
+    splits = num_splits or num_decode_splits(b, hkv, target, most)
     cfg = DECODE_CONFIGS[scaled] | config
     out = torch.empty_like(q)
     if b == 0:
