@@ -6,15 +6,15 @@ finish reason), so each request renders the fixed part once (`id`, `object`, `cr
 constant tail: two orders of magnitude cheaper than building and dumping the pydantic chunk
 (~25 us). The bytes are exactly what `model_dump_json` of the pydantic models in
 gateway/openai_responses.py gives (same keys, same order, same omitted fields;
-tests/gateway/test_chunks.py holds them side by side); the rare parts (logprobs, usage) are
-still rendered by those models.
+tests/gateway/test_chunks.py holds them side by side); usage is rendered from its counts
+(`UsageCounts`), and the rare logprobs by their models.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from gateway.openai_responses import ChatLogprobs, CompletionLogprobs, Usage
+from gateway.openai_responses import ChatLogprobs, CompletionLogprobs, UsageCounts
 
 _NULL = b"null"
 _dumps = orjson.dumps
@@ -50,8 +50,17 @@ def _head(rid: str, obj: str, created: int, model: str) -> bytes:
         _dumps(rid), obj.encode(), created, _dumps(model))
 
 
-def usage_json(usage: Usage | None) -> bytes:
-    return _NULL if usage is None else usage.model_dump_json().encode()
+def usage_json(usage: UsageCounts | None) -> bytes:
+    """`Usage`'s JSON (completion_tokens_details only where a reasoning parser ran)."""
+    if usage is None:
+        return _NULL
+    body = (b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,'
+            b'"prompt_tokens_details":{"cached_tokens":%d}' % (
+                usage.prompt_tokens, usage.completion_tokens,
+                usage.prompt_tokens + usage.completion_tokens, usage.cached_tokens))
+    if usage.reasoning_tokens is not None:
+        body += b',"completion_tokens_details":{"reasoning_tokens":%d}' % usage.reasoning_tokens
+    return body + b"}"
 
 
 class CompletionEvents:
@@ -71,7 +80,7 @@ class CompletionEvents:
                          _reason(finish_reason), _ids(token_ids, prompt_token_ids),
                          b'}],"usage":null}\n\n'))
 
-    def usage(self, usage: Usage) -> bytes:
+    def usage(self, usage: UsageCounts) -> bytes:
         return self._head + b'[],"usage":' + usage_json(usage) + b"}\n\n"
 
 
@@ -90,12 +99,12 @@ class ChatEvents:
         return b"".join((self._delta, delta, b',"logprobs":', lp, b',"finish_reason":',
                          _reason(finish_reason), b'}],"usage":null}\n\n'))
 
-    def usage(self, usage: Usage) -> bytes:
+    def usage(self, usage: UsageCounts) -> bytes:
         return self._head + b'[],"usage":' + usage_json(usage) + b"}\n\n"
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    logprobs: CompletionLogprobs | None, usage: Usage | None,
+                    logprobs: CompletionLogprobs | None, usage: UsageCounts | None,
                     token_ids: list[int] | None = None,
                     prompt_token_ids: list[int] | None = None) -> bytes:
     """A non-streamed /v1/completions response (CompletionResponse's shape)."""

@@ -3,6 +3,7 @@ with `model_dump_json`; optional fields a chunk does not carry are left out, as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -30,6 +31,25 @@ class Usage(BaseModel):
     # Present when a reasoning parser ran on the request.
     completion_tokens_details: CompletionTokensDetails | None = Field(default=None,
                                                                       exclude_if=_omit_none)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCounts:
+    """A response's usage numbers. gateway/chunks.py renders them as `Usage`'s JSON without
+    building it (~5 us a request); `model()` builds it where a whole body is still a model."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reasoning_tokens: int | None = None  # None: no reasoning parser ran (the detail is left out)
+
+    def model(self) -> Usage:
+        details = None if self.reasoning_tokens is None else CompletionTokensDetails(
+            reasoning_tokens=self.reasoning_tokens)
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+                     completion_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):

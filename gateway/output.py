@@ -16,10 +16,8 @@ from gateway.openai_responses import (
     ChatLogprobEntry,
     ChatLogprobs,
     CompletionLogprobs,
-    CompletionTokensDetails,
-    PromptTokensDetails,
     TopLogprobEntry,
-    Usage,
+    UsageCounts,
 )
 from gateway.session import Output
 from gateway.tokenizer import Tokenizer
@@ -97,15 +95,10 @@ class OutputAssembler:
         self.stopped_by_string = True
         self.finish_reason = "stop"
 
-    def usage(self, cached_tokens: int, reasoning_tokens: int | None = None) -> Usage:
+    def usage(self, cached_tokens: int, reasoning_tokens: int | None = None) -> UsageCounts:
         """`reasoning_tokens`: None when no reasoning parser ran (the detail is left out)."""
-        details = None if reasoning_tokens is None else CompletionTokensDetails(
-            reasoning_tokens=reasoning_tokens)
-        return Usage(prompt_tokens=self.num_prompt_tokens,
-                     completion_tokens=self.completion_tokens,
-                     total_tokens=self.num_prompt_tokens + self.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                     completion_tokens_details=details)
+        return UsageCounts(self.num_prompt_tokens, self.completion_tokens, cached_tokens,
+                           reasoning_tokens)
 
     # ---- logprobs in the two OpenAI shapes ----
 

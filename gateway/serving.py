@@ -295,7 +295,8 @@ class GenerationHandler:
                                  tool_calls=chat_out.calls or None)
         logprobs = out.chat_logprobs(out.logprobs) if out.want_logprobs else None
         resp = ChatCompletionResponse(
-            id=f"chatcmpl-{request_id}", created=created, model=self.model_name, usage=usage,
+            id=f"chatcmpl-{request_id}", created=created, model=self.model_name,
+            usage=usage.model(),
             choices=[ChatChoice(message=message, logprobs=logprobs,
                                 finish_reason=chat_out.finish_reason(out.finish_reason))])
         return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)

@@ -27,7 +27,7 @@ from gateway.chat_output import ChatOutput
 from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents
 from gateway.http_protocol import DirectChunks
 from gateway.metrics import TokenClock
-from gateway.openai_responses import Usage
+from gateway.openai_responses import UsageCounts
 from gateway.output import OutputAssembler
 from gateway.session import Output, Push
 
@@ -104,7 +104,7 @@ class StreamEvents:
         return [events.delta(d, finish if i == last else None, lp if i == 0 else None)
                 for i, d in enumerate(deltas)]
 
-    def usage(self, usage: Usage) -> bytes:
+    def usage(self, usage: UsageCounts) -> bytes:
         events = self._chat or self._completion
         assert events is not None
         return events.usage(usage)

@@ -14,6 +14,7 @@ from gateway.chunks import (
     ChatEvents,
     CompletionEvents,
     completion_body,
+    usage_json,
 )
 from gateway.openai_responses import (
     ChatChunkChoice,
@@ -29,6 +30,7 @@ from gateway.openai_responses import (
     PromptTokensDetails,
     TopLogprobEntry,
     Usage,
+    UsageCounts,
 )
 
 # Text as detokenizers give it: any Unicode scalar (no lone surrogates), controls included.
@@ -110,19 +112,23 @@ def test_chat_role_empty_and_tool_call_deltas() -> None:
 
 
 def test_usage_events_and_completion_body() -> None:
-    usage = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
-                  prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
-    with_reasoning = usage.model_copy(update={
-        "completion_tokens_details": CompletionTokensDetails(reasoning_tokens=1)})
-    for u in (usage, with_reasoning):
+    usage = UsageCounts(prompt_tokens=5, completion_tokens=2, cached_tokens=4)
+    with_reasoning = UsageCounts(5, 2, 4, reasoning_tokens=1)
+    assert usage.model() == Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
+                                  prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
+    assert with_reasoning.model().completion_tokens_details == CompletionTokensDetails(
+        reasoning_tokens=1)
+    for u in (usage, with_reasoning, UsageCounts(0, 0, 0, 0)):
+        assert usage_json(u) == u.model().model_dump_json().encode()
         assert CompletionEvents("c", 1, "m").usage(u) == sse(
-            CompletionChunk(id="c", created=1, model="m", choices=[], usage=u))
+            CompletionChunk(id="c", created=1, model="m", choices=[], usage=u.model()))
         assert ChatEvents("c", 1, "m").usage(u) == sse(
-            ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=u))
+            ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=u.model()))
     lp = CompletionLogprobs(tokens=["a"], token_logprobs=[-0.25], top_logprobs=[{"a": -0.25}],
                             text_offset=[0])
     for logprobs in (None, lp):
-        want = CompletionResponse(id="cmpl-9", created=11, model="tiny", usage=usage, choices=[
+        want = CompletionResponse(id="cmpl-9", created=11, model="tiny", usage=usage.model(),
+                                  choices=[
             CompletionChoice(text="héllo\n\"x\"", finish_reason="length", logprobs=logprobs)])
         got = completion_body("cmpl-9", 11, "tiny", "héllo\n\"x\"", "length", logprobs, usage)
         assert got == want.model_dump_json().encode()
