@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import orjson
 
+from gateway.agent_types import ToolCall
 from gateway.openai_responses import ChatLogprobs, CompletionLogprobs, UsageCounts
 
 _NULL = b"null"
@@ -113,6 +114,27 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
                      _dumps(text), b',"logprobs":', lp, b',"finish_reason":',
                      _reason(finish_reason), _ids(token_ids, prompt_token_ids),
                      b'}],"usage":', usage_json(usage), b"}"))
+
+
+def chat_body(rid: str, created: int, model: str, content: str | None, reasoning: str | None,
+              calls: list[ToolCall] | None, logprobs: ChatLogprobs | None,
+              finish_reason: str | None, usage: UsageCounts | None) -> bytes:
+    """A non-streamed /v1/chat/completions response (ChatCompletionResponse's shape: reasoning
+    and tool calls left out where None, content null in a turn of calls only)."""
+    parts = [_head(rid, "chat.completion", created, model),
+             b'[{"index":0,"message":{"role":"assistant","content":',
+             _NULL if content is None else _dumps(content)]
+    if reasoning is not None:
+        parts += (b',"reasoning_content":', _dumps(reasoning))
+    if calls is not None:
+        parts += (b',"tool_calls":[', b",".join(
+            b'{"id":%b,"type":"function","function":{"name":%b,"arguments":%b}}' % (
+                _dumps(c.id), _dumps(c.function.name), _dumps(c.function.arguments))
+            for c in calls), b"]")
+    parts += (b'},"logprobs":', _NULL if logprobs is None else logprobs.model_dump_json().encode(),
+              b',"finish_reason":', _reason(finish_reason), b'}],"usage":', usage_json(usage),
+              b"}")
+    return b"".join(parts)
 
 
 def _ids(token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> bytes:

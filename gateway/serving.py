@@ -23,11 +23,10 @@ from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
-from gateway.chunks import completion_body
+from gateway.chunks import chat_body, completion_body
 from gateway.dispatch import Dispatcher, RequestRun
 from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
 from gateway.metrics import Metrics, TokenClock
-from gateway.openai_responses import ChatChoice, ChatCompletionResponse, ChatMessageOut
 from gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -281,7 +280,7 @@ class GenerationHandler:
             run.close()
             self._account(outcome, out, run, t0)
         created = int(time.time())
-        if chat_out is None:  # the common case: bytes straight from the parts (gateway/chunks.py)
+        if chat_out is None:  # bytes straight from the parts (gateway/chunks.py), as for chat
             logprobs_c = out.completion_logprobs(out.logprobs) if out.want_logprobs else None
             ids = out.return_token_ids
             body = completion_body(f"cmpl-{request_id}", created, self.model_name, "".join(parts),
@@ -290,16 +289,12 @@ class GenerationHandler:
             return Response(body, media_type=_JSON, headers=headers)
         usage = out.usage(run.num_cached_tokens, chat_out.reasoning_tokens
                           if chat_out.has_reasoning_parser else None)
-        message = ChatMessageOut(content=chat_out.message_content(),
-                                 reasoning_content=chat_out.message_reasoning(),
-                                 tool_calls=chat_out.calls or None)
         logprobs = out.chat_logprobs(out.logprobs) if out.want_logprobs else None
-        resp = ChatCompletionResponse(
-            id=f"chatcmpl-{request_id}", created=created, model=self.model_name,
-            usage=usage.model(),
-            choices=[ChatChoice(message=message, logprobs=logprobs,
-                                finish_reason=chat_out.finish_reason(out.finish_reason))])
-        return Response(resp.model_dump_json().encode(), media_type=_JSON, headers=headers)
+        body = chat_body(f"chatcmpl-{request_id}", created, self.model_name,
+                         chat_out.message_content(), chat_out.message_reasoning(),
+                         chat_out.calls or None, logprobs,
+                         chat_out.finish_reason(out.finish_reason), usage)
+        return Response(body, media_type=_JSON, headers=headers)
 
     async def _stream(self, run: RequestRun, first: Output, out: OutputAssembler,
                       chat_out: ChatOutput | None, stream: StreamEvents, include_usage: bool,

@@ -6,22 +6,26 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.agent_types import FunctionCallDelta, ToolCallDelta
+from gateway.agent_types import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 from gateway.chat_output import CallPiece, ChatPiece
 from gateway.chunks import (
     EMPTY_DELTA,
     ROLE_DELTA,
     ChatEvents,
     CompletionEvents,
+    chat_body,
     completion_body,
     usage_json,
 )
 from gateway.openai_responses import (
+    ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionResponse,
     ChatDelta,
     ChatLogprobEntry,
     ChatLogprobs,
+    ChatMessageOut,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -135,6 +139,30 @@ def test_usage_events_and_completion_body() -> None:
     chunk = CompletionChunk(id="c", created=1, model="m", choices=[
         CompletionChoice(text="a", logprobs=lp)])
     assert CompletionEvents("c", 1, "m").text("a", None, lp) == sse(chunk)
+
+
+CALLS = st.one_of(st.none(), st.lists(st.tuples(TEXT, TEXT, TEXT), min_size=1, max_size=3))
+LOGPROBS = ChatLogprobs(content=[ChatLogprobEntry(token="a", logprob=-0.5, bytes=[97],
+                                                  top_logprobs=[])])
+
+
+@settings(max_examples=300, deadline=None)
+@given(content=st.one_of(st.none(), TEXT), reasoning=st.one_of(st.none(), TEXT), calls=CALLS,
+       reason=REASON, logprobs=st.sampled_from([None, LOGPROBS]),
+       reasoning_tokens=st.one_of(st.none(), st.integers(0, 9)))
+def test_chat_body_bytes(content: str | None, reasoning: str | None,
+                         calls: list[tuple[str, str, str]] | None, reason: str | None,
+                         logprobs: ChatLogprobs | None, reasoning_tokens: int | None) -> None:
+    tool_calls = None if calls is None else [
+        ToolCall(id=i, function=FunctionCall(name=n, arguments=a)) for i, n, a in calls]
+    usage = UsageCounts(7, 3, 2, reasoning_tokens)
+    want = ChatCompletionResponse(id="chatcmpl-x", created=5, model="m", usage=usage.model(),
+                                  choices=[ChatChoice(message=ChatMessageOut(
+                                      content=content, reasoning_content=reasoning,
+                                      tool_calls=tool_calls), logprobs=logprobs,
+                                      finish_reason=reason)])
+    got = chat_body("chatcmpl-x", 5, "m", content, reasoning, tool_calls, logprobs, reason, usage)
+    assert got == want.model_dump_json().encode()
 
 
 def test_return_token_ids_fields() -> None:
