@@ -57,8 +57,8 @@ def usage_json(usage: UsageCounts | None) -> bytes:
         return _NULL
     body = (b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,'
             b'"prompt_tokens_details":{"cached_tokens":%d}' % (
-                usage.prompt_tokens, usage.completion_tokens,
-                usage.prompt_tokens + usage.completion_tokens, usage.cached_tokens))
+                usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
+                usage.cached_tokens))
     if usage.reasoning_tokens is not None:
         body += b',"completion_tokens_details":{"reasoning_tokens":%d}' % usage.reasoning_tokens
     return body + b"}"

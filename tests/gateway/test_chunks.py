@@ -61,6 +61,16 @@ def pydantic_deltas(piece: ChatPiece) -> list[ChatDelta]:
     return out
 
 
+def usage_model(u: UsageCounts) -> Usage:
+    """The pydantic Usage the counts stand for (the reference the bytes are held to)."""
+    details = None if u.reasoning_tokens is None else CompletionTokensDetails(
+        reasoning_tokens=u.reasoning_tokens)
+    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                 total_tokens=u.total_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+                 completion_tokens_details=details)
+
+
 def sse(model: object) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"  # type: ignore[attr-defined]
 
@@ -118,20 +128,20 @@ def test_chat_role_empty_and_tool_call_deltas() -> None:
 def test_usage_events_and_completion_body() -> None:
     usage = UsageCounts(prompt_tokens=5, completion_tokens=2, cached_tokens=4)
     with_reasoning = UsageCounts(5, 2, 4, reasoning_tokens=1)
-    assert usage.model() == Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
+    assert usage_model(usage) == Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7,
                                   prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
-    assert with_reasoning.model().completion_tokens_details == CompletionTokensDetails(
+    assert usage_model(with_reasoning).completion_tokens_details == CompletionTokensDetails(
         reasoning_tokens=1)
     for u in (usage, with_reasoning, UsageCounts(0, 0, 0, 0)):
-        assert usage_json(u) == u.model().model_dump_json().encode()
+        assert usage_json(u) == usage_model(u).model_dump_json().encode()
         assert CompletionEvents("c", 1, "m").usage(u) == sse(
-            CompletionChunk(id="c", created=1, model="m", choices=[], usage=u.model()))
+            CompletionChunk(id="c", created=1, model="m", choices=[], usage=usage_model(u)))
         assert ChatEvents("c", 1, "m").usage(u) == sse(
-            ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=u.model()))
+            ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=usage_model(u)))
     lp = CompletionLogprobs(tokens=["a"], token_logprobs=[-0.25], top_logprobs=[{"a": -0.25}],
                             text_offset=[0])
     for logprobs in (None, lp):
-        want = CompletionResponse(id="cmpl-9", created=11, model="tiny", usage=usage.model(),
+        want = CompletionResponse(id="cmpl-9", created=11, model="tiny", usage=usage_model(usage),
                                   choices=[
             CompletionChoice(text="héllo\n\"x\"", finish_reason="length", logprobs=logprobs)])
         got = completion_body("cmpl-9", 11, "tiny", "héllo\n\"x\"", "length", logprobs, usage)
@@ -156,7 +166,7 @@ def test_chat_body_bytes(content: str | None, reasoning: str | None,
     tool_calls = None if calls is None else [
         ToolCall(id=i, function=FunctionCall(name=n, arguments=a)) for i, n, a in calls]
     usage = UsageCounts(7, 3, 2, reasoning_tokens)
-    want = ChatCompletionResponse(id="chatcmpl-x", created=5, model="m", usage=usage.model(),
+    want = ChatCompletionResponse(id="chatcmpl-x", created=5, model="m", usage=usage_model(usage),
                                   choices=[ChatChoice(message=ChatMessageOut(
                                       content=content, reasoning_content=reasoning,
                                       tool_calls=tool_calls), logprobs=logprobs,
