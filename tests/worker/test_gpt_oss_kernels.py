@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from tests.worker.interpreter import run_interpreted
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache, KVShape
 from worker.model.attention import TorchSDPABackend
@@ -123,6 +124,41 @@ def test_decode_kernel_with_sinks_equals_reference(window: int | None, splits: i
         sinks=big,
     )
     assert float(got.abs().max()) < 1e-6
+
+
+_EMPTY_SPLITS = """
+import torch
+from tests.worker.test_gpt_oss_kernels import D, _batch, _reference
+from worker.model.triton_attention import triton_paged_decode
+
+real_empty = torch.empty
+
+def poisoned(*args, **kwargs):  # the split partials' buffers start as NaN, not as zeros
+    t = real_empty(*args, **kwargs)
+    return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
+# 1- to 38-token contexts over 8 splits: most splits of the short ones hold nothing
+batch, kv, q, sinks = _batch([(0, 1), (4, 1), (20, 1), (37, 1)], seed=2)
+k_cache, v_cache = kv.layer(0)
+for window in (None, 6):
+    for s in (sinks, None):
+        torch.empty = poisoned
+        try:
+            got = triton_paged_decode(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
+                                      D**-0.5, window, num_splits=8, sinks=s)
+        finally:
+            torch.empty = real_empty
+        want = _reference(batch, kv, q, window, s)
+        err = float((got - want).abs().max())
+        assert err < 1e-4, (window, s is not None, err)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_decode_merge_reads_only_the_splits_that_held_tokens_under_the_interpreter() -> None:
+    """Splits past a short context write nothing and the merge reads nothing of them (their
+    partial rows are never written): with those buffers poisoned, outputs still match."""
+    run_interpreted(_EMPTY_SPLITS)
 
 
 @kernels
