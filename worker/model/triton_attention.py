@@ -12,7 +12,7 @@
   more than one split, a second kernel merges the partial outputs by their log-sum-exp. The
   split count depends only on the batch size and the page dtype (a CUDA graph captures it),
   chosen so that B * Hkv * splits fills the GPU (DECODE_SPLITS); a split whose share is empty
-  exits at once.
+  writes only its log-sum-exp (-inf), and the merge reads no partial row of such a split.
 - prefill / mixed steps: the one-token requests go through the decode kernel. The multi-token
   requests, while they are short (none with more than PREFILL_KERNEL_CELLS new-token x context
   pairs: a mixed step's prompts and chunks), go through one launch of the paged prefill kernel of
