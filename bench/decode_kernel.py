@@ -33,6 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gemv import graph_time  # noqa: E402
+
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CTX = 32768
 # The sweep's defaults: batch: split counts tried; BLOCK_N, stages and warps
@@ -45,15 +47,14 @@ CHECK = ((32768, 1), (32768, 8), (4096, 8), (2048, 16), (1024, 1), (576, 64))
 BEFORE = {"bf16": (64, 2, 4), "fp8": (128, 3, 4)}
 
 
-def _tensors(dtype: torch.dtype, batch: int, pages: int, width: int) -> dict[str, Any]:
+def _tensors(dtype: torch.dtype, batch: int, pages: int) -> dict[str, Any]:
     kc = torch.randn(pages, HKV, PAGE, D, device="cuda").to(dtype)
     vc = torch.randn(pages, HKV, PAGE, D, device="cuda").to(dtype)
-    table = torch.randint(0, pages, (batch, width), device="cuda")  # int64, as the engine's
     scales = None
     if dtype == torch.float8_e4m3fn:
         scales = (torch.rand(HKV, device="cuda") + 0.5, torch.rand(HKV, device="cuda") + 0.5)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    return dict(q=q, k_cache=kc, v_cache=vc, page_table=table, kv_scales=scales)
+    return dict(q=q, k_cache=kc, v_cache=vc, kv_scales=scales)
 
 
 def _setting(name: str, bn: int, stages: int, warps: int) -> dict[str, Any]:
@@ -68,42 +69,17 @@ def _compile(job: tuple[str, int, int, int, int]) -> str | None:
     from worker.model.triton_attention import triton_paged_decode
 
     name, bn, stages, warps, splits = job
-    t = _tensors(DTYPES[name], 1, 64, CTX // PAGE)
+    t = _tensors(DTYPES[name], 1, 64)
+    table = torch.randint(0, 64, (1, CTX // PAGE), device="cuda")  # int64, as the engine's
     lens = torch.full((1,), 256, device="cuda")
     try:
-        triton_paged_decode(t["q"], t["k_cache"], t["v_cache"], t["page_table"], lens, D**-0.5,
+        triton_paged_decode(t["q"], t["k_cache"], t["v_cache"], table, lens, D**-0.5,
                             num_splits=splits, kv_scales=t["kv_scales"],
                             **_setting(name, bn, stages, warps))
         torch.cuda.synchronize()
         return None
     except Exception as e:  # shared memory or registers past the SM's: not a setting
         return f"{type(e).__name__}: {str(e)[:120]}"
-
-
-def _graph_time(calls: list[Any]) -> float:
-    """Seconds per call of `calls` captured back to back in one CUDA graph, as the engine's
-    decode steps replay the kernel (timed eagerly, a one-request call measures Python's launch
-    of its two kernels, ~50 us, not the GPU); replayed for >= 20 ms."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        calls[0]()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = 1
-    for _ in range(2):  # the first pass finds how many replays make 20 ms
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1000
-        replays, per_replay = max(3, int(0.02 * replays / seconds) + 1), seconds / replays
-    return per_replay / len(calls)
 
 
 class Shape:
@@ -115,7 +91,7 @@ class Shape:
         need = batch * ctx // PAGE
         self.gb = 2 * need * HKV * PAGE * D * dtype.itemsize / 1e9
         self.sets = max(1, min(64, -(-256 // int(self.gb * 1000 + 1))))  # >= 256 MB in all
-        self.bufs = _tensors(dtype, batch, need * self.sets, CTX // PAGE)
+        self.bufs = _tensors(dtype, batch, need * self.sets)
         # [sets, B, 2048]: the width (the row stride) of the engine's table at 32k
         self.tables = torch.zeros(self.sets, batch, CTX // PAGE, dtype=torch.int64, device="cuda")
         self.tables[..., : ctx // PAGE] = torch.randperm(need * self.sets, device="cuda").view(
@@ -132,9 +108,11 @@ class Shape:
                                        D**-0.5, num_splits=splits, kv_scales=b["kv_scales"],
                                        **cfg)
 
-        reps = max(16, self.sets)
-        return self.gb / _graph_time([functools.partial(call, self.tables[i % self.sets])
-                                      for i in range(reps)])
+        # as the engine's decode steps replay it (timed eagerly, a one-request call measures
+        # Python's launch of its two kernels, ~50 us, not the GPU)
+        calls = [functools.partial(call, self.tables[i % self.sets])
+                 for i in range(max(16, self.sets))]
+        return self.gb / (graph_time(lambda: [c() for c in calls], 3, min_s=0.02) / len(calls))
 
 
 def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],

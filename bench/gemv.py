@@ -42,8 +42,9 @@ SHAPES = {  # name: (rows of W, K, how the engine calls it, copies)
 }
 
 
-def graph_time(fn: Callable[[], object], replays: int = 10) -> float:
-    """Seconds per call of fn (which launches many kernels) replayed as one CUDA graph."""
+def graph_time(fn: Callable[[], object], replays: int = 10, min_s: float = 0.0) -> float:
+    """Seconds per call of fn (which launches many kernels) replayed as one CUDA graph:
+    `replays` times, or as many more as make `min_s` seconds."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -55,12 +56,16 @@ def graph_time(fn: Callable[[], object], replays: int = 10) -> float:
     g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / replays
+    while True:
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+        if seconds >= min_s:
+            return seconds / replays
+        replays = int(replays * min_s / seconds) + 1
 
 
 def copy_ceiling() -> float:
