@@ -44,36 +44,49 @@ def test_bundles_hold_a_replicas_ranks() -> None:
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-@pytest.fixture(scope="module")
-def ray_head() -> Iterator[str]:
-    """A real local Ray cluster (`ray start --head`), shared by this module's launches."""
+def _start_head(log: Path) -> tuple[subprocess.Popen[bytes], int] | None:
+    """`ray start --head` on a free port, its output in `log`; None when it exited before its
+    GCS port accepted connections."""
     port = free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
-    head = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--node-ip-address=127.0.0.1",
-            f"--port={port}",
-            "--disable-usage-stats",
-        ],
-        env={**os.environ, **RAY_ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("wb") as out:
+        head = subprocess.Popen(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus=2",
+                "--include-dashboard=false",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--disable-usage-stats",
+            ],
+            env={**os.environ, **RAY_ENV},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 60
     while True:  # the head is up once its GCS port accepts connections
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert head.poll() is None and time.monotonic() < deadline, (
-            "ray start --head did not come up"
-        )
+                return head, port
+        if head.poll() is not None:
+            return None
+        assert time.monotonic() < deadline, f"ray start --head not up in 60 s:\n{log.read_text()}"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real local Ray cluster (`ray start --head`), shared by this module's launches. The
+    port is picked free before ray binds it (and ray binds more than it): a head that exits at
+    once is started again, once, on another port."""
+    logs = [tmp_path_factory.mktemp("ray") / f"head-{i}.log" for i in range(2)]
+    started = _start_head(logs[0]) or _start_head(logs[1])
+    assert started is not None, "ray start --head exited twice:\n" + "\n".join(
+        log.read_text()[-2000:] for log in logs)
+    head, port = started
     try:
         yield f"127.0.0.1:{port}"
     finally:
