@@ -253,13 +253,13 @@ def test_fp8_gemv_folds_the_block_scales_in(dtype: torch.dtype, n: int, k: int) 
         out=torch.empty(1, n, dtype=torch.float32, device=DEVICE),
     )
     assert _rel(out.cpu(), ref) < 1e-2 and _rel(out[:, :1].cpu(), ref[:, :1]) < 1e-2
-    if k <= gemv.MAX_K_ONE_BLOCK:  # the norm folded in, and the gate|up pair with SiLU·mul
-        norm = _norm(k, dtype, g)
-        with torch.no_grad():
-            xn = norm(x).cpu().float()
-        out = gemv.gemv(x, w, norm=(norm.weight, norm.eps), w_scale=ws, block=(128, 128))
+    norm = _norm(k, dtype, g)  # the norm folded in (K whole or looped), and the gate|up pair
+    with torch.no_grad():
+        xn = norm(x).cpu().float()
+    for cfg in ({}, {"BLOCK_K": 128, "num_stages": 3}):
+        out = gemv.gemv(x, w, norm=(norm.weight, norm.eps), w_scale=ws, block=(128, 128), **cfg)
         assert _rel(out.cpu(), F.linear(xn, w_ref)) < 2e-2
-        pair = gemv.gemv(x, w, pair=True, w_scale=ws, block=(128, 128))
+        pair = gemv.gemv(x, w, pair=True, w_scale=ws, block=(128, 128), **cfg)
         gate, up = ref.chunk(2, dim=-1)
         assert _rel(pair.cpu(), F.silu(gate) * up) < 2e-2
     stream = _dev(torch.randn(1, n, generator=g).to(dtype))
