@@ -8,8 +8,9 @@ Sections (`--sections`, default all):
   torch._scaled_mm with the same 1x128 / 128x128 scales (cuBLAS, CUDA ≥ 12.9) and bf16 cuBLAS.
 - decode: the Engine (qwen3-8b shape, dummy weights) with FP8 weights at batch 1 vs its FP8
   roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batches 16 and 64 with FP8
-  weights and FP8 KV; batch 16 again with the split-K GEMM off (`without_splitk`, the baseline
-  of the same process); the bf16 engine at batch 1 beside it.
+  weights and FP8 KV, with a torch.profiler look at batches 1 and 64; batch 16 again with the
+  split-K GEMM off (`without_splitk`, the baseline of the same process); the bf16 engine at
+  batch 1 beside it.
 - prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
   transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
@@ -284,6 +285,8 @@ def main() -> None:
             section("fp8_weights_b1", lambda: decode(e8, 1, PROMPT_LEN, new, bw, 1))
             section("fp8_weights_fp8_kv_b16", lambda: decode(e8, 16, PROMPT_LEN, new, bw, 16))
             section("fp8_weights_fp8_kv_b64", lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
+            for b in (1, 64):  # where the steps' time goes
+                section(f"profile_fp8_b{b}", lambda b=b: profile_decode(e8, b, 10, PROMPT_LEN))
 
         def prefill() -> dict[str, float]:
             t = min(

@@ -181,8 +181,10 @@ def profile_decode(
         "step_wall_ms": wall * 1e3,
         "gpu_kernel_ms_per_step": gpu_us / 1e3,
         "gpu_idle_fraction": max(0.0, 1 - gpu_us / 1e3 / (wall * 1e3)),
-        "top_kernels_ms_per_step": [
-            (e.key[:70], e.self_device_time_total / steps / 1e3) for e in events[:10]
+        "kernels_per_step": sum(e.count for e in events) / steps,
+        "top_kernels_ms_per_step": [  # (name, ms a step, launches a step)
+            (e.key[:70], e.self_device_time_total / steps / 1e3, e.count / steps)
+            for e in events[:14]
         ],
     }
 
