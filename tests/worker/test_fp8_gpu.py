@@ -1,6 +1,6 @@
 """FP8 kernels against their dequantized references: the KV store, the paged decode kernel and
 the fused q/k norm + RoPE store over e4m3 pages with per-head scales
-(worker/model/triton_attention.py, fused.py); the block-scaled GEMM and the FP8 GEMV
+(worker/model/triton_attention.py, fused_rope.py); the block-scaled GEMM and the FP8 GEMV
 (worker/model/fp8_gemm.py, gemv.py); and a GPU engine serving an FP8 checkpoint with FP8 KV.
 
 Kernel tests run on CUDA; with `TRITON_INTERPRET=1` and triton installed the kernels that only
@@ -127,7 +127,7 @@ def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int) -> None:
 def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype) -> None:
     """The fused store divides by each head's scale and saturates as store_kv does."""
     from tests.worker.test_fused_gpu import ROPES, _norm, _strided
-    from worker.model import fused
+    from worker.model import fused_rope
     from worker.model.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(3)
@@ -139,7 +139,7 @@ def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype) -> None:
     kc, vc = (torch.zeros(4, hkv, page, d, dtype=fp8.FP8, device=DEVICE) for _ in range(2))
     ref_k, ref_v = (torch.zeros(4, hkv, page, d, dtype=fp8.FP8) for _ in range(2))
     unfused = qkv.clone()
-    fused.qk_norm_rope(
+    fused_rope.qk_norm_rope(
         qkv,
         hq,
         hkv,
@@ -151,7 +151,7 @@ def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype) -> None:
         kv_cache=(kc, vc, slots),
         kv_scales=_scales(),
     )
-    fused.qk_norm_rope(
+    fused_rope.qk_norm_rope(
         unfused, hq, hkv, cos, sin, qn.weight, kn.weight, 1e-6
     )  # the same rotation, no store
     k = unfused[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d).cpu()

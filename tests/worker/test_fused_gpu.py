@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model import fused
+from worker.model import fused, fused_rope
 from worker.model.hf_config import RopeConfig
 from worker.model.layers import RMSNorm
 from worker.model.rope import RotaryEmbedding, apply_rope
@@ -176,7 +176,7 @@ def test_qk_norm_rope_matches_reference(
         (tokens, 7), (qkv.stride(0), 1), qkv.storage_offset() + width
     )  # the NaN padding
 
-    fused.qk_norm_rope(
+    fused_rope.qk_norm_rope(
         qkv,
         hq,
         hkv,
@@ -221,7 +221,7 @@ def test_qk_norm_rope_stores_k_and_v_in_their_slots(
     v_cache = k_cache.clone()
     want_k, want_v = k_cache.clone(), v_cache.clone()
     ref = qkv.clone()
-    fused.qk_norm_rope(
+    fused_rope.qk_norm_rope(
         ref, hq, hkv, cos, sin, q_norm.weight, k_norm.weight, 1e-6
     )  # then the store kernel's job:
     k_ref = ref[:, hq * head_dim : (hq + hkv) * head_dim].reshape(tokens, hkv, head_dim)
@@ -229,7 +229,7 @@ def test_qk_norm_rope_stores_k_and_v_in_their_slots(
     keep = slots >= 0
     store_kv(k_ref[keep], v_ref[keep], want_k, want_v, slots[keep])
 
-    fused.qk_norm_rope(
+    fused_rope.qk_norm_rope(
         qkv,
         hq,
         hkv,
@@ -259,12 +259,12 @@ def test_kernels_refuse_wrong_shapes_clearly() -> None:
         fused.silu_mul(torch.zeros(2, 7, device=DEVICE))
     cos = torch.zeros(2, 4, device=DEVICE)
     with pytest.raises(ValueError, match="qkv must be"):
-        fused.qk_norm_rope(torch.zeros(2, 10, device=DEVICE), 1, 1, cos, cos)
+        fused_rope.qk_norm_rope(torch.zeros(2, 10, device=DEVICE), 1, 1, cos, cos)
     with pytest.raises(ValueError, match="out must be"):
         fused.rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, out=torch.zeros(2, 4, device=DEVICE))
     cache = torch.zeros(3, 2, 4, 2, device=DEVICE)  # 2 kv heads where the qkv has 1
     with pytest.raises(ValueError, match="kv_cache must be"):
-        fused.qk_norm_rope(
+        fused_rope.qk_norm_rope(
             torch.zeros(2, 12, device=DEVICE),
             1,
             1,

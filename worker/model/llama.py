@@ -8,8 +8,9 @@ q/k/v and gate/up fused; `weight_slots` maps the checkpoint names onto the fused
 The residual stream is carried beside each layer's output, as vLLM and SGLang do: a layer
 returns (its MLP's output, the residual so far) and the next norm adds them (`add_norm`), so
 on CUDA the add is fused into the norm. `set_fused_kernels(True)` (the loader's choice on
-CUDA) also runs q/k norm + RoPE and SiLU·mul as single Triton kernels (worker/model/fused.py);
-the torch code is the reference and the CPU path, with the same sums in the same order.
+CUDA) also runs q/k norm + RoPE and SiLU·mul as single Triton kernels (worker/model/fused.py,
+fused_rope.py); the torch code is the reference and the CPU path, with the same sums in the
+same order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
-from worker.model import fp8, fused, gemv
+from worker.model import fp8, fused, fused_rope, gemv
 from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.hf_config import ArchConfig
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         # one kernel.
         store = (k_cache, v_cache, batch.slot_mapping) if self.fused and window is None else None
         if self.fused:
-            fused.qk_norm_rope(
+            fused_rope.qk_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, cos, sin,
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,

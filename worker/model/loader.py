@@ -412,7 +412,7 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
     set_kv_scales(lm, kv_scales, tp)
     lm.eval()
     if fused.available(device):
-        lm.set_fused_kernels(True)  # Triton norm / RoPE / SiLU·mul kernels (worker/model/fused.py)
+        lm.set_fused_kernels(True)  # Triton norm / RoPE / SiLU·mul kernels (worker/model/fused*.py)
     spec = ModelSpec(
         architecture=arch.architecture,
         num_layers=arch.num_layers,
