@@ -9,7 +9,8 @@ Sections (`--sections`, default all):
 - decode: the Engine (qwen3-8b shape, dummy weights) with FP8 weights at batch 1 vs its FP8
   roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batches 16 and 64 with FP8
   weights and FP8 KV, with a torch.profiler look at batches 1 and 64; batch 16 again with the
-  split-K GEMM off (`without_splitk`, the baseline of the same process); the bf16 engine at
+  split-K GEMM off (`without_splitk`, the baseline of the same process), batch 64 again with
+  each GEMM's input quantized in its own kernel (`without_fused_quant`); the bf16 engine at
   batch 1 beside it.
 - prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
@@ -122,12 +123,27 @@ def without_splitk() -> Iterator[None]:
     Engines built inside capture their graphs this way."""
     from worker.model import fp8_splitk
 
-    saved = fp8_splitk.takes
-    fp8_splitk.takes = lambda *a: False  # type: ignore[assignment]
+    saved = fp8_splitk.fits
+    fp8_splitk.fits = lambda *a: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        fp8_splitk.takes = saved
+        fp8_splitk.fits = saved
+
+
+@contextlib.contextmanager
+def without_fused_quant() -> Iterator[None]:
+    """The dispatch before the fused activation quantization (worker/model/fp8_act.py): every
+    cuBLAS step quantizes its input in its own kernel. Engines built inside capture their
+    graphs this way."""
+    from worker.model import fp8_gemm
+
+    saved = fp8_gemm.input_rows
+    fp8_gemm.input_rows = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fp8_gemm.input_rows = saved
 
 
 def fp8_matmul_rate() -> float:
@@ -175,7 +191,8 @@ def _gemm_row(
     cuBLAS (one copy)."""
     from bench.gemv import graph_time
     from worker.model.fp8 import BlockFp8Config
-    from worker.model.fp8_gemm import block_fp8_matmul, quantize_activations
+    from worker.model.fp8_act import quantize_activations
+    from worker.model.fp8_gemm import block_fp8_matmul
 
     n, k = weights[0][0].shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -320,6 +337,12 @@ def main() -> None:
             section(
                 "before_fp8_weights_fp8_kv_b16", lambda: decode(e8, 16, PROMPT_LEN, new, bw, 16)
             )
+            del e8
+            torch.cuda.empty_cache()
+        with without_fused_quant():  # and the one before the quantizer joined norm and SiLU·mul
+            e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new))
+            section("unfused_quant_fp8_weights_fp8_kv_b64",
+                    lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
             del e8
             torch.cuda.empty_cache()
         eb = engine(MODEL_DIR, "auto", 16384, 8, 8 * (PROMPT_LEN + new))

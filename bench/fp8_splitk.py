@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gemv import HIDDEN, INTER, KV, Q, copy_ceiling, graph_time  # noqa: E402
 from worker.model.fp8 import BlockFp8Config  # noqa: E402
-from worker.model.fp8_gemm import quantize_activations  # noqa: E402
+from worker.model.fp8_act import quantize_activations  # noqa: E402
 from worker.model.fp8_splitk import SplitCounters, default_config, fp8_splitk  # noqa: E402
 from worker.model.gemv import gemv  # noqa: E402
 

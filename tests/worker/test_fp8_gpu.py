@@ -179,7 +179,8 @@ def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
 def test_block_fp8_gemm_matches_its_dequantized_reference(
     dtype: torch.dtype, m: int, n: int, k: int
 ) -> None:
-    from worker.model.fp8_gemm import block_fp8_matmul, fp8_linear, quantize_activations
+    from worker.model.fp8_act import quantize_activations
+    from worker.model.fp8_gemm import block_fp8_matmul, fp8_linear
 
     w, ws, w_ref = _fp8_weight(n, k, seed=m + n)
     x = _dev(torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype))
@@ -216,14 +217,16 @@ def test_multi_token_steps_take_cublas_with_the_same_operands(m: int, n: int, k:
     rows padded to a multiple of 4) on the same quantized operands as the Triton GEMM, so both
     agree."""
     from worker.model import fp8_gemm
+    from worker.model.fp8_act import quantize_activations
 
     if not fp8_gemm.cublas_blockwise(torch.device(DEVICE)):
         pytest.skip("this GPU / CUDA has no blockwise scaled_mm")
     w, ws, _ = _fp8_weight(n, k, seed=m)
     x = _dev(torch.randn(m, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16))
     bias = _dev(torch.randn(n).to(torch.bfloat16))
-    assert fp8_gemm._use_cublas(x, n, BLOCK) == (n % 128 == 0 and k % 512 == 0)
-    xq, xs = fp8_gemm.quantize_activations(x)
+    cublas = fp8_gemm.route(m, k, n, x.dtype, x.device, BLOCK, False) is fp8_gemm.Route.CUBLAS
+    assert cublas == (n % 128 == 0 and k % 512 == 0)
+    xq, xs = quantize_activations(x)
     triton = fp8_gemm.block_fp8_matmul(xq, xs, w, ws, BLOCK, bias, torch.bfloat16)
     out = fp8_gemm.fp8_linear(x, w, ws, bias, BLOCK)
     assert out.dtype == torch.bfloat16 and _rel(out.float(), triton.float()) < 1e-2

@@ -14,7 +14,8 @@ from tests.worker.interpreter import run_interpreted
 from tests.worker.test_fused_gpu import HAS_TRITON, _rel, gpu
 from worker.model import fp8
 from worker.model.fp8 import BlockFp8Config
-from worker.model.fp8_splitk import KERNEL_TOKENS, MAX_TOKENS, SplitCounters, fp8_splitk, takes
+from worker.model.fp8_gemm import Route, route
+from worker.model.fp8_splitk import KERNEL_TOKENS, MAX_TOKENS, SplitCounters, fits, fp8_splitk
 
 BLOCK = BlockFp8Config()
 CASES = [  # m, n, k, split, bias
@@ -22,7 +23,7 @@ CASES = [  # m, n, k, split, bias
     (3, 256, 512, 2, False),
     (5, 200, 300, 1, False),  # N and K not whole blocks
     (16, 384, 1024, 8, True),
-    (40, 128, 512, 2, False),  # past what `takes` sends: the bench's 32 and 64 tokens
+    (40, 128, 512, 2, False),  # past what `fits` takes: the bench's 32 and 64 tokens
     (9, 192, 640, 3, True),  # 5 K blocks over 3 splits: the last one short
 ]
 
@@ -62,11 +63,14 @@ def test_splitk_under_the_interpreter_sums_its_splits_and_resets_its_counters() 
 
 
 def test_takes_small_bf16_batches_on_cuda_only() -> None:
-    x = torch.zeros(4, 256, dtype=torch.bfloat16)
-    assert not takes(x, BLOCK)  # CPU: the reference path (dequantize, F.linear)
-    if torch.cuda.is_available():
-        assert takes(x.cuda(), BLOCK) and not takes(x.cuda().float(), BLOCK)
-        assert not takes(torch.zeros(MAX_TOKENS + 1, 256, device="cuda"), BLOCK)
+    assert fits(4, torch.bfloat16, BLOCK) and fits(MAX_TOKENS, torch.float16, BLOCK)
+    assert not fits(4, torch.float32, BLOCK) and not fits(MAX_TOKENS + 1, torch.bfloat16, BLOCK)
+    assert not fits(0, torch.bfloat16, BLOCK)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # route() only reads the device type
+    assert route(4, 256, 128, torch.bfloat16, cpu, BLOCK, True) is Route.REFERENCE
+    assert route(4, 256, 128, torch.bfloat16, cuda, BLOCK, True) is Route.SPLITK
+    assert route(4, 256, 128, torch.float32, cuda, BLOCK, True) is not Route.SPLITK
+    assert route(4, 256, 128, torch.bfloat16, cuda, BLOCK, False) is not Route.SPLITK
     with pytest.raises(ValueError, match="M ≤ 64"):
         fp8_splitk(torch.zeros(KERNEL_TOKENS + 1, 256), torch.zeros(128, 256, dtype=fp8.FP8),
                    torch.ones(1, 2), BLOCK, SplitCounters())

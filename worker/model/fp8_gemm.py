@@ -2,7 +2,7 @@
 
 The DeepSeek-V3 recipe, as vLLM and SGLang run it: the weight is e4m3 with one float32 scale per
 128×128 block (`weight_scale_inv`, worker/model/fp8.py); the activations are quantized on the
-fly per token and 128-wide group of input features (1×128, dynamic: `quantize_activations`), so
+fly per token and 128-wide group of input features (1×128, dynamic: worker/model/fp8_act.py), so
 each 128-deep step of the K loop is one FP8 tensor-core dot rescaled by its token's group scale
 and its weight block's scale, accumulated in float32 (`block_fp8_matmul`). One-token steps do
 not come here: the GEMV reads the FP8 weight and folds the block scales in
@@ -24,6 +24,7 @@ rounds float32 → e4m3 without the carry into the exponent (31.9 → 16) and wi
 
 from __future__ import annotations
 
+import enum
 import functools
 from types import SimpleNamespace
 
@@ -31,41 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from worker.model import fp8_splitk
-from worker.model.fp8 import FP8, FP8_MAX, BlockFp8Config, dequantize_weight
+from worker.model.fp8 import FP8, BlockFp8Config, dequantize_weight
+from worker.model.fp8_act import PAD_ROWS, Fp8Rows, quantize_activations
 from worker.model.fp8_splitk import SplitCounters
-from worker.model.fused import next_pow2
 
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def act_quant_kernel(
-        x_ptr,
-        q_ptr,
-        s_ptr,
-        stride_x,
-        stride_q,
-        stride_sm,
-        stride_sg,
-        K,
-        GROUP: tl.constexpr,
-        GROUPS: tl.constexpr,
-    ):
-        # One row per program: its groups as a [GROUPS, GROUP] tile (GROUPS a power of two).
-        row = tl.program_id(0).to(tl.int64)
-        g = tl.arange(0, GROUPS)
-        k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
-        mask = k < K
-        x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-10)  # an all-zero group keeps a finite scale
-        # div_rn: IEEE division, as torch divides (Triton's `/` is the approximate one).
-        scale = tl.math.div_rn(amax, 448.0)  # [G]
-        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < K)
 
     @triton.jit
     def gemm_kernel(
@@ -126,51 +101,7 @@ def _kernels() -> SimpleNamespace:
         c = c_ptr + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
-    return SimpleNamespace(act_quant=act_quant_kernel, gemm=gemm_kernel)
-
-
-def quantize_activations(
-    x: torch.Tensor, group: int = 128, pad_rows: int = 1, m_major: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (e4m3 [M', K], scales [M', ceil(K/group)] float32): per token and group of
-    `group` features, the largest |value| maps to 448 (dynamic activation scaling). M' is M
-    rounded up to a multiple of `pad_rows`; the rows past M are not written (their products
-    are sliced off). `m_major`: the scales laid out M-major, as cuBLAS's blockwise scaled_mm
-    takes them (the Triton GEMM reads either; row-major, its loads run faster: at M = 64 the
-    qkv projection ran at 200 TFLOP/s with row-major scales, 125 with M-major)."""
-    m, k = x.shape
-    groups = -(-k // group)
-    rows = -(-m // pad_rows) * pad_rows
-    q = torch.empty((rows, k), dtype=FP8, device=x.device)
-    if m_major:
-        s = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()  # [M', G]
-    else:
-        s = torch.empty((rows, groups), dtype=torch.float32, device=x.device)  # [M', G]
-    if (
-        x.device.type != "cuda"
-    ):  # torch ops (also under Triton's interpreter, whose e4m3 rounding is off)
-        xg = F.pad(x.float(), (0, groups * group - k)).view(m, -1, group)  # [M, G, group]
-        s[:m].copy_(xg.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
-        q[:m].copy_((xg / s[:m, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k].to(FP8))
-        return q, s
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if m:
-        padded = next_pow2(groups)
-        _kernels().act_quant[(m,)](
-            x,
-            q,
-            s,
-            x.stride(0),
-            q.stride(0),
-            s.stride(0),
-            s.stride(1),
-            k,
-            GROUP=group,
-            GROUPS=padded,
-            num_warps=8 if padded * group > 8192 else 4,
-        )
-    return q, s
+    return SimpleNamespace(gemm=gemm_kernel)
 
 
 def _interpreting() -> bool:
@@ -265,21 +196,53 @@ def _probe_cublas(device: torch.device) -> bool:
     return True
 
 
-def _use_cublas(x: torch.Tensor, n: int, quant: BlockFp8Config) -> bool:
-    """cuBLAS for every multi-token step it takes (bench/fp8.py's gemm rows, H200: ahead of or
-    level with the Triton GEMM's best tile at 16 and 64 tokens, 1.9x at 8192); Triton where
-    cuBLAS lacks the recipe or the shape (K a multiple of 512, N of 128)."""
-    return (
-        x.dtype == torch.bfloat16
+class Route(enum.Enum):
+    """Where `fp8_linear` sends a step (`route`)."""
+
+    REFERENCE = "reference"  # not CUDA: the weight dequantized, F.linear
+    SPLITK = "splitk"  # 1-32 tokens: fp8_splitk.py, x unquantized
+    CUBLAS = "cublas"  # x quantized 1×128 (fp8_act.py), cuBLAS's blockwise _scaled_mm
+    TRITON = "triton"  # x quantized 1×128, the block-scaled Triton GEMM above
+
+
+def route(
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, quant: BlockFp8Config,
+    splitk: bool,
+) -> Route:
+    """The path of a step x [m, k] (dtype, device) through W [n, k]; `splitk`: the linear hands
+    its tile counters. cuBLAS takes every multi-token step it can (bench/fp8.py's gemm rows,
+    H200: ahead of or level with the Triton GEMM's best tile at 16 and 64 tokens, 1.9x at
+    8192); Triton where cuBLAS lacks the recipe or the shape (K a multiple of 512, N of 128)."""
+    if device.type != "cuda" and not _interpreting():
+        return Route.REFERENCE
+    if splitk and device.type == "cuda" and fp8_splitk.fits(m, dtype, quant):
+        return Route.SPLITK
+    if (
+        device.type == "cuda"
+        and dtype == torch.bfloat16
         and (quant.block_n, quant.block_k) == (128, 128)
         and n % 128 == 0
-        and x.shape[1] % 512 == 0  # B's scales [K/128, N/128]: K/128 a multiple of 4 (see above)
-        and cublas_blockwise(x.device)
-    )
+        and k % 512 == 0  # B's scales [K/128, N/128]: K/128 a multiple of 4 (see fp8_linear)
+        and cublas_blockwise(device)
+    ):
+        return Route.CUBLAS
+    return Route.TRITON
+
+
+def input_rows(
+    m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, quant: BlockFp8Config,
+    splitk: bool,
+) -> Fp8Rows | None:
+    """Buffers for a linear's input x [m, k] when `fp8_linear` would quantize it for cuBLAS, for
+    the kernel that produces x to fill (worker/model/fused.py `into=`); None on any other
+    route (those read x as it is, or quantize it their own way)."""
+    if route(m, k, n, dtype, device, quant, splitk) is not Route.CUBLAS or m == 0:
+        return None
+    return Fp8Rows.empty(m, k, dtype, device)
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -287,22 +250,32 @@ def fp8_linear(
     counters: SplitCounters | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ dequant(w [N, K], w_scale)^T (+ bias) → [..., N] in x's dtype. `counters`
-    (the linear's own) lets decode-sized steps take the split-K GEMM (fp8_splitk.py)."""
+    (the linear's own) lets decode-sized steps take the split-K GEMM (fp8_splitk.py). x may
+    come quantized already (`Fp8Rows`, from `input_rows`): cuBLAS takes it as it is."""
+    if isinstance(x, Fp8Rows):
+        return _cublas(x, w, w_scale, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if x.device.type != "cuda" and not _interpreting():
+    path = route(x2.shape[0], k, w.shape[0], x.dtype, x.device, quant, counters is not None)
+    if path is Route.REFERENCE:
         return F.linear(
             x2, dequantize_weight(w, w_scale, (quant.block_n, quant.block_k), x.dtype), bias
         ).view(*lead, -1)
-    m = x2.shape[0]
-    if counters is not None and fp8_splitk.takes(x2, quant):
+    if path is Route.SPLITK and counters is not None:
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         return fp8_splitk.fp8_splitk(x2, w, w_scale, quant, counters, bias).view(*lead, -1)
-    if x.device.type == "cuda" and _use_cublas(x2, w.shape[0], quant):
-        # cuBLAS reads each scale tensor's leading dimension in 16-byte units: A's (M) is padded
-        # to a multiple of 4 rows here, B's (K/128) must be one already (_use_cublas). With
-        # K/128 = 2 or 3 it does not refuse: it misreads the scales (an H200, torch 2.13).
-        xq, xs = quantize_activations(x2, quant.block_k, pad_rows=4, m_major=True)
-        out = torch._scaled_mm(xq, w.t(), xs, w_scale.t(), out_dtype=x.dtype)[:m]
-        return (out if bias is None else out.add_(bias)).view(*lead, -1)
+    if path is Route.CUBLAS:
+        xq, xs = quantize_activations(x2, quant.block_k, pad_rows=PAD_ROWS, m_major=True)
+        return _cublas(Fp8Rows(xq, xs, x2.shape[0], x.dtype), w, w_scale, bias).view(*lead, -1)
     xq, xs = quantize_activations(x2, quant.block_k)
     return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)
+
+
+def _cublas(
+    x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # cuBLAS reads each scale tensor's leading dimension in 16-byte units: A's (M) is padded to
+    # a multiple of 4 rows (Fp8Rows), B's (K/128) must be one already (`route`). With K/128 = 2
+    # or 3 it does not refuse: it misreads the scales (an H200, torch 2.13).
+    out = torch._scaled_mm(x.q, w.t(), x.scales, w_scale.t(), out_dtype=x.dtype)[: x.rows]
+    return out if bias is None else out.add_(bias)

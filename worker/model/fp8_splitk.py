@@ -22,7 +22,7 @@ bench/fp8_splitk.py measures it per projection against cuBLAS and the one-token 
 8B shapes): at 4-16 tokens it reads 1.1-1.8x cuBLAS's GB/s, at 32 tokens 1.2x over a layer's
 four projections (gate|up alone 1.02x); at 64 tokens it is behind (the float16 tensor-core work
 and the widening grow with the tokens), and at one token the GEMV (worker/model/gemv.py) is
-ahead, so `takes` sends it 1-32 tokens and the engine's one-token step keeps the GEMV.
+ahead, so `fits` takes 1-32 tokens and the engine's one-token step keeps the GEMV.
 x·scale is rounded to float16 (x · 2^-7..2^-12 for typical blocks: well inside its range).
 The output is rounded to the model dtype as F.linear's is, then the bias added and rounded.
 """
@@ -38,7 +38,7 @@ import torch
 from worker.model.fp8 import BlockFp8Config
 from worker.model.fused import next_pow2
 
-MAX_TOKENS = 32  # the widest x `takes` sends here (bench/fp8_splitk.py: behind cuBLAS at 64)
+MAX_TOKENS = 32  # the widest x `fits` takes (bench/fp8_splitk.py: behind cuBLAS at 64)
 KERNEL_TOKENS = 64  # the widest x the kernel runs (its tile's token side, for the bench)
 
 
@@ -122,16 +122,11 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(splitk=splitk_kernel)
 
 
-def takes(x: torch.Tensor, quant: BlockFp8Config) -> bool:
-    """Whether a step x [M, K] of a linear with this quantization runs here: CUDA, 1 to 32
+def fits(m: int, dtype: torch.dtype, quant: BlockFp8Config) -> bool:
+    """Whether a CUDA step of m tokens of a linear with this quantization runs here: 1 to 32
     tokens of bf16/fp16 rows, scale blocks whole multiples of the 64-row tile."""
-    return (
-        x.device.type == "cuda"
-        and 0 < x.shape[0] <= MAX_TOKENS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(1) == 1
-        and quant.block_n % 64 == 0
-    )
+    return 0 < m <= MAX_TOKENS and dtype in (torch.bfloat16, torch.float16) and (
+        quant.block_n % 64 == 0)
 
 
 def default_config(m: int, n: int, k: int, block_k: int) -> dict[str, int]:

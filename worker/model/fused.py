@@ -8,6 +8,9 @@ time as the weight matmuls they sit between. Here each job is one kernel:
 - `add_rms_norm(x, residual, weight, eps)`: the residual add fused into the next norm (as vLLM
   and SGLang do): returns (norm(residual + x), residual + x) from one read of each input.
 - `silu_mul(gate_up)`: SwiGLU's silu(gate) * up from the fused gate|up projection.
+- `into=` (the three above): the output quantized per token and 128 features for the next FP8
+  GEMM (worker/model/fp8_act.py `Fp8Rows`) in place of the row, so the step has no quantizer
+  launch between the kernel and cuBLAS.
 - `qk_norm_rope` (worker/model/fused_rope.py): q/k norm, RoPE and the K/V store in one kernel.
 
 Numerics follow the torch reference step by step (layers.py `RMSNorm`, rope.py `apply_rope`,
@@ -22,9 +25,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from types import SimpleNamespace
+from types import ModuleType
+from typing import overload
 
 import torch
+
+from worker.model import fp8_act
+from worker.model.fp8_act import Fp8Rows
 
 _NORM_MAX_BLOCK = 1 << 16  # widest row one norm program holds in registers (hidden sizes are ≤ 16k)
 _SILU_BLOCK = 1024  # features per silu_mul program
@@ -44,61 +51,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.cache
-def _kernels() -> SimpleNamespace:
+def _kernels() -> ModuleType:
     """Compile-on-first-use: triton is imported only when a fused kernel first runs."""
-    import triton
-    import triton.language as tl
+    from worker.model import fused_kernels
 
-    @triton.jit
-    def rms_norm_kernel(
-        x_ptr,
-        r_ptr,
-        w_ptr,
-        out_ptr,
-        res_out_ptr,
-        stride_x,
-        stride_r,
-        stride_out,
-        stride_res,
-        eps,
-        H: tl.constexpr,
-        BLOCK: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        dtype = out_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (r + x).to(dtype)  # the reference adds in the model dtype
-            tl.store(res_out_ptr + row * stride_res + cols, x, mask=mask)
-            x = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (x * rstd).to(dtype).to(tl.float32)  # normalized, rounded, then times the weight
-        tl.store(out_ptr + row * stride_out + cols, (w * y).to(dtype), mask=mask)
-
-    @triton.jit
-    def silu_mul_kernel(
-        gu_ptr,
-        out_ptr,
-        stride_gu,
-        stride_out,
-        INTER: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < INTER
-        dtype = out_ptr.dtype.element_ty
-        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # F.silu's output, rounded
-        tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
-
-    return SimpleNamespace(rms_norm=rms_norm_kernel, silu_mul=silu_mul_kernel)
+    return fused_kernels
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -137,7 +94,8 @@ def _norm_launch(
     eps: float,
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    into: Fp8Rows | None = None,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(
@@ -150,7 +108,11 @@ def _norm_launch(
             "run the model unfused (set_fused_kernels(False))"
         )
     x2 = _rows(x, "x")  # [N, H]
-    out2 = _output(x2, tuple(x2.shape), None if out is None else _rows(out, "out"), "out")
+    if into is None:
+        out2 = _output(x2, tuple(x2.shape), None if out is None else _rows(out, "out"), "out")
+    else:
+        out2 = x2  # a placeholder: the kernel writes `into`
+    q, s = _quant_target(into, x2.shape[0], hidden, x.dtype, max(block, fp8_act.GROUP))
     r2 = res2 = out2  # placeholders the kernel ignores without a residual
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -162,32 +124,74 @@ def _norm_launch(
         res_given = None if residual_out is None else _rows(residual_out, "residual_out")
         res2 = _output(x2, tuple(x2.shape), res_given, "residual_out")
     if x2.shape[0]:
-        _kernels().rms_norm[(x2.shape[0],)](
-            x2,
-            r2,
-            weight,
-            out2,
-            res2,
-            x2.stride(0),
-            r2.stride(0),
-            out2.stride(0),
-            res2.stride(0),
+        _kernels().rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out2, res2, q, s,
+            x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0),
+            q.stride(0), s.stride(0), s.stride(1),
             eps,
             H=hidden,
-            BLOCK=block,
+            BLOCK=max(block, fp8_act.GROUP) if into is not None else block,
             HAS_RESIDUAL=residual is not None,
+            QUANT=into is not None,
+            GROUP=fp8_act.GROUP,
             num_warps=min(16, max(1, block // 512)),
         )
-    return out2.view(x.shape), res2.view(x.shape)
+    return (out2.view(x.shape) if into is None else into), res2.view(x.shape)
 
 
+def _quant_target(
+    into: Fp8Rows | None, rows: int, width: int, dtype: torch.dtype, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`into`'s e4m3 rows and scales, checked against the kernel's output [rows, width] (or two
+    placeholders the kernel ignores)."""
+    if into is None:
+        empty = torch.empty(1, 1)
+        return empty, empty
+    if (
+        into.rows != rows
+        or into.q.shape[0] < rows
+        or into.q.shape[1] != width
+        or into.scales.shape[1] != -(-width // fp8_act.GROUP)
+        or into.dtype != dtype
+        or block % fp8_act.GROUP
+    ):
+        raise ValueError(
+            f"into must be Fp8Rows.empty({rows}, {width}, {dtype}) for rows of {width} features "
+            f"in blocks of whole {fp8_act.GROUP}-feature groups; got q {tuple(into.q.shape)}, "
+            f"scales {tuple(into.scales.shape)}, {into.rows} rows of {into.dtype}"
+        )
+    return into.q, into.scales
+
+
+@overload
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [..., H] → RMSNorm(x) * weight in x's dtype (float32 statistics), into `out` if given."""
-    return _norm_launch(x, None, weight, eps, out, None)[0]
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    into: None = None,
+) -> torch.Tensor: ...
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: None = None, *, into: Fp8Rows
+) -> Fp8Rows: ...
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    into: Fp8Rows | None = None,
+) -> torch.Tensor | Fp8Rows:
+    """x [..., H] → RMSNorm(x) * weight in x's dtype (float32 statistics), into `out` if given;
+    with `into` (fp8_act.Fp8Rows), quantized for the next FP8 GEMM instead, and `into` returned.
+    """
+    return _norm_launch(x, None, weight, eps, out, None, into)[0]
 
 
+@overload
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, into: None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: None = None, residual_out: torch.Tensor | None = None, *, into: Fp8Rows,
+) -> tuple[Fp8Rows, torch.Tensor]: ...
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -195,28 +199,40 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [..., H] → (RMSNorm(residual + x) * weight, residual + x), both in x's dtype."""
-    return _norm_launch(x, residual, weight, eps, out, residual_out)
+    into: Fp8Rows | None = None,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """x, residual [..., H] → (RMSNorm(residual + x) * weight, residual + x), both in x's dtype
+    (the first quantized into `into`, as rms_norm's, when given)."""
+    return _norm_launch(x, residual, weight, eps, out, residual_out, into)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up [T, 2I] (gate first, then up) → silu(gate) * up [T, I] in gate_up's dtype."""
+@overload
+def silu_mul(
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, into: None = None
+) -> torch.Tensor: ...
+@overload
+def silu_mul(gate_up: torch.Tensor, out: None = None, *, into: Fp8Rows) -> Fp8Rows: ...
+def silu_mul(
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, into: Fp8Rows | None = None
+) -> torch.Tensor | Fp8Rows:
+    """gate_up [T, 2I] (gate first, then up) → silu(gate) * up [T, I] in gate_up's dtype (with
+    `into`, quantized for the next FP8 GEMM instead, as rms_norm's)."""
     t, width = gate_up.shape
     if width % 2:
         raise ValueError(f"silu_mul needs the fused gate|up output (an even width), got {width}")
     inter = width // 2
     gu = _rows(gate_up, "gate_up")
-    out = _output(gate_up, (t, inter), out, "out")  # [T, I]
+    block = min(_SILU_BLOCK, next_pow2(inter))
+    q, s = _quant_target(into, t, inter, gate_up.dtype, block)
+    dst = gu if into is not None else _output(gate_up, (t, inter), out, "out")  # [T, I]
     if t:
-        block = min(_SILU_BLOCK, next_pow2(inter))
-        _kernels().silu_mul[(t, _cdiv(inter, block))](
-            gu,
-            out,
-            gu.stride(0),
-            out.stride(0),
+        _kernels().silu_mul_kernel[(t, _cdiv(inter, block))](
+            gu, dst, q, s,
+            gu.stride(0), dst.stride(0), q.stride(0), s.stride(0), s.stride(1),
             INTER=inter,
             BLOCK=block,
+            QUANT=into is not None,
+            GROUP=fp8_act.GROUP,
             num_warps=4,
         )
-    return out
+    return dst if into is None else into

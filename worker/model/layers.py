@@ -32,6 +32,7 @@ from torch import nn
 
 from worker.model import fp8_gemm, fp8_splitk, fused, gemv
 from worker.model.fp8 import FP8, BlockFp8Config, BlockFp8Source
+from worker.model.fp8_act import Fp8Rows
 
 
 class TensorSource(Protocol):
@@ -139,6 +140,19 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def norm_for(
+        self, linear: ColumnParallelLinear, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """The pre-norm step before `linear`: add_norm(x, residual), or (norm(x), x) where there
+        is no residual yet (the first layer). Fused, with an FP8 linear that would quantize the
+        normed rows for cuBLAS (fp8_gemm.input_rows), the kernel writes them quantized."""
+        into = linear.input_rows(x.shape[0], x.dtype, x.device) if self.fused else None
+        if into is not None:
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps, into=into), x
+            return fused.add_rms_norm(x, residual, self.weight, self.eps, into=into)
+        return (self(x), x) if residual is None else self.add_norm(x, residual)
+
     def add_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +207,21 @@ class ColumnParallelLinear(nn.Module):
             self.weight = _param(out_local, in_features, dtype=dtype)  # [out_local, in]
         self.bias = _param(out_local, dtype=dtype) if bias else None  # [out_local]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] → [T, out_local]
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, in] → [T, out_local]
         if self.quant is not None:
             return fp8_gemm.fp8_linear(
                 x, self.weight, self.weight_scale_inv, self.bias, self.quant, self.splitk
             )
+        assert isinstance(x, torch.Tensor)  # Fp8Rows come only from input_rows (FP8 linears)
         return F.linear(x, self.weight, self.bias)
+
+    def input_rows(self, m: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows | None:
+        """Buffers for an input [m, in] quantized as this linear would quantize it itself, when
+        it would (fp8_gemm.input_rows), for the kernel before it to fill; else None."""
+        if self.quant is None:
+            return None
+        n, k = self.weight.shape
+        return fp8_gemm.input_rows(m, k, n, dtype, device, self.quant, splitk=True)
 
     def _shard_index(self, shard_id: object) -> int:
         return 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
@@ -322,16 +345,24 @@ class RowParallelLinear(nn.Module):
             _param(out_features, dtype=dtype) if bias else None
         )  # added once, after the reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] → [T, out]
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, in_local] → [T, out]
         if self.quant is not None:
             y = fp8_gemm.fp8_linear(
                 x, self.weight, self.weight_scale_inv, None, self.quant, self.splitk
             )
         else:
+            assert isinstance(x, torch.Tensor)  # Fp8Rows come only from input_rows (FP8 linears)
             y = F.linear(x, self.weight)
         if self.tp.size > 1:
             dist.all_reduce(y, group=self.tp.group)
         return y if self.bias is None else y + self.bias
+
+    def input_rows(self, m: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows | None:
+        """As ColumnParallelLinear.input_rows, for an input [m, in_local]."""
+        if self.quant is None:
+            return None
+        n, k = self.weight.shape
+        return fp8_gemm.input_rows(m, k, n, dtype, device, self.quant, splitk=True)
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         if param == "bias":

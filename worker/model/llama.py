@@ -27,6 +27,7 @@ from worker.kv_cache import KVCache
 from worker.model import fp8, fused, fused_rope, gemv
 from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
+from worker.model.fp8_act import Fp8Rows
 from worker.model.hf_config import ArchConfig
 from worker.model.layers import (
     ColumnParallelLinear,
@@ -75,8 +76,8 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-        kv: KVCache,
+        self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
+        batch: ForwardBatch, kv: KVCache,
     ) -> torch.Tensor:  # [T, hidden] → [T, hidden]
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, batch, kv))
 
@@ -136,9 +137,12 @@ class MLP(nn.Module):
                                            cfg.quant and cfg.quant.for_module(p + "down_proj"))
         self.fused = False  # one Triton kernel for silu(gate) * up (set_fused_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, hidden] → [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter_local]: gate | up
-        if self.fused:
+        if self.fused:  # an FP8 down projection may take its input quantized by the kernel
+            into = self.down_proj.input_rows(gate_up.shape[0], gate_up.dtype, gate_up.device)
+            if into is not None:
+                return self.down_proj(fused.silu_mul(gate_up, into=into))
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, inter_local] each
         return self.down_proj(F.silu(gate) * up)
@@ -160,12 +164,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings at layer 0, where residual is None);
         residual: the stream before it. Returns (this layer's MLP output, the stream before it)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_norm(x, residual)  # [T, hidden] each
-        h = self.self_attn(h, cos, sin, batch, kv)
-        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        # [T, hidden] each (the normed rows quantized for an FP8 projection's cuBLAS GEMM)
+        h, residual = self.input_layernorm.norm_for(self.self_attn.qkv_proj, x, residual)
+        o = self.self_attn(h, cos, sin, batch, kv)
+        h, residual = self.post_attention_layernorm.norm_for(self.mlp.gate_up_proj, o, residual)
         return self.mlp(h), residual
 
     def forward_stream(
