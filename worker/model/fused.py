@@ -112,7 +112,7 @@ def _norm_launch(
         out2 = _output(x2, tuple(x2.shape), None if out is None else _rows(out, "out"), "out")
     else:
         out2 = x2  # a placeholder: the kernel writes `into`
-    q, s = _quant_target(into, x2.shape[0], hidden, x.dtype, max(block, fp8_act.GROUP))
+    q, s = _quant_target(into, x2, hidden, max(block, fp8_act.GROUP))
     r2 = res2 = out2  # placeholders the kernel ignores without a residual
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -140,13 +140,13 @@ def _norm_launch(
 
 
 def _quant_target(
-    into: Fp8Rows | None, rows: int, width: int, dtype: torch.dtype, block: int
+    into: Fp8Rows | None, like: torch.Tensor, width: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`into`'s e4m3 rows and scales, checked against the kernel's output [rows, width] (or two
-    placeholders the kernel ignores)."""
+    """`into`'s e4m3 rows and scales, checked against the kernel's output [rows of like, width]
+    in like's dtype (without `into`: like twice, placeholders the kernel ignores)."""
+    rows, dtype = like.shape[0], like.dtype
     if into is None:
-        empty = torch.empty(1, 1)
-        return empty, empty
+        return like, like
     if (
         into.rows != rows
         or into.q.shape[0] < rows
@@ -223,7 +223,7 @@ def silu_mul(
     inter = width // 2
     gu = _rows(gate_up, "gate_up")
     block = min(_SILU_BLOCK, next_pow2(inter))
-    q, s = _quant_target(into, t, inter, gate_up.dtype, block)
+    q, s = _quant_target(into, gu, inter, block)
     dst = gu if into is not None else _output(gate_up, (t, inter), out, "out")  # [T, I]
     if t:
         _kernels().silu_mul_kernel[(t, _cdiv(inter, block))](
