@@ -9,9 +9,12 @@ graph (at batch 1 rotating over four copies of the pages, so L2 holds none), bes
 interleaved rounds, beside the setting the engine picks today (DECODE_CONFIGS and
 num_decode_splits). `--check`: the engine's settings against the ones before this sweep
 (BEFORE) over long and short contexts and batches, in one process, graph-timed the same way.
+`--set KEY=VALUE` (repeatable) overrides the kernel's settings: in a sweep, every setting tried;
+with `--check`, the engine's settings against the same with the overrides (in place of BEFORE),
+with the largest difference between their outputs relative to the largest output.
 Writes decode_kernel.json to $OUT (or the current directory).
 
-    python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check]
+    python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check] [--set MASK_V=0]
     python3 -m bench.decode_kernel --pages fp8 --warps 2,4 --splits 8=16,32  # a narrower sweep
 """
 
@@ -57,25 +60,27 @@ def _tensors(dtype: torch.dtype, batch: int, pages: int) -> dict[str, Any]:
     return dict(q=q, k_cache=kc, v_cache=vc, kv_scales=scales)
 
 
-def _setting(name: str, bn: int, stages: int, warps: int) -> dict[str, Any]:
+def _setting(name: str, bn: int, stages: int, warps: int,
+             overrides: tuple[tuple[str, int], ...] = ()) -> dict[str, Any]:
     from worker.model.triton_attention import DECODE_CONFIGS
 
     fp8 = name == "fp8"
-    return DECODE_CONFIGS[fp8] | dict(BLOCK_N=bn, num_stages=stages, num_warps=warps)
+    return DECODE_CONFIGS[fp8] | dict(BLOCK_N=bn, num_stages=stages, num_warps=warps) | dict(
+        overrides)
 
 
-def _compile(job: tuple[str, int, int, int, int]) -> str | None:
+def _compile(job: tuple[str, int, int, int, int, tuple[tuple[str, int], ...]]) -> str | None:
     """One setting compiled (a call on a short context with the long one's specializations)."""
     from worker.model.triton_attention import triton_paged_decode
 
-    name, bn, stages, warps, splits = job
+    name, bn, stages, warps, splits, overrides = job
     t = _tensors(DTYPES[name], 1, 64)
     table = torch.randint(0, 64, (1, CTX // PAGE), device="cuda")  # int64, as the engine's
     lens = torch.full((1,), 256, device="cuda")
     try:
         triton_paged_decode(t["q"], t["k_cache"], t["v_cache"], table, lens, D**-0.5,
                             num_splits=splits, kv_scales=t["kv_scales"],
-                            **_setting(name, bn, stages, warps))
+                            **_setting(name, bn, stages, warps, overrides))
         torch.cuda.synchronize()
         return None
     except Exception as e:  # shared memory or registers past the SM's: not a setting
@@ -98,15 +103,16 @@ class Shape:
             self.sets, batch, -1)
         self.lens = torch.full((batch,), ctx, device="cuda")
 
-    def rate(self, cfg: dict[str, Any], splits: int) -> float:
+    def call(self, cfg: dict[str, Any], splits: int, table: torch.Tensor) -> torch.Tensor:
         from worker.model.triton_attention import triton_paged_decode
 
         b = self.bufs
+        return triton_paged_decode(b["q"], b["k_cache"], b["v_cache"], table, self.lens,
+                                   D**-0.5, num_splits=splits, kv_scales=b["kv_scales"], **cfg)
 
+    def rate(self, cfg: dict[str, Any], splits: int) -> float:
         def call(table: torch.Tensor) -> torch.Tensor:
-            return triton_paged_decode(b["q"], b["k_cache"], b["v_cache"], table, self.lens,
-                                       D**-0.5, num_splits=splits, kv_scales=b["kv_scales"],
-                                       **cfg)
+            return self.call(cfg, splits, table)
 
         # as the engine's decode steps replay it (timed eagerly, a one-request call measures
         # Python's launch of its two kernels, ~50 us, not the GPU)
@@ -116,17 +122,18 @@ class Shape:
 
 
 def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
-          splits: dict[int, tuple[int, ...]]) -> dict[str, Any]:
+          splits: dict[int, tuple[int, ...]], overrides: tuple[tuple[str, int], ...]
+          ) -> dict[str, Any]:
     from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
 
-    jobs = [(name, bn, st, nw, sp) for name in pages for bn, st, nw in grid
+    jobs = [(name, bn, st, nw, sp, overrides) for name in pages for bn, st, nw in grid
             for sp in sorted({s for ss in splits.values() for s in ss})]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(min(14, os.cpu_count() or 1)) as pool:
         failed = {job: err for job, err in zip(jobs, pool.map(_compile, jobs), strict=True) if err}
     print(f"compiled {len(jobs) - len(failed)} of {len(jobs)} settings in "
           f"{time.perf_counter() - t0:.0f}s", flush=True)
-    out: dict[str, Any] = {"ctx": CTX, "failed": [list(j) for j in failed]}
+    out: dict[str, Any] = {"ctx": CTX, "failed": [list(j[:5]) for j in failed]}
     for name in pages:
         fp8 = name == "fp8"
         for batch, split_counts in splits.items():
@@ -137,8 +144,8 @@ def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
             best: dict[tuple[int, ...], float] = {}
             for _ in range(rounds):
                 for (bn, st, nw), sp in itertools.product(grid, split_counts):
-                    if (name, bn, st, nw, sp) not in failed:
-                        rate = shape.rate(_setting(name, bn, st, nw), sp)
+                    if (name, bn, st, nw, sp, overrides) not in failed:
+                        rate = shape.rate(_setting(name, bn, st, nw, overrides), sp)
                         best[(bn, st, nw, sp)] = max(best.get((bn, st, nw, sp), 0.0), rate)
             ranked = sorted(best.items(), key=lambda kv: -kv[1])
             row = {"default": [list(default), round(best.get(default, 0.0))],
@@ -151,23 +158,30 @@ def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
     return out
 
 
-def check(rounds: int) -> dict[str, Any]:
-    """The engine's settings now against BEFORE, per (page dtype, context, batch)."""
+def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
+          ) -> dict[str, Any]:
+    """The engine's settings now against BEFORE (or, given overrides, against themselves with
+    the overrides), per (page dtype, context, batch)."""
     from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
 
     out: dict[str, Any] = {}
-    for name in DTYPES:
+    for name in pages:
         fp8 = name == "fp8"
         for ctx, batch in CHECK:
             shape = Shape(name, ctx, batch)
             now = (DECODE_CONFIGS[fp8], num_decode_splits(batch, HKV, *DECODE_SPLITS[fp8]))
             before = (_setting(name, *BEFORE[name]), num_decode_splits(batch, HKV))
+            if overrides:  # "before" is the engine's now; "now" the same with the overrides
+                before, now = now, (now[0] | dict(overrides), now[1])
             best = [0.0, 0.0]
             for _ in range(rounds):
                 for i, (cfg, splits) in enumerate((before, now)):
                     best[i] = max(best[i], shape.rate(cfg, splits))
+            a, b = (shape.call(cfg, splits, shape.tables[0]).float() for cfg, splits in (before,
+                                                                                         now))
             row = {"before_GBps": round(best[0]), "now_GBps": round(best[1]),
-                   "ratio": round(best[1] / best[0], 3), "splits": [before[1], now[1]]}
+                   "ratio": round(best[1] / best[0], 3), "splits": [before[1], now[1]],
+                   "max_diff": float((a - b).abs().max() / a.abs().max())}
             out[f"{name}_{ctx}_b{batch}"] = row
             print(f"check {name} {ctx} x {batch}: {row}", flush=True)
             del shape
@@ -180,7 +194,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="the engine's settings against BEFORE")
-    ap.add_argument("--pages", default="bf16,fp8", help="page dtypes swept")
+    ap.add_argument("--pages", default="bf16,fp8", help="page dtypes swept or checked")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kernel setting overridden (repeatable; see the module docstring)")
     for flag, values in zip(("--blocks", "--stages", "--warps"), TILES, strict=True):
         ap.add_argument(flag, default=",".join(map(str, values)), help="values swept")
     ap.add_argument("--splits", action="append", metavar="B=S,S",
@@ -196,8 +212,10 @@ def main() -> None:
     splits = ({int(b): ints(ss) for b, ss in (item.split("=") for item in args.splits)}
               if args.splits else SPLITS)
     out = {"device": torch.cuda.get_device_name()}
-    out |= (check(args.rounds + 1) if args.check
-            else sweep(args.rounds, args.top, args.pages.split(","), grid, splits))
+    overrides = tuple((k, int(v)) for k, v in (item.split("=") for item in args.set))
+    pages = args.pages.split(",")
+    out |= (check(args.rounds + 1, pages, overrides) if args.check
+            else sweep(args.rounds, args.top, pages, grid, splits, overrides))
     name = "decode_kernel_check.json" if args.check else "decode_kernel.json"
     Path(os.environ.get("OUT", "."), name).write_text(json.dumps(out, indent=1))
 
