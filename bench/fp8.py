@@ -12,7 +12,8 @@ Sections (`--sections`, default all):
   split-K GEMM off (`without_splitk`, the baseline of the same process), batch 64 again with
   each GEMM's input quantized in its own kernel (`without_fused_quant`); the bf16 engine at
   batch 1 beside it.
-- prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate.
+- prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate; again
+  with each GEMM quantizing its own input (`without_fused_quant`).
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
   transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
 - longctx: decode batch 1 and 8 at 16k and 32k context, bf16 and FP8 KV (bf16 weights), vs
@@ -324,6 +325,8 @@ def main() -> None:
 
         if "prefill" in chosen:
             section("prefill_8k_fp8", prefill)
+            with without_fused_quant():  # prefill runs eagerly: the dispatch changes in place
+                section("unfused_quant_prefill_8k_fp8", prefill)
         if "room" in chosen:
             page = e8.kv.shape.page_bytes / e8.kv.shape.page_size
             section(
