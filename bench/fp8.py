@@ -306,10 +306,10 @@ def main() -> None:
             for b in (1, 64):  # where the steps' time goes
                 section(f"profile_fp8_b{b}", lambda b=b: profile_decode(e8, b, 10, PROMPT_LEN))
 
-        def prefill() -> dict[str, float]:
-            t = min(
+        def prefill(seeds: tuple[int, ...] = (7, 8)) -> dict[str, float]:
+            t = min(  # each run its own prompt: none of it in the prefix cache
                 run_requests(e8, random_prompts(1, PREFILL_LEN, e8.spec.vocab_size, s), 1)[0]
-                for s in (7, 8)
+                for s in seeds
             )
             s = e8.spec
             flops = (
@@ -326,7 +326,7 @@ def main() -> None:
         if "prefill" in chosen:
             section("prefill_8k_fp8", prefill)
             with without_fused_quant():  # prefill runs eagerly: the dispatch changes in place
-                section("unfused_quant_prefill_8k_fp8", prefill)
+                section("unfused_quant_prefill_8k_fp8", lambda: prefill((9, 10)))
         if "room" in chosen:
             page = e8.kv.shape.page_bytes / e8.kv.shape.page_size
             section(
