@@ -21,14 +21,20 @@ def group_quant(x):
 
 
 @triton.jit
-def quant_store(y, row, first, q_ptr, s_ptr, stride_q, stride_sm, stride_sg, END,
-                BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    # y [BLOCK] (features first..first + BLOCK of a row) quantized per GROUP (fp8_act.py)
-    g = first // GROUP + tl.arange(0, BLOCK // GROUP)  # [G] the row's groups
-    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
-    q, scale = group_quant(tl.reshape(y.to(tl.float32), [BLOCK // GROUP, GROUP]))
-    tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < END)
-    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < END)
+def store_row(y, row, first, out_ptr, stride_out, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
+              END, BLOCK: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr):
+    """y [BLOCK], features first..first + BLOCK of a row (model dtype), into the row of out; or
+    (QUANT) quantized per GROUP features for the next FP8 GEMM: e4m3 into q, scales into s."""
+    if QUANT:
+        g = first // GROUP + tl.arange(0, BLOCK // GROUP)  # [G] the row's groups
+        k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+        q, scale = group_quant(tl.reshape(y.to(tl.float32), [BLOCK // GROUP, GROUP]))
+        tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=k < END)
+        tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * GROUP < END)
+    else:
+        cols = first + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=cols < END)
+
 
 @triton.jit
 def rms_norm_kernel(
@@ -66,11 +72,9 @@ def rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (x * rstd).to(dtype).to(tl.float32)  # normalized, rounded, then times the weight
-    if QUANT:  # the next GEMM's FP8 input in place of the row
-        quant_store((w * y).to(dtype), row, 0, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
-                    H, BLOCK, GROUP)
-    else:
-        tl.store(out_ptr + row * stride_out + cols, (w * y).to(dtype), mask=mask)
+    store_row((w * y).to(dtype), row, 0, out_ptr, stride_out, q_ptr, s_ptr, stride_q, stride_sm,
+              stride_sg, H, BLOCK, GROUP, QUANT)
+
 
 @triton.jit
 def silu_mul_kernel(
@@ -95,11 +99,8 @@ def silu_mul_kernel(
     gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # F.silu's output, rounded
-    if QUANT:  # the down projection's FP8 input in place of the row
-        quant_store((act * up).to(dtype), row, tl.program_id(1) * BLOCK, q_ptr, s_ptr,
-                    stride_q, stride_sm, stride_sg, INTER, BLOCK, GROUP)
-    else:
-        tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
+    store_row((act * up).to(dtype), row, tl.program_id(1) * BLOCK, out_ptr, stride_out, q_ptr,
+              s_ptr, stride_q, stride_sm, stride_sg, INTER, BLOCK, GROUP, QUANT)
 
 
 @triton.jit
