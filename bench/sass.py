@@ -100,6 +100,25 @@ def _gemv_fp8(pair: bool) -> Kernel:
     )
 
 
+def _fused(name: str, quant: bool) -> Kernel:
+    """The 8B layer's fused norm (hidden 4096, with the residual) or SiLU·mul (12288 wide),
+    writing its row (bf16) or the next FP8 GEMM's input (quant: e4m3 and 128-group scales)."""
+    from worker.model import fused_kernels
+
+    out = {"q_ptr": "fp8e4nv", "s_ptr": "fp32"} if quant else {"q_ptr": "bf16", "s_ptr": "bf16"}
+    if name == "norm":
+        return Kernel(
+            fn=lambda: fused_kernels.rms_norm_kernel,
+            pointers={"x_ptr": "bf16", "r_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16",
+                      "res_out_ptr": "bf16"} | out,
+            constexprs=dict(H=4096, BLOCK=4096, HAS_RESIDUAL=True, QUANT=quant, GROUP=128),
+            floats=("eps",), unaligned=("eps",), options={"num_warps": 8, "num_stages": 1})
+    return Kernel(fn=lambda: fused_kernels.silu_mul_kernel,
+                  pointers={"gu_ptr": "bf16", "out_ptr": "bf16"} | out,
+                  constexprs=dict(INTER=12288, BLOCK=1024, QUANT=quant, GROUP=128),
+                  options={"num_warps": 4, "num_stages": 1})
+
+
 KERNELS: dict[str, Callable[[], Kernel]] = {
     "decode_bf16": lambda: _decode(False),
     "decode_fp8": lambda: _decode(True),
@@ -107,6 +126,10 @@ KERNELS: dict[str, Callable[[], Kernel]] = {
     "prefill_fp8": _prefill_fp8,
     "gemv_fp8_gate_up": lambda: _gemv_fp8(True),
     "gemv_fp8_o": lambda: _gemv_fp8(False),
+    "add_rms_norm": lambda: _fused("norm", False),
+    "add_rms_norm_fp8": lambda: _fused("norm", True),
+    "silu_mul": lambda: _fused("silu", False),
+    "silu_mul_fp8": lambda: _fused("silu", True),
 }
 
 
