@@ -244,35 +244,58 @@ def test_bad_config_fields_are_named(checkpoint, tmp_path: Path, edit: dict, mat
 
 
 # ---- tensor / expert parallelism over gloo ------------------------------------------------------
-def _rank(rank: int, path: str, init_file: str, out_dir: str, ids: list[int], ep: int) -> None:
-    """One of two ranks: its heads of every mixer, MoE by feature (ep 1) or by expert (ep 2)."""
+TP_EPS = (1, 2)
+TP2_IDS = prompt(20, 10)
+
+
+def _rank(rank: int, path: str, init_file: str, out_dir: str, ids: list[int]) -> None:
+    """One of two ranks: its heads of every mixer, MoE by feature (ep 1), then by expert (ep 2),
+    each over a fresh load and KV pool."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        model, spec = load(Path(path), tp_size=2, tp_rank=rank, ep_size=ep)
-        assert spec.state_shape is not None
-        assert spec.state_shape.ssm == (2, 16, 8)  # half the value heads
-        harness = StateHarness(model, spec, tp_size=2)
-        rows = [harness.step([("r", ids[:9]), ("s", ids[:4])]),
-                harness.step([("r", ids[9:-2]), ("s", ids[4:6])])]
-        rows += [harness.step([("r", [t])]) for t in ids[-2:]]
-        torch.save(torch.cat(rows), f"{out_dir}/logits{rank}.pt")
+        for ep in TP_EPS:
+            model, spec = load(Path(path), tp_size=2, tp_rank=rank, ep_size=ep)
+            assert spec.state_shape is not None
+            assert spec.state_shape.ssm == (2, 16, 8)  # half the value heads
+            harness = StateHarness(model, spec, tp_size=2)
+            rows = [harness.step([("r", ids[:9]), ("s", ids[:4])]),
+                    harness.step([("r", ids[9:-2]), ("s", ids[4:6])])]
+            rows += [harness.step([("r", [t])]) for t in ids[-2:]]
+            torch.save(torch.cat(rows), f"{out_dir}/logits{rank}-ep{ep}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2])
-def test_tp2_matches_transformers_on_every_rank(checkpoint, tmp_path: Path, ep: int) -> None:
+@pytest.fixture(scope="module")
+def tp2_run(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Both EP layouts on one pair of spawned ranks (a spawn costs two interpreters importing
+    torch and transformers): (their output directory, the spawn's error or ''). A layout that
+    failed leaves no logits; its test fails with the error."""
     import torch.multiprocessing as mp
 
-    path, hf = checkpoint
-    ids = prompt(20, 10)
-    mp.spawn(_rank, args=(str(path), str(tmp_path / "init"), str(tmp_path), ids, ep), nprocs=2)
+    out = tmp_path_factory.mktemp("qwen3next-tp2")
+    try:
+        mp.spawn(_rank, args=(str(checkpoint[0]), str(out / "init"), str(out), TP2_IDS), nprocs=2)
+    except Exception as exc:  # reported by each layout's test, not as a fixture error
+        return out, f"{type(exc).__name__}: {exc}"
+    return out, ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", TP_EPS)
+def test_tp2_matches_transformers_on_every_rank(checkpoint, tp2_run, ep: int) -> None:
+    _, hf = checkpoint
+    out, error = tp2_run
+    ids = TP2_IDS
     full, short = hf_logits(hf, ids), hf_logits(hf, ids[:6])
     want = torch.stack([full[8], short[3], full[17], short[5], full[18], full[19]])
     for rank in (0, 1):
-        got = torch.load(tmp_path / f"logits{rank}.pt")
+        logits = out / f"logits{rank}-ep{ep}.pt"
+        assert logits.is_file(), f"rank {rank} wrote no logits for ep={ep}: {error}"
+        got = torch.load(logits)
         assert float((got - want).abs().max()) < 1e-4
+    if ep == TP_EPS[-1]:  # an error after the last layout's logits (the group's teardown)
+        assert not error, error
