@@ -6,7 +6,8 @@ PIP := $(PY) -m pip
 CONFIG ?= configs/tiny-1p1d.yaml
 STAMP := $(VENV)/.installed
 # pytest-xdist processes for `make test`: most tests wait on clusters of subprocesses, so two
-# keep both cores of the dev box busy (whole modules per process: their clusters are shared).
+# keep both cores of the dev box busy (whole modules per process: their clusters are shared),
+# in collection order: tests/conftest.py puts the modules with slow tests first.
 TEST_WORKERS ?= 2
 # auto: CUDA builds of torch/triton/Mooncake when nvidia-smi lists a GPU, else the CPU ones;
 # DEVICE=cuda|cpu forces one. Pins: pyproject.toml [tool.tandem.install].
@@ -38,7 +39,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

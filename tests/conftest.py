@@ -62,6 +62,22 @@ def no_listener_survives_the_module() -> Iterator[None]:
         )
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with `slow` tests first, each module's items kept together and in order.
+
+    `make test` hands whole modules to its xdist processes in this order
+    (--no-loadscope-reorder; xdist's own order, by number of tests, put the one-test cluster
+    modules of a minute each last, so one process ran them while the other sat idle). With
+    the long modules first, the many short ones even out the end."""
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    slow = {module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module(item) not in slow)  # stable: order within kept
+
+
 # The chaos drills' table (tests/e2e/chaos/report.py): here, because every process of a run
 # loads this conftest, an xdist controller too.
 def pytest_sessionfinish(session: pytest.Session) -> None:
