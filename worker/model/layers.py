@@ -141,12 +141,14 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def norm_for(
-        self, linear: ColumnParallelLinear, x: torch.Tensor, residual: torch.Tensor | None
+        self, linear: ColumnParallelLinear | None, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-        """The pre-norm step before `linear`: add_norm(x, residual), or (norm(x), x) where there
-        is no residual yet (the first layer). Fused, with an FP8 linear that would quantize the
-        normed rows for cuBLAS (fp8_gemm.input_rows), the kernel writes them quantized."""
-        into = linear.input_rows(x.shape[0], x.dtype, x.device) if self.fused else None
+        """The pre-norm step before `linear` (None: before anything else, e.g. a MoE block's
+        router): add_norm(x, residual), or (norm(x), x) where there is no residual yet (the
+        first layer). Fused, with an FP8 linear that would quantize the normed rows for cuBLAS
+        (fp8_gemm.input_rows), the kernel writes them quantized."""
+        into = (linear.input_rows(x.shape[0], x.dtype, x.device)
+                if self.fused and linear is not None else None)
         if into is not None:
             if residual is None:
                 return fused.rms_norm(x, self.weight, self.eps, into=into), x

@@ -167,7 +167,8 @@ class DecoderLayer(nn.Module):
         # [T, hidden] each (the normed rows quantized for an FP8 projection's cuBLAS GEMM)
         h, residual = self.input_layernorm.norm_for(self.self_attn.qkv_proj, x, residual)
         o = self.self_attn(h, cos, sin, batch, kv)
-        h, residual = self.post_attention_layernorm.norm_for(self.mlp.gate_up_proj, o, residual)
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None  # MoE: a router
+        h, residual = self.post_attention_layernorm.norm_for(gate_up, o, residual)
         return self.mlp(h), residual
 
     def forward_stream(
