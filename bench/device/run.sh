@@ -9,9 +9,10 @@
 #   bash bench/device/run.sh t   # every gpu-marked test (all families, FP8, grammar, graphs), one list
 #   bash bench/device/run.sh s   # issue 19: bench/pd_vs_mono.py, 1P1D vs mono sweep, 8B shape
 #   bash bench/device/run.sh q   # bench/fp8.py, then bench.served B = 64 160 + profile
-#   bash bench/device/run.sh r [SECTIONS]  # FP8 kernels (issue 20): their GPU tests, the FP8
-#                                #   GEMV sweep (bench/gemv.py --fp8 --sweep), then bench/fp8.py
-#                                #   (default: all sections but the decode kernel's split sweep)
+#   bash bench/device/run.sh r [SECTIONS]  # FP8 kernels (issue 20): their GPU tests (FP8,
+#                                #   fused FP8 activations, split-K, GEMV, MLA), the FP8 GEMV
+#                                #   sweep and chain (bench/gemv.py --fp8 --sweep), then
+#                                #   bench/fp8.py SECTIONS (default: all)
 #   bash bench/device/run.sh f   # FP8 (issue 20): its GPU tests (and the decode kernels' and
 #                                #   MLA's), bench/gemv.py --fp8, then all of bench/fp8.py
 #   bash bench/device/run.sh w   # bench/gpu.py decode rates, then bench.served B = 64 160 + profile
@@ -165,9 +166,9 @@ elif [[ $1 == q ]]; then
   echo "served rc=$? at ${SECONDS}s" >> "$OUT/served.txt"
   tail -30 "$OUT/fp8.txt"; tail -8 "$OUT/served.txt"; head -24 "$OUT/worker_profile.txt"
 elif [[ $1 == r ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
-    tests/worker/test_gemv_gpu.py tests/worker/test_mla_triton.py \
-    > "$OUT/fp8_tests.txt" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_gpu.py \
+    tests/worker/test_fp8_act.py tests/worker/test_fused_gpu.py tests/worker/test_fp8_splitk.py \
+    tests/worker/test_gemv_gpu.py tests/worker/test_mla_triton.py > "$OUT/fp8_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/fp8_tests.txt"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/gemv.py --fp8 --sweep > "$OUT/gemv_fp8.txt" 2>&1
   echo "gemv fp8 rc=$? at ${SECONDS}s" >> "$OUT/gemv_fp8.txt"
