@@ -220,10 +220,7 @@ class ColumnParallelLinear(nn.Module):
     def input_rows(self, m: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows | None:
         """Buffers for an input [m, in] quantized as this linear would quantize it itself, when
         it would (fp8_gemm.input_rows), for the kernel before it to fill; else None."""
-        if self.quant is None:
-            return None
-        n, k = self.weight.shape
-        return fp8_gemm.input_rows(m, k, n, dtype, device, self.quant, splitk=True)
+        return _input_rows(self.quant, self.weight, m, dtype, device)
 
     def _shard_index(self, shard_id: object) -> int:
         return 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
@@ -248,6 +245,18 @@ class ColumnParallelLinear(nn.Module):
             return
         dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
         _copy_checked(dst, source.read(0, start, start + local), name)
+
+
+def _input_rows(
+    quant: BlockFp8Config | None, weight: torch.Tensor, m: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Fp8Rows | None:
+    """A linear's FP8 input buffers for m rows (fp8_gemm.input_rows); None if it is not FP8. The
+    linears hand their split-K counters to fp8_linear, so the split-K route counts."""
+    if quant is None:
+        return None
+    n, k = weight.shape
+    return fp8_gemm.input_rows(m, k, n, dtype, device, quant, splitk=True)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -361,10 +370,7 @@ class RowParallelLinear(nn.Module):
 
     def input_rows(self, m: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows | None:
         """As ColumnParallelLinear.input_rows, for an input [m, in_local]."""
-        if self.quant is None:
-            return None
-        n, k = self.weight.shape
-        return fp8_gemm.input_rows(m, k, n, dtype, device, self.quant, splitk=True)
+        return _input_rows(self.quant, self.weight, m, dtype, device)
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         if param == "bias":
