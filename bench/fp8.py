@@ -27,7 +27,6 @@ Writes fp8.json to $OUT (or the current directory) and prints a summary last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -35,9 +34,11 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -117,34 +118,22 @@ def decode(
     }
 
 
-@contextlib.contextmanager
-def without_splitk() -> Iterator[None]:
+def without_splitk() -> ContextManager[Any]:
     """The dispatch before the split-K GEMM (worker/model/fp8_splitk.py), for the baseline rows
     of the same process: 1-32 tokens through cuBLAS's blockwise _scaled_mm (or the Triton GEMM).
     Engines built inside capture their graphs this way."""
     from worker.model import fp8_splitk
 
-    saved = fp8_splitk.fits
-    fp8_splitk.fits = lambda *a: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        fp8_splitk.fits = saved
+    return mock.patch.object(fp8_splitk, "fits", lambda *a: False)
 
 
-@contextlib.contextmanager
-def without_fused_quant() -> Iterator[None]:
+def without_fused_quant() -> ContextManager[Any]:
     """The dispatch before the fused activation quantization (worker/model/fp8_act.py): every
     cuBLAS step quantizes its input in its own kernel. Engines built inside capture their
     graphs this way."""
     from worker.model import fp8_gemm
 
-    saved = fp8_gemm.input_rows
-    fp8_gemm.input_rows = lambda *a, **k: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        fp8_gemm.input_rows = saved
+    return mock.patch.object(fp8_gemm, "input_rows", lambda *a, **k: None)
 
 
 def fp8_matmul_rate() -> float:
