@@ -33,22 +33,26 @@ import torch
 
 from worker.model.fused import next_pow2
 
-MAX_K_ONE_BLOCK = 8192  # widest x a program holds whole (needed for norm=...)
+MAX_K_ONE_BLOCK = 8192  # widest x a program holds whole (past it, K blocks: a norm's statistics
+# then come from a first pass over x)
 _LOOP_BLOCK_K = 2048  # K block of the looping kernel (wider K: down projections)
 
 
 def _config(k: int, pair: bool, norm: bool, fp8: bool) -> dict[str, int]:
     """Block shape and launch settings, swept on an H200 for each way the engine calls it
-    (bench/gemv.py --sweep, K = 4096): a norm needs K in one block (4 rows per program, fewer
-    past 4096 wide so a program holds at most 16k weights, or 1 gate|up pair; 8 warps); without
-    one, 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide, 4 past it).
-    FP8 weights (bench/gemv.py --fp8 --sweep): twice the rows per program (8; 4 gate|up pairs),
-    and without a norm K whole up to 4096 wide (8 warps), else 1024-wide blocks (4 warps)."""
+    (bench/gemv.py --sweep, K = 4096): with a norm, K in one block up to MAX_K_ONE_BLOCK wide (4
+    rows per program, fewer past 4096 wide so a program holds at most 16k weights, or 1 gate|up
+    pair; 8 warps); otherwise 4 rows per program over 2048-wide blocks (8 warps up to 8192 wide,
+    4 past it). FP8 weights (bench/gemv.py --fp8 --sweep): twice the rows per program (8; 4
+    gate|up pairs), K whole up to 4096 wide or with a norm up to MAX_K_ONE_BLOCK (8 warps),
+    else 1024-wide blocks (4 warps). A K block narrower than K with a norm folded in costs the
+    norm's statistics a first pass over x."""
+    one_block_norm = norm and k <= MAX_K_ONE_BLOCK
     if fp8:
-        if norm or k <= 4096:
+        if one_block_norm or k <= 4096:
             return dict(BLOCK_N=4 if pair else 8, BLOCK_K=next_pow2(k), num_warps=8, num_stages=1)
         return dict(BLOCK_N=4 if pair else 8, BLOCK_K=1024, num_warps=4, num_stages=2)
-    if norm:
+    if one_block_norm:
         block_k = next_pow2(k)
         return dict(
             BLOCK_N=1 if pair else max(1, min(4, 16384 // block_k)),
