@@ -110,9 +110,10 @@ def _norm_launch(
     x2 = _rows(x, "x")  # [N, H]
     if into is None:
         out2 = _output(x2, tuple(x2.shape), None if out is None else _rows(out, "out"), "out")
-    else:
-        out2 = x2  # a placeholder: the kernel writes `into`
-    q, s = _quant_target(into, x2, hidden, max(block, fp8_act.GROUP))
+    else:  # out2 a placeholder: the kernel writes `into`, in whole 128-feature groups
+        out2 = x2
+        block = max(block, fp8_act.GROUP)
+    q, s = _quant_target(into, x2, hidden, block)
     r2 = res2 = out2  # placeholders the kernel ignores without a residual
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -130,7 +131,7 @@ def _norm_launch(
             q.stride(0), s.stride(0), s.stride(1),
             eps,
             H=hidden,
-            BLOCK=max(block, fp8_act.GROUP) if into is not None else block,
+            BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             QUANT=into is not None,
             GROUP=fp8_act.GROUP,
