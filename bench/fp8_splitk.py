@@ -1,11 +1,14 @@
 """The split-K FP8 GEMM (worker/model/fp8_splitk.py) against cuBLAS's blockwise _scaled_mm
-(with its activation quantizer, as fp8_linear runs it) and, at one token, the FP8 GEMV
-(worker/model/gemv.py), per 8B projection at 1 to 64 tokens, one GPU, one process (issue 20).
+and, at one token, the FP8 GEMV (worker/model/gemv.py), per 8B projection at 1 to 64 tokens,
+one GPU, one process (issue 20).
 
-Each figure is a CUDA graph over enough copies of the weight that nothing is served from L2;
-GB/s = e4m3 weight bytes read ÷ time. `--sweep` first tries tiles, splits and pipeline depths
-on o and gate|up at 16 tokens. The copy ceiling of the same process is printed first;
-fp8-splitk.json and a plot (fp8-splitk.png) land in $OUT.
+The split-K GEMM runs as fp8_linear runs it at each token count: x as it is up to 32 tokens,
+quantized 1×128 past that. cuBLAS is fed x quantized beforehand, as the kernel before a linear
+writes it (fused.py `into=`), so neither row counts the quantizer. Each figure is a CUDA graph
+over enough copies of the weight that nothing is served from L2; GB/s = e4m3 weight bytes read
+÷ time. `--sweep` first tries tiles, splits and pipeline depths on o, gate|up and down at 16
+and 64 tokens. The copy ceiling of the same process is printed first; fp8-splitk.json and a
+plot (fp8-splitk.png) land in $OUT.
 
     python3 bench/fp8_splitk.py [--sweep]
 """
@@ -27,8 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gemv import HIDDEN, INTER, KV, Q, copy_ceiling, graph_time  # noqa: E402
 from worker.model.fp8 import BlockFp8Config  # noqa: E402
-from worker.model.fp8_act import quantize_activations  # noqa: E402
-from worker.model.fp8_splitk import SplitCounters, default_config, fp8_splitk  # noqa: E402
+from worker.model.fp8_act import PAD_ROWS, Fp8Rows, quantize_activations  # noqa: E402
+from worker.model.fp8_splitk import (  # noqa: E402
+    Mode,
+    SplitCounters,
+    default_config,
+    fp8_splitk,
+    mode,
+)
 from worker.model.gemv import gemv  # noqa: E402
 
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN),
@@ -60,22 +69,21 @@ def gbps(ws: Weights, fn: Callable[[torch.Tensor, torch.Tensor, SplitCounters], 
 
 
 def row(name: str, ws: Weights, m: int, **cfg: int) -> dict[str, float]:
-    """GB/s of one projection at m tokens: the split-K GEMM (with `cfg`), and without cfg also
-    cuBLAS's blockwise _scaled_mm after its activation quantizer (fp8_linear's path past 32
-    tokens) and, at one token, the FP8 GEMV."""
+    """GB/s of one projection at m tokens: the split-K GEMM (with `cfg`) in fp8_linear's mode
+    for m, and without cfg also cuBLAS's blockwise _scaled_mm on quantized x and, at one token,
+    the FP8 GEMV."""
     n, k = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_activations(x, 128, pad_rows=PAD_ROWS, m_major=True)
+    rows = Fp8Rows(xq, xs, m, x.dtype)
     out: dict[str, float] = {}
     if not cfg:
-
-        def cublas(w: torch.Tensor, s: torch.Tensor, c: SplitCounters) -> object:
-            xq, xs = quantize_activations(x, 128, pad_rows=4, m_major=True)
-            return torch._scaled_mm(xq, w.t(), xs, s.t(), out_dtype=torch.bfloat16)
-
-        out["cublas"] = gbps(ws, cublas)
+        out["cublas"] = gbps(ws, lambda w, s, c: torch._scaled_mm(
+            xq, w.t(), xs, s.t(), out_dtype=torch.bfloat16))
         if m == 1:
             out["gemv"] = gbps(ws, lambda w, s, c: gemv(x, w, w_scale=s, block=(128, 128)))
-    out["splitk"] = gbps(ws, lambda w, s, c: fp8_splitk(x, w, s, QUANT, c, **cfg))
+    x_in = x if mode(m) is Mode.WIDENED else rows
+    out["splitk"] = gbps(ws, lambda w, s, c: fp8_splitk(x_in, w, s, QUANT, c, **cfg))
     return out
 
 
@@ -135,8 +143,9 @@ def main() -> None:
     sweeps: dict[str, Any] = {}
     for name, (n, k) in SHAPES.items():
         ws = weights(n, k)
-        if args.sweep and name in ("o", "gate_up"):
-            sweeps[f"{name}_m16"] = sweep(name, ws, 16)
+        if args.sweep and name in ("o", "gate_up", "down"):
+            for m in (16, 64):
+                sweeps[f"{name}_m{m}"] = sweep(name, ws, m)
         for m in TOKENS:
             rows[f"{name} m={m}"] = row(name, ws, m)
             print(f"{name + ' m=' + str(m):<12}" + "  ".join(

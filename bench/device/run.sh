@@ -28,7 +28,7 @@
 #                                #   step times) with ARGS, e.g. "--range-ratio 0.5 --waves 4";
 #                                #   K=V: a second served run with that override
 #   bash bench/device/run.sh n [sweep]  # split-K FP8 GEMM (issue 20): its GPU tests and the FP8
-#                                #   ones, bench/fp8_splitk.py, bench/fp8.py decode (split-K vs
+#                                #   ones (GEMV, fused activations), bench/fp8_splitk.py, bench/fp8.py decode (split-K vs
 #                                #   the dispatch before it), then with `sweep` its tile sweep
 #   bash bench/device/run.sh i [--check [SECTIONS]]  # the decode kernel at long context
 #                                #   (issue 20): bench/decode_kernel.py (its settings at 32k,
@@ -249,8 +249,9 @@ elif [[ $1 == k ]]; then
   echo "bench rc=$? at ${SECONDS}s" >> "$OUT/spec_gpu_bench.txt"
   tail -20 "$OUT/spec_gpu_tests.txt"; cat "$OUT/spec_gpu_bench.txt"
 elif [[ $1 == n ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_splitk.py \
-    tests/worker/test_fp8_gpu.py > "$OUT/splitk_tests.txt" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_fp8_splitk.py \
+    tests/worker/test_fp8_gpu.py tests/worker/test_fp8_act.py tests/worker/test_gemv_gpu.py \
+    > "$OUT/splitk_tests.txt" 2>&1
   echo "pytest rc=$? at ${SECONDS}s" >> "$OUT/splitk_tests.txt"
   tail -15 "$OUT/splitk_tests.txt"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/fp8_splitk.py > "$OUT/fp8_splitk.txt" 2>&1

@@ -8,9 +8,10 @@ and its weight block's scale, accumulated in float32 (`block_fp8_matmul`). One-t
 not come here: the GEMV reads the FP8 weight and folds the block scales in
 (worker/model/gemv.py), leaving the activations unquantized.
 
-`fp8_linear` is the layers' entry point. On CUDA, steps of 1-32 tokens go to the split-K GEMM
-(fp8_splitk.py: weights widened in registers, x unquantized) when the linear hands its tile
-counters; larger multi-token steps go to `torch._scaled_mm`,
+`fp8_linear` is the layers' entry point. On CUDA, steps of 1-64 tokens go to the split-K GEMM
+(fp8_splitk.py: up to 32 tokens weights widened in registers and x unquantized, past that x
+quantized as here and e4m3 dots) when the linear hands its tile counters; larger multi-token
+steps go to `torch._scaled_mm`,
 which takes this recipe on sm90 from CUDA 12.9 (scales 1×128 for A, M-major, and 128×128 for
 B): on an H200 it runs the 8B projections at 8192 tokens at 1,250-1,300 TFLOP/s against this
 Triton GEMM's 600-690, and at 16 and 64 tokens ahead of or level with it (bench/fp8.py, gemm
@@ -201,6 +202,7 @@ class Route(enum.Enum):
 
     REFERENCE = "reference"  # not CUDA: the weight dequantized, F.linear
     SPLITK = "splitk"  # 1-32 tokens: fp8_splitk.py, x unquantized
+    SPLITK_QUANTIZED = "splitk_quantized"  # 33-64 tokens: x quantized 1×128, fp8_splitk.py
     CUBLAS = "cublas"  # x quantized 1×128 (fp8_act.py), cuBLAS's blockwise _scaled_mm
     TRITON = "triton"  # x quantized 1×128, the block-scaled Triton GEMM above
 
@@ -210,13 +212,16 @@ def route(
     splitk: bool,
 ) -> Route:
     """The path of a step x [m, k] (dtype, device) through W [n, k]; `splitk`: the linear hands
-    its tile counters. cuBLAS takes every multi-token step it can (bench/fp8.py's gemm rows,
-    H200: ahead of or level with the Triton GEMM's best tile at 16 and 64 tokens, 1.9x at
-    8192); Triton where cuBLAS lacks the recipe or the shape (K a multiple of 512, N of 128)."""
+    its tile counters. The split-K GEMM takes 1-64 tokens (bench/fp8_splitk.py); cuBLAS every
+    other multi-token step it can (bench/fp8.py's gemm rows, H200: ahead of or level with the
+    Triton GEMM's best tile at 16 and 64 tokens, 1.9x at 8192); Triton where cuBLAS lacks the
+    recipe or the shape (K a multiple of 512, N of 128)."""
     if device.type != "cuda" and not _interpreting():
         return Route.REFERENCE
     if splitk and device.type == "cuda" and fp8_splitk.fits(m, dtype, quant):
-        return Route.SPLITK
+        if fp8_splitk.mode(m) is fp8_splitk.Mode.WIDENED:
+            return Route.SPLITK
+        return Route.SPLITK_QUANTIZED
     if (
         device.type == "cuda"
         and dtype == torch.bfloat16
@@ -229,14 +234,17 @@ def route(
     return Route.TRITON
 
 
+_ROWS_ROUTES = (Route.CUBLAS, Route.SPLITK_QUANTIZED)  # the routes that take Fp8Rows
+
+
 def input_rows(
     m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, quant: BlockFp8Config,
     splitk: bool,
 ) -> Fp8Rows | None:
-    """Buffers for a linear's input x [m, k] when `fp8_linear` would quantize it for cuBLAS, for
-    the kernel that produces x to fill (worker/model/fused.py `into=`); None on any other
-    route (those read x as it is, or quantize it their own way)."""
-    if route(m, k, n, dtype, device, quant, splitk) is not Route.CUBLAS or m == 0:
+    """Buffers for a linear's input x [m, k] when `fp8_linear` would quantize it 1×128 for cuBLAS
+    or the split-K GEMM, for the kernel that produces x to fill (worker/model/fused.py
+    `into=`); None on any other route (those read x as it is, or quantize it their own way)."""
+    if m == 0 or route(m, k, n, dtype, device, quant, splitk) not in _ROWS_ROUTES:
         return None
     return Fp8Rows.empty(m, k, dtype, device)
 
@@ -251,9 +259,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] @ dequant(w [N, K], w_scale)^T (+ bias) → [..., N] in x's dtype. `counters`
     (the linear's own) lets decode-sized steps take the split-K GEMM (fp8_splitk.py). x may
-    come quantized already (`Fp8Rows`, from `input_rows`): cuBLAS takes it as it is."""
+    come quantized already (`Fp8Rows`, from `input_rows`): it goes where `input_rows` meant."""
     if isinstance(x, Fp8Rows):
-        return _cublas(x, w, w_scale, bias)
+        return _quantized(x, w, w_scale, bias, quant, counters)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     path = route(x2.shape[0], k, w.shape[0], x.dtype, x.device, quant, counters is not None)
@@ -264,11 +272,24 @@ def fp8_linear(
     if path is Route.SPLITK and counters is not None:
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         return fp8_splitk.fp8_splitk(x2, w, w_scale, quant, counters, bias).view(*lead, -1)
-    if path is Route.CUBLAS:
+    if path in _ROWS_ROUTES:
         xq, xs = quantize_activations(x2, quant.block_k, pad_rows=PAD_ROWS, m_major=True)
-        return _cublas(Fp8Rows(xq, xs, x2.shape[0], x.dtype), w, w_scale, bias).view(*lead, -1)
+        rows = Fp8Rows(xq, xs, x2.shape[0], x.dtype)
+        return _quantized(rows, w, w_scale, bias, quant, counters).view(*lead, -1)
     xq, xs = quantize_activations(x2, quant.block_k)
     return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)
+
+
+def _quantized(
+    x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+    quant: BlockFp8Config, counters: SplitCounters | None,
+) -> torch.Tensor:
+    """x quantized 1×128 through the split-K GEMM (33-64 tokens, the linear's counters) or
+    cuBLAS: the routes of `_ROWS_ROUTES`."""
+    path = route(x.rows, w.shape[1], w.shape[0], x.dtype, x.q.device, quant, counters is not None)
+    if path is Route.SPLITK_QUANTIZED and counters is not None:
+        return fp8_splitk.fp8_splitk(x, w, w_scale, quant, counters, bias)
+    return _cublas(x, w, w_scale, bias)
 
 
 def _cublas(
