@@ -1,13 +1,13 @@
 """The paged decode kernel's launch settings at long context (issue 20), swept on one GPU.
 
-Every (BLOCK_N, num_stages, num_warps, splits) over bf16 and e4m3 pages, at 32k context with
-batch 1 (splits 16-128) and batch 8 (splits 4-16); 32 q / 8 kv heads of 128, pages of 16 tokens
-shuffled, int64 page table and lengths as the engine's graphs hold them. Triton compiles each
-setting in a pool of processes first (the shared cache), then one process times them all: KV
-GB/s (read once a call, the merge of the splits included) over 16-64 calls captured in one CUDA
-graph (at batch 1 rotating over four copies of the pages, so L2 holds none), best of `--rounds`
-interleaved rounds, beside the setting the engine picks today (DECODE_CONFIGS and
-num_decode_splits). `--check`: the engine's settings against the ones before this sweep
+Every (BLOCK_N, num_stages, num_warps, splits) over bf16 and e4m3 pages, at 32k context (or
+`--ctx`) with batch 1 (splits 16-128) and batch 8 (splits 4-16); 32 q / 8 kv heads of 128,
+pages of 16 tokens shuffled, int64 page table and lengths as the engine's graphs hold them.
+Triton compiles each setting in a pool of processes first (the shared cache), then one process
+times them all: KV GB/s (read once a call, the merge of the splits included) over 16-64 calls
+captured in one CUDA graph (at batch 1 rotating over four copies of the pages, so L2 holds
+none), best of `--rounds` interleaved rounds, beside the setting the engine picks today
+(`decode_launch`). `--check`: the engine's settings against the ones before this sweep
 (BEFORE) over long and short contexts and batches, in one process, graph-timed the same way.
 `--set KEY=VALUE` (repeatable) overrides the kernel's settings: in a sweep, every setting tried;
 with `--check`, the engine's settings against the same with the overrides (in place of BEFORE),
@@ -16,6 +16,7 @@ Writes decode_kernel.json to $OUT (or the current directory).
 
     python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check] [--set MASK_V=0]
     python3 -m bench.decode_kernel --pages fp8 --warps 2,4 --splits 8=16,32  # a narrower sweep
+    python3 -m bench.decode_kernel --ctx 576 --splits 64=1,2,4  # batch 64 at a short context
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ class Shape:
 
 
 def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
-          splits: dict[int, tuple[int, ...]], overrides: tuple[tuple[str, int], ...]
-          ) -> dict[str, Any]:
-    from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
+          splits: dict[int, tuple[int, ...]], overrides: tuple[tuple[str, int], ...],
+          ctx: int = CTX) -> dict[str, Any]:
+    from worker.model.triton_attention import decode_launch
 
     jobs = [(name, bn, st, nw, sp, overrides) for name in pages for bn, st, nw in grid
             for sp in sorted({s for ss in splits.values() for s in ss})]
@@ -133,14 +134,13 @@ def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
         failed = {job: err for job, err in zip(jobs, pool.map(_compile, jobs), strict=True) if err}
     print(f"compiled {len(jobs) - len(failed)} of {len(jobs)} settings in "
           f"{time.perf_counter() - t0:.0f}s", flush=True)
-    out: dict[str, Any] = {"ctx": CTX, "failed": [list(j[:5]) for j in failed]}
+    out: dict[str, Any] = {"ctx": ctx, "failed": [list(j[:5]) for j in failed]}
     for name in pages:
         fp8 = name == "fp8"
         for batch, split_counts in splits.items():
-            shape = Shape(name, CTX, batch)
-            cfg = DECODE_CONFIGS[fp8]
-            default = (cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"],
-                       num_decode_splits(batch, HKV, *DECODE_SPLITS[fp8]))
+            shape = Shape(name, ctx, batch)
+            engine_splits, cfg = decode_launch(batch, HKV, fp8)
+            default = (cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"], engine_splits)
             best: dict[tuple[int, ...], float] = {}
             for _ in range(rounds):
                 for (bn, st, nw), sp in itertools.product(grid, split_counts):
@@ -151,7 +151,7 @@ def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
             row = {"default": [list(default), round(best.get(default, 0.0))],
                    "best": [[list(k), round(v)] for k, v in ranked[:top]]}
             out[f"{name}_b{batch}"] = row
-            print(f"{name} 32k x {batch}: default {default} {row['default'][1]} GB/s; best "
+            print(f"{name} {ctx} x {batch}: default {default} {row['default'][1]} GB/s; best "
                   + "; ".join(f"{k} {v}" for k, v in row["best"]), flush=True)
             del shape
             torch.cuda.empty_cache()
@@ -162,14 +162,15 @@ def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
           ) -> dict[str, Any]:
     """The engine's settings now against BEFORE (or, given overrides, against themselves with
     the overrides), per (page dtype, context, batch)."""
-    from worker.model.triton_attention import DECODE_CONFIGS, DECODE_SPLITS, num_decode_splits
+    from worker.model.triton_attention import decode_launch, num_decode_splits
 
     out: dict[str, Any] = {}
     for name in pages:
         fp8 = name == "fp8"
         for ctx, batch in CHECK:
             shape = Shape(name, ctx, batch)
-            now = (DECODE_CONFIGS[fp8], num_decode_splits(batch, HKV, *DECODE_SPLITS[fp8]))
+            engine_splits, engine_cfg = decode_launch(batch, HKV, fp8)
+            now = (engine_cfg, engine_splits)
             before = (_setting(name, *BEFORE[name]), num_decode_splits(batch, HKV))
             if overrides:  # "before" is the engine's now; "now" the same with the overrides
                 before, now = now, (now[0] | dict(overrides), now[1])
@@ -199,6 +200,7 @@ def main() -> None:
                     help="a kernel setting overridden (repeatable; see the module docstring)")
     for flag, values in zip(("--blocks", "--stages", "--warps"), TILES, strict=True):
         ap.add_argument(flag, default=",".join(map(str, values)), help="values swept")
+    ap.add_argument("--ctx", type=int, default=CTX, help="context of the sweep (at most 32k)")
     ap.add_argument("--splits", action="append", metavar="B=S,S",
                     help="a batch and its split counts (repeatable; default "
                          + " ".join(f"{b}={','.join(map(str, ss))}" for b, ss in SPLITS.items())
@@ -215,7 +217,7 @@ def main() -> None:
     overrides = tuple((k, int(v)) for k, v in (item.split("=") for item in args.set))
     pages = args.pages.split(",")
     out |= (check(args.rounds + 1, pages, overrides) if args.check
-            else sweep(args.rounds, args.top, pages, grid, splits, overrides))
+            else sweep(args.rounds, args.top, pages, grid, splits, overrides, args.ctx))
     name = "decode_kernel_check.json" if args.check else "decode_kernel.json"
     Path(os.environ.get("OUT", "."), name).write_text(json.dumps(out, indent=1))
 

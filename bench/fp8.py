@@ -10,8 +10,9 @@ Sections (`--sections`, default all):
   roofline ((FP8 weight bytes + KV bytes) per step ÷ copy rate), and batches 16 and 64 with FP8
   weights and FP8 KV, with a torch.profiler look at batches 1 and 64; batch 16 again with the
   split-K GEMM off (`without_splitk`, the baseline of the same process), batch 64 again with
-  its GEMMs through cuBLAS instead of the split-K GEMM (`without_quantized_splitk`); the bf16
-  engine at batch 1 beside it.
+  its decode attention split as before (`with_split_fp8_batches`), and with that and its GEMMs
+  through cuBLAS instead of the split-K GEMM (`without_quantized_splitk`); the bf16 engine at
+  batch 1 beside it.
 - prefill: one 8192-token prompt through the FP8 engine; TFLOP/s vs the FP8 matmul rate; again
   with each GEMM quantizing its own input (`without_fused_quant`).
 - room: KV bytes per token a 1P1D room ships, bf16 vs FP8 pages (the pool's page bytes; the
@@ -136,6 +137,15 @@ def without_quantized_splitk() -> ContextManager[Any]:
     fits = fp8_splitk.fits
     return mock.patch.object(fp8_splitk, "fits", lambda m, dtype, quant: (
         m <= fp8_splitk.WIDENED_TOKENS and fits(m, dtype, quant)))
+
+
+def with_split_fp8_batches() -> ContextManager[Any]:
+    """The decode kernel's rule before large batches over e4m3 pages ran unsplit: every batch
+    split by DECODE_SPLITS in 128-token blocks. Engines built inside capture their graphs this
+    way."""
+    from worker.model import triton_attention
+
+    return mock.patch.object(triton_attention, "FP8_UNSPLIT_PROGRAMS", 1 << 30)
 
 
 def without_fused_quant() -> ContextManager[Any]:
@@ -342,12 +352,18 @@ def main() -> None:
             )
             del e8
             torch.cuda.empty_cache()
-        with without_quantized_splitk():  # and batch 64's GEMMs through cuBLAS
+        with with_split_fp8_batches():  # batch 64's attention split in 128-token blocks
             e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new))
-            section("cublas_fp8_weights_fp8_kv_b64",
+            section("split_attn_fp8_weights_fp8_kv_b64",
                     lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
             del e8
             torch.cuda.empty_cache()
+            with without_quantized_splitk():  # and its GEMMs through cuBLAS
+                e8 = engine(fp8_dir, "fp8_e4m3", 16384, 64, 64 * (PROMPT_LEN + new))
+                section("cublas_fp8_weights_fp8_kv_b64",
+                        lambda: decode(e8, 64, PROMPT_LEN, new, bw, 64))
+                del e8
+                torch.cuda.empty_cache()
         eb = engine(MODEL_DIR, "auto", 16384, 8, 8 * (PROMPT_LEN + new))
         section("bf16_b1", lambda: decode(eb, 1, PROMPT_LEN, new, bw, 2))
         del eb

@@ -20,7 +20,7 @@ from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerCon
 from worker.cuda_graphs import graph_buckets
 from worker.model.attention import TorchSDPABackend
 from worker.model.backends import get_attention_backend
-from worker.model.triton_attention import DECODE_SPLITS, num_decode_splits
+from worker.model.triton_attention import decode_launch, num_decode_splits
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
@@ -34,10 +34,16 @@ def test_split_heuristic_fills_the_gpu_and_stays_a_power_of_two() -> None:
         s = num_decode_splits(b, 8)
         assert s & (s - 1) == 0 and 1 <= s <= 32
     # The paged decode kernel's own settings: bf16 pages split one request 64 ways, e4m3 pages
-    # aim at twice the programs (their tiles take a bf16 tile's math for half the bytes).
-    bf16, fp8 = DECODE_SPLITS[False], DECODE_SPLITS[True]
-    assert [num_decode_splits(b, 8, *bf16) for b in (1, 2, 8, 64)] == [64, 32, 8, 1]
-    assert [num_decode_splits(b, 8, *fp8) for b in (1, 8, 16, 64, 160)] == [32, 16, 8, 2, 1]
+    # aim at twice the programs (their tiles take a bf16 tile's math for half the bytes) until
+    # the batch alone makes 512, then run unsplit in 64-token blocks as bf16 pages do.
+    def splits(b: int, fp8: bool) -> int:
+        return decode_launch(b, 8, fp8)[0]
+
+    assert [splits(b, False) for b in (1, 2, 8, 64)] == [64, 32, 8, 1]
+    assert [splits(b, True) for b in (1, 8, 16, 56, 64, 160)] == [32, 16, 8, 2, 1, 1]
+    assert [decode_launch(b, 8, True)[1]["BLOCK_N"] for b in (8, 56, 64)] == [128, 128, 64]
+    assert decode_launch(64, 8, False)[1]["BLOCK_N"] == 64
+    assert decode_launch(1, 8, True, max_splits=4)[0] == 4  # the interpreter's cap
 
 
 def test_graph_buckets_cover_every_batch_size() -> None:

@@ -11,7 +11,7 @@
   views of `KVCache.layer` are strided: no gather, no copy), online softmax in float32. With
   more than one split, a second kernel merges the partial outputs by their log-sum-exp. The
   split count depends only on the batch size and the page dtype (a CUDA graph captures it),
-  chosen so that B * Hkv * splits fills the GPU (DECODE_SPLITS); a split whose share is empty
+  chosen so that B * Hkv * splits fills the GPU (`decode_launch`); a split whose share is empty
   writes only its log-sum-exp (-inf), and the merge reads no partial row of such a split.
 - prefill / mixed steps: the one-token requests go through the decode kernel. The multi-token
   requests, while they are short (none with more than PREFILL_KERNEL_CELLS new-token x context
@@ -63,6 +63,12 @@ DECODE_CONFIGS: dict[bool, dict[str, int]] = {
 # of a bf16 one for half its bytes, so more of them must be in flight), bf16 pages at 4,320
 # with 8 and 4,307 with 16.
 DECODE_SPLITS: dict[bool, tuple[int, int]] = {False: (528, 64), True: (1056, 32)}
+# A batch of e4m3 pages whose B * Hkv programs reach this runs unsplit over 64-token blocks, as
+# bf16 pages do there (their split rule gives one split at 528): `python3 -m
+# bench.decode_kernel --ctx 576 --splits 64=1,2,4` (H200, batch 64): 2,172 GB/s against 1,774
+# for the rule's two splits of 128-token blocks, which leave a short context's last block mostly
+# masked; at 2,048 context the two read the same (2,472 and 2,471).
+FP8_UNSPLIT_PROGRAMS = 512
 # The split rule fills an H200's SMs. On CPU tensors (Triton's interpreter, the CI's check of
 # the kernels) a program costs ~20 ms of Python each: at most 4 splits, still merged.
 _INTERPRETER_SPLITS = 4
@@ -71,6 +77,20 @@ _INTERPRETER_SPLITS = 4
 # one 8B layer): the kernel takes 0.22-0.79x SDPA's time up to 1024 x 1024, 0.50x for four
 # 512-token chunks after 1,536 cached; 1.19x for one 2,048-token prompt, 5.3x for 8,192.
 PREFILL_KERNEL_CELLS = 1 << 20
+
+
+def decode_launch(
+    batch_size: int, num_kv_heads: int, fp8_pages: bool, max_splits: int | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The decode kernel's split count and settings for a batch (a CUDA graph captures both):
+    DECODE_SPLITS' rule and DECODE_CONFIGS by page dtype, but e4m3 pages with at least
+    FP8_UNSPLIT_PROGRAMS programs unsplit in 64-token blocks. `max_splits` caps the rule."""
+    cfg = DECODE_CONFIGS[fp8_pages]
+    if fp8_pages and batch_size * num_kv_heads >= FP8_UNSPLIT_PROGRAMS:
+        return 1, cfg | dict(BLOCK_N=64)
+    target, most = DECODE_SPLITS[fp8_pages]
+    most = most if max_splits is None else min(most, max_splits)
+    return num_decode_splits(batch_size, num_kv_heads, target, most), cfg
 
 
 def num_decode_splits(
@@ -284,11 +304,10 @@ def triton_paged_decode(
     assert hq % hkv == 0, f"num q heads {hq} is not a multiple of kv heads {hkv}"
     g = hq // hkv
     ks, vs, scaled = scale_args(kv_scales, seq_lens)
-    target, most = DECODE_SPLITS[scaled]
-    if not q.is_cuda:  # Triton's interpreter runs the programs one after another
-        most = _INTERPRETER_SPLITS
-    splits = num_splits or num_decode_splits(b, hkv, target, most)
-    cfg = DECODE_CONFIGS[scaled] | config
+    # Triton's interpreter runs the programs one after another: few splits on CPU tensors
+    rule, cfg = decode_launch(b, hkv, scaled, None if q.is_cuda else _INTERPRETER_SPLITS)
+    splits = num_splits or rule
+    cfg = cfg | config
     out = torch.empty_like(q)
     if b == 0:
         return out
