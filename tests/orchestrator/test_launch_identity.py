@@ -158,16 +158,18 @@ def test_busy_pinned_ports_are_refused_naming_port_process_and_key(
         rf"--port\)\) is in use on 127.0.0.1",
     ):
         check_ports(resolve_ports(gw_busy))
-    data = pd_config(tmp_path)
-    data["roles"]["decode"]["base_port"] = busy_port - 10  # type: ignore[index]
+    # the gateway on a free port: 8000 may be a developer's own cluster, checked first
+    data = {**pd_config(tmp_path), "gateway": {"port": free_port()}}
+    busy_decode = {**data, "roles": {"prefill": {"count": 2},
+                                     "decode": {"count": 2, "base_port": busy_port - 10}}}
     with pytest.raises(
         PortInUseError,
         match=rf"^port {busy_port} \(decode-1, "
         r"roles.decode.base_port\) is in use",
     ):
-        check_ports(resolve_ports(config_from_dict(data)))
+        check_ports(resolve_ports(config_from_dict(busy_decode)))
     # A pinned bootstrap port: the second prefill replica would bind the same one.
-    pinned = config_from_dict({**pd_config(tmp_path), "transfer": {"bootstrap_port": free_port()}})
+    pinned = config_from_dict({**data, "transfer": {"bootstrap_port": free_port()}})
     with pytest.raises(
         PortInUseError,
         match=r"prefill-1 bootstrap \(rank 0\) and prefill-0 "
