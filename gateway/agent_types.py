@@ -20,7 +20,9 @@ class FunctionDefinition(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; absent = no parameters
-    strict: bool | None = None  # the schema is enforced when a call is forced either way
+    # true: calls are held to the schema under tool_choice "auto" too (gateway/agents.py); a
+    # forced call (required / named) is held to it either way
+    strict: bool | None = None
 
 
 class Tool(_Strict):

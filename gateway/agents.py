@@ -7,9 +7,13 @@ configured parser, template kwargs against what the template reads), renders the
 returns a `ChatPlan`. The rules, each a 400 naming the field when broken:
 - `tools` need a tool-call parser (`gateway.tool_call_parser`): calls nobody parses would
   reach the client as plain text, which is a silent drop;
+- each tool's `parameters` must be a valid JSON schema (its draft's meta-schema);
 - `tool_choice` "none" renders no tools (the model is not shown what it may not call) and
   parses none; "auto" renders and parses; "required" / a named function also force the call
-  through a grammar in the parser's own format (see parsers/constraints.py);
+  through a grammar in the parser's own format (see parsers/constraints.py); under "auto",
+  `strict` tools hold every call the model starts to its tool's schema (the others' to a JSON
+  object) through a grammar triggered by the format's call marker; a format without a fixed
+  marker (llama3_json) cannot, and says so;
 - `chat_template_kwargs` keys and `reasoning_effort` must be variables the template reads.
 """
 
@@ -20,16 +24,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
+
 from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, ChatMessage
 from gateway.parsers import ThinkParser, make_tool_parser, prompt_opens_reasoning
-from gateway.parsers.constraints import reasoning_prefix, tool_calls_format
+from gateway.parsers.constraints import auto_calls_format, reasoning_prefix, tool_calls_format
 from gateway.parsers.reasoning import THINK_CLOSE, THINK_OPEN
-from gateway.structured import Constraint, request_constraint
+from gateway.structured import Constraint, StrictCalls, request_constraint
 from gateway.tokenizer import RESERVED_TEMPLATE_VARS, Tokenizer
 from protocol import tandem_pb2
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a non-strict tool's arguments beside strict ones
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
         if name in params:
             raise BadRequest(f"tools: function {name!r} is listed twice", param="tools")
         params[name] = t.function.parameters or {"type": "object", "properties": {}}
+        _check_schema(name, params[name])
     if choice == "none":
         return params
     if "tools" not in tok.template_vars:
@@ -160,6 +169,23 @@ def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
     return params
 
 
+def _check_schema(name: str, schema: dict[str, Any]) -> None:
+    """400 unless `schema` is valid under its draft's meta-schema (2020-12 without `$schema`)."""
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "its top level"
+        raise BadRequest(f"tools: the parameters of function {name!r} are not a valid JSON "
+                         f"schema: {exc.message} (at {where})", param="tools") from None
+
+
+def _call_format(parsers: Parsers, tok: Tokenizer) -> str:
+    fmt = parsers.tool_call
+    if fmt == "mistral" and tok.token_id("[ARGS]") is not None:
+        fmt = "mistral_v11"
+    return fmt
+
+
 def _forced_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
                   params: dict[str, dict[str, Any]]) -> Constraint | None:
     choice = req.tool_choice
@@ -171,11 +197,26 @@ def _forced_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
     else:
         tools = [(choice.function.name, params[choice.function.name])]
         parallel = False  # a named function is called once
-    fmt = parsers.tool_call
-    if fmt == "mistral" and tok.token_id("[ARGS]") is not None:
-        fmt = "mistral_v11"
     return Constraint("tool_choice", "structural_tag", format=tool_calls_format(
-        fmt, tools, parallel, tok.special_token_texts))
+        _call_format(parsers, tok), tools, parallel, tok.special_token_texts))
+
+
+def _strict_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
+                  params: dict[str, dict[str, Any]]) -> StrictCalls | None:
+    """Under tool_choice "auto" with a `strict` tool: the grammars that hold calls to schemas."""
+    strict = {t.function.name for t in req.tools or [] if t.function.strict}
+    if req.tool_choice not in (None, "auto") or not params or not strict:
+        return None
+    fmt = _call_format(parsers, tok)
+    tools = [(name, schema if name in strict else _ANY_OBJECT) for name, schema in params.items()]
+    special = tok.special_token_texts
+    anywhere = auto_calls_format(fmt, tools, req.parallel_tool_calls, special)
+    if anywhere is None:
+        raise BadRequest(f"tools: strict schemas under tool_choice \"auto\" need a call marker "
+                         f"to trigger on, and {fmt} calls open with the tool's name; send "
+                         "tool_choice \"required\" (or a named function), or omit strict",
+                         param="tools")
+    return StrictCalls(anywhere, tool_calls_format(fmt, tools, req.parallel_tool_calls, special))
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> ChatPlan:
@@ -189,7 +230,8 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
         if parse_tools else None
     text = tok.render_chat(messages, tools=tools, kwargs=_template_kwargs(req, tok))
     starts = bool(parsers.reasoning) and prompt_opens_reasoning(text)
-    constraint = request_constraint(req, _forced_calls(req, parsers, tok, params))
+    constraint = request_constraint(req, _forced_calls(req, parsers, tok, params),
+                                    _strict_calls(req, parsers, tok, params))
     structured = None
     if constraint is not None:
         prefix = reasoning_prefix(parsers.reasoning, starts, tok.special_token_texts)

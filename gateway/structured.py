@@ -5,6 +5,9 @@ plus vLLM / SGLang's structural_tag), vLLM's `guided_json` / `guided_regex` / `g
 `guided_grammar` (EBNF, xgrammar's dialect with rule `root`), vLLM's newer
 `structured_outputs` object, and a forced tool call (tool_choice "required" or named, built by
 gateway/agents.py). Two at once is a 400: which one would win is not the client's guess.
+`strict` tools under tool_choice "auto" are not a second constraint: alone they allow free text
+with calls held to their schemas; beside one, the output is either calls or the constrained
+answer (`StrictCalls`).
 
 With a reasoning parser on, the constraint starts after the `<think>` block: the request is
 sent as a structural tag whose first element lets the block through unconstrained.
@@ -70,6 +73,16 @@ class Constraint:
         if self.kind == "ebnf":
             return tandem_pb2.StructuredOutput(ebnf=self.text)
         return tandem_pb2.StructuredOutput(choice=tandem_pb2.ChoiceList(choices=self.choices))
+
+
+@dataclass(frozen=True)
+class StrictCalls:
+    """`strict` tools under tool_choice "auto", as structural-tag formats
+    (gateway/parsers/constraints.py): `anywhere`, free text with calls held to their schemas;
+    `block`, calls alone (the alternative to another constraint's answer)."""
+
+    anywhere: dict[str, Any]
+    block: dict[str, Any]
 
 
 def _schema(value: Any, field: str) -> Any:
@@ -159,8 +172,10 @@ def _from_structured_outputs(req: Any) -> list[Constraint]:
     return found
 
 
-def request_constraint(req: Any, forced_tools: Constraint | None = None) -> Constraint | None:
-    """The one constraint a request asks for (None: unconstrained); 400 when it asks for two."""
+def request_constraint(req: Any, forced_tools: Constraint | None = None,
+                       strict_calls: StrictCalls | None = None) -> Constraint | None:
+    """The one constraint a request asks for (None: unconstrained); 400 when it asks for two.
+    `strict_calls` join it: alone, or as the alternative to the one constraint's answer."""
     found = [c for c in (_from_response_format(req), forced_tools) if c is not None]
     if req.guided_json is not None:
         found.append(Constraint("guided_json", "json_schema",
@@ -180,4 +195,10 @@ def request_constraint(req: Any, forced_tools: Constraint | None = None) -> Cons
         names = ", ".join(sorted({c.source for c in found}))
         raise BadRequest(f"only one output constraint per request; got {names}",
                          param=found[1].source)
-    return found[0] if found else None
+    if strict_calls is None:
+        return found[0] if found else None
+    if not found:
+        return Constraint("tools", "structural_tag", format=strict_calls.anywhere)
+    answer = found[0]
+    return Constraint(answer.source, "structural_tag", format={
+        "type": "or", "elements": [strict_calls.block, answer.as_format()]})

@@ -3,8 +3,10 @@
 The gateway never imports xgrammar: it writes the structural tag as text and the worker
 compiles it (`Grammar.from_structural_tag`). Used for `tool_choice` "required" / a named
 function (the output is one or more well-formed calls in the configured tool-call parser's
-own format, each call's arguments matching that tool's JSON schema), and to let a model's
-`<think>` block come before any constrained output when a reasoning parser is on.
+own format, each call's arguments matching that tool's JSON schema: `tool_calls_format`), for
+`strict` tools under "auto" (free text, and wherever the format's call marker appears a call
+held to its tool's schema: `auto_calls_format`), and to let a model's `<think>` block come
+before any constrained output when a reasoning parser is on.
 
 A marker that is a special token of the model's vocabulary (Mistral's `[TOOL_CALLS]`, for
 one) is written as a `{"type": "token"}` element: xgrammar never lets a special token match
@@ -90,25 +92,68 @@ def _sequence(elements: list[dict[str, Any]]) -> dict[str, Any]:
     return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
 
 
+def _call(fmt: CallFormat, pieces: Pieces, tools: Sequence[tuple[str, dict[str, Any] | None]],
+          skip: int = 0) -> dict[str, Any]:
+    """One call to any of `tools`, less the first `skip` pieces of its prefix and the last
+    `skip` of its suffix (a triggered tag's begin and end)."""
+    options = []
+    for name, schema in tools:
+        args = {"type": "json_schema", "json_schema": schema or _NO_PARAMETERS}
+        if fmt.style != "json":
+            args["style"] = fmt.style
+        suffix = fmt.suffix[: len(fmt.suffix) - skip]
+        options.append(_sequence([*pieces.elements(fmt.prefix[skip:], name), args,
+                                  *pieces.elements(suffix, name)]))
+    return options[0] if len(options) == 1 else {"type": "or", "elements": options}
+
+
+def _calls(fmt: CallFormat, pieces: Pieces, tools: Sequence[tuple[str, dict[str, Any] | None]],
+           parallel: bool) -> list[dict[str, Any]]:
+    """One call, or with `parallel` one or more separated as the format separates them."""
+    call = _call(fmt, pieces, tools)
+    if not parallel:
+        return [call]
+    return [call, {"type": "star", "content": _sequence([*pieces.elements(fmt.separator),
+                                                          call])}]
+
+
 def tool_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]],
                       parallel: bool, special_tokens: Collection[str]) -> dict[str, Any]:
     """A format accepting one call (or, with `parallel`, one or more) to any of `tools`
     (name, parameters schema), written the way `parser` reads them."""
     fmt = CALL_FORMATS[parser]
     pieces = Pieces(special_tokens)
-    options = []
-    for name, schema in tools:
-        args = {"type": "json_schema", "json_schema": schema or _NO_PARAMETERS}
-        if fmt.style != "json":
-            args["style"] = fmt.style
-        options.append(_sequence([*pieces.elements(fmt.prefix, name), args,
-                                  *pieces.elements(fmt.suffix, name)]))
-    call = options[0] if len(options) == 1 else {"type": "or", "elements": options}
-    body = [call]
-    if parallel:
-        more = _sequence([*pieces.elements(fmt.separator), call])
-        body.append({"type": "star", "content": more})
-    return _sequence([*pieces.elements(fmt.open), *body, *pieces.elements(fmt.close)])
+    return _sequence([*pieces.elements(fmt.open), *_calls(fmt, pieces, tools, parallel),
+                      *pieces.elements(fmt.close)])
+
+
+def auto_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]],
+                      parallel: bool, special_tokens: Collection[str]) -> dict[str, Any] | None:
+    """Free text in which the format's call marker (its calls block's opening, or a call's
+    first piece) starts calls to `tools` held to their schemas: xgrammar's triggered tags
+    (token-triggered when the marker is a special token). None for a format whose calls open
+    with the tool's name (llama3_json): it has no fixed marker to trigger on."""
+    fmt = CALL_FORMATS[parser]
+    pieces = Pieces(special_tokens)
+    if fmt.open:  # one block of calls: [open...] calls [...close]
+        begin, end = fmt.open[0], fmt.close[-1]
+        content = _sequence([*pieces.elements(fmt.open[1:]), *_calls(fmt, pieces, tools,
+                                                                      parallel),
+                             *pieces.elements(fmt.close[:-1])])
+        once = True
+    else:  # each call its own tag
+        if "{name}" in fmt.prefix[0]:
+            return None
+        begin, end = fmt.prefix[0], fmt.suffix[-1] if fmt.suffix else ""
+        content = _call(fmt, pieces, tools, skip=1)
+        once = not parallel
+    tag = {"type": "tag", "begin": pieces.one(begin), "content": content,
+           "end": pieces.one(end) if end else ""}
+    if begin in pieces.special:
+        return {"type": "token_triggered_tags", "trigger_tokens": [begin], "tags": [tag],
+                "stop_after_first": once}
+    return {"type": "triggered_tags", "triggers": [begin], "tags": [tag],
+            "stop_after_first": once}
 
 
 def reasoning_prefix(parser: str, starts_in_reasoning: bool,

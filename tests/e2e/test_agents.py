@@ -166,6 +166,27 @@ def test_forced_tool_call_always_calls(cluster: Cluster) -> None:
     cluster.wait_drained()
 
 
+def test_strict_tool_under_auto_holds_the_call_to_its_schema(cluster: Cluster) -> None:
+    # Left alone the model calls lookup({"name": "q"}); a strict schema allowing only "b" must
+    # win under tool_choice "auto" (the grammar triggers on the call marker), streamed or not,
+    # and the answer after the tool's reply stays free text.
+    only_b = {"type": "function", "function": {**LOOKUP["function"], "strict": True,
+                                              "parameters": {
+        "type": "object", "properties": {"name": {"enum": ["b"]}}, "required": ["name"],
+        "additionalProperties": False}}}
+    r = ask(cluster, QUESTION, tools=[only_b])
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == \
+        [{"name": "b"}]
+    s = streamed(cluster, QUESTION, tools=[only_b])
+    assert [json.loads(c["arguments"]) for c in s["calls"].values()] == [{"name": "b"}]
+    answer = ask(cluster, tool_reply(QUESTION, r.choices[0].message, "47"), tools=[only_b])
+    msg = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "stop" and not msg.tool_calls, answer
+    assert "47" in (msg.content or ""), answer
+    cluster.wait_drained()
+
+
 SCHEMAS = [
     {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]},
     {"type": "object", "properties": {"vars": {"type": "array", "items": {"type": "string",

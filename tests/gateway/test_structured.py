@@ -193,3 +193,79 @@ def test_forced_call_and_response_format_conflict(hermes_dir: Path) -> None:
                        response_format={"type": "json_object"}),
                   Tokenizer.from_dir(hermes_dir), Parsers(tool_call="hermes"))
     assert "only one output constraint" in info.value.message
+
+
+STRICT = {"type": "function", "function": {"name": "lookup", "strict": True, "parameters": {
+    "type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]$"}},
+    "required": ["name"], "additionalProperties": False}}}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}}}}
+
+
+def hermes_call(name: str, args: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_strict_tools_under_auto_hold_every_call_to_its_schema(worker: Worker, hermes_dir: Path,
+                                                               parallel: bool) -> None:
+    tok = Tokenizer.from_dir(hermes_dir)
+    plan = plan_chat(chat(tools=[STRICT, NOTE], parallel_tool_calls=parallel), tok,
+                     Parsers(reasoning="qwen3", tool_call="hermes"))
+    assert plan.structured is not None and plan.constraint_source == "tools"
+    good = hermes_call("lookup", {"name": "q"})
+    assert worker.accepts(plan.structured, "The answer is 3.")  # text stays free
+    assert worker.accepts(plan.structured, "I need q.\n" + good)
+    assert worker.accepts(plan.structured, "<think>\nneed q\n</think>\n\n" + good)
+    assert worker.accepts(plan.structured, hermes_call("note", {"text": "any"}))
+    assert not worker.accepts(plan.structured, hermes_call("lookup", {"name": "qq"}))
+    assert not worker.accepts(plan.structured, hermes_call("lookup", {"nom": "q"}))
+    assert not worker.accepts(plan.structured, hermes_call("note", ["not", "an", "object"]))
+    assert not worker.accepts(plan.structured, hermes_call("other", {}))
+    assert worker.accepts(plan.structured, good + "\n" + good) == parallel
+    # without `strict`, "auto" constrains nothing
+    loose = plan_chat(chat(tools=[LOOKUP]), tok, Parsers(tool_call="hermes"))
+    assert loose.structured is None
+
+
+def test_strict_tools_under_auto_trigger_on_a_special_token_marker(worker: Worker,
+                                                                   hermes_dir: Path) -> None:
+    plan = plan_chat(chat(tools=[STRICT]), Tokenizer.from_dir(hermes_dir),
+                     Parsers(tool_call="mistral"))
+    assert plan.structured is not None
+    assert '"token_triggered_tags"' in plan.structured.structural_tag
+    for text, ok in (('ok [TOOL_CALLS]lookup[ARGS]{"name": "q"}', True),
+                     ('[TOOL_CALLS]lookup[ARGS]{"name": 3}', False), ("plain", True)):
+        ids = worker.hf.encode(text, add_special_tokens=False)
+        matcher = xgr.GrammarMatcher(worker.compile(plan.structured))
+        assert (all(matcher.accept_token(t) for t in ids)
+                and matcher.accept_token(worker.eos)) == ok, text
+
+
+def test_strict_tools_beside_a_response_format_give_calls_or_the_answer(
+        worker: Worker, hermes_dir: Path) -> None:
+    plan = plan_chat(chat(tools=[STRICT], response_format={"type": "json_object"}),
+                     Tokenizer.from_dir(hermes_dir), Parsers(tool_call="hermes"))
+    assert plan.structured is not None and plan.constraint_source == "response_format"
+    assert worker.accepts(plan.structured, hermes_call("lookup", {"name": "q"}))
+    assert worker.accepts(plan.structured, '{"answer": 3}')
+    assert not worker.accepts(plan.structured, "The answer is 3.")
+    assert not worker.accepts(plan.structured, hermes_call("lookup", {"name": 3}))
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"tools": [STRICT]}, "llama3_json calls open with the tool's name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}]},
+     "parameters of function 'f' are not a valid JSON schema: .* \\(at properties/a/type\\)"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": [1, 2]}}}], "tool_choice": "none"},
+     "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "banana"}}}]}, "not a valid JSON schema"),
+])
+def test_tools_the_gateway_cannot_honour_are_400s(hermes_dir: Path, kw: dict[str, Any],
+                                                  match: str) -> None:
+    with pytest.raises(BadRequest, match=match) as info:
+        plan_chat(chat(**kw), Tokenizer.from_dir(hermes_dir), Parsers(tool_call="llama3_json"))
+    assert info.value.param == "tools"
