@@ -271,10 +271,12 @@ def check_sampling(req: _SamplingFields) -> None:
         if v is not None and not math.isfinite(v):  # JSON's NaN / Infinity literals parse so
             raise BadRequest(f"{name} must be a finite number, got {v}", param=name)
     mt = req.requested_max_tokens()
+    mt_name = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
+               else "max_tokens")  # the field the client sent
     if mt is not None and mt <= 0:
-        raise BadRequest(f"max_tokens must be >= 1, got {mt}", param="max_tokens")
+        raise BadRequest(f"{mt_name} must be >= 1, got {mt}", param=mt_name)
     if mt is not None and mt > INT32_MAX:
-        raise BadRequest(f"max_tokens must be <= {INT32_MAX}, got {mt}", param="max_tokens")
+        raise BadRequest(f"{mt_name} must be <= {INT32_MAX}, got {mt}", param=mt_name)
     if req.top_k > INT32_MAX:
         raise BadRequest(f"top_k must be <= {INT32_MAX} (or -1 for off), got {req.top_k}",
                          param="top_k")
@@ -299,9 +301,10 @@ def check_sampling(req: _SamplingFields) -> None:
         if not -2 <= v <= 2:
             raise BadRequest(f"{name} must be in [-2, 2], got {v}", param=name)
     top = req.num_top_logprobs()
-    if top > 20:
-        raise BadRequest(f"at most 20 top logprobs are supported, got {top}", param="logprobs")
     chat_top = req.top_logprobs if isinstance(req, ChatCompletionRequest) else None
+    if top > 20:
+        raise BadRequest(f"at most 20 top logprobs are supported, got {top}",
+                         param="logprobs" if chat_top is None else "top_logprobs")
     if top < -1 or (chat_top is not None and chat_top < 0):
         raise BadRequest("top_logprobs must be >= 0", param="top_logprobs")
     if chat_top and top < 0:  # OpenAI's rule: alternatives come only with the logprobs

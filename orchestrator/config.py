@@ -311,14 +311,18 @@ def config_from_dict(
 ) -> ClusterConfig:
     """Build and validate a ClusterConfig from a YAML-shaped mapping plus `a.b=c` overrides."""
     data = _deep_copy(data)
+    given: dict[str, str] = {}  # dotted key -> the --set text that gave it
     try:
         for text in overrides:
             keys, value = parse_override(text, ClusterConfig)
             apply_override(data, keys, value)
+            given[".".join(keys)] = text
         _merge_role_sections(data)
         cluster: ClusterConfig = build(ClusterConfig, data)
     except SchemaError as exc:
-        raise ClusterConfigError(f"{source}: {exc}" if source else str(exc)) from None
+        culprit = next((t for k, t in given.items() if str(exc).startswith(f"{k}:")), None)
+        where = f"--set {culprit!r}" if culprit is not None else source
+        raise ClusterConfigError(f"{where}: {exc}" if where else str(exc)) from None
     cluster = dataclasses.replace(cluster, model=_resolve_model_path(cluster.model))
     try:
         cluster.validate()
@@ -344,8 +348,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         )
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ClusterConfigError(f"{p}: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # one line: where, and what (PyYAML's text spans several)
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ClusterConfigError(f"{at}: not valid YAML: {what}") from None
     if not isinstance(data, dict):
         raise ClusterConfigError(
             f"{p}: the top level must be a mapping of sections (model, roles, ...)"

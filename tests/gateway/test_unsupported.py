@@ -60,3 +60,15 @@ def test_unhonoured_fields_are_refused_by_name(base: dict[str, Any], extra: dict
 @pytest.mark.parametrize("base,extra", ACCEPTED)
 def test_their_defaults_pass(base: dict[str, Any], extra: dict[str, Any]) -> None:
     _check(base, extra)
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+])
+def test_a_bad_value_names_the_field_the_client_sent(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        check_sampling(parse_request(json.dumps({**CHAT, **kw}).encode(), ChatCompletionRequest))
+    assert info.value.param == param and info.value.message.startswith(
+        param if param != "top_logprobs" else "at most 20"), info.value.message

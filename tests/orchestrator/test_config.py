@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -194,8 +195,11 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("roles: [unclosed\n")
-    with pytest.raises(ClusterConfigError, match="not valid YAML"):
+    with pytest.raises(ClusterConfigError) as info:
         load_config(bad)
+    # one line: the file, line and column, and what is wrong there
+    assert re.fullmatch(rf"{re.escape(str(bad))}:\d+:\d+: not valid YAML: [^\n]+",
+                        str(info.value)), str(info.value)
 
 
 def test_overrides_are_typed_like_yaml() -> None:
@@ -231,7 +235,8 @@ def test_override_errors() -> None:
         load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.cout=2"])
     with pytest.raises(ClusterConfigError, match=r"expected KEY=VALUE"):
         load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.count"])
-    with pytest.raises(ClusterConfigError, match=r"roles.decode.count: expected int, got 'many'"):
+    with pytest.raises(ClusterConfigError, match=r"^--set 'roles.decode.count=many': "
+                       r"roles.decode.count: expected int, got 'many'"):
         load_config(CONFIGS / "tiny-1p1d.yaml", ["roles.decode.count=many"])
     with pytest.raises(
         ClusterConfigError, match=r"'gateway.port' is a value \(int\), it has no key 'x'"
