@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import signal
 import sys
@@ -322,13 +323,25 @@ COMMANDS = {
 }
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, arg: str) -> str:
+    """One line for an argument the command does not take, with the closest flag it does."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = [f for action in sub.choices[command]._actions for f in action.option_strings]
+    close = difflib.get_close_matches(arg.split("=")[0], flags, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"see tandem {command} --help"
+    return f"tandem {command}: unrecognized argument {arg!r}; {hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tandem` console script; returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2): a status, not an exit, for callers
         return int(exc.code or 0)
+    if extra:
+        print(f"error: {_unrecognized(parser, args.command, extra[0])}", file=sys.stderr)
+        return EXIT_USAGE
     from orchestrator.launch import LauncherUnavailableError
 
     # A worker may re-execute itself (the bind-host shim) only when run as a program.

@@ -31,6 +31,12 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         main(["bench", "--url", "u", "--concurrency", "2", "--request-rate", "3"]) == 2
     )  # exclusive
     assert "not allowed with argument" in capsys.readouterr().err
+    # a misspelled flag: one line naming the command, the argument and the closest flag
+    assert main(["serve", "--prot", "8011"]) == 2
+    assert capsys.readouterr().err == (
+        "error: tandem serve: unrecognized argument '--prot'; did you mean --port?\n")
+    assert main(["plan", "--config", "x.yaml", "--zzz"]) == 2
+    assert capsys.readouterr().err.endswith("'--zzz'; see tandem plan --help\n")
 
 
 def test_parser_defaults_and_repeated_set() -> None:
