@@ -12,8 +12,7 @@ returns a `ChatPlan`. The rules, each a 400 naming the field when broken:
   parses none; "auto" renders and parses; "required" / a named function also force the call
   through a grammar in the parser's own format (see parsers/constraints.py); under "auto",
   `strict` tools hold every call the model starts to its tool's schema (the others' to a JSON
-  object) through a grammar triggered by the format's call marker; a format without a fixed
-  marker (llama3_json) cannot, and says so;
+  object) through a grammar triggered by the format's call marker;
 - `chat_template_kwargs` keys and `reasoning_effort` must be variables the template reads.
 """
 
@@ -222,13 +221,8 @@ def _strict_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
     fmt = _call_format(parsers, tok)
     tools = [(name, schema if name in strict else _ANY_OBJECT) for name, schema in params.items()]
     special = tok.special_token_texts
-    anywhere = auto_calls_format(fmt, tools, req.parallel_tool_calls, special)
-    if anywhere is None:
-        raise BadRequest(f"tools: strict schemas under tool_choice \"auto\" need a call marker "
-                         f"to trigger on, and {fmt} calls open with the tool's name; send "
-                         "tool_choice \"required\" (or a named function), or omit strict",
-                         param="tools")
-    return StrictCalls(anywhere, tool_calls_format(fmt, tools, req.parallel_tool_calls, special))
+    return StrictCalls(auto_calls_format(fmt, tools, req.parallel_tool_calls, special),
+                       tool_calls_format(fmt, tools, req.parallel_tool_calls, special))
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> ChatPlan:

@@ -128,25 +128,29 @@ def tool_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | N
 
 
 def auto_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | None]],
-                      parallel: bool, special_tokens: Collection[str]) -> dict[str, Any] | None:
+                      parallel: bool, special_tokens: Collection[str]) -> dict[str, Any]:
     """Free text in which the format's call marker (its calls block's opening, or a call's
     first piece) starts calls to `tools` held to their schemas: xgrammar's triggered tags
-    (token-triggered when the marker is a special token). None for a format whose calls open
-    with the tool's name (llama3_json): it has no fixed marker to trigger on."""
+    (token-triggered when the marker is a special token). A format whose calls open with the
+    tool's name (llama3_json) triggers on the text before the name, one tag a tool."""
     fmt = CALL_FORMATS[parser]
     pieces = Pieces(special_tokens)
+    once = not parallel
     if fmt.open:  # one block of calls: [open...] calls [...close]
         begin, end = fmt.open[0], fmt.close[-1]
         content = _sequence([*pieces.elements(fmt.open[1:]), *_calls(fmt, pieces, tools,
                                                                       parallel),
                              *pieces.elements(fmt.close[:-1])])
         once = True
+    elif "{name}" in fmt.prefix[0]:  # `{"name": "<tool>", ...`: the tool's name is in the begin
+        tags = [{"type": "tag", "begin": fmt.prefix[0].replace("{name}", name),
+                 "content": _call(fmt, pieces, [(name, schema)], skip=1), "end": fmt.suffix[-1]}
+                for name, schema in tools]
+        return {"type": "triggered_tags", "triggers": [fmt.prefix[0].split("{name}")[0]],
+                "tags": tags, "stop_after_first": once}
     else:  # each call its own tag
-        if "{name}" in fmt.prefix[0]:
-            return None
         begin, end = fmt.prefix[0], fmt.suffix[-1] if fmt.suffix else ""
         content = _call(fmt, pieces, tools, skip=1)
-        once = not parallel
     tag = {"type": "tag", "begin": pieces.one(begin), "content": content,
            "end": pieces.one(end) if end else ""}
     if begin in pieces.special:

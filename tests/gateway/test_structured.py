@@ -253,8 +253,25 @@ def test_strict_tools_beside_a_response_format_give_calls_or_the_answer(
     assert not worker.accepts(plan.structured, hermes_call("lookup", {"name": 3}))
 
 
+def test_strict_tools_under_auto_trigger_before_the_name_in_llama3_json(
+        worker: Worker, hermes_dir: Path) -> None:
+    plan = plan_chat(chat(tools=[STRICT, NOTE], parallel_tool_calls=False),
+                     Tokenizer.from_dir(hermes_dir), Parsers(tool_call="llama3_json"))
+    assert plan.structured is not None
+
+    def call(name: str, args: Any) -> str:
+        return json.dumps({"name": name, "parameters": args})
+
+    assert worker.accepts(plan.structured, "The answer is 3.")
+    assert worker.accepts(plan.structured, call("lookup", {"name": "q"}))
+    assert worker.accepts(plan.structured, call("note", {"text": "x"}))
+    assert not worker.accepts(plan.structured, call("lookup", {"name": "qq"}))
+    assert not worker.accepts(plan.structured, call("other", {}))
+    assert not worker.accepts(plan.structured, call("lookup", {"name": "q"}) + "; "
+                              + call("lookup", {"name": "b"}))  # parallel_tool_calls false
+
+
 @pytest.mark.parametrize("kw,match", [
-    ({"tools": [STRICT]}, "llama3_json calls open with the tool's name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}]},
      "parameters of function 'f' are not a valid JSON schema: .* \\(at properties/a/type\\)"),
