@@ -261,7 +261,9 @@ def fp8_linear(
     (the linear's own) lets decode-sized steps take the split-K GEMM (fp8_splitk.py). x may
     come quantized already (`Fp8Rows`, from `input_rows`): it goes where `input_rows` meant."""
     if isinstance(x, Fp8Rows):
-        return _quantized(x, w, w_scale, bias, quant, counters)
+        path = route(x.rows, w.shape[1], w.shape[0], x.dtype, x.q.device, quant,
+                     counters is not None)
+        return _quantized(x, path, w, w_scale, bias, quant, counters)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     path = route(x2.shape[0], k, w.shape[0], x.dtype, x.device, quant, counters is not None)
@@ -275,18 +277,17 @@ def fp8_linear(
     if path in _ROWS_ROUTES:
         xq, xs = quantize_activations(x2, quant.block_k, pad_rows=PAD_ROWS, m_major=True)
         rows = Fp8Rows(xq, xs, x2.shape[0], x.dtype)
-        return _quantized(rows, w, w_scale, bias, quant, counters).view(*lead, -1)
+        return _quantized(rows, path, w, w_scale, bias, quant, counters).view(*lead, -1)
     xq, xs = quantize_activations(x2, quant.block_k)
     return block_fp8_matmul(xq, xs, w, w_scale, quant, bias, x.dtype).view(*lead, -1)
 
 
 def _quantized(
-    x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-    quant: BlockFp8Config, counters: SplitCounters | None,
+    x: Fp8Rows, path: Route, w: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, quant: BlockFp8Config, counters: SplitCounters | None,
 ) -> torch.Tensor:
-    """x quantized 1×128 through the split-K GEMM (33-64 tokens, the linear's counters) or
-    cuBLAS: the routes of `_ROWS_ROUTES`."""
-    path = route(x.rows, w.shape[1], w.shape[0], x.dtype, x.q.device, quant, counters is not None)
+    """x quantized 1×128 on its route (one of `_ROWS_ROUTES`): the split-K GEMM (33-64 tokens,
+    the linear's counters) or cuBLAS."""
     if path is Route.SPLITK_QUANTIZED and counters is not None:
         return fp8_splitk.fp8_splitk(x, w, w_scale, quant, counters, bias)
     return _cublas(x, w, w_scale, bias)

@@ -28,7 +28,7 @@ Two ways to feed the tensor cores, by the step's tokens (`mode`):
 bench/fp8_splitk.py measures both per projection against cuBLAS and the one-token GEMV (H200,
 8B shapes): widened, at 4-16 tokens it reads 1.1-1.8x cuBLAS's GB/s and at 32 tokens 1.2x over
 a layer's four projections, but at 64 it is behind cuBLAS (the float16 dots and the widening
-grow with the tokens); quantized, at 64 tokens it reads 1.08-1.46x cuBLAS's GB/s on the same
+grow with the tokens); quantized, at 64 tokens it reads 1.09-1.53x cuBLAS's GB/s on the same
 quantized x. At one token the GEMV (worker/model/gemv.py) is ahead of both, so `fits` takes
 1-64 tokens and the engine's one-token step keeps the GEMV.
 The output is rounded to the model dtype as F.linear's is, then the bias added and rounded.
