@@ -72,6 +72,10 @@ class _SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` came from (errors name what the client sent)."""
+        return "max_tokens"
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -183,6 +187,9 @@ class ChatCompletionRequest(_SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def num_top_logprobs(self) -> int:
         if not self.logprobs:
             return -1
@@ -271,8 +278,7 @@ def check_sampling(req: _SamplingFields) -> None:
         if v is not None and not math.isfinite(v):  # JSON's NaN / Infinity literals parse so
             raise BadRequest(f"{name} must be a finite number, got {v}", param=name)
     mt = req.requested_max_tokens()
-    mt_name = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
-               else "max_tokens")  # the field the client sent
+    mt_name = req.max_tokens_field()
     if mt is not None and mt <= 0:
         raise BadRequest(f"{mt_name} must be >= 1, got {mt}", param=mt_name)
     if mt is not None and mt > INT32_MAX:
