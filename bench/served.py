@@ -1,4 +1,5 @@
-"""Served / engine: what clients receive against what the engine makes, in one process.
+"""Served / engine: what clients receive against what the engine makes, in one process, for
+mono and 1P1D side by side (`tandem bench --config X.yaml` measures one config's cluster).
 
     python -m bench.served                       # GPU: 8B-shape Qwen3 (dummy, bf16), B = 16 64 160
     python -m bench.served --smoke               # CPU: the embedded model, small B (4 16)
@@ -37,151 +38,10 @@ from typing import Any
 
 from bench.gpu_pd import SHAPE_8B, clusters_at_once, word_level_model
 from orchestrator.bench import BenchSpec, load, summarize
+from orchestrator.bench_engine import engine_rates, work_for
 from orchestrator.config import load_config
 from orchestrator.launch.background import EMBEDDED_MODEL, REPO
 from orchestrator.worker_config import worker_config
-
-
-def engine_rates(config: str, sets: list[str], batch: int, work: list[tuple[list[int], int]],
-                 trace: tuple[int, Path] | None = None) -> dict[str, Any]:
-    """The in-process engine over `work` ((prompt ids, output tokens) per request) at
-    max_num_seqs = batch (same config as served). `trace` = (N, dir): torch.profiler over N
-    steps from step 150 on (device_steps.txt there: each kind's wall and kernel time)."""
-    import torch
-
-    from orchestrator.bench_stats import latency_ms, token_latencies
-    from worker.engine import Engine, RequestOutput
-    from worker.request import Request
-    from worker.sampling import SamplingParams
-
-    cluster = load_config(REPO / config, [*sets, f"scheduler.max_num_seqs={batch}"])
-    engine = Engine(worker_config(cluster, "both"))
-    engine.warm_up()
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    later: list[tuple[float, int]] = []  # (time, tokens) of every output after a first token
-    arrivals: dict[str, list[tuple[float, int]]] = {}  # per request, as a client reads them
-
-    def sink(out: RequestOutput) -> None:
-        now = time.perf_counter()
-        if out.token_ids:
-            arrivals.setdefault(out.request_id, []).append((now, len(out.token_ids)))
-        if out.token_ids and out.request_id not in first:
-            first[out.request_id] = now
-            later.append((now, len(out.token_ids) - 1))
-        elif out.token_ids:
-            later.append((now, len(out.token_ids)))
-        if out.finished:
-            done[out.request_id] = now
-
-    # A warm load first, as the served clusters get one: the mixed steps' kernels (Triton
-    # compiles each new specialization on first use) are compiled before the clock starts.
-    # Reversed prompts: the same shapes, and no prefix-cache hit for the timed run.
-    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for i, (p, _) in enumerate(work[:batch]):
-        engine.submit(Request(f"w{i}", p[::-1], warm), sink)
-    while len(done) < min(batch, len(work)):
-        engine.step()
-    first.clear()
-    done.clear()
-    later.clear()
-    arrivals.clear()
-    t0 = time.perf_counter()
-    for i, (p, n) in enumerate(work):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.submit(Request(f"e{i}", list(p), params), sink)
-    steps: list[tuple[bool, float, int]] = []  # (overlapped, seconds, prompt tokens)
-    sched = engine.scheduler
-    window = range(150, 150 + trace[0]) if trace else range(0)
-    prof = torch.profiler.profile() if trace else None
-    while len(done) < len(work):
-        if prof is not None and len(steps) in (window.start, window.stop):
-            prof.start() if len(steps) == window.start else prof.stop()
-        before, t = engine.num_overlapped_steps, time.perf_counter()
-        prompt_before = sched.prompt_tokens_computed
-        with torch.profiler.record_function("tandem_step"):
-            engine.step()
-        steps.append((engine.num_overlapped_steps > before, time.perf_counter() - t,
-                      sched.prompt_tokens_computed - prompt_before))
-    wall = time.perf_counter() - t0
-    if prof is not None and trace is not None and len(steps) >= window.stop:
-        device_steps(prof, steps[window.start : window.stop], trace[1])
-    # The decode rate: while every request of the first wave (the first B, admitted together)
-    # has its first token and none has finished, every step is a decode at batch B.
-    wave = [f"e{i}" for i in range(min(batch, len(work)))]
-    t_from, t_to = max(first[r] for r in wave), min(done[r] for r in wave)
-    decode_tokens = sum(n for t, n in later if t_from < t <= t_to)
-    del engine
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    itl = [x for a in arrivals.values() for x in token_latencies(a[0][0], a)[1]]
-    return {"output_tok_s": round(sum(n for _, n in work) / wall, 1),
-            "decode_tok_s": round(decode_tokens / max(t_to - t_from, 1e-9), 1),
-            "itl_ms": latency_ms(itl), "steps": step_times(steps)}
-
-
-def device_steps(prof: Any, steps: list[tuple[bool, float, int]], out: Path) -> None:
-    """Each profiled step's kernel time (its launches' device time) beside its wall time, by
-    kind, and the kernels that took the most device time, into out/device_steps.txt."""
-    from orchestrator.bench_stats import percentile
-
-    marks = sorted((e for e in prof.events() if e.name == "tandem_step"),
-                   key=lambda e: e.time_range.start)
-    kinds: dict[str, list[tuple[float, float]]] = {}
-    for (overlapped, seconds, prompt), mark in zip(steps, marks, strict=False):
-        kind = ("mixed" if prompt else "decode") + ("" if overlapped else " (plain)")
-        kinds.setdefault(kind, []).append((seconds * 1e3, mark.device_time_total / 1e3))
-    lines = [f"{len(marks)} profiled steps (wall: the step call; device: its launches' kernels)"]
-    for kind, rows in kinds.items():
-        walls, devs = [w for w, _ in rows], [d for _, d in rows]
-        lines.append(f"{kind}: n={len(rows)} wall p50 {percentile(walls, 50):.2f} ms, device "
-                     f"p50 {percentile(devs, 50):.2f} ms, mean {sum(devs) / len(devs):.2f} ms")
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
-    (out / "device_steps.txt").write_text("\n".join(lines) + "\n\n" + table)
-    print("\n".join(lines), flush=True)
-
-
-def step_times(steps: list[tuple[bool, float, int]]) -> dict[str, Any]:
-    """The timed run's engine steps by what they ran, each kind's count and p50 / p99 in ms:
-    decodes (no prompt token) and mixed steps (decodes and prompt chunks), those also by how
-    many prompt tokens they ran, which shows whether a mixed step costs its prompts' compute or
-    a fixed price; `plain` counts the steps that were not overlapped. An overlapped step's call
-    returns once the in-flight step before it is done on the device, so its time is that step's
-    (filed under that step's kind; none after a plain step); a plain step's call runs it to
-    the end."""
-    from orchestrator.bench_stats import percentile
-
-    kinds: dict[str, list[float]] = {"decode": [], "mixed": []}
-    edges = (0, 64, 128, 256, 512)
-    for i, (overlapped, seconds, prompt) in enumerate(steps):
-        if overlapped:  # it waited for the step before it, if that one was in flight too
-            if i == 0 or not steps[i - 1][0]:
-                continue
-            prompt = steps[i - 1][2]
-        kinds["mixed" if prompt else "decode"].append(seconds * 1e3)
-        if prompt:
-            lo = max((e for e in edges if e < prompt), default=-1)
-            hi = min((e for e in edges if e >= prompt), default=None)
-            name = f"mixed {lo + 1}-{hi}" if hi is not None else f"mixed >{edges[-1]}"
-            kinds.setdefault(name, []).append(seconds * 1e3)
-    out = {kind: {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2),
-                  "p99_ms": round(percentile(ms, 99), 2)} for kind, ms in kinds.items()}
-    out["plain"] = {"n": sum(not overlapped for overlapped, _, _ in steps)}
-    return out
-
-
-def work_for(spec: BenchSpec) -> list[tuple[list[int], int]]:
-    """(prompt ids, output tokens) of each request the served run sends: its ids prompts, or
-    the embedded tokenizer's ids of its text prompts."""
-    from gateway.tokenizer import Tokenizer
-    from orchestrator.bench import make_sessions
-
-    sessions = make_sessions(spec)
-    prompts = [s.prompt(0, "") for s in sessions]
-    if not all(isinstance(p, list) for p in prompts):
-        tok = Tokenizer.from_dir(str(EMBEDDED_MODEL))  # text prompts: the served path's ids
-        prompts = [tok.encode(p) for p in prompts]
-    return [(p, s.max_tokens) for p, s in zip(prompts, sessions, strict=True)]
 
 
 def profiler(cluster: Any, seconds: float, out: Path, client: bool) -> threading.Thread:
@@ -315,8 +175,10 @@ def main() -> None:
     for b in batches:
         try:
             trace = (args.trace_steps, args.out) if args.trace_steps and b == max_b else None
-            rates = engine_rates("configs/tiny-mono.yaml", engine_sets, b, work_for(specs[b]),
-                                 trace)
+            sized = load_config(REPO / "configs/tiny-mono.yaml",
+                                [*engine_sets, f"scheduler.max_num_seqs={b}"])
+            rates = engine_rates(worker_config(sized, "both"),
+                                 work_for(specs[b], str(EMBEDDED_MODEL)), trace)
             result["rows"][str(b)] = {"engine": rates}
         except Exception as exc:  # keep the other rows; the error is in the report
             result["errors"].append(f"engine B={b}: {type(exc).__name__}: {exc}")

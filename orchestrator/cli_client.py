@@ -1,6 +1,7 @@
 """The `tandem` subcommands that talk to a running server: eval and bench (flags and handlers).
 
-They only speak HTTP to an OpenAI-style URL, so they import no worker or gateway code; the
+They speak HTTP to an OpenAI-style URL, so they import no worker or gateway code, except
+`bench --config` (orchestrator/bench_engine.py), which runs the engine in this process too; the
 process-running subcommands stay in orchestrator/cli.py, which adds these to its parser.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import io
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,10 +47,21 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default="", help="bearer token, if the server wants one")
 
-    p = sub.add_parser("bench", help="a streaming serving workload against an OpenAI URL",
-                       description="TTFT / TPOT / per-token ITL / E2E percentiles and throughput, "
-                                   "for one load point or a sweep; --out DIR adds JSON and plots.")
-    p.add_argument("--url", required=True, help="server base URL")
+    p = sub.add_parser("bench", help="a streaming serving workload against an OpenAI URL, or "
+                                     "a config's cluster against its engine in-process",
+                       description="With --url: TTFT / TPOT / per-token ITL / E2E percentiles "
+                                   "and throughput, for one load point or a sweep; --out DIR "
+                                   "adds JSON and plots. With --config: served / engine, the "
+                                   "engine in this process at batch B and the config's cluster "
+                                   "(started here) at concurrency B, for each B of "
+                                   "--concurrency.")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="server base URL")
+    target.add_argument("--config", metavar="PATH",
+                        help="served / engine for this cluster YAML (closed loops, random "
+                             "dataset); --out DIR writes served_engine.json/.md/.png")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: override one field of it (repeatable)")
     p.add_argument("--input-len", type=int, default=128,
                    help="prompt length (characters or token ids)")
     p.add_argument("--output-len", type=int, default=32,
@@ -133,6 +147,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return report(result, bar, sys.stdout, sys.stderr)
 
 
+def _served_vs_engine(args: argparse.Namespace, specs: list[Any]) -> int:
+    """`tandem bench --config`: the engine in-process against the config's cluster."""
+    from orchestrator.bench_engine import BenchEngineError, served_vs_engine  # imports torch
+    from orchestrator.config_checks import ClusterConfigError
+
+    if args.request_rate:
+        print("error: --request-rate: served / engine measures closed loops; give "
+              "--concurrency B[,B...] (the engine's batch B)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        result = served_vs_engine(resolve_config_path(args.config), args.overrides, specs,
+                                  io.StringIO() if args.json else sys.stdout, sys.stderr,
+                                  Path(args.out) if args.out else None)
+    except (BenchEngineError, ClusterConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def _load_eval_gate(config: str | None) -> EvalGate:
     return load_config(resolve_config_path(config)).eval if config else EvalGate()
 
@@ -184,6 +219,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     specs = ([dataclasses.replace(base, request_rate=r) for r in rates] if rates else
              [dataclasses.replace(base, concurrency=c) for c in concs or [4]])
+    if args.config:
+        return _served_vs_engine(args, specs)
+    if args.overrides:
+        print("error: --set needs --config (it overrides the config's fields)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return bench_main(args.url, specs, args.json, sys.stdout, sys.stderr,
                           Path(args.out) if args.out else None)
