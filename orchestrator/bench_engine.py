@@ -269,8 +269,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ("served", [row["served"]["output_throughput"] for row in result["rows"]]),
     ):
         rate.plot(bs, values, "o-", label=label)
-    share.plot(bs, [ratio(row, result["pd"]) for row in result["rows"]], "o-")
+    ratios = [ratio(row, result["pd"]) for row in result["rows"]]
+    share.plot(bs, ratios, "o-")
     share.axhline(1.0, color="grey", lw=0.8)
+    share.set_ylim(0, max(1.2, *ratios) * 1.05)  # from 0: a 2% gap stays small
     rate.set_ylabel("output tokens/s")
     share.set_ylabel("served / engine" + (" decode" if result["pd"] else ""))
     for ax in (rate, share):
