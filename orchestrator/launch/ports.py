@@ -39,6 +39,7 @@ class Listener:
     port: int
     who: str  # the process: gateway, prefill-0, prefill-0 bootstrap (rank 1)
     key: str  # the config key that sets it
+    host_key: str = ""  # the config key that sets the host
 
 
 def is_free(host: str, port: int) -> bool:
@@ -46,8 +47,11 @@ def is_free(host: str, port: int) -> bool:
     bind_host = "0.0.0.0" if host in ("", "0.0.0.0") else host
     try:
         family = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0][0]
-    except OSError:
-        return False
+    except OSError as exc:  # not a busy port: a host name or address that does not resolve
+        raise ClusterConfigError(
+            f"host {host!r} does not resolve ({exc.strerror or exc}); "
+            "is the host an address of this machine?"
+        ) from None
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -65,11 +69,12 @@ def is_free(host: str, port: int) -> bool:
 def listeners(cluster: ClusterConfig) -> list[Listener]:
     """Every port the cluster's processes listen on that the config fixes."""
     gw = cluster.gateway
-    out = [Listener(gw.host, gw.port, "gateway", "gateway.port (or --port)")]
+    out = [Listener(gw.host, gw.port, "gateway", "gateway.port (or --port)", "gateway.host")]
     for name, rc in cluster.roles.present():
         for i in range(rc.count):
             out.append(
-                Listener(rc.host_of(i), rc.port(i), f"{name}-{i}", f"roles.{name}.base_port")
+                Listener(rc.host_of(i), rc.port(i), f"{name}-{i}", f"roles.{name}.base_port",
+                         f"roles.{name}.host")
             )
     boot = cluster.transfer.bootstrap_port
     if boot and cluster.roles.prefill is not None:
@@ -82,6 +87,7 @@ def listeners(cluster: ClusterConfig) -> list[Listener]:
                         boot + r,
                         f"prefill-{i} bootstrap (rank {r})",
                         "transfer.bootstrap_port",
+                        "roles.prefill.host",
                     )
                 )
     return out
@@ -100,7 +106,11 @@ def check_ports(cluster: ClusterConfig) -> None:
                 f"on {ln.host}:{ln.port}; change {ln.key} (0 = a free port)"
             )
         seen[(ln.host, ln.port)] = ln
-        if not is_free(ln.host, ln.port):
+        try:
+            free = is_free(ln.host, ln.port)
+        except ClusterConfigError as exc:
+            raise ClusterConfigError(f"{ln.host_key or ln.who}: {exc}") from None
+        if not free:
             raise PortInUseError(
                 f"port {ln.port} ({ln.who}, {ln.key}) is in use on {ln.host}: "
                 f"another cluster? change {ln.key}"
@@ -129,7 +139,13 @@ def resolve_ports(cluster: ClusterConfig, rng: random.Random | None = None) -> C
     roles = cluster.roles
     for name, rc in roles.present():
         if not rc.base_port:
-            chosen = dataclasses.replace(rc, base_port=_choose_base(rc, taken, rng))
+            try:
+                base = _choose_base(rc, taken, rng)
+            except PortInUseError:
+                raise
+            except ClusterConfigError as exc:  # its host does not resolve or is not ours
+                raise ClusterConfigError(f"roles.{name}.host: {exc}") from None
+            chosen = dataclasses.replace(rc, base_port=base)
             roles = dataclasses.replace(roles, **{name: chosen})
     return dataclasses.replace(cluster, roles=roles)
 
