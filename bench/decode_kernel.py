@@ -63,7 +63,7 @@ def _tensors(dtype: torch.dtype, batch: int, pages: int) -> dict[str, Any]:
 
 def _setting(name: str, bn: int, stages: int, warps: int,
              overrides: tuple[tuple[str, int], ...] = ()) -> dict[str, Any]:
-    from worker.model.triton_attention import DECODE_CONFIGS
+    from worker.model.triton_decode import DECODE_CONFIGS
 
     fp8 = name == "fp8"
     return DECODE_CONFIGS[fp8] | dict(BLOCK_N=bn, num_stages=stages, num_warps=warps) | dict(
@@ -72,7 +72,7 @@ def _setting(name: str, bn: int, stages: int, warps: int,
 
 def _compile(job: tuple[str, int, int, int, int, tuple[tuple[str, int], ...]]) -> str | None:
     """One setting compiled (a call on a short context with the long one's specializations)."""
-    from worker.model.triton_attention import triton_paged_decode
+    from worker.model.triton_decode import triton_paged_decode
 
     name, bn, stages, warps, splits, overrides = job
     t = _tensors(DTYPES[name], 1, 64)
@@ -105,7 +105,7 @@ class Shape:
         self.lens = torch.full((batch,), ctx, device="cuda")
 
     def call(self, cfg: dict[str, Any], splits: int, table: torch.Tensor) -> torch.Tensor:
-        from worker.model.triton_attention import triton_paged_decode
+        from worker.model.triton_decode import triton_paged_decode
 
         b = self.bufs
         return triton_paged_decode(b["q"], b["k_cache"], b["v_cache"], table, self.lens,
@@ -125,7 +125,7 @@ class Shape:
 def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
           splits: dict[int, tuple[int, ...]], overrides: tuple[tuple[str, int], ...],
           ctx: int = CTX) -> dict[str, Any]:
-    from worker.model.triton_attention import decode_launch
+    from worker.model.triton_decode import decode_launch
 
     jobs = [(name, bn, st, nw, sp, overrides) for name in pages for bn, st, nw in grid
             for sp in sorted({s for ss in splits.values() for s in ss})]
@@ -162,7 +162,7 @@ def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
           ) -> dict[str, Any]:
     """The engine's settings now against BEFORE (or, given overrides, against themselves with
     the overrides), per (page dtype, context, batch)."""
-    from worker.model.triton_attention import decode_launch, num_decode_splits
+    from worker.model.triton_decode import decode_launch, num_decode_splits
 
     out: dict[str, Any] = {}
     for name in pages:

@@ -143,9 +143,9 @@ def with_split_fp8_batches() -> ContextManager[Any]:
     """The decode kernel's rule before large batches over e4m3 pages ran unsplit: every batch
     split by DECODE_SPLITS in 128-token blocks. Engines built inside capture their graphs this
     way."""
-    from worker.model import triton_attention
+    from worker.model import triton_decode
 
-    return mock.patch.object(triton_attention, "FP8_UNSPLIT_PROGRAMS", 1 << 30)
+    return mock.patch.object(triton_decode, "FP8_UNSPLIT_PROGRAMS", 1 << 30)
 
 
 def without_fused_quant() -> ContextManager[Any]:

@@ -48,7 +48,7 @@ class Kernel:
 
 
 def _decode(fp8: bool, mask_v: bool = True) -> Kernel:
-    from worker.model.triton_attention import DECODE_CONFIGS, _get_kernels
+    from worker.model.triton_decode import DECODE_CONFIGS, _get_kernels
 
     cfg = DECODE_CONFIGS[fp8] | {"MASK_V": mask_v}
     kv = "fp8e4nv" if fp8 else "bf16"

@@ -1,6 +1,6 @@
 """FP8 kernels against their dequantized references: the KV store, the paged decode kernel and
 the fused q/k norm + RoPE store over e4m3 pages with per-head scales
-(worker/model/triton_attention.py, fused_rope.py); the block-scaled GEMM and the FP8 GEMV
+(worker/model/triton_decode.py, fused_rope.py); the block-scaled GEMM and the FP8 GEMV
 (worker/model/fp8_gemm.py, gemv.py); and a GPU engine serving an FP8 checkpoint with FP8 KV.
 
 Kernel tests run on CUDA; with `TRITON_INTERPRET=1` and triton installed the kernels that only
@@ -48,7 +48,7 @@ def _scales() -> tuple[torch.Tensor, torch.Tensor]:
 @stores_e4m3
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kernel_quantizes_like_the_reference(dtype: torch.dtype) -> None:
-    from worker.model.triton_attention import triton_store_kv
+    from worker.model.triton_decode import triton_store_kv
 
     g = torch.Generator().manual_seed(0)
     t, hkv, d, page = 9, 4, 64, 4
@@ -69,7 +69,7 @@ def test_store_kernel_quantizes_like_the_reference(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int) -> None:
-    from worker.model.triton_attention import triton_paged_decode
+    from worker.model.triton_decode import triton_paged_decode
 
     g = torch.Generator().manual_seed(1)
     seq_lens, hq, hkv, d, page = [1, 17, 130, 0], 8, 4, 64, 16

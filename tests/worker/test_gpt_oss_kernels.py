@@ -92,7 +92,7 @@ def _reference(
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_kernel_with_sinks_equals_reference(window: int | None, splits: int) -> None:
-    from worker.model.triton_attention import triton_paged_decode
+    from worker.model.triton_decode import triton_paged_decode
 
     batch, kv, q, sinks = _batch([(0, 1), (4, 1), (20, 1), (37, 1)], seed=1)
     k_cache, v_cache = kv.layer(0)
@@ -129,7 +129,7 @@ def test_decode_kernel_with_sinks_equals_reference(window: int | None, splits: i
 _EMPTY_SPLITS = """
 import torch
 from tests.worker.test_gpt_oss_kernels import D, _batch, _reference
-from worker.model.triton_attention import triton_paged_decode
+from worker.model.triton_decode import triton_paged_decode
 
 real_empty = torch.empty
 
@@ -205,7 +205,7 @@ def test_backend_mixed_step_with_sinks_uses_the_prefill_kernel() -> None:
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
 def test_decode_with_sinks_replays_in_a_cuda_graph() -> None:
     """The sinks are read through a fixed pointer: a captured decode replays with new inputs."""
-    from worker.model.triton_attention import triton_paged_decode
+    from worker.model.triton_decode import triton_paged_decode
 
     batch, kv, q, sinks = _batch([(10, 1), (30, 1)], seed=4)
     k_cache, v_cache = kv.layer(0)

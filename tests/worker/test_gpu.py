@@ -20,7 +20,7 @@ from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerCon
 from worker.cuda_graphs import graph_buckets
 from worker.model.attention import TorchSDPABackend
 from worker.model.backends import get_attention_backend
-from worker.model.triton_attention import decode_launch, num_decode_splits
+from worker.model.triton_decode import decode_launch, num_decode_splits
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
@@ -118,7 +118,7 @@ def _ref_decode(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 40])
 def test_paged_decode_matches_float64(dtype: torch.dtype, window: int | None) -> None:
-    from worker.model.triton_attention import triton_paged_decode
+    from worker.model.triton_decode import triton_paged_decode
 
     seq_lens = [1, 15, 16, 17, 300, 1100, 0]  # 0 = a padded row: must give zeros, not NaN
     hq, hkv, d, page = 32, 8, 128, 16
@@ -144,7 +144,7 @@ def test_paged_decode_matches_float64(dtype: torch.dtype, window: int | None) ->
 @pytest.mark.gpu
 @gpu
 def test_store_kv_writes_slots_and_skips_padding() -> None:
-    from worker.model.triton_attention import triton_store_kv
+    from worker.model.triton_decode import triton_store_kv
 
     data = torch.full(
         (6, 1, 2, 2, 4, 8), -7.0, dtype=torch.bfloat16, device="cuda"

@@ -24,7 +24,7 @@ def test_fp8_attention_feeds_v_through_ldmatrix(name: str) -> None:
 
 
 def test_without_the_v_mask_triton_gathers_e4m3_bytes() -> None:
-    """Pins the compiler behaviour that MASK_V works around (triton_attention.DECODE_CONFIGS;
+    """Pins the compiler behaviour that MASK_V works around (triton_decode.DECODE_CONFIGS;
     triton 3.7.1, the CUDA install's, and 3.9.0 alike): this fails once Triton stops moving the
     conversion past the layout change, and then the mask can go."""
     report = inspect(compile_sm90(KERNELS["decode_fp8_unmasked_v"]()))

@@ -6,7 +6,7 @@ where it has them (vLLM / llm-compressor / ModelOpt names, `KV_SCALE_SUFFIXES`),
 stored = clamp(x / scale, ±448) rounded to e4m3, read = stored · scale. The CPU reference
 stores float8 and dequantizes to float32 on read (worker/model/attention.py); the Triton
 kernels convert in registers and fold the scales into the softmax scale and the output
-(worker/model/triton_attention.py, fused.py). `kv_scale_label` names the scales in the
+(worker/model/triton_decode.py, fused.py). `kv_scale_label` names the scales in the
 worker's start-up log and in the layout contract, so prefill and decode with different scales
 refuse to pair.
 

@@ -29,7 +29,7 @@ import torch
 from worker.batch import ForwardBatch
 from worker.model.fused import next_pow2
 from worker.model.mla import MLAAttention, MLABackend, prefill_decompressed
-from worker.model.triton_attention import num_decode_splits
+from worker.model.triton_decode import num_decode_splits
 
 BLOCK_H = 16  # query heads per program: tl.dot's smallest tile
 BLOCK_N = 32  # context tokens per inner-loop step (a [32, 512] bf16 latent tile is 32 KiB)
