@@ -198,6 +198,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         run_node(config)
         return 0
+    from transfer.config import TransferConfigError
     from worker.config import ConfigError
     from worker.model import ModelLoadError
     from worker.server import BindError, run_worker  # lazy: only a worker process loads the engine
@@ -227,8 +228,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except BindError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except (ModelLoadError, ConfigError) as exc:  # a checkpoint or drafter it cannot load: one
-        print(f"error: {exc}", file=sys.stderr)  # line naming why and the fix, no traceback
+    except (ModelLoadError, ConfigError, TransferConfigError) as exc:  # a checkpoint or drafter
+        print(f"error: {exc}", file=sys.stderr)  # it cannot load, a transfer backend it cannot
+        # run (cuda_ipc without a CUDA driver): one line naming why and the fix, no traceback
         return EXIT_USAGE
     code = 1 if refused else 0
     if args.reexec:

@@ -115,8 +115,9 @@ def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None,
 
 
 def check_devices(cluster: ClusterConfig, cuda: CudaStatus) -> None:
-    """A local cluster's cuda roles need CUDA here, and GPUs enough (Slurm / Ray nodes are
-    not this machine: their devices are checked where they run)."""
+    """A local cluster's cuda roles need CUDA here, and GPUs enough, and cuda_ipc needs both PD
+    roles on cuda (Slurm / Ray nodes are not this machine: their devices are checked where they
+    run)."""
     if spreads_over_nodes(cluster):
         return
     fix = "set device: auto or cpu, or plan for a GPU machine with `tandem plan --gpus N`"
@@ -125,6 +126,14 @@ def check_devices(cluster: ClusterConfig, cuda: CudaStatus) -> None:
         if dev.startswith("cuda") and not cuda.available:
             raise LayoutError(f"roles.{role}.parallel.device={dev}: CUDA is not usable here "
                               f"({cuda.why_not()}); {fix}")
+    if cluster.transfer.backend == "cuda_ipc" and cluster.roles.both is None:
+        for role, rc in cluster.roles.present():  # cuda_ipc maps the decode GPU's KV pool
+            dev = resolve_device(rc.parallel.device, cuda)
+            if not dev.startswith("cuda"):
+                raise LayoutError(
+                    f"transfer.backend=cuda_ipc: roles.{role} runs on {dev} (parallel.device="
+                    f"{rc.parallel.device}), and CUDA IPC copies KV between GPUs of one host; "
+                    "use transfer.backend mooncake or nixl, or put both roles on cuda")
 
 
 def _check_gpu_count(cluster: ClusterConfig, cuda: CudaStatus) -> None:
