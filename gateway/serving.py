@@ -215,14 +215,18 @@ class GenerationHandler:
         if req.seed is not None and not 0 <= req.seed < 2**64:
             raise BadRequest(f"seed must be in [0, 2**64), got {req.seed}", param="seed")
         top = req.num_top_logprobs()
-        return tandem_pb2.SamplingParams(
+        bias = logit_bias_ids(req, vocab)
+        params = tandem_pb2.SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=max(req.top_k, 0), top_p=1.0 if req.top_p is None else req.top_p,
             min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
             top_logprobs=max(top, 0), logprobs=top >= 0,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, logit_bias=logit_bias_ids(req, vocab))
+            frequency_penalty=req.frequency_penalty)
+        if bias:  # an empty map through the constructor costs 1 µs a request (upb)
+            params.logit_bias.update(bias)
+        return params
 
     # ---- responses ----
 
