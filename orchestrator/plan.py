@@ -108,6 +108,7 @@ def check_layout(cluster: ClusterConfig, hf: dict[str, Any] | None = None,
         _check_moe(cluster, role, rc, hf)
         if hf is not None:
             _check_shapes(role, rc, hf)
+            _check_multi_rank_groups(cluster, role, rc, hf)
             _check_step_budget(cluster, role, hf)
         for i in range(rc.count):
             _check_dist_init(role, rc, i)
@@ -273,6 +274,30 @@ def _check_step_budget(cluster: ClusterConfig, role: str, hf: dict[str, Any]) ->
         wc.scheduler.check_window(window, wc.cache.page_size)
     except ConfigError as exc:
         raise LayoutError(f"roles.{role}: {exc}") from None
+
+
+def _check_multi_rank_groups(cluster: ClusterConfig, role: str, rc: RoleConfig,
+                             hf: dict[str, Any]) -> None:
+    """The worker's rule (worker/cache_layout.py `kv_shape`), before any process starts: window
+    rings and recurrent state slots are not mirrored across the ranks of a worker yet."""
+    p = rc.parallel
+    if p.world_size == 1 and p.nnodes == 1:
+        return
+    wc = worker_config(cluster, role, 0)
+    groups = kv_groups(hf, 1, max_model_len=_max_model_len(wc, hf))
+    n, where = int(hf["num_hidden_layers"]), f"roles.{role}.parallel"
+    window = next((g for g in groups if g.kind == WINDOW), None)
+    if window is not None:
+        raise LayoutError(
+            f"{where}: a model with sliding-window layers ({len(window.layers)} of {n}, window "
+            f"{window.window}) keeps window rings that multi-rank workers do not mirror yet; "
+            "run it with tp_size=1 and dp_size=1")
+    state = next((g for g in groups if g.kind == RECURRENT), None)
+    if state is not None:
+        raise LayoutError(
+            f"{where}: a model with recurrent layers ({len(state.layers)} of {n}) keeps state "
+            "slots that multi-rank workers do not mirror yet; run it with tp_size=1 and "
+            "dp_size=1")
 
 
 def _check_mla(where: str, tp: int, hf: dict[str, Any]) -> None:

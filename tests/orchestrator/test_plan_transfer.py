@@ -66,3 +66,37 @@ def test_a_worker_started_by_hand_with_cuda_ipc_on_the_cpu_exits_2_in_one_line()
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "transfer.backend is cuda_ipc" in errors[0], proc.stderr[-2000:]
+
+
+def _hf(**extra: object) -> dict:
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_hidden_layers": 3, "intermediate_size": 48, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "max_position_embeddings": 384, "vocab_size": 128,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], **extra}
+
+
+def test_window_and_recurrent_models_on_multi_rank_workers_are_refused_by_plan() -> None:
+    """The worker's rule (worker/cache_layout.py kv_shape), before any process starts: it used
+    to pass plan and stop the prefill worker after the launch."""
+    hetero = config_from_dict({"roles": {"prefill": {"count": 1, "parallel": {"tp_size": 2}},
+                                         "decode": {"count": 1}}})
+    with pytest.raises(LayoutError, match=r"^roles\.prefill\.parallel: a model with "
+                                          r"sliding-window layers \(2 of 3, window 12\)"):
+        check_layout(hetero, _hf(), CPU)
+    q3n = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+           "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_hidden_layers": 4, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 384,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4, "vocab_size": 128,
+           "layer_types": ["linear_attention", "full_attention"] * 2}
+    dp = config_from_dict({"roles": {"both": {"count": 1, "parallel": {"dp_size": 2}}}})
+    with pytest.raises(LayoutError, match=r"^roles\.both\.parallel: a model with recurrent "
+                                          r"layers \(2 of 4\)"):
+        check_layout(dp, q3n, CPU)
+    # one rank each: fine; a window as long as the context never slides: plain pages, fine
+    check_layout(config_from_dict({"roles": {"prefill": {"count": 1}, "decode": {"count": 1}}}),
+                 _hf(), CPU)
+    check_layout(hetero, _hf(sliding_window=384), CPU)
