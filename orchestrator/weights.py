@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.config import ClusterConfigError
+
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 _SCALE_INV = "_scale_inv"
 
@@ -27,12 +29,21 @@ class WeightBytes:
 
 
 def _headers(path: Path) -> dict[str, dict[str, Any]]:
-    """Every tensor's header entry ({dtype, shape, ...}) across the checkpoint's files."""
+    """Every tensor's header entry ({dtype, shape, ...}) across the checkpoint's files; a file
+    cut short or not safetensors at all is one line naming it (ClusterConfigError)."""
     out: dict[str, dict[str, Any]] = {}
     for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
         with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
+            raw = fh.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            try:
+                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                header = None
+        if not isinstance(header, dict):
+            raise ClusterConfigError(f"{f}: not a safetensors file ({size} bytes, header length "
+                                     f"{n}); re-download it")
         out.update({k: v for k, v in header.items() if k != "__metadata__"})
     return out
 
