@@ -38,6 +38,8 @@ SUPPORTED_ARCHITECTURES = (
 # Fields every supported family reads from config.json (as integers).
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                    "intermediate_size")
+# Fields some families read, and the layout rules size pages from, when present (null = absent).
+OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 # A slow (Python) tokenizer's files: transformers can convert them to tokenizer.json.
 _SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
 _MAX_HEADER = 100 << 20  # safetensors refuses headers above 100 MB
@@ -98,6 +100,11 @@ def check_config(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: required field {key!r} is missing; is this a "
                                   "decoder-only HF checkpoint's config.json?")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
+    for key in OPTIONAL_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):
             raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
     return cfg
 

@@ -63,6 +63,15 @@ class KVBudget:
         return self.num_pages * self.page_bytes + self.window_bytes + self.state_bytes
 
 
+# The integer fields of orchestrator/checkpoint.py's REQUIRED_FIELDS + OPTIONAL_FIELDS (plan
+# cannot import that module: its preflight imports plan; tests/orchestrator/
+# test_plan_config_json.py keeps them equal). Plan requires only those its page sizes need (a
+# shape-only config.json plans); the others, when present, must be integers too.
+_REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers")
+_OPTIONAL_FIELDS = ("vocab_size", "intermediate_size", "num_key_value_heads", "head_dim",
+                    "max_position_embeddings")
+
+
 def read_model_config(model_path: str) -> dict[str, Any]:
     """The checkpoint's config.json as a dict; ClusterConfigError naming the path if absent."""
     path = Path(model_path) / "config.json"
@@ -70,7 +79,21 @@ def read_model_config(model_path: str) -> dict[str, Any]:
         raise ClusterConfigError(
             f"model.path: {path} not found; point model.path (or --model) at an HF-format directory"
         )
-    data: dict[str, Any] = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ClusterConfigError(f"{path}: not valid JSON ({exc}); re-download or re-save it") \
+            from None
+    if not isinstance(data, dict):
+        raise ClusterConfigError(f"{path}: the top level must be a JSON object")
+    for key in (*_REQUIRED_FIELDS, *_OPTIONAL_FIELDS):  # what the sizes below read as integers
+        value = data.get(key)
+        if value is None and key in _REQUIRED_FIELDS:
+            raise ClusterConfigError(f"{path}: required field {key!r} is missing; is this a "
+                                     "decoder-only HF checkpoint's config.json?")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):
+            raise ClusterConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
     return data
 
 
