@@ -75,6 +75,8 @@ def convert(value: Any, tp: Any, path: str) -> Any:
         return build(inner, value, path)  # type: ignore[arg-type]
     if typing.get_origin(inner) is Literal:
         allowed = typing.get_args(inner)
+        if isinstance(value, bool) and ("on" if value else "off") in allowed:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on / off as a boolean
         if value not in allowed:
             options = " | ".join(str(a) for a in allowed)
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
