@@ -302,6 +302,12 @@ class Engine:
             self._tracked[a.request_id] = _Tracked(a, b[0], b[1])
             if a.sampling.seed is not None:
                 a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
+                if self.config.role == "decode" and not a.sampling.greedy:
+                    # Prefill drew the first token from this seed's first draw (the sampler's
+                    # multinomial over the vocab): take that draw here too, so decode's tokens
+                    # continue the stream a mono worker draws from instead of reusing it.
+                    torch.multinomial(torch.ones(self.spec.vocab_size, device=self.device), 1,
+                                      generator=a.generator)
             try:
                 self.grammars.attach(a)  # its matcher, when it has sampling.structured
             except SamplingParamsError as exc:
