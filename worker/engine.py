@@ -30,7 +30,7 @@ from worker.model import load_model
 from worker.outputs import OutputChannel, PerRequestSink, RequestEnded, RequestOutput, StepOutputs
 from worker.request import Request, RequestStatus
 from worker.runner import InFlight, ModelRunner
-from worker.sampler import GrammarViolation
+from worker.sampler import GrammarViolation, make_generator, skip_draw
 from worker.sampling import SamplingParams, SamplingParamsError
 from worker.scheduler import RoleHooks, Scheduler
 from worker.spec import make_drafter
@@ -300,14 +300,9 @@ class Engine:
         if kind == "add":
             assert isinstance(a, Request) and isinstance(b, tuple)
             self._tracked[a.request_id] = _Tracked(a, b[0], b[1])
-            if a.sampling.seed is not None:
-                a.generator = torch.Generator(device=self.device).manual_seed(a.sampling.seed)
-                if self.config.role == "decode" and not a.sampling.greedy:
-                    # Prefill drew the first token from this seed's first draw (the sampler's
-                    # multinomial over the vocab): take that draw here too, so decode's tokens
-                    # continue the stream a mono worker draws from instead of reusing it.
-                    torch.multinomial(torch.ones(self.spec.vocab_size, device=self.device), 1,
-                                      generator=a.generator)
+            a.generator = make_generator(a.sampling.seed, self.device)
+            if a.generator is not None and self.config.role == "decode" and not a.sampling.greedy:
+                skip_draw(a.generator, self.spec.vocab_size)  # prefill drew the first token
             try:
                 self.grammars.attach(a)  # its matcher, when it has sampling.structured
             except SamplingParamsError as exc:

@@ -83,6 +83,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance `generator` past the draw of one token as `Sampler._draw` takes it: a multinomial
+    over one float32 row of the vocabulary, whose randomness depends on the row's shape, not its
+    values. A decode worker skips the first token's draw, which prefill made from the same seed,
+    so that its tokens continue the stream a mono worker draws from."""
+    torch.multinomial(torch.ones(vocab_size, device=generator.device), 1, generator=generator)
+
+
 def _apply_penalties(row: torch.Tensor, generated: Sequence[int], p: SamplingParams) -> None:
     """In place on one row of logits [V]; penalties count the tokens generated so far."""
     if not generated:

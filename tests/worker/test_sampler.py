@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.sampler import Sampler, make_generator
+from worker.sampler import Sampler, make_generator, skip_draw
 from worker.sampling import SamplingParams, SamplingParamsError
 
 V = 50
@@ -78,6 +78,23 @@ def test_seeded_samples_do_not_depend_on_batch_composition() -> None:
         ]
 
     assert stream(5) == stream(5) and stream(5) != stream(6)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_skip_draw_takes_exactly_one_tokens_randomness(top_k: int) -> None:
+    """A decode worker skips the draw prefill made for the first token: what it draws next is
+    what one generator drawing every token gives as the second token, whatever the row held."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1)) * 3
+    p = SamplingParams(temperature=1.0, seed=9, top_k=top_k)
+
+    def draws(g: torch.Generator, rows: torch.Tensor) -> list[int]:
+        return [Sampler().sample(r[None], [p], [g], [[]], [0], EOS).token_ids[0] for r in rows]
+
+    mono = draws(make_generator(9), logits)  # type: ignore[arg-type]
+    decode = make_generator(9)
+    assert decode is not None
+    skip_draw(decode, V)
+    assert draws(decode, logits[1:]) == mono[1:]
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
