@@ -32,6 +32,7 @@ class OutputAssembler:
                  keep_token_ids: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
         self.prompt_ids = prompt_ids
+        self.num_prompt_tokens = len(prompt_ids)  # usage: every prompt token the worker read
         # Completions with return_token_ids, or token-id mode: choices carry token_ids.
         self.return_token_ids = False
         # Special tokens dropped before detokenizing, when some must keep their text.
@@ -43,7 +44,6 @@ class OutputAssembler:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self._stop = StopStringMatcher(stops) if stops else None
         self.want_logprobs = num_top_logprobs >= 0
-        self.num_prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stopped_by_string = False

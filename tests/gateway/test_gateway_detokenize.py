@@ -132,3 +132,20 @@ def test_stop_holdback_is_released_at_end():
     assert m.feed("P") == ""
     assert m.flush() == "STOP"
     assert not m.stopped
+
+
+def test_usage_counts_every_prompt_token_when_a_parser_keeps_some_specials() -> None:
+    """A parser that reads a special token (keep_token_ids) makes the assembler drop the other
+    specials from the prompt tail it detokenizes against; usage still counts all of them (the
+    worker read them all)."""
+    from gateway.output import OutputAssembler
+    from orchestrator.launch.background import EMBEDDED_MODEL
+
+    tok = Tokenizer.from_dir(str(EMBEDDED_MODEL))
+    prompt = tok.encode("<|user|>a,t?<|assistant|>", add_special_tokens=False)
+    specials = [t for t in prompt if t in tok.special_ids]
+    assert len(specials) >= 2  # the chat markers are special tokens of this tokenizer
+    keep = frozenset({next(iter(tok.special_ids - set(prompt)))})  # e.g. a tool-call marker
+    out = OutputAssembler(tok, prompt, True, [], -1, keep_token_ids=keep)
+    assert out.num_prompt_tokens == len(prompt)
+    assert OutputAssembler(tok, prompt, True, [], -1).num_prompt_tokens == len(prompt)
