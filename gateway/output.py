@@ -68,8 +68,10 @@ class OutputAssembler:
             if msg.finish_reason:
                 self.finish_reason = msg.finish_reason
             return []
-        ids = [t for t in msg.token_ids if t not in self._drop] if self._drop else msg.token_ids
-        if per_token:
+        # ids: the tokens detokenized; at[i]: where ids[i] stands in the message
+        at = [j for j, t in enumerate(msg.token_ids) if t not in self._drop] if self._drop else None
+        ids = [msg.token_ids[j] for j in at] if at is not None else msg.token_ids
+        if per_token or self._stop is not None:  # a stop string ends the output at its token
             pieces = [self._detok.step((t,)) for t in ids]
         else:
             pieces = [self._detok.step(ids)] if ids else []
@@ -77,9 +79,11 @@ class OutputAssembler:
             pieces.append(self._detok.flush())
         if self._stop is not None:
             cut: list[str] = []
-            for p in pieces:
+            for i, p in enumerate(pieces):
                 cut.append(self._stop.feed(p))
                 if self._stop.stopped:
+                    if i < len(ids):  # tokens after it in the message are not output
+                        self._trim(len(msg.token_ids) - 1 - (at[i] if at is not None else i))
                     self.stop_early()
                     return cut
             if msg.finish_reason:
@@ -88,6 +92,16 @@ class OutputAssembler:
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
         return pieces
+
+    def _trim(self, excess: int) -> None:
+        """A stop string ended `excess` tokens before the message did: those tokens are not
+        part of the output (usage, token_ids, logprobs), as when the worker sends one token a
+        message and the gateway stops it at the stop string's."""
+        if excess > 0:
+            self.completion_tokens -= excess
+            del self.token_ids[-excess:]
+            if self.want_logprobs:
+                del self.logprobs[-excess:]
 
     def stop_early(self) -> None:
         """The gateway ends the output here (a stop string, or a parser's rule): the worker

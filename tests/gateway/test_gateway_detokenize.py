@@ -149,3 +149,32 @@ def test_usage_counts_every_prompt_token_when_a_parser_keeps_some_specials() -> 
     out = OutputAssembler(tok, prompt, True, [], -1, keep_token_ids=keep)
     assert out.num_prompt_tokens == len(prompt)
     assert OutputAssembler(tok, prompt, True, [], -1).num_prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_stop_string_ends_usage_token_ids_and_logprobs_at_its_token(per_token: bool) -> None:
+    """Tokens a message carries past the one that completes a stop string are not output: the
+    counts equal those of one token a message (PD's decode worker may bundle its first two)."""
+    from gateway.output import OutputAssembler
+    from gateway.session import Output
+    from orchestrator.launch.background import EMBEDDED_MODEL
+    from protocol import tandem_pb2
+
+    tok = Tokenizer.from_dir(str(EMBEDDED_MODEL))
+    ids = tok.encode("12;34;56", add_special_tokens=False)
+    stop_at = next(i for i in range(len(ids)) if ";" in tok.decode(ids[: i + 1])) + 1
+
+    def assembled(messages: list[list[int]]) -> OutputAssembler:
+        out = OutputAssembler(tok, tok.encode("q?", add_special_tokens=False), True, [";"], 0)
+        for chunk in messages:
+            lp = [tandem_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in chunk]
+            out.add_pieces(Output(chunk, lp), per_token=per_token)
+            if out.finished:
+                break
+        return out
+
+    bundled, single = assembled([ids]), assembled([[t] for t in ids])
+    for out in (bundled, single):
+        assert out.finish_reason == "stop"
+        assert out.completion_tokens == stop_at and out.token_ids == ids[:stop_at]
+        assert [e.token_id for e in out.logprobs] == ids[:stop_at]
