@@ -2,11 +2,11 @@
 
     ready: http://127.0.0.1:8000 (model tandem-arith; prefill-0 [tp 2, cpu], decode-0 [cpu];
            mooncake tcp; cluster 3f2a...; logs /path/logs/8000)
-    stopped: lb, prefill-0 (2 ranks), decode-0; logs in /path/logs
+    stopped: lb (0), prefill-0 (0), decode-0 (0); logs in /path/logs
 
 Model (its served name), every worker with its ranks and devices, the KV transfer backend
 (or "monolithic"), the URL and where the logs are: what a user needs to start using it and to
-find out what went wrong.
+find out what went wrong; each stopped process with its exit status.
 """
 
 from __future__ import annotations
