@@ -310,7 +310,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from orchestrator.devices import cuda_status
-    from orchestrator.plan import format_plan
+    from orchestrator.plan_text import format_plan
 
     if args.gpus is not None and args.gpus < 1:
         print(f"error: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)

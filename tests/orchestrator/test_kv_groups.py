@@ -13,7 +13,8 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.config import config_from_dict, load_config
 from orchestrator.kv_groups import FULL, RECURRENT, WINDOW, KVGroup, kv_groups, layer_windows
-from orchestrator.plan import LayoutError, check_layout, format_plan, kv_budget, read_model_config
+from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
+from orchestrator.plan_text import format_plan
 from orchestrator.worker_config import worker_config
 
 # openai/gpt-oss-120b's shapes (only the keys the planner reads).

@@ -11,7 +11,8 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.config import ClusterConfig, config_from_dict
 from orchestrator.devices import cuda_status
-from orchestrator.plan import LayoutError, check_layout, format_plan
+from orchestrator.plan import LayoutError, check_layout
+from orchestrator.plan_text import format_plan
 from orchestrator.rank_map import num_nodes, plan_processes
 from orchestrator.worker_config import worker_config
 
