@@ -47,15 +47,15 @@ def cluster_2p2d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def test_frozen_decode_worker_does_not_stall_the_cluster(cluster_2p2d: Cluster) -> None:
     """SIGSTOP decode-0 for longer than the transfer deadline under steady load."""
     c = cluster_2p2d
-    f = asyncio.run(freeze_probe(c, MODEL.name, baseline_s=8.0, freeze_s=4 * TRANSFER_S,
+    f = asyncio.run(freeze_probe(c, MODEL.name, baseline_s=8.0, freeze_s=5 * TRANSFER_S,
                                  after_s=4.0, clients=12, streams=6))
     assert f.hung == 0 and f.empty_200 == 0
     assert f.rps_during >= 0.5 * f.rps_before, (f.rps_before, f.rps_during)
     # A room bound for the frozen worker fails within its deadline (+1 s) and is retried on
-    # the other decode worker (+3 s for the retry on a loaded box: 6.3 s was seen with the
-    # suite's cluster modules running beside it), so no short request that overlapped the
-    # freeze waited it out: that takes the whole freeze, 8 s.
-    assert f.slowest_ok_s < BOOTSTRAP_S + 1.0 + 3.0 < 4 * TRANSFER_S, f.slowest_ok_s
+    # the other decode worker (+4 s for the retry on a loaded box: 6.3 s and 7.08 s were seen
+    # with the suite's cluster modules running beside it), so no short request that overlapped
+    # the freeze waited it out: that takes the whole freeze, 10 s.
+    assert f.slowest_ok_s < BOOTSTRAP_S + 1.0 + 4.0 < 5 * TRANSFER_S, f.slowest_ok_s
     # Streams that were mid-answer on it end with an error within the stall deadline.
     assert f.stall_resumed == 0 and f.stall_error_s < STALL_S + 1.5, (f.stalled_streams,
                                                                       f.stall_error_s)
