@@ -101,7 +101,17 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--api-key", default="")
 
 
+def _url_problem(url: str | None) -> str:
+    """One line when --url cannot be a server's base URL ("" when it can)."""
+    if url is None or url.startswith(("http://", "https://")):
+        return ""
+    return f"error: --url {url!r} is not an http(s) URL; give one like http://127.0.0.1:8000"
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    if problem := _url_problem(args.url):
+        print(problem, file=sys.stderr)
+        return EXIT_USAGE
     from orchestrator.client import ServerError
     from orchestrator.eval import report, run_eval
     from orchestrator.tasks import TaskMode, UnknownTaskError, get_task
@@ -186,6 +196,9 @@ def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if problem := _url_problem(args.url):
+        print(problem, file=sys.stderr)
+        return EXIT_USAGE
     from orchestrator.bench import BenchSpec, bench_main
     from orchestrator.bench_data import DatasetError, make_sessions_check
 

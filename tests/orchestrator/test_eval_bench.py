@@ -84,6 +84,16 @@ def test_eval_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test_a_url_without_its_scheme_is_one_line(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--url", "127.0.0.1:8000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --url '127.0.0.1:8000' is not an http(s) URL; give one like "
+                   "http://127.0.0.1:8000")
+
+
 def test_eval_unknown_task(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--url", "http://127.0.0.1:9", "--task", "arithm"]) == 2
     assert "arithm" in capsys.readouterr().err
