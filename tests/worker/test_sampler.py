@@ -80,21 +80,34 @@ def test_seeded_samples_do_not_depend_on_batch_composition() -> None:
     assert stream(5) == stream(5) and stream(5) != stream(6)
 
 
-@pytest.mark.parametrize("top_k", [0, 5])
-def test_skip_draw_takes_exactly_one_tokens_randomness(top_k: int) -> None:
-    """A decode worker skips the draw prefill made for the first token: what it draws next is
-    what one generator drawing every token gives as the second token, whatever the row held."""
-    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1)) * 3
+def _skip_draw_matches(device: str, vocab: int, top_k: int) -> None:
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)).to(device) * 3
     p = SamplingParams(temperature=1.0, seed=9, top_k=top_k)
 
     def draws(g: torch.Generator, rows: torch.Tensor) -> list[int]:
         return [Sampler().sample(r[None], [p], [g], [[]], [0], EOS).token_ids[0] for r in rows]
 
-    mono = draws(make_generator(9), logits)  # type: ignore[arg-type]
-    decode = make_generator(9)
+    mono = draws(make_generator(9, device), logits)  # type: ignore[arg-type]
+    decode = make_generator(9, device)
     assert decode is not None
-    skip_draw(decode, V)
+    skip_draw(decode, vocab)
     assert draws(decode, logits[1:]) == mono[1:]
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_skip_draw_takes_exactly_one_tokens_randomness(top_k: int) -> None:
+    """A decode worker skips the draw prefill made for the first token: what it draws next is
+    what one generator drawing every token gives as the second token, whatever the row held."""
+    _skip_draw_matches("cpu", V, top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_skip_draw_on_cuda_generators(top_k: int) -> None:
+    """The same on CUDA generators and a real vocabulary (Philox offsets by the row's size)."""
+    _skip_draw_matches("cuda", 151936, top_k)
+
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
