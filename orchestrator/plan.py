@@ -1,9 +1,10 @@
 """The layout plan: every layout rule of a config, and the KV budget.
 
 The rank map itself (`plan_processes`, the single source of the process list) is
-orchestrator/rank_map.py; `tandem plan`'s text is orchestrator/plan_text.py. `check_layout` applies every rule that can be checked before a GPU
-is touched; `kv_budget` reads the checkpoint's config.json directly (no torch import:
-planning must work on a machine without the engine).
+orchestrator/rank_map.py; `tandem plan`'s text is orchestrator/plan_text.py. `check_layout`
+applies every rule that can be checked before a GPU is touched; `kv_budget` reads the
+checkpoint's config.json directly (no torch import: planning must work on a machine without
+the engine).
 """
 
 from __future__ import annotations
