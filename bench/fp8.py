@@ -201,7 +201,7 @@ def _gemm_row(
     and its default), cuBLAS blockwise scaled_mm with the same 1x128 / 128x128 scales, bf16
     cuBLAS (one copy)."""
     from bench.gemv import graph_time
-    from worker.model.fp8 import BlockFp8Config
+    from worker.arch.fp8_config import BlockFp8Config
     from worker.model.fp8_act import quantize_activations
     from worker.model.fp8_gemm import block_fp8_matmul
 

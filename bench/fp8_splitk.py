@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gemv import HIDDEN, INTER, KV, Q, copy_ceiling, graph_time  # noqa: E402
-from worker.model.fp8 import BlockFp8Config  # noqa: E402
+from worker.arch.fp8_config import BlockFp8Config  # noqa: E402
 from worker.model.fp8_act import PAD_ROWS, Fp8Rows, quantize_activations  # noqa: E402
 from worker.model.fp8_splitk import (  # noqa: E402
     Mode,

@@ -5,7 +5,8 @@ down again; found here it is one line that names the file and the field and says
 
 1. model.path: a directory, or a Hugging Face name in the local cache (orchestrator/hub.py).
 2. config.json: valid JSON, a supported architecture, the fields every family needs, as
-   integers.
+   integers; then the family's own parser, the one the worker runs (worker/arch: activation,
+   rope, head layout, experts, quantization_config, ...).
 3. Weights (unless `load_format: dummy`): `model.safetensors`, or the shards
    `model.safetensors.index.json` lists, each with a readable safetensors header.
 4. Tokenizer: `tokenizer.json` readable by the tokenizers library, `tokenizer_config.json`
@@ -14,8 +15,7 @@ down again; found here it is one line that names the file and the field and says
    one with a slow tokenizer's files but no `tokenizer.json` is refused, with the command that
    writes one.
 
-The worker checks the same things again while loading (worker/model/loader.py); families' own
-fields (MLA ranks, expert counts, ...) are checked only there.
+The worker checks the same things again while loading (worker/model/loader.py).
 """
 
 from __future__ import annotations
@@ -28,13 +28,9 @@ from typing import Any
 
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.hub import HubModelError, looks_like_repo_id, resolve_repo_id
+from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ModelLoadError
+from worker.arch.load import load_arch_config
 
-# = worker.model.hf_config.SUPPORTED_ARCHITECTURES (tests/orchestrator/test_checkpoint.py
-# keeps the two equal; importing it here would import torch).
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM", "GptOssForCausalLM", "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM",
-)
 # Fields every supported family reads from config.json (as integers).
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
                    "intermediate_size")
@@ -180,10 +176,21 @@ def check_tokenizer(path: Path) -> bool:
     return True
 
 
+def check_arch(path: Path) -> None:
+    """config.json through the family's parser, as the worker will read it: an unsupported
+    activation, rope type, head layout or quantization_config is one line here rather than a
+    worker's exit after the launch."""
+    try:
+        load_arch_config(path)
+    except ModelLoadError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def check_checkpoint(model_path: str, load_format: str = "auto") -> CheckpointReport:
     """Every check above, in order; CheckpointError at the first problem."""
     path = model_dir(model_path)
     cfg = check_config(path)
+    check_arch(path)
     if load_format != "dummy":
         for f in weight_files(path):
             check_safetensors_header(f)

@@ -4,12 +4,16 @@ tables. The rules and the budget themselves are orchestrator/plan.py's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from orchestrator.checkpoint import check_arch
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup
 from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
 from orchestrator.rank_map import ProcessRow, num_nodes, plan_processes
 from orchestrator.weights import WeightBytes
+from worker.arch.hf_config import SUPPORTED_ARCHITECTURES
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -75,6 +79,8 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
         parts[1:1] = [f"device auto: {resolve_device('auto', cuda)} ({why})"]
     try:
         hf = read_model_config(cluster.model.path)
+        if any(a in SUPPORTED_ARCHITECTURES for a in hf.get("architectures") or []):
+            check_arch(Path(cluster.model.path))  # the family's own fields, as a worker reads
         budgets = kv_budget(cluster, hf, cuda)
     except LayoutError:
         raise

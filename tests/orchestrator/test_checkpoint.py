@@ -4,15 +4,16 @@ before any process starts; models by name from a fake Hugging Face cache."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from orchestrator.checkpoint import SUPPORTED_ARCHITECTURES, check_checkpoint, preflight
+from orchestrator.checkpoint import check_checkpoint, preflight
 from orchestrator.cli import main
-from orchestrator.config import REPO_ROOT, load_config
+from orchestrator.config import REPO_ROOT, ClusterConfigError, load_config
 from orchestrator.hub import HubModelError, hub_cache_dir, looks_like_repo_id, resolve_repo_id
 
 EMBEDDED = REPO_ROOT / "models" / "tandem-arith"
@@ -171,12 +172,6 @@ def test_dummy_weights_need_no_safetensors_and_no_tokenizer_means_token_ids(
     assert "token-id prompts on /v1/completions only" in note
 
 
-def test_architectures_match_the_workers_list() -> None:
-    from worker.model.hf_config import SUPPORTED_ARCHITECTURES as WORKER
-
-    assert SUPPORTED_ARCHITECTURES == WORKER
-
-
 def test_hub_cache_location_honours_the_environment(tmp_path: Path) -> None:
     assert hub_cache_dir({"HF_HOME": "/h"}) == Path("/h/hub")
     assert hub_cache_dir({"HF_HOME": "/h", "HF_HUB_CACHE": "/c"}) == Path("/c")
@@ -229,3 +224,25 @@ def test_a_name_missing_from_the_cache_says_where_it_looked(
     (snap.parent / ("f" * 40)).mkdir()
     with pytest.raises(HubModelError, match="2 snapshots"):
         resolve_repo_id("org/two")
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"quantization_config": {"quant_method": "mxfp4"}},
+     "quantization_config.quant_method 'mxfp4' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}},
+     "rope type 'longrope' is not supported"),
+    ({"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads (3)"),
+])
+def test_the_familys_own_fields_are_one_line_before_any_worker_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object], says: str
+) -> None:
+    """Fields only the worker's parser reads (worker/arch, no torch) are checked by serve's
+    preflight and by plan, as the worker would read them."""
+    p = copy_model(tmp_path)
+    edit_config(p, **changes)
+    with pytest.raises(ClusterConfigError, match=re.escape(says)):
+        check_checkpoint(str(p))
+    assert main(["plan", "--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={p}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err

@@ -21,12 +21,12 @@ import torch
 from tests.worker.conftest import PagedHarness
 from tests.worker.deepseek_model import CONFIG, LATENT_DIM, build_deepseek_checkpoint
 from transfer.contract import CacheGroup, CacheKind
+from worker.arch.deepseek_config import parse_deepseek_v3
 from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.kv_cache import KVCache, KVShape, cache_groups
 from worker.model import ModelLoadError, load_model
 from worker.model.base import CausalLM, ModelSpec
-from worker.model.deepseek_config import parse_deepseek_v3
 
 PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 CASES = {

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.worker.test_fused_gpu import DEVICE, DTYPES, INTERPRET, _norm, _strided, gpu, kernels
+from worker.arch.fp8_config import BlockFp8Config
 from worker.model import fp8_act, fused
-from worker.model.fp8 import BlockFp8Config
 from worker.model.fp8_act import Fp8Rows
 
 

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.worker.test_fused_gpu import DEVICE, HAS_GPU, INTERPRET, _rel, gpu, kernels
+from worker.arch.fp8_config import BlockFp8Config
 from worker.model import fp8
 from worker.model.attention import store_kv
-from worker.model.fp8 import BlockFp8Config
 
 DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 stores_e4m3 = pytest.mark.skipif(

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.worker.conftest import PagedHarness
+from worker.arch import fp8_config
 from worker.cache_layout import kv_shape
 from worker.config import CacheConfig, ConfigError, ModelConfig, ParallelConfig, WorkerConfig
 from worker.kv_cache import KVCache, KVShape
@@ -160,10 +161,10 @@ def test_kv_scales_from_the_checkpoint(tmp_path: Path) -> None:
 def test_bad_kv_scales_are_refused_naming_the_tensor() -> None:
     scales = fp8.KVScales(num_layers=2, num_kv_heads=4)
     with pytest.raises(
-        fp8.Fp8Error, match=r"model.layers.1.self_attn.k_scale: .* one per kv head \(4\)"
+        fp8_config.Fp8Error, match=r"model.layers.1.self_attn.k_scale: .* one per kv head \(4\)"
     ):
         scales.add("model.layers.1.self_attn.k_scale", torch.ones(3))
-    with pytest.raises(fp8.Fp8Error, match="finite and > 0"):
+    with pytest.raises(fp8_config.Fp8Error, match="finite and > 0"):
         scales.add("model.layers.0.self_attn.v_proj.v_scale", torch.tensor(0.0))
     scales.add("model.layers.0.self_attn.k_proj.k_scale", torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert torch.equal(scales.local("k", 0, [2, 3]), torch.tensor([3.0, 4.0]))  # a TP rank's heads
@@ -213,17 +214,17 @@ def test_fp8_pages_serve_the_embedded_model_like_float32_pages() -> None:
 
 def test_config_json_quantization_errors_name_the_field() -> None:
     with pytest.raises(
-        fp8.Fp8Error, match=r"quantization_config.quant_method 'awq' is not supported"
+        fp8_config.Fp8Error, match=r"quantization_config.quant_method 'awq' is not supported"
     ):
-        fp8.parse_quantization_config({"quant_method": "awq"}, "config.json")
-    with pytest.raises(fp8.Fp8Error, match="weight_block_size must be two positive ints"):
-        fp8.parse_quantization_config({"quant_method": "fp8"}, "config.json")
-    with pytest.raises(fp8.Fp8Error, match="activation_scheme 'static'"):
-        fp8.parse_quantization_config(
+        fp8_config.parse_quantization_config({"quant_method": "awq"}, "config.json")
+    with pytest.raises(fp8_config.Fp8Error, match="weight_block_size must be two positive ints"):
+        fp8_config.parse_quantization_config({"quant_method": "fp8"}, "config.json")
+    with pytest.raises(fp8_config.Fp8Error, match="activation_scheme 'static'"):
+        fp8_config.parse_quantization_config(
             {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
             "config.json",
         )
-    cfg = fp8.parse_quantization_config(
+    cfg = fp8_config.parse_quantization_config(
         json.loads(
             '{"quant_method": "fp8", "fmt": "e4m3", '
             '"weight_block_size": [128, 64], "modules_to_not_convert": '

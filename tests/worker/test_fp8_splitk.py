@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from tests.worker.interpreter import run_interpreted
 from tests.worker.test_fused_gpu import HAS_TRITON, _rel, gpu
+from worker.arch.fp8_config import BlockFp8Config
 from worker.model import fp8
-from worker.model.fp8 import BlockFp8Config
 from worker.model.fp8_act import PAD_ROWS, Fp8Rows, quantize_activations
 from worker.model.fp8_gemm import Route, route
 from worker.model.fp8_splitk import MAX_TOKENS, WIDENED_TOKENS, SplitCounters, fits, fp8_splitk

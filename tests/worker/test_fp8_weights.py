@@ -15,10 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from models.make_fp8 import convert
 from tests.worker.conftest import PagedHarness, build_tiny_checkpoint
+from worker.arch.fp8_config import BlockFp8Config, Fp8Error
+from worker.arch.hf_config import ModelLoadError
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import fp8
-from worker.model.fp8 import BlockFp8Config, BlockFp8Source
-from worker.model.hf_config import ModelLoadError
+from worker.model.fp8 import BlockFp8Source
 from worker.model.layers import (
     ColumnParallelLinear,
     InMemorySource,
@@ -64,10 +65,10 @@ def test_source_reads_any_slice_dequantized_and_aligned_slices_quantized() -> No
     wq, sq = src.read_quantized(1, 256)  # the last, short block of columns
     assert wq.shape == (384, 64) and sq.shape == (3, 1)
     with pytest.raises(
-        fp8.Fp8Error, match=r"slice \[100, 228\) of dim 0 does not start and end on 128-wide"
+        Fp8Error, match=r"slice \[100, 228\) of dim 0 does not start and end on 128-wide"
     ):
         src.read_quantized(0, 100, 228)
-    with pytest.raises(fp8.Fp8Error, match=r"_scale_inv has shape \(2, 3\).*needs \(3, 3\)"):
+    with pytest.raises(Fp8Error, match=r"_scale_inv has shape \(2, 3\).*needs \(3, 3\)"):
         BlockFp8Source(
             "x.weight", InMemorySource(w.to(fp8.FP8)), InMemorySource(torch.ones(2, 3)), Q
         )

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from worker.arch.hf_config import RopeConfig
 from worker.model import fused, fused_rope
-from worker.model.hf_config import RopeConfig
 from worker.model.layers import RMSNorm
 from worker.model.rope import RotaryEmbedding, apply_rope
 

@@ -22,12 +22,12 @@ import torch
 
 from tests.worker.gpt_oss_model import WINDOW, build_gpt_oss_checkpoint
 from tests.worker.test_engine import generate, hf_greedy, make_engine
+from worker.arch.gpt_oss_config import GptOssArch
+from worker.arch.load import load_arch_config
 from worker.config import ModelConfig, ParallelConfig
 from worker.engine import Engine, RequestOutput
 from worker.model import ModelLoadError, load_model
 from worker.model.gpt_oss import GptOssMoE
-from worker.model.gpt_oss_config import GptOssArch
-from worker.model.loader import load_arch_config
 from worker.request import Request
 from worker.sampling import SamplingParams
 

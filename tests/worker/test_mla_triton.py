@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from worker.arch.deepseek_config import MLAArch
 from worker.batch import ForwardBatch
-from worker.model.deepseek_config import MLAArch
 from worker.model.layers import TPInfo
 from worker.model.mla import MLAAttention, TorchMLABackend, prefill_decompressed
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from worker.arch.hf_config import parse_arch_config, parse_rope
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import ModelLoadError, load_model
-from worker.model.hf_config import parse_arch_config, parse_rope
 from worker.sampler import Sampler
 from worker.sampling import SamplingParams
 

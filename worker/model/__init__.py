@@ -4,9 +4,9 @@ The engine uses three names: `load_model(model_cfg, parallel_cfg) -> (CausalLM, 
 `CausalLM.forward(batch, kv) -> hidden [T, hidden]` and `CausalLM.compute_logits(hidden)`.
 """
 
+from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ModelLoadError
 from worker.model.attention import AttentionBackend, TorchSDPABackend, paged_attention
 from worker.model.base import CausalLM, ModelSpec
-from worker.model.hf_config import SUPPORTED_ARCHITECTURES, ModelLoadError
 from worker.model.loader import load_model
 
 __all__ = [

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.deepseek_config import DeepseekArch
+from worker.arch.deepseek_config import DeepseekArch
 from worker.model.layers import TensorSource, _copy_checked, _param
 from worker.model.moe import MoEParallel, SparseMoEBlock
 

@@ -27,14 +27,14 @@ from typing import cast
 import torch
 from torch import nn
 
+from worker.arch.deepseek_config import DeepseekArch
+from worker.arch.hf_config import ArchConfig
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
 from worker.model import fused
 from worker.model.attention import AttentionBackend
 from worker.model.base import CausalLM, WeightSlot
-from worker.model.deepseek_config import DeepseekArch
 from worker.model.deepseek_moe import DeepseekMoE
-from worker.model.hf_config import ArchConfig
 from worker.model.layers import ColumnParallelLinear, Embedding, LMHead, RMSNorm, TPInfo
 from worker.model.llama import MLP
 from worker.model.mla import MLAAttention, MLABackend, TorchMLABackend

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from worker.arch.fp8_config import BlockFp8Config, Fp8Error
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; stores saturate here
@@ -47,10 +48,6 @@ KV_SCALE_SUFFIXES = {
 _KV_SCALE_NAME = re.compile(
     r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, KV_SCALE_SUFFIXES)) + r")$"
 )
-
-
-class Fp8Error(ValueError):
-    """An FP8 checkpoint or setting cannot be used; the message names the tensor or field."""
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -147,57 +144,6 @@ class KVScales:
 
 
 # ---- block-scaled FP8 weights -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BlockFp8Config:
-    """config.json `quantization_config` of a block-scaled FP8 checkpoint (quant_method fp8)."""
-
-    block_n: int = 128  # output features per scale row
-    block_k: int = 128  # input features per scale column
-    modules_to_not_convert: tuple[str, ...] = ()  # kept in the checkpoint dtype (e.g. lm_head)
-
-    def for_module(self, *names: str) -> BlockFp8Config | None:
-        """Self for a module whose checkpoint names are all quantized; None if any is skipped."""
-        skipped = any(pat and pat in name for name in names for pat in self.modules_to_not_convert)
-        return None if skipped else self
-
-
-def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockFp8Config | None:
-    """config.json's `quantization_config` → BlockFp8Config; None without one. Anything but
-    block-scaled e4m3 FP8 with dynamic activations is refused naming the field."""
-    if not cfg:
-        return None
-    where = f"{source}: quantization_config"
-    method = cfg.get("quant_method")
-    if method != "fp8":
-        raise Fp8Error(
-            f"{where}.quant_method {method!r} is not supported; Tandem loads block-scaled FP8 "
-            "checkpoints (quant_method fp8, weight_block_size [128, 128]); convert others with "
-            "models/make_fp8.py or serve the unquantized checkpoint"
-        )
-    if str(cfg.get("fmt", "e4m3")) != "e4m3":
-        raise Fp8Error(f"{where}.fmt {cfg.get('fmt')!r} is not supported; only e4m3 weights are")
-    if str(cfg.get("activation_scheme", "dynamic")) != "dynamic":
-        raise Fp8Error(
-            f"{where}.activation_scheme {cfg.get('activation_scheme')!r} is not supported; "
-            "only dynamic (per-token-group) activation scaling is"
-        )
-    block = cfg.get("weight_block_size")
-    if not (
-        isinstance(block, list | tuple)
-        and len(block) == 2
-        and all(isinstance(b, int) and b > 0 for b in block)
-    ):
-        raise Fp8Error(
-            f"{where}.weight_block_size must be two positive ints (e.g. [128, 128]), got "
-            f"{block!r}; "
-            "per-tensor FP8 checkpoints are not supported"
-        )
-    skip = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
-    return BlockFp8Config(
-        block_n=int(block[0]), block_k=int(block[1]), modules_to_not_convert=tuple(skip)
-    )
 
 
 def quantize_blockwise(

@@ -32,8 +32,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from worker.arch.fp8_config import BlockFp8Config
 from worker.model import fp8_splitk
-from worker.model.fp8 import FP8, BlockFp8Config, dequantize_weight
+from worker.model.fp8 import FP8, dequantize_weight
 from worker.model.fp8_act import PAD_ROWS, Fp8Rows, quantize_activations
 from worker.model.fp8_splitk import SplitCounters
 

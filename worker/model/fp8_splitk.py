@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 import torch
 
-from worker.model.fp8 import BlockFp8Config
+from worker.arch.fp8_config import BlockFp8Config
 from worker.model.fp8_act import GROUP, Fp8Rows
 from worker.model.fused import next_pow2
 

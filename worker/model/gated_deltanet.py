@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.arch.qwen3_next_config import Qwen3NextArch
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache, StateShape
 from worker.model import gated_delta, gated_delta_triton
@@ -39,7 +40,6 @@ from worker.model.layers import (
     _copy_checked,
     _param,
 )
-from worker.model.qwen3_next_config import Qwen3NextArch
 
 
 class _HeadSlices(nn.Module):

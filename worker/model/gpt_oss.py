@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.arch.gpt_oss_config import GptOssArch
+from worker.arch.hf_config import ArchConfig
 from worker.model.attention import AttentionBackend
 from worker.model.base import WeightSlot
-from worker.model.gpt_oss_config import GptOssArch
-from worker.model.hf_config import ArchConfig
 from worker.model.layers import TensorSource, TPInfo, _copy_checked, _param
 from worker.model.llama import Attention, DecoderLayer, LlamaForCausalLM
 from worker.model.moe import ExpertGroups, MoEParallel, SparseMoEBlock, grouped_linear

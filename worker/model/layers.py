@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from worker.arch.fp8_config import BlockFp8Config
 from worker.model import fp8_gemm, fp8_splitk, fused, gemv
-from worker.model.fp8 import FP8, BlockFp8Config, BlockFp8Source
+from worker.model.fp8 import FP8, BlockFp8Source
 from worker.model.fp8_act import Fp8Rows
 
 

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.arch.hf_config import ArchConfig
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
 from worker.model import fp8, fused, fused_rope, gemv
 from worker.model.attention import AttentionBackend, window_attention
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.fp8_act import Fp8Rows
-from worker.model.hf_config import ArchConfig
 from worker.model.layers import (
     ColumnParallelLinear,
     Embedding,

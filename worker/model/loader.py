@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import struct
 from collections.abc import Callable, Iterator
@@ -34,21 +33,20 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from transfer.contract import heads_of_rank
+from worker.arch.fp8_config import BlockFp8Config, Fp8Error
+from worker.arch.hf_config import ArchConfig, ModelLoadError
+from worker.arch.load import load_arch_config, read_json
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import fp8, fp8_gemm, fused
 from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
-from worker.model.deepseek_config import parse_deepseek_v3
 from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from worker.model.gpt_oss import GptOssForCausalLM
-from worker.model.gpt_oss_config import parse_gpt_oss_config
-from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.model.layers import RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, check_deepep
 from worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from worker.model.qwen3_next import Qwen3NextForCausalLM
-from worker.model.qwen3_next_config import parse_qwen3_next_config
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +59,6 @@ _MODEL_CLASSES: dict[str, Callable[..., CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-}
-# Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
-_CONFIG_PARSERS: dict[str, Callable[..., ArchConfig]] = {
-    "GptOssForCausalLM": parse_gpt_oss_config,
-    "Qwen3NextForCausalLM": parse_qwen3_next_config,
-    "DeepseekV3ForCausalLM": parse_deepseek_v3,
 }
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DUMMY_STD = 0.02  # the usual initializer_range: activations stay finite through deep stacks
@@ -96,30 +88,6 @@ class SafetensorsSource:
         stop = self.shape[dim] if stop is None else stop
         index = (slice(None),) * dim + (slice(start, stop),)
         return self._slice[index]
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(
-            f"{path} does not exist; model.path must be an HF-format directory"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-
-
-def load_arch_config(path: Path) -> ArchConfig:
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory"
-        )
-    gen_path = path / "generation_config.json"
-    gen = read_json(gen_path) if gen_path.exists() else None
-    cfg = read_json(path / "config.json")
-    archs = cfg.get("architectures") or []
-    parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
-    return parse(cfg, gen, source=str(path / "config.json"))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -178,11 +146,11 @@ def resolve_dtype(model: ModelConfig, arch: ArchConfig, device: torch.device) ->
                 f"model.dtype {model.dtype!r} is not one of auto|float32|bfloat16|float16"
             )
         return _DTYPE_NAMES[model.dtype]
-    if arch.torch_dtype == torch.float16 and device.type == "cpu":
+    if arch.dtype == "float16" and device.type == "cpu":
         # fp16 matmul on CPU runs at a few GFLOP/s; float32 is exact for fp16 weights.
         log.info("checkpoint is float16; loading as float32 on CPU (set model.dtype to override)")
         return torch.float32
-    return arch.torch_dtype
+    return _DTYPE_NAMES[arch.dtype]
 
 
 _SCALE_INV = "_scale_inv"  # X.weight's block scales are X.weight_scale_inv
@@ -191,7 +159,7 @@ _SCALE_INV = "_scale_inv"  # X.weight's block scales are X.weight_scale_inv
 def iter_checkpoint(
     files: list[Path],
     stack: ExitStack,
-    quant: fp8.BlockFp8Config | None = None,
+    quant: BlockFp8Config | None = None,
 ) -> Iterator[tuple[str, SafetensorsSource | fp8.BlockFp8Source]]:
     """Every tensor of the checkpoint; an FP8 weight comes with its block scales (the scale
     tensor is not yielded on its own). Shards may hold a weight and its scales apart."""
@@ -229,14 +197,14 @@ def iter_checkpoint(
                         name, source, SafetensorsSource(scale, name + _SCALE_INV), quant
                     ),
                 )
-            except fp8.Fp8Error as exc:
+            except Fp8Error as exc:
                 raise ModelLoadError(str(exc)) from None
 
 
 def load_checkpoint(
     model: CausalLM,
     files: list[Path],
-    quant: fp8.BlockFp8Config | None = None,
+    quant: BlockFp8Config | None = None,
     kv_scales: fp8.KVScales | None = None,
 ) -> None:
     """Stream every tensor into its slot; every slot must be filled exactly once. K/V cache
@@ -249,7 +217,7 @@ def load_checkpoint(
             if kv_scales is not None and fp8.kv_scale_target(name) is not None:
                 try:
                     kv_scales.add(name, source.read())
-                except fp8.Fp8Error as exc:
+                except Fp8Error as exc:
                     raise ModelLoadError(str(exc)) from None
                 continue
             slot = slots.get(name)

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.arch.deepseek_config import MLAArch
 from worker.batch import ForwardBatch
 from worker.model.attention import context_mask
-from worker.model.deepseek_config import MLAArch
 from worker.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, TPInfo
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default eps, not rms_norm_eps

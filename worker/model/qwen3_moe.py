@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.arch.hf_config import ArchConfig
 from worker.model.attention import AttentionBackend
 from worker.model.base import WeightSlot
-from worker.model.hf_config import ArchConfig
 from worker.model.layers import TPInfo
 from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, SparseMoEBlock

@@ -1,6 +1,6 @@
 """Qwen3-Next (`Qwen3NextForCausalLM`): hybrid Gated DeltaNet + gated attention, shared-expert MoE.
 
-A decoder whose token mixer alternates by `layer_types` (config: worker/model/qwen3_next_config.py):
+A decoder whose token mixer alternates by `layer_types` (config: worker/arch/qwen3_next_config.py):
 
 - linear_attention: Gated DeltaNet (worker/model/gated_deltanet.py), a fixed-size recurrent state
   per request in the KV cache's state region (`state_layers()`, `state_shape()`);
@@ -23,12 +23,13 @@ from typing import cast
 import torch
 from torch import nn
 
+from worker.arch.hf_config import ArchConfig
+from worker.arch.qwen3_next_config import Qwen3NextArch
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache, StateShape
 from worker.model.attention import AttentionBackend
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.gated_deltanet import GatedDeltaNet
-from worker.model.hf_config import ArchConfig
 from worker.model.layers import (
     ColumnParallelLinear,
     Embedding,
@@ -45,7 +46,6 @@ from worker.model.layers import (
 )
 from worker.model.llama import MLP
 from worker.model.moe import MoEParallel, SparseMoEBlock
-from worker.model.qwen3_next_config import Qwen3NextArch
 from worker.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -221,7 +221,7 @@ class Qwen3NextForCausalLM(CausalLM):
         super().__init__()
         if not isinstance(cfg.family, Qwen3NextArch):
             raise ValueError("Qwen3NextForCausalLM needs the config parsed by "
-                             "worker.model.qwen3_next_config.parse_qwen3_next_config")
+                             "worker.arch.qwen3_next_config.parse_qwen3_next_config")
         self.cfg, self.arch, self.dtype = cfg, cfg.family, dtype
         par = moe or MoEParallel(size=tp.size, rank=tp.rank, group=tp.group)
         self.model = Qwen3NextModel(cfg, tp, backend, dtype, par)

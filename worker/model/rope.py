@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from worker.model.hf_config import RopeConfig
+from worker.arch.hf_config import RopeConfig
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int, device: torch.device) -> torch.Tensor:

@@ -31,12 +31,12 @@ from typing import cast
 import torch
 from torch import nn
 
+from worker.arch.hf_config import ArchConfig
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache
 from worker.model.attention import AttentionBackend
 from worker.model.base import CausalLM, WeightSlot
 from worker.model.deepseek_v3 import DeepseekV3ForCausalLM, MTPLayer
-from worker.model.hf_config import ArchConfig
 from worker.model.layers import ColumnParallelLinear, Embedding, RMSNorm, TPInfo
 from worker.model.llama import Attention, DecoderLayer, LlamaForCausalLM, layer_slots
 from worker.model.qwen3_next import Qwen3NextForCausalLM, Qwen3NextMTP

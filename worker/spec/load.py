@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.arch.hf_config import ModelLoadError, parse_arch_config
+from worker.arch.load import read_json
 from worker.cache_layout import max_model_len
 from worker.config import ConfigError, ModelConfig, WorkerConfig
 from worker.model import fused
 from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
 from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
-from worker.model.hf_config import ModelLoadError, parse_arch_config
 from worker.model.layers import Embedding, RMSNorm
 from worker.model.llama import MLP, Attention, LlamaForCausalLM
 from worker.model.loader import (
@@ -42,7 +43,6 @@ from worker.model.loader import (
     init_dummy,
     iter_checkpoint,
     load_model,
-    read_json,
     tp_info,
     weight_files,
 )

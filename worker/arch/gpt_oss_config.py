@@ -1,6 +1,6 @@
 """GPT-OSS's config.json (`GptOssForCausalLM`): what it adds to the shared `ArchConfig`.
 
-`parse_arch_config` (worker/model/hf_config.py) reads the knobs every decoder shares; this
+`parse_arch_config` (worker/arch/hf_config.py) reads the knobs every decoder shares; this
 module fills in what GPT-OSS means by them and what only it has, following transformers'
 `GptOssConfig` defaults where a field is absent:
 
@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from worker.model.hf_config import (
+from worker.arch.hf_config import (
     ArchConfig,
     ModelLoadError,
     MoEArch,

@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from worker.model.fp8 import BlockFp8Config, Fp8Error, parse_quantization_config
+from worker.arch.fp8_config import BlockFp8Config, Fp8Error, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -22,9 +20,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
-    "GptOssForCausalLM",  # its own fields: worker/model/gpt_oss_config.py
-    "Qwen3NextForCausalLM",  # its own fields: worker/model/qwen3_next_config.py
-    "DeepseekV3ForCausalLM",  # config.json read by worker/model/deepseek_config.py (see loader.py)
+    "GptOssForCausalLM",  # its own fields: worker/arch/gpt_oss_config.py
+    "Qwen3NextForCausalLM",  # its own fields: worker/arch/qwen3_next_config.py
+    "DeepseekV3ForCausalLM",  # config.json read by worker/arch/deepseek_config.py (see loader.py)
 )
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -82,7 +80,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     rope: RopeConfig
     layer_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full
-    torch_dtype: torch.dtype  # the checkpoint's declared dtype
+    dtype: str  # the checkpoint's declared dtype: float32 | float16 | bfloat16
     eos_token_ids: tuple[int, ...]
     moe: MoEArch | None = None  # Qwen3-MoE; None = dense
     # Block-scaled FP8 checkpoint (quantization_config); None = unquantized weights. The loader
@@ -104,12 +102,13 @@ class ArchConfig:
         return max(windows) if windows else None
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+# config.json dtype names → the dtype's canonical name
+DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 
@@ -221,7 +220,7 @@ def parse_arch_config(
             "(SwiGLU with silu only)"
         )
     dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
-    if dtype_name not in _DTYPES:
+    if dtype_name not in DTYPES:
         raise ModelLoadError(
             f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16"
         )
@@ -252,7 +251,7 @@ def parse_arch_config(
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=parse_rope(cfg, source),
         layer_windows=_layer_windows(cfg, arch, num_layers),
-        torch_dtype=_DTYPES[dtype_name],
+        dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
         moe=parse_moe(cfg, num_layers, source) if arch == "Qwen3MoeForCausalLM" else None,
         quant=quant,

@@ -2,7 +2,7 @@
 the partial rotary, the shared expert.
 
 The fields every decoder has (hidden size, heads, RoPE base, eos ids, the routed experts) go
-through the shared parser (worker/model/hf_config.py); what only this family has is parsed
+through the shared parser (worker/arch/hf_config.py); what only this family has is parsed
 here into `Qwen3NextArch`, carried in `ArchConfig.family`. transformers' rules are followed:
 `layer_types` (or, when absent, every `full_attention_interval`-th layer is full attention,
 default 4); layer i is sparse MoE unless in `mlp_only_layers`, when `num_experts > 0` and
@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from worker.model.hf_config import ArchConfig, ModelLoadError, parse_arch_config, parse_moe
+from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config, parse_moe
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

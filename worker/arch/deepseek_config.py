@@ -25,9 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from worker.model.hf_config import (
+from worker.arch.hf_config import (
+    DTYPES,
     ArchConfig,
     ModelLoadError,
     MoEArch,
@@ -38,13 +37,6 @@ from worker.model.hf_config import (
 )
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 
 @dataclass(frozen=True)
@@ -181,7 +173,7 @@ def parse_deepseek_v3(
             f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu)"
         )
     dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
-    if dtype_name not in _DTYPES:
+    if dtype_name not in DTYPES:
         raise ModelLoadError(
             f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16"
         )
@@ -221,7 +213,7 @@ def parse_deepseek_v3(
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=rope,
         layer_windows=(None,) * num_layers,
-        torch_dtype=_DTYPES[dtype_name],
+        dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),
         moe=moe,
         family=DeepseekArch(

@@ -1,0 +1,62 @@
+"""A block-scaled FP8 checkpoint's `quantization_config` (the DeepSeek-V3 / Qwen3-*-FP8
+format), read without torch; worker/model/fp8.py loads and runs the weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class Fp8Error(ValueError):
+    """An FP8 checkpoint or setting cannot be used; the message names the tensor or field."""
+
+
+@dataclass(frozen=True)
+class BlockFp8Config:
+    """config.json `quantization_config` of a block-scaled FP8 checkpoint (quant_method fp8)."""
+
+    block_n: int = 128  # output features per scale row
+    block_k: int = 128  # input features per scale column
+    modules_to_not_convert: tuple[str, ...] = ()  # kept in the checkpoint dtype (e.g. lm_head)
+
+    def for_module(self, *names: str) -> BlockFp8Config | None:
+        """Self for a module whose checkpoint names are all quantized; None if any is skipped."""
+        skipped = any(pat and pat in name for name in names for pat in self.modules_to_not_convert)
+        return None if skipped else self
+
+
+def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockFp8Config | None:
+    """config.json's `quantization_config` → BlockFp8Config; None without one. Anything but
+    block-scaled e4m3 FP8 with dynamic activations is refused naming the field."""
+    if not cfg:
+        return None
+    where = f"{source}: quantization_config"
+    method = cfg.get("quant_method")
+    if method != "fp8":
+        raise Fp8Error(
+            f"{where}.quant_method {method!r} is not supported; Tandem loads block-scaled FP8 "
+            "checkpoints (quant_method fp8, weight_block_size [128, 128]); convert others with "
+            "models/make_fp8.py or serve the unquantized checkpoint"
+        )
+    if str(cfg.get("fmt", "e4m3")) != "e4m3":
+        raise Fp8Error(f"{where}.fmt {cfg.get('fmt')!r} is not supported; only e4m3 weights are")
+    if str(cfg.get("activation_scheme", "dynamic")) != "dynamic":
+        raise Fp8Error(
+            f"{where}.activation_scheme {cfg.get('activation_scheme')!r} is not supported; "
+            "only dynamic (per-token-group) activation scaling is"
+        )
+    block = cfg.get("weight_block_size")
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise Fp8Error(
+            f"{where}.weight_block_size must be two positive ints (e.g. [128, 128]), got "
+            f"{block!r}; "
+            "per-tensor FP8 checkpoints are not supported"
+        )
+    skip = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
+    return BlockFp8Config(
+        block_n=int(block[0]), block_k=int(block[1]), modules_to_not_convert=tuple(skip)
+    )

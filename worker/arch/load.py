@@ -1,0 +1,46 @@
+"""A checkpoint directory's config.json (and generation_config.json) as the worker will read
+it: `load_arch_config` picks the family's parser and returns its ArchConfig, or raises
+ModelLoadError with one line naming the file and field. No torch: the launcher and `tandem
+plan` run it before any worker starts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from worker.arch.deepseek_config import parse_deepseek_v3
+from worker.arch.gpt_oss_config import parse_gpt_oss_config
+from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config
+from worker.arch.qwen3_next_config import parse_qwen3_next_config
+
+# Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
+_CONFIG_PARSERS: dict[str, Callable[..., ArchConfig]] = {
+    "GptOssForCausalLM": parse_gpt_oss_config,
+    "Qwen3NextForCausalLM": parse_qwen3_next_config,
+    "DeepseekV3ForCausalLM": parse_deepseek_v3,
+}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"{path} does not exist; model.path must be an HF-format directory"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_arch_config(path: Path) -> ArchConfig:
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model.path {str(path)!r} is not a directory; point it at an HF checkpoint directory"
+        )
+    gen_path = path / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.exists() else None
+    cfg = read_json(path / "config.json")
+    archs = cfg.get("architectures") or []
+    parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
+    return parse(cfg, gen, source=str(path / "config.json"))
