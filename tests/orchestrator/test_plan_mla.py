@@ -27,6 +27,7 @@ DEEPSEEK = {
     "moe_intermediate_size": 2048,
     "n_shared_experts": 1,
     "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
     "torch_dtype": "bfloat16",
     "vocab_size": 129280,
 }
