@@ -80,28 +80,32 @@ def read_json_file(path: Path, what: str) -> Any:
             from None
 
 
-def check_config(path: Path) -> dict[str, Any]:
-    """config.json: JSON object, supported architecture, required integer fields."""
-    file = path / "config.json"
+def read_config_json(file: Path, required: tuple[str, ...] = REQUIRED_FIELDS) -> dict[str, Any]:
+    """config.json as a JSON object whose integer fields (REQUIRED_FIELDS + OPTIONAL_FIELDS)
+    are positive integers where present; those in `required` must be (`tandem plan` asks only
+    for what its page sizes read, so a shape-only config.json plans)."""
     cfg = read_json_file(file, "point model.path (or --model) at an HF-format directory")
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{file}: the top level must be a JSON object")
+    for key in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS):
+        value = cfg.get(key)
+        if value is None:
+            if key in required:
+                raise CheckpointError(f"{file}: required field {key!r} is missing; is this a "
+                                      "decoder-only HF checkpoint's config.json?")
+        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return cfg
+
+
+def check_config(path: Path) -> dict[str, Any]:
+    """config.json: JSON object, supported architecture, required integer fields."""
+    file = path / "config.json"
+    cfg = read_config_json(file)
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise CheckpointError(f"{file}: architectures={archs!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    for key in REQUIRED_FIELDS:
-        value = cfg.get(key)
-        if value is None:
-            raise CheckpointError(f"{file}: required field {key!r} is missing; is this a "
-                                  "decoder-only HF checkpoint's config.json?")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
-    for key in OPTIONAL_FIELDS:
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):
-            raise CheckpointError(f"{file}: {key} must be a positive integer, got {value!r}")
     return cfg
 
 
@@ -216,19 +220,3 @@ def check_drafter(cluster: ClusterConfig, report: CheckpointReport) -> None:
     raise CheckpointError(f"speculative.model: {path} has no config.json; point speculative.model "
                           f"at the {spec.method} drafter's directory ({fix}), or set "
                           "speculative.method ngram or none")
-
-
-def preflight(cluster: ClusterConfig) -> list[str]:
-    """What a launcher checks before it starts a process: the checkpoint, then every layout
-    rule (devices included) against its config.json. Returns notes for the user (e.g. token-id
-    mode); raises CheckpointError / LayoutError (both ClusterConfigError) with one line."""
-    from orchestrator.plan import check_layout  # plan imports the config tree, as we do
-
-    report = check_checkpoint(cluster.model.path, cluster.model.load_format)
-    check_layout(cluster, report.config)
-    check_drafter(cluster, report)
-    notes = []
-    if not report.has_tokenizer:
-        notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "
-                     "prompts on /v1/completions only (text prompts and chat get a 400)")
-    return notes

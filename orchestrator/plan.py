@@ -4,7 +4,8 @@ The rank map itself (`plan_processes`, the single source of the process list) is
 orchestrator/rank_map.py; `tandem plan`'s text is orchestrator/plan_text.py. `check_layout`
 applies every rule that can be checked before a GPU is touched; `kv_budget` reads the
 checkpoint's config.json directly (no torch import: planning must work on a machine without
-the engine).
+the engine). `preflight` is what the local launcher runs before it starts a process: the
+checkpoint's checks (orchestrator/checkpoint.py), then every layout rule against it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.checkpoint import (
+    OPTIONAL_FIELDS,
+    REQUIRED_FIELDS,
+    check_checkpoint,
+    check_drafter,
+    read_config_json,
+)
 from orchestrator.config import ClusterConfig, ClusterConfigError, RoleConfig
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
@@ -62,38 +70,16 @@ class KVBudget:
         return self.num_pages * self.page_bytes + self.window_bytes + self.state_bytes
 
 
-# The integer fields of orchestrator/checkpoint.py's REQUIRED_FIELDS + OPTIONAL_FIELDS (plan
-# cannot import that module: its preflight imports plan; tests/orchestrator/
-# test_plan_config_json.py keeps them equal). Plan requires only those its page sizes need (a
-# shape-only config.json plans); the others, when present, must be integers too.
+# Plan requires only the config.json fields its page sizes need (a shape-only config.json
+# plans); checkpoint.py's other integer fields, when present, must be integers too.
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers")
-_OPTIONAL_FIELDS = ("vocab_size", "intermediate_size", "num_key_value_heads", "head_dim",
-                    "max_position_embeddings")
+_OPTIONAL_FIELDS = tuple(f for f in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS)
+                         if f not in _REQUIRED_FIELDS)
 
 
 def read_model_config(model_path: str) -> dict[str, Any]:
     """The checkpoint's config.json as a dict; ClusterConfigError naming the path if absent."""
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise ClusterConfigError(
-            f"model.path: {path} not found; point model.path (or --model) at an HF-format directory"
-        )
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ClusterConfigError(f"{path}: not valid JSON ({exc}); re-download or re-save it") \
-            from None
-    if not isinstance(data, dict):
-        raise ClusterConfigError(f"{path}: the top level must be a JSON object")
-    for key in (*_REQUIRED_FIELDS, *_OPTIONAL_FIELDS):  # what the sizes below read as integers
-        value = data.get(key)
-        if value is None and key in _REQUIRED_FIELDS:
-            raise ClusterConfigError(f"{path}: required field {key!r} is missing; is this a "
-                                     "decoder-only HF checkpoint's config.json?")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):
-            raise ClusterConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
-    return data
+    return read_config_json(Path(model_path) / "config.json", _REQUIRED_FIELDS)
 
 
 def drafter_kv_layers(speculative: SpeculativeConfig, model_path: str) -> int:
@@ -389,3 +375,16 @@ def kv_budget(cluster: ClusterConfig, hf: dict[str, Any],
                             window_bytes, state_bytes, tp, weights, wc.speculative.method))
     return out
 
+
+def preflight(cluster: ClusterConfig) -> list[str]:
+    """What a launcher checks before it starts a process: the checkpoint, then every layout
+    rule (devices included) against its config.json. Returns notes for the user (e.g. token-id
+    mode); raises CheckpointError / LayoutError (both ClusterConfigError) with one line."""
+    report = check_checkpoint(cluster.model.path, cluster.model.load_format)
+    check_layout(cluster, report.config)
+    check_drafter(cluster, report)
+    notes = []
+    if not report.has_tokenizer:
+        notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "
+                     "prompts on /v1/completions only (text prompts and chat get a 400)")
+    return notes

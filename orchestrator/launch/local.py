@@ -35,11 +35,11 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from orchestrator.checkpoint import preflight
 from orchestrator.config import ClusterConfig, dial_address, dump_config
 from orchestrator.launch.describe import ready_line, stopped_line
 from orchestrator.launch.ports import check_ports, resolve_ports
 from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec, stop_on_signals
+from orchestrator.plan import preflight
 from orchestrator.rank_map import plan_processes
 from protocol.identity import WorkerIdentity, model_fingerprint
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.checkpoint import check_checkpoint, preflight
+from orchestrator.checkpoint import check_checkpoint
 from orchestrator.cli import main
 from orchestrator.config import REPO_ROOT, ClusterConfigError, load_config
 from orchestrator.hub import HubModelError, hub_cache_dir, looks_like_repo_id, resolve_repo_id
+from orchestrator.plan import preflight
 
 EMBEDDED = REPO_ROOT / "models" / "tandem-arith"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
