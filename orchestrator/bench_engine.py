@@ -212,8 +212,12 @@ def served_vs_engine(config_path: Path, sets: list[str], specs: list[BenchSpec],
     timeout = cluster.launcher.ready_timeout_s
     warm = dataclasses.replace(specs[0], input_len=16, output_len=4, num_requests=8,
                                concurrency=8, range_ratio=0.0)
+    # The measured cluster is this command's own: free ports for every listener, so it starts
+    # beside a cluster already serving the same config (whose ports the file may pin).
+    own_ports = [f"roles.{name}.base_port=0" for name, _ in cluster.roles.present()]
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp, running_cluster(
-        str(config_path), *sets, f"launcher.ready_timeout_s={timeout}", tmp=Path(tmp),
+        str(config_path), *sets, *own_ports, "transfer.bootstrap_port=0",
+        f"launcher.ready_timeout_s={timeout}", tmp=Path(tmp),
         model=Path(model_dir), ready_timeout_s=timeout + 30, admin_key=cluster.gateway.admin_key,
     ) as up:
         print(f"[bench] cluster up at {up.url}", file=err, flush=True)

@@ -4,6 +4,7 @@ concurrency, as a user runs it; and the one-line refusals of what it cannot meas
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,15 @@ from orchestrator.launch.background import REPO
 def test_served_vs_engine_on_the_mono_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rc = main(["bench", "--config", "configs/tiny-mono.yaml", "--concurrency", "2,4",
-               "--num-requests", "8", "--input-len", "24", "--output-len", "12", "--seed", "3",
-               "--set", "roles.both.num_threads=1", "--out", str(tmp_path)])
+    # A cluster already serving on the port the config pins: the bench's own cluster takes
+    # free ports, so it starts beside it.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc = main(["bench", "--config", "configs/tiny-mono.yaml", "--concurrency", "2,4",
+                   "--num-requests", "8", "--input-len", "24", "--output-len", "12", "--seed",
+                   "3", "--set", "roles.both.num_threads=1", "--set",
+                   f"roles.both.base_port={busy.getsockname()[1]}", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     result = json.loads((tmp_path / "served_engine.json").read_text())
