@@ -46,7 +46,7 @@ from orchestrator.launch.ports import require_pinned
 from orchestrator.launch.processes import LaunchError, LocalCluster, stop_on_signals
 from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.launch.slurm import run_gate
-from orchestrator.plan import check_layout, read_model_config
+from orchestrator.plan import preflight
 from orchestrator.rank_map import procs_per_node
 from protocol.tls import TLSConfig
 
@@ -261,9 +261,9 @@ def _wait_serving(
 def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the cluster on Ray in the foreground; returns the exit status."""
     out, err = out or sys.stdout, err or sys.stderr
-    check_layout(cluster)
     require_pinned(cluster, "ray")
-    read_model_config(cluster.model.path)
+    for note in preflight(cluster):  # the checkpoint and the layout: one line, before Ray
+        print(note, file=err, flush=True)
     cluster = with_cluster_id(cluster)
     run_dir = fresh_run_dir(run_dir_of(cluster))
     launcher, t0 = cluster.launcher, time.monotonic()

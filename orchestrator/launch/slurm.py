@@ -65,7 +65,7 @@ from orchestrator.launch.slurm_env import (
     wait_files,
     with_node_hosts,
 )
-from orchestrator.plan import check_layout, read_model_config
+from orchestrator.plan import preflight
 from orchestrator.rank_map import num_nodes, plan_processes
 from protocol.tls import TLSConfig
 
@@ -178,9 +178,8 @@ def run_slurm(
             "but the allocation has "
             f"{len(env.nodes)} ({','.join(env.nodes)}); submit with -N {need} (submit.sh does)"
         )
-    check_layout(cluster)
     require_pinned(cluster, "slurm")
-    read_model_config(cluster.model.path)  # a missing checkpoint fails here, before any process
+    notes = preflight(cluster)  # the checkpoint and the layout: one line, before any process
     addresses = tuple(socket.gethostbyname(n) for n in env.nodes)
     # Every node derives the same cluster id from the job, so they agree without talking.
     resolved = with_node_hosts(with_cluster_id(cluster, f"slurm-{env.run_name}"), addresses)
@@ -189,8 +188,7 @@ def run_slurm(
     config_file.write_text(dump_config(resolved))
     print(
         f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}",
-        file=out,
-        flush=True,
+        *notes, sep="\n", file=out, flush=True,
     )
     return _run_node(
         resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", ""))
@@ -345,7 +343,6 @@ def _run_smoke(
     """Without PD_SLURM=1: the whole cluster on this one node, as the local launcher runs it."""
     launcher = dataclasses.replace(cluster.launcher, kind="local", run_dir=str(run_dir))
     local = dataclasses.replace(cluster, launcher=launcher)
-    check_layout(local)
     local = prepare_launch(with_cluster_id(local, f"slurm-{env.run_name}"))
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "cluster.yaml"
@@ -395,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cluster = load_config(resolve_config_path(args.config), args.overrides)
-        check_layout(cluster)
+        if args.what == "nodes":  # submit.sh asks this first: refuse before sbatch
+            for note in preflight(cluster):
+                print(note, file=sys.stderr)
     except ClusterConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

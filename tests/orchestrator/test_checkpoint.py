@@ -247,3 +247,25 @@ def test_the_familys_own_fields_are_one_line_before_any_worker_starts(
     assert main(["plan", "--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={p}"]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_slurm_and_ray_refuse_the_checkpoint_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """submit.sh's first query and the Ray launcher run the same preflight as `tandem serve`:
+    the family's parser refuses config.json before sbatch or a Ray connection."""
+    from orchestrator.launch import slurm
+
+    p = copy_model(tmp_path)
+    edit_config(p, hidden_act="gelu")
+    config = ["--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={p}"]
+    assert slurm.main(["nodes", *config]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hidden_act 'gelu' is not supported" in err and len(err.splitlines()) == 1, err
+    logs = tmp_path / "logs"
+    ray = ["launcher.kind=ray", "roles.prefill.base_port=51100", "roles.decode.base_port=51200",
+           f"launcher.log_dir={logs}"]
+    assert main(["launch", *config, *(a for s in ray for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hidden_act 'gelu' is not supported" in err and len(err.splitlines()) == 1, err
+    assert not logs.exists()
