@@ -12,10 +12,11 @@ the field; wrong types are pydantic's errors, mapped to 400 by the app.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from gateway.agent_types import ResponseFormat, StructuredOutputs, Tool, ToolChoice
 from gateway.errors import BadRequest
@@ -69,6 +70,17 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's nullable fields (`n`, `stream`, `presence_penalty`, `echo`, ...): null is
+        the default, as if left out; the openai client sends null for a keyword given as None.
+        A required field (`prompt`, `messages`) keeps its null, and its 400."""
+        if isinstance(data, dict) and None in data.values():
+            drop = _defaulted_fields(cls)
+            return {k: v for k, v in data.items() if v is not None or k not in drop}
+        return data
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -88,6 +100,13 @@ class _SamplingFields(BaseModel):
     def num_top_logprobs(self) -> int:
         """How many alternatives per token to return; -1 when logprobs are off."""
         return -1
+
+
+@functools.cache
+def _defaulted_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of a request model whose default is a value (not None, not required)."""
+    return frozenset(name for name, f in cls.model_fields.items()
+                     if not f.is_required() and f.default is not None)
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,54 @@
+"""Requests as the official `openai` client and other OpenAI clients send them.
+
+The openai client sends `null` for a keyword given as None (`n=None`), and the OpenAI API
+defines most sampling fields as nullable: null means "the default", as if the field were left
+out. A required field (`prompt`, `messages`) stays required.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, check_sampling
+from gateway.request_body import parse_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+# Fields OpenAI declares nullable, plus the vLLM / SGLang extensions (Optional there).
+CHAT_NULLABLE = ["n", "stream", "presence_penalty", "frequency_penalty", "logprobs",
+                 "parallel_tool_calls", "top_k", "min_p", "min_tokens", "ignore_eos",
+                 "skip_special_tokens", "repetition_penalty"]
+COMPLETION_NULLABLE = ["n", "stream", "echo", "presence_penalty", "frequency_penalty",
+                       "return_token_ids"]
+
+
+def _parse(body: dict[str, Any]) -> Any:
+    cls = ChatCompletionRequest if "messages" in body else CompletionRequest
+    req = parse_request(json.dumps(body).encode(), cls)
+    check_sampling(req)
+    return req
+
+
+@pytest.mark.parametrize("field", CHAT_NULLABLE)
+def test_chat_null_is_the_default(field: str) -> None:
+    req = _parse({**CHAT, field: None})
+    assert getattr(req, field) == ChatCompletionRequest.model_fields[field].default
+
+
+@pytest.mark.parametrize("field", COMPLETION_NULLABLE)
+def test_completion_null_is_the_default(field: str) -> None:
+    req = _parse({**COMPLETION, field: None})
+    assert getattr(req, field) == CompletionRequest.model_fields[field].default
+
+
+@pytest.mark.parametrize("body,param", [({"model": "m", "prompt": None}, "prompt"),
+                                        ({"model": "m", "messages": None}, "messages")])
+def test_a_required_field_stays_required(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as err:
+        _parse(body)
+    assert err.value.param == param
