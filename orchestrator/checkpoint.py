@@ -28,8 +28,10 @@ from typing import Any
 
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.hub import HubModelError, looks_like_repo_id, resolve_repo_id
-from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ModelLoadError
+from worker.arch import drafter
+from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig, ModelLoadError
 from worker.arch.load import load_arch_config
+from worker.config import ConfigError
 
 # Fields every supported family reads from config.json (as integers).
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
@@ -51,6 +53,7 @@ class CheckpointReport:
 
     path: Path
     config: dict[str, Any]  # config.json
+    arch: ArchConfig  # config.json as the worker's family parser reads it
     has_tokenizer: bool  # False: token-id mode (no tokenizer files at all)
 
 
@@ -180,12 +183,12 @@ def check_tokenizer(path: Path) -> bool:
     return True
 
 
-def check_arch(path: Path) -> None:
+def check_arch(path: Path) -> ArchConfig:
     """config.json through the family's parser, as the worker will read it: an unsupported
     activation, rope type, head layout or quantization_config is one line here rather than a
     worker's exit after the launch."""
     try:
-        load_arch_config(path)
+        return load_arch_config(path)
     except ModelLoadError as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -194,29 +197,21 @@ def check_checkpoint(model_path: str, load_format: str = "auto") -> CheckpointRe
     """Every check above, in order; CheckpointError at the first problem."""
     path = model_dir(model_path)
     cfg = check_config(path)
-    check_arch(path)
+    arch = check_arch(path)
     if load_format != "dummy":
         for f in weight_files(path):
             check_safetensors_header(f)
-    return CheckpointReport(path, cfg, check_tokenizer(path))
+    return CheckpointReport(path, cfg, arch, check_tokenizer(path))
 
 
-# Targets whose checkpoints carry their own MTP layer (worker/spec/load.py `_mtp`).
-_OWN_MTP = ("DeepseekV3ForCausalLM", "Qwen3NextForCausalLM")
-
-
-def check_drafter(cluster: ClusterConfig, report: CheckpointReport) -> None:
-    """A model drafter (`speculative.method` draft | eagle | mtp) has its directory, so a
-    missing head is one line here rather than a worker's exit."""
+def check_drafter(cluster: ClusterConfig, path: Path, arch: ArchConfig) -> None:
+    """A model drafter (`speculative.method` draft | eagle | mtp) checked against the target
+    as the worker will check it (worker/arch/drafter.py): a missing or mismatched head is one
+    line here rather than a worker's exit."""
     spec = cluster.speculative
-    path = Path(spec.drafter_path(str(report.path)))
-    if spec.method not in ("draft", "eagle", "mtp") or (path / "config.json").is_file():
-        return
-    archs = report.config.get("architectures") or []
-    if spec.method == "mtp" and not spec.model and any(a in _OWN_MTP for a in archs):
-        return  # the checkpoint's own MTP layer (the worker checks that it has one)
-    fix = ("models/train_eagle.py writes one" if spec.method != "draft"
-           else "an HF checkpoint with the target's token ids")
-    raise CheckpointError(f"speculative.model: {path} has no config.json; point speculative.model "
-                          f"at the {spec.method} drafter's directory ({fix}), or set "
-                          "speculative.method ngram or none")
+    dp = max((rc.parallel.dp_size for _, rc in cluster.roles.present()), default=1)
+    try:
+        drafter.check_drafter(spec.method, arch, path, Path(spec.drafter_path(str(path))),
+                              cluster.model.context_len(arch.max_position_embeddings), dp)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None

@@ -382,7 +382,7 @@ def preflight(cluster: ClusterConfig) -> list[str]:
     mode); raises CheckpointError / LayoutError (both ClusterConfigError) with one line."""
     report = check_checkpoint(cluster.model.path, cluster.model.load_format)
     check_layout(cluster, report.config)
-    check_drafter(cluster, report)
+    check_drafter(cluster, report.path, report.arch)
     notes = []
     if not report.has_tokenizer:
         notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "

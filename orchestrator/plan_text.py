@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.checkpoint import check_arch
+from orchestrator.checkpoint import check_arch, check_drafter
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup
@@ -80,7 +80,8 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     try:
         hf = read_model_config(cluster.model.path)
         if any(a in SUPPORTED_ARCHITECTURES for a in hf.get("architectures") or []):
-            check_arch(Path(cluster.model.path))  # the family's own fields, as a worker reads
+            path = Path(cluster.model.path)  # the family's own fields, as a worker reads them
+            check_drafter(cluster, path, check_arch(path))
         budgets = kv_budget(cluster, hf, cuda)
     except LayoutError:
         raise

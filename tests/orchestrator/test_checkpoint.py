@@ -269,3 +269,40 @@ def test_slurm_and_ray_refuse_the_checkpoint_before_anything_starts(
     err = capsys.readouterr().err.strip()
     assert "hidden_act 'gelu' is not supported" in err and len(err.splitlines()) == 1, err
     assert not logs.exists()
+
+
+@pytest.mark.parametrize("method, sub, changes, says", [
+    ("draft", "draft", {"num_key_value_heads": 1},
+     "cannot share the target's KV pages: num_key_value_heads 1 != the target's 2"),
+    ("draft", "draft", {"max_position_embeddings": 256},
+     "max_position_embeddings 256 < the target's context 512"),
+    ("draft", "draft", {"architectures": ["Qwen3NextForCausalLM"]}, "cannot draft"),
+    ("eagle", "eagle", {"model_type": "mtp"}, "is not an eagle head (model_type 'mtp'"),
+    ("eagle", "eagle", {"hidden_size": 64}, "hidden_size 64 != the target's 128"),
+    ("mtp", "mtp", {"head_dim": 16}, "head_dim 16 != the target's 32"),
+])
+def test_a_drafter_that_cannot_serve_is_one_line_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str, sub: str,
+    changes: dict[str, object], says: str,
+) -> None:
+    """The worker's drafter checks (worker/arch/drafter.py) run in serve's preflight and in
+    plan: a head or draft model that does not fit the target never reaches a worker."""
+    model = copy_model(tmp_path)
+    edit_config(model / sub, **changes)
+    logs = tmp_path / "logs"
+    assert main(["serve", "--model", str(model), "--set", f"speculative.method={method}",
+                 "--set", f"launcher.log_dir={logs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: speculative.") and err.count("\n") == 1, err
+    assert says in err
+    assert not logs.exists()
+    assert main(["plan", "--config", "configs/tiny-1p1d.yaml", "--set", f"model.path={model}",
+                 "--set", f"speculative.method={method}"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_drafter_with_attention_dp_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    cluster = load_config(REPO_ROOT / "configs" / "tiny-1p1d.yaml",
+                          ["speculative.method=eagle", "roles.decode.parallel.dp_size=2"])
+    with pytest.raises(ClusterConfigError, match="cannot run with parallel.dp_size=2"):
+        preflight(cluster)

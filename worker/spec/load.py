@@ -19,7 +19,6 @@ contract, so a prefill and a decode worker with different drafters are refused a
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -28,8 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.arch.drafter import EAGLE_TARGETS, MODEL_METHODS, check_drafter
 from worker.arch.hf_config import ModelLoadError, parse_arch_config
-from worker.arch.load import read_json
+from worker.arch.load import load_arch_config, read_json
 from worker.cache_layout import max_model_len
 from worker.config import ConfigError, ModelConfig, WorkerConfig
 from worker.model import fused
@@ -59,10 +59,6 @@ from worker.spec.heads import (
 
 log = logging.getLogger(__name__)
 
-MODEL_METHODS = ("draft", "eagle", "mtp")
-# The dense families an EAGLE head is built for (one decoder layer of the target's kind).
-EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -78,16 +74,12 @@ def load_head(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> Loaded
     method = config.speculative.method
     if method not in MODEL_METHODS:
         return None
-    if config.parallel.dp_size > 1:
-        raise ConfigError(f"speculative.method={method} cannot run with parallel.dp_size="
-                          f"{config.parallel.dp_size} (attention DP steps no drafter); set "
-                          "parallel.dp_size: 1 or speculative.method: ngram")
+    path = Path(config.speculative.drafter_path(config.model.path))
+    target_dir = Path(config.model.path)
+    check_drafter(method, load_arch_config(target_dir), target_dir, path,
+                  max_model_len(spec, config), config.parallel.dp_size)
     if method == "mtp":
         return _mtp(config, target, spec)
-    path = Path(config.speculative.drafter_path(config.model.path))
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"speculative.model: {str(path)!r} has no config.json; point "
-                          f"speculative.model at the {method} drafter's directory")
     try:
         if method == "eagle":
             head, files = _dense_head(path, config, target, spec, "eagle")
@@ -106,14 +98,14 @@ def _mtp(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> LoadedHead:
         head = DeepseekMTPHead(target)
     elif isinstance(target, Qwen3NextForCausalLM) and target.mtp is not None:
         head = Qwen3NextMTPHead(target)
-    else:
+    else:  # no MTP layer of its own (config.json declares one the weights lack, or none)
         path = Path(config.speculative.drafter_path(config.model.path))
         if not (path / "config.json").is_file():
             raise ConfigError(
-                f"speculative.method=mtp: {config.model.path} ({spec.architecture}) has no MTP "
-                "layer (DeepSeek-V3 model.layers.{num_hidden_layers}.*, Qwen3-Next mtp.*) and "
-                f"{path} holds no MTP module; set speculative.model or use speculative.method "
-                "eagle, draft or ngram")
+                f"speculative.method=mtp: {config.model.path} ({spec.architecture}) declares an "
+                "MTP layer its weights lack (DeepSeek-V3 model.layers.{num_hidden_layers}.*, "
+                f"Qwen3-Next mtp.*) and {path} holds no MTP module; set speculative.model or "
+                "use speculative.method eagle, draft or ngram")
         try:
             head, files = _dense_head(path, config, target, spec, "mtp")
         except ModelLoadError as exc:
@@ -132,19 +124,13 @@ def _digest(path: Path, files: list[Path], config: WorkerConfig) -> str:
 def _dense_head(path: Path, config: WorkerConfig, target: CausalLM, spec: ModelSpec,
                 layout: str) -> tuple[DraftHead, list[Path]]:
     """An EAGLE head, or a side-trained MTP module (`layout`), for a dense target."""
-    raw = read_json(path / "config.json")
-    source = str(path / "config.json")
-    if raw.get("model_type") != layout:
-        raise ConfigError(f"speculative.model: {source} is not an {layout} head (model_type "
-                          f"{raw.get('model_type')!r}, want {layout!r}); models/train_eagle.py "
-                          f"--layout {layout} writes one")
-    if spec.architecture not in EAGLE_TARGETS or not isinstance(target, LlamaForCausalLM):
+    raw = read_json(path / "config.json")  # checked against the target by check_drafter
+    if not isinstance(target, LlamaForCausalLM):
         raise ConfigError(f"speculative.method={layout}: heads are built for "
                           f"{', '.join(EAGLE_TARGETS)}; {spec.architecture} is not one; use "
                           "speculative.method ngram")
-    arch = parse_arch_config({**raw, "architectures": [spec.architecture]}, None, source)
-    _check_geometry(source, spec, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
-                    num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+    arch = parse_arch_config({**raw, "architectures": [spec.architecture]}, None,
+                             str(path / "config.json"))
     if raw.get("target_fingerprint") not in (None, spec.fingerprint):
         log.warning("the head at %s was trained against another checkpoint than %s "
                     "(target_fingerprint differs): drafts stay lossless but fewer are accepted; "
@@ -190,10 +176,7 @@ def _fill(head: nn.Module, files: list[Path]) -> None:
 
 
 def _draft(path: Path, config: WorkerConfig, spec: ModelSpec) -> tuple[DraftHead, list[Path]]:
-    if spec.kv_latent_dim:
-        raise ConfigError(f"speculative.method=draft: {spec.architecture} keeps MLA latent "
-                          "pages, which a draft model's K/V cannot share; use speculative."
-                          "method mtp")
+    """A draft model whose config.json check_drafter accepted."""
     dtype = _DTYPE_NAMES.get(spec.dtype)
     if dtype is None:
         raise ConfigError(f"speculative.method=draft: the target runs in {spec.dtype}; a draft "
@@ -202,62 +185,6 @@ def _draft(path: Path, config: WorkerConfig, spec: ModelSpec) -> tuple[DraftHead
     model_cfg = ModelConfig(path=str(path), dtype=dtype,  # type: ignore[arg-type]
                             load_format=config.model.load_format, seed=config.model.seed + 1)
     lm, dspec = load_model(model_cfg, config.parallel)
-    if not isinstance(lm, LlamaForCausalLM) or dspec.state_layers or any(dspec.layer_windows):
-        raise ConfigError(f"speculative.model {str(path)!r}: {dspec.architecture} with window "
-                          "or recurrent layers cannot draft; use a dense Llama / Qwen model")
-    source = str(path / "config.json")
-    _check_geometry(source, spec, vocab_size=dspec.vocab_size,
-                    num_key_value_heads=dspec.num_kv_heads, head_dim=dspec.head_dim)
-    need = max_model_len(spec, config)
-    if dspec.max_position_embeddings < need:
-        raise ConfigError(f"speculative.model: {source} max_position_embeddings "
-                          f"{dspec.max_position_embeddings} < the target's context {need}; "
-                          "lower model.max_model_len or train the draft longer")
-    _check_tokenizer(path, Path(config.model.path))
+    assert isinstance(lm, LlamaForCausalLM) and not dspec.state_layers, dspec.architecture
     files = weight_files(path) if config.model.load_format != "dummy" else []
     return DraftLM(lm, spec.num_layers), files
-
-
-def _check_geometry(source: str, spec: ModelSpec, **theirs: int) -> None:
-    """The drafter's KV shares the target's pages: its head count, head dim (and for a head
-    fed the target's hidden state, its width and vocabulary) must equal the target's."""
-    ours = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
-            "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
-    diffs = [f"{k} {v} != the target's {ours[k]}" for k, v in theirs.items() if v != ours[k]]
-    if diffs:
-        raise ConfigError(f"speculative.model: {source} cannot share the target's KV pages: "
-                          f"{', '.join(diffs)}; train the drafter for this target")
-
-
-def _check_tokenizer(draft: Path, target: Path) -> None:
-    """A draft model proposes token ids that the target verifies, so every id the draft's
-    tokenizer defines must mean the same text in the target's. The target may define more
-    (tokens added after the draft was trained, e.g. the embedded model's <think> and
-    <tool_call>): the draft never learnt them, which only costs acceptance where they occur."""
-    mine, theirs = draft / "tokenizer.json", target / "tokenizer.json"
-    if not (mine.is_file() and theirs.is_file()) or mine.read_bytes() == theirs.read_bytes():
-        return
-    ours, want = _id_texts(mine), _id_texts(theirs)
-    wrong = [i for i, text in sorted(ours.items()) if want.get(i) != text]
-    if wrong:
-        i = wrong[0]
-        raise ConfigError(f"speculative.model: {mine} maps {len(wrong)} token ids differently "
-                          f"from the target's {theirs} (id {i}: {ours[i]!r} vs "
-                          f"{want.get(i)!r}); a draft model must use the target's token ids")
-
-
-def _id_texts(path: Path) -> dict[int, str]:
-    """id -> token text of a tokenizers-library tokenizer.json (its model's vocabulary and
-    its added tokens)."""
-    try:
-        data = json.loads(path.read_text())
-        vocab = data["model"]["vocab"]
-        if isinstance(vocab, dict):  # WordLevel, BPE, WordPiece: token -> id
-            out = {int(i): str(t) for t, i in vocab.items()}
-        else:  # Unigram: [[piece, score], ...] in id order
-            out = {i: str(piece[0]) for i, piece in enumerate(vocab)}
-        out.update({int(t["id"]): str(t["content"]) for t in data.get("added_tokens", [])})
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise ConfigError(f"speculative.model: {path} is not a readable tokenizer.json "
-                          f"({exc}); give the draft model the target's tokenizer files") from None
-    return out

@@ -1,0 +1,148 @@
+"""A model drafter (`speculative.method` draft | eagle | mtp) checked against its target from
+the two config.json files (and tokenizer.json files) alone, without torch: the worker runs it
+before it loads the head (worker/spec/load.py), the launcher and `tandem plan` before any
+process starts (orchestrator/checkpoint.py), so a drafter that cannot serve is one line there.
+
+What a drafter must match (its KV lives in the target's pages, its ids are verified by the
+target): the KV head count and head dim; for a head fed the target's hidden state (eagle, a
+side-trained mtp module) also the hidden size and vocabulary; for a draft model the vocabulary,
+a context at least the target's, and the target's token ids. What needs the loaded weights
+(the head's tensors, the dtype the target runs in) stays in the worker.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config
+from worker.arch.load import load_arch_config, read_json
+from worker.config import ConfigError
+
+MODEL_METHODS = ("draft", "eagle", "mtp")
+# The dense families an EAGLE / MTP head is built for (one decoder layer of the target's kind),
+# and the families a draft model may be (full attention, K/V heads).
+EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def own_mtp_layers(target: ArchConfig) -> int:
+    """The MTP layers the target's config.json declares (DeepSeek-V3's
+    num_nextn_predict_layers, Qwen3-Next's mtp_num_hidden_layers); 0 for other families."""
+    return int(getattr(target.family, "num_mtp_layers", 0) or 0)
+
+
+def check_drafter(method: str, target: ArchConfig, target_dir: Path, drafter_dir: Path,
+                  max_len: int, dp_size: int = 1) -> None:
+    """ConfigError naming the field and the fix when the drafter cannot serve this target;
+    nothing for ngram / none. `max_len`: the context a request may reach."""
+    if method not in MODEL_METHODS:
+        return
+    if dp_size > 1:
+        raise ConfigError(f"speculative.method={method} cannot run with parallel.dp_size="
+                          f"{dp_size} (attention DP steps no drafter); set parallel.dp_size: 1 "
+                          "or speculative.method: ngram")
+    if method == "mtp" and own_mtp_layers(target):
+        return  # the checkpoint's own MTP layer (the worker checks its tensors are there)
+    source = drafter_dir / "config.json"
+    if not source.is_file():
+        if method == "mtp":
+            raise ConfigError(
+                f"speculative.model: {drafter_dir} has no config.json and {target_dir} "
+                f"({target.architecture}) declares no MTP layer of its own (DeepSeek-V3 "
+                "num_nextn_predict_layers, Qwen3-Next mtp_num_hidden_layers); point "
+                "speculative.model at an MTP module (models/train_eagle.py --layout mtp writes "
+                "one), or use speculative.method eagle, draft or ngram")
+        fix = ("models/train_eagle.py writes one" if method == "eagle"
+               else "an HF checkpoint with the target's token ids")
+        raise ConfigError(f"speculative.model: {drafter_dir} has no config.json; point "
+                          f"speculative.model at the {method} drafter's directory ({fix}), or "
+                          "set speculative.method ngram or none")
+    try:
+        if method == "draft":
+            _check_draft(target, target_dir, drafter_dir, max_len)
+        else:
+            _check_head(method, target, source)
+    except ModelLoadError as exc:
+        raise ConfigError(f"speculative.model {str(drafter_dir)!r}: {exc}") from None
+
+
+def _check_head(layout: str, target: ArchConfig, source: Path) -> None:
+    """An EAGLE head or a side-trained MTP module (`layout`) for a dense target."""
+    raw = read_json(source)
+    if raw.get("model_type") != layout:
+        raise ConfigError(f"speculative.model: {source} is not an {layout} head (model_type "
+                          f"{raw.get('model_type')!r}, want {layout!r}); models/train_eagle.py "
+                          f"--layout {layout} writes one")
+    if target.architecture not in EAGLE_TARGETS:
+        raise ConfigError(f"speculative.method={layout}: heads are built for "
+                          f"{', '.join(EAGLE_TARGETS)}; {target.architecture} is not one; use "
+                          "speculative.method ngram")
+    head = parse_arch_config({**raw, "architectures": [target.architecture]}, None, str(source))
+    _check_geometry(source, target, hidden_size=head.hidden_size, vocab_size=head.vocab_size,
+                    num_key_value_heads=head.num_kv_heads, head_dim=head.head_dim)
+
+
+def _check_draft(target: ArchConfig, target_dir: Path, drafter_dir: Path, max_len: int) -> None:
+    source = drafter_dir / "config.json"
+    if target.kv_latent_dim:
+        raise ConfigError(f"speculative.method=draft: {target.architecture} keeps MLA latent "
+                          "pages, which a draft model's K/V cannot share; use speculative."
+                          "method mtp")
+    draft = load_arch_config(drafter_dir)
+    if draft.architecture not in EAGLE_TARGETS or any(w is not None for w in draft.layer_windows):
+        raise ConfigError(f"speculative.model {str(drafter_dir)!r}: {draft.architecture} with "
+                          "window or recurrent layers cannot draft; use a dense Llama / Qwen "
+                          "model")
+    _check_geometry(source, target, vocab_size=draft.vocab_size,
+                    num_key_value_heads=draft.num_kv_heads, head_dim=draft.head_dim)
+    if draft.max_position_embeddings and draft.max_position_embeddings < max_len:
+        raise ConfigError(f"speculative.model: {source} max_position_embeddings "
+                          f"{draft.max_position_embeddings} < the target's context {max_len}; "
+                          "lower model.max_model_len or train the draft longer")
+    _check_tokenizer(drafter_dir, target_dir)
+
+
+def _check_geometry(source: Path, target: ArchConfig, **theirs: int) -> None:
+    """The drafter's KV shares the target's pages: its head count, head dim (and for a head
+    fed the target's hidden state, its width and vocabulary) must equal the target's."""
+    ours = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim}
+    diffs = [f"{k} {v} != the target's {ours[k]}" for k, v in theirs.items() if v != ours[k]]
+    if diffs:
+        raise ConfigError(f"speculative.model: {source} cannot share the target's KV pages: "
+                          f"{', '.join(diffs)}; train the drafter for this target")
+
+
+def _check_tokenizer(draft: Path, target: Path) -> None:
+    """A draft model proposes token ids that the target verifies, so every id the draft's
+    tokenizer defines must mean the same text in the target's. The target may define more
+    (tokens added after the draft was trained, e.g. the embedded model's <think> and
+    <tool_call>): the draft never learnt them, which only costs acceptance where they occur."""
+    mine, theirs = draft / "tokenizer.json", target / "tokenizer.json"
+    if not (mine.is_file() and theirs.is_file()) or mine.read_bytes() == theirs.read_bytes():
+        return
+    ours, want = _id_texts(mine), _id_texts(theirs)
+    wrong = [i for i, text in sorted(ours.items()) if want.get(i) != text]
+    if wrong:
+        i = wrong[0]
+        raise ConfigError(f"speculative.model: {mine} maps {len(wrong)} token ids differently "
+                          f"from the target's {theirs} (id {i}: {ours[i]!r} vs "
+                          f"{want.get(i)!r}); a draft model must use the target's token ids")
+
+
+def _id_texts(path: Path) -> dict[int, str]:
+    """id -> token text of a tokenizers-library tokenizer.json (its model's vocabulary and
+    its added tokens)."""
+    try:
+        data = json.loads(path.read_text())
+        vocab = data["model"]["vocab"]
+        if isinstance(vocab, dict):  # WordLevel, BPE, WordPiece: token -> id
+            out = {int(i): str(t) for t, i in vocab.items()}
+        else:  # Unigram: [[piece, score], ...] in id order
+            out = {i: str(piece[0]) for i, piece in enumerate(vocab)}
+        out.update({int(t["id"]): str(t["content"]) for t in data.get("added_tokens", [])})
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(f"speculative.model: {path} is not a readable tokenizer.json "
+                          f"({exc}); give the draft model the target's tokenizer files") from None
+    return out
