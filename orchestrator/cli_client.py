@@ -30,7 +30,8 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                     "is unreachable. arith: raw prompts through /v1/completions. lookup: the tool "
                     "loop (call, tool result, answer) through /v1/chat/completions.",
     )
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", required=True,
+                   help="server URL, e.g. http://127.0.0.1:8000 (or the client base URL, .../v1)")
     p.add_argument("--config", metavar="PATH",
                    help="take the defaults below from this config's eval section")
     p.add_argument("--task", help=f"task family: arith or lookup (default {gate.task})")
@@ -108,10 +109,20 @@ def _url_problem(url: str | None) -> str:
     return f"error: --url {url!r} is not an http(s) URL; give one like http://127.0.0.1:8000"
 
 
+def _server_root(url: str | None) -> str | None:
+    """The server's root URL: an OpenAI client's base URL (http://host:port/v1) names the same
+    server, and the paths asked for (/v1/models, /metrics) are appended to the root."""
+    if url is None:
+        return None
+    root = url.rstrip("/")
+    return root[:-3].rstrip("/") if root.endswith("/v1") else root
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if problem := _url_problem(args.url):
         print(problem, file=sys.stderr)
         return EXIT_USAGE
+    args.url = _server_root(args.url)
     from orchestrator.client import ServerError
     from orchestrator.eval import report, run_eval
     from orchestrator.tasks import TaskMode, UnknownTaskError, get_task
@@ -199,6 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if problem := _url_problem(args.url):
         print(problem, file=sys.stderr)
         return EXIT_USAGE
+    args.url = _server_root(args.url)
     from orchestrator.bench import BenchSpec, bench_main
     from orchestrator.bench_data import DatasetError, make_sessions_check
 
