@@ -110,6 +110,19 @@ class SchedulerConfig:
                 f"{prefix}.chunked_prefill_size ({self.chunked_prefill_size}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
             )
+
+    def check_overlap(self, multi_rank: bool, speculative: bool,
+                      prefix: str = "scheduler") -> None:
+        """`overlap: on` where it cannot run: a multi-rank worker sends each step's input ids to
+        its followers from the host (a PENDING id cannot travel there), and speculative
+        decoding drafts from the tokens the last step accepted."""
+        if self.overlap == "on" and multi_rank:
+            raise ConfigError(f"{prefix}.overlap=on needs a single-rank worker (tp_size*dp_size "
+                              "= 1); set it auto or off for multi-rank workers")
+        if self.overlap == "on" and speculative:
+            raise ConfigError(f"{prefix}.overlap=on cannot run with speculative decoding (each "
+                              "step's drafts come from the tokens the last one accepted); set "
+                              "it auto or off")
         if self.mixed_step_tokens and not (
                 self.max_num_seqs <= self.mixed_step_tokens <= self.chunked_prefill_size):
             raise ConfigError(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.config import ConfigError, WorkerConfig
+from worker.config import WorkerConfig
 from worker.model import fused
 from worker.model.llama import LlamaForCausalLM
 
@@ -39,13 +39,7 @@ def overlap_enabled(config: WorkerConfig, device: torch.device) -> bool:
     step's input ids to their followers from the host, so a PENDING id cannot travel there."""
     mode, par = config.scheduler.overlap, config.parallel
     multi_rank = par.world_size > 1 or par.nnodes > 1
-    if mode == "on" and multi_rank:
-        raise ConfigError("scheduler.overlap=on needs a single-rank worker (tp_size*dp_size = 1); "
-                          "set scheduler.overlap: auto or off for multi-rank workers")
-    if mode == "on" and config.speculative.enabled:
-        raise ConfigError("scheduler.overlap=on cannot run with speculative decoding (each step's "
-                          "drafts come from the tokens the last one accepted); set "
-                          "scheduler.overlap: auto or off")
+    config.scheduler.check_overlap(multi_rank, config.speculative.enabled)
     if config.speculative.enabled:
         return False
     return mode == "on" or (mode == "auto" and device.type == "cuda" and not multi_rank)

@@ -4,10 +4,12 @@ True.") in a config file and through --set; only a quoted "on" passed."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from orchestrator.cli import main
 from orchestrator.config import ClusterConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,3 +31,19 @@ def test_overlap_on_in_a_yaml_file(tmp_path: Path) -> None:
 def test_a_boolean_for_a_choice_without_on_off_is_still_refused() -> None:
     with pytest.raises(ClusterConfigError, match=r"transfer\.backend: must be one of mooncake"):
         load_config(REPO / "configs" / "tiny-1p1d.yaml", ["transfer.backend=yes"])
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["scheduler.overlap=on", "speculative.method=ngram"],
+     "scheduler.overlap=on cannot run with speculative decoding"),
+    (["roles.both.scheduler.overlap=on", "roles.both.parallel.tp_size=2"],
+     "roles.both.scheduler.overlap=on needs a single-rank worker"),
+])
+def test_overlap_on_where_it_cannot_run_is_refused_at_load(
+        sets: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The worker's own rule (SchedulerConfig.check_overlap), read before anything starts."""
+    with pytest.raises(ClusterConfigError, match=re.escape(says)):
+        load_config(MONO, sets)
+    assert main(["plan", "--config", str(MONO), *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
