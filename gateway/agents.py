@@ -79,6 +79,9 @@ def template_message(m: ChatMessage, i: int) -> dict[str, Any]:
         if getattr(m, name):
             raise BadRequest(f"{where}.{name} is not supported in a message; omit it",
                              param="messages")
+    if m.content is None and m.role != "assistant":  # OpenAI's rule: only an assistant turn
+        raise BadRequest(f"{where}.content is required in a {m.role} message; send a string "
+                         "(it may be empty)", param="messages")
     if m.role == "tool" and not m.tool_call_id:
         raise BadRequest(f"{where}: a tool message needs tool_call_id (the id of the call it "
                          "answers)", param="messages")

@@ -12,8 +12,14 @@ from typing import Any
 
 import pytest
 
+from gateway.agents import template_message
 from gateway.errors import BadRequest
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest, check_sampling
+from gateway.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    check_sampling,
+)
 from gateway.request_body import parse_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -52,3 +58,19 @@ def test_a_required_field_stays_required(body: dict[str, Any], param: str) -> No
     with pytest.raises(BadRequest) as err:
         _parse(body)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+def test_a_message_without_content_is_refused(role: str) -> None:
+    """`{"role": "user"}` rendered as an empty turn would answer a question nobody asked."""
+    msg = ChatMessage.model_validate({"role": role, "tool_call_id": "c1"} if role == "tool"
+                                     else {"role": role})
+    with pytest.raises(BadRequest) as err:
+        template_message(msg, 0)
+    assert err.value.param == "messages" and "messages[0].content" in err.value.message
+
+
+def test_an_assistant_turn_may_omit_content() -> None:
+    msg = ChatMessage.model_validate({"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+    assert template_message(msg, 0)["content"] == ""
