@@ -43,6 +43,15 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
                         "--set transfer.backend=nixl (repeatable)")
 
 
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR|ORG/NAME",
+                   help="HF-format model directory, or a Hugging Face name in the local cache "
+                        "(HF_HOME; offline); served as the directory's name or ORG/NAME")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype")
+
+
 def _add_parser_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", metavar="NAME",
                    help="split <think> reasoning into reasoning_content: auto (from the chat "
@@ -89,12 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start every worker and the gateway on this machine; "
                                    "Ctrl-C stops them in order.")
     _add_config_args(p, required=False)
-    p.add_argument("--model", metavar="DIR|ORG/NAME",
-                   help="HF-format model directory, or a Hugging Face name in the local cache "
-                        "(HF_HOME; offline); served as the directory's name or ORG/NAME")
-    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype")
+    _add_model_args(p)
     p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
     p.add_argument("--api-key", metavar="KEY",
                    help="clients must send `Authorization: Bearer KEY` (default: no auth)")
@@ -135,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_dtype_arg(p)
 
     p = sub.add_parser("plan",
-        help="print the process table, KV budget and weight bytes of a config")
-    _add_config_args(p, required=True)
+        help="print the process table, KV budget and weight bytes of what serve would run")
+    _add_config_args(p, required=False)
+    _add_model_args(p)
     _add_kv_dtype_arg(p)
     p.add_argument("--gpus", type=int, metavar="N",
                    help="plan for a machine with N CUDA GPUs (default: probe this one)")
@@ -151,8 +156,8 @@ def _load(args: argparse.Namespace, extra: list[str] | None = None) -> ClusterCo
     return load_config(resolve_config_path(args.config), [*named, *args.overrides])
 
 
-def serve_config(args: argparse.Namespace) -> ClusterConfig:
-    """The config `tandem serve` runs: the file, then --model/--dtype/--port, then --set."""
+def _model_overrides(args: argparse.Namespace) -> list[str]:
+    """--model / --served-model-name / --dtype as overrides."""
     extra: list[str] = []
     if args.model:
         model_dir = Path(args.model).expanduser()
@@ -166,6 +171,12 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append(f"model.served_model_name={args.served_model_name}")
     if args.dtype:
         extra.append(f"model.dtype={args.dtype}")
+    return extra
+
+
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config `tandem serve` runs: the file, then --model/--dtype/--port, then --set."""
+    extra = _model_overrides(args)
     if args.port is not None:
         extra.append(f"gateway.port={args.port}")
     if args.api_key:
@@ -315,7 +326,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus is not None and args.gpus < 1:
         print(f"error: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
         return EXIT_USAGE
-    print(format_plan(_load(args), cuda_status(args.gpus)))
+    print(format_plan(_load(args, _model_overrides(args)), cuda_status(args.gpus)))
     return 0
 
 

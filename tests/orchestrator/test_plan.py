@@ -221,3 +221,12 @@ def test_plan_cli_prints_rank_map_and_rejects(
         in capsys.readouterr().err
     )
     assert format_plan  # the CLI above went through format_plan
+
+
+def test_plan_takes_what_serve_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tandem plan --model DIR` plans what `tandem serve --model DIR` runs (the default
+    config, the model and dtype flags), without a config file."""
+    assert main(["plan", "--model", "models/tandem-arith", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: ") and "tandem-arith (served as tandem-arith)" in out
+    assert "bfloat16" in out and "float32" not in out
