@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -38,6 +38,7 @@ class Join:
     role: str
     admin_key: str
     timeout_s: float  # from the worker's start until it must have joined
+    joined: threading.Event = field(default_factory=threading.Event, compare=False)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
@@ -56,6 +57,7 @@ class Join:
                 continue
             if resp.status_code == 201:
                 log.info("joined %s as %s %s", self.gateway_url, self.role, self.worker_url)
+                self.joined.set()
                 return
             raise JoinRefused(
                 f"{self.gateway_url} refused {self.worker_url}: HTTP "
@@ -64,7 +66,10 @@ class Join:
         raise JoinRefused(f"{self.gateway_url} did not answer POST /workers in time ({last})")
 
     def leave(self) -> None:
-        """DELETE /workers/<url> (best effort: the gateway also sees the worker drain)."""
+        """DELETE /workers/<url> (best effort: the gateway also sees the worker drain); nothing
+        when it never joined (refused, or stopped before it was SERVING)."""
+        if not self.joined.is_set():
+            return
         url = f"{self.gateway_url.rstrip('/')}/workers/{self.worker_url}"
         try:
             resp = httpx.delete(url, headers=self._headers(), timeout=5.0)
