@@ -98,7 +98,9 @@ def _validate(body: bytes, obj: dict[str, Any], cls: type[BaseModel]) -> Any:
                              "(\\ud800-\\udfff); send valid Unicode text",
                              code="invalid_unicode") from None
     try:
-        return cls.model_validate(obj)
+        # strict: a value of the wrong type is a 400, as OpenAI answers ("stream": "yes" or
+        # "max_tokens": "5" converted would guess); an integer is still a number.
+        return cls.model_validate(obj, strict=True)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
     except RecursionError:

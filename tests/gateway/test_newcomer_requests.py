@@ -74,3 +74,19 @@ def test_an_assistant_turn_may_omit_content() -> None:
     msg = ChatMessage.model_validate({"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
     assert template_message(msg, 0)["content"] == ""
+
+
+@pytest.mark.parametrize("field,value", [("stream", "yes"), ("stream", "false"),
+                                         ("max_tokens", "5"), ("max_tokens", 5.0),
+                                         ("temperature", "0.5"), ("logprobs", "true"),
+                                         ("ignore_eos", 1)])
+def test_a_value_of_the_wrong_type_is_refused_not_converted(field: str, value: Any) -> None:
+    """OpenAI answers 400 to `"stream": "yes"`; converting it would guess what the client
+    meant ("false" is a non-empty string, "yes" a word)."""
+    with pytest.raises(BadRequest) as err:
+        _parse({**CHAT, field: value})
+    assert err.value.param == field
+
+
+def test_an_integer_is_a_number() -> None:
+    assert _parse({**CHAT, "temperature": 1, "top_p": 1}).temperature == 1.0
