@@ -97,11 +97,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, in] sorted by expert, weight [E, out, in] (bias [E, out]) → [N, out]: each row times
     its expert's weight, with no loop over experts and no host sync. torch's grouped GEMM where
-    it runs (the CPU; CUDA for bfloat16 at 16-byte-aligned widths, CUTLASS on sm90); elsewhere a
-    loop over the experts, the reference it is tested against."""
+    it runs (at 16-byte-aligned widths: the CPU; CUDA for bfloat16, CUTLASS on sm90); elsewhere
+    (e.g. an odd moe_intermediate_size) a loop over the experts, the reference it is tested
+    against."""
     n, e = x.shape[0], weight.shape[0]
     aligned = all(d * x.element_size() % 16 == 0 for d in weight.shape[1:])
-    if n and (not x.is_cuda or (x.dtype == torch.bfloat16 and aligned)):
+    if n and aligned and (not x.is_cuda or x.dtype == torch.bfloat16):
         y = torch._grouped_mm(x, weight.transpose(1, 2), offs=groups.offsets)  # [N, out]
     else:
         y = x.new_empty(n, weight.shape[1])
