@@ -6,7 +6,9 @@ intermediate sizes, window rules, MoE layouts, a bfloat16 file), then runs promp
 `Engine` and asserts the greedy tokens and every step's logits equal transformers' (float32,
 |diff| < 1e-4). Regressions found by that sweep are pinned here too:
 
-- an odd `moe_intermediate_size` made torch's grouped GEMM raise on the CPU (16-byte strides).
+- an odd `moe_intermediate_size` made torch's grouped GEMM raise on the CPU (16-byte strides);
+- a `sliding_window` in a Llama / Qwen3-Next config.json was applied, though transformers'
+  models of those families attend to every token (a silent mismatch past the window).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 import torch
 
 from tests.worker.test_engine import generate
+from worker.arch.hf_config import parse_arch_config
+from worker.arch.qwen3_next_config import parse_qwen3_next_config
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.model.moe import ExpertGroups, grouped_linear
@@ -155,3 +159,35 @@ def test_grouped_linear_at_widths_the_grouped_gemm_refuses() -> None:
     want = torch.einsum("ni,noi->no", x, weight[ids]) + bias[ids]
     torch.testing.assert_close(got, want)
 
+
+@pytest.mark.parametrize(
+    ("arch", "windows"),
+    [("LlamaForCausalLM", (None, None)), ("Qwen3NextForCausalLM", (None, None)),
+     ("MistralForCausalLM", (8, 8)), ("Qwen3MoeForCausalLM", (8, 8))],
+)
+def test_sliding_window_is_read_only_where_transformers_reads_it(
+    arch: str, windows: tuple[int | None, ...]
+) -> None:
+    cfg = {**TINY, "architectures": [arch], "sliding_window": 8, "use_sliding_window": True,
+           "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 32}
+    parse = parse_qwen3_next_config if arch == "Qwen3NextForCausalLM" else parse_arch_config
+    assert parse(cfg).layer_windows == windows
+
+
+def test_llama_with_a_sliding_window_field_attends_to_every_token(tmp_path: Path) -> None:
+    """Left in a Llama config.json (e.g. by a Mistral conversion), sliding_window is unused by
+    transformers' LlamaForCausalLM. (Its `generate` still sizes a sliding KV cache from it and
+    drifts while decoding, so the reference is its forward over the whole sequence.)"""
+    import transformers
+
+    path = build(tmp_path, "llama", {}, edit={"sliding_window": 8})
+    engine = Engine(WorkerConfig(model=ModelConfig(path=str(path), dtype="float32"),
+                                 cache=CacheConfig(page_size=4, num_pages=64), num_threads=1))
+    assert engine.spec.layer_windows == (None, None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = [random.Random(4).randrange(3, 97) for _ in range(23)]
+    ours = generate(engine, [prompt], max_tokens=8)[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]  # [8, V]
+    assert logits.argmax(-1).tolist() == ours

@@ -175,9 +175,14 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     )
 
 
+# transformers' Llama and Qwen3-Next attend to every earlier token: a `sliding_window` in their
+# config.json (left from a Mistral conversion, say) is not read, so it must not be read here.
+_NO_WINDOW_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3NextForCausalLM")
+
+
 def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
     """Which layers attend through a sliding window, following transformers' rules per family."""
-    window = cfg.get("sliding_window")
+    window = None if arch in _NO_WINDOW_ARCHITECTURES else cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get(
         "use_sliding_window", False
