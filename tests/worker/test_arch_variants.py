@@ -8,7 +8,9 @@ intermediate sizes, window rules, MoE layouts, a bfloat16 file), then runs promp
 
 - an odd `moe_intermediate_size` made torch's grouped GEMM raise on the CPU (16-byte strides);
 - a `sliding_window` in a Llama / Qwen3-Next config.json was applied, though transformers'
-  models of those families attend to every token (a silent mismatch past the window).
+  models of those families attend to every token (a silent mismatch past the window);
+- `mlp_bias` outside Llama and `attention_bias` on Mistral, which transformers does not read,
+  asked the checkpoint for bias tensors it does not have (the load failed).
 """
 
 from __future__ import annotations
@@ -135,6 +137,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any] | None, torch.dtyp
     # regression: torch._grouped_mm needs 16-byte strides (33 float32 columns are 132 bytes)
     "qwen3-moe-odd-moe-intermediate": ("qwen3_moe", {"moe_intermediate_size": 33}, None,
                                        torch.float32),
+    # regression: fields their transformers models do not read asked for absent bias tensors
+    "qwen3-mlp-bias-field-unread": ("qwen3", {}, {"mlp_bias": True}, torch.float32),
+    "mistral-attention-bias-field-unread": ("mistral", {}, {"attention_bias": True},
+                                            torch.float32),
 }
 
 

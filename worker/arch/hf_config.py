@@ -229,7 +229,9 @@ def parse_arch_config(
         raise ModelLoadError(
             f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16"
         )
-    attention_bias = bool(cfg.get("attention_bias", False))
+    # Read only by the families whose transformers model reads it (Mistral's projections have no
+    # biases; only Llama's MLP has mlp_bias): a stray `true` must not ask for absent tensors.
+    attention_bias = bool(cfg.get("attention_bias", False)) and arch != "MistralForCausalLM"
     is_qwen2 = arch == "Qwen2ForCausalLM"
     eos = _as_id_tuple((generation_cfg or {}).get("eos_token_id")) + _as_id_tuple(
         cfg.get("eos_token_id")
@@ -251,7 +253,7 @@ def parse_arch_config(
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=parse_rope(cfg, source),
