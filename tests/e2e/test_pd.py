@@ -1,17 +1,20 @@
-"""1P1D end to end: PD answers exactly what mono answers, with each transfer backend, and
-leaves nothing behind (pages, rooms) whatever the client does."""
+"""1P1D end to end: PD answers exactly what mono answers, with each transfer backend, passes the
+CI gate, and leaves nothing behind (pages, rooms) whatever the client does."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from orchestrator.launch.background import EMBEDDED_MODEL, Cluster, running_cluster
+from orchestrator.launch.background import EMBEDDED_MODEL, REPO, Cluster, running_cluster
 from orchestrator.tasks import arith
 
 MODEL = Path(os.environ.get("TANDEM_E2E_MODEL", EMBEDDED_MODEL))
@@ -57,33 +60,57 @@ def mono_outputs(tmp_path_factory: pytest.TempPathFactory, prompts: list[str]) -
         return out
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_pd_equals_mono_token_for_token(
-    backend: str, prompts: list[str], mono_outputs: list[str], tmp_path: Path
-) -> None:
-    with running_cluster(
-        "configs/tiny-1p1d.yaml", f"transfer.backend={backend}", tmp=tmp_path, model=MODEL
-    ) as c:
-        pd_outputs = asyncio.run(complete_all(c.url, prompts, arith.ANSWER_MAX_TOKENS))
-        loads = c.wait_drained()
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def pd_cluster(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The default 1P1D cluster with each transfer backend, one per backend for the module:
+    the comparison with mono, the CI gate and the client drills share it (pytest runs every
+    test of one backend before it starts the next)."""
+    with running_cluster("configs/tiny-1p1d.yaml", f"transfer.backend={request.param}",
+                         tmp=tmp_path_factory.mktemp(f"pd-{request.param}"), model=MODEL) as c:
+        yield c
+
+
+# The client drills run on the default backend's cluster (mooncake, the config's own).
+default_backend = pytest.mark.parametrize("pd_cluster", ["mooncake"], indirect=True)
+
+
+def test_pd_equals_mono_token_for_token(mono_outputs: list[str], pd_cluster: Cluster,
+                                        prompts: list[str]) -> None:
+    before = {name: pd_cluster.load(name) for name in pd_cluster.workers}
+    pd_outputs = asyncio.run(complete_all(pd_cluster.url, prompts, arith.ANSWER_MAX_TOKENS))
+    after = pd_cluster.wait_drained()
     mismatches = [
         (i, m, p) for i, (m, p) in enumerate(zip(mono_outputs, pd_outputs, strict=True)) if m != p
     ]
     assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, first: {mismatches[:3]}"
-    prefill, decode = loads["prefill-0"], loads["decode-0"]
-    assert decode.prompt_tokens_computed == 0, "decode ran prompt tokens through the model"
-    assert prefill.transfer_pages == decode.transfer_pages > 0
-    assert prefill.transfer_bytes == decode.transfer_bytes > 0
+
+    def grown(name: str, counter: str) -> int:
+        """What these prompts added to a cumulative counter (the cluster is shared)."""
+        return int(getattr(after[name], counter)) - int(getattr(before[name], counter))
+
+    assert grown("decode-0", "prompt_tokens_computed") == 0, "decode ran prompt tokens"
+    assert grown("prefill-0", "transfer_pages") == grown("decode-0", "transfer_pages") > 0
+    assert grown("prefill-0", "transfer_bytes") == grown("decode-0", "transfer_bytes") > 0
 
 
-@pytest.fixture(scope="module")
-def pd_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    with running_cluster(
-        "configs/tiny-1p1d.yaml", tmp=tmp_path_factory.mktemp("pd"), model=MODEL
-    ) as c:
-        yield c
+def run_gate(url: str, samples: int = 100) -> subprocess.CompletedProcess[str]:
+    """`tandem eval --task arith` at the CI bar (0.90)."""
+    argv = [sys.executable, "-m", "orchestrator.cli", "eval", "--url", url, "--task", "arith",
+            "--samples", str(samples), "--concurrency", "8", "--min-accuracy", "0.90"]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
 
 
+def test_gate_passes_on_1p1d(pd_cluster: Cluster) -> None:
+    """The CI gate: the default 1P1D cluster answers the `arith` task correctly with each
+    transfer backend (tests/e2e/test_gate.py: the same gate fails on corrupted pages)."""
+    gate = run_gate(pd_cluster.url)
+    pd_cluster.wait_drained()
+    assert gate.returncode == 0, gate.stdout + gate.stderr
+    assert "accuracy: " in gate.stdout
+
+
+@default_backend
 def test_openai_client_stream_and_not(pd_cluster: Cluster) -> None:
     client = openai.OpenAI(base_url=f"{pd_cluster.url}/v1", api_key="unused")
     problem = arith.make_problems(1, seed=3)[0]
@@ -113,6 +140,7 @@ def test_openai_client_stream_and_not(pd_cluster: Cluster) -> None:
     pd_cluster.wait_drained()
 
 
+@default_backend
 def test_transfer_counters_match_the_prompt(pd_cluster: Cluster) -> None:
     before = pd_cluster.load("decode-0")
     problem = arith.make_problems(1, seed=5)[0]
@@ -129,6 +157,7 @@ def test_transfer_counters_match_the_prompt(pd_cluster: Cluster) -> None:
     assert (after.transfer_bytes - before.transfer_bytes) % info_pages == 0
 
 
+@default_backend
 def test_client_disconnect_mid_stream_frees_everything(pd_cluster: Cluster) -> None:
     body = {
         "model": MODEL.name,
@@ -146,6 +175,7 @@ def test_client_disconnect_mid_stream_frees_everything(pd_cluster: Cluster) -> N
     pd_cluster.wait_drained()
 
 
+@default_backend
 def test_client_timeout_before_first_token_frees_everything(pd_cluster: Cluster) -> None:
     # A short prompt and the longest answer the model's 512 positions allow: the request runs
     # ~2 s, so a client stalled by a loaded machine cannot wake to find the answer complete
@@ -157,6 +187,7 @@ def test_client_timeout_before_first_token_frees_everything(pd_cluster: Cluster)
     pd_cluster.wait_drained()
 
 
+@default_backend
 def test_logprobs_cross_the_room(pd_cluster: Cluster) -> None:
     """The first token's logprobs are computed on prefill and travel with the room."""
     client = openai.OpenAI(base_url=f"{pd_cluster.url}/v1", api_key="unused")
