@@ -10,7 +10,10 @@ intermediate sizes, window rules, MoE layouts, a bfloat16 file), then runs promp
 - a `sliding_window` in a Llama / Qwen3-Next config.json was applied, though transformers'
   models of those families attend to every token (a silent mismatch past the window);
 - `mlp_bias` outside Llama and `attention_bias` on Mistral, which transformers does not read,
-  asked the checkpoint for bias tensors it does not have (the load failed).
+  asked the checkpoint for bias tensors it does not have (the load failed);
+- per-layer-type `rope_parameters` were read as one flat dict (theta silently 10000).
+
+What we do not run is refused at load with one line naming the field.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 from tests.worker.test_engine import generate
-from worker.arch.hf_config import parse_arch_config
+from worker.arch.hf_config import ModelLoadError, parse_arch_config
 from worker.arch.qwen3_next_config import parse_qwen3_next_config
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -197,3 +200,25 @@ def test_llama_with_a_sliding_window_field_attends_to_every_token(tmp_path: Path
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]  # [8, V]
     assert logits.argmax(-1).tolist() == ours
+
+
+LLAMA_CFG: dict[str, Any] = {**TINY, "architectures": ["LlamaForCausalLM"]}
+REFUSED = {
+    "partial_rotary_factor": {"partial_rotary_factor": 0.5},
+    "rope type 'longrope'": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+    "rope type 'su'": {"rope_scaling": {"type": "su", "short_factor": [1.0]}},
+    "needs a 'factor'": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+    "rope_parameters per layer type (full_attention, sliding_attention)": {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "hidden_act 'gelu'": {"hidden_act": "gelu"},
+    "quant_method 'gptq'": {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+}
+
+
+@pytest.mark.parametrize("field", list(REFUSED))
+def test_what_we_do_not_run_is_refused_in_one_line_naming_the_field(field: str) -> None:
+    with pytest.raises(ModelLoadError) as exc:
+        parse_arch_config({**LLAMA_CFG, **REFUSED[field]}, source="ckpt/config.json")
+    message = str(exc.value)
+    assert message.startswith("ckpt/config.json: ") and field in message and "\n" not in message

@@ -131,6 +131,12 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
     """Both spellings: `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    per_layer_type = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if per_layer_type:  # read as one flat dict, it would silently fall back to the defaults
+        raise ModelLoadError(
+            f"{source}: rope_parameters per layer type ({', '.join(per_layer_type)}) are not "
+            "supported; these families take one rope_parameters dict for every layer"
+        )
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     # Old configs say "type", newer "rope_type"; "su"/"longrope" and others are not ours.
     rope_type = str(params.get("rope_type", params.get("type", "default")))
