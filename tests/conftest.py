@@ -24,11 +24,19 @@ from tests.e2e.chaos import report as chaos_report
 from tests.listeners import Listener, listeners, marked
 
 SESSION_ENV = "TANDEM_TEST_SESSION"
+# Torch in the test processes (and the ranks and workers they spawn) runs one OpenMP thread
+# unless a test asks for more: `make test` runs two xdist processes on a two-core box, and two
+# pools of two spinning OpenMP threads each cost the in-process model tests ~30% of their time.
+# Cluster workers set their own count from the config (roles.*.num_threads).
+THREADS_ENV = {"OMP_NUM_THREADS": "1"}
 _GRACE_S = 10.0  # a process asked to stop at the module's end may take this long to go
 
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # Before any test module loads torch (xdist's processes inherit it from the controller).
+    for name, value in THREADS_ENV.items():
+        os.environ.setdefault(name, value)  # a count set by hand wins
 
 
 def ours_listening() -> list[Listener]:
