@@ -7,6 +7,13 @@ contiguous run of bytes, so shipping a prompt to a decode worker is one transfer
 of consecutive pages, whatever the layer count. Heads are outer to tokens inside a page so that
 a head slice of one (layer, K|V) is contiguous too — heterogeneous TP moves head slices.
 
+FP8 pages (float8_e4m3fn) keep V token-major inside a head's block: [head_dim, page_size] in
+memory, presented by `layer()` as the same [pages, heads, page_size, head_dim] view (strides
+(.., 1, page_size)), so torch code indexes it as before and a page is the same bytes. The
+Triton decode and prefill kernels then feed the P·V dot from 16-token runs of one feature,
+the layout its float16 operand wants, without the round trip through shared memory that
+converting feature-major e4m3 rows costs (1.2-1.45x on the H200, docs/benchmarks.md).
+
 Window region (models with sliding-window layers and at least one full layer, see
 docs/hybrid-cache.md): `window[num_window_pages, num_window_layers, 2, heads, page_size,
 head_dim]`, the same page shape over the window layers only. A request holds a ring of
@@ -201,7 +208,7 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer: each
-        [pages of its region, num_kv_heads, page_size, head_dim]."""
+        [pages of its region, num_kv_heads, page_size, head_dim] (FP8 V: token-major strides)."""
         if self.shape.latent_dim:
             raise TypeError("an MLA latent cache has no K/V views; read it through latent(layer)")
         w, i = self._slot[layer]
@@ -209,7 +216,10 @@ class KVCache:
             raise ValueError(
                 f"layer {layer} is a recurrent layer: it has a state slot (KVCache.state), no K/V")
         region = self.window if w else self.data
-        return region[:, i, 0], region[:, i, 1]
+        k, v = region[:, i, 0], region[:, i, 1]
+        if self.shape.dtype == torch.float8_e4m3fn:  # V token-major (module doc)
+            v = v.as_strided(v.shape, (v.stride(0), v.stride(1), 1, v.shape[2]))
+        return k, v
 
     def state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Conv and ssm views of one recurrent layer, indexed by state slot:

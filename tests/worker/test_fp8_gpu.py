@@ -43,21 +43,31 @@ def _scales() -> tuple[torch.Tensor, torch.Tensor]:
     return _dev(SCALES[0]), _dev(SCALES[1])
 
 
+def _token_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same [P, Hkv, S, D] values laid out as a KVCache keeps FP8 V: [P, Hkv, D, S]."""
+    return cache.transpose(2, 3).contiguous().transpose(2, 3)
+
+
 @pytest.mark.gpu
 @kernels
 @stores_e4m3
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kernel_quantizes_like_the_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("token_major", [False, True])
+def test_store_kernel_quantizes_like_the_reference(dtype: torch.dtype, token_major: bool) -> None:
     from worker.model.triton_decode import triton_store_kv
 
     g = torch.Generator().manual_seed(0)
     t, hkv, d, page = 9, 4, 64, 4
     k, v = (_dev(torch.randn(t, hkv, d, generator=g).to(dtype)) for _ in range(2))
+    v[3, 1, 5] = float("nan")  # never stored as NaN in a V page: 0 (worker/model/triton_pages.py)
     slots = _dev(torch.tensor([5, 17, -1, 2, 30, 31, 8, 9, 12]))
     caches = [torch.zeros(10, hkv, page, d, dtype=fp8.FP8, device=DEVICE) for _ in range(2)]
     caches += [torch.zeros(10, hkv, page, d, dtype=fp8.FP8) for _ in range(2)]  # the reference's
+    if token_major:
+        caches[1], caches[3] = _token_major(caches[1]), _token_major(caches[3])
     triton_store_kv(k, v, caches[0], caches[1], slots, _scales())
     store_kv(k.cpu(), v.cpu(), caches[2], caches[3], slots.cpu(), SCALES)  # type: ignore[arg-type]
+    assert caches[1][0, 1, 2, 5].item() == 0 and caches[3][0, 1, 2, 5].item() == 0  # slot 2
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
         same = (got.cpu().float() == want.cpu().float()).float().mean()
         assert same > 0.99  # the same division and rounding; a last-place tie may round apart
@@ -68,7 +78,8 @@ def test_store_kernel_quantizes_like_the_reference(dtype: torch.dtype) -> None:
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int) -> None:
+@pytest.mark.parametrize("token_major", [False, True])
+def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int, token_major: bool) -> None:
     from worker.model.triton_decode import triton_paged_decode
 
     g = torch.Generator().manual_seed(1)
@@ -101,7 +112,7 @@ def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int) -> None:
     out = triton_paged_decode(
         _dev(q),
         _dev(k_cache),
-        _dev(v_cache),
+        _dev(_token_major(v_cache) if token_major else v_cache),
         _dev(table),
         _dev(torch.tensor(seq_lens)),
         d**-0.5,
@@ -124,8 +135,10 @@ def test_paged_decode_reads_fp8_pages(dtype: torch.dtype, splits: int) -> None:
 @kernels
 @stores_e4m3
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype) -> None:
-    """The fused store divides by each head's scale and saturates as store_kv does."""
+@pytest.mark.parametrize("token_major", [False, True])
+def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype, token_major: bool) -> None:
+    """The fused store divides by each head's scale and saturates as store_kv does, into V
+    pages of either layout."""
     from tests.worker.test_fused_gpu import ROPES, _norm, _strided
     from worker.model import fused_rope
     from worker.model.rope import RotaryEmbedding
@@ -138,6 +151,8 @@ def test_fused_qk_norm_rope_stores_fp8(dtype: torch.dtype) -> None:
     slots = _dev(torch.tensor([0, 5, 9, -1, 14, 3]))
     kc, vc = (torch.zeros(4, hkv, page, d, dtype=fp8.FP8, device=DEVICE) for _ in range(2))
     ref_k, ref_v = (torch.zeros(4, hkv, page, d, dtype=fp8.FP8) for _ in range(2))
+    if token_major:
+        vc, ref_v = _token_major(vc), _token_major(ref_v)
     unfused = qkv.clone()
     fused_rope.qk_norm_rope(
         qkv,

@@ -237,3 +237,24 @@ def test_config_json_quantization_errors_name_the_field() -> None:
         cfg.for_module("model.layers.0.mlp.down_proj") is None
         and cfg.for_module("model.layers.1.mlp") is cfg
     )
+
+
+def test_fp8_pages_keep_v_token_major_and_never_nan() -> None:
+    """A KVCache of e4m3 pages presents V as [P, Hkv, S, D] over a [P, Hkv, D, S] block
+    (worker/kv_cache.py): a token's features are a page apart, its neighbours adjacent. K, and
+    every page of another dtype, stay feature-major. A NaN reaches a V page as 0 (the Triton
+    kernels weight stale slots 0, and 0 times NaN would not be 0)."""
+    heads, page, dim = 2, 4, 8
+    kv = KVCache(KVShape(6, 3, heads, page, dim, fp8.FP8))
+    k_cache, v_cache = kv.layer(1)
+    assert v_cache.shape == k_cache.shape == (6, heads, page, dim)
+    assert k_cache.stride()[2:] == (dim, 1) and v_cache.stride()[2:] == (1, page)
+    assert KVCache(KVShape(6, 3, heads, page, dim, torch.bfloat16)).layer(1)[1].stride(3) == 1
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, heads, dim, generator=g), torch.randn(2, heads, dim, generator=g)
+    v[1, 0, 3] = float("nan")
+    store_kv(k, v, k_cache, v_cache, torch.tensor([9, 10]), (torch.ones(heads), torch.ones(heads)))
+    # page 2, offsets 1 and 2; head 0's block of layer 1's V, as bytes in memory: [D, S]
+    block = kv.data[2, 1, 1, 0].reshape(-1).view(fp8.FP8).reshape(dim, page)
+    assert torch.equal(block[:, 1].float(), fp8.quantize_kv(v[:1], torch.ones(heads))[0, 0].float())
+    assert block[3, 2].item() == 0 and not bool(v_cache.float().isnan().any())

@@ -19,9 +19,9 @@ from worker.model.attention import TorchSDPABackend
 # (cached tokens, new tokens) per request: decodes, fresh prompts, a chunk after a cached prefix
 # longer than a program's 32 rows, a one-token prompt
 MIXED = [(12, 1), (0, 7), (30, 1), (9, 40), (0, 1), (5, 3), (0, 70), (47, 1)]
-# (sliding window, FP8 pages, sinks)
-CASES = [(None, False, False), (6, False, False), (None, True, False), (6, True, False),
-         (6, True, True)]
+# (sliding window, FP8 pages, sinks, V token-major as a KVCache keeps FP8 pages)
+CASES = [(None, False, False, False), (6, False, False, False), (None, True, False, True),
+         (6, True, False, True), (6, True, True, True), (6, True, False, False)]
 
 
 def tolerance(fp8_pages: bool) -> float:
@@ -34,7 +34,8 @@ def tolerance(fp8_pages: bool) -> float:
     return 2e-3 if fp8_pages else 1e-4
 
 
-def _case(window: int | None, fp8_pages: bool, with_sinks: bool = False) -> float:
+def _case(window: int | None, fp8_pages: bool, with_sinks: bool = False,
+          token_major: bool = False) -> float:
     """The largest error of either path against the reference; asserts which path ran. With
     sinks (GPT-OSS) the whole step takes the prefill kernel, whatever its size."""
     from worker.model.triton_attention import TritonPagedBackend
@@ -50,6 +51,8 @@ def _case(window: int | None, fp8_pages: bool, with_sinks: bool = False) -> floa
             fp8.quantize_kv(c.transpose(1, 2).reshape(-1, HKV, D), s)
             .reshape(c.shape[0], c.shape[2], HKV, D).transpose(1, 2)
             for c, s in zip((k_cache, v_cache), scales, strict=True))
+        if token_major:  # [P, Hkv, D, S] in memory, viewed as [P, Hkv, S, D]
+            v_cache = v_cache.transpose(2, 3).contiguous().transpose(2, 3)
     empty = q.new_empty(0, HKV, D)
     want = TorchSDPABackend().forward(q, empty, empty, k_cache, v_cache, batch, D**-0.5, window,
                                       kv_stored=True, sinks=sinks, kv_scales=scales)
@@ -80,10 +83,10 @@ def test_mixed_step_under_the_interpreter_equals_the_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
-@pytest.mark.parametrize(("window", "fp8_pages", "sinks"), CASES)
+@pytest.mark.parametrize(("window", "fp8_pages", "sinks", "token_major"), CASES)
 def test_mixed_step_on_the_gpu_equals_the_reference(window: int | None, fp8_pages: bool,
-                                                    sinks: bool) -> None:
-    assert _case(window, fp8_pages, sinks) < tolerance(fp8_pages)
+                                                    sinks: bool, token_major: bool) -> None:
+    assert _case(window, fp8_pages, sinks, token_major) < tolerance(fp8_pages)
 
 
 def test_the_kernel_takes_steps_whose_every_request_is_short() -> None:

@@ -42,6 +42,18 @@ def scale_args(kv_scales: KVScales, like: torch.Tensor) -> tuple[torch.Tensor, t
     return kv_scales[0], kv_scales[1], True
 
 
+def v_token_major(v_cache: torch.Tensor) -> bool:
+    """True for a [P, Hkv, S, D] view whose tokens are adjacent in memory (FP8 pages of a
+    KVCache), False for the feature-adjacent layout; anything else is refused (the Triton
+    kernels read one or the other)."""
+    if v_cache.stride(3) == 1:
+        return False
+    if v_cache.stride(2) == 1 and v_cache.stride(3) == v_cache.shape[2]:
+        return True
+    raise ValueError(f"v_cache [P, Hkv, S, D] must be feature- or token-major inside a page; got "
+                     f"strides {tuple(v_cache.stride())}")
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
@@ -56,9 +68,9 @@ def store_kv(
     pages = slot_mapping // page_size  # [T]
     offsets = slot_mapping % page_size  # [T]
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, Hkv, D].
-    if kv_scales is not None:
-        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), quantize_kv(v, kv_scales[1],
-            v_cache.dtype)
+    if kv_scales is not None:  # no NaN in FP8 V pages (worker/model/triton_pages.py)
+        k = quantize_kv(k, kv_scales[0], k_cache.dtype)
+        v = quantize_kv(v.nan_to_num(nan=0.0), kv_scales[1], v_cache.dtype)
     k_cache[pages, :, offsets] = k.to(k_cache.dtype)
     v_cache[pages, :, offsets] = v.to(v_cache.dtype)
 

@@ -52,6 +52,7 @@ def _kernels() -> SimpleNamespace:
         stride_vcp,
         stride_vch,
         stride_vcs,
+        stride_vcd,
         eps,
         HQ: tl.constexpr,
         HEADS: tl.constexpr,
@@ -122,7 +123,7 @@ def _kernels() -> SimpleNamespace:
                 + page * stride_vcp
                 + off * stride_vcs
                 + (h - HEADS)[:, None] * stride_vch
-                + i[None, :]
+                + i[None, :] * stride_vcd
             )
             # Comparisons only (Triton's interpreter widens `bool & scalar bool` to int32).
             live = (h < tl.where(slot >= 0, HEADS + HKV, 0))[:, None]  # slot -1: no head stores
@@ -137,12 +138,14 @@ def _kernels() -> SimpleNamespace:
                 # div_rn: IEEE division, as the torch reference divides.
                 k1 = tl.clamp(tl.math.div_rn(k1, ks), -448.0, 448.0)
                 k2 = tl.clamp(tl.math.div_rn(k2, ks), -448.0, 448.0)
-                v1 = tl.clamp(tl.math.div_rn(v1, vs), -448.0, 448.0)
-                v2 = tl.clamp(tl.math.div_rn(v2, vs), -448.0, 448.0)
+                # no NaN in V pages (worker/model/triton_pages.py): 0, as the torch store writes
+                v1, v2 = tl.math.div_rn(v1, vs), tl.math.div_rn(v2, vs)
+                v1 = tl.clamp(tl.where(v1 == v1, v1, 0.0), -448.0, 448.0)
+                v2 = tl.clamp(tl.where(v2 == v2, v2, 0.0), -448.0, 448.0)
             tl.store(k_at, k1.to(cache), mask=kmask)
             tl.store(k_at + HALF, k2.to(cache), mask=kmask)
             tl.store(v_at, v1.to(cache), mask=vmask)
-            tl.store(v_at + HALF, v2.to(cache), mask=vmask)
+            tl.store(v_at + HALF * stride_vcd, v2.to(cache), mask=vmask)
 
     return SimpleNamespace(qk_norm_rope=qk_norm_rope_kernel)
 
@@ -201,11 +204,12 @@ def qk_norm_rope(
             or v_cache.shape != k_cache.shape
             or slots.shape != (t,)
             or k_cache.stride(3) != 1
-            or v_cache.stride(3) != 1
+            or v_cache.stride(3) not in (1, k_cache.shape[2])
         ):
             raise ValueError(
                 f"kv_cache must be k/v caches [P, Hkv={num_kv_heads}, page_size, D={head_dim}] "
-                f"with unit last stride and slots [T={t}]; got {tuple(k_cache.shape)}, "
+                f"(K feature-major, V feature- or token-major) and slots [T={t}]; got "
+                f"{tuple(k_cache.shape)}, "
                 f"{tuple(v_cache.shape)}, {tuple(slots.shape)}"
             )
     else:  # placeholders the kernel ignores (4-D, for the cache strides)
@@ -246,6 +250,7 @@ def qk_norm_rope(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        v_cache.stride(3),
         eps,
         HQ=num_q_heads,
         HEADS=heads,

@@ -31,26 +31,27 @@ from typing import Any
 
 import torch
 
-from worker.model.attention import KVScales, scale_args
+from worker.model.attention import KVScales, scale_args, v_token_major
 from worker.model.fused import next_pow2
 
 # The decode kernel's settings by page dtype (False: 16/32-bit pages, True: e4m3): context
 # tokens per iteration, pipeline depth and warps; over e4m3 pages both dots in float16
-# (F16_DOT) and V masked after its conversion (MASK_V, kernel note; False only for the bench's
-# same-process baseline). bench/decode_kernel.py (H200, 32k context, calls replayed in a CUDA
-# graph): bf16 pages stream fastest in 64-token blocks over 2 stages (4,320 GB/s at batch 8),
-# e4m3 pages in 128-token blocks over 2 stages (2,650 against 2,603 over 3 at batch 8).
+# (F16_DOT), and over feature-major e4m3 V (not a KVCache's: its e4m3 V is token-major) V
+# masked after its conversion (MASK_V, kernel note). bench/decode_kernel.py (H200, 32k context,
+# calls replayed in a CUDA graph): bf16 pages stream fastest in 64-token blocks over 2 stages
+# (4,320 GB/s at batch 8), e4m3 pages with token-major V in 128-token blocks over 2 stages
+# (3,820 GB/s at batch 8 against 3,216 over 3).
 DECODE_CONFIGS: dict[bool, dict[str, int]] = {
     False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False, MASK_V=True),
     True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True, MASK_V=True),
 }
 # How far the decode kernel splits a request's context, by page dtype: (programs aimed at, most
 # splits); see num_decode_splits. Same sweep: at batch 1 bf16 pages stream at 3,288 GB/s with
-# 64 splits against 2,855 with 32, e4m3 pages no faster with 64 (1,743 against 1,849); at
-# batch 8 e4m3 pages at 2,650 with 16 splits against 2,398 with 8 (an e4m3 tile costs the math
-# of a bf16 one for half its bytes, so more of them must be in flight), bf16 pages at 4,320
-# with 8 and 4,307 with 16.
-DECODE_SPLITS: dict[bool, tuple[int, int]] = {False: (528, 64), True: (1056, 32)}
+# 64 splits against 2,855 with 32, e4m3 pages (token-major V) at 2,442 against 2,205; at batch
+# 8 e4m3 pages at 3,820 with 16 splits against 3,603 with 32 (an e4m3 tile costs the math of a
+# bf16 one for half its bytes, so more of them must be in flight), bf16 pages at 4,320 with 8
+# and 4,307 with 16.
+DECODE_SPLITS: dict[bool, tuple[int, int]] = {False: (528, 64), True: (1056, 64)}
 # A batch of e4m3 pages whose B * Hkv programs reach this runs unsplit over 64-token blocks, as
 # bf16 pages do there (their split rule gives one split at 528): `python3 -m
 # bench.decode_kernel --ctx 576 --splits 64=1,2,4` (H200, batch 64): 2,172 GB/s against 1,774
@@ -99,7 +100,7 @@ def _get_kernels() -> dict[str, Any]:
         k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_cp, stride_ch, stride_cs,
-        stride_vcp, stride_vch, stride_vcs,
+        stride_vcp, stride_vch, stride_vcs, stride_vcd,
         HKV: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         SCALED: tl.constexpr,
     ):
@@ -120,9 +121,13 @@ def _get_kernels() -> dict[str, Any]:
             vs = tl.load(vs_ptr + h, mask=h < HKV, other=1.0)[:, None]
             # div_rn: IEEE division, as the torch reference divides (`/` is approximate).
             k = tl.clamp(tl.math.div_rn(k.to(tl.float32), ks), -448.0, 448.0)
-            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), vs), -448.0, 448.0)
+            v = tl.math.div_rn(v.to(tl.float32), vs)
+            # no NaN in V pages (worker/model/triton_pages.py): 0, as the torch store writes;
+            # the clamp alone would make it 448 on a GPU
+            v = tl.clamp(tl.where(v == v, v, 0.0), -448.0, 448.0)
         kc = kc_ptr + page * stride_cp + off * stride_cs + h[:, None] * stride_ch + d[None, :]
-        vc = vc_ptr + page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        vc = (vc_ptr + page * stride_vcp + off * stride_vcs + h[:, None] * stride_vch
+              + d[None, :] * stride_vcd)
         tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=hm)
         tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=hm)
 
@@ -137,7 +142,8 @@ def _get_kernels() -> dict[str, Any]:
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-        SCALED: tl.constexpr, F16_DOT: tl.constexpr, MASK_V: tl.constexpr,
+        SCALED: tl.constexpr, F16_DOT: tl.constexpr, MASK_V: tl.constexpr, V_T: tl.constexpr,
+        LOAD_V: tl.constexpr,  # triton_pages.load_v_token_major
     ):
         b = tl.program_id(0)
         hkv = tl.program_id(1)
@@ -172,9 +178,12 @@ def _get_kernels() -> dict[str, Any]:
                 m = sink.to(tl.float32) * 1.4426950408889634  # log2 domain, like the scores
                 l_sum = tl.where(gmask, 1.0, 0.0)  # exp2(sink - m) = 1
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        first = start
+        if V_T:  # V read by whole pages: start on a page boundary, earlier tokens get no weight
+            first = tl.where(start < end, start - start % PAGE, end)  # (an empty split reads none)
+        for n0 in range(first, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            valid = n < end
+            valid = (n >= start) & (n < end)
             page = tl.load(pt_ptr + b * stride_ptb + n // PAGE, mask=valid, other=0).to(tl.int64)
             off = n % PAGE
             k = tl.load(
@@ -182,15 +191,19 @@ def _get_kernels() -> dict[str, Any]:
                 + d[None, :],
                 mask=valid[:, None], other=0.0,
             )  # [BN, D]
-            v = tl.load(
-                vc_ptr + page[:, None] * stride_vp + hkv * stride_vh + off[:, None] * stride_vs
-                + d[None, :],
-                mask=valid[:, None], other=0.0,
-            )  # [BN, D]
+            if V_T:  # token-major pages (FP8): 16-byte runs of one feature, [BN, D]
+                v = LOAD_V(vc_ptr, pt_ptr + b * stride_ptb, n0, end, stride_vp,
+                                       hkv * stride_vh, D, PAGE, BLOCK_N)
+            else:
+                v = tl.load(
+                    vc_ptr + page[:, None] * stride_vp + hkv * stride_vh
+                    + off[:, None] * stride_vs + d[None, :],
+                    mask=valid[:, None], other=0.0,
+                )  # [BN, D]
             if SCALED:
                 k = k.to(q.dtype)  # e4m3 → q's dtype in registers
                 v = v.to(q.dtype)
-                if MASK_V:
+                if MASK_V and not V_T:
                     # Masked after the conversion, V stays in the load's layout as float16 and
                     # reaches the dot through ldmatrix.trans; unmasked, Triton moves the
                     # conversion past the layout change and gathers e4m3 bytes from shared
@@ -255,14 +268,14 @@ def triton_store_kv(
     t, hkv, d = k.shape
     if t == 0:
         return
-    assert (k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
-            and v_cache.stride(3) == 1)
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
+    v_token_major(v_cache)  # either V layout (raises for another)
     ks, vs, scaled = scale_args(kv_scales, slot_mapping)
     _get_kernels()["store"][(t,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         HKV=hkv, BLOCK_H=next_pow2(hkv), D=d, PAGE=k_cache.shape[2], SCALED=scaled,
     )
 
@@ -296,6 +309,7 @@ def triton_paged_decode(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     kern = _get_kernels()
+    from worker.model.triton_pages import load_v_token_major  # imports triton: launch time only
     if splits > 1:
         # partial: [B, Hq, NS, D]
         partial = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -313,7 +327,8 @@ def triton_paged_decode(
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2 (exp2 is one instruction)
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
-        NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled, **cfg,
+        NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
+        V_T=v_token_major(v_cache), LOAD_V=load_v_token_major, **cfg,
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,

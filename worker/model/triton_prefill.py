@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from worker.model.attention import KVScales, scale_args
+from worker.model.attention import KVScales, scale_args, v_token_major
 
 _BLOCK_M = 32  # query rows per program
 _BLOCK_N = 32  # context tokens per inner-loop iteration
@@ -74,6 +74,8 @@ def _get_kernel() -> Any:
         HAS_SINKS: tl.constexpr,
         SCALED: tl.constexpr,
         PRECISION: tl.constexpr,
+        V_T: tl.constexpr,
+        LOAD_V: tl.constexpr,  # triton_pages.load_v_token_major
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -108,9 +110,12 @@ def _get_kernel() -> Any:
             )
             l_sum = tl.zeros([BLOCK_M], tl.float32) + 1.0  # exp2(sink - m) = 1, no value
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        first_key = lo
+        if V_T:  # V read by whole pages: start on a page boundary, earlier keys get no weight
+            first_key = tl.where(lo < hi, lo - lo % PAGE, hi)  # (no keys: no pages either)
+        for n0 in range(first_key, hi, BLOCK_N):
             kpos = n0 + tl.arange(0, BLOCK_N)  # [BN]
-            k_ok = kpos < hi
+            k_ok = (kpos >= lo) & (kpos < hi)
             page = tl.load(pt_ptr + b * stride_ptb + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
             off = kpos % PAGE
             k = tl.load(
@@ -122,17 +127,21 @@ def _get_kernel() -> Any:
                 mask=k_ok[:, None],
                 other=0.0,
             ).to(q.dtype)  # [BN, D]
-            v = tl.load(
-                vc_ptr
-                + page[:, None] * stride_vp
-                + hkv * stride_vh
-                + off[:, None] * stride_vs
-                + d[None, :],
-                mask=k_ok[:, None],
-                other=0.0,
-            ).to(q.dtype)  # [BN, D]
-            if SCALED:  # keeps e4m3 V's conversion before its layout change (decode_kernel's note)
-                v = tl.where(k_ok[:, None], v, 0.0)
+            if V_T:  # token-major pages (FP8): 16-byte runs of one feature, [BN, D]
+                v = LOAD_V(vc_ptr, pt_ptr + b * stride_ptb, n0, hi, stride_vp,
+                                       hkv * stride_vh, D, PAGE, BLOCK_N).to(q.dtype)
+            else:
+                v = tl.load(
+                    vc_ptr
+                    + page[:, None] * stride_vp
+                    + hkv * stride_vh
+                    + off[:, None] * stride_vs
+                    + d[None, :],
+                    mask=k_ok[:, None],
+                    other=0.0,
+                ).to(q.dtype)  # [BN, D]
+                if SCALED:  # e4m3 V's conversion before its layout change (decode_kernel's note)
+                    v = tl.where(k_ok[:, None], v, 0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BM, BN]
             seen = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
             if window > 0:
@@ -185,7 +194,7 @@ def triton_paged_prefill(
     b = seq_lens.shape[0]
     hkv = k_cache.shape[1]
     assert hq % hkv == 0, f"num q heads {hq} is not a multiple of kv heads {hkv}"
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert k_cache.stride(3) == 1
     out = torch.empty_like(q) if out is None else out
     if t == 0 or b == 0:
         return out
@@ -193,6 +202,8 @@ def triton_paged_prefill(
     ends = query_start[1:] if query_end is None else query_end
     ks, vs, scaled = scale_args(kv_scales, seq_lens)
     grid = (b, hq, -(-max_query_len // _BLOCK_M))
+    from worker.model.triton_pages import load_v_token_major  # imports triton: launch time only
+
     _get_kernel()[grid](
         q,
         k_cache,
@@ -226,6 +237,8 @@ def triton_paged_prefill(
         HAS_SINKS=sinks is not None,
         SCALED=scaled,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        V_T=v_token_major(v_cache),
+        LOAD_V=load_v_token_major,
         num_warps=4,
         num_stages=2,
     )
