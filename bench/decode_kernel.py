@@ -7,11 +7,12 @@ Triton compiles each setting in a pool of processes first (the shared cache), th
 times them all: KV GB/s (read once a call, the merge of the splits included) over 16-64 calls
 captured in one CUDA graph (at batch 1 rotating over four copies of the pages, so L2 holds
 none), best of `--rounds` interleaved rounds, beside the setting the engine picks today
-(`decode_launch`). `--check`: the engine's settings against the ones before this sweep
-(BEFORE) over long and short contexts and batches, in one process, graph-timed the same way.
-`--set KEY=VALUE` (repeatable) overrides the kernel's settings: in a sweep, every setting tried;
-with `--check`, the engine's settings against the same with the overrides (in place of BEFORE),
-with the largest difference between their outputs relative to the largest output.
+(`decode_launch`). `--check`: the engine's settings against the ones before token-major V
+(e4m3 pages' V feature-major, at most BEFORE_SPLITS splits) over long and short contexts and
+batches, in one process, graph-timed the same way. `--set KEY=VALUE` (repeatable) overrides
+the kernel's settings: in a sweep, every setting tried; with `--check`, the engine's settings
+against the same with the overrides, with the largest difference between their outputs
+relative to the largest output. e4m3 pages are built as a KVCache keeps them (V token-major).
 Writes decode_kernel.json to $OUT (or the current directory).
 
     python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check] [--set MASK_V=0]
@@ -45,20 +46,23 @@ CTX = 32768
 SPLITS = {1: (16, 32, 64, 128), 8: (4, 8, 16)}
 TILES = ((32, 64, 128), (2, 3, 4), (4, 8))
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-# --check: (context, batch) pairs, and the settings before the sweep: (BLOCK_N, stages, warps)
-# by page dtype, the split rule's defaults (528 programs, at most 32 splits) for both.
+# --check: (context, batch) pairs, and what it compares the engine's settings with: e4m3 pages
+# read feature-major V (the layout before token-major V) with at most BEFORE_SPLITS splits.
 CHECK = ((32768, 1), (32768, 8), (4096, 8), (2048, 16), (1024, 1), (576, 64))
-BEFORE = {"bf16": (64, 2, 4), "fp8": (128, 3, 4)}
+BEFORE_SPLITS = 32
 
 
 def _tensors(dtype: torch.dtype, batch: int, pages: int) -> dict[str, Any]:
+    """Pages as a KVCache keeps them: e4m3 V token-major ([P, Hkv, D, S] viewed as [P, Hkv, S,
+    D]); `v_feature_major` holds the same values feature-major (the layout before)."""
     kc = torch.randn(pages, HKV, PAGE, D, device="cuda").to(dtype)
     vc = torch.randn(pages, HKV, PAGE, D, device="cuda").to(dtype)
-    scales = None
+    scales, feature_major = None, vc
     if dtype == torch.float8_e4m3fn:
         scales = (torch.rand(HKV, device="cuda") + 0.5, torch.rand(HKV, device="cuda") + 0.5)
+        vc = vc.transpose(2, 3).contiguous().transpose(2, 3)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    return dict(q=q, k_cache=kc, v_cache=vc, kv_scales=scales)
+    return dict(q=q, k_cache=kc, v_cache=vc, kv_scales=scales, v_feature_major=feature_major)
 
 
 def _setting(name: str, bn: int, stages: int, warps: int,
@@ -104,16 +108,18 @@ class Shape:
             self.sets, batch, -1)
         self.lens = torch.full((batch,), ctx, device="cuda")
 
-    def call(self, cfg: dict[str, Any], splits: int, table: torch.Tensor) -> torch.Tensor:
+    def call(self, cfg: dict[str, Any], splits: int, table: torch.Tensor,
+             feature_major: bool = False) -> torch.Tensor:
         from worker.model.triton_decode import triton_paged_decode
 
         b = self.bufs
-        return triton_paged_decode(b["q"], b["k_cache"], b["v_cache"], table, self.lens,
+        v = b["v_feature_major"] if feature_major else b["v_cache"]
+        return triton_paged_decode(b["q"], b["k_cache"], v, table, self.lens,
                                    D**-0.5, num_splits=splits, kv_scales=b["kv_scales"], **cfg)
 
-    def rate(self, cfg: dict[str, Any], splits: int) -> float:
+    def rate(self, cfg: dict[str, Any], splits: int, feature_major: bool = False) -> float:
         def call(table: torch.Tensor) -> torch.Tensor:
-            return self.call(cfg, splits, table)
+            return self.call(cfg, splits, table, feature_major)
 
         # as the engine's decode steps replay it (timed eagerly, a one-request call measures
         # Python's launch of its two kernels, ~50 us, not the GPU)
@@ -160,9 +166,10 @@ def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
 
 def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
           ) -> dict[str, Any]:
-    """The engine's settings now against BEFORE (or, given overrides, against themselves with
-    the overrides), per (page dtype, context, batch)."""
-    from worker.model.triton_decode import decode_launch, num_decode_splits
+    """The engine's settings now against the ones before (e4m3 V feature-major, at most
+    BEFORE_SPLITS splits) or, given overrides, against themselves with the overrides, per
+    (page dtype, context, batch)."""
+    from worker.model.triton_decode import decode_launch
 
     out: dict[str, Any] = {}
     for name in pages:
@@ -170,16 +177,18 @@ def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
         for ctx, batch in CHECK:
             shape = Shape(name, ctx, batch)
             engine_splits, engine_cfg = decode_launch(batch, HKV, fp8)
-            now = (engine_cfg, engine_splits)
-            before = (_setting(name, *BEFORE[name]), num_decode_splits(batch, HKV))
+            now = (engine_cfg, engine_splits, False)
+            cap = BEFORE_SPLITS if fp8 else None
+            before_splits, before_cfg = decode_launch(batch, HKV, fp8, cap)
+            before = (before_cfg, before_splits, fp8)
             if overrides:  # "before" is the engine's now; "now" the same with the overrides
-                before, now = now, (now[0] | dict(overrides), now[1])
+                before, now = now, (now[0] | dict(overrides), now[1], False)
             best = [0.0, 0.0]
             for _ in range(rounds):
-                for i, (cfg, splits) in enumerate((before, now)):
-                    best[i] = max(best[i], shape.rate(cfg, splits))
-            a, b = (shape.call(cfg, splits, shape.tables[0]).float() for cfg, splits in (before,
-                                                                                         now))
+                for i, (cfg, splits, feature_major) in enumerate((before, now)):
+                    best[i] = max(best[i], shape.rate(cfg, splits, feature_major))
+            a, b = (shape.call(cfg, splits, shape.tables[0], fm).float()
+                    for cfg, splits, fm in (before, now))
             row = {"before_GBps": round(best[0]), "now_GBps": round(best[1]),
                    "ratio": round(best[1] / best[0], 3), "splits": [before[1], now[1]],
                    "max_diff": float((a - b).abs().max() / a.abs().max())}
@@ -194,7 +203,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
-    ap.add_argument("--check", action="store_true", help="the engine's settings against BEFORE")
+    ap.add_argument("--check", action="store_true",
+                    help="the engine's settings against the ones before (check())")
     ap.add_argument("--pages", default="bf16,fp8", help="page dtypes swept or checked")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a kernel setting overridden (repeatable; see the module docstring)")
