@@ -18,16 +18,16 @@ A model drafter (`speculative.method` draft, eagle or mtp, worker/spec/) keeps i
 the paged group's pages, as layers after the model's own (`draft_layers`): one for eagle and
 mtp, the draft model's `num_hidden_layers` for draft (its KV geometry is the target's).
 
-Which layers slide follows transformers per family: `layer_types` with `sliding_window`
-(GPT-OSS, Gemma-2 style; GPT-OSS defaults to even layers sliding when `layer_types` is absent),
-Qwen2/3's `use_sliding_window` + `max_window_layers`, else every layer when `sliding_window` is
-set (Mistral). Figures are per replica, all TP ranks together.
+Which layers slide is the worker's own rule (worker/arch `config_layer_windows`, transformers'
+per family). Figures are per replica, all TP ranks together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from worker.arch.load import config_layer_windows
 
 FULL, WINDOW, RECURRENT, MLA = "full_attention", "sliding_window", "recurrent", "mla_latent"
 LINEAR_ATTENTION = "linear_attention"  # layer_types entry of a recurrent layer
@@ -66,26 +66,6 @@ def paged_layers(hf: dict[str, Any]) -> int:
     return int(hf["num_hidden_layers"]) - len(linear_layers(hf))
 
 
-def layer_windows(hf: dict[str, Any]) -> list[int | None]:
-    """Per layer: its sliding window in tokens, None = full attention (or recurrent)."""
-    n = int(hf["num_hidden_layers"])
-    model_type = str(hf.get("model_type", ""))
-    window = hf.get("sliding_window")
-    if model_type.startswith("qwen") and not hf.get("use_sliding_window", False):
-        window = None  # Qwen configs carry a window that is off unless use_sliding_window
-    if window is None:
-        return [None] * n
-    types = hf.get("layer_types")
-    if not types and model_type == "gpt_oss":
-        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if types:
-        return [int(window) if t == "sliding_attention" else None for t in types]
-    if model_type in ("qwen2", "qwen3"):
-        first = int(hf.get("max_window_layers", n))
-        return [int(window) if i >= first else None for i in range(n)]
-    return [int(window)] * n
-
-
 def _recurrent(hf: dict[str, Any], layers: tuple[int, ...], dtype_bytes: int) -> KVGroup:
     nk, nv = int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"])
     dk, dv = int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"])
@@ -116,7 +96,7 @@ def kv_groups(
     per_layer = 2 * max(1, kv_heads // tp_size) * tp_size * head_dim * dtype_bytes
     linear = linear_layers(hf)
     tail = [_recurrent(hf, linear, state_dtype_bytes or dtype_bytes)] if linear else []
-    windows = [w for i, w in enumerate(layer_windows(hf)) if i not in linear]
+    windows = [w for i, w in enumerate(config_layer_windows(hf)) if i not in linear]
     attention = [i for i in range(n) if i not in linear]
     slid = tuple(i for i, w in zip(attention, windows, strict=True) if w is not None)
     sizes = {w for w in windows if w is not None}

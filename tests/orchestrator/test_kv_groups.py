@@ -12,13 +12,15 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import config_from_dict, load_config
-from orchestrator.kv_groups import FULL, RECURRENT, WINDOW, KVGroup, kv_groups, layer_windows
+from orchestrator.kv_groups import FULL, RECURRENT, WINDOW, KVGroup, kv_groups
 from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
 from orchestrator.plan_text import format_plan
 from orchestrator.worker_config import worker_config
+from worker.arch.load import config_layer_windows
 
 # openai/gpt-oss-120b's shapes (only the keys the planner reads).
 GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"],
     "model_type": "gpt_oss",
     "num_hidden_layers": 36,
     "num_attention_heads": 64,
@@ -49,19 +51,22 @@ def test_gpt_oss_has_a_full_and_a_window_group() -> None:
 
 
 def test_layer_windows_follow_each_family() -> None:
+    """The planner's groups follow the worker's rule (worker/arch), per architecture."""
     gpt_oss = {k: v for k, v in GPT_OSS_120B.items() if k != "layer_types"}
-    assert layer_windows(gpt_oss)[:3] == [128, None, 128]  # transformers' default alternation
-    qwen: dict[str, Any] = {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 8}
-    assert layer_windows(qwen) == [None] * 4  # off unless use_sliding_window
-    assert layer_windows({**qwen, "use_sliding_window": True, "max_window_layers": 1}) == [
-        None,
-        8,
-        8,
-        8,
-    ]
-    assert layer_windows(
-        {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 8}
-    ) == [8, 8]
+    assert config_layer_windows(gpt_oss)[:3] == (128, None, 128)  # transformers' alternation
+    qwen: dict[str, Any] = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+                            "sliding_window": 8}
+    assert config_layer_windows(qwen) == (None,) * 4  # off unless use_sliding_window
+    on = {**qwen, "use_sliding_window": True, "max_window_layers": 1}
+    assert config_layer_windows(on) == (None, 8, 8, 8)
+    mistral = {"architectures": ["MistralForCausalLM"], "num_hidden_layers": 2,
+               "sliding_window": 8}
+    assert config_layer_windows(mistral) == (8, 8)
+    # transformers' Llama reads no sliding_window: a stray one must not shrink the plan's KV
+    llama = {**mistral, "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4,
+             "hidden_size": 64, "layer_types": ["sliding_attention", "full_attention"]}
+    assert config_layer_windows(llama) == (None, None)
+    assert [g.kind for g in kv_groups(llama, 2, 1, 4096)] == [FULL]
 
 
 def test_gpt_oss_expert_width_is_checked_under_moe_tp() -> None:

@@ -52,7 +52,8 @@ class GptOssArch:
     swiglu_limit: float  # gate clamped to <= limit, up to [-limit, limit], before the GLU
 
 
-def _layer_windows(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
+def gpt_oss_layer_windows(cfg: dict[str, Any], num_layers: int,
+                          source: str) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
@@ -110,7 +111,7 @@ def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchCo
         qk_norm=False,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         rope=rope,
-        layer_windows=_layer_windows(cfg, arch.num_layers, source),
+        layer_windows=gpt_oss_layer_windows(cfg, arch.num_layers, source),
         moe=MoEArch(
             num_experts=experts,
             top_k=top_k,

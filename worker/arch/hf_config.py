@@ -186,7 +186,7 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
 _NO_WINDOW_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3NextForCausalLM")
 
 
-def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
     """Which layers attend through a sliding window, following transformers' rules per family."""
     window = None if arch in _NO_WINDOW_ARCHITECTURES else cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
@@ -263,7 +263,7 @@ def parse_arch_config(
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=parse_rope(cfg, source),
-        layer_windows=_layer_windows(cfg, arch, num_layers),
+        layer_windows=layer_windows(cfg, arch, num_layers),
         dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
         moe=parse_moe(cfg, num_layers, source) if arch == "Qwen3MoeForCausalLM" else None,

@@ -8,10 +8,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from worker.arch.deepseek_config import parse_deepseek_v3
-from worker.arch.gpt_oss_config import parse_gpt_oss_config
-from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config
+from worker.arch.gpt_oss_config import gpt_oss_layer_windows, parse_gpt_oss_config
+from worker.arch.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    ArchConfig,
+    ModelLoadError,
+    layer_windows,
+    parse_arch_config,
+)
 from worker.arch.qwen3_next_config import parse_qwen3_next_config
 
 # Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
@@ -44,3 +51,14 @@ def load_arch_config(path: Path) -> ArchConfig:
     archs = cfg.get("architectures") or []
     parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
     return parse(cfg, gen, source=str(path / "config.json"))
+
+
+def config_layer_windows(cfg: dict[str, Any],
+                         source: str = "config.json") -> tuple[int | None, ...]:
+    """Per layer of a config.json: its sliding window in tokens, None = full attention (or a
+    recurrent layer), by the family's rule as the worker's parser applies it."""
+    n = int(cfg["num_hidden_layers"])
+    archs = cfg.get("architectures") or []
+    if "GptOssForCausalLM" in archs:
+        return gpt_oss_layer_windows(cfg, n, source)
+    return layer_windows(cfg, next((a for a in archs if a in SUPPORTED_ARCHITECTURES), ""), n)
