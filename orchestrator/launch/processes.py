@@ -230,7 +230,9 @@ class LocalCluster:
     def watch(self) -> Child | None:
         """Block until a stop request (None) or a child's exit (that child).
 
-        With restarts left, a dead worker is started again (same command, same port) instead.
+        With restarts left, a dead worker, or a gateway that crashed (non-zero exit), is started
+        again (same command, same port) instead. A restarted gateway serves the config's
+        workers; a worker that joined with --join is not among them until it joins again.
         """
         while not self._stop_requested:
             dead = self.dead_child()
@@ -245,16 +247,21 @@ class LocalCluster:
                     flush=True,
                 )
                 continue
-            if dead is not None and dead in self._workers and self.restarts_left > 0:
+            crashed = dead is not None and (dead in self._workers or dead.proc.returncode != 0)
+            if dead is not None and crashed and self.restarts_left > 0:
                 self.restarts_left -= 1
+                left = self.restarts_left
                 print(
                     f"{dead.spec.name} exited with code {dead.proc.returncode}; restarting it "
-                    f"({self.restarts_left} restarts left)",
+                    f"({left} restart{'' if left == 1 else 's'} left)",
                     file=self.err,
                     flush=True,
                 )
                 dead.log.close()
-                self._workers[self._workers.index(dead)] = self._spawn(dead.spec)
+                if dead is self._gateway:
+                    self._gateway = self._spawn(dead.spec)
+                else:
+                    self._workers[self._workers.index(dead)] = self._spawn(dead.spec)
                 continue
             if dead is not None:
                 return dead

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import sys
 import threading
@@ -167,6 +168,30 @@ def test_dead_worker_is_restarted_until_restarts_run_out(tmp_path: Path) -> None
     assert err.getvalue().count("restarting it") == 2
     lc.stop()
     assert all(c.proc.poll() is not None for c in lc.children())
+
+
+def test_a_crashed_gateway_is_restarted_too(tmp_path: Path) -> None:
+    """on_worker_exit: restart covers the gateway: killed, it comes back on its port; killed
+    again with no restart left, the watch ends with it."""
+    err = io.StringIO()
+    lc = LocalCluster([grpc_worker(tmp_path, "decode-0")], http_gateway(tmp_path),
+                      ready_timeout_s=30, stop_grace_s=5, err=err, restart_workers=1)
+    lc.start()
+    first = lc.children()[-1].proc.pid
+    os.kill(first, signal.SIGKILL)
+
+    def kill_the_restarted_one() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and lc.children()[-1].proc.pid == first:
+            time.sleep(0.05)
+        os.kill(lc.children()[-1].proc.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_the_restarted_one, daemon=True).start()
+    dead = lc.watch()
+    assert dead is not None and dead.spec.name == "lb" and dead.proc.pid != first
+    assert "lb exited with code -9; restarting it (0 restarts left)" in err.getvalue()
+    assert lc.children()[0].proc.poll() is None  # the worker served on throughout
+    lc.stop()
 
 
 def test_request_stop_ends_watch(tmp_path: Path) -> None:
