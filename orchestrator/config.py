@@ -346,8 +346,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Load a cluster YAML file, apply `--set` overrides (`a.b=c`), validate, return the tree."""
     p = Path(path)
     if not p.is_file():
+        what = "is a directory, not a YAML file" if p.is_dir() else "not found"
         raise ClusterConfigError(
-            f"config file {str(p)!r} not found; pass --config PATH (e.g. {DEFAULT_CONFIG})"
+            f"config file {str(p)!r} {what}; pass --config PATH (e.g. {DEFAULT_CONFIG})"
         )
     try:
         data = yaml.safe_load(p.read_text()) or {}

@@ -193,6 +193,8 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
         ClusterConfigError, match=r"config file .*nope.yaml' not found; pass --config PATH"
     ):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ClusterConfigError, match=r"is a directory, not a YAML file; pass --config"):
+        load_config(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text("roles: [unclosed\n")
     with pytest.raises(ClusterConfigError) as info:
