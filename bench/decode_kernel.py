@@ -8,7 +8,7 @@ times them all: KV GB/s (read once a call, the merge of the splits included) ove
 captured in one CUDA graph (at batch 1 rotating over four copies of the pages, so L2 holds
 none), best of `--rounds` interleaved rounds, beside the setting the engine picks today
 (`decode_launch`). `--check`: the engine's settings against the ones before token-major V
-(e4m3 pages' V feature-major, at most BEFORE_SPLITS splits) over long and short contexts and
+(e4m3 pages' V feature-major, split by BEFORE_SPLITS' rule) over long and short contexts and
 batches, in one process, graph-timed the same way. `--set KEY=VALUE` (repeatable) overrides
 the kernel's settings: in a sweep, every setting tried; with `--check`, the engine's settings
 against the same with the overrides, with the largest difference between their outputs
@@ -47,9 +47,10 @@ SPLITS = {1: (16, 32, 64, 128), 8: (4, 8, 16)}
 TILES = ((32, 64, 128), (2, 3, 4), (4, 8))
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # --check: (context, batch) pairs, and what it compares the engine's settings with: e4m3 pages
-# read feature-major V (the layout before token-major V) with at most BEFORE_SPLITS splits.
+# read feature-major V (the layout before token-major V), split by the rule of then (programs
+# aimed at, most splits).
 CHECK = ((32768, 1), (32768, 8), (4096, 8), (2048, 16), (1024, 1), (576, 64))
-BEFORE_SPLITS = 32
+BEFORE_SPLITS = (1056, 32)
 
 
 def _tensors(dtype: torch.dtype, batch: int, pages: int) -> dict[str, Any]:
@@ -166,10 +167,10 @@ def sweep(rounds: int, top: int, pages: list[str], grid: list[tuple[int, ...]],
 
 def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
           ) -> dict[str, Any]:
-    """The engine's settings now against the ones before (e4m3 V feature-major, at most
-    BEFORE_SPLITS splits) or, given overrides, against themselves with the overrides, per
+    """The engine's settings now against the ones before (e4m3 V feature-major, split by
+    BEFORE_SPLITS' rule) or, given overrides, against themselves with the overrides, per
     (page dtype, context, batch)."""
-    from worker.model.triton_decode import decode_launch
+    from worker.model.triton_decode import decode_launch, num_decode_splits
 
     out: dict[str, Any] = {}
     for name in pages:
@@ -178,8 +179,9 @@ def check(rounds: int, pages: list[str], overrides: tuple[tuple[str, int], ...]
             shape = Shape(name, ctx, batch)
             engine_splits, engine_cfg = decode_launch(batch, HKV, fp8)
             now = (engine_cfg, engine_splits, False)
-            cap = BEFORE_SPLITS if fp8 else None
-            before_splits, before_cfg = decode_launch(batch, HKV, fp8, cap)
+            before_splits, before_cfg = decode_launch(batch, HKV, fp8)
+            if fp8 and before_splits > 1:
+                before_splits = num_decode_splits(batch, HKV, *BEFORE_SPLITS)
             before = (before_cfg, before_splits, fp8)
             if overrides:  # "before" is the engine's now; "now" the same with the overrides
                 before, now = now, (now[0] | dict(overrides), now[1], False)

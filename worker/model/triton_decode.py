@@ -45,13 +45,14 @@ DECODE_CONFIGS: dict[bool, dict[str, int]] = {
     False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False, MASK_V=True),
     True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True, MASK_V=True),
 }
-# How far the decode kernel splits a request's context, by page dtype: (programs aimed at, most
-# splits); see num_decode_splits. Same sweep: at batch 1 bf16 pages stream at 3,288 GB/s with
-# 64 splits against 2,855 with 32, e4m3 pages (token-major V) at 2,442 against 2,205; at batch
-# 8 e4m3 pages at 3,820 with 16 splits against 3,603 with 32 (an e4m3 tile costs the math of a
-# bf16 one for half its bytes, so more of them must be in flight), bf16 pages at 4,320 with 8
-# and 4,307 with 16.
-DECODE_SPLITS: dict[bool, tuple[int, int]] = {False: (528, 64), True: (1056, 64)}
+# How far the decode kernel splits a request's context, whatever the page dtype: (programs
+# aimed at, most splits); see num_decode_splits. Same sweeps (graph-timed, best of three): at
+# batch 1, 64 splits read 3,364 GB/s over bf16 pages and 2,440 over e4m3 ones at 32k, against
+# 2,855 and 2,234 with 32 (and 3,161 and 2,341 with 48: no split count between powers of two
+# does better); at batch 8, 8 splits read 4,318 and 3,932 GB/s at 32k and 2,463 over e4m3 pages
+# at 4k, against 16 splits' 4,307, 3,832 and 2,167. Over feature-major e4m3 V (before
+# token-major V) twice the programs paid: its tiles cost bf16's math for half the bytes.
+DECODE_SPLITS = (528, 64)
 # A batch of e4m3 pages whose B * Hkv programs reach this runs unsplit over 64-token blocks, as
 # bf16 pages do there (their split rule gives one split at 528): `python3 -m
 # bench.decode_kernel --ctx 576 --splits 64=1,2,4` (H200, batch 64): 2,172 GB/s against 1,774
@@ -72,7 +73,7 @@ def decode_launch(
     cfg = DECODE_CONFIGS[fp8_pages]
     if fp8_pages and batch_size * num_kv_heads >= FP8_UNSPLIT_PROGRAMS:
         return 1, cfg | dict(BLOCK_N=64)
-    target, most = DECODE_SPLITS[fp8_pages]
+    target, most = DECODE_SPLITS
     most = most if max_splits is None else min(most, max_splits)
     return num_decode_splits(batch_size, num_kv_heads, target, most), cfg
 
