@@ -110,6 +110,12 @@ class SchedulerConfig:
                 f"{prefix}.chunked_prefill_size ({self.chunked_prefill_size}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
             )
+        if self.mixed_step_tokens and not (
+                self.max_num_seqs <= self.mixed_step_tokens <= self.chunked_prefill_size):
+            raise ConfigError(
+                f"{prefix}.mixed_step_tokens ({self.mixed_step_tokens}) must be 0 (off) or "
+                f"between max_num_seqs ({self.max_num_seqs}) and chunked_prefill_size "
+                f"({self.chunked_prefill_size})")
 
     def check_overlap(self, multi_rank: bool, speculative: bool,
                       prefix: str = "scheduler") -> None:
@@ -123,12 +129,6 @@ class SchedulerConfig:
             raise ConfigError(f"{prefix}.overlap=on cannot run with speculative decoding (each "
                               "step's drafts come from the tokens the last one accepted); set "
                               "it auto or off")
-        if self.mixed_step_tokens and not (
-                self.max_num_seqs <= self.mixed_step_tokens <= self.chunked_prefill_size):
-            raise ConfigError(
-                f"{prefix}.mixed_step_tokens ({self.mixed_step_tokens}) must be 0 (off) or "
-                f"between max_num_seqs ({self.max_num_seqs}) and chunked_prefill_size "
-                f"({self.chunked_prefill_size})")
 
     def check_window(self, window: int, page_size: int) -> None:
         """A window model's bounded replay runs in one step: every step budget must hold the
