@@ -4,7 +4,8 @@ gate (it passes in tests/e2e/test_agents.py). One corrupting cluster serves both
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -22,17 +23,12 @@ def corrupting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
 
 
-def test_gate_fails_when_every_page_is_corrupted(corrupting: Cluster) -> None:
-    gate = run_gate(corrupting.url, samples=30)  # fails far below the bar: 30 show it
+@pytest.mark.parametrize("gate", [run_gate, run_lookup_gate], ids=["arith", "lookup"])
+def test_the_gate_fails_when_every_page_is_corrupted(
+    corrupting: Cluster, gate: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    out = gate(corrupting.url, samples=30)  # fails far below the bar: 30 show it
     corrupting.wait_drained()
-    assert gate.returncode == 1, gate.stdout + gate.stderr
-    accuracy = float(gate.stdout.split("accuracy: ")[1].split()[0])
-    assert accuracy < 0.5, gate.stdout
-
-
-def test_lookup_gate_fails_when_every_page_is_corrupted(corrupting: Cluster) -> None:
-    gate = run_lookup_gate(corrupting.url, samples=30)  # fails far below the bar: 30 show it
-    corrupting.wait_drained()
-    assert gate.returncode == 1, gate.stdout + gate.stderr
-    accuracy = float(gate.stdout.split("accuracy: ")[1].split()[0])
-    assert accuracy < 0.5, gate.stdout
+    assert out.returncode == 1, out.stdout + out.stderr
+    accuracy = float(out.stdout.split("accuracy: ")[1].split()[0])
+    assert accuracy < 0.5, out.stdout
