@@ -193,8 +193,8 @@ def _get_kernels() -> dict[str, Any]:
                 mask=valid[:, None], other=0.0,
             )  # [BN, D]
             if V_T:  # token-major pages (FP8): 16-byte runs of one feature, [BN, D]
-                v = LOAD_V(vc_ptr, pt_ptr + b * stride_ptb, n0, end, stride_vp,
-                                       hkv * stride_vh, D, PAGE, BLOCK_N)
+                v = LOAD_V(vc_ptr, pt_ptr + b * stride_ptb, n0, end, stride_vp, hkv * stride_vh,
+                           D, PAGE, BLOCK_N)
             else:
                 v = tl.load(
                     vc_ptr + page[:, None] * stride_vp + hkv * stride_vh

@@ -128,8 +128,8 @@ def _get_kernel() -> Any:
                 other=0.0,
             ).to(q.dtype)  # [BN, D]
             if V_T:  # token-major pages (FP8): 16-byte runs of one feature, [BN, D]
-                v = LOAD_V(vc_ptr, pt_ptr + b * stride_ptb, n0, hi, stride_vp,
-                                       hkv * stride_vh, D, PAGE, BLOCK_N).to(q.dtype)
+                v = LOAD_V(vc_ptr, pt_ptr + b * stride_ptb, n0, hi, stride_vp, hkv * stride_vh,
+                           D, PAGE, BLOCK_N).to(q.dtype)
             else:
                 v = tl.load(
                     vc_ptr
