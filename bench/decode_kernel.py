@@ -15,7 +15,7 @@ against the same with the overrides, with the largest difference between their o
 relative to the largest output. e4m3 pages are built as a KVCache keeps them (V token-major).
 Writes decode_kernel.json to $OUT (or the current directory).
 
-    python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check] [--set MASK_V=0]
+    python3 -m bench.decode_kernel [--rounds 2] [--top 8] [--check] [--set BLOCK_N=64]
     python3 -m bench.decode_kernel --pages fp8 --warps 2,4 --splits 8=16,32  # a narrower sweep
     python3 -m bench.decode_kernel --ctx 576 --splits 64=1,2,4  # batch 64 at a short context
 """

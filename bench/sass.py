@@ -47,13 +47,13 @@ class Kernel:
     options: dict[str, int] = field(default_factory=lambda: {"num_warps": 4, "num_stages": 2})
 
 
-def _decode(fp8: bool, mask_v: bool = True, v_t: bool | None = None) -> Kernel:
+def _decode(fp8: bool, v_t: bool | None = None) -> Kernel:
     """The decode kernel as the 8B layer calls it at batch 8; V token-major over e4m3 pages as
     a KVCache keeps them (`v_t` False: the feature-major layout of bf16 pages)."""
     from worker.model.triton_decode import DECODE_CONFIGS, _get_kernels
     from worker.model.triton_pages import load_v_token_major
 
-    cfg = DECODE_CONFIGS[fp8] | {"MASK_V": mask_v}
+    cfg = DECODE_CONFIGS[fp8]
     kv = "fp8e4nv" if fp8 else "bf16"
     return Kernel(
         fn=lambda: _get_kernels()["decode"],
@@ -62,7 +62,7 @@ def _decode(fp8: bool, mask_v: bool = True, v_t: bool | None = None) -> Kernel:
                   "ks_ptr": "fp32", "vs_ptr": "fp32"},
         constexprs=dict(G=4, BLOCK_G=16, D=128, PAGE=16, NUM_SPLITS=8, HAS_SINKS=False,
                         SCALED=fp8, BLOCK_N=cfg["BLOCK_N"], F16_DOT=cfg["F16_DOT"],
-                        MASK_V=cfg["MASK_V"], V_T=fp8 if v_t is None else v_t,
+                        V_T=fp8 if v_t is None else v_t,
                         LOAD_V=load_v_token_major),
         floats=("scale_log2",),
         unaligned=("stride_qh", "stride_oh", "window", "scale_log2"),
@@ -128,7 +128,6 @@ KERNELS: dict[str, Callable[[], Kernel]] = {
     "decode_bf16": lambda: _decode(False),
     "decode_fp8": lambda: _decode(True),
     "decode_fp8_feature_major": lambda: _decode(True, v_t=False),
-    "decode_fp8_unmasked_v": lambda: _decode(True, mask_v=False, v_t=False),
     "prefill_fp8": _prefill_fp8,
     "prefill_fp8_feature_major": lambda: _prefill_fp8(False),
     "gemv_fp8_gate_up": lambda: _gemv_fp8(True),

@@ -34,11 +34,3 @@ def test_feature_major_v_goes_through_ldmatrix_trans(name: str) -> None:
     assert report.opcodes["LDS.U8"] == 0, report.opcodes
     assert report.opcodes["LDSM.16.MT88.4"] > 0, report.opcodes
     assert report.stack == 0 and report.opcodes["STL"] == 0
-
-
-def test_without_the_v_mask_triton_gathers_e4m3_bytes() -> None:
-    """Pins the compiler behaviour that MASK_V works around (triton_decode.DECODE_CONFIGS;
-    triton 3.7.1, the CUDA install's, and 3.9.0 alike): this fails once Triton stops moving the
-    conversion past the layout change, and then the mask can go."""
-    report = inspect(compile_sm90(KERNELS["decode_fp8_unmasked_v"]()))
-    assert report.opcodes["LDS.U8"] > 0, report.opcodes

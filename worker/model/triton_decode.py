@@ -36,14 +36,13 @@ from worker.model.fused import next_pow2
 
 # The decode kernel's settings by page dtype (False: 16/32-bit pages, True: e4m3): context
 # tokens per iteration, pipeline depth and warps; over e4m3 pages both dots in float16
-# (F16_DOT), and over feature-major e4m3 V (not a KVCache's: its e4m3 V is token-major) V
-# masked after its conversion (MASK_V, kernel note). bench/decode_kernel.py (H200, 32k context,
+# (F16_DOT). bench/decode_kernel.py (H200, 32k context,
 # calls replayed in a CUDA graph): bf16 pages stream fastest in 64-token blocks over 2 stages
 # (4,320 GB/s at batch 8), e4m3 pages with token-major V in 128-token blocks over 2 stages
 # (3,820 GB/s at batch 8 against 3,216 over 3).
 DECODE_CONFIGS: dict[bool, dict[str, int]] = {
-    False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False, MASK_V=True),
-    True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True, MASK_V=True),
+    False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False),
+    True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True),
 }
 # How far the decode kernel splits a request's context, whatever the page dtype: (programs
 # aimed at, most splits); see num_decode_splits. Same sweeps (graph-timed, best of three): at
@@ -143,7 +142,7 @@ def _get_kernels() -> dict[str, Any]:
         scale_log2, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-        SCALED: tl.constexpr, F16_DOT: tl.constexpr, MASK_V: tl.constexpr, V_T: tl.constexpr,
+        SCALED: tl.constexpr, F16_DOT: tl.constexpr, V_T: tl.constexpr,
         LOAD_V: tl.constexpr,  # triton_pages.load_v_token_major
     ):
         b = tl.program_id(0)
@@ -204,12 +203,12 @@ def _get_kernels() -> dict[str, Any]:
             if SCALED:
                 k = k.to(q.dtype)  # e4m3 → q's dtype in registers
                 v = v.to(q.dtype)
-                if MASK_V and not V_T:
-                    # Masked after the conversion, V stays in the load's layout as float16 and
-                    # reaches the dot through ldmatrix.trans; unmasked, Triton moves the
-                    # conversion past the layout change and gathers e4m3 bytes from shared
-                    # memory one at a time (bench/sass.py: 128 single-byte loads in its code,
-                    # 59 more registers; bench/fp8.py, H200: 1.02-1.06x at long contexts).
+                if not V_T:
+                    # Feature-major e4m3 V (not a KVCache's): masked after the conversion, V
+                    # stays in the load's layout as float16 and reaches the dot through
+                    # ldmatrix.trans; unmasked, Triton (3.7-3.9) moves the conversion past the
+                    # layout change and gathers e4m3 bytes from shared memory one at a time
+                    # (bench/sass.py: 128 single-byte loads; H200: 1.02-1.06x at long contexts).
                     v = tl.where(valid[:, None], v, 0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN], log2 domain
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -290,7 +289,7 @@ def triton_paged_decode(
     """One new token per request: q [B, Hq, D] over its pages → out [B, Hq, D] (q's dtype).
     FP8 caches take kv_scales = (k_scale, v_scale) [Hkv] float32; their K/V tiles become
     float16 in registers and both dots run in float16 (float32 accumulation). `config`
-    overrides DECODE_CONFIGS (BLOCK_N, num_stages, num_warps, F16_DOT, MASK_V; for bench/fp8.py).
+    overrides DECODE_CONFIGS (BLOCK_N, num_stages, num_warps, F16_DOT; for the benches).
 
     page_table [B, max_pages] and seq_lens [B] (a row with seq_len 0 gives zeros). sinks [Hq]
     float32 or None. Reads no host value, so it can be captured in a CUDA graph (the sinks are
