@@ -40,7 +40,7 @@ class CacheGroup(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., latent_dim: _Optional[int] = ...) -> None: ...
 
 class LayoutContract(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash", "kv_scales", "speculative")
+    __slots__ = ("model_name", "model_fingerprint", "num_layers", "page_size", "num_kv_heads_total", "num_kv_heads_local", "head_dim", "dtype", "tp_rank", "tp_size", "backend", "groups", "hash", "kv_scales", "speculative", "v_layout")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class LayoutContract(_message.Message):
     HASH_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    V_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     num_layers: int
@@ -71,7 +72,8 @@ class LayoutContract(_message.Message):
     hash: str
     kv_scales: str
     speculative: str
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ..., kv_scales: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
+    v_layout: str
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads_total: _Optional[int] = ..., num_kv_heads_local: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., backend: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[CacheGroup, _Mapping]]] = ..., hash: _Optional[str] = ..., kv_scales: _Optional[str] = ..., speculative: _Optional[str] = ..., v_layout: _Optional[str] = ...) -> None: ...
 
 class RoomRegistration(_message.Message):
     __slots__ = ("room", "peer_id", "epoch", "agent_name", "agent_metadata", "kv_base", "kv_nbytes", "dst_pages", "skip_pages", "num_tokens", "contract", "num_window_pages", "window_dst_pages", "num_state_slots", "state_base", "state_dst_slot")

@@ -24,6 +24,18 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+# The byte order of V inside a page's head block when it is not [page_size, head_dim]: FP8 pages
+# keep V token-major, [head_dim, page_size] (worker/kv_cache.py), the order the attention
+# kernels' P·V dot reads it in. A peer that keeps another order (an older build) is refused.
+V_TOKEN_MAJOR = "token_major"
+
+
+def v_layout(dtype: str) -> str:
+    """The V byte order of K/V pages of this dtype (a name as in DTYPE_BYTES): V_TOKEN_MAJOR
+    for FP8 pages, "" for the feature-major [page_size, head_dim] of every other dtype."""
+    return V_TOKEN_MAJOR if dtype == "float8_e4m3fn" else ""
+
+
 class ContractError(ValueError):
     """A layout description is invalid or two contracts cannot exchange KV; names the fields."""
 
@@ -286,7 +298,7 @@ def _canonical_group(g: CacheGroup) -> dict[str, object]:
 # Fields that must be equal between prefill and decode (tp_rank/tp_size/heads per rank may differ).
 COMPATIBLE_FIELDS = (
     "model_name", "model_fingerprint", "num_layers", "page_size", "head_dim", "dtype",
-    "num_kv_heads_total", "groups", "backend", "kv_scales", "speculative",
+    "num_kv_heads_total", "groups", "backend", "kv_scales", "speculative", "v_layout",
 )
 
 
@@ -310,6 +322,8 @@ class LayoutContract:
     kv_scales: str = ""
     # KVLayout.speculative; left out of the canonical form when "" (old hashes hold)
     speculative: str = ""
+    # v_layout(dtype) for K/V pages ("" for MLA latent pages: no V); left out when ""
+    v_layout: str = ""
 
     @classmethod
     def from_layout(cls, layout: KVLayout, *, model_name: str, model_fingerprint: str,
@@ -323,6 +337,8 @@ class LayoutContract:
             num_kv_heads_local=layout.num_kv_heads_local, head_dim=layout.head_dim,
             dtype=layout.dtype, tp_rank=layout.tp_rank, tp_size=layout.tp_size, backend=backend,
             groups=groups, kv_scales=layout.kv_scales, speculative=layout.speculative,
+            v_layout="" if any(g.kind == CacheKind.MLA_LATENT for g in groups)
+            else v_layout(layout.dtype),
         )
 
     def layout(self, num_pages: int = 1, num_window_pages: int = 0, num_state_slots: int = 0,
@@ -344,6 +360,8 @@ class LayoutContract:
             del d["kv_scales"]  # pages that are not FP8 hash as they did before the field existed
         if not self.speculative:
             del d["speculative"]  # likewise without a drafter
+        if not self.v_layout:
+            del d["v_layout"]  # likewise feature-major V
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:

@@ -15,7 +15,7 @@ def contract_to_pb(c: LayoutContract) -> pb.LayoutContract:
         groups=[pb.CacheGroup(kind=g.kind.value, layers=list(g.layers), window=g.window,
                               latent_dim=g.latent_dim, state_bytes=g.state_bytes)
                 for g in c.groups],
-        hash=c.hash(), kv_scales=c.kv_scales, speculative=c.speculative,
+        hash=c.hash(), kv_scales=c.kv_scales, speculative=c.speculative, v_layout=c.v_layout,
     )
 
 
@@ -33,7 +33,7 @@ def contract_from_pb(m: pb.LayoutContract) -> LayoutContract:
         page_size=m.page_size, num_kv_heads_total=m.num_kv_heads_total,
         num_kv_heads_local=m.num_kv_heads_local, head_dim=m.head_dim, dtype=m.dtype,
         tp_rank=m.tp_rank, tp_size=m.tp_size, backend=m.backend,
-        groups=groups, kv_scales=m.kv_scales, speculative=m.speculative,
+        groups=groups, kv_scales=m.kv_scales, speculative=m.speculative, v_layout=m.v_layout,
     )
     if m.hash != c.hash():
         raise ContractError(f"contract.hash {m.hash[:12]}... does not match its fields "

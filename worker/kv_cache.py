@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.contract import CacheGroup, CacheKind, KVLayout, ring_pages
+from transfer.contract import V_TOKEN_MAJOR, CacheGroup, CacheKind, KVLayout, ring_pages, v_layout
 
 STATE_ALIGN = 64  # bytes: every state piece (and the state region) starts on this boundary
 
@@ -217,7 +217,7 @@ class KVCache:
                 f"layer {layer} is a recurrent layer: it has a state slot (KVCache.state), no K/V")
         region = self.window if w else self.data
         k, v = region[:, i, 0], region[:, i, 1]
-        if self.shape.dtype == torch.float8_e4m3fn:  # V token-major (module doc)
+        if v_layout(dtype_name(self.shape.dtype)) == V_TOKEN_MAJOR:  # module doc
             v = v.as_strided(v.shape, (v.stride(0), v.stride(1), 1, v.shape[2]))
         return k, v
 
@@ -288,13 +288,18 @@ def cache_groups(shape: KVShape) -> tuple[CacheGroup, ...]:
     return tuple(groups)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the transfer layer names it (transfer/contract.py DTYPE_BYTES)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def transfer_layout(shape: KVShape, num_kv_heads_total: int, tp_rank: int,
                     tp_size: int) -> KVLayout:
     """The rank's KV memory described to the transfer layer (plain numbers: transfer never
     imports the worker). Every rank of a worker builds it the same way."""
     return KVLayout(
         num_pages=shape.num_pages, num_layers=shape.num_layers, page_size=shape.page_size,
-        head_dim=shape.head_dim, dtype=str(shape.dtype).removeprefix("torch."),
+        head_dim=shape.head_dim, dtype=dtype_name(shape.dtype),
         num_kv_heads_total=num_kv_heads_total, tp_rank=tp_rank, tp_size=tp_size,
         groups=cache_groups(shape), num_window_pages=shape.num_window_pages,
         num_state_slots=shape.num_state_slots, state_base=shape.state_base,

@@ -62,3 +62,17 @@ def test_bootstrap_refuses_a_decode_with_other_kv_pages(
         send.abort("test over")
     finally:
         c.close()
+
+
+def test_the_v_byte_order_of_fp8_pages_is_a_compatibility_field() -> None:
+    """FP8 pages keep V token-major (worker/kv_cache.py); the contract says so, so a peer that
+    keeps them feature-major (a build from before, whose contract has no v_layout) is refused
+    naming the field instead of reading V's bytes in the wrong order."""
+    f8 = _contract(_fp8())
+    assert f8.v_layout == "token_major" and '"v_layout":"token_major"' in f8.canonical()
+    assert _contract(layout()).v_layout == "" and "v_layout" not in _contract(layout()).canonical()
+    older = dataclasses.replace(f8, v_layout="")
+    assert contract_from_pb(contract_to_pb(older)) == older  # its own hash still checks out
+    with pytest.raises(ContractError, match=r"v_layout: 'token_major' != ''"):
+        f8.check_compatible(contract_from_pb(contract_to_pb(older)))
+    assert contract_from_pb(contract_to_pb(f8)) == f8
