@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.arch.drafter import EAGLE_TARGETS, MODEL_METHODS, check_drafter
+from worker.arch.drafter import MODEL_METHODS, check_drafter
 from worker.arch.hf_config import ModelLoadError, parse_arch_config
 from worker.arch.load import load_arch_config, read_json
 from worker.cache_layout import max_model_len
@@ -125,10 +125,7 @@ def _dense_head(path: Path, config: WorkerConfig, target: CausalLM, spec: ModelS
                 layout: str) -> tuple[DraftHead, list[Path]]:
     """An EAGLE head, or a side-trained MTP module (`layout`), for a dense target."""
     raw = read_json(path / "config.json")  # checked against the target by check_drafter
-    if not isinstance(target, LlamaForCausalLM):
-        raise ConfigError(f"speculative.method={layout}: heads are built for "
-                          f"{', '.join(EAGLE_TARGETS)}; {spec.architecture} is not one; use "
-                          "speculative.method ngram")
+    assert isinstance(target, LlamaForCausalLM), spec.architecture  # check_drafter's EAGLE_TARGETS
     arch = parse_arch_config({**raw, "architectures": [spec.architecture]}, None,
                              str(path / "config.json"))
     if raw.get("target_fingerprint") not in (None, spec.fingerprint):
