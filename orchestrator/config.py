@@ -261,11 +261,12 @@ class ClusterConfig:
             for name, rc in self.roles.present():
                 if rc.cache is not None:
                     rc.cache.validate(f"roles.{name}.cache")
+                if rc.scheduler is not None:
+                    rc.scheduler.validate(f"roles.{name}.scheduler")
                 where = "scheduler" if rc.scheduler is None else f"roles.{name}.scheduler"
-                sched = rc.scheduler or self.scheduler
-                sched.validate(where)
-                sched.check_overlap(rc.parallel.world_size > 1 or rc.parallel.nnodes > 1,
-                                    self.speculative.enabled, where)
+                (rc.scheduler or self.scheduler).check_overlap(
+                    rc.parallel.world_size > 1 or rc.parallel.nnodes > 1,
+                    self.speculative.enabled, where)
             gateway_config(self, resolved=False).validate("gateway")
             self.tls.validate("tls")
             self.speculative.validate("speculative")
