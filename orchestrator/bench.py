@@ -146,6 +146,7 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], res: Reque
         res.error = "the stream carried no tokens"
         return
     res.ttft_s, res.itl_s = token_latencies(start, arrivals)
+    res.start_s, res.arrivals = start, arrivals
     res.e2e_s = arrivals[-1][0] - start
     res.output_tokens = res.output_tokens or sum(n for _, n in arrivals)
     res.ok = True

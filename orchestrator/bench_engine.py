@@ -10,7 +10,10 @@ ids, greedy, ignore_eos):
 2. the config's cluster, started in the background as `tandem serve` runs it (after the
    engine has given its memory back), under the bench's closed loop of B: output tok/s, ITL.
 It prints served / engine: a mono cluster against the engine's whole rate, a PD cluster against
-its decode rate (a decode worker only decodes). The engine of a PD config is the decode role's
+its decode rate (a decode worker only decodes); and served decode / engine decode, the two
+rates over the same window (the first B requests all decoding, no prompt running: see
+orchestrator/bench_stats.py), which measures a PD decode worker's own rate even where its
+prefill worker shares the GPU. The engine of a PD config is the decode role's
 worker as role `both`. `--out DIR` writes served_engine.json, served_engine.md and
 served_engine.png. bench/served.py measures mono and 1P1D side by side on the GPU.
 """
@@ -240,6 +243,17 @@ def ratio(row: dict[str, Any], pd: bool) -> float:
     return float(row["served"]["output_throughput"]) / ref if ref else 0.0
 
 
+def decode_ratio(row: dict[str, Any]) -> float | None:
+    """served decode / engine decode: the two rates at batch B over the same window (the first
+    wave's, bench_stats.wave_decode_rate); None when the served run had no such window."""
+    served, ref = row["served"].get("decode_throughput"), row["engine"]["decode_tok_s"]
+    return float(served) / ref if served is not None and ref else None
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
 def table(result: dict[str, Any], spec: BenchSpec) -> str:
     kind, ref = ("PD", "engine decode") if result["pd"] else ("mono", "engine")
     lines = [f"served / engine: {result['config']}"
@@ -247,15 +261,20 @@ def table(result: dict[str, Any], spec: BenchSpec) -> str:
              + f" ({kind}); {spec.input_len} in / {spec.output_len} out, {spec.num_requests} "
              "requests a point; the engine in-process at max_num_seqs B", "",
              "| B | engine tok/s | engine decode tok/s | engine ITL p50 / p99 ms | served tok/s | "
-             f"served / {ref} | served ITL p50 / p99 ms | failed |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"served / {ref} | served decode tok/s | served decode / engine decode | "
+             "served ITL p50 / p99 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         e, s = row["engine"], row["served"]
         lines.append(f"| {row['b']} | {e['output_tok_s']} | {e['decode_tok_s']} | "
                      f"{e['itl_ms']['p50']:.2f} / {e['itl_ms']['p99']:.2f} | "
                      f"{s['output_throughput']:.1f} | {ratio(row, result['pd']):.2f} | "
+                     f"{_cell(s.get('decode_throughput'), '.1f')} | "
+                     f"{_cell(decode_ratio(row), '.2f')} | "
                      f"{s['itl_ms']['p50']:.2f} / {s['itl_ms']['p99']:.2f} | {s['failed']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + (
+        "\nserved decode: output tok/s while the first B requests all decode and none has "
+        "finished (no prompt runs then), the window of the engine's decode rate\n")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -271,14 +290,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ("engine", [row["engine"]["output_tok_s"] for row in result["rows"]]),
         ("engine decode", [row["engine"]["decode_tok_s"] for row in result["rows"]]),
         ("served", [row["served"]["output_throughput"] for row in result["rows"]]),
+        ("served decode", [row["served"].get("decode_throughput") or float("nan")
+                           for row in result["rows"]]),
     ):
         rate.plot(bs, values, "o-", label=label)
     ratios = [ratio(row, result["pd"]) for row in result["rows"]]
-    share.plot(bs, ratios, "o-")
+    decode = [decode_ratio(row) or float("nan") for row in result["rows"]]
+    share.plot(bs, ratios, "o-", label="served / engine" + (" decode" if result["pd"] else ""))
+    share.plot(bs, decode, "s--", label="served decode / engine decode")
+    share.legend(fontsize=8)
     share.axhline(1.0, color="grey", lw=0.8)
-    share.set_ylim(0, max(1.2, *ratios) * 1.05)  # from 0: a 2% gap stays small
+    top = max(1.2, *ratios, *(r for r in decode if r == r))  # nan (no window) is not r
+    share.set_ylim(0, top * 1.05)  # from 0: a 2% gap stays small
     rate.set_ylabel("output tokens/s")
-    share.set_ylabel("served / engine" + (" decode" if result["pd"] else ""))
+    share.set_ylabel("served / engine")
     for ax in (rate, share):
         ax.set_xlabel("concurrency = engine batch B")
         ax.set_xscale("log", base=2)

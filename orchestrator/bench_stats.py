@@ -8,6 +8,13 @@ SGLang's bench_serving) -- so k tokens that arrive in one burst count as k gaps 
 the wait, not as one real gap and k-1 gaps of zero, and a server that sends one token per
 event is measured by its events. TPOT is per request: (E2E - TTFT) / (output tokens - 1).
 Percentiles are linear-interpolated (numpy's default), over all tokens (ITL) or all requests.
+
+Decode rate (`wave_decode_rate`): the tokens clients received while the first wave (the
+requests sent before any finished: a closed loop's first B) all had their first token and none
+had finished, over that window. No prompt is computed then (none is waiting), so it is the
+decode rate at batch B as clients receive it: the window the engine's decode rate is measured
+over (orchestrator/bench_engine.py), and for a PD cluster its decode worker's own rate even when
+its prefill worker shares the GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTILES = (50, 90, 95, 99)
+# The shortest first-wave window that measures a decode rate, as a share of the wave's median
+# span from first to last token: a stream that stalls and then delivers in a burst moves the
+# window's count by the burst, which a short window would take for a rate.
+MIN_WINDOW = 0.25
 
 
 @dataclass
@@ -29,6 +40,8 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0  # from usage when the server streams it, else 0
     text: str = ""  # the answer (a multi-turn session sends it back in the next turn)
+    start_s: float = 0.0  # send time (time.perf_counter: one clock for every client process)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (read time, its tokens)
 
     @property
     def tpot_s(self) -> float:
@@ -45,6 +58,22 @@ def token_latencies(start: float, arrivals: list[tuple[float, int]]) -> tuple[fl
     for (prev, _), (now, n) in zip(arrivals, arrivals[1:], strict=False):
         itl += [(now - prev) / n] * n
     return ttft, itl
+
+
+def wave_decode_rate(results: list[RequestResult]) -> float | None:
+    """Output tok/s in the first wave's window (module docstring), or None when there is no
+    such window (a failed request, or one that finished before the last first token) or it is
+    shorter than MIN_WINDOW of the wave's median decode span."""
+    if not results or not all(r.ok and r.arrivals for r in results):
+        return None
+    end = min(r.arrivals[-1][0] for r in results)  # the first finish
+    wave = [r for r in results if r.start_s < end]
+    start = max(r.arrivals[0][0] for r in wave)  # every one of them has its first token
+    spans = sorted(r.arrivals[-1][0] - r.arrivals[0][0] for r in wave)
+    if end - start < spans[len(spans) // 2] * MIN_WINDOW:
+        return None  # a late first token or an early finish: a burst would weigh too much
+    tokens = sum(n for r in results for t, n in r.arrivals if start < t <= end)
+    return tokens / (end - start)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -93,6 +122,8 @@ def summarize_results(results: list[RequestResult], duration_s: float, mode: str
                                         / duration_s, 3),
         **stats,
         "mode": mode,
+        "decode_throughput": None if (rate := wave_decode_rate(results)) is None
+        else round(rate, 3),
         **extra,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
