@@ -35,9 +35,11 @@
 #                                #   graph-timed; --check: the attention GPU tests first, then
 #                                #   the engine's settings against the ones before), then
 #                                #   bench/fp8.py SECTIONS (default: ceilings,longctx)
-#   bash bench/device/run.sh l [B,B]  # served / engine as a user measures it (issue 18):
-#                                #   `tandem bench --config configs/gpu-8b-mono.yaml` on the 8B
-#                                #   shape (dummy bf16, ids prompts, 128 in / 256 out +-50%)
+#   bash bench/device/run.sh l [B,B [CONFIGS]]  # served / engine as a user measures it
+#                                #   (issue 18): `tandem bench --config configs/gpu-8b-X.yaml`
+#                                #   for X in CONFIGS (default "mono 1p1d"; 1P1D's two workers
+#                                #   on GPU 0) on the 8B shape (dummy bf16, ids prompts, 128 in /
+#                                #   256 out +-50%)
 #   bash bench/device/run.sh k   # speculative decoding (issue 21): its GPU tests (verify
 #                                #   graphs), then bench/spec_gpu.py on GPU 0 (bench/spec-cpu.json)
 # Results land in $OUT (the device tool brings them back).
@@ -244,14 +246,22 @@ elif [[ $1 == u ]]; then
     grep -E "engine B=|profiled steps|^decode|^mixed" "$OUT/served2.txt"; tail -10 "$OUT/served2.txt"
   fi
 elif [[ $1 == l ]]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 585 python3 -m orchestrator.cli bench \
-    --config configs/gpu-8b-mono.yaml --set model.path=bench/models/qwen3-8b-shape \
-    --set model.load_format=dummy --set model.max_model_len=4096 \
-    --set scheduler.max_num_seqs=160 --prompt-kind ids --vocab-size 151936 --input-len 128 \
-    --output-len 256 --range-ratio 0.5 --concurrency "${2:-64,160}" --num-requests 480 \
-    --clients 4 --out "$OUT" > "$OUT/bench_engine.txt" 2>&1
-  echo "bench --config rc=$? at ${SECONDS}s" >> "$OUT/bench_engine.txt"
-  tail -12 "$OUT/bench_engine.txt"
+  # each config's served / engine in turn; 1P1D with both workers on GPU 0 (its decode worker's
+  # own rate: the served decode column, measured while no prompt runs)
+  for config in ${3:-mono 1p1d}; do
+    sets=()
+    [[ $config == 1p1d ]] && sets=(--set roles.prefill.parallel.device=cuda:0
+      --set roles.decode.parallel.device=cuda:0 --set cache.max_total_tokens=131072)
+    mkdir -p "$OUT/$config"
+    CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python3 -m orchestrator.cli bench \
+      --config configs/gpu-8b-$config.yaml --set model.path=bench/models/qwen3-8b-shape \
+      --set model.load_format=dummy --set model.max_model_len=4096 \
+      --set scheduler.max_num_seqs=160 "${sets[@]}" --prompt-kind ids --vocab-size 151936 \
+      --input-len 128 --output-len 256 --range-ratio 0.5 --concurrency "${2:-64,160}" \
+      --num-requests 480 --clients 4 --out "$OUT/$config" > "$OUT/$config/bench_engine.txt" 2>&1
+    echo "bench --config $config rc=$? at ${SECONDS}s" >> "$OUT/$config/bench_engine.txt"
+    tail -8 "$OUT/$config/bench_engine.txt"
+  done
 elif [[ $1 == k ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/worker/test_spec_gpu.py \
     tests/worker/test_gpu.py > "$OUT/spec_gpu_tests.txt" 2>&1
