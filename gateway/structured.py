@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import BadRequest
-from gateway.parsers.constraints import structural_tag
+from gateway.parsers.constraints import json_element, structural_tag
 from protocol import tandem_pb2
 
 
@@ -38,9 +38,9 @@ class Constraint:
     def as_format(self) -> dict[str, Any]:
         """The same constraint as a structural-tag format element (to follow a think block)."""
         if self.kind == "json_schema":
-            return {"type": "json_schema", "json_schema": self.schema}
+            return json_element(self.schema)
         if self.kind == "json_object":
-            return {"type": "json_schema", "json_schema": {"type": "object"}}
+            return json_element({"type": "object"})
         if self.kind == "regex":
             return {"type": "regex", "pattern": self.text}
         if self.kind == "ebnf":

@@ -26,6 +26,15 @@ _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _WHITESPACE: dict[str, Any] = {"type": "regex", "pattern": "[ \\n\\t]{0,8}"}  # bounded: no loop
 
 
+def json_element(schema: Any, style: str = "json") -> dict[str, Any]:
+    """A structural tag's JSON-schema element. JSON in a tag allows free whitespace unless told
+    (xgrammar's `max_whitespace_cnt`; 0 is refused): at most one character at a time keeps it
+    near the plain path's compact layout, and a weak model cannot loop on spaces there."""
+    if style != "json":
+        return {"type": "json_schema", "json_schema": schema, "style": style}
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+
+
 @dataclass(frozen=True)
 class CallFormat:
     """How one tool-call format writes its calls; `{name}` stands for the tool's name."""
@@ -98,9 +107,7 @@ def _call(fmt: CallFormat, pieces: Pieces, tools: Sequence[tuple[str, dict[str, 
     `skip` of its suffix (a triggered tag's begin and end)."""
     options = []
     for name, schema in tools:
-        args = {"type": "json_schema", "json_schema": schema or _NO_PARAMETERS}
-        if fmt.style != "json":
-            args["style"] = fmt.style
+        args = json_element(schema or _NO_PARAMETERS, fmt.style)
         suffix = fmt.suffix[: len(fmt.suffix) - skip]
         options.append(_sequence([*pieces.elements(fmt.prefix[skip:], name), args,
                                   *pieces.elements(suffix, name)]))

@@ -286,3 +286,28 @@ def test_tools_the_gateway_cannot_honour_are_400s(hermes_dir: Path, kw: dict[str
     with pytest.raises(BadRequest, match=match) as info:
         plan_chat(chat(**kw), Tokenizer.from_dir(hermes_dir), Parsers(tool_call="llama3_json"))
     assert info.value.param == "tools"
+
+
+@pytest.mark.parametrize("kw", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
+    {"response_format": {"type": "json_object"}},
+    {"tools": [LOOKUP], "tool_choice": "required"},
+    {"tools": [STRICT]},
+], ids=["json_schema", "json_object", "forced_call", "strict_auto"])
+def test_json_under_a_reasoning_parser_allows_no_run_of_whitespace(
+        worker: Worker, hermes_dir: Path, kw: dict[str, Any]) -> None:
+    """The shipped configs name a reasoning parser, so every JSON constraint travels inside a
+    structural tag; its JSON must stay near-compact as on the plain path (a weak model loops on
+    free whitespace: the embedded model wrote `{"answer"\\n:     \\n6` and ran out of tokens)."""
+    plan = plan_chat(chat(**kw), Tokenizer.from_dir(hermes_dir),
+                     Parsers(reasoning="qwen3", tool_call="hermes"))
+    assert plan.structured is not None
+    if "tools" in kw:
+        good = hermes_call("lookup", {"name": "q"})
+        loose = good.replace('{"name": "q"}', '{"name":    "q"}')
+    else:
+        good, loose = GOOD, GOOD.replace('"tags": ', '"tags"  :\n\n  ')
+    if kw.get("response_format", {}).get("type") == "json_object":
+        good = '{"text": "a    b"}'  # spaces inside a string stay free
+    assert worker.accepts(plan.structured, good)
+    assert not worker.accepts(plan.structured, loose)
