@@ -162,10 +162,22 @@ def choose_port(host: str, rng: random.Random | None = None) -> int:
 
 
 def require_pinned(cluster: ClusterConfig, launcher: str) -> None:
-    """Multi-node launchers dial workers on other nodes: their ports must be in the config."""
-    for name, rc in cluster.roles.present():
-        if not rc.base_port:
-            raise ClusterConfigError(
-                f"roles.{name}.base_port is unset: the {launcher} launcher needs explicit worker "
-                f"ports (peers on other nodes dial them); set roles.{name}.base_port"
-            )
+    """Multi-node launchers dial workers on other nodes: their ports must be in the config.
+
+    Every unset role is named at once, with `--set` lines that pin them: ports from 50051 up,
+    above the pinned roles' ranges, each role's replicas `port_stride` apart."""
+    present = cluster.roles.present()
+    unset = [(name, rc) for name, rc in present if not rc.base_port]
+    if not unset:
+        return
+    span = [rc.base_port + rc.count * max(rc.port_stride, 1) for _, rc in present if rc.base_port]
+    port, fixes = max([50051, *span]), []
+    for name, rc in unset:
+        fixes.append(f"--set roles.{name}.base_port={port}")
+        port += rc.count * max(rc.port_stride, 1)
+    keys = " and ".join(f"roles.{name}.base_port" for name, _ in unset)
+    raise ClusterConfigError(
+        f"{keys} {'is' if len(unset) == 1 else 'are'} unset: the {launcher} launcher needs "
+        f"explicit worker ports (peers on other nodes dial them); pin them, e.g. "
+        f"{' '.join(fixes)}"
+    )

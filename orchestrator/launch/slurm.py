@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_config(resolve_config_path(args.config), args.overrides)
         if args.what == "nodes":  # submit.sh asks this first: refuse before sbatch
+            if os.environ.get("PD_SLURM", "") == "1":  # workers dialed across nodes
+                require_pinned(cluster, "slurm")
             for note in preflight(cluster):
                 print(note, file=sys.stderr)
     except ClusterConfigError as exc:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import REPO_ROOT, config_from_dict
+from orchestrator.launch.slurm import main as slurm_main
 from orchestrator.launch.slurm import node_specs
 from orchestrator.launch.slurm_env import (
     SlurmEnvError,
@@ -94,6 +95,21 @@ def test_publish_is_atomic(tmp_path: Path) -> None:
     publish(tmp_path / "ready" / "decode.json", {"node": 1})
     assert json.loads((tmp_path / "ready" / "decode.json").read_text()) == {"node": 1}
     assert [p.name for p in (tmp_path / "ready").iterdir()] == ["decode.json"]  # no temp file left
+
+
+def test_submit_refuses_unpinned_worker_ports_before_sbatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """submit.sh asks `nodes` first: a job whose workers have no ports fails there, in one line,
+    not after it waited for an allocation and failed on every node."""
+    monkeypatch.setenv("PD_SLURM", "1")
+    sets = ["--set", "roles.prefill.base_port=0", "--set", "roles.decode.base_port=0"]
+    assert slurm_main(["nodes", "--config", str(GATE_JOB), *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: roles.prefill.base_port and roles.decode.base_port are unset")
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("PD_SLURM", "0")  # the single-node smoke topology picks free ports
+    assert slurm_main(["nodes", "--config", str(GATE_JOB), *sets]) == 0
 
 
 def submit(
