@@ -105,11 +105,15 @@ def check_config(path: Path) -> dict[str, Any]:
     """config.json: JSON object, supported architecture, required integer fields."""
     file = path / "config.json"
     cfg = read_config_json(file)
+    _check_architectures(file, cfg)
+    return cfg
+
+
+def _check_architectures(file: Path, cfg: dict[str, Any]) -> None:
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise CheckpointError(f"{file}: architectures={archs!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    return cfg
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -202,6 +206,25 @@ def check_checkpoint(model_path: str, load_format: str = "auto") -> CheckpointRe
         for f in weight_files(path):
             check_safetensors_header(f)
     return CheckpointReport(path, cfg, arch, check_tokenizer(path))
+
+
+def check_for_plan(path: Path, cfg: dict[str, Any],
+                   load_format: str = "auto") -> ArchConfig | None:
+    """What `tandem plan` checks of a checkpoint directory whose config.json it read (`cfg`):
+    serve's checks, except that a shape-only directory still plans: a config.json that names
+    no architectures is shapes only (None: no family parser ran), and weights and tokenizer
+    are checked where the directory has any."""
+    if not cfg.get("architectures"):
+        return None
+    _check_architectures(path / "config.json", cfg)
+    arch = check_arch(path)
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+    if load_format != "dummy" and (any(p.suffix in weights for p in path.iterdir())
+                                   or (path / "model.safetensors.index.json").is_file()):
+        for f in weight_files(path):
+            check_safetensors_header(f)
+    check_tokenizer(path)
+    return arch
 
 
 def check_drafter(cluster: ClusterConfig, path: Path, arch: ArchConfig) -> None:

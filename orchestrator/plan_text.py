@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.checkpoint import check_arch, check_drafter
+from orchestrator.checkpoint import check_drafter, check_for_plan
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup
 from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
 from orchestrator.rank_map import ProcessRow, num_nodes, plan_processes
 from orchestrator.weights import WeightBytes
-from worker.arch.hf_config import SUPPORTED_ARCHITECTURES
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -79,9 +78,12 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
         parts[1:1] = [f"device auto: {resolve_device('auto', cuda)} ({why})"]
     try:
         hf = read_model_config(cluster.model.path)
-        if any(a in SUPPORTED_ARCHITECTURES for a in hf.get("architectures") or []):
-            path = Path(cluster.model.path)  # the family's own fields, as a worker reads them
-            check_drafter(cluster, path, check_arch(path))
+        # What serve's preflight checks (architecture, family fields, weights, tokenizer):
+        # the same one line here, not a plan that the launch then refuses.
+        path = Path(cluster.model.path)  # serve's checks, in the same one line
+        arch = check_for_plan(path, hf, cluster.model.load_format)
+        if arch is not None:
+            check_drafter(cluster, path, arch)
         budgets = kv_budget(cluster, hf, cuda)
     except LayoutError:
         raise
