@@ -31,7 +31,7 @@ from gateway.errors import BadRequest
 from gateway.openai_types import ChatCompletionRequest, ChatMessage
 from gateway.parsers import ThinkParser, make_tool_parser, prompt_opens_reasoning
 from gateway.parsers.constraints import auto_calls_format, reasoning_prefix, tool_calls_format
-from gateway.parsers.reasoning import THINK_CLOSE, THINK_OPEN
+from gateway.parsers.reasoning import THINK_CLOSE, THINK_OPEN, prompt_closes_reasoning
 from gateway.structured import Constraint, StrictCalls, request_constraint
 from gateway.tokenizer import RESERVED_TEMPLATE_VARS, Tokenizer
 from protocol import tandem_pb2
@@ -243,7 +243,8 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
                                     _strict_calls(req, parsers, tok, params))
     structured = None
     if constraint is not None:
-        prefix = reasoning_prefix(parsers.reasoning, starts, tok.special_token_texts)
+        prefix = reasoning_prefix(parsers.reasoning, starts, tok.special_token_texts,
+                                  closed_in_prompt=prompt_closes_reasoning(text))
         structured = constraint.to_proto(prefix)
     tool_parser = parsers.tool_call if parse_tools else ""
     markers: tuple[str, ...] = (THINK_OPEN, THINK_CLOSE) if parsers.reasoning else ()

@@ -10,7 +10,8 @@ with calls held to their schemas; beside one, the output is either calls or the 
 answer (`StrictCalls`).
 
 With a reasoning parser on, the constraint starts after the `<think>` block: the request is
-sent as a structural tag whose first element lets the block through unconstrained.
+sent as a structural tag whose first element lets the block through unconstrained (none when
+the prompt already closed the block: thinking off, the answer comes at once).
 """
 
 from __future__ import annotations

@@ -168,9 +168,12 @@ def auto_calls_format(parser: str, tools: Sequence[tuple[str, dict[str, Any] | N
 
 
 def reasoning_prefix(parser: str, starts_in_reasoning: bool,
-                     special_tokens: Collection[str]) -> list[dict[str, Any]]:
-    """Elements that let the reasoning block come first (empty list: no reasoning parser)."""
-    if not parser:
+                     special_tokens: Collection[str],
+                     closed_in_prompt: bool = False) -> list[dict[str, Any]]:
+    """Elements that let the reasoning block come first (empty list: no reasoning parser, or
+    `closed_in_prompt`: the template wrote an empty block, thinking off; a model that always
+    reasons, deepseek_r1, keeps its block as its parser expects one)."""
+    if not parser or (closed_in_prompt and parser != "deepseek_r1"):
         return []
     pieces = Pieces(special_tokens)
     end = pieces.one(THINK_CLOSE)

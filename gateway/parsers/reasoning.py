@@ -36,6 +36,12 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
 
 
+def prompt_closes_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt ends with a closed think block: thinking off, as Qwen3's
+    template writes it (`<think>\\n\\n</think>\\n\\n`); the answer starts at once."""
+    return prompt_text.rstrip().endswith(THINK_CLOSE)
+
+
 class ThinkParser:
     """Streaming split of reasoning and content for one request."""
 

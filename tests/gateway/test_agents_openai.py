@@ -156,15 +156,19 @@ async def test_wire_fields(hermes_dir: Path) -> None:
         assert s.structured.WhichOneof("kind") == "structural_tag"
         tag = s.structured.structural_tag
         assert json.loads(tag)["type"] == "structural_tag" and '"name\\": \\"lookup\\"' in tag
-        await client.chat.completions.create(
-            model="tiny", messages=MESSAGES, extra_body={"chat_template_kwargs": {
-                "enable_thinking": False}},
-            response_format={"type": "json_schema", "json_schema": {
-                "name": "r", "schema": {"type": "object"}, "strict": True}})
+        schema = {"type": "json_schema", "json_schema": {
+            "name": "r", "schema": {"type": "object"}, "strict": True}}
+        await client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                             response_format=schema)
         s = w.requests[-1].sampling
         # A reasoning parser is on (the template writes <think>): the schema follows the block.
         assert s.structured.WhichOneof("kind") == "structural_tag"
         assert '"json_schema": {"type": "object"}' in s.structured.structural_tag
+        await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, response_format=schema,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        # Thinking off, the prompt closed the block: the schema alone, from the first token.
+        assert w.requests[-1].sampling.structured.json_schema == '{"type": "object"}'
 
 
 async def test_mistral_special_markers_survive_skip_special_tokens(hermes_dir: Path) -> None:

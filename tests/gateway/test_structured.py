@@ -108,6 +108,20 @@ def test_reasoning_block_comes_before_the_constraint(worker: Worker, hermes_dir:
     assert not worker.accepts(plan.structured, f"<think>\nhm\n</think>{' ' * 9}{GOOD}")
 
 
+def test_no_think_block_once_the_prompt_closed_it(worker: Worker, hermes_dir: Path) -> None:
+    """Thinking off: the template writes an empty `<think></think>` into the prompt, so the
+    answer starts at once. A grammar that let a second block through gave
+    `content: ""` and `reasoning_content: "4747"` to a json_object request."""
+    tok = Tokenizer.from_dir(hermes_dir)
+    for kw in ({"guided_json": SCHEMA}, {"tools": [LOOKUP], "tool_choice": "required"}):
+        plan = plan_chat(chat(chat_template_kwargs={"enable_thinking": False}, **kw), tok,
+                         Parsers(reasoning="qwen3", tool_call="hermes"))
+        assert plan.structured is not None
+        good = GOOD if "guided_json" in kw else hermes_call("lookup", {"name": "q"})
+        assert worker.accepts(plan.structured, good)
+        assert not worker.accepts(plan.structured, f"<think>\nhm\n</think>\n\n{good}")
+
+
 @pytest.mark.parametrize("choice,parallel,good,bad", [
     ("required", True, ['lookup', {"name": "q"}], "The answer is 3."),
     ({"type": "function", "function": {"name": "lookup"}}, True, ['lookup', {"name": "q"}],
