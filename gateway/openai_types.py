@@ -288,6 +288,8 @@ def check_sampling(req: _SamplingFields) -> None:
     if isinstance(req, CompletionRequest) and req.echo:
         raise BadRequest("echo is not supported; send echo=false (the prompt is in your "
                          "request)", param="echo")
+    if req.n < 1:
+        raise BadRequest(f"n must be >= 1, got {req.n}", param="n")
     if req.n != 1:
         raise BadRequest("n>1 is not supported; send n=1 (or omit it) and repeat the request",
                          param="n")

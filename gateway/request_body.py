@@ -108,7 +108,7 @@ def _validate(body: bytes, obj: dict[str, Any], cls: type[BaseModel]) -> Any:
 
 
 def validation_error(errors: Any) -> BadRequest:
-    first = errors[0] if errors else {}
+    first = _union_error(errors) if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     where = ".".join(loc) or "body"
     if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
@@ -118,3 +118,70 @@ def validation_error(errors: Any) -> BadRequest:
         return BadRequest(msg, param=loc[0] if loc else None, code="unknown_parameter")
     return BadRequest(f"{where}: {first.get('msg', 'invalid value')}",
                       param=loc[0] if loc else None, code="invalid_value")
+
+
+# A union's member tags in an error's loc, and the JSON kind each member takes.
+_TAG_KINDS = {"str": "string", "int": "number", "float": "number", "bool": "boolean"}
+_KIND_WORDS = {"string": "a string", "number": "a number", "boolean": "a boolean",
+               "array": "an array", "object": "an object", "null": "null"}
+
+
+def _tag_kind(part: Any) -> str | None:
+    """The JSON kind a union member's tag takes (None: `part` is a field name or an index)."""
+    if not isinstance(part, str):
+        return None
+    if part in _TAG_KINDS:
+        return _TAG_KINDS[part]
+    if part.startswith("literal["):
+        return "string"
+    if part.startswith("list["):
+        return "array"
+    if part.startswith("dict[") or part[:1].isupper():  # a mapping, or a model by class name
+        return "object"
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "null")
+
+
+def _shape(tag: str) -> str:
+    if tag.startswith("list["):
+        inner = _shape(tag[5:-1])
+        return "a list of " + ("lists" + inner[6:] if inner.startswith("a list") else
+                               {"a string": "strings", "an integer": "integers"}.get(
+                                   inner, "objects"))
+    if tag == "int":
+        return "an integer"
+    if tag.startswith("literal["):
+        return "one of " + tag[8:-1].replace(",", ", ")
+    return _KIND_WORDS[_TAG_KINDS.get(tag, "object")]
+
+
+def _union_error(errors: Any) -> dict[str, Any]:
+    """The error to report. A union field's errors come one per member, each tagged in its loc
+    (`stop.str`, `tool_choice.literal[...]`): report the member of the JSON kind the client
+    sent, without its tag, or else the shapes the field takes."""
+    first: dict[str, Any] = errors[0]
+    loc = list(first.get("loc", ()))
+    at = next((i for i, p in enumerate(loc) if _tag_kind(p) is not None), None)
+    if at is None:
+        return first
+    prefix = loc[:at]
+    members = [e for e in errors if list(e.get("loc", ()))[:at] == prefix
+               and len(e["loc"]) > at and _tag_kind(e["loc"][at]) is not None]
+    # An error right at the member's tag holds the field's value; a deeper one holds a part.
+    sent = next((_json_kind(e.get("input")) for e in members if len(e["loc"]) == at + 1),
+                "object")
+    same = [e for e in members if _tag_kind(e["loc"][at]) == sent]
+    if same:  # the member that got furthest into the value is the one the client meant
+        e = max(same, key=lambda e: len(e["loc"]))
+        return {**e, "loc": (*prefix, *e["loc"][at + 1:])}
+    shapes = list(dict.fromkeys(_shape(str(e["loc"][at])) for e in members))
+    listed = ", ".join(shapes[:-1]) + " or " + shapes[-1] if len(shapes) > 1 else shapes[0]
+    return {"loc": tuple(prefix), "type": "union",
+            "msg": f"expected {listed}, got {_KIND_WORDS[sent]}"}

@@ -90,3 +90,40 @@ def test_a_value_of_the_wrong_type_is_refused_not_converted(field: str, value: A
 
 def test_an_integer_is_a_number() -> None:
     assert _parse({**CHAT, "temperature": 1, "top_p": 1}).temperature == 1.0
+
+
+LOOKUP = [{"type": "function", "function": {"name": "lookup"}}]
+
+
+@pytest.mark.parametrize("body,want", [
+    ({**CHAT, "stop": 5},
+     "stop: expected a string or a list of strings, got a number"),
+    ({**COMPLETION, "prompt": {"text": "hi"}},
+     "prompt: expected a string, a list of integers, a list of strings or a list of lists of "
+     "integers, got an object"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]},
+     "messages.0.content: expected a string or a list of objects, got a number"),
+    ({**CHAT, "tools": LOOKUP, "tool_choice": "any"},
+     "tool_choice: Input should be 'none', 'auto' or 'required'"),
+    ({**CHAT, "tools": LOOKUP, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": LOOKUP}}},
+     "tool_choice.type: Input should be 'function'"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": "an object"}}},
+     "response_format.json_schema.schema: expected an object or a boolean, got a string"),
+], ids=["stop", "prompt", "content", "tool_choice-str", "tool_choice-obj", "schema"])
+def test_a_union_field_of_the_wrong_shape_names_its_shapes(body: dict[str, Any],
+                                                           want: str) -> None:
+    """A field that takes several shapes: the error speaks of the shape the client sent (its
+    own errors when one shape is of that JSON kind, else the shapes it takes), never of
+    pydantic's member tags (`stop.str:`, `tool_choice.literal['none','auto','required']:`)."""
+    with pytest.raises(BadRequest) as err:
+        _parse(body)
+    assert err.value.message == want
+    assert err.value.param == want.split(".")[0].split(":")[0]
+
+
+def test_n_below_one_is_out_of_range_not_unsupported() -> None:
+    with pytest.raises(BadRequest) as err:
+        _parse({**CHAT, "n": 0})
+    assert err.value.param == "n" and err.value.message == "n must be >= 1, got 0"
