@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTILES = (50, 90, 95, 99)
-# The shortest first-wave window that measures a decode rate, as a share of the wave's median
-# span from first to last token: a stream that stalls and then delivers in a burst moves the
-# window's count by the burst, which a short window would take for a rate.
-MIN_WINDOW = 0.25
+# The shortest first-wave window that measures a decode rate, in steps (the wave's median TPOT,
+# which a stream's bursts do not shorten): a stream that stalls and then delivers in a burst
+# moves the window's count by up to a step's tokens, which a short window would take for a rate.
+MIN_WINDOW_STEPS = 16
 
 
 @dataclass
@@ -63,14 +63,14 @@ def token_latencies(start: float, arrivals: list[tuple[float, int]]) -> tuple[fl
 def wave_decode_rate(results: list[RequestResult]) -> float | None:
     """Output tok/s in the first wave's window (module docstring), or None when there is no
     such window (a failed request, or one that finished before the last first token) or it is
-    shorter than MIN_WINDOW of the wave's median decode span."""
+    shorter than MIN_WINDOW_STEPS."""
     if not results or not all(r.ok and r.arrivals for r in results):
         return None
     end = min(r.arrivals[-1][0] for r in results)  # the first finish
     wave = [r for r in results if r.start_s < end]
     start = max(r.arrivals[0][0] for r in wave)  # every one of them has its first token
-    spans = sorted(r.arrivals[-1][0] - r.arrivals[0][0] for r in wave)
-    if end - start < spans[len(spans) // 2] * MIN_WINDOW:
+    tpots = sorted(r.tpot_s for r in wave)
+    if end - start < tpots[len(tpots) // 2] * MIN_WINDOW_STEPS:
         return None  # a late first token or an early finish: a burst would weigh too much
     tokens = sum(n for r in results for t, n in r.arrivals if start < t <= end)
     return tokens / (end - start)

@@ -263,27 +263,34 @@ def test_itl_is_per_token_from_arrival_times() -> None:
 
 
 def test_decode_rate_counts_the_first_waves_window_only() -> None:
-    """Two requests sent at 0 (the wave) and one sent at their first finish: the window runs
-    from the wave's last first token (t=3) to the first finish (t=7); the third request and
-    every first token lie outside it."""
+    """Two requests sent at 0 (the wave), a token each 0.1 s, and one sent at the first finish:
+    the window runs from the wave's last first token (t=3) to the first finish (t=7); the third
+    request and every first token lie outside it."""
     def done(start: float, arrivals: list[tuple[float, int]]) -> RequestResult:
-        return RequestResult("short", ok=True, start_s=start, arrivals=arrivals)
+        res = RequestResult("short", ok=True, start_s=start, arrivals=arrivals,
+                            output_tokens=sum(n for _, n in arrivals))
+        res.ttft_s, res.itl_s = token_latencies(start, arrivals)
+        res.e2e_s = arrivals[-1][0] - start
+        return res
 
-    a = done(0.0, [(1.0, 1), (2.0, 1), (4.0, 2), (6.0, 1), (7.0, 1)])  # finishes first, at 7
-    b = done(0.0, [(3.0, 1), (5.0, 1), (7.5, 1), (9.0, 1)])
-    c = done(7.0, [(8.0, 1), (8.5, 1)])  # the first finish freed its seat
-    # in (3, 7]: a's 2 + 1 + 1 and b's 1 -> 5 tokens over 4 s
-    assert wave_decode_rate([a, b, c]) == 5 / 4
+    def every_tenth(first: int, last: int) -> list[tuple[float, int]]:  # times in 0.1 s
+        return [(k / 10, 1) for k in range(first, last + 1)]
+
+    a = done(0.0, every_tenth(10, 70))  # finishes first, at 7
+    b = done(0.0, every_tenth(30, 90))
+    c = done(7.0, every_tenth(71, 80))  # the first finish freed its seat
+    # in (3, 7]: 40 tokens of a and 40 of b over 4 s
+    assert wave_decode_rate([a, b, c]) == 80 / 4
     # a wave member's first token after the first finish: no window
-    late = done(0.0, [(7.2, 1)])
+    late = done(0.0, [(7.2, 1), (7.3, 1)])
     assert wave_decode_rate([a, b, late]) is None
     assert wave_decode_rate([a, RequestResult("short", error="x")]) is None
-    # a window under MIN_WINDOW of the median span (here 0.5 s; the spans are 8.9 and 1.1 s): a
-    # burst at its end would read as a rate
+    assert wave_decode_rate([]) is None
+    # a window under MIN_WINDOW_STEPS of the median TPOT (0.5 s against 16 x 0.55 s): the
+    # burst at its end would read as 44 tok/s
     burst = done(0.0, [(0.1, 1), (8.9, 1), (8.95, 20), (9.0, 1)])
     slow = done(0.0, [(8.5, 1), (9.1, 1), (9.6, 1)])
     assert wave_decode_rate([burst, slow]) is None
-    assert wave_decode_rate([]) is None
 
 
 def test_a_sweep_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
