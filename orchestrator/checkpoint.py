@@ -235,6 +235,6 @@ def check_drafter(cluster: ClusterConfig, path: Path, arch: ArchConfig) -> None:
     dp = max((rc.parallel.dp_size for _, rc in cluster.roles.present()), default=1)
     try:
         drafter.check_drafter(spec.method, arch, path, Path(spec.drafter_path(str(path))),
-                              cluster.model.context_len(arch.max_position_embeddings), dp)
+                              cluster.model.context_len(arch.context_limit), dp)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None

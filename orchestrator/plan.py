@@ -32,6 +32,7 @@ from orchestrator.rank_map import (
 )
 from orchestrator.weights import WeightBytes, weight_bytes
 from orchestrator.worker_config import device_for, dist_init_addr, worker_config
+from worker.arch.hf_config import context_limit
 from worker.config import ConfigError, SpeculativeConfig, WorkerConfig
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
@@ -270,7 +271,7 @@ def _check_shapes(role: str, rc: RoleConfig, hf: dict[str, Any]) -> None:
 
 def _max_model_len(wc: WorkerConfig, hf: dict[str, Any]) -> int:
     """The context a role's requests may reach, from config.json (the worker's formula)."""
-    return wc.model.context_len(int(hf.get("max_position_embeddings") or 0))
+    return wc.model.context_len(context_limit(hf))  # RoPE scaling extends it
 
 
 def _check_step_budget(cluster: ClusterConfig, role: str, hf: dict[str, Any]) -> None:

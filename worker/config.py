@@ -33,7 +33,7 @@ class ModelConfig:
     served_model_name: str = ""  # "" = the directory's name
     dtype: DType = "auto"  # auto = the checkpoint's torch_dtype (float32 on CPU if it is float16)
     load_format: LoadFormat = "auto"  # dummy = random weights at the checkpoint's real shapes
-    max_model_len: int = 0  # 0 = the checkpoint's max_position_embeddings
+    max_model_len: int = 0  # 0 = the checkpoint's context (ModelSpec.max_position_embeddings)
     seed: int = 0  # seed for dummy weights
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches kernels one by one)
     # CUDA, dense models: steps with prefill chunks replay graphs around eager attention

@@ -96,9 +96,12 @@ def _check_draft(target: ArchConfig, target_dir: Path, drafter_dir: Path, max_le
                           "model")
     _check_geometry(source, target, vocab_size=draft.vocab_size,
                     num_key_value_heads=draft.num_kv_heads, head_dim=draft.head_dim)
-    if draft.max_position_embeddings and draft.max_position_embeddings < max_len:
+    if draft.context_limit and draft.context_limit < max_len:
+        scaled = (f" ({draft.context_limit} with its RoPE scaling)"
+                  if draft.context_limit != draft.max_position_embeddings else "")
         raise ConfigError(f"speculative.model: {source} max_position_embeddings "
-                          f"{draft.max_position_embeddings} < the target's context {max_len}; "
+                          f"{draft.max_position_embeddings}{scaled} < the target's context "
+                          f"{max_len}; "
                           "lower model.max_model_len or train the draft longer")
     _check_tokenizer(drafter_dir, target_dir)
 

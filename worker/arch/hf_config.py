@@ -97,6 +97,12 @@ class ArchConfig:
         return int(mla.latent_dim) if mla is not None else 0
 
     @property
+    def context_limit(self) -> int:
+        """The longest context the checkpoint serves (0 = no limit): see `scaled_context`."""
+        return scaled_context(self.max_position_embeddings, self.rope.rope_type, self.rope.factor,
+                              self.rope.original_max_position_embeddings)
+
+    @property
     def sliding_window(self) -> int | None:
         windows = {w for w in self.layer_windows if w is not None}
         return max(windows) if windows else None
@@ -179,6 +185,34 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def scaled_context(max_pos: int, rope_type: str, factor: float, original: int) -> int:
+    """max_position_embeddings extended by the RoPE scaling, as vLLM derives max_model_len:
+    linear and dynamic NTK scale it by `factor`, YaRN scales `original_max_position_embeddings`;
+    llama3's max_position_embeddings already counts its extension. Never below max_pos (a YaRN
+    config whose max_position_embeddings is already the extended length keeps it); 0 = none."""
+    if not max_pos:
+        return 0
+    if rope_type in ("linear", "dynamic"):
+        return max(max_pos, int(max_pos * factor))
+    if rope_type == "yarn":
+        return max(max_pos, int((original or max_pos) * factor))
+    return max_pos
+
+
+def context_limit(cfg: dict[str, Any]) -> int:
+    """`ArchConfig.context_limit` of a raw config.json (`tandem plan` reads shapes without a
+    family parser): the same rule over the same fields, both RoPE spellings."""
+    max_pos = int(cfg.get("max_position_embeddings") or 0)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings") or max_pos)
+    factor = params.get("factor")
+    if factor is None:  # parse_rope's yarn fallback: the ratio the config implies (no extension)
+        factor = max_pos / original if rope_type == "yarn" and original else 1.0
+    return scaled_context(max_pos, rope_type, float(factor), original)
 
 
 # transformers' Llama and Qwen3-Next attend to every earlier token: a `sliding_window` in their

@@ -24,6 +24,8 @@ class ModelSpec:
     num_kv_heads: int  # KV heads in the whole model
     head_dim: int
     vocab_size: int
+    # the longest context the checkpoint serves: config.json's max_position_embeddings,
+    # extended by its RoPE scaling (worker/arch/hf_config.py scaled_context)
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's (deduplicated)
     # the dtype the weights compute in (the KV cache's too unless kv_cache_dtype is set)

@@ -389,7 +389,7 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_position_embeddings,
+        max_position_embeddings=arch.context_limit,  # extended by its RoPE scaling
         eos_token_ids=arch.eos_token_ids,
         dtype=dtype,
         fingerprint=fp,
