@@ -212,14 +212,17 @@ class GenerationHandler:
         if bad_stop is not None:
             raise BadRequest(f"stop_token_ids: {bad_stop} is outside the vocabulary "
                              f"[0, {vocab})", param="stop_token_ids")
-        if req.seed is not None and not 0 <= req.seed < 2**64:
-            raise BadRequest(f"seed must be in [0, 2**64), got {req.seed}", param="seed")
+        seed = req.seed
+        if seed is not None:  # OpenAI's range is int64's (vLLM's too); ids up to 2**64 also fit
+            if not -(2**63) <= seed < 2**64:
+                raise BadRequest(f"seed must be in [-2**63, 2**64), got {seed}", param="seed")
+            seed &= 2**64 - 1  # the wire's uint64: a negative seed as its two's complement
         top = req.num_top_logprobs()
         bias = logit_bias_ids(req, vocab)
         params = tandem_pb2.SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=max(req.top_k, 0), top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            min_p=req.min_p, seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
             top_logprobs=max(top, 0), logprobs=top >= 0,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,

@@ -96,7 +96,7 @@ BAD_FIELDS: list[tuple[str, dict[str, object]]] = [
     ("min-p-two", {"min_p": 2}),
     ("n-five", {"n": 5}),
     ("seed-huge", {"seed": 2**80}),
-    ("seed-negative", {"seed": -3}),
+    ("seed-below-int64", {"seed": -(2**63) - 1}),  # OpenAI's seed is int64: -3 is a seed
     ("logprobs-absurd", {"logprobs": 1000}),
     ("presence-penalty-absurd", {"presence_penalty": 1e9}),
     ("repetition-penalty-negative", {"repetition_penalty": -1}),

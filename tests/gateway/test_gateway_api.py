@@ -92,6 +92,20 @@ async def test_sampling_fields_reach_worker(tok_dir):
         assert r.status_code == 200 and w.requests[1].sampling.max_tokens == 61
 
 
+async def test_seeds_in_openais_signed_range_reach_the_worker_as_their_64_bits(tok_dir):
+    """OpenAI's seed is a signed 64-bit integer (vLLM takes the same range); the wire's is
+    unsigned: a negative seed travels as its two's complement, the same 64 bits."""
+    w = ScriptedWorker(script=script_for(tok_dir, "hi"))
+    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
+        for seed, wire in ((-1, 2**64 - 1), (-(2**63), 2**63), (2**64 - 1, 2**64 - 1)):
+            r = await c.post("/v1/completions", json={"prompt": [5], "seed": seed})
+            assert r.status_code == 200, r.text
+            assert w.requests[-1].sampling.seed == wire
+        for seed in (-(2**63) - 1, 2**64):
+            r = await c.post("/v1/completions", json={"prompt": [5], "seed": seed})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
 async def test_chat_json_and_template(tok_dir):
     w = ScriptedWorker(script=script_for(tok_dir, "hello", finish_reason="stop"))
     async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,))) as c:
