@@ -304,13 +304,14 @@ def test_engine_tp2_equals_transformers_when_the_window_never_slides(
 ) -> None:
     """A TP=2 engine (rank 1 a spawned process) with MoE TP (ep 1) or EP=2: greedy tokens equal
     transformers'. Multi-rank workers refuse window rings, so the window here reaches the whole
-    context (max_position_embeddings = window): the sliding layers stay in masked full pages."""
+    context (max_model_len = window; its yarn rope would serve 4x): the sliding layers stay in
+    masked full pages."""
     from worker.config import CacheConfig, SchedulerConfig, WorkerConfig
 
     hf = build_gpt_oss_checkpoint(tmp_path, sliding_window=64, max_position_embeddings=64)
     engine = Engine(
         WorkerConfig(
-            model=ModelConfig(path=str(tmp_path), dtype="float32"),
+            model=ModelConfig(path=str(tmp_path), dtype="float32", max_model_len=64),
             cache=CacheConfig(page_size=4, num_pages=128),
             scheduler=SchedulerConfig(max_num_seqs=8, chunked_prefill_size=16),
             parallel=ParallelConfig(tp_size=2, ep_size=ep),
