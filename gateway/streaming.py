@@ -30,13 +30,14 @@ from gateway.metrics import TokenClock
 from gateway.openai_responses import UsageCounts
 from gateway.output import OutputAssembler
 from gateway.session import Output, Push
+from protocol import tandem_pb2
 
 
 class StreamEvents:
     """The events of one streamed /v1/completions or /v1/chat/completions response."""
 
     __slots__ = ("_out", "_chat_out", "_chat", "_completion", "_clock", "_text_pos",
-                 "_first_chunk", "direct")
+                 "_first_chunk", "_lp_sent", "_ids_sent", "direct")
 
     def __init__(self, request_id: str, model: str, out: OutputAssembler,
                  chat_out: ChatOutput | None, clock: TokenClock) -> None:
@@ -50,6 +51,11 @@ class StreamEvents:
         self._clock = clock
         self._text_pos = 0  # completions' logprobs text_offset
         self._first_chunk = True  # the first completion chunk carries prompt_token_ids
+        # How many of the output's logprobs / token ids are out: the assembler's lists, not
+        # each message's, so a held-back token's logprob rides on a later chunk and a token
+        # past a stop string (trimmed there) is never sent.
+        self._lp_sent = 0
+        self._ids_sent = 0
         self.direct: DirectChunks | None = None  # the client's connection, once it started
 
     def attach(self, direct: DirectChunks) -> None:
@@ -71,9 +77,11 @@ class StreamEvents:
             return self._chat_events(self._chat, msg)
         assert self._completion is not None
         out = self._out
-        lp_entries = msg.logprobs if out.want_logprobs else None
         text = out.add(msg)
-        ids = list(msg.token_ids) if out.return_token_ids else None
+        lp_entries = self._new_logprobs()
+        ids = None
+        if out.return_token_ids:
+            ids, self._ids_sent = out.token_ids[self._ids_sent:], len(out.token_ids)
         events = []
         if text or out.finished or lp_entries or ids:
             lp = out.completion_logprobs(lp_entries, self._text_pos) if lp_entries else None
@@ -95,14 +103,21 @@ class StreamEvents:
         if out.finished:
             deltas += chat_out.finish().delta_json()
         finish = chat_out.finish_reason(out.finish_reason)
-        lp = out.chat_logprobs(msg.logprobs) if out.want_logprobs and msg.logprobs else None
-        if not (deltas or out.finished or lp):
-            return []
+        if not (deltas or out.finished):
+            return []  # its logprobs wait for the chunk that carries its text
+        entries = self._new_logprobs()
+        lp = out.chat_logprobs(entries) if entries else None
         if finish is not None:
             deltas = [*deltas, EMPTY_DELTA]
         last = len(deltas) - 1
         return [events.delta(d, finish if i == last else None, lp if i == 0 else None)
                 for i, d in enumerate(deltas)]
+
+    def _new_logprobs(self) -> list[tandem_pb2.TokenLogprob]:
+        """The output's logprobs not sent yet (none when logprobs are off)."""
+        logprobs = self._out.logprobs
+        entries, self._lp_sent = logprobs[self._lp_sent:], len(logprobs)
+        return entries
 
     def usage(self, usage: UsageCounts) -> bytes:
         events = self._chat or self._completion
