@@ -4,7 +4,7 @@
 #   PD_SLURM=1 (default here): one role per node, node count from the plan (`tandem plan`).
 #   PD_SLURM=0: the single-node smoke topology on one node.
 #   DISAGGREGATION_IB_DEVICE: RDMA device(s) for the transfer backend; passed through to every task.
-# Prints the job's output (and the run's artifact directory) when it ends.
+# Prints the job's output as it runs (and the run's artifact directory when it ends).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$(readlink -f "$0")")/../.." && pwd)
 [[ $# -ge 1 ]] || { echo "usage: $0 JOB.yaml [--set key=value ...]" >&2; exit 2; }
@@ -32,7 +32,15 @@ trap 'scancel "$JOBID" 2>/dev/null' INT TERM   # Ctrl-C here cancels the job too
 # Wait ourselves (sbatch --wait backs off to polls seconds apart): the job's record holds its
 # state and exit code until MinJobAge; no accounting database is needed.
 field() { scontrol show job -o "$JOBID" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+# The job's output as it comes (a serving job's `ready:` line tells where it serves), whole
+# lines only; the rest once it has ended.
+shown=0
+show() {
+  local n; n=$(wc -l <"$OUT" 2>/dev/null) || return 0
+  if ((n > shown)); then sed -n "$((shown + 1)),${n}p" "$OUT"; shown=$n; fi
+}
 while :; do
+  show
   state=$(field JobState)
   case $state in
     PENDING|CONFIGURING|RUNNING|COMPLETING|SUSPENDED|"") sleep 0.5 ;;
@@ -41,7 +49,7 @@ while :; do
 done
 code=$(field ExitCode); rc=${code%%:*}
 [[ $state == COMPLETED || $rc != 0 ]] || rc=1   # CANCELLED / TIMEOUT / NODE_FAIL with exit 0
-cat "$OUT" 2>/dev/null || echo "(no job output at $OUT)"
+if [[ -f $OUT ]]; then tail -n "+$((shown + 1))" "$OUT"; else echo "(no job output at $OUT)"; fi
 echo "submit: job $JOBID $state"
 echo "submit: job finished with exit $rc; artifacts in $ART"
 exit "$rc"

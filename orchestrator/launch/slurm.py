@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO
 
 from orchestrator.config import ClusterConfig, dial_address, dump_config, resolve_config_path
+from orchestrator.config_checks import WILDCARD_HOSTS
 from orchestrator.launch.local import (
     cluster_specs,
     expected_identity,
@@ -281,27 +282,30 @@ def _run_node(
             publish(run_dir / "done.json", {"status": 1})
             workers.stop()
             return 1
-        publish(
-            run_dir / "ready" / "lb.json",
-            {"node": 0, "url": f"http://127.0.0.1:{cluster.gateway.port}"},
-        )
-        print(
-            f"{clock()} ready: http://{dial_address(cluster.gateway.host, cluster.gateway.port)}",
-            file=out,
-            flush=True,
-        )
+        url = gateway_url(cluster.gateway.host, cluster.gateway.port, env.nodes[0])
+        publish(run_dir / "ready" / "lb.json", {"node": 0, "url": url.split()[0]})
+        print(f"{clock()} ready: {url}", file=out, flush=True)
+        code = 1  # what done.json says if the gate or the serving loop raises
         try:
-            code = (
-                run_gate(cluster, out, err)
-                if launcher.eval_on_ready
-                else _serve_forever(workers, gateway)
-            )
-            print(f"{clock()} gate done: exit {code}", file=out, flush=True)
+            if launcher.eval_on_ready:
+                code = run_gate(cluster, out, err)
+                print(f"{clock()} gate done: exit {code}", file=out, flush=True)
+            else:
+                code = _serve_forever(workers, gateway)
+                print(f"{clock()} stopped: exit {code}", file=out, flush=True)
         finally:
-            publish(run_dir / "done.json", {"status": 0})
+            publish(run_dir / "done.json", {"status": code})
             gateway.stop()
             workers.stop()
     return code
+
+
+def gateway_url(host: str, port: int, node: str) -> str:
+    """Where node 0's gateway is reached: a wildcard bind by the node's name (from the submit
+    host too); any other host as it is, with the node it is on (127.0.0.1 is node 0's own)."""
+    if host in WILDCARD_HOSTS:
+        return f"http://{node}:{port}"
+    return f"http://{host}:{port} (on {node}; gateway.host=0.0.0.0 serves other hosts)"
 
 
 def _serve_forever(workers: LocalCluster, gateway: LocalCluster) -> int:

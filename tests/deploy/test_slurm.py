@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -212,3 +214,68 @@ def test_multi_node_tp2_worker_serves(slurm_cluster: None, model_dir: Path, tmp_
     run_dir = next(d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job"))
     assert (run_dir / "both.node1.log").stat().st_size > 0  # the follower rank ran on node 1
     assert rc == (0 if real_model_present() else 1), out
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_failed_gate_is_the_jobs_result_and_done_json_says_so(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path
+) -> None:
+    """Random weights fail the gate: exit 1, and done.json (what a CI reader of the artifacts
+    sees) says 1 too. A gateway bound to every address is announced by node 0's name."""
+    rc, out, _ = submit(
+        GATE_JOB, tmp_path, "--set", f"model.path={model_dir}", "--set", "model.load_format=dummy",
+        "--set", "eval.samples=4", "--set", "gateway.host=0.0.0.0",
+    )
+    print(out)
+    assert rc == 1 and "FAIL: accuracy" in out and "gate done: exit 1" in out, out
+    assert "ready: http://n1:8000\n" in out, out  # not 127.0.0.1: that is node 0's own loopback
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
+    assert json.loads((run_dir / "done.json").read_text()) == {"status": 1}
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_serving_job_answers_from_outside_and_stops_clean_when_cancelled(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path
+) -> None:
+    """No gate: submit.sh shows where the job serves while it serves, a client on the submit
+    host is answered, and Ctrl-C (here SIGTERM: a background process ignores SIGINT) cancels
+    the job, which stops every process it started."""
+    sets = ["--set", f"launcher.artifact_dir={tmp_path}", "--set", f"model.path={model_dir}",
+            "--set", "launcher.eval_on_ready=false", "--set", "gateway.host=0.0.0.0"]
+    proc = subprocess.Popen(["bash", str(SUBMIT), str(GATE_JOB), *sets], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, "PD_SLURM": "1"})
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "ready: http://" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:  # the job serves until cancelled: its ready line must come while it runs
+        assert ready.wait(120), "".join(seen)
+        assert any(s.rstrip().endswith("ready: http://n1:8000") for s in seen), seen
+        body = json.dumps({"prompt": "a=12;b=34;\na?", "max_tokens": 4, "temperature": 0})
+        req = urllib.request.Request("http://n1:8000/v1/completions", body.encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()  # submit.sh's trap cancels the job
+        proc.wait(timeout=60)
+        reader.join(10)
+    out = "".join(seen)
+    print(out)
+    assert "stopped: exit 0" in out and "gate done" not in out, out  # no gate ran
+    assert proc.returncode == 1 and "CANCELLED" in out, out
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
+    assert json.loads((run_dir / "done.json").read_text()) == {"status": 0}
+    left = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    assert str(run_dir) not in left, left  # no worker or gateway of the job survives it
