@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from worker.sampling import SamplingParams
@@ -77,10 +78,41 @@ class TokenMask(Protocol):
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The per-request generator the engine keeps for a request's whole life (None = global RNG)."""
+    """The per-request generator the engine keeps for a request's whole life (None = global RNG).
+
+    Every bit of the 64-bit seed counts, on every device (prefill and decode derive the same
+    state from the seed, so PD draws what mono draws):
+    - CUDA: Philox keys on the whole 64-bit seed (`manual_seed`).
+    - CPU: torch's mt19937 keeps only the seed's low 32 bits (`manual_seed(2**62)` and
+      `manual_seed(2**63)` draw the same stream). A seed below 2**32 keeps torch's own stream;
+      a larger one gets the mt19937 state of `init_by_array([seed & 0xffffffff, seed >> 32])`
+      (MT19937's reference seeding for a longer key; numpy's `RandomState([lo, hi])`).
+    """
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device)
+    if gen.device.type != "cpu" or seed < 2**32:
+        return gen.manual_seed(seed)
+    gen.set_state(_mt19937_state(seed))
+    return gen
+
+
+# torch's CPU generator state (CPUGeneratorImplStateLegacy): the_initial_seed u64, left i32,
+# seeded i32, next u64, then the 624 mt19937 words as u64 each, then the normal caches.
+_MT_WORDS_AT = 24
+
+
+def _mt19937_state(seed: int) -> torch.Tensor:
+    """A CPU generator's state seeded by init_by_array with the seed's two 32-bit halves."""
+    key = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
+    mt = np.random.RandomState(key).get_state(legacy=False)["state"]
+    words = np.asarray(mt["key"]).astype("<u8")  # 624 words; pos 624: regenerate first
+    state = torch.Generator().manual_seed(0).get_state().numpy().copy()  # uint8 [5056]
+    head = np.array([seed], dtype="<u8").tobytes() + np.array([1, 1], dtype="<i4").tobytes()
+    state[:16] = np.frombuffer(head, dtype=np.uint8)  # initial seed, left=1 (regenerate), seeded
+    state[16:24] = 0  # next
+    state[_MT_WORDS_AT:_MT_WORDS_AT + 624 * 8] = np.frombuffer(words.tobytes(), dtype=np.uint8)
+    return torch.from_numpy(state)
 
 
 def skip_draw(generator: torch.Generator, vocab_size: int) -> None:

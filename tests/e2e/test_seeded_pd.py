@@ -32,7 +32,7 @@ def _params(seed: int) -> SamplingParams:
 @pytest.mark.parametrize("spec", ["none", "ngram"])
 def test_seeded_sampling_pd_equals_mono(tmp_path: Path, spec: str) -> None:
     build_tiny_checkpoint(tmp_path, "qwen3", seed=3)  # random weights: flat next-token odds
-    seeds = (1, 7, 12345)
+    seeds = (1, 7, 12345, 2**63 + 12345)  # the last: a CPU generator seeded past 32 bits
 
     def config(role: str) -> WorkerConfig:
         return dataclasses.replace(_config(tmp_path, role),

@@ -80,6 +80,48 @@ def test_seeded_samples_do_not_depend_on_batch_composition() -> None:
     assert stream(5) == stream(5) and stream(5) != stream(6)
 
 
+def _stream(seed: int, device: str = "cpu", n: int = 24) -> list[int]:
+    """n tokens drawn from a flat distribution with the seed's generator."""
+    g = make_generator(seed, device)
+    p = SamplingParams(temperature=1.0, seed=seed)
+    flat = torch.zeros(1, V, device=device)
+    return [Sampler().sample(flat, [p], [g], [[]], [0], EOS).token_ids[0] for _ in range(n)]
+
+
+# Seeds that differ only above bit 31, or only in bit 63 (a negative seed's two's complement).
+HIGH_SEEDS = (2**62, 2**63, 2**32 + 5, 5, 2**64 - 1, 2**32 - 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_seeds_differing_above_bit_31_draw_different_streams(device: str) -> None:
+    """torch's CPU generator keeps only a seed's low 32 bits: 2**62 and 2**63 drew the same
+    tokens. make_generator folds the high bits in, on every device; the same seed still
+    draws the same stream, and a seed below 2**32 keeps torch's own stream."""
+    streams = [_stream(s, device) for s in HIGH_SEEDS]
+    assert len({tuple(t) for t in streams}) == len(HIGH_SEEDS)
+    assert _stream(2**63 + 9, device) == _stream(2**63 + 9, device)
+    torch_own = torch.Generator(device=device).manual_seed(77)
+    flat = torch.zeros(1, V, device=device)
+    p = SamplingParams(temperature=1.0, seed=77)
+    want = [Sampler().sample(flat, [p], [torch_own], [[]], [0], EOS).token_ids[0]
+            for _ in range(24)]
+    assert _stream(77, device) == want
+
+
+def test_skip_draw_with_a_high_seed() -> None:
+    """A decode worker's generator for a seed past 32 bits skips prefill's draw as for any."""
+    g = make_generator(2**63 + 3)
+    assert g is not None
+    skip_draw(g, V)
+    assert _stream(2**63 + 3)[1:] == [_draw(g) for _ in range(23)]
+
+
+def _draw(g: torch.Generator) -> int:
+    p = SamplingParams(temperature=1.0, seed=1)
+    return Sampler().sample(torch.zeros(1, V), [p], [g], [[]], [0], EOS).token_ids[0]
+
+
 def _skip_draw_matches(device: str, vocab: int, top_k: int) -> None:
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)).to(device) * 3
     p = SamplingParams(temperature=1.0, seed=9, top_k=top_k)
