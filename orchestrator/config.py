@@ -34,6 +34,7 @@ from orchestrator.config_checks import (
     validate_ports,
     validate_roles,
 )
+from orchestrator.config_yaml import read_yaml
 from orchestrator.hub import (
     HubModelError,
     looks_like_repo_id,
@@ -351,13 +352,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ClusterConfigError(
             f"config file {str(p)!r} {what}; pass --config PATH (e.g. {DEFAULT_CONFIG})"
         )
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:  # one line: where, and what (PyYAML's text spans several)
-        mark = getattr(exc, "problem_mark", None)
-        at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ClusterConfigError(f"{at}: not valid YAML: {what}") from None
+    data = read_yaml(p) or {}
     if not isinstance(data, dict):
         raise ClusterConfigError(
             f"{p}: the top level must be a mapping of sections (model, roles, ...)"
