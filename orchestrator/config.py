@@ -20,6 +20,7 @@ config types of the other packages, never their internals.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -311,29 +312,69 @@ def _resolve_model_path(model: ModelConfig) -> ModelConfig:
     return model
 
 
+def _build(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> ClusterConfig:
+    """The validated tree of `data` with `overrides` applied; SchemaError or ClusterConfigError."""
+    data = _deep_copy(data)
+    for text in overrides:
+        keys, value = parse_override(text, ClusterConfig)
+        apply_override(data, keys, value)
+    _merge_role_sections(data)
+    cluster: ClusterConfig = build(ClusterConfig, data)
+    cluster = dataclasses.replace(cluster, model=_resolve_model_path(cluster.model))
+    cluster.validate()
+    return cluster
+
+
+def _key_of(override: str) -> str:
+    return override.partition("=")[0].strip()
+
+
+def _in_force(overrides: list[str]) -> list[str]:
+    """The last override of each key (the one whose value the config holds), in order."""
+    last = {_key_of(t): i for i, t in enumerate(overrides)}
+    return [t for i, t in enumerate(overrides) if last[_key_of(t)] == i]
+
+
+def _names_key(message: str, key: str) -> bool:
+    """The error message names the dotted key (or a field under it)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message) is not None
+
+
+def _culprits(data: dict[str, Any], overrides: list[str] | tuple[str, ...], message: str,
+              ) -> list[str]:
+    """The --set lines to blame for a rule the config breaks: those whose key the message
+    names, else each one without which the config is valid; [] = the file's own doing."""
+    named = [t for t in overrides if _names_key(message, _key_of(t))]
+    if named:
+        return named
+    blamed = []
+    for i, text in enumerate(overrides):
+        try:
+            _build(data, [*overrides[:i], *overrides[i + 1:]])
+        except (SchemaError, ClusterConfigError):
+            continue
+        blamed.append(text)
+    return blamed
+
+
 def config_from_dict(
     data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), source: str = ""
 ) -> ClusterConfig:
-    """Build and validate a ClusterConfig from a YAML-shaped mapping plus `a.b=c` overrides."""
-    data = _deep_copy(data)
-    given: dict[str, str] = {}  # dotted key -> the --set text that gave it
+    """Build and validate a ClusterConfig from a YAML-shaped mapping plus `a.b=c` overrides.
+
+    An error names where it comes from: the `--set` that caused it, else `source` (the file)."""
     try:
-        for text in overrides:
-            keys, value = parse_override(text, ClusterConfig)
-            apply_override(data, keys, value)
-            given[".".join(keys)] = text
-        _merge_role_sections(data)
-        cluster: ClusterConfig = build(ClusterConfig, data)
+        return _build(data, overrides)
     except SchemaError as exc:
-        culprit = next((t for k, t in given.items() if str(exc).startswith(f"{k}:")), None)
-        where = f"--set {culprit!r}" if culprit is not None else source
-        raise ClusterConfigError(f"{where}: {exc}" if where else str(exc)) from None
-    cluster = dataclasses.replace(cluster, model=_resolve_model_path(cluster.model))
-    try:
-        cluster.validate()
+        message = str(exc)
+        if message.startswith("--set "):  # a malformed --set names itself
+            raise ClusterConfigError(message) from None
+        culprits = [t for t in overrides if message.startswith(f"{_key_of(t)}:")]
     except ClusterConfigError as exc:
-        raise ClusterConfigError(f"{source}: {exc}" if source else str(exc)) from None
-    return cluster
+        message = str(exc)
+        culprits = _culprits(data, overrides, message)
+    where = ", ".join(f"--set {t!r}" for t in _in_force(culprits)) or source
+    raise ClusterConfigError(f"{where}: {message}" if where else message) from None
 
 
 def _deep_copy(data: Any) -> Any:

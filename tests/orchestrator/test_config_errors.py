@@ -65,3 +65,31 @@ def test_same_key_in_different_sections_and_yaml_merge_keys_are_fine(tmp_path: P
     c = load_config(p)
     assert c.roles.decode is not None and c.roles.decode.base_port == 52000
     assert c.gateway.port == 8001
+
+
+def test_a_set_that_breaks_a_rule_is_named_not_the_file() -> None:
+    msg = error_of(TINY, ["roles.decode.count=0"])
+    assert msg.startswith("--set 'roles.decode.count=0': roles.decode.count must be >= 1"), msg
+    assert str(TINY) not in msg
+    # A cross-field rule the message words otherwise: the --set whose removal fixes it.
+    msg = error_of(TINY, ["launcher.kind=local", "roles.prefill.base_port=8000"])
+    assert msg.startswith("--set 'roles.prefill.base_port=8000': port collision"), msg
+    # A rule two --set break together: both named.
+    msg = error_of(TINY, ["gateway.api_key=k", "gateway.admin_key=k"])
+    assert msg.startswith("--set 'gateway.api_key=k', --set 'gateway.admin_key=k': "), msg
+
+
+def test_a_rule_the_file_breaks_still_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "x.yaml"
+    p.write_text("roles:\n  prefill: {count: 0}\n  decode: {}\n")
+    # --set of an unrelated key: the file is to blame.
+    msg = error_of(p, ["gateway.port=8100"])
+    assert msg.startswith(f"{p}: roles.prefill.count must be >= 1"), msg
+    # A --set that cannot fix it, on the same section: still the file.
+    msg = error_of(p, ["roles.prefill.num_threads=1"])
+    assert msg.startswith(f"{p}: roles.prefill.count must be >= 1"), msg
+
+
+def test_a_bad_set_key_names_the_set_only() -> None:
+    msg = error_of(TINY, ["roles.decode.cout=2"])
+    assert msg.startswith("--set 'roles.decode.cout=2': unknown key 'cout'"), msg
