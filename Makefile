@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONFIG ?= configs/tiny-1p1d.yaml
+PORT ?=
+ARGS ?=
 STAMP := $(VENV)/.installed
 # pytest-xdist processes for `make test`: most tests wait on clusters of subprocesses, so two
 # keep both cores of the dev box busy (whole modules per process: their clusters are shared),
@@ -33,8 +35,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 	@$(SELECT) --check-stamp $(STAMP)
 
+# `make serve PORT=8100` beside a cluster on 8000; ARGS= passes any other flag of `tandem serve`
+# (e.g. ARGS="--set transfer.backend=nixl --api-key k").
 serve: $(STAMP)
-	$(VENV)/bin/tandem serve --config $(CONFIG)
+	$(VENV)/bin/tandem serve --config $(CONFIG)$(if $(PORT), --port $(PORT)) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
