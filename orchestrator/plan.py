@@ -33,6 +33,7 @@ from orchestrator.rank_map import (
 from orchestrator.weights import WeightBytes, weight_bytes
 from orchestrator.worker_config import device_for, dist_init_addr, worker_config
 from worker.arch.hf_config import context_limit
+from worker.arch.load import config_dtype
 from worker.config import ConfigError, SpeculativeConfig, WorkerConfig
 
 # Bytes per element of the dtypes a checkpoint's config.json may name.
@@ -99,7 +100,7 @@ def drafter_kv_layers(speculative: SpeculativeConfig, model_path: str) -> int:
 def _kv_dtype(cluster: ClusterConfig, hf: dict[str, Any]) -> str:
     if cluster.model.dtype != "auto":
         return cluster.model.dtype
-    name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    name = (config_dtype(hf, Path(cluster.model.path)) or "float32").replace("torch.", "")
     # worker/config.py: auto on CPU runs a float16 checkpoint in float32
     # (fp16 matmuls are slow there).
     return "float32" if name in ("float16", "half") else name

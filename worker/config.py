@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "models/tandem-arith"  # HF-format directory (config.json, *.safetensors, tokenizer)
     served_model_name: str = ""  # "" = the directory's name
-    dtype: DType = "auto"  # auto = the checkpoint's torch_dtype (float32 on CPU if it is float16)
+    dtype: DType = "auto"  # auto = the checkpoint's (arch/load.py config_dtype); fp16 on CPU: fp32
     load_format: LoadFormat = "auto"  # dummy = random weights at the checkpoint's real shapes
     max_model_len: int = 0  # 0 = the checkpoint's context (ModelSpec.max_position_embeddings)
     seed: int = 0  # seed for dummy weights

@@ -40,6 +40,35 @@ def read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
 
 
+# safetensors header dtype names of the floating dtypes a checkpoint is served in
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def config_dtype(cfg: dict[str, Any], path: Path) -> str | None:
+    """The dtype config.json declares, as transformers reads it: `dtype`, else `torch_dtype`;
+    neither (an older or hand-written config), the floating dtype most of the checkpoint's
+    safetensors hold (transformers and vLLM fall back to the weights too). None when there is
+    nothing to read (a shape-only directory)."""
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    if named:
+        return str(named)
+    counts: dict[str, int] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else 0
+            try:
+                header = json.loads(fh.read(n)) if 0 < n <= 100 << 20 else {}
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                header = {}  # the checkpoint checks name a broken file; nothing to read here
+        entries = header.values() if isinstance(header, dict) else ()
+        for entry in (e for e in entries if isinstance(e, dict)):  # __metadata__: no dtype
+            name = _SAFETENSORS_DTYPES.get(str(entry.get("dtype")))
+            if name:
+                counts[name] = counts.get(name, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None
+
+
 def load_arch_config(path: Path) -> ArchConfig:
     if not path.is_dir():
         raise ModelLoadError(
@@ -48,6 +77,9 @@ def load_arch_config(path: Path) -> ArchConfig:
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
     cfg = read_json(path / "config.json")
+    dtype = config_dtype(cfg, path) if isinstance(cfg, dict) else None
+    if dtype and not (cfg.get("dtype") or cfg.get("torch_dtype")):
+        cfg = {**cfg, "dtype": dtype}  # what the weights hold: the parsers read `dtype`
     archs = cfg.get("architectures") or []
     parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
     return parse(cfg, gen, source=str(path / "config.json"))
