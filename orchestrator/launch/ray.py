@@ -14,7 +14,8 @@ Lifecycle (`tandem launch` with launcher.kind=ray, run on the head node):
   5. With launcher.eval_on_ready: run the eval gate, then stop and return its status. Else serve
      until SIGINT/SIGTERM or a worker's exit.
   6. Stop: the gateway, then every actor's worker (SIGTERM, SIGKILL after the grace), then
-     the placement groups; a local Ray instance is shut down.
+     the placement groups; a local Ray instance is shut down. Once it was ready it prints what
+     it stopped, with exit codes, as the local launcher does (`stopped: lb (0), ...`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import REPO_ROOT, ClusterConfig, dial_address, dump_config
+from orchestrator.launch.describe import stopped_line
 from orchestrator.launch.local import (
     cluster_specs,
     expected_identity,
@@ -271,6 +273,8 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
     local = _connect(cluster)
     replicas: list[_Replica] = []
     gateway: LocalCluster | None = None
+    stopped: list[str] = []  # `name (exit code)` of what the shutdown stopped, in order
+    ready = False  # the ready line was printed: the stopped line follows it
     try:
         replicas = _place(cluster, launcher.ready_timeout_s)
         resolved = _resolve(cluster, replicas)
@@ -291,6 +295,7 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
         )
         with stop_on_signals(gateway):
             gateway.start()
+            ready = True
             gw = cluster.gateway
             print(
                 f"[{time.monotonic() - t0:6.1f}s] ready: http://{dial_address(gw.host, gw.port)} "
@@ -310,10 +315,12 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
         return 1
     finally:
         if gateway is not None:
-            gateway.stop()
-        _teardown(replicas, launcher.stop_grace_s)
+            stopped += gateway.stop()
+        stopped += _teardown(replicas, launcher.stop_grace_s)
         if local:
             ray.shutdown()
+        if ready:  # as the local launcher: what it stopped, with exit codes
+            print(stopped_line(stopped, run_dir), file=out, flush=True)
 
 
 def _serve(gateway: LocalCluster, replicas: list[_Replica], err: IO[str], tail_lines: int) -> int:
@@ -335,9 +342,12 @@ def _serve(gateway: LocalCluster, replicas: list[_Replica], err: IO[str], tail_l
     return 0
 
 
-def _teardown(replicas: list[_Replica], grace_s: float) -> None:
-    if replicas:
-        ray.get([r.actor.stop.remote(grace_s) for r in replicas])
+def _teardown(replicas: list[_Replica], grace_s: float) -> list[str]:
+    """Stop every replica's worker (SIGTERM: it drains), then its actor and placement group;
+    returns `name (exit code)` of each worker that was started."""
+    codes = ray.get([r.actor.stop.remote(grace_s) for r in replicas]) if replicas else []
     for r in replicas:
         ray.kill(r.actor)
         remove_placement_group(r.pg)
+    return [f"{r.name} ({code})" for r, code in zip(replicas, codes, strict=True)
+            if code is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,10 +95,10 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         head.wait(timeout=60)
 
 
-def launch(tmp_path: Path, model: Path, address: str, *sets: str) -> tuple[int, str, float]:
+def launch_argv(tmp_path: Path, model: Path, address: str, *sets: str) -> list[str]:
     """`tandem launch` on Ray; its run directory is tmp_path/<gateway port>."""
     gw, p, d = free_port(), free_port(), free_port()
-    args = [
+    return [
         sys.executable,
         "-m",
         "orchestrator.cli",
@@ -124,6 +125,10 @@ def launch(tmp_path: Path, model: Path, address: str, *sets: str) -> tuple[int, 
         "launcher.ready_timeout_s=120",
         *sets,
     ]
+
+
+def launch(tmp_path: Path, model: Path, address: str, *sets: str) -> tuple[int, str, float]:
+    args = launch_argv(tmp_path, model, address, *sets)
     env = {**os.environ, **RAY_ENV}
     t0 = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=280, cwd=REPO_ROOT, env=env)
@@ -138,6 +143,7 @@ def test_ray_1p1d_serves_and_runs_the_gate(ray_head: str, model_dir: Path, tmp_p
     print(out)
     assert "ready: http://127.0.0.1:" in out and "(2 workers on Ray; cluster " in out
     assert f"/{samples})" in out and "failed requests" not in out  # every request was answered
+    assert re.search(r"stopped: lb \(0\), prefill-0 \(\d+\), decode-0 \(\d+\); logs in ", out)
     (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]  # logs/<gateway port>/
     assert {"prefill-0.log", "decode-0.log", "lb.log", "cluster.yaml"} <= {
         p.name for p in run_dir.iterdir()
@@ -178,3 +184,30 @@ def test_ray_refuses_resources_no_node_has(ray_head: str, model_dir: Path, tmp_p
     )
     assert rc == 1 and "roles.decode needs 1 GPU per replica but the Ray cluster has 0" in out, out
     assert elapsed < 30  # at once, not after launcher.ready_timeout_s
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_ctrl_c_says_what_it_stopped(ray_head: str, model_dir: Path, tmp_path: Path) -> None:
+    """Like the local launcher: SIGINT stops the gateway, then the workers, and one line names
+    each with its exit status (a worker drains on SIGTERM and exits 0)."""
+    argv = launch_argv(tmp_path, model_dir, ray_head, "--set", "launcher.eval_on_ready=false")
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env={**os.environ, **RAY_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for line in proc.stdout:  # until the ready line (or the launcher's exit)
+            lines.append(line)
+            if "ready: http://" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert f"stopped: lb (0), prefill-0 (0), decode-0 (0); logs in {run_dir.resolve()}" in out, out
