@@ -213,6 +213,9 @@ REFUSED = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     "hidden_act 'gelu'": {"hidden_act": "gelu"},
     "quant_method 'gptq'": {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+    # transformers' FineGrainedFP8Config: FP4-packed experts (int8, K halved, per-32 scales)
+    "expert_dtype 'fp4'": {"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}},
 }
 
 

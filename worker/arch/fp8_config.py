@@ -45,6 +45,11 @@ def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockF
             f"{where}.activation_scheme {cfg.get('activation_scheme')!r} is not supported; "
             "only dynamic (per-token-group) activation scaling is"
         )
+    if str(cfg.get("expert_dtype") or "fp8") != "fp8":  # transformers' FineGrainedFP8Config
+        raise Fp8Error(
+            f"{where}.expert_dtype {cfg.get('expert_dtype')!r} is not supported; only FP8 "
+            "experts are: serve an FP8 or unquantized copy of the checkpoint"
+        )
     block = cfg.get("weight_block_size")
     if not (
         isinstance(block, list | tuple)
