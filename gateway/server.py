@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import resource
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -19,17 +20,24 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.connections import guarded_protocol
+from protocol.gc_heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a stop signal ends `run()` normally.
+    """uvicorn's server, except that a stop signal ends `run()` normally, and the startup heap
+    is frozen once the app has started (protocol/gc_heap.py).
 
     uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die
     with status 143/130; a gateway asked to stop has done nothing wrong, and launchers read a
     non-zero status as a crash.
     """
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)  # the app's lifespan started: pools, tokenizer, routes
+        if not self.should_exit:
+            freeze_startup_heap()  # what startup built, no collection traverses again
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

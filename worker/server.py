@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc, tls
 from protocol.errors import ERROR_CODE_KEY
+from protocol.gc_heap import freeze_startup_heap
 from protocol.identity import model_fingerprint
 from worker.config import WorkerConfig
 from worker.drain import Drainer, Holdings
@@ -358,6 +359,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
         await loop.run_in_executor(None, engine.warm_up)
         if roles is not None:
             engine.set_hooks(roles)  # after warm-up: the warm-up request has no room
+        freeze_startup_heap()  # the model's and the warm-up's objects: never traversed again
         thread = threading.Thread(target=run_engine, args=(engine,), name="engine", daemon=True)
         thread.start()
         service.engine = engine

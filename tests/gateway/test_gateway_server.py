@@ -104,8 +104,8 @@ async def test_openai_client_against_real_server(tok_dir):
                 usage = chunk.usage
         assert "".join(parts) == "héllo 🙂 wörld"
         assert usage is not None and usage.prompt_tokens_details.cached_tokens == 0
-        with pytest.raises(openai.BadRequestError, match="n>1 is not supported"):
-            await client.completions.create(model="tiny", prompt="x", n=2)
+        with pytest.raises(openai.BadRequestError, match="n must be <= 128"):
+            await client.completions.create(model="tiny", prompt="x", n=129)
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="other", prompt="x")
         await client.close()
@@ -390,3 +390,39 @@ async def test_a_client_leaving_mid_body_is_an_abort_not_an_error(tok_dir, tmp_p
         assert w.requests == []
     text = log.read_text()
     assert "Traceback" not in text and "unexpected error" not in text, text[-2000:]
+
+
+def test_the_gateway_freezes_its_heap_once_its_app_has_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gateway/server.py's uvicorn server freezes the startup heap (protocol/gc_heap.py) after
+    the app's lifespan started, before it serves; counted here, so this process stays as it
+    was."""
+    import uvicorn
+
+    from gateway import server as gateway_server
+
+    seen: list[str] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":
+            message = await receive()  # type: ignore[operator]
+            assert message["type"] == "lifespan.startup"
+            seen.append("lifespan started")
+            await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+            await receive()  # type: ignore[operator]
+            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+
+    monkeypatch.setattr(gateway_server, "freeze_startup_heap", lambda: seen.append("frozen"))
+    server = gateway_server._Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                   log_level="warning"))
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        server.should_exit = True
+        await task
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+    assert seen == ["lifespan started", "frozen"]

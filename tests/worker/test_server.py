@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc
+from worker import server as worker_server
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.server import serve
 
@@ -24,8 +25,14 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
+def frozen() -> list[int]:
+    """serve()'s calls of freeze_startup_heap in this module's worker."""
+    return []
+
+
+@pytest.fixture(scope="module")
 def worker(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, frozen: list[int]
 ) -> Iterator[tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel]]:
     from tests.worker.conftest import build_tiny_checkpoint
 
@@ -39,6 +46,10 @@ def worker(
     )
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
+    # serve() freezes the startup heap when ready (protocol/gc_heap.py): counted here instead,
+    # so that this test process's heap is not frozen
+    patch = pytest.MonkeyPatch()
+    patch.setattr(worker_server, "freeze_startup_heap", lambda: frozen.append(len(frozen)))
     thread = threading.Thread(
         target=lambda: loop.run_until_complete(serve(config, stop)), daemon=True
     )
@@ -61,6 +72,13 @@ def worker(
     loop.call_soon_threadsafe(stop.set)
     thread.join(timeout=20)
     channel.close()
+    patch.undo()
+
+
+def test_the_heap_is_frozen_once_before_serving(
+    worker: tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel], frozen: list[int]
+) -> None:
+    assert frozen == [0]
 
 
 def gen(prompt: list[int], **sampling: object) -> tandem_pb2.GenerateRequest:
