@@ -69,9 +69,9 @@ class CompletionEvents:
 
     __slots__ = ("_head", "_text")
 
-    def __init__(self, rid: str, created: int, model: str) -> None:
+    def __init__(self, rid: str, created: int, model: str, index: int = 0) -> None:
         self._head = b"data: " + _head(rid, "text_completion", created, model)
-        self._text = self._head + b'[{"index":0,"text":'
+        self._text = self._head + b'[{"index":%d,"text":' % index
 
     def text(self, text: str, finish_reason: str | None,
              logprobs: CompletionLogprobs | None = None, token_ids: list[int] | None = None,
@@ -90,9 +90,9 @@ class ChatEvents:
 
     __slots__ = ("_head", "_delta")
 
-    def __init__(self, rid: str, created: int, model: str) -> None:
+    def __init__(self, rid: str, created: int, model: str, index: int = 0) -> None:
         self._head = b"data: " + _head(rid, "chat.completion.chunk", created, model)
-        self._delta = self._head + b'[{"index":0,"delta":'
+        self._delta = self._head + b'[{"index":%d,"delta":' % index
 
     def delta(self, delta: bytes, finish_reason: str | None = None,
               logprobs: ChatLogprobs | None = None) -> bytes:
@@ -109,20 +109,34 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
                     token_ids: list[int] | None = None,
                     prompt_token_ids: list[int] | None = None) -> bytes:
     """A non-streamed /v1/completions response (CompletionResponse's shape)."""
+    choice = completion_choice(0, text, finish_reason, logprobs, token_ids, prompt_token_ids)
+    return choices_body(rid, "text_completion", created, model, [choice], usage)
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: CompletionLogprobs | None, token_ids: list[int] | None = None,
+                      prompt_token_ids: list[int] | None = None) -> bytes:
+    """One choice of a non-streamed /v1/completions response (CompletionChoice's shape)."""
     lp = _NULL if logprobs is None else logprobs.model_dump_json().encode()
-    return b"".join((_head(rid, "text_completion", created, model), b'[{"index":0,"text":',
-                     _dumps(text), b',"logprobs":', lp, b',"finish_reason":',
-                     _reason(finish_reason), _ids(token_ids, prompt_token_ids),
-                     b'}],"usage":', usage_json(usage), b"}"))
+    return b"".join((b'{"index":%d,"text":' % index, _dumps(text), b',"logprobs":', lp,
+                     b',"finish_reason":', _reason(finish_reason),
+                     _ids(token_ids, prompt_token_ids), b"}"))
 
 
 def chat_body(rid: str, created: int, model: str, content: str | None, reasoning: str | None,
               calls: list[ToolCall] | None, logprobs: ChatLogprobs | None,
               finish_reason: str | None, usage: UsageCounts | None) -> bytes:
-    """A non-streamed /v1/chat/completions response (ChatCompletionResponse's shape: reasoning
-    and tool calls left out where None, content null in a turn of calls only)."""
-    parts = [_head(rid, "chat.completion", created, model),
-             b'[{"index":0,"message":{"role":"assistant","content":',
+    """A non-streamed /v1/chat/completions response (ChatCompletionResponse's shape)."""
+    choice = chat_choice(0, content, reasoning, calls, logprobs, finish_reason)
+    return choices_body(rid, "chat.completion", created, model, [choice], usage)
+
+
+def chat_choice(index: int, content: str | None, reasoning: str | None,
+                calls: list[ToolCall] | None, logprobs: ChatLogprobs | None,
+                finish_reason: str | None) -> bytes:
+    """One choice of a non-streamed chat response (ChatChoice's shape: reasoning and tool calls
+    left out where None, content null in a turn of calls only)."""
+    parts = [b'{"index":%d,"message":{"role":"assistant","content":' % index,
              _NULL if content is None else _dumps(content)]
     if reasoning is not None:
         parts += (b',"reasoning_content":', _dumps(reasoning))
@@ -132,9 +146,16 @@ def chat_body(rid: str, created: int, model: str, content: str | None, reasoning
                 _dumps(c.id), _dumps(c.function.name), _dumps(c.function.arguments))
             for c in calls), b"]")
     parts += (b'},"logprobs":', _NULL if logprobs is None else logprobs.model_dump_json().encode(),
-              b',"finish_reason":', _reason(finish_reason), b'}],"usage":', usage_json(usage),
-              b"}")
+              b',"finish_reason":', _reason(finish_reason), b"}")
     return b"".join(parts)
+
+
+def choices_body(rid: str, obj: str, created: int, model: str, choices: list[bytes],
+                 usage: UsageCounts | None) -> bytes:
+    """A non-streamed response of `obj` ("text_completion", "chat.completion") from its
+    choices' JSON (`completion_choice`, `chat_choice`)."""
+    return b"".join((_head(rid, obj, created, model), b"[", b",".join(choices), b'],"usage":',
+                     usage_json(usage), b"}"))
 
 
 def _ids(token_ids: list[int] | None, prompt_token_ids: list[int] | None) -> bytes:

@@ -96,8 +96,14 @@ class Dispatcher:
                                   code="no_healthy_worker")
         return cands
 
-    def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
-        return self.policies[pool].pick(self._healthy(pool, exclude), prompt_ids)
+    def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str],
+             prefer: Worker | None = None) -> Worker:
+        """The policy's pick, or `prefer` while it is healthy and not excluded (a choice of an
+        n > 1 request goes where the prompt's pages are cached: gateway/choices.py)."""
+        cands = self._healthy(pool, exclude)
+        if prefer is not None and any(w is prefer for w in cands):
+            return prefer
+        return self.policies[pool].pick(cands, prompt_ids)
 
     async def take_seat(self, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
         """A decode worker with a free seat; waits in the gateway's queue while all are full."""
@@ -115,16 +121,22 @@ class Dispatcher:
         self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url).inc()
 
     def start(self, request_id: str, prompt_ids: list[int],
-              sampling: tandem_pb2.SamplingParams) -> RequestRun:
-        return RequestRun(self, request_id, prompt_ids, sampling)
+              sampling: tandem_pb2.SamplingParams, prefer: Worker | None = None) -> RequestRun:
+        """`prefer`: the worker to compute the prompt on (mono, or the pair's prefill worker)
+        while it is healthy; None: the policy picks."""
+        return RequestRun(self, request_id, prompt_ids, sampling, prefer)
 
 
 class RequestRun:
     """One request's streams. `first()` (with retry), then `next()` until None; `close()` always."""
 
     def __init__(self, d: Dispatcher, request_id: str, prompt_ids: list[int],
-                 sampling: tandem_pb2.SamplingParams) -> None:
+                 sampling: tandem_pb2.SamplingParams, prefer: Worker | None = None) -> None:
         self._d = d
+        self.prefer = prefer
+        # The worker that computes the prompt in the live attempt (mono, or prefill): after the
+        # first token its prefix cache holds the prompt's pages.
+        self.prompt_worker: Worker | None = None
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
@@ -218,7 +230,7 @@ class RequestRun:
                                "(gateway.first_token_timeout_s)", w.url, leg)
 
     async def _attempt_mono(self, exclude: set[str]) -> Output:
-        w = self._d.pick("workers", self.prompt_ids, exclude)
+        w = self.prompt_worker = self._d.pick("workers", self.prompt_ids, exclude, self.prefer)
         call = self._open(w, self._request())
         cfg = self._d.config  # no prefill leg to end it early: the deadline is the timeout
         deadline = FirstTokenDeadline(call, cfg.first_token_timeout_s, cfg.stream_stall_timeout_s)
@@ -234,7 +246,8 @@ class RequestRun:
 
     async def _attempt_pd(self, exclude: set[str]) -> Output:
         d = await self._d.take_seat(self.prompt_ids, exclude)
-        p = self._d.pick("prefill", self.prompt_ids, exclude)  # no await since: the seat holds
+        # no await since the seat: it holds
+        p = self.prompt_worker = self._d.pick("prefill", self.prompt_ids, exclude, self.prefer)
         assert p.info is not None  # healthy implies GetInfo answered
         # From the OS's randomness: rooms must not collide across gateway processes; 0 means
         # "no room" on the wire.

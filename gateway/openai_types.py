@@ -216,6 +216,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids)
+MAX_N = 128  # choices per request: OpenAI's bound (each choice is a worker request)
 
 # Chat fields OpenAI defines that Tandem does not implement: name -> the way forward.
 _UNSUPPORTED_CHAT = {
@@ -241,8 +242,9 @@ def check_unsupported(req: _SamplingFields) -> None:
         if req.suffix:
             raise BadRequest("suffix (fill-in-the-middle) is not supported; omit it",
                              param="suffix", code="unsupported_parameter")
-        if req.best_of not in (None, 1):
-            raise BadRequest(f"best_of={req.best_of} is not supported; send 1 (or omit it)",
+        if req.best_of is not None and req.best_of != req.n:  # best_of == n picks nothing
+            raise BadRequest(f"best_of={req.best_of} is not supported (choices are not ranked "
+                             f"server-side); send best_of equal to n ({req.n}) or omit it",
                              param="best_of", code="unsupported_parameter")
     if req.store:
         raise BadRequest("store=true is not supported: nothing is stored; omit it",
@@ -290,9 +292,8 @@ def check_sampling(req: _SamplingFields) -> None:
                          "request)", param="echo")
     if req.n < 1:
         raise BadRequest(f"n must be >= 1, got {req.n}", param="n")
-    if req.n != 1:
-        raise BadRequest("n>1 is not supported; send n=1 (or omit it) and repeat the request",
-                         param="n")
+    if req.n > MAX_N:
+        raise BadRequest(f"n must be <= {MAX_N}, got {req.n}", param="n")
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
         v = getattr(req, name)

@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
+from gateway.choices import ChoicesResponse, start_choices
 from gateway.chunks import chat_body, completion_body
 from gateway.dispatch import Dispatcher, RequestRun
 from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
@@ -129,6 +130,12 @@ class GenerationHandler:
             sampling = self._sampling(req, len(prompt_ids))
             if structured is not None:
                 sampling.structured.CopyFrom(structured)
+            if req.n > 1:  # n choices, n worker requests (gateway/choices.py)
+                started = await self._start_choices(request_id, prompt_ids, sampling, req.n)
+                self.metrics.ttft.observe(time.perf_counter() - t0)
+                return await ChoicesResponse(started, req, plan, self.tok, self.metrics,
+                                             self.model_name, request_id, prompt_ids,
+                                             t0).respond(headers)
             run = self.dispatcher.start(request_id, prompt_ids, sampling)
             try:
                 first = await run.first()
@@ -159,6 +166,15 @@ class GenerationHandler:
             return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0),
                                on_direct=stream.attach)
         return await self._complete(run, first, out, chat_out, request_id, t0, headers)
+
+    async def _start_choices(self, request_id: str, prompt_ids: list[int],
+                             sampling: tandem_pb2.SamplingParams, n: int
+                             ) -> list[tuple[RequestRun, Output]]:
+        try:
+            return await start_choices(self.dispatcher, request_id, prompt_ids, sampling, n)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("aborted").inc()
+            raise
 
     # ---- request → prompt ids and sampling ----
 

@@ -40,13 +40,16 @@ class StreamEvents:
                  "_first_chunk", "_lp_sent", "_ids_sent", "direct")
 
     def __init__(self, request_id: str, model: str, out: OutputAssembler,
-                 chat_out: ChatOutput | None, clock: TokenClock) -> None:
-        created = int(time.time())
+                 chat_out: ChatOutput | None, clock: TokenClock, index: int = 0,
+                 created: int | None = None) -> None:
+        """`index`: the choice these events are of (n > 1); `created`: the response's time,
+        the same on every choice's events."""
+        created = int(time.time()) if created is None else created
         self._out = out
         self._chat_out = chat_out
-        self._chat = (ChatEvents(f"chatcmpl-{request_id}", created, model)
+        self._chat = (ChatEvents(f"chatcmpl-{request_id}", created, model, index)
                       if chat_out is not None else None)
-        self._completion = (CompletionEvents(f"cmpl-{request_id}", created, model)
+        self._completion = (CompletionEvents(f"cmpl-{request_id}", created, model, index)
                             if chat_out is None else None)
         self._clock = clock
         self._text_pos = 0  # completions' logprobs text_offset

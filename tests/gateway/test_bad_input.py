@@ -94,7 +94,8 @@ BAD_FIELDS: list[tuple[str, dict[str, object]]] = [
     ("top-k-negative", {"top_k": -5}),
     ("top-k-absurd", {"top_k": 2**40}),
     ("min-p-two", {"min_p": 2}),
-    ("n-five", {"n": 5}),
+    ("n-zero", {"n": 0}),
+    ("n-absurd", {"n": 10**6}),
     ("seed-huge", {"seed": 2**80}),
     ("seed-below-int64", {"seed": -(2**63) - 1}),  # OpenAI's seed is int64: -3 is a seed
     ("logprobs-absurd", {"logprobs": 1000}),

@@ -31,13 +31,16 @@ REFUSED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
     (COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
-    (CHAT, {"n": 2}, "n"),
+    (CHAT, {"n": 129}, "n"),
+    (COMPLETION, {"n": 2, "best_of": 1}, "best_of"),
     (CHAT, {"top_logprobs": 2}, "top_logprobs"),
 ]
 
 ACCEPTED: list[tuple[dict[str, Any], dict[str, Any]]] = [
     (CHAT, {"modalities": ["text"], "store": False, "service_tier": "auto", "n": 1}),
     (COMPLETION, {"best_of": 1, "suffix": "", "echo": False}),
+    (CHAT, {"n": 128}),
+    (COMPLETION, {"n": 3, "best_of": 3}),
     (CHAT, {"stream": True, "stream_options": {"include_usage": True}}),
     (CHAT, {"logprobs": True, "top_logprobs": 2}),
     (CHAT, {"top_logprobs": 0}),
