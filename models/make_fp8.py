@@ -29,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.model.fp8 import quantize_blockwise  # noqa: E402
 
-# Tensors that stay in the source dtype (substrings of their names).
-KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "router")
+# Tensors that stay in the source dtype (substrings of their names): as DeepSeek-V3's release
+# keeps them, the MTP layer's copy of the LM head (shared_head.head) and the router (mlp.gate)
+# too; its e_score_correction_bias is 1-D and never quantized.
+KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "router", "shared_head.head")
 
 
 def quantized(name: str, tensor: torch.Tensor, skip: tuple[str, ...]) -> bool:

@@ -4,7 +4,8 @@ Read from the safetensors headers (exact: every tensor's dtype and shape), or es
 config.json when there are none (`load_format: dummy` shape directories). The dtype a worker
 holds a tensor in: the model dtype (`model.dtype`, or the checkpoint's), except a block-scaled
 FP8 checkpoint's linear weights on CUDA, which stay one byte per element plus their float32
-block scales; on the CPU those are dequantized at load to the model dtype (worker/model/fp8.py).
+block scales (but those `dequantized_on_gpu` names); on the CPU those are dequantized at load to
+the model dtype (worker/model/fp8.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ class WeightBytes:
     total: int  # bytes of every weight of one replica (all its TP ranks together)
     dtype: str  # what the linears are held in: e.g. "bfloat16" or "float8_e4m3fn + bfloat16"
     exact: bool  # from the safetensors headers (True) or estimated from config.json (False)
+
+
+# FP8 checkpoint tensors a CUDA worker still dequantizes at load to the model dtype: routed MoE
+# experts (the MoE kernels run the model dtype; Qwen3-MoE and DeepSeek-V3), MLA's kv_b_proj
+# (absorbed per head) and DeepSeek's MTP eh_proj (worker/model/deepseek_v3.py).
+_DEQUANTIZED = (".mlp.experts.", ".self_attn.kv_b_proj.", ".eh_proj.")
+
+
+def dequantized_on_gpu(name: str) -> bool:
+    """Whether an FP8 checkpoint weight `name` is held in the model dtype even on CUDA."""
+    return any(part in name for part in _DEQUANTIZED)
 
 
 def _headers(path: Path) -> dict[str, dict[str, Any]]:
@@ -95,9 +107,10 @@ def weight_bytes(
     total = 0
     for name, entry in headers.items():
         n = _numel(entry["shape"])
+        kept = fp8_kept and not dequantized_on_gpu(name.removesuffix(_SCALE_INV))
         if name.endswith(_SCALE_INV):
-            total += 4 * n if fp8_kept else 0  # block scales: kept with FP8 weights, else folded in
-        elif str(entry["dtype"]).startswith("F8") and fp8_kept:
+            total += 4 * n if kept else 0  # block scales: kept with FP8 weights, else folded in
+        elif str(entry["dtype"]).startswith("F8") and kept:
             total += n
         else:
             total += n * item

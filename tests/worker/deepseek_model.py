@@ -7,8 +7,10 @@ then MoE layers with grouped top-k routing, a non-zero e_score_correction_bias, 
 expert and routed_scaling_factor; norms drawn away from 1. `mtp=True` appends the tensors of
 one MTP layer (model.layers.{num_hidden_layers}.*) as DeepSeek's release stores them (transformers
 writes none). The embedded model's tokenizer files are copied in so a gateway can serve it
-(vocab 128, eos 2, as the tokenizer has). Also a dense Qwen3 twin of the same layers and hidden
-size for the bytes-per-request comparison.
+(vocab 128, eos 2, as the tokenizer has). `build_deepseek_fp8_checkpoint` makes its FP8
+block-scaled copy (models/make_fp8.py) and returns transformers' model on the dequantized
+weights. Also a dense Qwen3 twin of the same layers and hidden size for the bytes-per-request
+comparison.
 """
 
 from __future__ import annotations
@@ -143,3 +145,32 @@ def build_dense_twin(path: Path, *, kv_heads: int = 2, seed: int = 0) -> torch.n
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EMBEDDED / name, path / name)
     return model
+
+
+def build_deepseek_fp8_checkpoint(
+    path: Path, *, block: tuple[int, int] = (16, 32), **kwargs: Any
+) -> torch.nn.Module:
+    """The tiny DeepSeek-V3 made FP8 by models/make_fp8.py (DeepSeek's format: e4m3 weights with
+    `<name>.weight_scale_inv` block scales; small blocks, so every linear spans several and
+    short edge blocks occur) at `path`; returns transformers' model loaded (float32) from the
+    dequantized weights: the reference the FP8 checkpoint must serve like."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from models.make_fp8 import convert
+    from worker.model.fp8 import dequantize_weight
+
+    src = path.parent / f"{path.name}-dequantized"
+    build_deepseek_checkpoint(src, **kwargs)
+    assert convert(src, path, block) > 0
+    tensors = load_file(path / "model.safetensors")
+    dequantized = {
+        name: dequantize_weight(t, tensors[name + "_scale_inv"], block)
+        if name + "_scale_inv" in tensors
+        else t
+        for name, t in tensors.items()
+        if not name.endswith("_scale_inv")
+    }
+    save_file(dequantized, src / "model.safetensors", metadata={"format": "pt"})
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    return model.eval()

@@ -194,7 +194,8 @@ def test_dummy_weights_at_real_shapes_run(tmp_path: Path) -> None:
         ({"kv_lora_rank": 0}, "kv_lora_rank"),
         ({"q_lora_rank": 0}, "q_lora_rank"),
         ({"moe_layer_freq": 2}, "moe_layer_freq"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.weight_block"),
     ],
 )
 def test_config_errors_name_the_field(change: dict[str, object], field: str) -> None:

@@ -17,6 +17,9 @@ What the family adds to the dense decoder's knobs, named once here:
   always-on experts, and dense MLPs in the first `first_k_dense_replace` layers.
 - MTP: `num_nextn_predict_layers` multi-token-prediction layers stored after the decoder
   layers (`model.layers.{num_hidden_layers + k}.*`), loaded when the checkpoint has them.
+- FP8: DeepSeek's own release is block-scaled e4m3 (`quantization_config`, read by
+  fp8_config.py into `ArchConfig.quant`); which linears keep FP8 is worker/model/mla.py's and
+  deepseek_v3.py's business (docs/mla.md).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from worker.arch.fp8_config import Fp8Error, parse_quantization_config
 from worker.arch.hf_config import (
     DTYPES,
     ArchConfig,
@@ -177,12 +181,10 @@ def parse_deepseek_v3(
         raise ModelLoadError(
             f"{source}: dtype {dtype_name!r} is not supported; use float32, bfloat16 or float16"
         )
-    quant = cfg.get("quantization_config")
-    if quant:  # e.g. DeepSeek's release: fp8 blocks with weight_scale_inv tensors beside them
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ModelLoadError(
-            f"{source}: quantization_config (quant_method {method!r}) is not supported; serve a "
-            "bf16 checkpoint (DeepSeek's inference/fp8_cast_bf16.py converts the fp8 release)")
+    try:  # DeepSeek's release: e4m3 blocks with `<name>.weight_scale_inv` beside each weight
+        quant = parse_quantization_config(cfg.get("quantization_config"), source)
+    except Fp8Error as exc:
+        raise ModelLoadError(str(exc)) from None
     rope = parse_rope(cfg, source)
     mla = parse_mla(cfg, rope, source)
     moe = parse_moe(cfg, num_layers, source)
@@ -216,6 +218,7 @@ def parse_deepseek_v3(
         dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),
         moe=moe,
+        quant=quant,
         family=DeepseekArch(
             mla=mla,
             n_group=n_group,

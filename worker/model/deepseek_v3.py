@@ -13,6 +13,14 @@ output and added inside the next norm, as worker/model/llama.py does), with:
   for speculative decoding; they are not run yet (nor do they have KV pages). They share the
   main model's embedding and LM head, so the checkpoint's copies of those are not read.
 
+FP8 (DeepSeek's own release: block-scaled e4m3, `ArchConfig.quant`; on CUDA, the CPU
+dequantizes everything at load): MLA's q_a/q_b (or q), kv_a_proj_with_mqa and o_proj, the dense
+MLPs and the shared experts keep FP8 weights (layers.py's FP8 linears, the GEMM and GEMV of
+fp8_gemm.py / gemv.py); kv_b_proj (absorbed per head, mla.py), the routed experts (the MoE
+kernels run the model dtype, as for Qwen3-MoE) and the MTP layer's eh_proj are dequantized at
+load to the model dtype. Embeddings, lm_head, norms, the router's gate and its
+e_score_correction_bias are stored unquantized and load as they are.
+
 Checkpoint names follow transformers (and DeepSeek's own release): self_attn.{q_a_proj,
 q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj},
 mlp.{gate, gate.e_score_correction_bias, experts.{e}.*, shared_experts.*}.
@@ -63,7 +71,8 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         ds = cast(DeepseekArch, cfg.family)
         self.self_attn = MLAAttention(
-            ds.mla, cfg.hidden_size, cfg.num_heads, layer, cfg.qkv_bias, tp, backend, dtype
+            ds.mla, cfg.hidden_size, cfg.num_heads, layer, cfg.qkv_bias, tp, backend, dtype,
+            cfg.quant,
         )
         self.mlp: nn.Module
         moe = cfg.moe
@@ -88,7 +97,7 @@ class DeepseekDecoderLayer(nn.Module):
                 dtype,
             )
         else:
-            self.mlp = MLP(cfg, tp, dtype)
+            self.mlp = MLP(cfg, tp, dtype, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -183,6 +192,8 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # In the model dtype: an FP8 checkpoint's eh_proj is dequantized at load (a bf16 one
+        # loads as it is), once per draft step it is not worth a kernel of its own.
         self.eh_proj = ColumnParallelLinear(
             2 * cfg.hidden_size, [cfg.hidden_size], False, TPInfo(), dtype
         )

@@ -14,10 +14,10 @@ shards out). With tp_size 1 the slices are the whole tensors and no collective r
 Block-scaled FP8 weights (`quant`: worker/model/fp8.py): a linear built with a BlockFp8Config
 keeps its weight in float8_e4m3fn with `weight_scale_inv` [out rows / block_n, in / block_k]
 float32 and runs worker/model/fp8_gemm.py (CUDA). Tensor parallelism slices whole scale blocks,
-so every fused piece's rows on a rank (column-parallel) or the rank's input columns
-(row-parallel) must be a multiple of the block; a linear where they are not is built
-unquantized instead and its FP8 checkpoint tensor dequantized at load (as on the CPU, where the
-loader builds every linear unquantized).
+so every fused piece's rows on a rank (column-parallel; the last one may end short where one
+rank holds it whole) or the rank's input columns (row-parallel) must be a multiple of the
+block; a linear where they are not is built unquantized instead and its FP8 checkpoint tensor
+dequantized at load (as on the CPU, where the loader builds every linear unquantized).
 """
 
 from __future__ import annotations
@@ -198,10 +198,11 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [s // tp.size for s in output_sizes]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         out_local = sum(self.local_sizes)
-        # FP8 only where every piece's rows on this rank are whole scale blocks (see module doc).
-        whole = len(output_sizes) == 1 and tp.size == 1
-        aligned = quant is not None and all(s % quant.block_n == 0 for s in self.local_sizes)
-        self.quant = quant if quant and (whole or aligned) else None
+        # FP8 only where the pieces' rows on this rank are whole scale blocks (module doc); the
+        # last may end short when one rank holds it whole (MLA's q_a | kv_a: 1536 | 576 rows).
+        n = quant.block_n if quant is not None else 1
+        aligned = all(s % n == 0 for s in self.local_sizes[:-1])
+        self.quant = quant if aligned and (tp.size == 1 or self.local_sizes[-1] % n == 0) else None
         if self.quant is not None:
             scale_rows = sum(_cdiv(s, self.quant.block_n) for s in self.local_sizes)
             # [out_local, in] e4m3

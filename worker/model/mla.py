@@ -18,6 +18,11 @@ and attends over the context's latents. Two equal ways to do that:
   latent space, and W_UV maps it out per head at the end. Nothing per context token is
   expanded, which is what makes MLA decode cheap in memory traffic.
 
+FP8 (a block-scaled checkpoint on CUDA, `quant`): q_a_proj | kv_a_proj_with_mqa (fused), q_b_proj
+(or q_proj) and o_proj keep FP8 weights (layers.py's linears, where their rows on a rank are
+whole scale blocks); kv_b_proj is always held in the model dtype, dequantized at load, because
+the absorbed forms need its matrix per head.
+
 TP: the query heads (q_b_proj / q_proj rows, kv_b_proj rows, o_proj columns) split over the
 ranks; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank computes and
 caches the same latent (why heterogeneous TP ships one copy of each page per decode rank).
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.arch.deepseek_config import MLAArch
+from worker.arch.fp8_config import BlockFp8Config
 from worker.batch import ForwardBatch
 from worker.model.attention import context_mask
 from worker.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, TPInfo
@@ -87,6 +93,7 @@ class MLAAttention(nn.Module):
         tp: TPInfo,
         backend: MLABackend,
         dtype: torch.dtype | None = None,
+        quant: BlockFp8Config | None = None,
     ) -> None:
         super().__init__()
         if num_heads % tp.size:
@@ -99,6 +106,11 @@ class MLAAttention(nn.Module):
         q_out = num_heads * mla.qk_head_dim
         kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim
         replicated = TPInfo()  # every rank holds these whole: the latent is the same on each
+        p = f"model.layers.{layer}.self_attn."  # checkpoint names, for modules_to_not_convert
+
+        def fp8(*names: str) -> BlockFp8Config | None:
+            return quant and quant.for_module(*(p + n for n in names))
+
         # q_a_proj and kv_a_proj_with_mqa both read x and are replicated: one fused matmul.
         self.qkv_a_proj: ColumnParallelLinear | None = None
         self.q_proj: ColumnParallelLinear | None = None
@@ -107,15 +119,22 @@ class MLAAttention(nn.Module):
         self.q_b_proj: ColumnParallelLinear | None = None
         if mla.q_lora_rank is not None:
             self.qkv_a_proj = ColumnParallelLinear(
-                hidden, [mla.q_lora_rank, kv_a], bias, replicated, dtype
+                hidden, [mla.q_lora_rank, kv_a], bias, replicated, dtype,
+                fp8("q_a_proj", "kv_a_proj_with_mqa"),
             )
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS, dtype)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [q_out], False, tp, dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                mla.q_lora_rank, [q_out], False, tp, dtype, fp8("q_b_proj")
+            )
         else:
-            self.q_proj = ColumnParallelLinear(hidden, [q_out], False, tp, dtype)
-            self.kv_a_proj = ColumnParallelLinear(hidden, [kv_a], bias, replicated, dtype)
+            self.q_proj = ColumnParallelLinear(hidden, [q_out], False, tp, dtype, fp8("q_proj"))
+            self.kv_a_proj = ColumnParallelLinear(
+                hidden, [kv_a], bias, replicated, dtype, fp8("kv_a_proj_with_mqa")
+            )
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS, dtype)
-        # kv_b_proj rows are per head (nope | v): a contiguous block of heads per rank.
+        # kv_b_proj rows are per head (nope | v): a contiguous block of heads per rank. Never
+        # FP8: the absorbed forms view its matrix per head (absorbed_weights), so an FP8
+        # checkpoint's kv_b_proj is dequantized at load to the model dtype (quant None here).
         self.kv_b_proj = ColumnParallelLinear(
             mla.kv_lora_rank,
             [num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)],
@@ -123,7 +142,9 @@ class MLAAttention(nn.Module):
             tp,
             dtype,
         )
-        self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden, bias, tp, dtype)
+        self.o_proj = RowParallelLinear(
+            num_heads * mla.v_head_dim, hidden, bias, tp, dtype, fp8("o_proj")
+        )
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
