@@ -164,12 +164,13 @@ def build_deepseek_fp8_checkpoint(
     build_deepseek_checkpoint(src, **kwargs)
     assert convert(src, path, block) > 0
     tensors = load_file(path / "model.safetensors")
+    mtp = f"model.layers.{CONFIG['num_hidden_layers']}."  # transformers has no MTP layer
     dequantized = {
         name: dequantize_weight(t, tensors[name + "_scale_inv"], block)
         if name + "_scale_inv" in tensors
         else t
         for name, t in tensors.items()
-        if not name.endswith("_scale_inv")
+        if not name.endswith("_scale_inv") and not name.startswith(mtp)
     }
     save_file(dequantized, src / "model.safetensors", metadata={"format": "pt"})
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
