@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 DEVICE ?= auto
 SELECT := python3 deploy/torch_install.py --device $(DEVICE)
 
-.PHONY: install serve test lint proto chaos bench clean system-deps
+.PHONY: install serve image test lint proto chaos bench clean system-deps
 
 # apt packages the transfer backends and the Slurm tests need (skipped when present or not root).
 system-deps:
@@ -39,6 +39,18 @@ install: $(STAMP)
 # (e.g. ARGS="--set transfer.backend=nixl --api-key k").
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --config $(CONFIG)$(if $(PORT), --port $(PORT)) $(ARGS)
+
+# Container images for deploy/k8s (deploy/Dockerfile; it installs with `make install`, as CI):
+# tandem:cpu (also tagged tandem:latest), or tandem:cuda with DEVICE=cuda. CONTAINER: the
+# builder (podman, buildah or docker: the first on PATH); IMAGE_FLAGS: more flags for it.
+CONTAINER ?= $(firstword $(shell command -v podman buildah docker 2>/dev/null))
+IMAGE_FLAGS ?=
+IMAGE_DEVICE = $(if $(filter cuda,$(DEVICE)),cuda,cpu)
+image:
+	@test -n "$(CONTAINER)" || { echo "make image: no podman, buildah or docker on PATH; install one (e.g. apt-get install podman) or set CONTAINER=" >&2; exit 2; }
+	$(CONTAINER) build -f deploy/Dockerfile --build-arg DEVICE=$(IMAGE_DEVICE) \
+	  $(if $(filter cuda,$(IMAGE_DEVICE)),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) -t tandem:cuda,$(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL)) -t tandem:cpu -t tandem:latest) \
+	  $(IMAGE_FLAGS) .
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,7 +4,12 @@
 # Slurm + munge for the local two-node Slurm tests. Idempotent; a no-op when all are present.
 set -euo pipefail
 need=()
-[[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 || -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ]] || need+=(libibverbs1)
+# Mooncake's engine links libibverbs, libnuma and libcurl from the system (a Debian 12 image
+# has none of them; tests/deploy/test_image.py checks the list against its NEEDED entries).
+for pair in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4; do
+  lib=${pair%%:*}
+  [[ -e /usr/lib/x86_64-linux-gnu/$lib || -e /usr/lib/aarch64-linux-gnu/$lib ]] || need+=("${pair#*:}")
+done
 for b in slurmctld slurmd srun munged; do command -v "$b" >/dev/null || { need+=(slurmctld slurmd slurm-client munge); break; }; done
 command -v ip >/dev/null || need+=(iproute2)
 ((${#need[@]})) || exit 0

@@ -13,7 +13,10 @@
   package index only (a configured local directory of CPU wheels would win otherwise), after
   checking that the driver runs CUDA `cuda_min` or newer (`nvidia-smi` prints the version
   its driver supports). `TORCH_INDEX_URL` points pip at another index of torch builds (e.g. one
-  for an older CUDA); the pins stay.
+  for an older CUDA); the pins stay. `TANDEM_NO_DRIVER_CHECK=1` skips the driver check of an
+  explicit `--device cuda` (an image build, deploy/Dockerfile: the driver is the node's).
+- cpu with `TORCH_INDEX_URL`: the pin from that index (the CPU image: PyPI's Linux torch wheel
+  is the CUDA build, the CPU one is on PyTorch's CPU index).
 Only the standard library: this runs before the venv has anything in it.
 """
 
@@ -91,11 +94,11 @@ def check_driver(smi: str, cuda_min: str) -> None:
 def commands(device: str, pins: dict[str, str], pip: list[str],
              env: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
     """(argv, environment) of each pip call that installs torch for `device`."""
-    if device == "cpu":  # exactly the command of before: the CPU wheel
-        return [([*pip, "install", "-q", pins["torch_cpu"]], env)]
+    index = ["--index-url", env["TORCH_INDEX_URL"]] if env.get("TORCH_INDEX_URL") else []
+    if device == "cpu":  # exactly the command of before (no index given): the CPU wheel
+        return [([*pip, "install", "-q", *index, pins["torch_cpu"]], env)]
     # Without the configured local wheel directory: its CPU wheel would satisfy the pin.
     clean = {k: v for k, v in env.items() if k != "PIP_FIND_LINKS"}
-    index = ["--index-url", env["TORCH_INDEX_URL"]] if env.get("TORCH_INDEX_URL") else []
     argv = [*pip, "install", "-q", "--no-cache-dir", *index, pins["torch_cuda"], pins["triton"]]
     return [(argv, clean)]
 
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         pins = read_pins()
         smi = nvidia_smi() if args.device in ("auto", "cuda") else ""
         device = detect_device(args.device, smi)
-        if device == "cuda":
+        if device == "cuda" and os.environ.get("TANDEM_NO_DRIVER_CHECK") != "1":
             check_driver(smi, pins["cuda_min"])
         if args.extras or args.which:
             print(pins[f"extras_{device}"] if args.extras else device)

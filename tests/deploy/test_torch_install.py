@@ -111,3 +111,19 @@ def test_a_venv_made_for_another_device_is_named(tmp_path: Path) -> None:
     out = run(["--device", "cuda", "--check-stamp", str(stamp)], [fake_smi(tmp_path, "13.0")])
     assert out.returncode == 0 and "was installed for cpu, not cuda" in out.stderr
     assert run(["--device", "cpu", "--check-stamp", str(stamp)]).stderr == ""
+
+
+def test_an_image_build_gets_its_torch_index_and_skips_the_driver_check(tmp_path: Path) -> None:
+    # The CPU image: PyPI's torch is the CUDA build, so the CPU one comes from TORCH_INDEX_URL.
+    out = run(["--device", "cpu", "--dry-run", "--pip", "PIP"],
+              env={"TORCH_INDEX_URL": "https://idx/cpu"})
+    assert out.stdout.strip() == "PIP install -q --index-url https://idx/cpu torch==2.13.0"
+    # The CUDA image is built where there is no GPU: the driver is the node's, checked there.
+    no_gpu = fake_smi(tmp_path, None, rc=6)
+    assert run(["--device", "cuda", "--which"], [no_gpu]).returncode == 2
+    built = run(["--device", "cuda", "--dry-run", "--pip", "PIP"], [no_gpu],
+                env={"TANDEM_NO_DRIVER_CHECK": "1"})
+    assert built.returncode == 0 and "torch==2.13.0 triton==3.7.1" in built.stdout, built.stderr
+    # It never turns a machine without a GPU into a CUDA one.
+    auto = run(["--device", "auto", "--which"], [no_gpu], env={"TANDEM_NO_DRIVER_CHECK": "1"})
+    assert auto.stdout.strip() == "cpu"
