@@ -25,7 +25,7 @@ def test_served_vs_engine_on_the_mono_config(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         rc = main(["bench", "--config", "configs/tiny-mono.yaml", "--concurrency", "2,4",
-                   "--num-requests", "8", "--input-len", "24", "--output-len", "32", "--seed",
+                   "--num-requests", "8", "--input-len", "24", "--output-len", "64", "--seed",
                    "3", "--set", "roles.both.num_threads=1", "--set",
                    f"roles.both.base_port={busy.getsockname()[1]}", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -35,7 +35,7 @@ def test_served_vs_engine_on_the_mono_config(
     for row in result["rows"]:
         engine, served = row["engine"], row["served"]
         assert served["completed"] == 8 and served["failed"] == 0
-        assert served["output_tokens"] == 8 * 32  # ignore_eos: every token of every request
+        assert served["output_tokens"] == 8 * 64  # ignore_eos: every token of every request
         assert engine["output_tok_s"] > 0 and engine["decode_tok_s"] > 0
         assert engine["steps"]["decode"]["n"] > 0  # the engine decoded in batches
         assert 0.02 < ratio(row, pd=False) < 10, row

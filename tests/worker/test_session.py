@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from protocol import tandem_pb2, tandem_pb2_grpc
-from tests.worker.test_server import gen, worker  # noqa: F401 (the module's worker fixture)
+from tests.worker.test_server import frozen, gen, worker  # noqa: F401 (the module's worker fixture)
 
 Worker = tuple[tandem_pb2_grpc.WorkerStub, grpc.Channel]
 
