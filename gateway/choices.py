@@ -161,9 +161,8 @@ class ChoicesResponse:
             await _all(self._read_to_end(c) for c in self.choices)
             outcome = "success"
         except ApiError as err:
-            outcome = "client_error" if err.status < 500 else "server_error"
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers={**headers, **err.headers})
+            outcome = err.outcome
+            return err.response(headers)
         except Exception:
             outcome = "server_error"
             raise
@@ -244,7 +243,7 @@ class ChoicesResponse:
             outcome = "success"
             yield _DONE
         except ApiError as err:
-            outcome = "client_error" if err.status < 500 else "server_error"
+            outcome = err.outcome
             yield b"data: " + err.json_bytes() + b"\n\n"
             yield _DONE
         except Exception:

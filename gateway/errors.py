@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import grpc
+from starlette.responses import Response
 
 
 class ApiError(Exception):
@@ -44,6 +45,16 @@ class ApiError(Exception):
 
     def json_bytes(self) -> bytes:
         return json.dumps(self.body()).encode()
+
+    @property
+    def outcome(self) -> str:
+        """The request's outcome label in the metrics (the client's fault, or ours)."""
+        return "client_error" if self.status < 500 else "server_error"
+
+    def response(self, headers: dict[str, str]) -> Response:
+        """The error as the request's whole HTTP answer, with the request's `headers`."""
+        return Response(self.json_bytes(), status_code=self.status,
+                        media_type="application/json", headers={**headers, **self.headers})
 
 
 class BadRequest(ApiError):

@@ -81,8 +81,7 @@ class GenerationHandler:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
         except ApiError as err:
             self.metrics.requests.labels("client_error").inc()
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers={**headers, **err.headers})
+            return err.response(headers)
         except ClientDisconnect:  # nothing started on the workers; not an error of ours
             self.metrics.requests.labels("aborted").inc()
             log.debug("request %s: client left before its body was complete", request_id)
@@ -147,11 +146,10 @@ class GenerationHandler:
                 raise
         except ApiError as err:
             err = refused_constraint(err, source)
-            outcome = "client_error" if err.status < 500 else "server_error"
+            outcome = err.outcome
             self.metrics.requests.labels(outcome).inc()
             log.debug("request %s failed: %s", request_id, err.message)
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers={**headers, **err.headers})
+            return err.response(headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
         out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
                               req.num_top_logprobs(),
@@ -291,9 +289,8 @@ class GenerationHandler:
             await run.settle()
             outcome = "success"
         except ApiError as err:
-            outcome = "client_error" if err.status < 500 else "server_error"
-            return Response(err.json_bytes(), status_code=err.status, media_type=_JSON,
-                            headers={**headers, **err.headers})
+            outcome = err.outcome
+            return err.response(headers)
         except Exception:
             outcome = "server_error"
             raise
@@ -347,7 +344,7 @@ class GenerationHandler:
             outcome = "success"
             yield _DONE
         except ApiError as err:
-            outcome = "client_error" if err.status < 500 else "server_error"
+            outcome = err.outcome
             log.debug("request %s failed mid-stream: %s", request_id, err.message)
             yield b"data: " + err.json_bytes() + b"\n\n"
             yield _DONE
