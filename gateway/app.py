@@ -42,6 +42,7 @@ from gateway.parsers import (
 from gateway.pool import Worker, WorkerPool
 from gateway.request_body import validation_error
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
+from gateway.sampling_defaults import describe, load_sampling_defaults
 from gateway.serving import GenerationHandler
 from gateway.tokenizer import Tokenizer, load_tokenizer
 
@@ -81,6 +82,12 @@ class Gateway:
         self.parsers = resolve_parsers(config, tokenizer)
         log.info("gateway: reasoning parser %s, tool-call parser %s",
                  self.parsers.reasoning or "none", self.parsers.tool_call or "none")
+        self.sampling_defaults = load_sampling_defaults(config.model_path,
+                                                        config.generation_config)
+        if config.generation_config == AUTO:
+            log.info("gateway: sampling defaults from generation_config.json: %s (a request's "
+                     "own fields win; gateway.generation_config: none ignores the file)",
+                     describe(self.sampling_defaults))
         self.metrics = Metrics()
         self.pool: WorkerPool | None = None
         self._handler: GenerationHandler | None = None
@@ -148,6 +155,7 @@ class Gateway:
             max_request_bytes=self.config.max_request_bytes,
             body_timeout_s=self.config.body_timeout_s,
             parsers=self.parsers,
+            sampling_defaults=self.sampling_defaults,
         )
 
     def model_name(self) -> str:

@@ -80,6 +80,9 @@ class GatewayConfig:
     # template (gateway/parsers/__init__.py says how); "none" turns the parser off.
     reasoning_parser: str = AUTO  # auto | none | qwen3 | deepseek_r1
     tool_call_parser: str = AUTO  # auto | none | hermes | qwen3 | qwen3_coder | llama3_json | ...
+    # auto: a request's unset sampling fields take generation_config.json's values (vLLM's
+    # default); none: the API's defaults (gateway/sampling_defaults.py)
+    generation_config: str = AUTO
 
     def validate(self, prefix: str = "gateway") -> None:
         if not (self.workers or (self.prefill and self.decode)):
@@ -128,6 +131,9 @@ class GatewayConfig:
             if value not in (AUTO, NONE, *known):
                 raise GatewayConfigError(f"{prefix}.{name} must be one of auto | none | "
                                          f"{' | '.join(known)}, got {value!r}")
+        if self.generation_config not in (AUTO, NONE):
+            raise GatewayConfigError(f"{prefix}.generation_config must be auto | none, got "
+                                     f"{self.generation_config!r}")
         if self.admin_key and self.admin_key == self.api_key:
             raise GatewayConfigError(
                 f"{prefix}.admin_key must differ from {prefix}.api_key: "

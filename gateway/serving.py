@@ -54,7 +54,8 @@ class GenerationHandler:
 
     def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics,
                  model_name: str, max_model_len: int, vocab_size: int, max_request_bytes: int,
-                 body_timeout_s: float = 30.0, parsers: Parsers | None = None) -> None:
+                 body_timeout_s: float = 30.0, parsers: Parsers | None = None,
+                 sampling_defaults: dict[str, float] | None = None) -> None:
         self.tok = tokenizer
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -65,6 +66,9 @@ class GenerationHandler:
         self.max_request_bytes = max_request_bytes
         self.body_timeout_s = body_timeout_s
         self.parsers = parsers or Parsers()
+        # generation_config.json's values for the sampling fields a request leaves out
+        # (gateway/sampling_defaults.py); empty: the API's defaults
+        self.sampling_defaults = sampling_defaults or {}
         # Request ids without the client's: this process's random prefix and a counter (unique
         # across gateways with overwhelming odds; uuid4 costs a getrandom call per request).
         self._id_prefix = secrets.token_hex(8)
@@ -241,6 +245,11 @@ class GenerationHandler:
             top_logprobs=max(top, 0), logprobs=top >= 0,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty)
+        if self.sampling_defaults:  # the model's, for what the request left out (or null)
+            sent = req.model_fields_set
+            for name, value in self.sampling_defaults.items():
+                if name not in sent or getattr(req, name) is None:
+                    setattr(params, name, max(int(value), 0) if name == "top_k" else value)
         if bias:  # an empty map through the constructor costs 1 µs a request (upb)
             params.logit_bias.update(bias)
         return params

@@ -60,15 +60,21 @@ def _add_parser_args(p: argparse.ArgumentParser) -> None:
                    help="parse tool calls into tool_calls: auto | none | hermes | qwen3 | "
                         "qwen3_coder | llama3_json | mistral | deepseek_v3 | deepseek_v31 "
                         "(gateway.tool_call_parser)")
+    p.add_argument("--generation-config", choices=["auto", "none"],
+                   help="auto: a request's unset sampling fields take the model's "
+                        "generation_config.json values; none: the API's defaults "
+                        "(gateway.generation_config)")
 
 
 def _parser_overrides(args: argparse.Namespace) -> list[str]:
-    """--reasoning-parser / --tool-call-parser as `gateway.*` overrides."""
+    """--reasoning-parser / --tool-call-parser / --generation-config as `gateway.*` overrides."""
     extra = []
     if args.reasoning_parser:
         extra.append(f"gateway.reasoning_parser={args.reasoning_parser}")
     if args.tool_call_parser:
         extra.append(f"gateway.tool_call_parser={args.tool_call_parser}")
+    if args.generation_config:
+        extra.append(f"gateway.generation_config={args.generation_config}")
     return extra
 
 

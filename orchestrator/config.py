@@ -107,6 +107,7 @@ class GatewaySettings:
     log_level: str = "info"
     reasoning_parser: str = "auto"  # auto | none | qwen3 | deepseek_r1 (auto: from the template)
     tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_coder | llama3_json | mistral ...
+    generation_config: str = "auto"  # auto: generation_config.json's sampling defaults | none
 
 
 # GatewayConfig fields that the orchestrator fills from the rest of the tree, not from YAML.

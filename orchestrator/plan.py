@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.config import GatewayConfigError
+from gateway.sampling_defaults import describe, load_sampling_defaults
 from orchestrator.checkpoint import (
     OPTIONAL_FIELDS,
     REQUIRED_FIELDS,
@@ -389,4 +391,11 @@ def preflight(cluster: ClusterConfig) -> list[str]:
     if not report.has_tokenizer:
         notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "
                      "prompts on /v1/completions only (text prompts and chat get a 400)")
+    try:
+        defaults = load_sampling_defaults(str(report.path), cluster.gateway.generation_config)
+    except GatewayConfigError as exc:
+        raise ClusterConfigError(str(exc)) from exc
+    if defaults:
+        notes.append(f"note: generation_config.json sets the sampling a request leaves out: "
+                     f"{describe(defaults)} (gateway.generation_config: none ignores it)")
     return notes

@@ -306,3 +306,20 @@ def test_a_drafter_with_attention_dp_is_refused_before_anything_starts(tmp_path:
                           ["speculative.method=eagle", "roles.decode.parallel.dp_size=2"])
     with pytest.raises(ClusterConfigError, match="cannot run with parallel.dp_size=2"):
         preflight(cluster)
+
+
+def test_preflight_says_the_models_sampling_defaults_and_refuses_bad_ones(
+        tmp_path: Path) -> None:
+    model = copy_model(tmp_path)
+    gen = model / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "temperature": 0.6, "top_k": 20}))
+    cluster = load_config(REPO_ROOT / "configs" / "tiny-1p1d.yaml", [f"model.path={model}"])
+    [note] = preflight(cluster)
+    assert "sampling a request leaves out: temperature=0.6, top_k=20" in note
+    off = load_config(REPO_ROOT / "configs" / "tiny-1p1d.yaml",
+                      [f"model.path={model}", "gateway.generation_config=none"])
+    assert preflight(off) == []
+    gen.write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ClusterConfigError, match=r"generation_config.json: top_p must be a "
+                       r"number in \(0, 1\], got 0; fix it, or set gateway.generation_config"):
+        preflight(cluster)
