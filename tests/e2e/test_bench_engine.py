@@ -25,7 +25,7 @@ def test_served_vs_engine_on_the_mono_config(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         rc = main(["bench", "--config", "configs/tiny-mono.yaml", "--concurrency", "2,4",
-                   "--num-requests", "8", "--input-len", "24", "--output-len", "64", "--seed",
+                   "--num-requests", "8", "--input-len", "24", "--output-len", "128", "--seed",
                    "3", "--set", "roles.both.num_threads=1", "--set",
                    f"roles.both.base_port={busy.getsockname()[1]}", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -35,12 +35,15 @@ def test_served_vs_engine_on_the_mono_config(
     for row in result["rows"]:
         engine, served = row["engine"], row["served"]
         assert served["completed"] == 8 and served["failed"] == 0
-        assert served["output_tokens"] == 8 * 64  # ignore_eos: every token of every request
+        assert served["output_tokens"] == 8 * 128  # ignore_eos: every token of every request
         assert engine["output_tok_s"] > 0 and engine["decode_tok_s"] > 0
         assert engine["steps"]["decode"]["n"] > 0  # the engine decoded in batches
         assert 0.02 < ratio(row, pd=False) < 10, row
-        # the first wave's window: every one of the B requests decoding at once
-        assert served["decode_throughput"] > 0 and 0.02 < decode_ratio(row) < 10, row
+        # the first wave's window: every one of the B requests decoding at once (128 tokens:
+        # a loaded box's late first token still leaves the window its 16 steps)
+        window = (served["decode_throughput"], served["ttft_ms"], served["tpot_ms"])
+        assert served["decode_throughput"] is not None, window
+        assert served["decode_throughput"] > 0 and 0.02 < (decode_ratio(row) or 0) < 10, row
         assert f"| {row['b']} | {engine['output_tok_s']} |" in out  # the printed table
     assert "served / engine" in out
     assert (tmp_path / "served_engine.png").stat().st_size > 10_000
