@@ -43,7 +43,7 @@ from gateway.dispatch import Dispatcher, RequestRun
 from gateway.errors import ApiError
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_responses import UsageCounts
-from gateway.output import OutputAssembler
+from gateway.output import NO_FINISH, OutputAssembler, read_to_end
 from gateway.session import Output
 from gateway.sse import SSEResponse
 from gateway.streaming import StreamEvents
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _DONE = b"data: [DONE]\n\n"
 _JSON = "application/json"
-_NO_FINISH = "the worker's stream ended without a finish_reason"
 
 
 def choice_sampling(sampling: tandem_pb2.SamplingParams, index: int
@@ -175,23 +174,7 @@ class ChoicesResponse:
         return Response(body, media_type=_JSON, headers=headers)
 
     async def _read_to_end(self, c: Choice) -> None:
-        msg: Output | None = c.first
-        while msg is not None:
-            if c.chat_out is None:
-                c.parts.append(c.out.add(msg))
-            else:
-                c.chat_out.feed(c.out.add_pieces(msg, c.chat_out.per_token))
-                if c.chat_out.stop_now:
-                    c.out.stop_early()
-            if c.out.finished:
-                break
-            msg = await c.run.next()
-            if msg is not None:
-                c.clock.arrived(len(msg.token_ids))
-        if not c.out.finished:
-            raise ApiError(_NO_FINISH, status=502)
-        if c.chat_out is not None:
-            c.chat_out.finish()
+        c.parts = await read_to_end(c.run.next, c.first, c.out, c.chat_out, c.clock)
         await self._choice_ended(c)
 
     def _choice_json(self, c: Choice) -> bytes:
@@ -229,7 +212,7 @@ class ChoicesResponse:
                     c = reads.pop(fut)
                     msg = fut.result()  # a choice's error fails the request
                     if msg is None:
-                        raise ApiError(_NO_FINISH, status=502)
+                        raise ApiError(NO_FINISH, status=502)
                     assert c.events is not None
                     c.events.arrived(msg)
                     events = c.events.of(msg)
@@ -292,9 +275,6 @@ class ChoicesResponse:
             if outcome != "success":
                 c.run.abort()
             c.run.close()
-        m = self.metrics
-        m.requests.labels(outcome).inc()
-        m.e2e.observe(time.perf_counter() - self.t0)
-        m.prompt_tokens.inc(self.choices[0].out.num_prompt_tokens)
-        m.generation_tokens.inc(sum(c.out.completion_tokens for c in self.choices))
-        m.cached_tokens.inc(self.choices[0].run.num_cached_tokens)
+        self.metrics.request_ended(outcome, self.t0, self.choices[0].out.num_prompt_tokens,
+                                   sum(c.out.completion_tokens for c in self.choices),
+                                   self.choices[0].run.num_cached_tokens)

@@ -131,6 +131,16 @@ class Metrics:
         self.totals = WorkerTotals()
         r.register(self.totals)
 
+    def request_ended(self, outcome: str, t0: float, prompt_tokens: int, completion_tokens: int,
+                      cached_tokens: int) -> None:
+        """One request's end, counted once (an n > 1 request: its choices' tokens summed);
+        t0 is its perf_counter start."""
+        self.requests.labels(outcome).inc()
+        self.e2e.observe(time.perf_counter() - t0)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
+
     def observe_load(self, pool: str, url: str, load: tandem_pb2.Load, healthy: bool) -> None:
         self.spec.observe(pool, url, load)
         self.totals.observe(pool, url, load)

@@ -9,9 +9,13 @@ keep their text even when `skip_special_tokens` drops the others.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.chat_output import ChatOutput
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
+from gateway.errors import ApiError
+from gateway.metrics import TokenClock
 from gateway.openai_responses import (
     ChatLogprobEntry,
     ChatLogprobs,
@@ -145,3 +149,33 @@ class OutputAssembler:
             content.append(ChatLogprobEntry(token=t, logprob=e.logprob, bytes=list(t.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
+
+
+NO_FINISH = "the worker's stream ended without a finish_reason"
+
+
+async def read_to_end(next_output: Callable[[], Awaitable[Output | None]], first: Output,
+                      out: OutputAssembler, chat_out: ChatOutput | None,
+                      clock: TokenClock) -> list[str]:
+    """A run's outputs from `first` on (each later one read with `next_output`) into `out`
+    until it finishes; the chat API's go on into `chat_out` (finished at the end), the
+    completions API's text pieces are returned. A stream that ends unfinished is a 502."""
+    parts: list[str] = []
+    msg: Output | None = first
+    while msg is not None:
+        if chat_out is None:
+            parts.append(out.add(msg))
+        else:
+            chat_out.feed(out.add_pieces(msg, chat_out.per_token))
+            if chat_out.stop_now:
+                out.stop_early()
+        if out.finished:
+            break
+        msg = await next_output()
+        if msg is not None:
+            clock.arrived(len(msg.token_ids))
+    if not out.finished:
+        raise ApiError(NO_FINISH, status=502)
+    if chat_out is not None:
+        chat_out.finish()
+    return parts

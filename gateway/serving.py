@@ -34,7 +34,7 @@ from gateway.openai_types import (
     check_sampling,
     logit_bias_ids,
 )
-from gateway.output import OutputAssembler
+from gateway.output import NO_FINISH, OutputAssembler, read_to_end
 from gateway.request_body import parse_request, raw_header, read_body
 from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
@@ -257,12 +257,8 @@ class GenerationHandler:
     # ---- responses ----
 
     def _account(self, outcome: str, out: OutputAssembler, run: RequestRun, t0: float) -> None:
-        m = self.metrics
-        m.requests.labels(outcome).inc()
-        m.e2e.observe(time.perf_counter() - t0)
-        m.prompt_tokens.inc(out.num_prompt_tokens)
-        m.generation_tokens.inc(out.completion_tokens)
-        m.cached_tokens.inc(run.num_cached_tokens)
+        self.metrics.request_ended(outcome, t0, out.num_prompt_tokens, out.completion_tokens,
+                                   run.num_cached_tokens)
 
     def _abandon(self, run: RequestRun, out: OutputAssembler, t0: float) -> None:
         """The client left before the stream's body started: end the request like a
@@ -277,24 +273,8 @@ class GenerationHandler:
         parts: list[str] = []
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            msg: Output | None = first
-            clock = TokenClock(self.metrics.itl)
-            while msg is not None:
-                if chat_out is None:
-                    parts.append(out.add(msg))
-                else:
-                    chat_out.feed(out.add_pieces(msg, chat_out.per_token))
-                    if chat_out.stop_now:
-                        out.stop_early()
-                if out.finished:
-                    break
-                msg = await run.next()
-                if msg is not None:
-                    clock.arrived(len(msg.token_ids))
-            if not out.finished:
-                raise ApiError("the worker's stream ended without a finish_reason", status=502)
-            if chat_out is not None:
-                chat_out.finish()
+            parts = await read_to_end(run.next, first, out, chat_out,
+                                      TokenClock(self.metrics.itl))
             await run.settle()
             outcome = "success"
         except ApiError as err:
@@ -344,7 +324,7 @@ class GenerationHandler:
                 if msg is not None:
                     stream.arrived(msg)
             if not out.finished:
-                raise ApiError("the worker's stream ended without a finish_reason", status=502)
+                raise ApiError(NO_FINISH, status=502)
             await run.settle()
             if include_usage:
                 reasoning = (chat_out.reasoning_tokens if chat_out is not None
