@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from gateway.config import GatewayConfigError
 from orchestrator.cli_client import EXIT_USAGE, add_client_commands, cmd_bench, cmd_eval
 from orchestrator.config import (
     DEFAULT_CONFIG,
@@ -367,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args.reexec = argv is None
     try:
         return COMMANDS[args.command](args)
-    except (ClusterConfigError, LauncherUnavailableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ClusterConfigError, GatewayConfigError, LauncherUnavailableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # the gateway's own start reads files too
         return EXIT_USAGE
 
 

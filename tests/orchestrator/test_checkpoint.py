@@ -323,3 +323,16 @@ def test_preflight_says_the_models_sampling_defaults_and_refuses_bad_ones(
     with pytest.raises(ClusterConfigError, match=r"generation_config.json: top_p must be a "
                        r"number in \(0, 1\], got 0; fix it, or set gateway.generation_config"):
         preflight(cluster)
+
+
+def test_the_gateway_command_refuses_a_bad_generation_config_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tandem gateway` (what Slurm, Ray and Kubernetes run) reads generation_config.json when
+    it starts, past the launchers' preflight: one line, not a traceback."""
+    model = copy_model(tmp_path)
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    assert main(["gateway", "--config", "configs/tiny-mono.yaml", "--set", f"model.path={model}",
+                 "--set", "roles.both.base_port=50999"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "generation_config.json: top_p must be a number in (0, 1], got 0" in err
