@@ -39,7 +39,7 @@
 #                                #   (issue 18): `tandem bench --config configs/gpu-8b-X.yaml`
 #                                #   for X in CONFIGS (default "mono 1p1d"; 1P1D's two workers
 #                                #   on GPU 0) on the 8B shape (dummy bf16, ids prompts, 128 in /
-#                                #   256 out +-50%)
+#                                #   256 out +-50%; REQUESTS=N: N a point, default 480)
 #   bash bench/device/run.sh k   # speculative decoding (issue 21): its GPU tests (verify
 #                                #   graphs), then bench/spec_gpu.py on GPU 0 (bench/spec-cpu.json)
 # Results land in $OUT (the device tool brings them back).
@@ -258,7 +258,7 @@ elif [[ $1 == l ]]; then
       --set model.load_format=dummy --set model.max_model_len=4096 \
       --set scheduler.max_num_seqs=160 "${sets[@]}" --prompt-kind ids --vocab-size 151936 \
       --input-len 128 --output-len 256 --range-ratio 0.5 --concurrency "${2:-64,160}" \
-      --num-requests 480 --clients 4 --out "$OUT/$config" > "$OUT/$config/bench_engine.txt" 2>&1
+      --num-requests ${REQUESTS:-480} --clients 4 --out "$OUT/$config" > "$OUT/$config/bench_engine.txt" 2>&1
     echo "bench --config $config rc=$? at ${SECONDS}s" >> "$OUT/$config/bench_engine.txt"
     tail -8 "$OUT/$config/bench_engine.txt"
   done
