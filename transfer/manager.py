@@ -229,7 +229,11 @@ class KVTransferManager:
         shape = theirs.layout(num_window_pages=reg.num_window_pages)
         window_bytes = shape.window_view().pool_bytes if reg.num_window_pages else 0
         pages_end = reg.state_base if reg.num_state_slots else reg.kv_nbytes  # state comes last
-        num_pages = (pages_end - window_bytes) // shape.page_bytes
+        # A model whose layers all keep recurrent state (a Qwen3-Next of linear_attention layers
+        # only) has pages of no bytes, so their count is not in the registered memory; its page
+        # ids address no bytes: the pool is taken to hold every page named.
+        num_pages = ((pages_end - window_bytes) // shape.page_bytes if shape.page_bytes
+                     else max(reg.dst_pages, default=0) + 1)
         bad = [p for p in reg.dst_pages if not 0 <= p < num_pages]
         if bad:
             raise ValueError(

@@ -6,7 +6,10 @@
 - `tandem serve --model DIR --dtype float32` 1P1D (the acceptance path, token-id prompts): the
   completion equals transformers', prefill ships the state slot (decode runs no prompt token:
   the state it decodes from is prefill's), the transfer counters carry the slot's bytes, and the
-  cluster drains.
+  cluster drains;
+- a Qwen3-Next of linear_attention layers only (no K/V page holds a byte; transformers writes
+  such a config) 1P1D: the state slot alone travels and the tokens equal transformers' (the
+  prefill refused every registration, dividing the registered bytes by a page of 0 bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def _greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            # no cache: transformers' cache cannot build a mask without an attention layer
+            logits = hf(torch.tensor([ids]), use_cache=False).logits  # [1, S, V]
+            ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -104,3 +109,21 @@ def test_tandem_serve_model_flag_serves_qwen3_next_1p1d_like_transformers(
     assert decode.prompt_tokens_computed == 0, "decode ran prompt tokens: it must land the state"
     assert prefill.transfer_bytes == decode.transfer_bytes > 0
     assert all(load.kv_used_pages == 0 for load in loads.values())
+
+
+def test_linear_attention_only_qwen3_next_serves_1p1d_like_transformers(tmp_path: Path) -> None:
+    path = tmp_path / "qwen3-next-linear-only"
+    hf = build_qwen3_next_checkpoint(path, seed=23, layer_types=["linear_attention"] * 4)
+    rng = random.Random(29)
+    prompts = [[rng.randrange(3, 128) for _ in range(n)] for n in (6, 41)]
+    with running_cluster("configs/tiny-1p1d.yaml", "model.dtype=float32", tmp=tmp_path,
+                         model=path) as c:
+        for prompt in prompts:
+            r = httpx.post(f"{c.url}/v1/completions", timeout=120, json={
+                "model": path.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == _greedy(hf, prompt, MAX_TOKENS)
+        loads = c.wait_drained()
+    assert loads["decode-0"].prompt_tokens_computed == 0, "decode must land prefill's state"
+    assert loads["prefill-0"].transfer_bytes == loads["decode-0"].transfer_bytes > 0
