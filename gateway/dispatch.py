@@ -112,7 +112,10 @@ class Dispatcher:
             return self.policies["decode"].pick(free, prompt_ids) if free else None
         return await self.admission.acquire(pick)
 
-    def seat_freed(self, w: Worker) -> None:
+    def left(self, w: Worker) -> None:
+        """A leg left `w` (ended there, or cancelled): its seat is free even while its outputs
+        wait unread (n > 1: finished choices wait for the others' first tokens)."""
+        w.inflight -= 1
         if w.pool == "decode":
             self.admission.wake()
 
@@ -189,7 +192,8 @@ class RequestRun:
             prompt_token_ids=self.prompt_ids, sampling=self.sampling, disagg=disagg)
 
     def _open(self, w: Worker, req: tandem_pb2.GenerateRequest) -> Any:
-        call = w.session.open(req, self._d.config.request_timeout_s)
+        call = w.session.open(req, self._d.config.request_timeout_s,
+                              on_left=lambda: self._d.left(w))
         w.inflight += 1
         self._legs.append((w, call))
         return call
@@ -399,7 +403,7 @@ class RequestRun:
         self._end_attempt(abort=True)
 
     def close(self) -> None:
-        """Release the request's in-flight slots; always called once the response is done."""
+        """End the legs still open (`Dispatcher.left`); always called once the response is done."""
         self._end_attempt(abort=False)
 
     def _end_attempt(self, abort: bool) -> None:
@@ -417,8 +421,6 @@ class RequestRun:
         req = tandem_pb2.AbortRequest(request_id=self.request_id, room=self.room,
                                       attempt_id=self.attempt_id) if abort else None
         for w, call in self._legs:
-            w.inflight -= 1
-            self._d.seat_freed(w)
             if not call.done() and call is not draining:
                 call.cancel()
             if req is not None:

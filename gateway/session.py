@@ -80,7 +80,8 @@ class Leg:
     outputs pushed to a sink as they arrive (`push_to`)."""
 
     __slots__ = ("_session", "slot", "_queue", "_waiter", "_ended", "_error", "_cancelled",
-                 "deadline", "_start", "_interrupt", "_sink", "_sink_error", "_pushed_end")
+                 "deadline", "_start", "_interrupt", "_sink", "_sink_error", "_pushed_end",
+                 "_on_left")
 
     def __init__(self, session: WorkerSession, slot: int) -> None:
         self._session = session
@@ -96,6 +97,10 @@ class Leg:
         self._sink: Callable[[Output], Push] | None = None
         self._sink_error: Exception | None = None  # what the sink raised: the next read's
         self._pushed_end = False  # the sink ended the output (a stop string): reads are EOF
+        # Called once when the leg leaves its stream (the worker ended it, it failed, it was
+        # cancelled or expired): the worker holds it no more, though its outputs may still be
+        # queued here unread (gateway/dispatch.py frees its decode seat then).
+        self._on_left: Callable[[], None] | None = None
 
     async def read(self) -> Output | Any:
         """Everything that arrived since the last read, as one output (several steps' tokens
@@ -182,6 +187,11 @@ class Leg:
 
     # ---- fed by the session -----------------------------------------------------------------
 
+    def _left(self) -> None:
+        on_left, self._on_left = self._on_left, None
+        if on_left is not None:
+            on_left()
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
@@ -247,15 +257,18 @@ class WorkerSession:
         """Requests on the stream that have not ended."""
         return len(self._legs)
 
-    def open(self, request: tandem_pb2.GenerateRequest, timeout_s: float) -> Leg:
+    def open(self, request: tandem_pb2.GenerateRequest, timeout_s: float,
+             on_left: Callable[[], None] | None = None) -> Leg:
         """Send `request` on the stream; its outputs arrive on the returned leg, which ends
         with DEADLINE_EXCEEDED (and an abort to the worker) within a tenth of `timeout_s`
-        (at most 1 s) after `timeout_s`."""
+        (at most 1 s) after `timeout_s`. `on_left` is called once when the leg leaves the
+        stream, however it ends (not when its last output is read)."""
         self._period = max(0.01, min(self._period, timeout_s / 10))
         if self._call is None:
             self._connect()
         slot = next(self._slots)
         leg = Leg(self, slot)
+        leg._on_left = on_left
         self._legs[slot] = leg
         self._frame.submits.add(slot=slot, request=request)
         self._kick.set()
@@ -271,9 +284,12 @@ class WorkerSession:
         self._kick.set()
 
     def _forget(self, leg: Leg, abort: bool) -> None:
-        if self._legs.pop(leg.slot, None) is not None and abort and self._call is not None:
+        if self._legs.pop(leg.slot, None) is None:
+            return
+        if abort and self._call is not None:
             self._frame.aborts.add(slot=leg.slot)
             self._kick.set()
+        leg._left()
 
     # ---- the stream -----------------------------------------------------------------------
 
@@ -340,6 +356,7 @@ class WorkerSession:
             leg = legs.pop(end.slot, None)
             if leg is not None:
                 leg._end(end)
+                leg._left()
 
     def _broken(self, call: Any, reason: str) -> None:
         """Fail exactly the legs this stream carried; the next open reconnects."""
@@ -359,6 +376,7 @@ class WorkerSession:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"session stream broke: {reason}")
         for leg in legs.values():
             leg._fail(error)
+            leg._left()
 
     async def close(self) -> None:
         """Gateway shutdown: end the stream (the worker aborts what it still carried)."""

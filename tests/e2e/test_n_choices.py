@@ -136,3 +136,17 @@ def test_a_client_leaving_mid_stream_ends_every_choice(cluster: Cluster) -> None
     stream.close()
     loads = cluster.wait_drained()
     assert all(ld.kv_used_pages == 0 for ld in loads.values())
+
+
+def test_more_choices_than_decode_seats(cluster: Cluster) -> None:
+    """n above the decode worker's seats (scheduler.max_num_seqs: 32): the choices that finish
+    give their seats to the rest. They held them until the whole response ended, so the 33rd
+    waited out gateway.queue_timeout_s (300 s) and the request was a 503."""
+    fast = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+    r = fast.completions.create(model=MODEL.name, prompt=problem(6).prompt, n=40, max_tokens=4,
+                                seed=SEED, temperature=1.0)
+    assert [ch.index for ch in r.choices] == list(range(40))
+    assert all(ch.finish_reason for ch in r.choices)
+    loads = cluster.wait_drained()
+    assert all(ld.kv_used_pages == 0 for ld in loads.values())

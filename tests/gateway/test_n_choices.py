@@ -36,6 +36,7 @@ from tests.gateway.gw_doubles import (
 )
 from tests.gateway.test_gateway_api import script_for, sse_events
 from tests.gateway.test_gateway_pd import decode, pd_config, prefill
+from tests.gateway.test_partial_failure import SeatedDecode
 
 pytestmark = pytest.mark.anyio
 
@@ -178,6 +179,30 @@ async def test_a_failing_choice_fails_the_request_and_aborts_the_others(tok_dir,
             assert r.status_code >= 500 and r.json()["error"]["message"], r.text
         await asyncio.wait_for(_aborted(w, {"ff-0", "ff-1"}), 5)
     assert w.cancelled >= 2  # the other two choices' worker requests really ended early
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_more_choices_than_decode_seats(tok_dir, stream):
+    """n above the decode pool's seats: a choice's seat frees when its decode request ends on
+    the worker, not when the whole response is done, so the later choices take the seats of
+    the finished ones (they held them until the queue's timeout: a 503 after 300 s)."""
+    p, d = prefill(), SeatedDecode(seats=2)
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d],
+                                                    queue_timeout_s=3.0)) as c:
+        await wait_workers(c)
+        r = await asyncio.wait_for(c.post("/v1/completions", json={
+            "prompt": "hi", "n": 5, "max_tokens": 5, "stream": stream}), 10)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(e) for e in sse_events(r.text)[:-1]]
+            assert "error" not in events[-1], events[-1]
+            done = {ch["index"] for e in events for ch in e["choices"] if ch["finish_reason"]}
+        else:
+            done = {ch["index"] for ch in r.json()["choices"] if ch["finish_reason"]}
+        assert done == set(range(5))
+        assert d.peak <= 2, f"decode held {d.peak} requests at once with 2 seats"
+        assert len(d.requests) == 5
+        assert all(w["inflight"] == 0 for w in await wait_workers(c))
 
 
 async def _aborted(w: ScriptedWorker, ids: set[str]) -> None:
