@@ -76,10 +76,12 @@ class ChatOutput:
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
 
-    def feed(self, pieces: list[str]) -> ChatPiece:
-        """Text pieces (one per token when `per_token`); returns what may be sent now."""
+    def feed(self, pieces: list[str], tail: str = "") -> ChatPiece:
+        """Text pieces (one per token when `per_token`), then `tail`, text of no token (held
+        back until the output ended: OutputAssembler.add_token_pieces); returns what may be sent
+        now."""
         out = ChatPiece()
-        for text in pieces:
+        for i, text in enumerate([*pieces, tail] if tail else pieces):
             if self.stop_now:
                 break
             if self._think is None:
@@ -87,7 +89,7 @@ class ChatOutput:
                 continue
             before = self._think.in_reasoning
             reasoning, content = self._think.feed(text)
-            if before or self._think.in_reasoning:
+            if (before or self._think.in_reasoning) and i < len(pieces):
                 self.reasoning_tokens += 1
             self._reason(reasoning, out)
             self._content(content, out)

@@ -2,7 +2,8 @@
 
 One `OutputAssembler` per request: `add(msg)` feeds a `GenerateResponse` and returns the text
 that may be sent now (detokenized incrementally, cut at a stop string, with a possible stop
-prefix held back); `add_pieces(msg)` returns it one piece per token, for parsers that count
+prefix held back); `add_pieces(msg)` returns it one piece per token, and `add_token_pieces`
+keeps apart the text released at the end that is no token's own, for parsers that count
 tokens. Special tokens that a parser reads (`keep_token_ids`: a `[TOOL_CALLS]` marker, say)
 keep their text even when `skip_special_tokens` drops the others.
 """
@@ -63,7 +64,16 @@ class OutputAssembler:
         return "".join(self.add_pieces(msg, per_token=False))
 
     def add_pieces(self, msg: Output, per_token: bool = True) -> list[str]:
-        """Feed one worker message; its text as pieces (one per token with `per_token`)."""
+        """Feed one worker message; its text as pieces (one per token with `per_token`, then
+        the tail of `add_token_pieces`, if any)."""
+        pieces, tail = self.add_token_pieces(msg, per_token)
+        return [*pieces, tail] if tail else pieces
+
+    def add_token_pieces(self, msg: Output, per_token: bool = True) -> tuple[list[str], str]:
+        """Feed one worker message; its tokens' text as pieces (one per token with
+        `per_token`), and the tail: text released as the output ends that no token of this
+        message brought (what the detokenizer or a stop string held back), which a parser
+        counting tokens must not count (a message can end the output with no token at all)."""
         self.completion_tokens += len(msg.token_ids)
         if self.want_logprobs:
             self.logprobs.extend(msg.logprobs)
@@ -71,7 +81,7 @@ class OutputAssembler:
         if not self._tok.has_text:  # token-id mode: ids only, no text to cut or stop on
             if msg.finish_reason:
                 self.finish_reason = msg.finish_reason
-            return []
+            return [], ""
         # ids: the tokens detokenized; at[i]: where ids[i] stands in the message
         at = [j for j, t in enumerate(msg.token_ids) if t not in self._drop] if self._drop else None
         ids = [msg.token_ids[j] for j in at] if at is not None else msg.token_ids
@@ -79,6 +89,7 @@ class OutputAssembler:
             pieces = [self._detok.step((t,)) for t in ids]
         else:
             pieces = [self._detok.step(ids)] if ids else []
+        n_tok = len(pieces)  # pieces past these are the tail
         if msg.finish_reason:
             pieces.append(self._detok.flush())
         if self._stop is not None:
@@ -89,13 +100,13 @@ class OutputAssembler:
                     if i < len(ids):  # tokens after it in the message are not output
                         self._trim(len(msg.token_ids) - 1 - (at[i] if at is not None else i))
                     self.stop_early()
-                    return cut
+                    return cut[:n_tok], "".join(cut[n_tok:])
             if msg.finish_reason:
                 cut.append(self._stop.flush())
             pieces = cut
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
-        return pieces
+        return pieces[:n_tok], "".join(pieces[n_tok:])
 
     def _trim(self, excess: int) -> None:
         """A stop string ended `excess` tokens before the message did: those tokens are not
@@ -166,7 +177,7 @@ async def read_to_end(next_output: Callable[[], Awaitable[Output | None]], first
         if chat_out is None:
             parts.append(out.add(msg))
         else:
-            chat_out.feed(out.add_pieces(msg, chat_out.per_token))
+            chat_out.feed(*out.add_token_pieces(msg, chat_out.per_token))
             if chat_out.stop_now:
                 out.stop_early()
         if out.finished:

@@ -99,7 +99,7 @@ class StreamEvents:
         it), logprobs on the first chunk."""
         out, chat_out = self._out, self._chat_out
         assert chat_out is not None
-        piece = chat_out.feed(out.add_pieces(msg, chat_out.per_token))
+        piece = chat_out.feed(*out.add_token_pieces(msg, chat_out.per_token))
         if chat_out.stop_now:
             out.stop_early()
         deltas = piece.delta_json()

@@ -145,6 +145,28 @@ async def test_reasoning_split_from_content(hermes_dir: Path) -> None:
         assert (got["reasoning"], got["content"]) == (msg.reasoning_content, msg.content)
 
 
+@pytest.mark.parametrize("stop", [None, ["zzz"]])
+async def test_reasoning_tokens_of_an_answer_cut_inside_its_reasoning(hermes_dir: Path,
+                                                                      stop: Any) -> None:
+    """Cut by max_tokens inside <think>: every completion token is a reasoning token, never
+    more (the text released at the end, held by the detokenizer or a stop string, counted as
+    one or two more tokens)."""
+    w = scripted(hermes_dir, "<think>\nk = 3 so k + 1")
+    w.script.finish_reason = "length"
+    n = len(w.script.tokens)
+    async with workers(w), client_for(fast_config(hermes_dir, workers=(w.url,))) as client:
+        r = await client.chat.completions.create(model="tiny", messages=MESSAGES, stop=stop)
+        assert r.choices[0].message.reasoning_content == "k = 3 so k + 1"
+        assert r.usage.completion_tokens == n
+        assert r.usage.completion_tokens_details.reasoning_tokens == n
+        got = await collect(await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, stop=stop, stream=True,
+            stream_options={"include_usage": True}))
+        assert got["reasoning"] == "k = 3 so k + 1"
+        assert got["usage"].completion_tokens == n
+        assert got["usage"].completion_tokens_details.reasoning_tokens == n
+
+
 async def test_wire_fields(hermes_dir: Path) -> None:
     w = scripted(hermes_dir, CALL_Q)
     async with workers(w), client_for(fast_config(hermes_dir, workers=(w.url,))) as client:
