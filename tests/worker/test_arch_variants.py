@@ -11,7 +11,9 @@ intermediate sizes, window rules, MoE layouts, a bfloat16 file), then runs promp
   models of those families attend to every token (a silent mismatch past the window);
 - `mlp_bias` outside Llama and `attention_bias` on Mistral, which transformers does not read,
   asked the checkpoint for bias tensors it does not have (the load failed);
-- per-layer-type `rope_parameters` were read as one flat dict (theta silently 10000).
+- per-layer-type `rope_parameters` were read as one flat dict (theta silently 10000);
+- weights wider than config.json implies (its head_dim, intermediate_size or vocab_size smaller
+  than the tensors') loaded silently truncated, as each rank reads only its slice.
 
 What we do not run is refused at load with one line naming the field.
 """
@@ -30,6 +32,7 @@ from worker.arch.hf_config import ModelLoadError, parse_arch_config
 from worker.arch.qwen3_next_config import parse_qwen3_next_config
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
+from worker.model.layers import WeightShapeError
 from worker.model.moe import ExpertGroups, grouped_linear
 
 TINY: dict[str, Any] = dict(
@@ -200,6 +203,21 @@ def test_llama_with_a_sliding_window_field_attends_to_every_token(tmp_path: Path
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]  # [8, V]
     assert logits.argmax(-1).tolist() == ours
+
+
+@pytest.mark.parametrize(("family", "overrides", "edit"), [
+    ("mistral", {"head_dim": 20}, {"head_dim": None}),  # config says 64 / 4 heads = 16
+    ("llama", {}, {"intermediate_size": 64}),
+    ("llama", {}, {"vocab_size": 90}),
+], ids=["head_dim", "intermediate_size", "vocab_size"])
+def test_weights_wider_than_config_json_are_refused(
+        tmp_path: Path, family: str, overrides: dict[str, Any], edit: dict[str, Any]) -> None:
+    """transformers refuses such a load; ours read each rank's slice of the wider tensor, which
+    fit, and served truncated weights (wrong tokens) at TP=1."""
+    path = build(tmp_path, family, overrides, edit=edit)
+    with pytest.raises(WeightShapeError, match="does config.json match the weights"):
+        Engine(WorkerConfig(model=ModelConfig(path=str(path), dtype="float32"),
+                            cache=CacheConfig(page_size=4, num_pages=64), num_threads=1))
 
 
 LLAMA_CFG: dict[str, Any] = {**TINY, "architectures": ["LlamaForCausalLM"]}

@@ -79,6 +79,14 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+def _check_extent(source: TensorSource, dim: int, want: int, name: str) -> None:
+    """A rank reads a slice, which _copy_checked cannot tell from a wider tensor's: check all."""
+    if source.shape and source.shape[dim] != want:
+        raise WeightShapeError(f"{name}: checkpoint tensor has shape {source.shape}, the "
+                               f"model expects {want} along dim {dim}; does config.json match "
+                               "the weights?")
+
+
 def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -196,6 +204,7 @@ class ColumnParallelLinear(nn.Module):
                 raise WeightShapeError(f"output size {size} is not divisible by tp_size {tp.size}")
         self.tp = tp
         self.local_sizes = [s // tp.size for s in output_sizes]
+        self.full_sizes = list(output_sizes)  # each piece's rows in the checkpoint
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         out_local = sum(self.local_sizes)
         # FP8 only where the pieces' rows on this rank are whole scale blocks (module doc); the
@@ -236,6 +245,7 @@ class ColumnParallelLinear(nn.Module):
         local = self.local_sizes[i]
         start = self._rank_start(i)
         name = f"{type(self).__name__}.{param}[{shard_id}]"
+        _check_extent(source, 0, self.full_sizes[i], name)
         # FP8 rows and their scale rows, as they are
         if self.quant is not None and param == "weight":
             w, s = _fp8_source(source, name).read_quantized(0, start, start + local)
@@ -306,6 +316,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks sharing one kv head
         kv_shard = kv_local * head_dim * tp.size  # the size the base class splits evenly
         super().__init__(hidden, [num_heads * head_dim, kv_shard, kv_shard], bias, tp, dtype, quant)
+        self.full_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * 2  # replicas: once
 
     def _shard_index(self, shard_id: object) -> int:
         return self.SHARDS.index(str(shard_id))
@@ -379,6 +390,7 @@ class RowParallelLinear(nn.Module):
             _copy_checked(self.bias.data, source.read(), "RowParallelLinear.bias")  # type: ignore[union-attr]
             return
         start = self.tp.rank * self.in_local
+        _check_extent(source, 1, self.in_local * self.tp.size, "RowParallelLinear.weight")
         if self.quant is not None:  # FP8 columns and their scale columns, as they are
             w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(
                 1, start, start + self.in_local
@@ -434,6 +446,7 @@ class Embedding(nn.Module):
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         n = self.stop - self.start
+        _check_extent(source, 0, self.vocab_size, f"{type(self).__name__}.weight")
         rows = source.read(0, self.start, self.stop)
         _copy_checked(self.weight.data[:n], rows, f"{type(self).__name__}.weight")
         self.weight.data[n:].zero_()  # padding rows: their logits are sliced off
