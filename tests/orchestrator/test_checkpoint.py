@@ -336,3 +336,27 @@ def test_the_gateway_command_refuses_a_bad_generation_config_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "generation_config.json: top_p must be a number in (0, 1], got 0" in err
+
+
+def test_a_worker_refusing_weights_wider_than_config_json_exits_with_one_line(
+        tmp_path: Path) -> None:
+    """config.json's intermediate_size smaller than the checkpoint's MLP weights: the worker's
+    WeightShapeError (a ModelLoadError) is one line naming the tensor, exit status 2."""
+    import socket
+    import subprocess
+    import sys
+
+    model = copy_model(tmp_path)
+    cfg = json.loads((model / "config.json").read_text())
+    edit_config(model, intermediate_size=cfg["intermediate_size"] // 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "worker", "--config", "configs/tiny-mono.yaml",
+         "--role", "both", "--port", str(port), "--set", f"model.path={model}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "does config.json match the weights?" in last, last
+    assert "Traceback" not in out.stderr, out.stderr

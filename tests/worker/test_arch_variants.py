@@ -32,8 +32,8 @@ from worker.arch.hf_config import ModelLoadError, parse_arch_config
 from worker.arch.qwen3_next_config import parse_qwen3_next_config
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
-from worker.model.layers import WeightShapeError
 from worker.model.moe import ExpertGroups, grouped_linear
+from worker.model.weights import WeightShapeError
 
 TINY: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

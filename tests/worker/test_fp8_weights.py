@@ -20,14 +20,9 @@ from worker.arch.hf_config import ModelLoadError
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import fp8
 from worker.model.fp8 import BlockFp8Source
-from worker.model.layers import (
-    ColumnParallelLinear,
-    InMemorySource,
-    QKVParallelLinear,
-    RowParallelLinear,
-    TPInfo,
-)
+from worker.model.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPInfo
 from worker.model.loader import load_model
+from worker.model.weights import InMemorySource
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tandem-arith"
 Q = BlockFp8Config()  # 128 x 128

@@ -19,7 +19,8 @@ from worker.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerCon
 from worker.distributed import from_i64, pack_batch, to_i64, unpack_batch
 from worker.engine import Engine
 from worker.model import load_model
-from worker.model.layers import WeightShapeError, kv_heads_per_rank
+from worker.model.layers import kv_heads_per_rank
+from worker.model.weights import WeightShapeError
 from worker.sampling import SamplingParams
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache, StateShape
-from worker.model.layers import TensorSource
+from worker.model.weights import TensorSource
 
 
 @dataclass(frozen=True)

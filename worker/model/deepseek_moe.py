@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.arch.deepseek_config import DeepseekArch
-from worker.model.layers import TensorSource, _copy_checked, _param
 from worker.model.moe import MoEParallel, SparseMoEBlock
+from worker.model.weights import TensorSource, copy_checked, empty_param
 
 
 class DeepseekMoE(SparseMoEBlock):
@@ -43,13 +43,13 @@ class DeepseekMoE(SparseMoEBlock):
         super().__init__(hidden, inter, num_experts, top_k, norm_topk_prob, par, dtype)
         self.n_group, self.topk_group = ds.n_group, ds.topk_group
         self.routed_scaling_factor = ds.routed_scaling_factor
-        self.gate = _param(num_experts, hidden, dtype=torch.float32)  # router [E, H], float32
-        self.e_score_correction_bias = _param(num_experts, dtype=torch.float32)  # [E]
+        self.gate = empty_param(num_experts, hidden, dtype=torch.float32)  # router [E, H], float32
+        self.e_score_correction_bias = empty_param(num_experts, dtype=torch.float32)  # [E]
         self.shared_experts = shared  # None when n_shared_experts == 0
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         if param == "e_score_correction_bias":
-            _copy_checked(
+            copy_checked(
                 self.e_score_correction_bias.data, source.read(), "gate.e_score_correction_bias"
             )
             return

@@ -173,7 +173,8 @@ def _expand(
 
 
 class BlockFp8Source:
-    """A checkpoint weight in FP8 with its block scales, as a `TensorSource` (layers.py)."""
+    """A checkpoint weight in FP8 with its block scales, as a `TensorSource`
+    (worker/model/weights.py)."""
 
     def __init__(self, name: str, weight: Any, scale: Any, config: BlockFp8Config) -> None:
         self.name = name

@@ -30,16 +30,8 @@ from worker.arch.qwen3_next_config import Qwen3NextArch
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache, StateShape
 from worker.model import gated_delta, gated_delta_triton
-from worker.model.layers import (
-    ColumnParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    TensorSource,
-    TPInfo,
-    WeightShapeError,
-    _copy_checked,
-    _param,
-)
+from worker.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, TPInfo
+from worker.model.weights import TensorSource, WeightShapeError, copy_checked, empty_param
 
 
 class _HeadSlices(nn.Module):
@@ -52,21 +44,22 @@ class _HeadSlices(nn.Module):
         self.vd = arch.num_v_heads // tp.size * arch.head_v_dim  # one rank's v channels
         self.nv = arch.num_v_heads // tp.size
         self.key_dim = arch.num_k_heads * arch.head_k_dim  # the model's q (or k) channels
-        self.A_log = _param(self.nv, dtype=dtype)  # [Hv_local]
-        self.dt_bias = _param(self.nv, dtype=dtype)  # [Hv_local]
-        self.conv = _param(2 * self.kd + self.vd, arch.conv_kernel, dtype=dtype)  # [C_local, K]
+        self.A_log = empty_param(self.nv, dtype=dtype)  # [Hv_local]
+        self.dt_bias = empty_param(self.nv, dtype=dtype)  # [Hv_local]
+        # [C_local, K]
+        self.conv = empty_param(2 * self.kd + self.vd, arch.conv_kernel, dtype=dtype)
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         r = self.tp.rank
         if param in ("A_log", "dt_bias"):
-            _copy_checked(getattr(self, param).data, source.read(0, r * self.nv, (r + 1) * self.nv),
+            copy_checked(getattr(self, param).data, source.read(0, r * self.nv, (r + 1) * self.nv),
                           f"linear_attn.{param}")
             return
         # conv1d.weight [conv_dim, 1, K], rows q | k | v over every head: this rank's three slices.
         pieces = [(r * self.kd, self.kd), (self.key_dim + r * self.kd, self.kd),
                   (2 * self.key_dim + r * self.vd, self.vd)]
         rows = torch.cat([source.read(0, start, start + n) for start, n in pieces])  # [C_l, 1, K]
-        _copy_checked(self.conv.data, rows[:, 0], "linear_attn.conv1d.weight")
+        copy_checked(self.conv.data, rows[:, 0], "linear_attn.conv1d.weight")
 
 
 class GatedDeltaNet(nn.Module):

@@ -31,9 +31,10 @@ from worker.arch.gpt_oss_config import GptOssArch
 from worker.arch.hf_config import ArchConfig
 from worker.model.attention import AttentionBackend
 from worker.model.base import WeightSlot
-from worker.model.layers import TensorSource, TPInfo, _copy_checked, _param
+from worker.model.layers import TPInfo
 from worker.model.llama import Attention, DecoderLayer, LlamaForCausalLM
 from worker.model.moe import ExpertGroups, MoEParallel, SparseMoEBlock, grouped_linear
+from worker.model.weights import TensorSource, copy_checked, empty_param
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -47,12 +48,12 @@ class GptOssAttention(Attention):
         super().__init__(cfg, layer, tp, backend, dtype)
         self.tp_rank = tp.rank
         # float32 whatever the model dtype: the kernels add it to float32 scores.
-        self.sinks = _param(self.num_heads, dtype=torch.float32)  # [Hq_local]
+        self.sinks = empty_param(self.num_heads, dtype=torch.float32)  # [Hq_local]
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         assert param == "sinks" and self.sinks is not None
         start = self.tp_rank * self.num_heads  # this rank's query heads, as QKVParallelLinear's
-        _copy_checked(
+        copy_checked(
             self.sinks.data, source.read(0, start, start + self.num_heads), "self_attn.sinks"
         )
 
@@ -78,20 +79,20 @@ class GptOssMoE(SparseMoEBlock):
             cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, True, par, dtype
         )
         self.alpha, self.limit = family.swiglu_alpha, family.swiglu_limit
-        self.gate_bias = _param(moe.num_experts, dtype=dtype)  # router bias [E]
-        self.w13_bias = _param(
+        self.gate_bias = empty_param(moe.num_experts, dtype=dtype)  # router bias [E]
+        self.w13_bias = empty_param(
             self.num_local, 2 * self.inter_local, dtype=dtype
         )  # [E_local, 2I_local]
-        self.w2_bias = _param(self.num_local, self.hidden, dtype=dtype)  # [E_local, H]
+        self.w2_bias = empty_param(self.num_local, self.hidden, dtype=dtype)  # [E_local, H]
         self.owns_down_bias = par.ep or par.rank == 0
 
     # ---- loading -----------------------------------------------------------------------------
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         if param == "gate":
-            _copy_checked(self.gate.data, source.read(), "mlp.router.weight")
+            copy_checked(self.gate.data, source.read(), "mlp.router.weight")
             return
         if param == "gate_bias":
-            _copy_checked(self.gate_bias.data, source.read(), "mlp.router.bias")
+            copy_checked(self.gate_bias.data, source.read(), "mlp.router.bias")
             return
         mine = source.read(
             0, self.first_expert, self.first_expert + self.num_local
@@ -101,14 +102,14 @@ class GptOssMoE(SparseMoEBlock):
         if param == "gate_up_proj":  # [E_local, H, 2I], gate|up interleaved on the last dim
             gate = mine[..., 0::2][..., cols].transpose(1, 2)  # [E_local, I_local, H]
             up = mine[..., 1::2][..., cols].transpose(1, 2)
-            _copy_checked(self.w13.data, torch.cat([gate, up], dim=1), "mlp.experts.gate_up_proj")
+            copy_checked(self.w13.data, torch.cat([gate, up], dim=1), "mlp.experts.gate_up_proj")
         elif param == "gate_up_proj_bias":  # [E_local, 2I], interleaved
             both = torch.cat([mine[:, 0::2][:, cols], mine[:, 1::2][:, cols]], dim=1)
-            _copy_checked(self.w13_bias.data, both, "mlp.experts.gate_up_proj_bias")
+            copy_checked(self.w13_bias.data, both, "mlp.experts.gate_up_proj_bias")
         elif param == "down_proj":  # [E_local, I, H]: this rank's input rows
-            _copy_checked(self.w2.data, mine[:, cols].transpose(1, 2), "mlp.experts.down_proj")
+            copy_checked(self.w2.data, mine[:, cols].transpose(1, 2), "mlp.experts.down_proj")
         elif param == "down_proj_bias":  # [E_local, H]
-            _copy_checked(self.w2_bias.data, mine, "mlp.experts.down_proj_bias")
+            copy_checked(self.w2_bias.data, mine, "mlp.experts.down_proj_bias")
         else:
             raise AssertionError(param)
 

@@ -1,10 +1,11 @@
 """Building blocks of the dense decoder: norms, tensor-parallel-ready linears, embeddings.
 
 Weight loading is owned by the layers, not by the loader: each layer knows which slice of a
-checkpoint tensor belongs to its rank. A checkpoint tensor arrives as a `TensorSource`, which
-reads lazily (safetensors `get_slice`), so a tensor-parallel rank reads only its rows or
-columns. Fused projections (q|k|v, gate|up) take one checkpoint tensor per `shard_id`;
-fusing them makes one matmul instead of three (or two), which matters on CPU.
+checkpoint tensor belongs to its rank. A checkpoint tensor arrives as a `TensorSource`
+(worker/model/weights.py), which reads lazily (safetensors `get_slice`), so a tensor-parallel
+rank reads only its rows or columns. Fused projections (q|k|v, gate|up) take one checkpoint
+tensor per `shard_id`; fusing them makes one matmul instead of three (or two), which matters
+on CPU.
 
 Tensor parallelism: column-parallel layers split the output features across ranks,
 row-parallel layers split the input features and all-reduce their output; the embedding and
@@ -23,7 +24,7 @@ dequantized at load (as on the CPU, where the loader builds every linear unquant
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,29 +35,13 @@ from worker.arch.fp8_config import BlockFp8Config
 from worker.model import fp8_gemm, fp8_splitk, fused, gemv
 from worker.model.fp8 import FP8, BlockFp8Source
 from worker.model.fp8_act import Fp8Rows
-
-
-class TensorSource(Protocol):
-    """A checkpoint tensor that can be read whole or as a slice along one dimension."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
-
-
-class InMemorySource:
-    """A `TensorSource` over a tensor already in memory (tests, dummy weights, conversions)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    def read(self, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        return self.tensor.narrow(dim, start, (self.shape[dim] if stop is None else stop) - start)
+from worker.model.weights import (
+    TensorSource,
+    WeightShapeError,
+    check_extent,
+    copy_checked,
+    empty_param,
+)
 
 
 @dataclass(frozen=True)
@@ -64,31 +49,6 @@ class TPInfo:
     size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None  # None = the default group (when size > 1)
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor does not have the shape the config implies."""
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise WeightShapeError(
-            f"{name}: checkpoint slice has shape {tuple(src.shape)}, the model expects "
-            f"{tuple(dst.shape)}; does config.json match the weights?"
-        )
-    dst.copy_(src)
-
-
-def _check_extent(source: TensorSource, dim: int, want: int, name: str) -> None:
-    """A rank reads a slice, which _copy_checked cannot tell from a wider tensor's: check all."""
-    if source.shape and source.shape[dim] != want:
-        raise WeightShapeError(f"{name}: checkpoint tensor has shape {source.shape}, the "
-                               f"model expects {want} along dim {dim}; does config.json match "
-                               "the weights?")
-
-
-def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -104,8 +64,10 @@ def _fp8_params(
 ) -> None:
     """An FP8 weight [rows, cols], its block scales [scale_rows, cols / block_k] and the split-K
     GEMM's tile counters on `module`."""
-    module.weight = _param(rows, cols, dtype=FP8)
-    module.weight_scale_inv = _param(scale_rows, _cdiv(cols, quant.block_k), dtype=torch.float32)
+    module.weight = empty_param(rows, cols, dtype=FP8)
+    module.weight_scale_inv = empty_param(
+        scale_rows, _cdiv(cols, quant.block_k), dtype=torch.float32
+    )
     module.splitk = fp8_splitk.SplitCounters()
 
 
@@ -139,7 +101,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(dim, dtype=dtype)
+        self.weight = empty_param(dim, dtype=dtype)
         self.fused = False  # set by the model's set_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
@@ -175,7 +137,7 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
-        _copy_checked(getattr(self, param).data, source.read(), f"RMSNorm.{param}")
+        copy_checked(getattr(self, param).data, source.read(), f"RMSNorm.{param}")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -217,8 +179,8 @@ class ColumnParallelLinear(nn.Module):
             # [out_local, in] e4m3
             _fp8_params(self, out_local, in_features, scale_rows, self.quant)
         else:
-            self.weight = _param(out_local, in_features, dtype=dtype)  # [out_local, in]
-        self.bias = _param(out_local, dtype=dtype) if bias else None  # [out_local]
+            self.weight = empty_param(out_local, in_features, dtype=dtype)  # [out_local, in]
+        self.bias = empty_param(out_local, dtype=dtype) if bias else None  # [out_local]
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, in] → [T, out_local]
         if self.quant is not None:
@@ -245,18 +207,18 @@ class ColumnParallelLinear(nn.Module):
         local = self.local_sizes[i]
         start = self._rank_start(i)
         name = f"{type(self).__name__}.{param}[{shard_id}]"
-        _check_extent(source, 0, self.full_sizes[i], name)
+        check_extent(source, 0, self.full_sizes[i], name)
         # FP8 rows and their scale rows, as they are
         if self.quant is not None and param == "weight":
             w, s = _fp8_source(source, name).read_quantized(0, start, start + local)
-            _copy_checked(self.weight.data.narrow(0, self.offsets[i], local), w, name)
+            copy_checked(self.weight.data.narrow(0, self.offsets[i], local), w, name)
             scales = self.weight_scale_inv.data.narrow(
                 0, self.offsets[i] // self.quant.block_n, s.shape[0]
             )
-            _copy_checked(scales, s, name + ".weight_scale_inv")
+            copy_checked(scales, s, name + ".weight_scale_inv")
             return
         dst = getattr(self, param).data.narrow(0, self.offsets[i], local)
-        _copy_checked(dst, source.read(0, start, start + local), name)
+        copy_checked(dst, source.read(0, start, start + local), name)
 
 
 def _input_rows(
@@ -364,9 +326,9 @@ class RowParallelLinear(nn.Module):
                 self.quant,
             )
         else:
-            self.weight = _param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
+            self.weight = empty_param(out_features, self.in_local, dtype=dtype)  # [out, in_local]
         self.bias = (
-            _param(out_features, dtype=dtype) if bias else None
+            empty_param(out_features, dtype=dtype) if bias else None
         )  # added once, after the reduce
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, in_local] → [T, out]
@@ -387,18 +349,18 @@ class RowParallelLinear(nn.Module):
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         if param == "bias":
-            _copy_checked(self.bias.data, source.read(), "RowParallelLinear.bias")  # type: ignore[union-attr]
+            copy_checked(self.bias.data, source.read(), "RowParallelLinear.bias")  # type: ignore[union-attr]
             return
         start = self.tp.rank * self.in_local
-        _check_extent(source, 1, self.in_local * self.tp.size, "RowParallelLinear.weight")
+        check_extent(source, 1, self.in_local * self.tp.size, "RowParallelLinear.weight")
         if self.quant is not None:  # FP8 columns and their scale columns, as they are
             w, s = _fp8_source(source, "RowParallelLinear.weight").read_quantized(
                 1, start, start + self.in_local
             )
-            _copy_checked(self.weight.data, w, "RowParallelLinear.weight")
-            _copy_checked(self.weight_scale_inv.data, s, "RowParallelLinear.weight_scale_inv")
+            copy_checked(self.weight.data, w, "RowParallelLinear.weight")
+            copy_checked(self.weight_scale_inv.data, s, "RowParallelLinear.weight_scale_inv")
             return
-        _copy_checked(
+        copy_checked(
             self.weight.data,
             source.read(1, start, start + self.in_local),
             "RowParallelLinear.weight",
@@ -431,7 +393,7 @@ class Embedding(nn.Module):
         self.tp = tp or TPInfo()
         self.vocab_size = vocab_size
         self.start, self.stop, per = vocab_shard(vocab_size, self.tp)
-        self.weight = _param(per, hidden, dtype=dtype)  # [V_local (padded), hidden]
+        self.weight = empty_param(per, hidden, dtype=dtype)  # [V_local (padded), hidden]
         self.fused = False  # one row's logits through gemv (set by the model's set_fused_kernels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] → [T, hidden]
@@ -446,9 +408,9 @@ class Embedding(nn.Module):
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         n = self.stop - self.start
-        _check_extent(source, 0, self.vocab_size, f"{type(self).__name__}.weight")
+        check_extent(source, 0, self.vocab_size, f"{type(self).__name__}.weight")
         rows = source.read(0, self.start, self.stop)
-        _copy_checked(self.weight.data[:n], rows, f"{type(self).__name__}.weight")
+        copy_checked(self.weight.data[:n], rows, f"{type(self).__name__}.weight")
         self.weight.data[n:].zero_()  # padding rows: their logits are sliced off
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.layers import TensorSource, WeightShapeError, _copy_checked, _param
 from worker.model.moe_static import forward_static
+from worker.model.weights import TensorSource, WeightShapeError, copy_checked, empty_param
 
 
 class MoEConfigError(ValueError):
@@ -143,10 +143,11 @@ class SparseMoEBlock(nn.Module):
         self.num_local = num_experts // par.size if par.ep else num_experts
         self.first_expert = par.rank * self.num_local if par.ep else 0
         self.inter_local = inter if par.ep else inter // par.size
-        self.gate = _param(num_experts, hidden, dtype=dtype)  # router [E, hidden], replicated
+        self.gate = empty_param(num_experts, hidden, dtype=dtype)  # router [E, hidden], replicated
         # [E_local, 2I, H]: gate|up
-        self.w13 = _param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)
-        self.w2 = _param(self.num_local, hidden, self.inter_local, dtype=dtype)  # [E_local, H, I]
+        self.w13 = empty_param(self.num_local, 2 * self.inter_local, hidden, dtype=dtype)
+        # [E_local, H, I]
+        self.w2 = empty_param(self.num_local, hidden, self.inter_local, dtype=dtype)
         self._deepep: Any = None  # deep_ep.Buffer, built at the first dispatch
         # True only inside `graph_shapes` (a decode graph's warm-up, capture or CPU replay): the
         # path a CUDA graph can hold. Every rank enters it for the same steps.
@@ -164,7 +165,7 @@ class SparseMoEBlock(nn.Module):
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
         if param == "gate":
-            _copy_checked(self.gate.data, source.read(), "SparseMoEBlock.gate")
+            copy_checked(self.gate.data, source.read(), "SparseMoEBlock.gate")
             return
         # (global expert id, "gate" | "up" | "down")
         expert, piece = cast(tuple[int, str], shard_id)
@@ -172,12 +173,12 @@ class SparseMoEBlock(nn.Module):
         start = 0 if self.par.ep else self.par.rank * self.inter_local
         stop = start + self.inter_local
         if piece == "down":  # [H, I]: this rank's input columns
-            _copy_checked(
+            copy_checked(
                 self.w2.data[e], source.read(1, start, stop), f"experts.{expert}.down_proj"
             )
         else:  # [I, H]: this rank's output rows, gate first then up
             off = 0 if piece == "gate" else self.inter_local
-            _copy_checked(
+            copy_checked(
                 self.w13.data[e, off : off + self.inter_local],
                 source.read(0, start, stop),
                 f"experts.{expert}.{piece}_proj",

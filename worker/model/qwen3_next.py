@@ -37,16 +37,13 @@ from worker.model.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    TensorSource,
     TPInfo,
-    WeightShapeError,
-    _copy_checked,
-    _param,
     kv_heads_per_rank,
 )
 from worker.model.llama import MLP
 from worker.model.moe import MoEParallel, SparseMoEBlock
 from worker.model.rope import RotaryEmbedding, apply_rope
+from worker.model.weights import TensorSource, WeightShapeError, copy_checked, empty_param
 
 
 class OffsetRMSNorm(nn.Module):
@@ -55,7 +52,7 @@ class OffsetRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(dim, dtype=dtype)
+        self.weight = empty_param(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         xf = x.float()
@@ -63,7 +60,7 @@ class OffsetRMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
     def load(self, param: str, source: TensorSource, shard_id: object = None) -> None:
-        _copy_checked(self.weight.data, source.read(), "OffsetRMSNorm.weight")
+        copy_checked(self.weight.data, source.read(), "OffsetRMSNorm.weight")
 
 
 class GatedAttention(nn.Module):
