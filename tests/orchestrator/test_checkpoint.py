@@ -358,5 +358,6 @@ def test_a_worker_refusing_weights_wider_than_config_json_exits_with_one_line(
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "does config.json match the weights?" in last, last
+    assert last.startswith("error: checkpoint tensor model.layers.0.mlp.down_proj.weight: ")
+    assert "does config.json match the weights?" in last, last
     assert "Traceback" not in out.stderr, out.stderr

@@ -10,7 +10,6 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kv_cache import KVCache, StateShape
-from worker.model.weights import TensorSource
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,3 @@ class CausalLM(nn.Module, ABC):
         """After a checkpoint load, with the names it filled: let go of optional modules the
         checkpoint did not carry (DeepSeek's MTP layers), so that `weight_slots` lists only what
         must be there. Most models have none."""
-
-    def load_weight(self, name: str, source: TensorSource) -> None:
-        slot = self.weight_slots()[name]
-        slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]

@@ -47,6 +47,7 @@ from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, check_deepep
 from worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from worker.model.qwen3_next import Qwen3NextForCausalLM
+from worker.model.weights import WeightShapeError
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,10 @@ def load_checkpoint(
             if slot is None:
                 ignored.append(name)  # e.g. rotary inv_freq buffers, a tied lm_head copy
                 continue
-            slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
+            try:
+                slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
+            except WeightShapeError as exc:  # the layer names its parameter; say which tensor
+                raise WeightShapeError(f"checkpoint tensor {name}: {exc}") from None
             loaded.add(name)
     model.drop_unloaded(loaded)  # optional modules the checkpoint lacks (DeepSeek's MTP layers)
     missing = sorted(set(model.weight_slots()) - loaded)
