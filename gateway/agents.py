@@ -13,7 +13,8 @@ returns a `ChatPlan`. The rules, each a 400 naming the field when broken:
   through a grammar in the parser's own format (see parsers/constraints.py); under "auto",
   `strict` tools hold every call the model starts to its tool's schema (the others' to a JSON
   object) through a grammar triggered by the format's call marker;
-- `chat_template_kwargs` keys and `reasoning_effort` must be variables the template reads.
+- `chat_template_kwargs` keys and `reasoning_effort` must be variables the template reads,
+  and a message's `name` must reach the rendered prompt.
 """
 
 from __future__ import annotations
@@ -136,6 +137,23 @@ def _template_kwargs(req: ChatCompletionRequest, tok: Tokenizer) -> dict[str, An
     return kwargs
 
 
+def _check_names(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 kwargs: dict[str, Any], tok: Tokenizer) -> None:
+    """A message's `name` must reach the prompt: rendered once more with a marker for each
+    name, a marker the template left out is a name it drops (Qwen's templates drop all)."""
+    named = [i for i, m in enumerate(messages) if "name" in m]
+    if not named:
+        return
+    marked = [dict(m, name=f"@@tandem-name-{i}@@") if i in named else m
+              for i, m in enumerate(messages)]
+    text = tok.render_chat(marked, tools=tools, kwargs=kwargs)
+    for i in named:
+        if f"@@tandem-name-{i}@@" not in text:
+            raise BadRequest(f"messages[{i}].name: this model's chat template does not use a "
+                             f"{messages[i]['role']} message's name, so it would change "
+                             "nothing; omit it", param="messages")
+
+
 def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
                  tok: Tokenizer) -> dict[str, dict[str, Any]]:
     """Tool name -> parameters schema; raises for what the request gets wrong."""
@@ -237,7 +255,9 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
     parse_tools = bool(params) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []] \
         if parse_tools else None
-    text = tok.render_chat(messages, tools=tools, kwargs=_template_kwargs(req, tok))
+    kwargs = _template_kwargs(req, tok)
+    text = tok.render_chat(messages, tools=tools, kwargs=kwargs)
+    _check_names(messages, tools, kwargs, tok)
     starts = bool(parsers.reasoning) and prompt_opens_reasoning(text)
     constraint = request_constraint(req, _forced_calls(req, parsers, tok, params),
                                     _strict_calls(req, parsers, tok, params))

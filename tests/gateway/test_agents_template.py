@@ -144,3 +144,31 @@ def test_unknown_fields_are_refused_by_name() -> None:
         parse_request(b'{"messages": [{"role": "user", "content": "x", "colour": 1}]}',
                       ChatCompletionRequest)
     assert "messages.0.colour" in info.value.message
+
+
+NAMED_TEMPLATE = """\
+{%- for message in messages -%}
+<|im_start|>{{ message.role }}{% if message.role == 'user' and message.name %} \
+({{ message.name }}){% endif %}
+{{ message.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def test_a_message_name_the_template_drops_is_a_400(hermes_dir: Path) -> None:
+    err = refused(Tokenizer.from_dir(hermes_dir), messages=[
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q?", "name": "ann"}])
+    assert err.param == "messages" and err.message.startswith("messages[1].name: "), err.message
+
+
+def test_a_message_name_the_template_reads_reaches_the_prompt(tmp_path: Path) -> None:
+    from tests.gateway.gw_doubles import build_agent_tokenizer
+
+    tok = Tokenizer.from_dir(build_agent_tokenizer(tmp_path, NAMED_TEMPLATE))
+    users = [{"role": "user", "content": "q?", "name": "ann"},
+             {"role": "assistant", "content": "a"}, {"role": "user", "content": "r?"}]
+    assert "<|im_start|>user (ann)" in prompt(tok, request(messages=users))
+    err = refused(tok, messages=[*users, {"role": "assistant", "content": "b", "name": "bot"}])
+    assert err.message.startswith("messages[3].name: ") and "assistant message's name" in \
+        err.message, err.message
