@@ -3,8 +3,9 @@
 One request's output is replayed token by token, one token per worker message (how workers
 stream at low load), through what the gateway runs for it: the incremental detokenizer and
 stop strings (OutputAssembler), the reasoning and tool-call parsers (ChatOutput), and the SSE
-events' bytes (gateway/chunks.py), as `GenerationHandler._stream` runs them. Per-token CPU =
-process time / tokens, best of --repeat runs.
+events' bytes (gateway/chunks.py), through the streamed response's `StreamEvents.of`, as the
+gateway runs them (gateway/streaming.py). Per-token CPU = process time / tokens, best of
+--repeat runs.
 
     .venv/bin/python -m bench.parsers --repeat 20
 """
@@ -23,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.agents import ChatPlan  # noqa: E402
 from gateway.chat_output import ChatOutput  # noqa: E402
-from gateway.chunks import ChatEvents  # noqa: E402
+from gateway.metrics import LoopHistogram, TokenClock  # noqa: E402
 from gateway.output import OutputAssembler  # noqa: E402
-from gateway.serving import GenerationHandler  # noqa: E402
 from gateway.session import Output  # noqa: E402
+from gateway.streaming import StreamEvents  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
 from tests.gateway.gw_doubles import HERMES_TEMPLATE, build_agent_tokenizer  # noqa: E402
 
@@ -52,8 +53,8 @@ CASES = {
 
 
 def replay(tok: Tokenizer, ids: list[int], reasoning: str, tool: str) -> tuple[float, int]:
-    """Process seconds for one request's output, through the steps `GenerationHandler._stream`
-    takes for a chat stream; and the number of SSE events it made."""
+    """Process seconds for one request's output, through the steps the gateway takes for a
+    chat stream (`StreamEvents.of`); and the number of SSE events it made."""
     plan = ChatPlan(prompt_ids=[1, 2, 3], reasoning_parser=reasoning, tool_parser=tool,
                     tool_parameters={"lookup": {"type": "object", "properties": {
                         "name": {"type": "string"}, "context": {"type": "string"}}}},
@@ -63,17 +64,9 @@ def replay(tok: Tokenizer, ids: list[int], reasoning: str, tool: str) -> tuple[f
     msgs[-1].finish_reason = "stop"
     t0 = time.process_time()
     out = OutputAssembler(tok, plan.prompt_ids, True, [], -1, plan.keep_token_ids)
-    chat = ChatOutput(plan)
-    sse = ChatEvents("chatcmpl-x", 0, "m")
-    events = 0
-    for msg in msgs:
-        piece = chat.feed(out.add_pieces(msg, chat.per_token))
-        deltas = piece.delta_json()
-        if out.finished:
-            deltas += chat.finish().delta_json()
-        if deltas or out.finished:
-            finish = chat.finish_reason(out.finish_reason)
-            events += len(GenerationHandler._chat_chunks(sse, deltas, finish, None))
+    clock = TokenClock(LoopHistogram("itl", "", [1.0]))  # not read: no output arrives timed
+    stream = StreamEvents("x", "m", out, ChatOutput(plan), clock, created=0)
+    events = sum(len(stream.of(msg)) for msg in msgs)
     return time.process_time() - t0, events
 
 
