@@ -182,20 +182,21 @@ class WorkerPool:
     async def add(self, url: str, role: str) -> Worker:
         """Admit a worker at run time once its GetInfo matches (POST /workers).
 
-        Raises ValueError (bad role or a url already in the pools), WorkerUnreachable or
-        IdentityRefused; nothing is added then.
+        Raises ValueError (bad role, a url already in the pools, or a worker already listed
+        under another address: same epoch), WorkerUnreachable or IdentityRefused; nothing is
+        added then.
         """
         pool = next((p for p in self.pools if ROLE_OF_POOL[p] == role), None)
         if pool is None:
             roles = ", ".join(ROLE_OF_POOL[p] for p in self.pools)
             raise ValueError(f"role {role!r} is not served here; this gateway's roles: {roles}")
-        if self.find(url) is not None:
-            raise ValueError(f"{url} is already in the {pool} pool (DELETE it first to re-add it)")
+        self._check_new(url, pool, None)
         w = self._make(url, pool, source="joined")
         try:
             info = await self._fetch_info(w)
             self._accept(w, info)
-        except (WorkerUnreachable, IdentityRefused):
+            self._check_new(url, pool, info)  # again: the pools may have changed meanwhile
+        except (WorkerUnreachable, IdentityRefused, ValueError):
             await w.channel.close()
             raise
         w.info, w.accepted, w.draining = info, True, info.draining
@@ -204,6 +205,21 @@ class WorkerPool:
         if self._started:
             self._watch_worker(w)
         return w
+
+    def _check_new(self, url: str, pool: str, info: tandem_pb2.WorkerInfo | None) -> None:
+        """ValueError unless `url` (and, once its GetInfo answered, its process: the epoch)
+        is new here: one worker listed twice (127.0.0.1:N and localhost:N) would get twice its
+        seats, and a DELETE of either name would drain it under the other."""
+        if self.find(url) is not None:
+            raise ValueError(f"{url} is already in the {pool} pool (DELETE it first to re-add it)")
+        epoch = info.epoch if info is not None else 0
+        listed = (o for o in self.all() if o.info is not None and o.info.epoch == epoch)
+        twin = next(listed, None) if epoch else None
+        if twin is not None:
+            raise ValueError(
+                f"{url} is the worker already listed as {twin.url} (same epoch {epoch:x}); "
+                "the pools take each worker once"
+            )
 
     def remove(self, w: Worker) -> None:
         """DELETE /workers/{url}: stop routing to `w` now, drain it, then drop it (idempotent)."""

@@ -7,6 +7,7 @@ answer Drain; the gateway app runs in-process with its real pool and health task
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import pytest
 
@@ -35,6 +36,7 @@ class Member(ScriptedWorker):
         self.cluster_id, self.model_fp, self.contract = cluster_id, model_fp, contract
         self.draining = False
         self.drains: list[str] = []
+        self.epoch = secrets.randbits(64) or 1  # new at every start, as a real worker's
 
     async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
         info = await super().GetInfo(request, context)
@@ -198,6 +200,33 @@ async def test_post_workers_adds_after_the_identity_check(tok_dir):
         for body, status, code in bad:
             r = await c.post("/workers", json=body, headers=ADMIN)
             assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
+
+
+async def test_one_worker_under_two_addresses_is_refused(tok_dir):
+    # POST localhost:N for the worker listed as 127.0.0.1:N: its epoch says it is the same
+    # process, so it is not listed twice (twice its seats; a DELETE of the second name would
+    # drain the worker the first still routes to).
+    a, b = Member(), Member()
+    async with workers(a, b), running_app(config(tok_dir, workers=(a.url,))) as c:
+        await until(c, a.url, "serving")
+        alias = f"localhost:{a.port}"
+        r = await c.post("/workers", json={"url": alias, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "worker_conflict", r.text
+        assert r.json()["error"]["message"] == (
+            f"{alias} is the worker already listed as {a.url} (same epoch {a.epoch:x}); "
+            "the pools take each worker once"
+        )
+        assert list(await listed(c)) == [a.url]
+        r = await c.post("/workers", json={"url": b.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 201, r.text  # another process is welcome
+        await c.delete(f"/workers/{a.url}", headers=ADMIN)
+        await a.stop()
+        await until(c, a.url, "gone")
+        a.epoch = secrets.randbits(64) or 1  # restarted: a new process, under either name
+        a.draining = False
+        await a.start(port=a.port)
+        r = await c.post("/workers", json={"url": alias, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 201, r.text
 
 
 async def test_delete_drains_stops_routing_at_once_then_removes(tok_dir):
