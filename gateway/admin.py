@@ -3,7 +3,9 @@
     GET    /workers          every worker: identity, state (starting | serving | draining |
                              refused | dead), load, in-flight requests
     POST   /workers          {"url": "host:port", "role": "prefill|decode|both"}: add a worker
-                             once its GetInfo matches this cluster (201; 409 when refused)
+                             once its GetInfo matches this cluster (201; 200 when that url is
+                             listed already and matches: a retry, or a restart on it; 409
+                             when refused)
     DELETE /workers/{url}    stop routing to it now, drain it, then drop it (202)
     GET    /metrics          Prometheus text
 
@@ -131,7 +133,7 @@ async def add_worker(auth: AdminAuth, pool: WorkerPool | None, request: Request)
         ) from None
     url = check_url(body.url)
     try:
-        w = await pool.add(url, body.role)
+        w, added = await pool.add(url, body.role)
     except ValueError as exc:
         raise ApiError(
             str(exc), status=409, type="invalid_request_error", code="worker_conflict"
@@ -144,7 +146,7 @@ async def add_worker(auth: AdminAuth, pool: WorkerPool | None, request: Request)
         raise ApiError(
             str(exc), status=502, type="bad_gateway", code="worker_unreachable"
         ) from None
-    return _json(w.as_json(), status=201)
+    return _json(w.as_json(), status=201 if added else 200)
 
 
 async def remove_worker(auth: AdminAuth, pool: WorkerPool | None, request: Request) -> Response:

@@ -37,6 +37,7 @@ from gateway.workers import (
     Worker,
     WorkerState,
     WorkerUnreachable,
+    listed_elsewhere,
 )
 from protocol import tandem_pb2, tandem_pb2_grpc
 from protocol.identity import WorkerIdentity
@@ -65,6 +66,8 @@ _CHANNEL_OPTIONS = [
     # Reconnect quickly after a worker restarts; the health checks notice it within one interval.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # Its own connection: POST /workers dials a listed url anew, past that entry's backoff.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -179,47 +182,51 @@ class WorkerPool:
 
     # ---- membership ----
 
-    async def add(self, url: str, role: str) -> Worker:
-        """Admit a worker at run time once its GetInfo matches (POST /workers).
-
-        Raises ValueError (bad role, a url already in the pools, or a worker already listed
-        under another address: same epoch), WorkerUnreachable or IdentityRefused; nothing is
-        added then.
-        """
+    async def add(self, url: str, role: str) -> tuple[Worker, bool]:
+        """Admit a worker at run time once its GetInfo matches (POST /workers): (it, True);
+        (its entry, False) when `url` is in that pool already and passes the identity check
+        (a join's retried POST; a worker restarted on its address, which the entry's health
+        checks take back). Raises ValueError (bad role; `url` in another pool or going; the
+        worker listed under another address), WorkerUnreachable or IdentityRefused."""
         pool = next((p for p in self.pools if ROLE_OF_POOL[p] == role), None)
         if pool is None:
             roles = ", ".join(ROLE_OF_POOL[p] for p in self.pools)
             raise ValueError(f"role {role!r} is not served here; this gateway's roles: {roles}")
-        self._check_new(url, pool, None)
-        w = self._make(url, pool, source="joined")
+        listed = self._check_listed(url, pool)
+        w = self._make(url, pool, source="joined")  # a new channel: a listed one may back off
         try:
             info = await self._fetch_info(w)
             self._accept(w, info)
-            self._check_new(url, pool, info)  # again: the pools may have changed meanwhile
+            if self._check_listed(url, pool) is not listed:  # the pools changed meanwhile
+                raise ValueError(f"{url} was added or removed meanwhile; POST it again")
+            twin = listed_elsewhere(url, info, self.all())
+            if twin is not None:
+                raise ValueError(
+                    f"{url} is the worker already listed as {twin.url} (same epoch "
+                    f"{info.epoch:016x}); the pools take each worker once"
+                )
         except (WorkerUnreachable, IdentityRefused, ValueError):
             await w.channel.close()
             raise
+        if listed is not None:
+            await w.channel.close()
+            log.info("worker %s (%s) posted again: already in the pool", url, pool)
+            return listed, False
         w.info, w.accepted, w.draining = info, True, info.draining
         self.pools[pool].append(w)
         log.info("worker %s (%s) added: %s", url, pool, w.expected.found_in(info).describe())
         if self._started:
             self._watch_worker(w)
-        return w
+        return w, True
 
-    def _check_new(self, url: str, pool: str, info: tandem_pb2.WorkerInfo | None) -> None:
-        """ValueError unless `url` (and, once its GetInfo answered, its process: the epoch)
-        is new here: one worker listed twice (127.0.0.1:N and localhost:N) would get twice its
-        seats, and a DELETE of either name would drain it under the other."""
-        if self.find(url) is not None:
-            raise ValueError(f"{url} is already in the {pool} pool (DELETE it first to re-add it)")
-        epoch = info.epoch if info is not None else 0
-        listed = (o for o in self.all() if o.info is not None and o.info.epoch == epoch)
-        twin = next(listed, None) if epoch else None
-        if twin is not None:
-            raise ValueError(
-                f"{url} is the worker already listed as {twin.url} (same epoch {epoch:x}); "
-                "the pools take each worker once"
-            )
+    def _check_listed(self, url: str, pool: str) -> Worker | None:
+        """`url`'s entry in `pool` if any; ValueError when it is in another pool or going."""
+        w = self.find(url)
+        if w is not None and w.pool != pool:
+            raise ValueError(f"{url} is already in the {w.pool} pool (DELETE it first)")
+        if w is not None and w.member is not Membership.ACTIVE:
+            raise ValueError(f"{url} is being removed; POST it again once GET /workers drops it")
+        return w
 
     def remove(self, w: Worker) -> None:
         """DELETE /workers/{url}: stop routing to `w` now, drain it, then drop it (idempotent)."""

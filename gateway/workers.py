@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,3 +114,13 @@ class Worker:
             "epoch": f"{info.epoch:016x}" if info else "",
             "error": self.refusal,
         }
+
+
+def listed_elsewhere(
+    url: str, info: tandem_pb2.WorkerInfo, listed: Iterable[Worker]
+) -> Worker | None:
+    """The entry, under another address, of the process answering at `url` (the same epoch):
+    listed twice (127.0.0.1:N and localhost:N) a worker would get twice its seats, and a
+    DELETE of either name would drain it under the other."""
+    same = (o for o in listed if o.url != url and o.info is not None and o.info.epoch == info.epoch)
+    return next(same, None) if info.epoch else None

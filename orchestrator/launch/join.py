@@ -3,9 +3,11 @@
 Lifecycle (a thread beside the worker's own serving loop):
   1. Wait until the worker's own gRPC health says SERVING (bounded by the ready deadline).
   2. POST {url, role} to <gateway>/workers with the admin key; the gateway checks the
-     worker's identity (cluster id, role, model) before it routes anything to it. Connection
-     errors are retried until the deadline (the gateway may still be starting); a refusal
-     (401/403/409/4xx) is final: the worker logs the gateway's one-line reason and stops.
+     worker's identity (cluster id, role, model) before it routes anything to it (201; 200
+     when its url is listed already: this worker restarted on it, or a retried POST).
+     Connection errors are retried until the deadline (the gateway may still be starting); a
+     refusal (401/403/409/4xx) is final: the worker logs the gateway's one-line reason and
+     stops.
   3. When the worker drains (SIGTERM), `leave()` sends DELETE /workers/<url>, so the gateway
      stops routing to it at once and drops it once it has exited.
 """
@@ -55,7 +57,7 @@ class Join:
                 last = f"{type(exc).__name__}: {exc}"
                 time.sleep(_RETRY_S)
                 continue
-            if resp.status_code == 201:
+            if resp.status_code in (200, 201):  # 200: listed already (restarted on its url)
                 log.info("joined %s as %s %s", self.gateway_url, self.role, self.worker_url)
                 self.joined.set()
                 return

@@ -189,8 +189,10 @@ async def test_post_workers_adds_after_the_identity_check(tok_dir):
             f"refusing the worker at {stale.url}: expected cluster c1"
         )
         assert stale.url not in await listed(c)
+        r = await c.post("/workers", json={"url": b.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["url"] == b.url  # there already: a no-op
+        assert list(await listed(c)) == [a.url, b.url]
         bad = [
-            ({"url": b.url, "role": "both"}, 409, "worker_conflict"),  # already there
             ({"url": "127.0.0.1:1", "role": "both"}, 502, "worker_unreachable"),
             ({"url": b.url}, 400, "invalid_value"),  # role missing
             ({"url": b.url, "role": "both", "weight": 2}, 400, "invalid_value"),  # not honoured
@@ -213,7 +215,7 @@ async def test_one_worker_under_two_addresses_is_refused(tok_dir):
         r = await c.post("/workers", json={"url": alias, "role": "both"}, headers=ADMIN)
         assert r.status_code == 409 and r.json()["error"]["code"] == "worker_conflict", r.text
         assert r.json()["error"]["message"] == (
-            f"{alias} is the worker already listed as {a.url} (same epoch {a.epoch:x}); "
+            f"{alias} is the worker already listed as {a.url} (same epoch {a.epoch:016x}); "
             "the pools take each worker once"
         )
         assert list(await listed(c)) == [a.url]
@@ -227,6 +229,32 @@ async def test_one_worker_under_two_addresses_is_refused(tok_dir):
         await a.start(port=a.port)
         r = await c.post("/workers", json={"url": alias, "role": "both"}, headers=ADMIN)
         assert r.status_code == 201, r.text
+
+
+async def test_a_joined_worker_restarted_on_its_address_joins_again(tok_dir):
+    # `tandem worker --join --port N` run again after a crash: its old entry (dead) is still
+    # listed. Its POST must succeed (it was a 409, and the worker stopped itself, so a
+    # supervisor restarting it looped with the pool short of a worker); the entry serves it.
+    a, b = Member(), Member()
+    async with workers(a, b), running_app(config(tok_dir, workers=(a.url,))) as c:
+        await until(c, a.url, "serving")
+        r = await c.post("/workers", json={"url": b.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        await until(c, b.url, "serving")
+        await b.stop()  # crashed
+        await until(c, b.url, "dead")
+        b.epoch = secrets.randbits(64) or 1
+        await b.start(port=b.port)
+        r = await c.post("/workers", json={"url": b.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert r.json()["source"] == "joined"
+        ws = await until(c, b.url, "serving")
+        assert ws["epoch"] == f"{b.epoch:016x}"
+        n_b = len(b.requests)
+        for _ in range(4):
+            assert (await gen(c)).status_code == 200
+        assert len(b.requests) > n_b  # routed to again
+        assert list(await listed(c)) == [a.url, b.url]  # one entry, not two
 
 
 async def test_delete_drains_stops_routing_at_once_then_removes(tok_dir):
