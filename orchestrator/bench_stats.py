@@ -135,8 +135,8 @@ def summarize_results(results: list[RequestResult], duration_s: float, mode: str
 
 
 def _lat(name: str, d: dict[str, float]) -> str:
-    return (f"{name:<10} p50 {d['p50']:9.2f}  p90 {d['p90']:9.2f}  p99 {d['p99']:9.2f}  "
-            f"mean {d['mean']:9.2f}")
+    return (f"{name:<10} p50 {d['p50']:9.2f}  p90 {d['p90']:9.2f}  p95 {d['p95']:9.2f}  "
+            f"p99 {d['p99']:9.2f}  mean {d['mean']:9.2f}")
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -31,3 +31,19 @@ def test_bench_takes_the_openai_base_url(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert json.loads(out.out)["completed"] == 3
+
+
+def test_bench_prints_the_percentiles_the_readme_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """README: `tandem bench` reports TTFT, TPOT, ITL and E2E at p50/p90/p95/p99; its text
+    report printed p95 only under --json."""
+    with OpenAIDouble(DoubleState()) as url:
+        rc = main(["bench", "--url", url, "--input-len", "8", "--output-len", "4",
+                   "--num-requests", "3", "--concurrency", "1"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = {line.split(" ms")[0]: line for line in out.out.splitlines() if " ms " in line}
+    assert set(rows) == {"TTFT", "TPOT", "ITL", "E2E"}, out.out
+    for row in rows.values():
+        assert [w for w in row.split() if w.startswith("p")] == ["p50", "p90", "p95", "p99"], row
