@@ -36,7 +36,8 @@ field() { scontrol show job -o "$JOBID" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$
 # lines only; the rest once it has ended.
 shown=0
 show() {
-  local n; n=$(wc -l <"$OUT" 2>/dev/null) || return 0
+  local n; [[ -f $OUT ]] || return 0   # sbatch creates it when the job starts
+  n=$(wc -l <"$OUT") || return 0
   if ((n > shown)); then sed -n "$((shown + 1)),${n}p" "$OUT"; shown=$n; fi
 }
 while :; do

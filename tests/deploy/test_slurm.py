@@ -279,3 +279,31 @@ def test_a_serving_job_answers_from_outside_and_stops_clean_when_cancelled(
     assert json.loads((run_dir / "done.json").read_text()) == {"status": 0}
     left = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in left, left  # no worker or gateway of the job survives it
+
+
+def test_submit_waits_for_the_jobs_output_without_an_error_line(tmp_path: Path) -> None:
+    """Until the job starts, its output file does not exist: submit.sh's first reads of it
+    printed `submit.sh: line 39: ...out: No such file or directory` (a redirect's error goes
+    to stderr before `2>/dev/null` applies). Fake sbatch / scontrol: the job is pending at
+    the first poll, then completes with its output written."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    polls = tmp_path / "polls"
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/bash\nwhile [[ $# -gt 0 ]]; do [[ $1 == -o ]] && echo "$2" > "$POLLS.out"; shift'
+        "; done\necho 7\n")
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\necho x >> "$POLLS"\nif (( $(wc -l < "$POLLS") < 3 )); then\n'
+        "  echo 'JobId=7 JobState=PENDING ExitCode=0:0'\nelse\n"
+        '  echo "job output" > "$(cat "$POLLS.out")"\n'
+        "  echo 'JobId=7 JobState=COMPLETED ExitCode=0:0'\nfi\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "POLLS": str(polls)}
+    p = subprocess.run(
+        ["bash", str(SUBMIT), str(GATE_JOB), "--set", f"launcher.artifact_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=REPO_ROOT,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "job output" in p.stdout and "submit: job 7 COMPLETED" in p.stdout
+    assert p.stderr == "", p.stderr
