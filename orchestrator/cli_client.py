@@ -40,7 +40,7 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                    help=f"requests in flight (default {gate.concurrency})")
     p.add_argument("--min-accuracy", type=float,
                    help=f"the bar, 0..1 (default {gate.min_accuracy}, arith's; the embedded "
-                        "model scores 0.82-0.88 on lookup, which its tests gate at 0.7)")
+                        "model scores 0.82-0.89 on lookup, which its tests gate at 0.7)")
     p.add_argument("--seed", type=int, help=f"problem seed (default {gate.seed})")
     p.add_argument("--enable-thinking", action="store_true",
                    help="tool tasks: send chat_template_kwargs {enable_thinking: true} and require "
