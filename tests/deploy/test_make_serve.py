@@ -44,3 +44,18 @@ def test_port_and_args_reach_tandem_serve() -> None:
     # CONFIG= still picks the file.
     args = build_parser().parse_args(serve_argv("CONFIG=configs/tiny-mono.yaml", "PORT=8101"))
     assert args.config == "configs/tiny-mono.yaml" and args.port == 8101
+
+
+def test_the_package_metadata_loads_without_a_deprecation_warning() -> None:
+    """`make serve` in a fresh clone builds the package (pip install -e): a `project.license`
+    TOML table printed setuptools' 12-line deprecation box three times into its output."""
+    import warnings
+
+    pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_configuration(Distribution(), REPO_ROOT / "pyproject.toml")
+    assert [str(w.message).splitlines()[0] for w in caught] == []
