@@ -164,7 +164,7 @@ class WorkerPool:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(_close(w) for w in self.all()), return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in self.all()), return_exceptions=True)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run a background coroutine owned by the pool (kept referenced until it ends). One
@@ -295,7 +295,7 @@ class WorkerPool:
             t.cancel()
         if w in self.pools[w.pool]:
             self.pools[w.pool].remove(w)
-        self.spawn(_close(w))
+        self.spawn(w.close())
         for cb in self._on_remove:
             cb(w)
         self._changed.set()
@@ -311,7 +311,8 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnreachable(
                 f"cannot reach the worker at {w.url}: GetInfo failed with "
-                f"{exc.code().name} ({exc.details()})"
+                f"{exc.code().name} ({exc.details()})",
+                exc.code(),
             ) from None
 
     def _accept(self, w: Worker, info: tandem_pb2.WorkerInfo) -> None:
@@ -342,6 +343,9 @@ class WorkerPool:
         except WorkerUnreachable as exc:
             log.debug("%s", exc)
             w.draining = False  # a drained worker that exited is gone, not draining
+            if exc.code is grpc.StatusCode.UNAVAILABLE and w.forget_held():  # nothing there
+                for cb in self._on_load:
+                    cb(w)
             return False
         except IdentityRefused as exc:
             if w.refusal != str(exc):
@@ -452,9 +456,3 @@ class WorkerPool:
                         cb(w)
             idle = self.config.health_interval_s / 2  # not accepted yet: check back soon
             await asyncio.sleep(interval if w.info is not None else idle)
-
-
-async def _close(w: Worker) -> None:
-    """End the worker's stream (the worker aborts what it still carried), then its channel."""
-    await w.session.close()
-    await w.channel.close()

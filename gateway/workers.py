@@ -48,6 +48,10 @@ class IdentityRefused(Exception):
 class WorkerUnreachable(Exception):
     """A worker did not answer GetInfo; the message names it and the gRPC status."""
 
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code  # UNAVAILABLE: nothing listens at its address (the process is gone)
+
 
 @dataclass(eq=False)
 class Worker:
@@ -79,6 +83,22 @@ class Worker:
         ld = self.load
         kv = ld.kv_used_pages / ld.kv_total_pages if ld.kv_total_pages else 0.0
         return ld.running + ld.waiting + self.inflight + kv
+
+    async def close(self) -> None:
+        """End its stream (the worker aborts what it still carried), then its channel."""
+        await self.session.close()
+        await self.channel.close()
+
+    def forget_held(self) -> bool:
+        """Its process is gone, and with it what it held: running and waiting requests, pages,
+        rooms (its totals since start stay: counters). True when that changed the load."""
+        ld, held = self.load, ("running", "waiting", "kv_used_pages", "kv_cached_pages")
+        if not any(getattr(ld, f) for f in held) and not ld.kv_window_used_pages and not ld.rooms:
+            return False
+        for f in (*held, "kv_window_used_pages"):
+            setattr(ld, f, 0)
+        ld.rooms.clear()
+        return True
 
     @property
     def state(self) -> WorkerState:

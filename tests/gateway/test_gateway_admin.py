@@ -339,3 +339,33 @@ async def test_a_worker_that_drained_and_exited_shows_dead(tok_dir):
         await until(c, b.url, "draining")
         await b.stop()  # ... and exits once drained
         await until(c, b.url, "dead")
+
+
+async def test_a_dead_worker_shows_nothing_held(tok_dir):
+    # A worker killed mid-load (kill -9) holds nothing any more; its last GetLoad (running,
+    # pages used) stayed in GET /workers and /metrics, so the pool's running count and a
+    # page-leak alert saw requests and pages no process held. Its totals stay (counters).
+    a, b = Member(), Member()
+    b.load = tandem_pb2.Load(
+        running=3, waiting=1, kv_used_pages=40, kv_total_pages=100, transfer_bytes=4096
+    )
+    async with workers(a, b), running_app(config(tok_dir, workers=(a.url, b.url))) as c:
+        await until(c, b.url, "serving")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while (await listed(c))[b.url]["kv_used_pages"] != 40:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.02)
+        await b.stop()  # killed
+        ws = await until(c, b.url, "dead")
+        while ws["kv_used_pages"] or ws["running"]:
+            assert loop.time() < deadline, ws
+            await asyncio.sleep(0.02)
+            ws = (await listed(c))[b.url]
+        assert (ws["running"], ws["waiting"], ws["kv_used_pages"]) == (0, 0, 0)
+        text = (await c.get("/metrics", headers=ADMIN)).text
+        series = f'{{pool="workers",worker="{b.url}"}}'
+        assert f"tandem_worker_kv_used_pages{series} 0.0" in text
+        assert f"tandem_worker_running{series} 0.0" in text
+        assert 'tandem_pool_running{pool="workers"} 0.0' in text
+        assert f"tandem_worker_transfer_bytes_total{series} 4096.0" in text
