@@ -80,8 +80,8 @@ class Leg:
     outputs pushed to a sink as they arrive (`push_to`)."""
 
     __slots__ = ("_session", "slot", "_queue", "_waiter", "_ended", "_error", "_cancelled",
-                 "deadline", "_start", "_interrupt", "_sink", "_sink_error", "_pushed_end",
-                 "_on_left")
+                 "deadline", "timeout_s", "_start", "_interrupt", "_sink", "_sink_error",
+                 "_pushed_end", "_on_left")
 
     def __init__(self, session: WorkerSession, slot: int) -> None:
         self._session = session
@@ -92,6 +92,7 @@ class Leg:
         self._error: grpc.aio.AioRpcError | None = None
         self._cancelled = False
         self.deadline = float("inf")  # loop time past which the session's sweep ends it
+        self.timeout_s = 0.0  # the request's whole time (gateway.request_timeout_s): its error
         self._start: tuple[int, int] | None = None  # (num_prompt, num_cached) not yet handed on
         self._interrupt: BaseException | None = None  # raised by the next read with nothing queued
         self._sink: Callable[[Output], Push] | None = None
@@ -234,7 +235,11 @@ class Leg:
     def _expire(self) -> None:
         if not self.done():
             self._session._forget(self, abort=True)
-            self._fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            # The gateway's own bound, named as such (a bare "Deadline Exceeded" from a
+            # worker's address read as the worker's failure).
+            self._fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded: the "
+                                 f"request ran past {self.timeout_s:g} s "
+                                 "(gateway.request_timeout_s)"))
 
 
 class WorkerSession:
@@ -273,6 +278,7 @@ class WorkerSession:
         self._frame.submits.add(slot=slot, request=request)
         self._kick.set()
         leg.deadline = asyncio.get_running_loop().time() + timeout_s
+        leg.timeout_s = timeout_s
         return leg
 
     def abort(self, request_id: str, room: int, attempt_id: str = "") -> None:
