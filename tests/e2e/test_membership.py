@@ -103,9 +103,10 @@ def wait_for(what: str, check, timeout_s: float = 120.0):
         time.sleep(0.1)
 
 
-def join(c: Cluster, role: str, tmp: Path, name: str) -> Joined:
-    """A fresh worker of `role` joins the running gateway (its run's cluster.yaml, a free port)."""
-    before = {w["url"] for w in c.list_workers()}
+def join(c: Cluster, role: str, tmp: Path, name: str, port: int = 0) -> Joined:
+    """A fresh worker of `role` joins the running gateway (its run's cluster.yaml, a free port,
+    or `port`: then its url may be listed already, as a dead worker's)."""
+    before = {w["url"] for w in c.list_workers()} if not port else set()
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -120,6 +121,7 @@ def join(c: Cluster, role: str, tmp: Path, name: str) -> Joined:
                 role,
                 "--join",
                 c.url,
+                *(["--port", str(port)] if port else []),
             ],
             cwd=REPO,
             stdout=out,
@@ -129,7 +131,12 @@ def join(c: Cluster, role: str, tmp: Path, name: str) -> Joined:
 
     def serving() -> str:
         assert proc.poll() is None, log.read_text()
-        new = [w for w in c.list_workers() if w["url"] not in before and w["role"] == role]
+        at = f":{port}" if port else ""
+        new = [
+            w
+            for w in c.list_workers()
+            if w["url"] not in before and w["role"] == role and str(w["url"]).endswith(at)
+        ]
         return str(new[0]["url"]) if new and new[0]["state"] == "serving" else ""
 
     return Joined(proc, wait_for(f"{name} to join", serving), log)
@@ -237,3 +244,43 @@ def test_join_remove_and_rolling_restart_under_load_fail_nothing(tmp_path: Path)
         )
         for name, t, n in removals:
             print(f"  {name}: {t:.2f} s, {n} in flight")
+
+
+def test_a_joined_worker_started_again_on_its_port_after_a_crash_joins_again(
+    tmp_path: Path,
+) -> None:
+    # A supervisor restarts a crashed `tandem worker --join --port N`: the gateway still lists
+    # its dead entry. Before, its POST was a 409 (already in the pool) and the new worker
+    # stopped itself with exit 1, every time, leaving the pool a worker short.
+    with running_cluster(
+        "configs/tiny-1p1d.yaml",
+        "gateway.health_interval_s=0.5",
+        tmp=tmp_path,
+        model=MODEL,
+        admin_key=ADMIN_KEY,
+    ) as c:
+        first = join(c, "decode", tmp_path, "decode-joined")
+        port = int(first.url.rpartition(":")[2])
+        first.proc.kill()  # kill -9: no drain, no DELETE
+        first.proc.wait(timeout=10)
+        wait_for(
+            "the killed worker to show dead",
+            lambda: {w["url"]: w["state"] for w in c.list_workers()}.get(first.url) == "dead",
+        )
+        again = join(c, "decode", tmp_path, "decode-again", port=port)
+        try:
+            assert again.url == first.url
+            log = again.log.read_text
+            wait_for("its answer", lambda: "joined http" in log() or "error: --join" in log())
+            assert "joined http" in log() and again.proc.poll() is None, log()[-600:]
+            load = Load(c.url).start()
+            try:
+                wait_for("it to take requests", lambda: load_of(again.url).transfer_pages > 0)
+            finally:
+                load.stop()
+            assert not load.failures, load.failures[:3]
+            assert [w["url"] for w in c.list_workers()].count(again.url) == 1
+        finally:
+            again.proc.send_signal(signal.SIGTERM)
+            again.proc.wait(timeout=60)
+        assert "every page free" in again.log.read_text()
