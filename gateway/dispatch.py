@@ -60,18 +60,10 @@ from gateway.routing import Policy
 from gateway.session import Output, Push
 from gateway.stalls import DeadlinePassed, FirstTokenDeadline, StallWatch, _timeout, wait_done
 from protocol import tandem_pb2
-from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT
 
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
-
-
-def _call_error(exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
-    err = WorkerCallError(exc.code(), exc.details() or "", w.url, leg)
-    meta = exc.trailing_metadata() or ()
-    err.peer_timeout = any(k == ERROR_CODE_KEY and v == PEER_TIMEOUT for k, v in meta)
-    return err
 
 
 class Dispatcher:
@@ -223,7 +215,7 @@ class RequestRun:
     def _fail(self, exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self._d.pool.mark_suspect(w)
-        err = _call_error(exc, w, leg)
+        err = WorkerCallError.from_rpc(exc, w.url, leg)
         if "bootstrap" in err.details.lower():
             self._d.metrics.bootstrap_failures.inc()
         return err

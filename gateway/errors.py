@@ -14,6 +14,8 @@ import json
 import grpc
 from starlette.responses import Response
 
+from protocol.errors import ERROR_CODE_KEY, PEER_TIMEOUT, REQUEST_TIMEOUT
+
 
 class ApiError(Exception):
     """An error that reaches the client as an OpenAI-shaped body with `status`."""
@@ -126,6 +128,17 @@ class WorkerCallError(ApiError):
         # The worker says the room's other side stopped answering (trailing metadata
         # tandem-error-code: peer_timeout): the gateway marks that worker suspect too.
         self.peer_timeout = False
+        # The gateway's request_timeout_s ended the leg (tandem-error-code: request_timeout).
+        self.request_timeout = False
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.aio.AioRpcError, worker_url: str, leg: str) -> WorkerCallError:
+        """A failed leg's error, with the error class its trailing metadata carries."""
+        err = cls(exc.code(), exc.details() or "", worker_url, leg)
+        codes = {v for k, v in exc.trailing_metadata() or () if k == ERROR_CODE_KEY}
+        err.peer_timeout = PEER_TIMEOUT in codes
+        err.request_timeout = REQUEST_TIMEOUT in codes
+        return err
 
     @property
     def peer_fault(self) -> bool:
@@ -134,8 +147,9 @@ class WorkerCallError(ApiError):
 
     @property
     def worker_fault(self) -> bool:
-        """True when a retry on another worker may succeed (never for the client's own errors)."""
-        return self.grpc_code in RETRYABLE
+        """True when a retry on another worker may succeed (never for the client's own errors,
+        nor for the request's own time running out)."""
+        return self.grpc_code in RETRYABLE and not self.request_timeout
 
 
 def refused_constraint(err: ApiError, source: str) -> ApiError:

@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc
-from protocol.errors import ERROR_CODE_KEY
+from protocol.errors import ERROR_CODE_KEY, REQUEST_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class Leg:
             # worker's address read as the worker's failure).
             self._fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded: the "
                                  f"request ran past {self.timeout_s:g} s "
-                                 "(gateway.request_timeout_s)"))
+                                 "(gateway.request_timeout_s)", REQUEST_TIMEOUT))
 
 
 class WorkerSession:

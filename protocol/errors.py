@@ -7,3 +7,6 @@ it to put the blame on the right worker (docs/reliability.md).
 
 ERROR_CODE_KEY = "tandem-error-code"
 PEER_TIMEOUT = "peer_timeout"  # the room's other side stopped answering in time
+# The gateway's own bound on a request's whole time (gateway.request_timeout_s) ran out: the
+# gateway ends the leg itself; no worker failed, so none is blamed and nothing is retried.
+REQUEST_TIMEOUT = "request_timeout"

@@ -256,9 +256,33 @@ async def test_a_leg_past_request_timeout_ends_with_504_and_an_abort(tok_dir):
                 break
             await asyncio.sleep(0.01)
         assert w.cancelled == 1
+        metrics = (await c.get("/metrics")).text  # the gateway's own bound: no worker's fault
+        assert not [x for x in metrics.splitlines()
+                    if x.startswith("tandem_worker_faults_total{") and not x.endswith(" 0.0")]
         w.script = Script(tokens=[70], finish_reason="stop")
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 200 and w.sessions == 1
+
+
+async def test_a_request_timeout_before_the_first_token_is_not_retried_nor_blamed(tok_dir):
+    """request_timeout_s ran out before any token (a prompt the worker was still on): the
+    request ends with the 504 at once. Retrying it elsewhere would run past its own bound, and
+    the worker did nothing wrong, so no fault is charged to it."""
+    a, b = (ScriptedWorker(script=Script(tokens=[70], first_delay_s=3.0), max_model_len=128)
+            for _ in range(2))
+    async with workers(a, b), running_app(fast_config(
+            tok_dir, workers=(a.url, b.url), request_timeout_s=0.5)) as c:
+        await wait_workers(c)
+        t0 = asyncio.get_running_loop().time()
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        took = asyncio.get_running_loop().time() - t0
+        assert r.status_code == 504, r.text
+        assert "(gateway.request_timeout_s)" in r.json()["error"]["message"]
+        assert took < 1.6, took  # one attempt: a retry would add another 0.5 s and more
+        metrics = (await c.get("/metrics")).text
+        assert "tandem_retries_total 0.0" in metrics, metrics
+        assert not [x for x in metrics.splitlines()
+                    if x.startswith("tandem_worker_faults_total{") and not x.endswith(" 0.0")]
 
 
 async def test_wait_done_returns_at_the_tasks_end_or_the_timeout_and_never_raises():
