@@ -2,10 +2,10 @@
 
 One `OutputAssembler` per request: `add(msg)` feeds a `GenerateResponse` and returns the text
 that may be sent now (detokenized incrementally, cut at a stop string, with a possible stop
-prefix held back); `add_pieces(msg)` returns it one piece per token, and `add_token_pieces`
-keeps apart the text released at the end that is no token's own, for parsers that count
-tokens. Special tokens that a parser reads (`keep_token_ids`: a `[TOOL_CALLS]` marker, say)
-keep their text even when `skip_special_tokens` drops the others.
+prefix held back); `add_token_pieces(msg)` returns it one piece per token, with the text
+released at the end that is no token's own kept apart, for parsers that count tokens.
+Special tokens that a parser reads (`keep_token_ids`: a `[TOOL_CALLS]` marker, say) keep their
+text even when `skip_special_tokens` drops the others.
 """
 
 from __future__ import annotations
@@ -61,13 +61,8 @@ class OutputAssembler:
 
     def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
-        return "".join(self.add_pieces(msg, per_token=False))
-
-    def add_pieces(self, msg: Output, per_token: bool = True) -> list[str]:
-        """Feed one worker message; its text as pieces (one per token with `per_token`, then
-        the tail of `add_token_pieces`, if any)."""
-        pieces, tail = self.add_token_pieces(msg, per_token)
-        return [*pieces, tail] if tail else pieces
+        pieces, tail = self.add_token_pieces(msg, per_token=False)
+        return "".join(pieces) + tail
 
     def add_token_pieces(self, msg: Output, per_token: bool = True) -> tuple[list[str], str]:
         """Feed one worker message; its tokens' text as pieces (one per token with

@@ -168,7 +168,7 @@ def test_a_stop_string_ends_usage_token_ids_and_logprobs_at_its_token(per_token:
         out = OutputAssembler(tok, tok.encode("q?", add_special_tokens=False), True, [";"], 0)
         for chunk in messages:
             lp = [tandem_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in chunk]
-            out.add_pieces(Output(chunk, lp), per_token=per_token)
+            out.add_token_pieces(Output(chunk, lp), per_token=per_token)
             if out.finished:
                 break
         return out
