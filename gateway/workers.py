@@ -92,13 +92,13 @@ class Worker:
     def forget_held(self) -> bool:
         """Its process is gone, and with it what it held: running and waiting requests, pages,
         rooms (its totals since start stay: counters). True when that changed the load."""
-        ld, held = self.load, ("running", "waiting", "kv_used_pages", "kv_cached_pages")
-        if not any(getattr(ld, f) for f in held) and not ld.kv_window_used_pages and not ld.rooms:
-            return False
-        for f in (*held, "kv_window_used_pages"):
+        ld = self.load
+        held = ("running", "waiting", "kv_used_pages", "kv_cached_pages", "kv_window_used_pages")
+        changed = any(getattr(ld, f) for f in held) or len(ld.rooms) > 0
+        for f in held:
             setattr(ld, f, 0)
         ld.rooms.clear()
-        return True
+        return changed
 
     @property
     def state(self) -> WorkerState:
