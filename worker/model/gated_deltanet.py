@@ -53,7 +53,7 @@ class _HeadSlices(nn.Module):
         r = self.tp.rank
         if param in ("A_log", "dt_bias"):
             copy_checked(getattr(self, param).data, source.read(0, r * self.nv, (r + 1) * self.nv),
-                          f"linear_attn.{param}")
+                         f"linear_attn.{param}")
             return
         # conv1d.weight [conv_dim, 1, K], rows q | k | v over every head: this rank's three slices.
         pieces = [(r * self.kd, self.kd), (self.key_dim + r * self.kd, self.kd),
