@@ -205,6 +205,8 @@ async def test_mistral_special_markers_survive_skip_special_tokens(hermes_dir: P
 @pytest.mark.parametrize("kw,param", [
     ({"tools": [LOOKUP]}, "tools"),  # the plain test template does not render tools
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    # a name the template leaves out of the prompt (the openai client sends it as given)
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}},
