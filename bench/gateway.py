@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import http_load  # noqa: E402
 from protocol import tandem_pb2, tandem_pb2_grpc  # noqa: E402
+from protocol.grpc_env import apply_grpc_env  # noqa: E402
 from tests.gateway.gw_doubles import build_tokenizer  # noqa: E402
 
 ROUTERS = {  # name -> argv before the PD worker flags
@@ -99,8 +100,11 @@ def thread_cpu(pid: int) -> tuple[float, float, float]:
 
 @contextmanager
 def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`argv` in the background, with gRPC's settings as a `tandem` process has them."""
+    env = dict(os.environ)
+    apply_grpc_env(env)
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         yield proc
