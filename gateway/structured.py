@@ -119,8 +119,27 @@ def _legacy_structural_tag(structures: list[dict[str, Any]], triggers: list[str]
     return {"type": "triggered_tags", "triggers": triggers, "tags": tags}
 
 
+# The fields each response_format type reads; another type's field set beside it is refused
+# (a json_schema sent with type json_object would never be enforced).
+_RF_FIELDS = {"text": (), "json_object": (), "json_schema": ("json_schema",),
+              "structural_tag": ("format", "structures", "triggers")}
+
+
+def _check_response_format(rf: Any) -> None:
+    for name in ("json_schema", "format", "structures", "triggers"):
+        if getattr(rf, name) is not None and name not in _RF_FIELDS[rf.type]:
+            raise BadRequest(f"response_format.{name} does not go with type {rf.type!r}, which "
+                             f"would ignore it; remove it or send the type that reads it",
+                             param="response_format")
+    if rf.format is not None and (rf.structures is not None or rf.triggers is not None):
+        raise BadRequest("response_format: send `format` or `structures` and `triggers`, not "
+                         "both (one would be ignored)", param="response_format")
+
+
 def _from_response_format(req: Any) -> Constraint | None:
     rf = req.response_format
+    if rf is not None:
+        _check_response_format(rf)
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":

@@ -191,6 +191,14 @@ def test_forced_call_in_each_format(worker: Worker, hermes_dir: Path, parser: st
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"json": {}, "whitespace_pattern": " "}}, "structured_outputs"),
     ({"guided_json": {"type": "number", "maximum": float("inf")}}, "guided_json"),
+    # a field of another type of response_format would be dropped: a schema never enforced
+    ({"response_format": {"type": "json_object", "json_schema": {"schema": SCHEMA}}},
+     "response_format"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA},
+                          "format": {"type": "any_text"}}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"},
+                          "structures": [], "triggers": ["<f"]}}, "response_format"),
 ])
 def test_bad_constraints_are_400s(kw: dict[str, Any], param: str) -> None:
     body = json.dumps({"prompt": "x", **kw}).encode()
