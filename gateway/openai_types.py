@@ -316,8 +316,9 @@ def check_sampling(req: _SamplingFields) -> None:
         raise BadRequest(f"top_k must be -1 (off) or >= 0, got {req.top_k}", param="top_k")
     if not 0 <= req.min_p <= 1:
         raise BadRequest(f"min_p must be in [0, 1], got {req.min_p}", param="min_p")
-    if req.min_tokens < 0:
-        raise BadRequest(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
+    if not 0 <= req.min_tokens <= INT32_MAX:
+        raise BadRequest(f"min_tokens must be in [0, {INT32_MAX}], got {req.min_tokens}",
+                         param="min_tokens")
     if mt is not None and req.min_tokens > mt:
         raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({mt})",
                          param="min_tokens")

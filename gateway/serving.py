@@ -225,6 +225,12 @@ class GenerationHandler:
                                  code="context_length_exceeded")
         elif max_tokens is None:
             max_tokens = 16
+        if req.min_tokens > max_tokens:  # max_tokens was left out: what fits, or 16
+            why = (f"what fits in max_model_len ({limit}) after the prompt's "
+                   f"{num_prompt_tokens} tokens" if limit else "the default")
+            raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens, which is "
+                             f"{max_tokens} when left out ({why}); lower min_tokens",
+                             param="min_tokens")
         vocab = self.vocab_size
         bad_stop = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad_stop is not None:

@@ -311,6 +311,9 @@ async def test_request_errors(tok_dir):
             ({"json": {"prompt": ["a", "b"]}}, 400, "prompt"),
             ({"json": {"prompt": [1, 99999]}}, 400, "prompt"),
             ({"json": {"prompt": "a" * 3000}}, 413, None),
+            # past the wire's int32 (was a 500) / past what fits (max_tokens absent: 61)
+            ({"json": {"prompt": "a", "min_tokens": 2**40}}, 400, "min_tokens"),
+            ({"json": {"prompt": [5, 6, 7], "min_tokens": 62}}, 400, "min_tokens"),
         ]
         for kwargs, status, param in cases:
             got, err = await _post(c, "/v1/completions", **kwargs)
