@@ -216,6 +216,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids)
+FLOAT32_MAX = 3.4028234663852886e38  # the wire's float fields: past it a value reads as inf
 MAX_N = 128  # choices per request: OpenAI's bound (each choice is a worker request)
 
 # Chat fields OpenAI defines that Tandem does not implement: name -> the way forward.
@@ -299,6 +300,8 @@ def check_sampling(req: _SamplingFields) -> None:
         v = getattr(req, name)
         if v is not None and not math.isfinite(v):  # JSON's NaN / Infinity literals parse so
             raise BadRequest(f"{name} must be a finite number, got {v}", param=name)
+        if v is not None and abs(v) > FLOAT32_MAX:
+            raise BadRequest(f"{name} must be at most {FLOAT32_MAX:.6g}, got {v}", param=name)
     mt = req.requested_max_tokens()
     mt_name = req.max_tokens_field()
     if mt is not None and mt <= 0:

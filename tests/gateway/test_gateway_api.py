@@ -314,6 +314,9 @@ async def test_request_errors(tok_dir):
             # past the wire's int32 (was a 500) / past what fits (max_tokens absent: 61)
             ({"json": {"prompt": "a", "min_tokens": 2**40}}, 400, "min_tokens"),
             ({"json": {"prompt": [5, 6, 7], "min_tokens": 62}}, 400, "min_tokens"),
+            # past float32 (the wire's): the worker read inf and its 400 named no field
+            ({"json": {"prompt": "a", "temperature": 1e39}}, 400, "temperature"),
+            ({"json": {"prompt": "a", "repetition_penalty": 1e300}}, 400, "repetition_penalty"),
         ]
         for kwargs, status, param in cases:
             got, err = await _post(c, "/v1/completions", **kwargs)
