@@ -90,7 +90,7 @@ def template_message(m: ChatMessage, i: int) -> dict[str, Any]:
         raise BadRequest(f"{where}: only assistant messages carry tool_calls", param="messages")
     # HF templates predate the developer role; OpenAI defines it as the system role.
     d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                         "content": m.text() or ""}
+                         "content": m.text(where) or ""}
     if m.name is not None:
         d["name"] = m.name
     if m.tool_call_id is not None:

@@ -129,8 +129,8 @@ class ContentPart(BaseModel):
     rather than a union error naming neither."""
 
     model_config = ConfigDict(extra="allow")
-    type: str = "text"
-    text: str = ""
+    type: str  # required, as OpenAI has it: a part of no type is not guessed to be text
+    text: str | None = None  # required in a text part (checked by `ChatMessage.text`)
 
 
 class HistoryFunctionCall(BaseModel):
@@ -166,11 +166,13 @@ class ChatMessage(BaseModel):
     audio: Any = None
     function_call: Any = None
 
-    def text(self) -> str | None:
-        """The content as one string (text parts joined); None when absent."""
+    def text(self, where: str = "message") -> str | None:
+        """The content as one string (text parts joined); None when absent. `where` names the
+        message in errors."""
         if not isinstance(self.content, list):
             return self.content
-        for part in self.content:
+        texts = []
+        for j, part in enumerate(self.content):
             if part.type != "text":
                 raise BadRequest(f"message content part type {part.type!r} is not supported: "
                                  "this model reads text only; send text parts",
@@ -179,7 +181,11 @@ class ChatMessage(BaseModel):
                 raise BadRequest(f"text content part: unrecognized field "
                                  f"{next(iter(part.model_extra))!r}; remove it",
                                  param="messages", code="unknown_parameter")
-        return "".join(p.text for p in self.content)
+            if part.text is None:
+                raise BadRequest(f"{where}.content[{j}].text is required in a text part; send "
+                                 "the text (it may be empty)", param="messages")
+            texts.append(part.text)
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):

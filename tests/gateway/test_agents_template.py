@@ -96,6 +96,11 @@ def test_auto_tools_parse_without_constraint(hermes_dir: Path) -> None:
       "https://x/y.png"}}]}]}, "messages", "'image_url' is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control":
       {}}]}]}, "messages", "'cache_control'"),
+    # a part without its text (or its type) was read as empty text
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "content[0].text is required"),
+    ({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "messages",
+     "content.0.type: Field required"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type":
       "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages",
      "arguments"),
