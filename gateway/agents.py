@@ -76,10 +76,14 @@ class ChatPlan:
 def template_message(m: ChatMessage, i: int) -> dict[str, Any]:
     """One message as chat templates read it (the shape vLLM gives apply_chat_template)."""
     where = f"messages[{i}]"
-    for name in ("refusal", "audio", "function_call"):
+    for name in ("refusal", "audio", "function_call", "annotations"):
         if getattr(m, name):
             raise BadRequest(f"{where}.{name} is not supported in a message; omit it",
                              param="messages")
+    both = m.reasoning_content is not None and m.reasoning is not None
+    if both and m.reasoning_content != m.reasoning:  # the same text under both names is fine
+        raise BadRequest(f"{where}: reasoning_content and reasoning differ; send one (the "
+                         "other would be dropped)", param="messages")
     if m.content is None and m.role != "assistant":  # OpenAI's rule: only an assistant turn
         raise BadRequest(f"{where}.content is required in a {m.role} message; send a string "
                          "(it may be empty)", param="messages")

@@ -96,6 +96,11 @@ def test_auto_tools_parse_without_constraint(hermes_dir: Path) -> None:
       "https://x/y.png"}}]}]}, "messages", "'image_url' is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control":
       {}}]}]}, "messages", "'cache_control'"),
+    # an echoed message's annotations, or its reasoning under both names: one was dropped
+    ({"messages": [{"role": "assistant", "content": "a", "annotations": [{"type":
+      "url_citation"}]}]}, "messages", "annotations"),
+    ({"messages": [{"role": "assistant", "content": "a", "reasoning_content": "x", "reasoning":
+      "y"}]}, "messages", "differ"),
     # a part without its text (or its type) was read as empty text
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      "content[0].text is required"),
