@@ -273,7 +273,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(ApiError(str(exc.detail), status=exc.status_code, type=etype))
+        message = str(exc.detail)
+        if exc.status_code == 404:  # OpenAI's words, and what is served (no /v1/responses)
+            message = (f"Invalid URL ({request.method} {request.url.path}): this gateway "
+                       "serves POST /v1/chat/completions and /v1/completions, GET /v1/models")
+        return _error_response(ApiError(message, status=exc.status_code, type=etype))
 
     def model_card() -> ModelCard:
         lens = [

@@ -340,6 +340,10 @@ async def test_request_errors(tok_dir):
         assert w.requests == []  # none of these reached the worker
         r = await c.get("/v1/nope")
         assert r.status_code == 404 and "error" in r.json()
+        # the openai client's responses.create: the answer says what is served instead
+        got, err = await _post(c, "/v1/responses", json={"model": "tiny", "input": "hi"})
+        assert got == 404 and "POST /v1/responses" in err["message"], err
+        assert "/v1/chat/completions" in err["message"], err
 
 
 @pytest.mark.parametrize(
