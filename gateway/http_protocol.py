@@ -157,5 +157,10 @@ class DirectChunks:
         """The event as one HTTP/1.1 chunk; False when it must go through ASGI `send`."""
         if not chunk or not self.writable():
             return False
-        self._out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.put(chunk)
         return True
+
+    def put(self, chunk: bytes) -> None:
+        """`write` for a caller that found the connection `writable()` in this turn, with a
+        chunk that is not empty."""
+        self._out.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))

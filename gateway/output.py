@@ -48,6 +48,9 @@ class OutputAssembler:
             prompt_ids = [t for t in prompt_ids if t not in self._drop]
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self._stop = StopStringMatcher(stops) if stops else None
+        # Text with no stop string to watch and no id to drop: a message's text is the
+        # detokenizer's delta for its ids, as it is (`add`'s common case, every streamed token).
+        self._plain = self._stop is None and not self._drop and tokenizer.has_text
         self.want_logprobs = num_top_logprobs >= 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -61,18 +64,25 @@ class OutputAssembler:
 
     def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
+        if self._plain and not msg.finish_reason:
+            self._count(msg)
+            return self._detok.step(msg.token_ids)
         pieces, tail = self.add_token_pieces(msg, per_token=False)
         return "".join(pieces) + tail
+
+    def _count(self, msg: Output) -> None:
+        """The message's tokens (and logprobs, when asked) into the output's."""
+        self.completion_tokens += len(msg.token_ids)
+        if self.want_logprobs:
+            self.logprobs.extend(msg.logprobs)
+        self.token_ids.extend(msg.token_ids)
 
     def add_token_pieces(self, msg: Output, per_token: bool = True) -> tuple[list[str], str]:
         """Feed one worker message; its tokens' text as pieces (one per token with
         `per_token`), and the tail: text released as the output ends that no token of this
         message brought (what the detokenizer or a stop string held back), which a parser
         counting tokens must not count (a message can end the output with no token at all)."""
-        self.completion_tokens += len(msg.token_ids)
-        if self.want_logprobs:
-            self.logprobs.extend(msg.logprobs)
-        self.token_ids.extend(msg.token_ids)
+        self._count(msg)
         if not self._tok.has_text:  # token-id mode: ids only, no text to cut or stop on
             if msg.finish_reason:
                 self.finish_reason = msg.finish_reason

@@ -81,7 +81,7 @@ class StreamEvents:
         assert self._completion is not None
         out = self._out
         text = out.add(msg)
-        lp_entries = self._new_logprobs()
+        lp_entries = self._new_logprobs() if out.want_logprobs else None
         ids = None
         if out.return_token_ids:
             ids, self._ids_sent = out.token_ids[self._ids_sent:], len(out.token_ids)
@@ -136,5 +136,5 @@ class StreamEvents:
         self.arrived(msg)
         events = self.of(msg)
         if events:
-            direct.write(b"".join(events))
+            direct.put(b"".join(events))
         return Push.ENDED if self._out.finished else Push.TAKEN

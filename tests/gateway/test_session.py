@@ -169,7 +169,7 @@ async def test_a_failing_sink_fails_the_read_even_with_outputs_queued_behind_it(
 
 
 class _Direct:
-    """The DirectChunks face StreamEvents.sink uses: writable() and write()."""
+    """The DirectChunks face StreamEvents.sink uses: writable() and put()."""
 
     def __init__(self) -> None:
         self.open = True
@@ -178,9 +178,9 @@ class _Direct:
     def writable(self) -> bool:
         return self.open
 
-    def write(self, chunk: bytes) -> bool:
+    def put(self, chunk: bytes) -> None:
+        assert self.open and chunk  # what the sink checked before putting it
         self.writes.append(chunk)
-        return True
 
 
 def test_stream_events_sink_writes_takes_and_refuses_as_the_task_would(tok_dir):
