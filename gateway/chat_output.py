@@ -10,6 +10,7 @@ there (`stop_now`) and the worker is aborted, as with a stop string.
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 import uuid
@@ -69,9 +70,11 @@ class ChatOutput:
         self._tool_parser = plan.tool_parser
         self._parallel = plan.parallel_tool_calls
         self.per_token = self._think is not None  # reasoning tokens are counted per token
+        self.plain = self._think is None and self._tools is None  # no parser: text is content
         self.has_reasoning_parser = self._think is not None
         self.reasoning_tokens = 0
         self.stop_now = False  # a second call began with parallel_tool_calls off
+        self.call_cut = False  # the output ended inside its last call (its arguments unfinished)
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
@@ -104,11 +107,13 @@ class ChatOutput:
             self._content(content, out)
         if self._tools is not None and not self.stop_now:
             self._take(self._tools.finish(), out)
+            self.call_cut = bool(self.calls) and not _is_json(self.calls[-1].function.arguments)
         return out
 
     def finish_reason(self, worker_reason: str | None) -> str | None:
-        """OpenAI's: "tool_calls" when the turn ended in calls (not when it was cut short)."""
-        if self.calls and (self.stop_now or worker_reason == "stop"):
+        """OpenAI's: "tool_calls" when the turn ended in calls (not when it was cut short:
+        by max_tokens, or by a stop string inside the last call)."""
+        if self.calls and not self.call_cut and (self.stop_now or worker_reason == "stop"):
             return "tool_calls"
         return worker_reason
 
@@ -153,3 +158,11 @@ class ChatOutput:
         fn = self.calls[c.index].function
         fn.arguments += c.arguments
         return CallPiece(c.index, c.arguments)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -133,6 +133,22 @@ async def test_parallel_tool_calls_false_stops_after_one(hermes_dir: Path, strea
         await w.abort_event.wait()  # the rest of the output was not generated
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_cut_by_a_stop_string_is_not_finish_reason_tool_calls(
+        hermes_dir: Path, stream: bool) -> None:
+    """A stop string inside a call leaves its arguments unfinished JSON: the turn did not end
+    in a call a client can run, as when max_tokens cuts one ("length")."""
+    w = scripted(hermes_dir, CALL_Q)
+    async with workers(w), client_for(fast_config(hermes_dir, workers=(w.url,))) as client:
+        kw: dict[str, Any] = dict(model="tiny", messages=MESSAGES, tools=[LOOKUP], stop=['"q'])
+        if stream:
+            finish = (await collect(await client.chat.completions.create(stream=True, **kw)))[
+                "finish"]
+        else:
+            finish = (await client.chat.completions.create(**kw)).choices[0].finish_reason
+        assert finish == "stop"
+
+
 async def test_reasoning_split_from_content(hermes_dir: Path) -> None:
     w = scripted(hermes_dir, "<think>\nk = 3 so k + 1 = 4\n</think>\n\nThe answer is 4.")
     async with workers(w), client_for(fast_config(hermes_dir, workers=(w.url,))) as client:
