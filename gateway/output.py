@@ -50,7 +50,7 @@ class OutputAssembler:
         self._stop = StopStringMatcher(stops) if stops else None
         # Text with no stop string to watch and no id to drop: a message's text is the
         # detokenizer's delta for its ids, as it is (`add`'s common case, every streamed token).
-        self._plain = self._stop is None and not self._drop and tokenizer.has_text
+        self.plain = self._stop is None and not self._drop and tokenizer.has_text
         self.want_logprobs = num_top_logprobs >= 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -64,7 +64,7 @@ class OutputAssembler:
 
     def add(self, msg: Output) -> str:
         """Feed one worker message; return the text that may be sent to the client now."""
-        if self._plain and not msg.finish_reason:
+        if self.plain and not msg.finish_reason:
             self._count(msg)
             return self._detok.step(msg.token_ids)
         pieces, tail = self.add_token_pieces(msg, per_token=False)

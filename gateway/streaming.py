@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from gateway.chat_output import ChatOutput
-from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents
+from gateway.chunks import EMPTY_DELTA, ROLE_DELTA, ChatEvents, CompletionEvents, content_delta
 from gateway.http_protocol import DirectChunks
 from gateway.metrics import TokenClock
 from gateway.openai_responses import UsageCounts
@@ -99,6 +99,14 @@ class StreamEvents:
         it), logprobs on the first chunk."""
         out, chat_out = self._out, self._chat_out
         assert chat_out is not None
+        if chat_out.plain and out.plain and not msg.finish_reason:  # content, no end: one delta
+            text = out.add(msg)
+            if not text:
+                return []  # its logprobs wait for the chunk that carries its text
+            chat_out.content.append(text)
+            entries = self._new_logprobs() if out.want_logprobs else None
+            lp = out.chat_logprobs(entries) if entries else None
+            return [events.delta(content_delta(text), None, lp)]
         piece = chat_out.feed(*out.add_token_pieces(msg, chat_out.per_token))
         if chat_out.stop_now:
             out.stop_early()
