@@ -52,7 +52,9 @@ class StreamEvents:
         self._completion = (CompletionEvents(f"cmpl-{request_id}", created, model, index)
                             if chat_out is None else None)
         self._clock = clock
-        self._text_pos = 0  # completions' logprobs text_offset
+        # Completions' logprobs text_offset: the text of every token whose logprob went out, as
+        # the non-streamed answer counts it (not the text sent, which a stop string holds).
+        self._text_pos = 0
         self._first_chunk = True  # the first completion chunk carries prompt_token_ids
         # How many of the output's logprobs / token ids are out: the assembler's lists, not
         # each message's, so a held-back token's logprob rides on a later chunk and a token
@@ -88,10 +90,11 @@ class StreamEvents:
         events = []
         if text or out.finished or lp_entries or ids:
             lp = out.completion_logprobs(lp_entries, self._text_pos) if lp_entries else None
+            if lp is not None:
+                self._text_pos = lp.text_offset[-1] + len(lp.tokens[-1])
             prompt_ids = out.prompt_ids if ids is not None and self._first_chunk else None
             events.append(self._completion.text(text, out.finish_reason, lp, ids, prompt_ids))
             self._first_chunk = False
-        self._text_pos += len(text)
         return events
 
     def _chat_events(self, events: ChatEvents, msg: Output) -> list[bytes]:

@@ -5,6 +5,8 @@ with or without logprobs, up to the finishing output."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gateway.agents import ChatPlan
@@ -59,3 +61,21 @@ def test_plain_path_events_equal_the_general_paths(tok_dir, chat, logprobs, per)
         assert len(out.logprobs) == (len(ids) if logprobs else 0)
     assert any("\ufffd" in tok.decode([t]) for t in ids)  # characters split over tokens
     assert b"".join(b"".join(e) for e in got).count(b"data: ") >= len(ids) // per // 2
+
+
+def test_streamed_text_offsets_are_the_non_streamed_ones_when_a_stop_string_holds_text(tok_dir):
+    """A completion's logprobs.text_offset counts every earlier token's text, as the
+    non-streamed answer's does, also while a possible stop string holds text back (the stream
+    gave [0, 1, 1, 3, ...] where the answer gave [0, 1, 2, 3, ...])."""
+    tok = Tokenizer.from_dir(tok_dir)
+    ids = tok.encode(" a=b c=d e", add_special_tokens=False)
+    out = OutputAssembler(tok, [1, 2, 3], True, ["=x"], 0)
+    stream = StreamEvents("r", "tiny", out, None, TokenClock(LoopHistogram("i", "", [1.0])),
+                          created=0)
+    offsets = []
+    for o in _outputs(ids, True, 1):
+        for event in stream.of(o):
+            choice = json.loads(event[len(b"data: "):])["choices"][0]
+            offsets += (choice["logprobs"] or {}).get("text_offset", [])
+    assert len(offsets) == len(ids)
+    assert offsets == out.completion_logprobs(out.logprobs).text_offset
