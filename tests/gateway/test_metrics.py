@@ -1,7 +1,10 @@
 """Gateway metrics: per-worker running totals as counters, a removed worker's series, and the
-event-loop histogram against prometheus_client's."""
+event-loop histogram and counter against prometheus_client's."""
 
 from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from gateway.metrics import Metrics
 from protocol import tandem_pb2
@@ -43,3 +46,34 @@ def test_loop_histogram_renders_what_prometheus_clients_histogram_renders() -> N
     want = [line for line in generate_latest(theirs).decode().splitlines()
             if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == want
+
+
+def test_loop_counter_exports_what_prometheus_clients_counter_does():
+    """LoopCounter (no lock per change) is exported as prometheus_client's Counter with the
+    same changes: the same series, types and values (`_created` stamps apart)."""
+    from gateway.metrics import LoopCounter
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopCounter("reqs", "requests by outcome", ("outcome",))
+    bare = LoopCounter("toks", "tokens")
+    for c in (loop, bare):
+        ours.register(c)
+    ref = Counter("reqs", "requests by outcome", ["outcome"], registry=theirs)
+    ref_bare = Counter("toks", "tokens", registry=theirs)
+    for outcome in ("success", "aborted"):  # at zero from the start, as the gateway makes them
+        loop.labels(outcome)
+        ref.labels(outcome)
+    for outcome, n in (("success", 3), ("client_error", 2), ("success", 1.5)):
+        loop.labels(outcome).inc(n)
+        ref.labels(outcome).inc(n)
+    bare.inc(7)
+    ref_bare.inc(7)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line.split(" ")[0] if "_created{" in line or "_created " in line else line
+                for line in text.splitlines()]
+
+    assert lines(ours) == lines(theirs)
+    with pytest.raises(ValueError):
+        bare.inc(-1)
