@@ -43,6 +43,7 @@ worker involved. A worker's UNAVAILABLE marks it suspect in the pool at once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -79,6 +80,13 @@ class Dispatcher:
         self.admission = AdmissionQueue("decode", config.max_queued_requests,
                                         config.queue_timeout_s, metrics)
         self.stalls = StallWatch(config.stream_stall_timeout_s, pool)
+        # PD rooms: one up a request from a random 64-bit start (no getrandom call a request);
+        # two gateways' rooms meet only if their starts lie within each other's request counts.
+        self._rooms = itertools.count(secrets.randbits(64))
+
+    def new_room(self) -> int:
+        """A room id for a PD attempt; never 0, which means "no room" on the wire."""
+        return next(self._rooms) % (1 << 64) or 1
 
     def _healthy(self, pool: str, exclude: set[str]) -> list[Worker]:
         cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]
@@ -245,9 +253,7 @@ class RequestRun:
         # no await since the seat: it holds
         p = self.prompt_worker = self._d.pick("prefill", self.prompt_ids, exclude, self.prefer)
         assert p.info is not None  # healthy implies GetInfo answered
-        # From the OS's randomness: rooms must not collide across gateway processes; 0 means
-        # "no room" on the wire.
-        self.room = secrets.randbits(64) or 1
+        self.room = self._d.new_room()
         req = self._request(tandem_pb2.DisaggParams(room=self.room,
                                                     bootstrap_addr=p.info.bootstrap_addr))
         call_p = self._open(p, req)

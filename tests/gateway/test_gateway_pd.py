@@ -198,3 +198,14 @@ async def test_drain_cuts_a_prefill_leg_that_does_not_end():
     await asyncio.sleep(0.3)
     assert quick.done() and not quick.cancelled() and not quick_call.cancelled
     assert stuck.cancelled() and stuck_call.cancelled
+
+
+def test_rooms_count_up_from_a_random_start_and_skip_zero() -> None:
+    """0 means "no room" on the wire: the count wraps past 2**64 - 1 to 1."""
+    import itertools
+
+    from gateway.dispatch import Dispatcher
+
+    d = Dispatcher.__new__(Dispatcher)  # only the room counter
+    d._rooms = itertools.count((1 << 64) - 2)
+    assert [d.new_room() for _ in range(3)] == [(1 << 64) - 2, (1 << 64) - 1, 1]
