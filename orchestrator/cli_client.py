@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from orchestrator.config import EvalGate, load_config, resolve_config_path
 
@@ -102,11 +103,23 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--api-key", default="")
 
 
-def _url_problem(url: str | None) -> str:
-    """One line when --url cannot be a server's base URL ("" when it can)."""
-    if url is None or url.startswith(("http://", "https://")):
+def url_problem(url: str | None, flag: str = "--url") -> str:
+    """One line when `url` cannot be a server's base URL ("" when it can); `flag` names it."""
+    if url is None:
         return ""
-    return f"error: --url {url!r} is not an http(s) URL; give one like http://127.0.0.1:8000"
+    fix = "give one like http://127.0.0.1:8000"
+    if not url.startswith(("http://", "https://")):
+        return f"error: {flag} {url!r} is not an http(s) URL; {fix}"
+    try:  # httpx and anyio raise deep inside a request (a traceback) for these
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port past 65535 or not a number, an unclosed [IPv6
+        return f"error: {flag} {url!r}: {exc}; {fix}"
+    if not parts.hostname:
+        return f"error: {flag} {url!r} names no host; {fix}"
+    if port == 0:
+        return f"error: {flag} {url!r}: the port must be within 1..65535; {fix}"
+    return ""
 
 
 def _server_root(url: str | None) -> str | None:
@@ -119,7 +132,7 @@ def _server_root(url: str | None) -> str | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if problem := _url_problem(args.url):
+    if problem := url_problem(args.url):
         print(problem, file=sys.stderr)
         return EXIT_USAGE
     args.url = _server_root(args.url)
@@ -207,7 +220,7 @@ def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if problem := _url_problem(args.url):
+    if problem := url_problem(args.url):
         print(problem, file=sys.stderr)
         return EXIT_USAGE
     args.url = _server_root(args.url)
