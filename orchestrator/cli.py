@@ -20,7 +20,13 @@ import threading
 from pathlib import Path
 
 from gateway.config import GatewayConfigError
-from orchestrator.cli_client import EXIT_USAGE, add_client_commands, cmd_bench, cmd_eval
+from orchestrator.cli_client import (
+    EXIT_USAGE,
+    add_client_commands,
+    cmd_bench,
+    cmd_eval,
+    url_problem,
+)
 from orchestrator.config import (
     DEFAULT_CONFIG,
     ClusterConfig,
@@ -206,6 +212,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if problem := url_problem(args.join, "--join"):  # not after 300 s of retried POSTs
+        print(problem, file=sys.stderr)
+        return EXIT_USAGE
     cluster = _load(args)
     config = _worker_process_config(cluster, args)
     config.validate()
@@ -275,6 +284,12 @@ def _worker_process_config(cluster: ClusterConfig, args: argparse.Namespace) -> 
     """The WorkerConfig of this process: its replica's, with --host/--port; with --join a
     replica beyond the configured ones on a free port."""
     rc = cluster.role(args.role)
+    if args.port is not None and not 1 <= args.port <= 65535:  # gRPC binds 70000 as 4464
+        raise ClusterConfigError(f"--port {args.port} is out of range: give one within 1..65535")
+    if not 0 <= args.node_rank < rc.parallel.nnodes:
+        raise ClusterConfigError(
+            f"--node-rank {args.node_rank} is out of range: roles.{args.role}.parallel.nnodes is "
+            f"{rc.parallel.nnodes} (0..{rc.parallel.nnodes - 1})")
     replica = rc.count if args.join and not args.replica else args.replica
     # A joining worker takes the role's settings (replica 0's); it reports its own replica.
     config = worker_config(cluster, args.role, 0 if args.join else replica)

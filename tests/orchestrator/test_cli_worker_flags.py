@@ -1,0 +1,44 @@
+"""`tandem worker` flags out of range get one line naming the flag and the fix, exit 2, no
+traceback; none of these tests starts a process."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+
+TINY = "configs/tiny-1p1d.yaml"
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("node_rank", ["3", "-1"])
+def test_worker_node_rank_out_of_range_is_one_line(
+    node_rank: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["worker", "--config", TINY, "--role", "decode", "--port", "20000",
+            "--node-rank", node_rank]
+    assert main(argv) == 2
+    err = _one_line_error(capsys)
+    assert f"--node-rank {node_rank}" in err and "roles.decode.parallel.nnodes" in err
+
+
+@pytest.mark.parametrize("port", ["70000", "-5", "0"])
+def test_worker_port_out_of_range_is_refused(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # gRPC took 70000 as 4464 and -5 as 65531: a worker on a port nobody asked for.
+    assert main(["worker", "--config", TINY, "--role", "decode", "--port", port]) == 2
+    err = _one_line_error(capsys)
+    assert f"--port {port}" in err and "1..65535" in err
+
+
+def test_worker_join_needs_an_http_url(capsys: pytest.CaptureFixture[str]) -> None:
+    # It retried POST notaurl/workers until launcher.ready_timeout_s (300 s), then gave up.
+    assert main(["worker", "--config", TINY, "--role", "decode", "--join", "notaurl"]) == 2
+    err = _one_line_error(capsys)
+    assert "--join 'notaurl'" in err and "http://" in err
