@@ -9,6 +9,8 @@ from gateway.parsers import AUTO, NONE, REASONING_PARSERS, TOOL_CALL_PARSERS
 from protocol.tls import TLSConfig
 
 Policy = Literal["round_robin", "least_load", "cache_aware"]
+# Levels both the logging module and uvicorn know (uvicorn's `trace` is not logging's).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 class GatewayConfigError(ValueError):
@@ -131,6 +133,9 @@ class GatewayConfig:
             if value not in (AUTO, NONE, *known):
                 raise GatewayConfigError(f"{prefix}.{name} must be one of auto | none | "
                                          f"{' | '.join(known)}, got {value!r}")
+        if self.log_level.lower() not in LOG_LEVELS:  # logging.basicConfig raises at start
+            raise GatewayConfigError(f"{prefix}.log_level must be one of "
+                                     f"{' | '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.generation_config not in (AUTO, NONE):
             raise GatewayConfigError(f"{prefix}.generation_config must be auto | none, got "
                                      f"{self.generation_config!r}")
