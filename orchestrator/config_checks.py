@@ -92,6 +92,11 @@ def validate_launcher_and_eval(cluster: ClusterConfig) -> None:
         raise ClusterConfigError(
             f"launcher.stop_grace_s must be >= 0, got {cluster.launcher.stop_grace_s}"
         )
+    for name, zero in (("log_tail_lines", "no lines"), ("max_restarts", "no restarts"),
+                       ("gpus_per_node", "unchecked")):
+        if getattr(cluster.launcher, name) < 0:
+            raise ClusterConfigError(f"launcher.{name} must be >= 0 (0 = {zero}), "
+                                     f"got {getattr(cluster.launcher, name)}")
     ev = cluster.eval
     if ev.samples < 1 or ev.concurrency < 1:
         raise ClusterConfigError(

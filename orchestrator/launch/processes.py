@@ -60,7 +60,7 @@ def tail(path: Path, lines: int) -> str:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""  # [-0:] is every line
 
 
 class LocalCluster:

@@ -108,9 +108,10 @@ class WorkerHost:
 
     def tail(self, lines: int) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+        return "\n".join(text.splitlines()[-lines:]) if lines > 0 else ""  # [-0:]: every line
 
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM the worker's process group, SIGKILL after grace_s; returns its exit code."""

@@ -3,6 +3,8 @@ start, or did something else): each is now refused on load in one line naming th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from orchestrator.config import REPO_ROOT, ClusterConfigError, load_config
@@ -27,3 +29,20 @@ def test_gateway_log_level_must_be_one_the_gateway_can_set() -> None:
     assert "gateway.log_level" in error_of("gateway.log_level=trace")
     for level in ("DEBUG", "warning", "Info"):
         assert load_config(TINY, [f"gateway.log_level={level}"]).gateway.log_level == level
+
+
+@pytest.mark.parametrize("field", ["log_tail_lines", "max_restarts", "gpus_per_node"])
+def test_launcher_counts_are_not_negative(field: str) -> None:
+    # log_tail_lines -5 printed every line but the first five of a failed process's log;
+    # gpus_per_node -1 refused a plan with "1 ranks per node but launcher.gpus_per_node=-1".
+    message = error_of(f"launcher.{field}=-1")
+    assert f"launcher.{field} must be >= 0" in message and "got -1" in message
+
+
+def test_log_tail_lines_zero_prints_no_line(tmp_path: Path) -> None:
+    from orchestrator.launch.processes import tail
+
+    log = tmp_path / "decode-0.log"
+    log.write_text("one\ntwo\nthree\n")
+    assert tail(log, 2) == "two\nthree"
+    assert tail(log, 0) == ""  # [-0:] was the whole log
