@@ -51,6 +51,9 @@ class TransferConfig:
                 f"{prefix}.checksum reads KV bytes from host memory, and cuda_ipc pools live on "
                 f"the GPU; set {prefix}.checksum: false (or use backend mooncake or nixl)"
             )
+        if not 0 <= self.bootstrap_port <= 65535:  # gRPC would bind 70000 as 4464
+            raise TransferConfigError(f"{prefix}.bootstrap_port must be within 0..65535 "
+                                      f"(0 = any free port), got {self.bootstrap_port}")
         if self.layerwise_interval < 0:
             raise TransferConfigError(
                 f"{prefix}.layerwise_interval must be >= 0, got {self.layerwise_interval}"

@@ -46,3 +46,10 @@ def test_log_tail_lines_zero_prints_no_line(tmp_path: Path) -> None:
     log.write_text("one\ntwo\nthree\n")
     assert tail(log, 2) == "two\nthree"
     assert tail(log, 0) == ""  # [-0:] was the whole log
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_transfer_bootstrap_port_within_range(port: str) -> None:
+    # A prefill rank bound its bootstrap service on 70000 as 4464 and on -1 as 65535.
+    message = error_of(f"transfer.bootstrap_port={port}")
+    assert "transfer.bootstrap_port must be within 0..65535" in message and port in message
