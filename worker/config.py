@@ -105,6 +105,9 @@ class SchedulerConfig:
             raise ConfigError(f"{prefix}.overlap must be auto, on or off, got {self.overlap!r}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"{prefix}.max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_waiting < 1:  # every request waits first: 0 would refuse them all
+            raise ConfigError(f"{prefix}.max_waiting must be >= 1 (requests queued at most), "
+                              f"got {self.max_waiting}")
         if self.chunked_prefill_size < self.max_num_seqs:
             raise ConfigError(
                 f"{prefix}.chunked_prefill_size ({self.chunked_prefill_size}) must be >= "

@@ -53,3 +53,10 @@ def test_transfer_bootstrap_port_within_range(port: str) -> None:
     # A prefill rank bound its bootstrap service on 70000 as 4464 and on -1 as 65535.
     message = error_of(f"transfer.bootstrap_port={port}")
     assert "transfer.bootstrap_port must be within 0..65535" in message and port in message
+
+
+@pytest.mark.parametrize("key", ["scheduler.max_waiting", "roles.decode.scheduler.max_waiting"])
+def test_max_waiting_zero_is_refused(key: str) -> None:
+    # A worker refused every request: 'worker queue is full' with an empty queue.
+    message = error_of(f"{key}=0")
+    assert f"{key} must be >= 1" in message and "got 0" in message
