@@ -103,6 +103,8 @@ def convert(value: Any, tp: Any, path: str) -> Any:
             raise SchemaError(
                 f"{path}: expected float (a number), got {value!r} ({type(value).__name__})"
             )
+        if value != value:  # NaN: it would pass every `<= 0` check, as no comparison holds
+            raise SchemaError(f"{path}: expected a number, got nan")
         return float(value)
     if inner is str:
         if isinstance(value, (dict, list)):

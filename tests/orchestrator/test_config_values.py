@@ -60,3 +60,19 @@ def test_max_waiting_zero_is_refused(key: str) -> None:
     # A worker refused every request: 'worker queue is full' with an empty queue.
     message = error_of(f"{key}=0")
     assert f"{key} must be >= 1" in message and "got 0" in message
+
+
+
+@pytest.mark.parametrize("key", ["gateway.health_interval_s", "transfer.waiting_timeout_s",
+                                 "eval.min_accuracy", "roles.decode.drain_timeout_s"])
+def test_a_nan_float_is_refused(key: str) -> None:
+    # NaN passed every `<= 0` check (every comparison with NaN is false) and was taken.
+    assert error_of(f"{key}=.nan").endswith(f"{key}: expected a number, got nan")
+
+
+def test_a_nan_float_in_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "nan.yaml"
+    path.write_text("roles: {both: {}}\ngateway:\n  request_timeout_s: .NaN\n")
+    with pytest.raises(ClusterConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: gateway.request_timeout_s: expected a number, got nan"
