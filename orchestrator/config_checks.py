@@ -98,6 +98,12 @@ def validate_launcher_and_eval(cluster: ClusterConfig) -> None:
             raise ClusterConfigError(f"launcher.{name} must be >= 0 (0 = {zero}), "
                                      f"got {getattr(cluster.launcher, name)}")
     ev = cluster.eval
+    from orchestrator.tasks import TASKS  # pure Python, no server code
+
+    if ev.task not in TASKS:
+        raise ClusterConfigError(
+            f"eval.task must be one of {' | '.join(TASKS)}, got {ev.task!r}"
+        )
     if ev.samples < 1 or ev.concurrency < 1:
         raise ClusterConfigError(
             f"eval.samples and eval.concurrency must be >= 1, got {ev.samples} and {ev.concurrency}"

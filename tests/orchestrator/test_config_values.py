@@ -76,3 +76,11 @@ def test_a_nan_float_in_the_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ClusterConfigError) as info:
         load_config(path)
     assert str(info.value) == f"{path}: gateway.request_timeout_s: expected a number, got nan"
+
+
+def test_eval_task_must_be_a_known_family() -> None:
+    # Taken on load; the Slurm gate (eval_on_ready) then failed with UnknownTaskError after the
+    # whole cluster had come up, and `tandem eval --config` blamed a --task never typed.
+    message = error_of("eval.task=arithmetic")
+    assert message == ("--set 'eval.task=arithmetic': eval.task must be one of arith | lookup, "
+                       "got 'arithmetic'")
