@@ -210,7 +210,7 @@ class WorkerPool:
             raise
         if listed is not None:
             await w.channel.close()
-            log.info("worker %s (%s) posted again: already in the pool", url, pool)
+            log.debug("worker %s (%s) posted again: already in the pool", url, pool)
             return listed, False
         w.info, w.accepted, w.draining = info, True, info.draining
         self.pools[pool].append(w)

@@ -8,8 +8,14 @@ Lifecycle (a thread beside the worker's own serving loop):
      Connection errors are retried until the deadline (the gateway may still be starting); a
      refusal (401/403/409/4xx) is final: the worker logs the gateway's one-line reason and
      stops.
-  3. When the worker drains (SIGTERM), `leave()` sends DELETE /workers/<url>, so the gateway
-     stops routing to it at once and drops it once it has exited.
+  3. While it serves, it POSTs again every `renew_s` (5 s): the gateway answers 200 while it
+     lists the worker, and adds it again (201) once it forgot it: a gateway that restarted
+     routes to every joined worker again within `renew_s` of answering. Connection errors
+     (the gateway is down) and refusals are logged when they change and retried; the worker
+     keeps serving meanwhile.
+  4. When the worker drains (SIGTERM, or the gateway's DELETE), `leave()` stops the renewals
+     (after the one in flight) and sends DELETE /workers/<url>, so the gateway stops routing
+     to it at once and drops it once it has exited.
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ class Join:
     role: str
     admin_key: str
     timeout_s: float  # from the worker's start until it must have joined
+    renew_s: float = 5.0  # how often a joined worker POSTs again (a restarted gateway)
     joined: threading.Event = field(default_factory=threading.Event, compare=False)
+    leaving: threading.Event = field(default_factory=threading.Event, compare=False)
+    # Held while a renewal's POST is in flight: `leave` waits for it before its DELETE.
+    _posting: threading.Lock = field(default_factory=threading.Lock, compare=False)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
@@ -67,9 +77,38 @@ class Join:
             )
         raise JoinRefused(f"{self.gateway_url} did not answer POST /workers in time ({last})")
 
+    def renew(self) -> None:
+        """POST /workers every `renew_s` until `leave`: 200 while the gateway lists this
+        worker, 201 when it had forgotten it (it restarted). Logs each change of answer."""
+        url = f"{self.gateway_url.rstrip('/')}/workers"
+        body = {"url": self.worker_url, "role": self.role}
+        last = "joined"
+        while not self.leaving.wait(self.renew_s):
+            with self._posting:
+                if self.leaving.is_set():
+                    return
+                try:
+                    resp = httpx.post(url, json=body, headers=self._headers(), timeout=10.0)
+                    now = {200: "joined", 201: "joined again"}.get(
+                        resp.status_code, f"HTTP {resp.status_code}: {_message(resp)}")
+                except httpx.HTTPError as exc:
+                    now = f"no answer ({type(exc).__name__})"
+            if now == "joined again":
+                log.warning("%s had forgotten this worker (restarted?): joined again as %s %s",
+                            self.gateway_url, self.role, self.worker_url)
+                now = "joined"
+            elif now != last and now != "joined":
+                log.warning("renewing the join at %s: %s; retrying every %g s",
+                            self.gateway_url, now, self.renew_s)
+            last = now
+
     def leave(self) -> None:
-        """DELETE /workers/<url> (best effort: the gateway also sees the worker drain); nothing
-        when it never joined (refused, or stopped before it was SERVING)."""
+        """Stop the renewals, then DELETE /workers/<url> (best effort: the gateway also sees
+        the worker drain); nothing when it never joined (refused, or stopped before it was
+        SERVING)."""
+        self.leaving.set()
+        with self._posting:  # a renewal's POST in flight lands before the DELETE
+            pass
         if not self.joined.is_set():
             return
         url = f"{self.gateway_url.rstrip('/')}/workers/{self.worker_url}"
@@ -97,10 +136,14 @@ class Join:
                     return
             finally:
                 watch.close()
+            if self.leaving.is_set():  # it drains before it ever joined: nothing to join
+                return
             try:
                 self.register(deadline)
             except JoinRefused as exc:
                 on_refused(str(exc))
+                return
+            self.renew()
 
         thread = threading.Thread(target=run, name="join", daemon=True)
         thread.start()

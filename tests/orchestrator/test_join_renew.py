@@ -1,0 +1,88 @@
+"""A worker that joined with `--join` POSTs again every renew_s (orchestrator/launch/join.py):
+a gateway that restarted and forgot it lists it again; `leave` stops the renewals before its
+DELETE, so a draining worker is never added back."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from orchestrator.launch.join import Join
+from tests.orchestrator.http_double import HttpDouble, JsonHandler
+
+
+class _Admin:
+    """The gateway's /workers as the worker sees it: listed urls, and every call made."""
+
+    def __init__(self) -> None:
+        self.listed: set[str] = set()
+        self.calls: list[tuple[str, str]] = []  # (method, url)
+        self.up = True
+        self.lock = threading.Lock()
+
+
+class _AdminHandler(JsonHandler):
+    def do_POST(self) -> None:  # noqa: N802 (http.server's names)
+        state: _Admin = self.server.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with state.lock:
+            state.calls.append(("POST", body["url"]))
+            known = body["url"] in state.listed
+            state.listed.add(body["url"])
+        self._json(200 if known else 201, {"url": body["url"]})
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        state: _Admin = self.server.state
+        url = self.path.rsplit("/", 1)[-1]
+        with state.lock:
+            state.calls.append(("DELETE", url))
+            state.listed.discard(url)
+        self._json(202, {})
+
+
+class _AdminDouble(HttpDouble):
+    handler = _AdminHandler
+
+
+def _wait(cond: Any, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_joined_worker_is_listed_again_after_the_gateway_forgets_it() -> None:
+    admin = _Admin()
+    with _AdminDouble(admin) as url:
+        join = Join(url, "127.0.0.1:7001", "decode", "", timeout_s=5.0, renew_s=0.05)
+        join.register(time.monotonic() + 5.0)
+        renewing = threading.Thread(target=join.renew, daemon=True)
+        renewing.start()
+        _wait(lambda: sum(m == "POST" for m, _ in admin.calls) >= 3)  # renewals: 200s
+        with admin.lock:
+            admin.listed.clear()  # the gateway restarted: it lists none of its joined workers
+        _wait(lambda: "127.0.0.1:7001" in admin.listed)
+        join.leave()
+        renewing.join(timeout=5.0)
+        assert not renewing.is_alive()
+        n = len(admin.calls)
+        time.sleep(0.2)  # four renewal periods: none comes after the DELETE
+        assert admin.calls[-1] == ("DELETE", "127.0.0.1:7001") and len(admin.calls) == n
+        assert "127.0.0.1:7001" not in admin.listed
+
+
+def test_renewals_ride_out_a_gateway_that_does_not_answer() -> None:
+    admin = _Admin()
+    with _AdminDouble(admin) as url:
+        join = Join(url, "127.0.0.1:7002", "prefill", "", timeout_s=5.0, renew_s=0.05)
+        join.register(time.monotonic() + 5.0)
+    # The gateway is gone: renewals fail, quietly, and the loop goes on until leave().
+    renewing = threading.Thread(target=join.renew, daemon=True)
+    renewing.start()
+    time.sleep(0.3)
+    assert renewing.is_alive()
+    join.leave()
+    renewing.join(timeout=15.0)
+    assert not renewing.is_alive()
