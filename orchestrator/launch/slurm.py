@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from orchestrator.config import ClusterConfig, dial_address, dump_config, resolve_config_path
 from orchestrator.config_checks import WILDCARD_HOSTS
@@ -131,7 +131,7 @@ def _check_health(specs: list[ProcessSpec], deadline: float, tls: TLSConfig) -> 
 def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
     """The config's eval gate against the gateway on this node; 0 when it passes."""
     from orchestrator.eval import report, run_eval
-    from orchestrator.tasks import get_task
+    from orchestrator.tasks import TaskMode, get_task
 
     gw, ev = cluster.gateway, cluster.eval
     url = f"http://127.0.0.1:{gw.port}"
@@ -140,9 +140,13 @@ def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
         file=out,
         flush=True,
     )
-    result = asyncio.run(
-        run_eval(url, get_task(ev.task), ev.samples, ev.concurrency, ev.seed, "", gw.api_key)
-    )  # type: ignore[arg-type]
+    task = get_task(ev.task)
+    run: Any = run_eval
+    if task.MODE is TaskMode.TOOL_LOOP:  # as `tandem eval` runs it: the chat tool loop
+        from orchestrator.eval_tools import run_tool_eval  # lazy: imports the openai client
+
+        run = run_tool_eval
+    result = asyncio.run(run(url, task, ev.samples, ev.concurrency, ev.seed, "", gw.api_key))
     return report(result, ev.min_accuracy, out, err)
 
 
