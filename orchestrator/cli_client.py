@@ -219,6 +219,19 @@ def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
     return values
 
 
+def _out_problem(out: str | None) -> str:
+    """One line when --out cannot become a directory ("" when it can); checked before the run,
+    whose results would otherwise be lost to mkdir's error at the end."""
+    if out is None:
+        return ""
+    path = Path(out).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "" if existing == path else f" ({existing} is a file)"
+        return f"error: --out {out!r} is not a directory{where}; name a directory for the results"
+    return ""
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if problem := url_problem(args.url):
         print(problem, file=sys.stderr)
@@ -233,6 +246,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
                   file=sys.stderr)
             return EXIT_USAGE
+    if args.long_every < 0:
+        print(f"error: --long-every must be >= 0 (0 = no long requests), got {args.long_every}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.long_every and args.long_input_len < 1:
+        print(f"error: --long-input-len must be >= 1, got {args.long_input_len}", file=sys.stderr)
+        return EXIT_USAGE
+    if problem := _out_problem(args.out):
+        print(problem, file=sys.stderr)
+        return EXIT_USAGE
     if not 0 <= args.range_ratio < 1:
         print(f"error: --range-ratio must be in [0, 1), got {args.range_ratio}", file=sys.stderr)
         return EXIT_USAGE
@@ -249,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     base = BenchSpec(
         input_len=args.input_len, output_len=args.output_len, num_requests=args.num_requests,
         seed=args.seed, prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
-        long_every=max(args.long_every, 0), long_input_len=args.long_input_len, model=args.model,
+        long_every=args.long_every, long_input_len=args.long_input_len, model=args.model,
         api_key=args.api_key, dataset=args.dataset, num_turns=args.num_turns,
         num_groups=args.num_groups, prefix_len=args.prefix_len,
         return_token_ids=not args.no_token_ids, clients=args.clients,

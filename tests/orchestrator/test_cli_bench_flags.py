@@ -1,0 +1,40 @@
+"""`tandem bench` flags refused before any request is sent, in one line naming the flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+
+URL = "http://127.0.0.1:9"  # nothing listens: a flag that passed would say 'cannot reach'
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_out_that_is_a_file_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The whole run went first, then mkdir raised FileExistsError: a traceback, no results.
+    file = tmp_path / "results.json"
+    file.write_text("{}")
+    assert main(["bench", "--url", URL, "--out", str(file)]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"error: --out {str(file)!r}") and "directory" in err
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--long-every", "2", "--long-input-len", "-5"], "--long-input-len must be >= 1, got -5"),
+    (["--long-every", "-2"], "--long-every must be >= 0 (0 = no long requests), got -2"),
+])
+def test_long_request_flags_out_of_range(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --long-input-len -5 sent empty prompts; --long-every -2 was taken as 0 without a word.
+    assert main(["bench", "--url", URL, *flags]) == 2
+    assert _one_line_error(capsys) == f"error: {named}"
