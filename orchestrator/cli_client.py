@@ -214,7 +214,7 @@ def _sweep_values(text: str | None, kind: type, flag: str) -> list[Any]:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ValueError(f"{flag} takes numbers separated by commas, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
+    if not values or any(not v > 0 for v in values):  # not > 0: NaN too
         raise ValueError(f"{flag} values must be > 0, got {text!r}")
     return values
 

@@ -38,3 +38,9 @@ def test_long_request_flags_out_of_range(
     # --long-input-len -5 sent empty prompts; --long-every -2 was taken as 0 without a word.
     assert main(["bench", "--url", URL, *flags]) == 2
     assert _one_line_error(capsys) == f"error: {named}"
+
+
+def test_request_rate_nan_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # NaN passed `v <= 0`: every arrival after the first was at nan seconds.
+    assert main(["bench", "--url", URL, "--request-rate", "2,nan"]) == 2
+    assert _one_line_error(capsys) == "error: --request-rate values must be > 0, got '2,nan'"
