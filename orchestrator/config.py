@@ -399,6 +399,12 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ClusterConfigError(
             f"{p}: the top level must be a mapping of sections (model, roles, ...)"
         )
+    roles = data.get("roles")  # `prefill:` with nothing under it (`--set roles.R=null` removes)
+    for name in ROLE_NAMES:
+        if isinstance(roles, dict) and name in roles and roles[name] is None:
+            raise ClusterConfigError(
+                f"{p}: roles.{name}: has no keys (null); write `{name}: {{}}` for the defaults, "
+                "or give its keys")
     return config_from_dict(data, overrides, source=str(p))
 
 

@@ -84,3 +84,19 @@ def test_eval_task_must_be_a_known_family() -> None:
     message = error_of("eval.task=arithmetic")
     assert message == ("--set 'eval.task=arithmetic': eval.task must be one of arith | lookup, "
                        "got 'arithmetic'")
+
+
+def test_a_role_written_with_nothing_under_it_is_named(tmp_path: Path) -> None:
+    # `prefill:` with no keys under it is null: it was "`prefill` is missing. Add roles.prefill".
+    path = tmp_path / "pd.yaml"
+    path.write_text("roles:\n  prefill:\n  decode:\n    count: 1\n")
+    with pytest.raises(ClusterConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"{path}: roles.prefill: has no keys (null); write `prefill: {{}}` for the defaults, "
+        "or give its keys")
+
+
+def test_set_null_still_removes_a_role() -> None:
+    cluster = load_config(TINY, ["roles.prefill=null", "roles.decode=null", "roles.both.count=1"])
+    assert [name for name, _ in cluster.roles.present()] == ["both"]
