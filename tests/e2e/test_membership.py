@@ -284,3 +284,49 @@ def test_a_joined_worker_started_again_on_its_port_after_a_crash_joins_again(
             again.proc.send_signal(signal.SIGTERM)
             again.proc.wait(timeout=60)
         assert "every page free" in again.log.read_text()
+
+
+def test_a_joined_worker_is_listed_again_by_a_gateway_that_restarted(tmp_path: Path) -> None:
+    # The gateway crashes and its launcher starts it again on its port: it serves the config's
+    # workers only. A worker that joined renews its join (orchestrator/launch/join.py), so the
+    # new gateway lists it again within the renewal period and routes to it.
+    with running_cluster(
+        "configs/tiny-1p1d.yaml",
+        "gateway.health_interval_s=0.5",
+        "launcher.on_worker_exit=restart",
+        tmp=tmp_path,
+        model=MODEL,
+        admin_key=ADMIN_KEY,
+    ) as c:
+        joined = join(c, "decode", tmp_path, "decode-joined")
+        try:
+            gateway = subprocess.run(
+                ["pgrep", "-f", f"orchestrator.cli gateway --config {c.log_dir / 'cluster.yaml'}"],
+                capture_output=True, text=True, check=True,
+            ).stdout.split()
+            assert len(gateway) == 1, gateway
+            os.kill(int(gateway[0]), signal.SIGKILL)
+            wait_for("the gateway to go", lambda: not alive(int(gateway[0])))
+
+            def listed() -> bool:
+                try:
+                    states = {w["url"]: w["state"] for w in c.list_workers()}
+                except httpx.HTTPError:  # not answering yet
+                    return False
+                return states.get(joined.url) == "serving"
+
+            t0 = time.monotonic()
+            wait_for("the restarted gateway to list the joined worker", listed, timeout_s=60)
+            print(f"\njoined worker listed again {time.monotonic() - t0:.1f} s after the kill")
+            assert "joined again" in joined.log.read_text()
+            before = load_of(joined.url).transfer_pages
+            load = Load(c.url).start()
+            try:
+                wait_for("it to take requests", lambda: load_of(joined.url).transfer_pages > before)
+            finally:
+                load.stop()
+            assert not load.failures, load.failures[:3]
+        finally:
+            joined.proc.send_signal(signal.SIGTERM)
+            joined.proc.wait(timeout=60)
+        assert "every page free" in joined.log.read_text()
