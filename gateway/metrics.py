@@ -180,9 +180,10 @@ class LoopHistogram(Collector):
         self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
         self._sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1  # the first bound >= value
-        self._sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` samples of `value` (one addition each, whatever the count)."""
+        self._counts[bisect.bisect_left(self._bounds, value)] += count  # first bound >= value
+        self._sum += value * count
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         cumulative = itertools.accumulate(self._counts)
@@ -250,7 +251,7 @@ class TokenClock:
     def arrived(self, num_tokens: int) -> None:
         now = time.perf_counter()
         if num_tokens:
-            self._itl.observe((now - self._last) / num_tokens)
+            self._itl.observe((now - self._last) / num_tokens, num_tokens)
         self._last = now
 
 

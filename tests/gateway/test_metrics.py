@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, TokenClock
 from protocol import tandem_pb2
 
 
@@ -77,3 +77,17 @@ def test_loop_counter_exports_what_prometheus_clients_counter_does():
     assert lines(ours) == lines(theirs)
     with pytest.raises(ValueError):
         bare.inc(-1)
+
+
+def test_inter_token_latency_has_one_sample_per_token() -> None:
+    """docs/metrics.md: the gap between two worker messages divided over the later one's
+    tokens, one sample per token; a message of 4 tokens is 4 samples (it was 1, so the
+    histogram's count fell short of the tokens streamed and its quantiles leaned on the
+    messages of one token)."""
+    m = Metrics()
+    clock = TokenClock(m.itl)
+    clock.arrived(4)
+    clock.arrived(1)
+    clock.arrived(0)  # a message without tokens (the end): no sample
+    text = m.render().decode()
+    assert "tandem_inter_token_latency_seconds_count 5.0" in text
