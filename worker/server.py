@@ -414,14 +414,22 @@ def attach_role(engine: Engine, config: WorkerConfig, service: WorkerService) ->
     return attach(engine, config, service.role_info)
 
 
+def configure_logging(role: str) -> None:
+    """The worker's log: INFO and up, one line per event. httpx logs every request it makes
+    at INFO; a worker's only ones are its join's (POST /workers every 5 s while it serves,
+    orchestrator/launch/join.py, which logs a change of answer itself)."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def run_worker(config: WorkerConfig, on_drain: Callable[[], None] | None = None) -> None:
     """Blocking entry point of `tandem worker`: serve until drained (SIGTERM/SIGINT or Drain).
 
     A second signal while draining stops at once. `on_drain` runs (on the event loop) when the
     drain starts. Raises BindError when the port is taken.
     """
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s {config.role} %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.role)
 
     async def main() -> None:
         stop = asyncio.Event()

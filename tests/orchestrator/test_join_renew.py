@@ -5,9 +5,12 @@ DELETE, so a draining worker is never added back."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Any
+
+import pytest
 
 from orchestrator.launch.join import Join
 from tests.orchestrator.http_double import HttpDouble, JsonHandler
@@ -86,3 +89,31 @@ def test_renewals_ride_out_a_gateway_that_does_not_answer() -> None:
     join.leave()
     renewing.join(timeout=15.0)
     assert not renewing.is_alive()
+
+
+def test_renewals_log_nothing_at_a_workers_default_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A joined worker renews every 5 s while it serves: at the worker's log level (its
+    run_worker logging) that is no line at all while the answer stays the same (httpx logged
+    'HTTP Request: POST .../workers "HTTP/1.1 200 OK"' at INFO for each one)."""
+    from worker.server import configure_logging
+
+    httpx_logger = logging.getLogger("httpx")
+    before = httpx_logger.level
+    try:
+        configure_logging("decode")
+        caplog.set_level(logging.INFO)
+        admin = _Admin()
+        with _AdminDouble(admin) as url:
+            join = Join(url, "127.0.0.1:7003", "decode", "", timeout_s=5.0, renew_s=0.05)
+            join.register(time.monotonic() + 5.0)
+            renewing = threading.Thread(target=join.renew, daemon=True)
+            renewing.start()
+            _wait(lambda: sum(m == "POST" for m, _ in admin.calls) >= 4)
+            join.leave()
+            renewing.join(timeout=5.0)
+        assert [r.getMessage() for r in caplog.records if r.name == "httpx"] == []
+        assert any(r.name == "tandem.join" for r in caplog.records)  # the join itself: once
+    finally:
+        httpx_logger.setLevel(before)
