@@ -3,6 +3,7 @@ for our gateway (mono and PD) and, on the same mock workers with the same load g
 Rust PD routers (sglang-router, smg, vllm-router) where they are installed.
 
     .venv/bin/python -m bench.gateway --requests 3000 --concurrency 32
+    .venv/bin/python -m bench.gateway --streamed-at 1,8,32,96   # CPU a streamed token vs c
 
 Processes: mock workers (bench/mock_worker.py: one token per request, gRPC for our gateway,
 HTTP for the routers), one gateway or router at a time, and the load generator
@@ -185,12 +186,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--no-routers", action="store_true", help="only our gateway")
+    ap.add_argument("--streamed-at", metavar="C1,C2,...",
+                    help="only our gateway's streamed run, at each of these concurrencies")
     args = ap.parse_args()
     n, c = args.requests, args.concurrency
     tmp = Path(tempfile.mkdtemp())
     tok_dir = build_tokenizer(tmp / "tok")
-    ports = {r: (free_port(), free_port()) for r in ("both", "prefill", "decode", "stream-p",
-                                                       "stream-d")}
+    roles = ("stream-p", "stream-d") if args.streamed_at else (
+        "both", "prefill", "decode", "stream-p", "stream-d")
+    ports = {r: (free_port(), free_port()) for r in roles}
     rows: dict[str, dict[str, float]] = {}
     with contextlib.ExitStack() as stack:
         for name, (gp, hp) in ports.items():
@@ -201,6 +205,10 @@ def main() -> None:
                                         tmp / f"mock-{name}.log"))
         for _, hp in ports.values():
             wait_mock(hp)
+        if args.streamed_at:
+            for at in args.streamed_at.split(","):
+                streamed(tmp, tok_dir, ports, int(at))
+            return
         direct = asyncio.run(direct_grpc(ports["both"][0], 500))
         setups = {"mono": {"workers": [ports["both"][0]]},
                   "pd": {"prefill": [ports["prefill"][0]], "decode": [ports["decode"][0]]}}

@@ -3,9 +3,9 @@
 A grpc.aio client on gRPC's default I/O stack (its EventEngine) hands each message it receives
 across three threads: an EventEngine poller reads the socket, completes the call on the
 completion queue, whose poller thread wakes the asyncio loop. On the 2-core dev box that cost
-~120 µs of CPU per message received on a Session stream (a 2 ms step clock, one stream;
-`bench/gateway.py`'s streamed run pays it once per engine step), against ~72 µs with the
-client on the older iomgr stack, where the completion queue's poller reads the socket itself.
+~120 µs of CPU per message received on a Session stream (`python -m bench.grpc_stack`; the
+gateway pays it once per engine step of each worker), against 64-72 µs with the client on
+the older iomgr stack, where the completion queue's poller reads the socket itself.
 The gateway is such a client for every step of every worker, so every Tandem process starts
 with the EventEngine client turned off (`GRPC_EXPERIMENTS=-event_engine_client`; servers keep
 their EventEngine listener). A value already in the environment wins: `GRPC_EXPERIMENTS=`
