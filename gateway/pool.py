@@ -371,9 +371,11 @@ class WorkerPool:
     # ---- health ----
 
     def mark_suspect(self, w: Worker) -> None:
-        """A request saw UNAVAILABLE: take the worker out now; health checks bring it back."""
+        """A request saw it gone (UNAVAILABLE), quiet past the stall deadline, or timed out by
+        its room's other side: out now; health checks bring it back."""
         if w.healthy:
-            log.warning("worker %s (%s) marked unhealthy after UNAVAILABLE", w.url, w.pool)
+            log.warning("worker %s (%s) marked unhealthy: a request found it unreachable or "
+                        "quiet; health checks take it back", w.url, w.pool)
         w.fails = self.config.health_fail_threshold
         w.oks = 0
         self._set_health(w, False)

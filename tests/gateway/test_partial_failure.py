@@ -276,3 +276,22 @@ async def test_mono_first_token_timeout_retries_then_answers_504(tok_dir):
                 break
             await asyncio.sleep(0.01)
         assert hung.cancelled == 1  # the attempt was aborted on the worker
+
+
+async def test_a_stalled_worker_is_logged_as_suspect_without_a_wrong_cause(tok_dir, caplog):
+    """The stall marks decode suspect with one WARNING line naming it; the line said 'marked
+    unhealthy after UNAVAILABLE' whatever the cause (a stall is a DEADLINE_EXCEEDED, a peer
+    timeout an ABORTED), so an operator looked for a dead process that was only frozen."""
+    caplog.set_level("INFO", logger="gateway.pool")
+    p = prefill()
+    d = SeatedDecode(stall_after=2, delay_s=0.01)
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d], stream_stall_timeout_s=0.5,
+                                                    health_interval_s=5.0)) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                  "stream": True})
+        assert "stream_stall_timeout_s" in r.text
+    lines = [rec.getMessage() for rec in caplog.records
+             if rec.name == "gateway.pool" and rec.levelname == "WARNING"]
+    assert len(lines) == 1 and d.url in lines[0], lines
+    assert "UNAVAILABLE" not in lines[0], lines
