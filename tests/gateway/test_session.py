@@ -197,8 +197,8 @@ def test_stream_events_sink_writes_takes_and_refuses_as_the_task_would(tok_dir):
         def __init__(self) -> None:
             self.values: list[float] = []
 
-        def observe(self, v: float) -> None:
-            self.values.append(v)
+        def observe(self, v: float, count: int = 1) -> None:
+            self.values += [v] * count
 
     tok = Tokenizer.from_dir(tok_dir)
     ids = tok.encode(" one two three four", add_special_tokens=False)
