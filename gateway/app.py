@@ -243,13 +243,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # The routes are plain Starlette routes: FastAPI's dependency solving and response
     # validation cost ~15% of a request here and buy nothing (bodies are validated by hand so
     # that every error is OpenAI-shaped).
+    async def generate(request: Request, chat: bool) -> Response:
+        try:
+            gw.check_auth(request)
+            handler = gw.handler()
+        except ApiError as err:  # refused before the handler: a finished request all the same
+            gw.metrics.requests.labels(err.outcome).inc()
+            raise
+        return await handler.handle(request, chat=chat)
+
     async def completions(request: Request) -> Response:
-        gw.check_auth(request)
-        return await gw.handler().handle(request, chat=False)
+        return await generate(request, chat=False)
 
     async def chat_completions(request: Request) -> Response:
-        gw.check_auth(request)
-        return await gw.handler().handle(request, chat=True)
+        return await generate(request, chat=True)
 
     app = _GatewayApp({"/v1/completions": completions, "/v1/chat/completions": chat_completions},
                       lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

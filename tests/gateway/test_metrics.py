@@ -91,3 +91,26 @@ def test_inter_token_latency_has_one_sample_per_token() -> None:
     clock.arrived(0)  # a message without tokens (the end): no sample
     text = m.render().decode()
     assert "tandem_inter_token_latency_seconds_count 5.0" in text
+
+
+@pytest.mark.anyio
+async def test_requests_refused_before_the_handler_count_in_their_outcome(tok_dir) -> None:
+    """A generation request answered 401 (API key) or 503 (no worker has answered yet) is a
+    finished request: tandem_requests_total counts it (it counted neither, so a client with a
+    wrong key, or a gateway whose workers never came up, showed no request at all)."""
+    from tests.gateway.gw_doubles import ScriptedWorker, fast_config, running_app, workers
+
+    admin = {"Authorization": "Bearer adm"}
+    w = ScriptedWorker()
+    async with workers(w), running_app(fast_config(tok_dir, workers=(w.url,), api_key="sekret",
+                                                   admin_key="adm")) as c:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert (await c.post(path, json={"prompt": "a"})).status_code == 401
+        text = (await c.get("/metrics", headers=admin)).text
+        assert 'tandem_requests_total{outcome="client_error"} 2.0' in text
+    nobody = fast_config(tok_dir, workers=("127.0.0.1:1",), startup_wait_s=0.0)
+    async with running_app(nobody) as c:
+        r = await c.post("/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 503
+        text = (await c.get("/metrics")).text
+        assert 'tandem_requests_total{outcome="server_error"} 1.0' in text
