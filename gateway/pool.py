@@ -233,13 +233,9 @@ class WorkerPool:
         if w.member is not Membership.ACTIVE:
             return
         w.member = Membership.DRAINING
-        self._set_health(w, False)
-        log.info(
-            "worker %s (%s): draining on request; %d requests in flight here",
-            w.url,
-            w.pool,
-            w.inflight,
-        )
+        self._set_health(w, False, quiet=True)  # the line below says it
+        log.info("worker %s (%s): draining on request; %d requests in flight here",
+                 w.url, w.pool, w.inflight)
         self.spawn(self._drain_and_drop(w))
 
     async def _drain_and_drop(self, w: Worker) -> None:
@@ -378,14 +374,15 @@ class WorkerPool:
                         "quiet; health checks take it back", w.url, w.pool)
         w.fails = self.config.health_fail_threshold
         w.oks = 0
-        self._set_health(w, False)
+        self._set_health(w, False, quiet=True)
 
-    def _set_health(self, w: Worker, healthy: bool) -> None:
+    def _set_health(self, w: Worker, healthy: bool, quiet: bool = False) -> None:
+        """`quiet`: the caller logs the event (one line per event)."""
         if w.healthy != healthy:
             w.healthy = healthy
-            log.info(
-                "worker %s (%s) is now %s", w.url, w.pool, "healthy" if healthy else "unhealthy"
-            )
+            if not quiet:
+                log.info("worker %s (%s) is now %s", w.url, w.pool,
+                         "healthy" if healthy else "unhealthy")
             self._changed.set()
 
     def _record_check(self, w: Worker, ok: bool) -> None:
@@ -437,9 +434,9 @@ class WorkerPool:
                 async for reply in w.health_stub.Watch(req):
                     if reply.status != health_pb2.HealthCheckResponse.SERVING and w.healthy:
                         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                        log.info("worker %s (%s) says %s", w.url, w.pool, status)
+                        log.info("worker %s (%s) says %s: unhealthy", w.url, w.pool, status)
                         w.oks = 0
-                        self._set_health(w, False)
+                        self._set_health(w, False, quiet=True)
             except grpc.aio.AioRpcError as exc:  # unreachable or restarting: watch again soon
                 log.debug("health watch on %s ended: %s", w.url, exc.code().name)
             await asyncio.sleep(self.config.health_interval_s)

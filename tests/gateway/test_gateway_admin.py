@@ -369,3 +369,29 @@ async def test_a_dead_worker_shows_nothing_held(tok_dir):
         assert f"tandem_worker_running{series} 0.0" in text
         assert 'tandem_pool_running{pool="workers"} 0.0' in text
         assert f"tandem_worker_transfer_bytes_total{series} 4096.0" in text
+
+
+async def test_each_change_of_a_worker_is_one_log_line(tok_dir, caplog):
+    """DELETE is one line when it starts and one when the worker is dropped; a worker that
+    says NOT_SERVING is one line. Each was two (the event's, then 'is now unhealthy')."""
+    caplog.set_level("INFO", logger="gateway.pool")
+    a, b, d = Member(), Member(), Member()
+    async with (
+        workers(a, b, d),
+        running_app(config(tok_dir, workers=(a.url, b.url, d.url), health_interval_s=5.0)) as c,
+    ):
+        for w in (a, b, d):
+            await until(c, w.url, "serving", timeout=15)
+        await asyncio.sleep(0.3)  # the Watch streams are open
+        caplog.clear()
+        await b.set_serving(False)
+        await until(c, b.url, "dead", timeout=2.0)
+        assert (await c.delete(f"/workers/{d.url}", headers=ADMIN)).status_code == 202
+        await until(c, d.url, "draining")
+        await d.stop()
+        await until(c, d.url, "gone")
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.pool"]
+    about_b = [line for line in lines if b.url in line]
+    about_d = [line for line in lines if d.url in line]
+    assert len(about_b) == 1 and "NOT_SERVING" in about_b[0], lines
+    assert len(about_d) == 2 and "draining" in about_d[0] and "removed" in about_d[1], lines
