@@ -380,6 +380,7 @@ class WorkerPool:
         """`quiet`: the caller logs the event (one line per event)."""
         if w.healthy != healthy:
             w.healthy = healthy
+            w.served = w.served or healthy
             if not quiet:
                 log.info("worker %s (%s) is now %s", w.url, w.pool,
                          "healthy" if healthy else "unhealthy")

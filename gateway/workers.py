@@ -70,6 +70,7 @@ class Worker:
     healthy: bool = False  # routable: accepted, active and passing its health checks
     draining: bool = False  # the worker says it is draining (GetInfo / NOT_SERVING)
     accepted: bool = False  # its identity has been accepted at least once
+    served: bool = False  # it has been healthy at least once (else still starting)
     member: Membership = Membership.ACTIVE
     fails: int = 0  # consecutive failed health checks
     oks: int = 0  # consecutive SERVING answers
@@ -110,7 +111,10 @@ class Worker:
             return WorkerState.REFUSED
         if self.healthy:
             return WorkerState.SERVING
-        return WorkerState.DEAD if self.accepted else WorkerState.STARTING
+        # Accepted but not yet through its health checks (a POST /workers answer): starting,
+        # unless a check failed since.
+        dead = self.served or (self.accepted and self.fails > 0)
+        return WorkerState.DEAD if dead else WorkerState.STARTING
 
     def as_json(self) -> dict[str, Any]:
         ld, info = self.load, self.info

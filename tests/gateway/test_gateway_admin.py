@@ -395,3 +395,22 @@ async def test_each_change_of_a_worker_is_one_log_line(tok_dir, caplog):
     about_d = [line for line in lines if d.url in line]
     assert len(about_b) == 1 and "NOT_SERVING" in about_b[0], lines
     assert len(about_d) == 2 and "draining" in about_d[0] and "removed" in about_d[1], lines
+
+
+async def test_a_worker_just_added_is_starting_not_dead(tok_dir):
+    """POST /workers answers with the new entry before its first health check: 'starting'
+    (it said 'dead', healthy false, for a worker that had just passed the identity check);
+    one that served and then failed is 'dead'."""
+    a, b = Member(), Member()
+    async with (
+        workers(a, b),
+        running_app(config(tok_dir, workers=(a.url,), health_ok_threshold=3,
+                           health_interval_s=0.2)) as c,
+    ):
+        await until(c, a.url, "serving")
+        r = await c.post("/workers", json={"url": b.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 201 and r.json()["state"] == "starting", r.text
+        assert (await listed(c))[b.url]["state"] == "starting"
+        await until(c, b.url, "serving")
+        await b.stop()
+        await until(c, b.url, "dead")
