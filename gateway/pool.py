@@ -353,7 +353,8 @@ class WorkerPool:
         if w.refusal:
             log.info("worker %s: the expected worker answers again", w.url)
             w.refusal = ""
-        if w.pool == "prefill" and not info.bootstrap_addr:
+        if w.pool == "prefill" and not info.bootstrap_addr and w.warned_epoch != info.epoch:
+            w.warned_epoch = info.epoch  # once per process, not at every check
             log.error(
                 "prefill worker %s reports no bootstrap_addr; decode workers cannot reach it", w.url
             )

@@ -71,6 +71,7 @@ class Worker:
     draining: bool = False  # the worker says it is draining (GetInfo / NOT_SERVING)
     accepted: bool = False  # its identity has been accepted at least once
     served: bool = False  # it has been healthy at least once (else still starting)
+    warned_epoch: int = -1  # the epoch whose missing bootstrap_addr was logged (prefill)
     member: Membership = Membership.ACTIVE
     fails: int = 0  # consecutive failed health checks
     oks: int = 0  # consecutive SERVING answers

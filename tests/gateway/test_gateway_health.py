@@ -155,3 +155,19 @@ async def test_failed_background_task_is_logged_when_it_ends(tok_dir, caplog):
         assert failed and failed[0].exc_info[1] is task.exception()
     finally:
         await pool.close()
+
+
+async def test_a_prefill_worker_without_bootstrap_addr_is_logged_once(tok_dir, caplog):
+    """The error line about a prefill worker that reports no bootstrap_addr is logged once,
+    not at every health check (one ERROR a second, for as long as it ran, at the defaults)."""
+    caplog.set_level("INFO", logger="gateway.pool")
+    p = ScriptedWorker(role="prefill", script=Script(tokens=[5]))
+    p._bootstrap = lambda: ""  # type: ignore[method-assign]
+    d = ScriptedWorker(role="decode", script=Script(tokens=[5], finish_reason="stop"))
+    async with workers(p, d):
+        cfg = fast_config(tok_dir, prefill=(p.url,), decode=(d.url,))  # checks every 50 ms
+        async with running_app(cfg) as c:
+            await wait_workers(c)
+            await asyncio.sleep(0.5)  # ten checks
+    lines = [r.getMessage() for r in caplog.records if "bootstrap_addr" in r.getMessage()]
+    assert len(lines) == 1, lines
