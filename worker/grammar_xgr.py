@@ -39,6 +39,7 @@ import xgrammar as xgr
 
 from worker.sampler import GrammarViolation
 from worker.sampling import GrammarError, StructuredKind, StructuredOutput
+from worker.schema_support import SchemaUnsupported, check_schema, check_structural_tag
 
 # Compiled grammars kept, in bytes (a tool-call schema is ~1 MB at a 120k-token vocabulary).
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -151,8 +152,10 @@ class GrammarBackend:
     def _compile(self, s: StructuredOutput) -> xgr.CompiledGrammar:
         kind, c = s.kind, self.compiler
         try:
-            if kind in (StructuredKind.JSON_SCHEMA, StructuredKind.STRUCTURAL_TAG):
-                json.loads(s.text)  # a plain JSON syntax error reads better from here
+            if kind is StructuredKind.JSON_SCHEMA:  # a plain JSON syntax error reads better
+                check_schema(json.loads(s.text))  # from here; so does an unenforced keyword
+            if kind is StructuredKind.STRUCTURAL_TAG:
+                check_structural_tag(json.loads(s.text))
             if kind is StructuredKind.JSON_SCHEMA:
                 return c.compile_grammar(json_schema_ebnf(s.text))
             if kind is StructuredKind.JSON_OBJECT:
@@ -166,6 +169,8 @@ class GrammarBackend:
             return c.compile_structural_tag(s.text)
         except json.JSONDecodeError as exc:
             raise GrammarError(s.field, f"is not valid JSON: {exc}") from exc
+        except SchemaUnsupported as exc:
+            raise GrammarError(s.field, str(exc)) from exc
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse/convert errors
             raise GrammarError(s.field, f"cannot be compiled: {_clean(exc)}") from exc
 
