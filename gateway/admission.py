@@ -2,7 +2,7 @@
 
 A decode worker reports its seats in GetInfo (`max_running_requests`: what its running batch
 holds). The gateway sends a worker at most that many requests at once (`Worker.inflight`
-counts them until the worker ends them, read or not: gateway/dispatch.py `Dispatcher.left`),
+counts them until the worker ends them, read or not: gateway/dispatcher.py `Dispatcher.left`),
 and a request that finds every healthy decode worker full waits here, in arrival order, until
 a seat frees. Prefill then computes only what decode can seat, so waiting
 happens before the first token and never between two tokens of a stream (the worker reserves

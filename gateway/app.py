@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import admin
 from gateway.agents import Parsers
 from gateway.config import GatewayConfig, GatewayConfigError
-from gateway.dispatch import Dispatcher
+from gateway.dispatcher import Dispatcher
 from gateway.errors import ApiError, NoHealthyWorker, NotFound, Unauthorized
 from gateway.metrics import Metrics
 from gateway.openai_responses import ModelCard, ModelList

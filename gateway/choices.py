@@ -39,7 +39,8 @@ from starlette.responses import Response
 from gateway.agents import ChatPlan
 from gateway.chat_output import ChatOutput
 from gateway.chunks import chat_choice, choices_body, completion_choice
-from gateway.dispatch import Dispatcher, RequestRun
+from gateway.dispatch import RequestRun
+from gateway.dispatcher import Dispatcher
 from gateway.errors import ApiError
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_responses import UsageCounts
@@ -71,11 +72,12 @@ async def start_choices(d: Dispatcher, request_id: str, prompt_ids: list[int],
                         ) -> list[tuple[RequestRun, Output]]:
     """Every choice's run with its first output (steps 1-3 of the module's docstring). Any
     failure, or the caller's cancellation, aborts and closes every run started."""
-    runs = [d.start(f"{request_id}-0", prompt_ids, choice_sampling(sampling, 0))]
+    runs = [RequestRun(d, f"{request_id}-0", prompt_ids, choice_sampling(sampling, 0))]
     try:
         firsts = [await runs[0].first()]
         prefer = runs[0].prompt_worker
-        runs += [d.start(f"{request_id}-{i}", prompt_ids, choice_sampling(sampling, i), prefer)
+        runs += [RequestRun(d, f"{request_id}-{i}", prompt_ids, choice_sampling(sampling, i),
+                            prefer)
                  for i in range(1, n)]
         firsts += await _all(r.first() for r in runs[1:])
     except BaseException:

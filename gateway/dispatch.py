@@ -43,91 +43,23 @@ worker involved. A worker's UNAVAILABLE marks it suspect in the pool at once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from gateway.admission import AdmissionQueue, has_seat
-from gateway.config import GatewayConfig
+from gateway.dispatcher import Dispatcher
 from gateway.errors import NoHealthyWorker, WorkerCallError
-from gateway.metrics import Metrics
-from gateway.pool import Worker, WorkerPool
-from gateway.routing import Policy
+from gateway.pool import Worker
 from gateway.session import Output, Push
-from gateway.stalls import DeadlinePassed, FirstTokenDeadline, StallWatch, _timeout, wait_done
+from gateway.stalls import DeadlinePassed, FirstTokenDeadline, _timeout, wait_done
 from protocol import tandem_pb2
 
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
-
-
-class Dispatcher:
-    """Builds a `RequestRun` per request; shares the pool, policies and metrics."""
-
-    def __init__(self, config: GatewayConfig, pool: WorkerPool, policies: dict[str, Policy],
-                 metrics: Metrics) -> None:
-        self.config = config
-        self.pool = pool
-        self.policies = policies
-        self.metrics = metrics
-        # Decode seats are held here (backpressure); prefill and mono queue inside the workers.
-        self.admission = AdmissionQueue("decode", config.max_queued_requests,
-                                        config.queue_timeout_s, metrics)
-        self.stalls = StallWatch(config.stream_stall_timeout_s, pool)
-        # PD rooms: one up a request from a random 64-bit start (no getrandom call a request);
-        # two gateways' rooms meet only if their starts lie within each other's request counts.
-        self._rooms = itertools.count(secrets.randbits(64))
-
-    def new_room(self) -> int:
-        """A room id for a PD attempt; never 0, which means "no room" on the wire."""
-        return next(self._rooms) % (1 << 64) or 1
-
-    def _healthy(self, pool: str, exclude: set[str]) -> list[Worker]:
-        cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]
-        if not cands:
-            which = "" if pool == "workers" else f"{pool} "
-            raise NoHealthyWorker(f"no healthy {which}worker is available; retry later",
-                                  code="no_healthy_worker")
-        return cands
-
-    def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str],
-             prefer: Worker | None = None) -> Worker:
-        """The policy's pick, or `prefer` while it is healthy and not excluded (a choice of an
-        n > 1 request goes where the prompt's pages are cached: gateway/choices.py)."""
-        cands = self._healthy(pool, exclude)
-        if prefer is not None and any(w is prefer for w in cands):
-            return prefer
-        return self.policies[pool].pick(cands, prompt_ids)
-
-    async def take_seat(self, prompt_ids: Sequence[int], exclude: set[str]) -> Worker:
-        """A decode worker with a free seat; waits in the gateway's queue while all are full."""
-        def pick() -> Worker | None:
-            free = [w for w in self._healthy("decode", exclude) if has_seat(w)]
-            return self.policies["decode"].pick(free, prompt_ids) if free else None
-        return await self.admission.acquire(pick)
-
-    def left(self, w: Worker) -> None:
-        """A leg left `w` (ended there, or cancelled): its seat is free even while its outputs
-        wait unread (n > 1: finished choices wait for the others' first tokens)."""
-        w.inflight -= 1
-        if w.pool == "decode":
-            self.admission.wake()
-
-    def blame(self, err: WorkerCallError) -> None:
-        """Charge a failed attempt to the worker it blames (/metrics)."""
-        self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url).inc()
-
-    def start(self, request_id: str, prompt_ids: list[int],
-              sampling: tandem_pb2.SamplingParams, prefer: Worker | None = None) -> RequestRun:
-        """`prefer`: the worker to compute the prompt on (mono, or the pair's prefill worker)
-        while it is healthy; None: the policy picks."""
-        return RequestRun(self, request_id, prompt_ids, sampling, prefer)
 
 
 class RequestRun:

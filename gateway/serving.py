@@ -25,7 +25,8 @@ from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
 from gateway.choices import ChoicesResponse, start_choices
 from gateway.chunks import chat_body, completion_body
-from gateway.dispatch import Dispatcher, RequestRun
+from gateway.dispatch import RequestRun
+from gateway.dispatcher import Dispatcher
 from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_types import (
@@ -139,7 +140,7 @@ class GenerationHandler:
                 return await ChoicesResponse(started, req, plan, self.tok, self.metrics,
                                              self.model_name, request_id, prompt_ids,
                                              t0).respond(headers)
-            run = self.dispatcher.start(request_id, prompt_ids, sampling)
+            run = RequestRun(self.dispatcher, request_id, prompt_ids, sampling)
             try:
                 first = await run.first()
             except BaseException as exc:

@@ -204,7 +204,7 @@ def test_rooms_count_up_from_a_random_start_and_skip_zero() -> None:
     """0 means "no room" on the wire: the count wraps past 2**64 - 1 to 1."""
     import itertools
 
-    from gateway.dispatch import Dispatcher
+    from gateway.dispatcher import Dispatcher
 
     d = Dispatcher.__new__(Dispatcher)  # only the room counter
     d._rooms = itertools.count((1 << 64) - 2)
