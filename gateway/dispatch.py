@@ -22,8 +22,10 @@ Disaggregated (PD), for one attempt:
     `Abort(request_id, room, attempt_id)` goes to both workers, and — when the failure is a
     worker's (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ABORTED) — one retry runs on a new pair
     without the worker blamed (ABORTED on a PD leg blames the other leg's worker: the room's
-    other side failed it). After the first token there is no retry: the error goes to the
-    client.
+    other side failed it). After the first token a stream has no retry (the client has its
+    tokens): the error goes to the client. A JSON answer's client has seen nothing yet, so a
+    worker's fault there ends the attempt and runs the request again from its prompt
+    (`RequestRun.restart`), on the same terms: once per request, a new pair.
 
 Retries cannot hurt: each attempt has its own `attempt_id` ("<request id>/<n>"; the request id
 stays for logs) and Abort names it, so a late Abort of attempt 1 never ends attempt 2 on the
@@ -79,6 +81,8 @@ class RequestRun:
         self.attempt_id = ""  # "<request id>/<n>" of the live attempt (Abort names it)
         self.num_cached_tokens = 0
         self.retried = False
+        self._attempt = 0  # the next attempt's number (its attempt_id's suffix)
+        self._exclude: set[str] = set()  # workers a retry avoids (blamed for a failed attempt)
         self._legs: list[tuple[Worker, Any]] = []  # (worker, grpc call) of the live attempt
         self._stream: Any = None  # the call that streams output tokens (mono or decode leg)
         self._stream_worker: Worker | None = None
@@ -91,31 +95,52 @@ class RequestRun:
     # ---- first token, with one retry ----
 
     async def first(self) -> Output:
+        """The first output; a worker's fault before it runs the request once more on a new
+        pair without the worker blamed (unless gateway.retry_before_first_token is off)."""
+        return await self._attempts(1 if self._d.config.retry_before_first_token else 0)
+
+    async def restart(self, err: WorkerCallError) -> Output:
+        """`err` ended the run past its first output while the client has seen none of it (a
+        JSON answer): end this attempt and run the request again from its prompt, on the terms
+        of a retry before the first token (the request's one retry, a worker's fault, a new
+        pair without the worker blamed); its first output. Raises `err` otherwise."""
+        self._end_attempt(abort=True)
+        if not (err.worker_fault and self._d.config.retry_before_first_token
+                and not self.retried and not self._aborted):
+            raise err
+        self._retry_after(err)
+        return await self._attempts(0)
+
+    async def _attempts(self, retries: int) -> Output:
         cfg = self._d.config
-        exclude: set[str] = set()
-        attempts = 2 if cfg.retry_before_first_token else 1
-        for attempt in range(attempts):
-            self.attempt_id = f"{self.request_id}/{attempt}"
+        while True:
+            self.attempt_id = f"{self.request_id}/{self._attempt}"
+            self._attempt += 1
             try:
                 if cfg.pd:
-                    return await self._attempt_pd(exclude)
-                return await self._attempt_mono(exclude)
+                    return await self._attempt_pd(self._exclude)
+                return await self._attempt_mono(self._exclude)
             except WorkerCallError as err:
                 self._end_attempt(abort=True)
                 if err.worker_fault:
                     self._d.blame(err)
-                if attempt + 1 >= attempts or not err.worker_fault:
+                if not retries or not err.worker_fault:
                     raise
-                exclude.add(err.blamed_url)
-                log.debug("request %s: retrying after %s", self.request_id, err.message)
-                self._d.metrics.retries.inc()
-                self.retried = True
-                try:  # a new pair must exist; otherwise the original error is the better answer
-                    for pool in self._d.pool.pools:
-                        self._d._healthy(pool, exclude)
-                except NoHealthyWorker:
-                    raise err from None
-        raise AssertionError("unreachable: the loop returns or raises")
+                retries -= 1
+                self._retry_after(err)
+
+    def _retry_after(self, err: WorkerCallError) -> None:
+        """Book the retry `err` calls for; raises `err` when no new pair is healthy (then the
+        original error is the better answer)."""
+        self._exclude.add(err.blamed_url)
+        log.debug("request %s: retrying after %s", self.request_id, err.message)
+        self._d.metrics.retries.inc()
+        self.retried = True
+        try:
+            for pool in self._d.pool.pools:
+                self._d._healthy(pool, self._exclude)
+        except NoHealthyWorker:
+            raise err from None
 
     def _request(self, disagg: tandem_pb2.DisaggParams | None = None
                  ) -> tandem_pb2.GenerateRequest:

@@ -67,7 +67,8 @@ class Metrics:
                           self.kv_transfer_duration):
             r.register(collector)
         self.retries = Counter(
-            "tandem_retries", "Requests retried on a new worker before the first token", registry=r
+            "tandem_retries", "Requests retried on a new worker before the client saw a token",
+            registry=r
         )
         self.kv_transfer_failures = Counter(
             "tandem_kv_transfer_failures",

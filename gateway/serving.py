@@ -15,7 +15,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -27,7 +27,7 @@ from gateway.choices import ChoicesResponse, start_choices
 from gateway.chunks import chat_body, completion_body
 from gateway.dispatch import RequestRun
 from gateway.dispatcher import Dispatcher
-from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
+from gateway.errors import ApiError, BadRequest, NotFound, WorkerCallError, refused_constraint
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_types import (
     ChatCompletionRequest,
@@ -156,19 +156,23 @@ class GenerationHandler:
             log.debug("request %s failed: %s", request_id, err.message)
             return err.response(headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
-        out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
-                              req.num_top_logprobs(),
-                              plan.keep_token_ids if plan is not None else frozenset())
-        out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
-        chat_out = ChatOutput(plan) if plan is not None else None
+
+        def assemblers() -> tuple[OutputAssembler, ChatOutput | None]:
+            out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens,
+                                  req.stop_strings(), req.num_top_logprobs(),
+                                  plan.keep_token_ids if plan is not None else frozenset())
+            out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
+            return out, ChatOutput(plan) if plan is not None else None
+
         if req.stream:
+            out, chat_out = assemblers()
             stream = StreamEvents(request_id, self.model_name, out, chat_out,
                                   TokenClock(self.metrics.itl))
             gen = self._stream(run, first, out, chat_out, stream, req.include_usage(), request_id,
                                t0)
             return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0),
                                on_direct=stream.attach)
-        return await self._complete(run, first, out, chat_out, request_id, t0, headers)
+        return await self._complete(run, first, assemblers, request_id, t0, headers)
 
     async def _start_choices(self, request_id: str, prompt_ids: list[int],
                              sampling: tandem_pb2.SamplingParams, n: int
@@ -275,13 +279,22 @@ class GenerationHandler:
         self._account("aborted", out, run, t0)
 
     async def _complete(self, run: RequestRun, first: Output,
-                        out: OutputAssembler, chat_out: ChatOutput | None, request_id: str,
-                        t0: float, headers: dict[str, str]) -> Response:
+                        assemblers: Callable[[], tuple[OutputAssembler, ChatOutput | None]],
+                        request_id: str, t0: float, headers: dict[str, str]) -> Response:
+        """A JSON answer. The client sees none of it before the end, so a worker's fault past
+        the first token runs the request again (`RequestRun.restart`), into fresh assemblers."""
         parts: list[str] = []
+        out, chat_out = assemblers()
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            parts = await read_to_end(run.next, first, out, chat_out,
-                                      TokenClock(self.metrics.itl))
+            try:
+                parts = await read_to_end(run.next, first, out, chat_out,
+                                          TokenClock(self.metrics.itl))
+            except WorkerCallError as err:
+                first = await run.restart(err)
+                out, chat_out = assemblers()
+                parts = await read_to_end(run.next, first, out, chat_out,
+                                          TokenClock(self.metrics.itl))
             await run.settle()
             outcome = "success"
         except ApiError as err:

@@ -9,7 +9,14 @@ import httpx
 import pytest
 
 from gateway.tokenizer import Tokenizer
-from tests.gateway.gw_doubles import Script, ScriptedWorker, fast_config, running_app, workers
+from tests.gateway.gw_doubles import (
+    Script,
+    ScriptedWorker,
+    fast_config,
+    running_app,
+    wait_workers,
+    workers,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -381,6 +388,24 @@ async def test_no_healthy_worker_503(tok_dir):
             assert (await c.get("/health")).status_code == 503
             got, err = await _post(c, "/v1/completions", json={"prompt": "a"})
             assert got == 503 and err["type"] == "service_unavailable"
+
+
+async def test_a_json_answer_cut_by_a_worker_runs_again_on_another(tok_dir):
+    """Mono: the worker fails after two tokens of a non-streamed answer; the client has seen
+    nothing, so the request runs again on the other worker and answers 200 in full."""
+    bad = ScriptedWorker(script=script_for(
+        tok_dir, "one two three", fail_code=grpc.StatusCode.INTERNAL, fail_after=2))
+    good = ScriptedWorker(script=script_for(tok_dir, "one two three"))
+    async with workers(bad, good), running_app(fast_config(
+            tok_dir, workers=(bad.url, good.url), prefill_policy="round_robin")) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "one two three"
+        assert len(bad.requests) == 1 and len(good.requests) == 1
+        metrics = (await c.get("/metrics")).text
+        assert 'tandem_requests_total{outcome="success"} 1.0' in metrics
+        assert "tandem_retries_total 1.0" in metrics
 
 
 async def test_mid_stream_failure_sends_error_event(tok_dir):

@@ -124,6 +124,51 @@ async def test_no_retry_after_first_token(tok_dir):
         assert len(bad.requests) == 1 and good.requests == [] and len(p.requests) == 1
 
 
+async def test_a_non_streamed_answer_runs_again_when_decode_fails_past_its_first_token(tok_dir):
+    """The client has seen nothing of a JSON answer yet: a worker's fault after the first
+    token runs the request again from its prompt on a new pair (the one retry), as a fault
+    before it would; the answer is the new attempt's whole output, counted once."""
+    p = prefill()
+    bad, good = decode(fail_code=grpc.StatusCode.UNAVAILABLE, fail_after=2), decode()
+    async with workers(p, bad, good), running_app(pd_config(tok_dir, [p], [bad, good])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5},
+                         headers={"X-Request-Id": "rq"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert body["usage"]["completion_tokens"] == len(TOKENS)
+        assert [q.attempt_id for q in (*bad.requests, *good.requests)] == ["rq/0", "rq/1"]
+        assert len(p.requests) == 2 and p.requests[0].disagg.room != p.requests[1].disagg.room
+        await bad.abort_event.wait()
+        assert [a.attempt_id for a in bad.aborts] == ["rq/0"]
+        m = (await c.get("/metrics")).text
+        assert "tandem_retries_total 1.0" in m and "tandem_generation_tokens_total 5.0" in m
+        # The same answer as a clean run's (the good pair alone).
+        again = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert again.json()["choices"][0]["text"] == body["choices"][0]["text"]
+
+
+async def test_a_non_streamed_answer_runs_again_once_only(tok_dir):
+    """The one retry was spent before the first token (or is off): a later fault is the
+    answer's 5xx."""
+    p = prefill()
+    flaky = decode(fail_code=grpc.StatusCode.UNAVAILABLE, fail_times=2)
+    flaky.script.fail_after = 0  # the first attempt fails at once, the retry after 2 tokens
+    other = decode(fail_code=grpc.StatusCode.UNAVAILABLE, fail_after=2)
+    async with workers(p, flaky, other), running_app(pd_config(tok_dir, [p], [flaky, other])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert r.status_code in (502, 503), r.text
+        assert len(flaky.requests) + len(other.requests) == 2
+    p, bad, good = prefill(), decode(fail_code=grpc.StatusCode.UNAVAILABLE, fail_after=2), decode()
+    config = pd_config(tok_dir, [p], [bad, good], retry_before_first_token=False)
+    async with workers(p, bad, good), running_app(config) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        assert r.status_code in (502, 503) and good.requests == [], r.text
+
+
 async def test_first_token_timeout_without_alternative(tok_dir):
     p, d = prefill(), decode(hang_first=True)
     async with (
