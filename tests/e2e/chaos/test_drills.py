@@ -85,6 +85,10 @@ def _kill_during(
         ld = c.load(name)
         if ready == "transferring":
             busy = ld.rooms.get("TRANSFERRING", 0) > 0
+        elif ready == "answering":  # JSON answers: decoding for a while, none finished yet
+            busy = ld.running > 1 and progress.ok == 0
+            if busy:
+                time.sleep(1.0)
         else:
             busy = ld.running > 0 and progress.started > len(payloads) // 2
         if busy:
@@ -145,6 +149,19 @@ def test_kill_decode_mid_stream(cluster_2p2d: Cluster, record: Callable[[Row], N
     record(Row("SIGKILL decode mid-stream", "2P2D", o, leaked, back - killed))
     _check(o, leaked)
     assert o.error > 0, "no stream on the killed decode worker reported an error"
+    _served_by(c, "decode-0")
+
+
+def test_kill_decode_mid_answer(cluster_2p2d: Cluster, record: Callable[[Row], None]) -> None:
+    """Non-streamed answers whose decode worker dies mid-way: the clients have seen nothing, so
+    each runs again on the other pair (RequestRun.restart) and every one answers 200."""
+    c = cluster_2p2d
+    payloads = [body(f"j{i}=5;" * 10, 400, False) for i in range(8)]
+    o, killed, back = _kill_during(c, "decode", payloads, ready="answering")
+    leaked = leaked_pages(c)
+    record(Row("SIGKILL decode mid-answer (JSON)", "2P2D", o, leaked, back - killed))
+    _check(o, leaked)
+    assert o.ok == len(payloads) and o.error == 0, o
     _served_by(c, "decode-0")
 
 
