@@ -17,13 +17,16 @@ or by a required property's const/enum in object branches), `$ref` other than `#
 beside other assertions, `enum`/`const` beside assertions other than a `type` that all values
 match, a `format` xgrammar does not know or beside `pattern`/`minLength`/`maxLength`, a
 `pattern` beside `minLength`/`maxLength`, a lookahead in a pattern, a `required` name that
-`properties` does not declare, and nesting deeper than `MAX_DEPTH` subschemas (xgrammar's
-grammar grows with the square of the depth: 400 levels took ~18 s to compile).
+`properties` does not declare, a `patternProperties` regex that matches a declared property
+(both schemas apply; xgrammar holds it to `properties` alone), and nesting deeper than
+`MAX_DEPTH` subschemas (xgrammar's grammar grows with the square of the depth: 400 levels took
+~18 s to compile).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,6 +116,12 @@ class _Walker:
         self._strings(s, at)
         props = s.get("properties")
         declared = props if isinstance(props, dict) else {}
+        for pattern, sub in (s.get("patternProperties") or {}).items():
+            hit = next((n for n in declared if _matches(pattern, n)), None)
+            if hit is not None and sub not in (True, {}):
+                raise _refuse("patternProperties", at, f"{pattern!r} also matches the declared "
+                              f"property {hit!r}, which would be held to `properties` alone; "
+                              "make the pattern skip it")
         for name in s.get("required") or ():
             if isinstance(name, str) and name not in declared:
                 raise _refuse("required", at, f"{name!r} is not under `properties`, so it is "
@@ -278,6 +287,15 @@ def _lookup(root: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a patternProperties regex matches a property name (Python's `re` reads the
+    usual JSON-schema regexes alike; one it cannot read is left to the engine)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return False
 
 
 def _has_lookahead(pattern: str) -> bool:

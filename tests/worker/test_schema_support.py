@@ -59,6 +59,9 @@ REFUSED: dict[str, tuple[Any, str, str]] = {
                        "pattern"),
     "pattern_lookahead": ({"type": "string", "pattern": "^(?!b)[ab]$"}, '"b"', "pattern"),
     "required_undeclared": ({"type": "object", "required": ["x"]}, "{}", "required"),
+    "pattern_and_property": ({"type": "object", "properties": {"a1": INT},
+                              "patternProperties": {"^a": {"type": "boolean"}}}, '{"a1": 1}',
+                             "patternProperties"),
     "nested": ({"type": "object", "properties": {"xs": {"type": "array", "items": INT,
                                                         "uniqueItems": True}}},
                '{"xs": [1, 1]}', "uniqueItems"),
@@ -83,6 +86,8 @@ ACCEPTED: dict[str, Any] = {
                                                             "items": {"$ref": "#"}}}},
     "uniqueItems_false": {"type": "array", "items": INT, "uniqueItems": False},
     "pattern_alone": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+    "pattern_beside_property": {"type": "object", "properties": {"b": INT},
+                                "patternProperties": {"^a": {"type": "boolean"}, "^b": {}}},
     "required_declared": obj(required=["a", "b"], additionalProperties=False),
 }
 
