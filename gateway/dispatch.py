@@ -179,7 +179,7 @@ class RequestRun:
 
     def _fail(self, exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            self._d.pool.mark_suspect(w)
+            self._d.pool.mark_suspect(w, f"its {leg} leg was UNAVAILABLE ({exc.details()})")
         err = WorkerCallError.from_rpc(exc, w.url, leg)
         if "bootstrap" in err.details.lower():
             self._d.metrics.bootstrap_failures.inc()
@@ -222,7 +222,8 @@ class RequestRun:
                 other = p if err.leg == "decode" else d
                 err.blamed_url, err.blamed_pool = other.url, other.pool
                 if err.peer_timeout:  # it stopped answering: out until its checks say so
-                    self._d.pool.mark_suspect(other)
+                    self._d.pool.mark_suspect(other, f"the {err.leg} worker {err.worker_url} timed "
+                                              "out waiting on it (a room's other side)")
             raise
 
     async def _first_pd(self, call_p: Any, p: Worker, call_d: Any, d: Worker
@@ -324,7 +325,7 @@ class RequestRun:
         """No token for `stall` s: the worker went quiet (frozen, hung). `blame`: charge it
         now (after the first token; before it, `first()` charges the failed attempt)."""
         self._d.metrics.stream_stalls.labels(w.pool).inc()
-        self._d.pool.mark_suspect(w)
+        self._d.pool.mark_suspect(w, f"no token for {stall:g} s (gateway.stream_stall_timeout_s)")
         err = WorkerCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no token for {stall:g} s "
                               "(gateway.stream_stall_timeout_s); the request was aborted on "
                               "its workers", w.url, leg)

@@ -367,12 +367,13 @@ class WorkerPool:
 
     # ---- health ----
 
-    def mark_suspect(self, w: Worker) -> None:
+    def mark_suspect(self, w: Worker, why: str) -> None:
         """A request saw it gone (UNAVAILABLE), quiet past the stall deadline, or timed out by
-        its room's other side: out now; health checks bring it back."""
+        its room's other side (`why`, for the log line): out now; health checks bring it
+        back."""
         if w.healthy:
-            log.warning("worker %s (%s) marked unhealthy: a request found it unreachable or "
-                        "quiet; health checks take it back", w.url, w.pool)
+            log.warning("worker %s (%s) marked unhealthy: %s; health checks take it back",
+                        w.url, w.pool, why)
         w.fails = self.config.health_fail_threshold
         w.oks = 0
         self._set_health(w, False, quiet=True)

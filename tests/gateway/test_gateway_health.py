@@ -42,7 +42,7 @@ async def test_thresholds_state_machine(tok_dir):
         assert not w.healthy  # good checks must be consecutive
         pool._record_check(w, True)
         assert w.healthy
-        pool.mark_suspect(w)  # a request saw UNAVAILABLE
+        pool.mark_suspect(w, "a request saw UNAVAILABLE")
         assert not w.healthy
     finally:
         await pool.close()

@@ -296,3 +296,4 @@ async def test_a_stalled_worker_is_logged_as_suspect_without_a_wrong_cause(tok_d
              if rec.name == "gateway.pool" and d.url in rec.getMessage()]
     assert len(lines) == 1, lines  # one line for the event (not another 'is now unhealthy')
     assert "UNAVAILABLE" not in lines[0], lines
+    assert "no token for 0.5 s (gateway.stream_stall_timeout_s)" in lines[0], lines  # the cause
