@@ -1,7 +1,8 @@
 """The gateway's HTTP app: `create_app(config)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models
-and /v1/models/{model}, GET /health (200 when every pool has a healthy worker, else 503), and
+and /v1/models/{model}, GET /health (200 when every pool has a healthy worker, else 503: ready
+for traffic), GET /livez (200 while the process serves HTTP, workers or not: alive), and
 behind the admin key (gateway/admin.py): GET /metrics (Prometheus), GET/POST /workers and
 DELETE /workers/{url} (the pools at run time). A lifespan owns the worker pool (gRPC channels,
 health and load tasks). Every error leaves as `{"error": {...}}` with a real status code.
@@ -316,6 +317,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             json.dumps(body).encode(), status_code=200 if ready else 503, media_type=_JSON
         )
 
+    async def livez(request: Request) -> Response:
+        return Response(b'{"status":"alive"}', media_type=_JSON)
+
     auth = admin.AdminAuth(config)
 
     async def workers(request: Request) -> Response:
@@ -343,6 +347,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/v1/models/{model:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
+    app.add_route("/livez", livez, methods=["GET"])
     app.add_route("/workers", workers, methods=["GET"])
     app.add_route("/workers", add_worker, methods=["POST"])
     app.add_route("/workers/{url:path}", remove_worker, methods=["DELETE"])

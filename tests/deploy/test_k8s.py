@@ -97,7 +97,10 @@ def test_ports_args_and_probes_agree_with_the_config(overlay: str) -> None:
     templates = pod_templates(docs)
     gw = templates["tandem-gateway"]["spec"]["containers"][0]
     assert [p["containerPort"] for p in gw["ports"]] == [cluster.gateway.port]
-    assert gw["startupProbe"]["httpGet"] == {"path": "/health", "port": cluster.gateway.port}
+    # Restarted only when the process stops answering, never while the workers load weights.
+    for probe, path in (("startupProbe", "/livez"), ("livenessProbe", "/livez"),
+                        ("readinessProbe", "/health")):
+        assert gw[probe]["httpGet"] == {"path": path, "port": cluster.gateway.port}, probe
     assert services["tandem-gateway"]["spec"]["ports"][0]["targetPort"] == cluster.gateway.port
     for role, rc in cluster.roles.present():
         # The gateway dials <workload>-<i>.<headless service>: both must exist with that name.

@@ -386,6 +386,9 @@ async def test_no_healthy_worker_503(tok_dir):
         await w.set_serving(False)
         async with running_app(fast_config(tok_dir, workers=(w.url,), startup_wait_s=0.2)) as c:
             assert (await c.get("/health")).status_code == 503
+            # Not ready, yet alive: what a liveness probe reads (no restart while workers load).
+            live = await c.get("/livez")
+            assert live.status_code == 200 and live.json() == {"status": "alive"}
             got, err = await _post(c, "/v1/completions", json={"prompt": "a"})
             assert got == 503 and err["type"] == "service_unavailable"
 
