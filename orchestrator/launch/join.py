@@ -64,6 +64,10 @@ class Join:
             try:
                 resp = httpx.post(url, json=body, headers=self._headers(), timeout=10.0)
             except httpx.HTTPError as exc:
+                if last == "no answer":  # the first miss: say what it waits for, once
+                    log.warning("joining %s: no answer yet (%s); retrying for %.0f s more",
+                                self.gateway_url, type(exc).__name__,
+                                deadline - time.monotonic())
                 last = f"{type(exc).__name__}: {exc}"
                 time.sleep(_RETRY_S)
                 continue

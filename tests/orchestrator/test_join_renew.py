@@ -117,3 +117,23 @@ def test_renewals_log_nothing_at_a_workers_default_level(
         assert any(r.name == "tandem.join" for r in caplog.records)  # the join itself: once
     finally:
         httpx_logger.setLevel(before)
+
+
+def test_a_join_that_gets_no_answer_says_so_once_then_gives_up(caplog) -> None:
+    """A gateway that does not answer: one WARNING at the first miss (the worker waited in
+    silence for launcher.ready_timeout_s, 300 s), then JoinRefused at the deadline."""
+    import socket
+
+    import pytest
+
+    from orchestrator.launch.join import JoinRefused
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    caplog.set_level("WARNING", logger="tandem.join")
+    join = Join(f"http://127.0.0.1:{port}", "127.0.0.1:7003", "decode", "", 1.0)
+    with pytest.raises(JoinRefused, match="did not answer"):
+        join.register(time.monotonic() + 1.2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.join"]
+    assert len(lines) == 1 and "no answer yet" in lines[0], lines
