@@ -9,17 +9,16 @@ Processes: mock workers (bench/mock_worker.py: one token per request, gRPC for o
 HTTP for the routers), one gateway or router at a time, and the load generator
 (bench/loadgen.py: wrk if installed, else aiohttp). "added" = the median round trip through
 the gateway at concurrency 1 minus the median round trip straight to the worker (gRPC
-Generate for ours, HTTP for the routers). CPU figures are the gateway's (or router's) process
-tree's user + system time over the concurrency-N run. Then a streaming run (64 tokens a
-request, one per 2 ms "step", on the mocks' gRPC for ours and their HTTP for the routers) gives
-each one's CPU per streamed token.
+Generate for ours, from a process on the gateway's gRPC stack and event loop; HTTP for the
+routers). CPU figures are the gateway's (or router's) process tree's user + system time over
+the concurrency-N run. Then a streaming run (64 tokens a request, one per 2 ms "step", on the
+mocks' gRPC for ours and their HTTP for the routers) gives each one's CPU per streamed token.
 Install the routers for the comparison only: `.venv/bin/pip install sglang-router smg vllm-router`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import importlib.util
 import json
@@ -160,6 +159,17 @@ async def direct_grpc(port: int, n: int) -> float:
     return statistics.median(times[n // 10:])
 
 
+def direct_baseline(port: int, n: int) -> float:
+    """`direct_grpc` in a process of its own, on the gRPC stack and event loop the gateway runs
+    on (its environment from `process`'s; uvloop): the round trip the gateway adds to."""
+    env = dict(os.environ)
+    apply_grpc_env(env)
+    out = subprocess.run([sys.executable, __file__, "--role", "direct", "--port", str(port),
+                          "--n", str(n)], cwd=ROOT, env=env, check=True, capture_output=True,
+                         text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def body(stream: bool, max_tokens: int = 1) -> str:
     return json.dumps({"model": "tiny", "prompt": "hello world", "max_tokens": max_tokens,
                        "stream": stream})
@@ -209,7 +219,7 @@ def main() -> None:
             for at in args.streamed_at.split(","):
                 streamed(tmp, tok_dir, ports, int(at))
             return
-        direct = asyncio.run(direct_grpc(ports["both"][0], 500))
+        direct = direct_baseline(ports["both"][0], 500)
         setups = {"mono": {"workers": [ports["both"][0]]},
                   "pd": {"prefill": [ports["prefill"][0]], "decode": [ports["decode"][0]]}}
         for mode, workers in setups.items():
@@ -325,7 +335,13 @@ def run_gateway_process(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if "--role" in sys.argv and sys.argv[sys.argv.index("--role") + 1] == "gateway":
+    role = sys.argv[sys.argv.index("--role") + 1] if "--role" in sys.argv else ""
+    if role == "gateway":
         run_gateway_process(sys.argv[1:])
+    elif role == "direct":
+        import uvloop
+
+        port, n = (int(sys.argv[sys.argv.index(f) + 1]) for f in ("--port", "--n"))
+        print(uvloop.run(direct_grpc(port, n)))
     else:
         main()
