@@ -6,6 +6,7 @@ or rings on any path."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -148,3 +149,24 @@ def test_full_model_twin_has_no_ring(tmp_path: Path) -> None:
     build_window_checkpoint(tmp_path, window=False)
     engine = make_engine(tmp_path, chunk=16)
     assert engine.kv.shape.window_layers == () and engine.scheduler.cache.window is None
+
+
+def test_fp8_rings_do_not_depend_on_how_the_prompt_was_chunked(
+    window_dir: tuple[Path, torch.nn.Module],
+) -> None:
+    """FP8 pages: a window layer read this step's K/V unrounded and the ring's history as e4m3,
+    so where a step boundary fell (alone, or sharing the step budget with another prompt)
+    changed greedy tokens; full layers always read e4m3. Alone must equal batched."""
+    path, _ = window_dir
+
+    def fp8_engine() -> Engine:
+        engine = make_engine(path, chunk=16, prefix_cache=False)
+        config = engine.config
+        engine.close()
+        cache = dataclasses.replace(config.cache, kv_cache_dtype="fp8_e4m3")
+        return Engine(config.replace(cache=cache))
+
+    prompts = _prompts(7, (60, 100))
+    batched = generate(fp8_engine(), prompts, max_tokens=20)
+    alone = [generate(fp8_engine(), [p], max_tokens=20)[0] for p in prompts]
+    assert batched == alone

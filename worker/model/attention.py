@@ -330,9 +330,15 @@ def window_attention(
     hist_pages = batch.window_context_slots // page_size  # [C]
     hist_offsets = batch.window_context_slots % page_size  # [C]
     out_dtype = q.dtype
-    if kv_scales is not None:  # FP8 ring pages: history and this step's K/V in float32
-        q, k, v = q.float(), k.float(), v.float()
     ks, vs = (None, None) if kv_scales is None else kv_scales
+    if ks is not None and vs is not None:  # FP8 ring pages: history and this step's K/V in f32
+        # This step's K/V as the ring will hold them (e4m3), as full layers read theirs back:
+        # otherwise where a step boundary falls (batch composition) changes the output.
+        k_now = quantize_kv(k, ks, k_cache.dtype).float() * ks.float()[:, None]  # [T, Hkv, D]
+        v_now = quantize_kv(v.nan_to_num(nan=0.0), vs, v_cache.dtype).float() * vs.float()[:, None]
+        q = q.float()
+    else:
+        k_now, v_now = k, v
     # [C, Hkv, D] each (dequantize_kv wants heads before tokens: transpose around it)
     hist_k = dequantize_kv(k_cache[hist_pages, :, hist_offsets].transpose(0, 1), ks,
         q.dtype).transpose(0, 1)
@@ -346,8 +352,8 @@ def window_attention(
             continue
         n, h = end - start, hs[i + 1] - hs[i]
         # ctx_k, ctx_v: [Hkv, h+n, D]
-        ctx_k = torch.cat([hist_k[hs[i] : hs[i + 1]], k[start:end]]).transpose(0, 1)
-        ctx_v = torch.cat([hist_v[hs[i] : hs[i + 1]], v[start:end]]).transpose(0, 1)
+        ctx_k = torch.cat([hist_k[hs[i] : hs[i + 1]], k_now[start:end]]).transpose(0, 1)
+        ctx_v = torch.cat([hist_v[hs[i] : hs[i + 1]], v_now[start:end]]).transpose(0, 1)
         mask = None
         if n > 1 or h >= window:
             # q_pos: [n, 1], relative to the history start
