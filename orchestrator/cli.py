@@ -384,8 +384,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ClusterConfigError, GatewayConfigError, LauncherUnavailableError) as exc:
-        print(f"error: {exc}", file=sys.stderr)  # the gateway's own start reads files too
+        message = str(exc)  # the gateway's own start reads files too
+        for override, flag in _flags_typed(args).items():  # name the flag the user typed
+            message = message.replace(f"--set {override!r}", flag)
+        print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
+
+
+# The named flags that stand for a `--set` override (serve_config, _model_overrides, ...).
+_FLAG_OF = {"gateway.port": "port", "gateway.api_key": "api_key",
+            "gateway.admin_key": "admin_key", "model.dtype": "dtype",
+            "model.served_model_name": "served_model_name", "model.path": "model",
+            "gateway.reasoning_parser": "reasoning_parser",
+            "gateway.tool_call_parser": "tool_call_parser",
+            "gateway.generation_config": "generation_config",
+            "cache.kv_cache_dtype": "kv_cache_dtype"}
+
+
+def _flags_typed(args: argparse.Namespace) -> dict[str, str]:
+    """Override text -> the flag (and value) the user typed for it, for the flags given."""
+    out = {}
+    for key, dest in _FLAG_OF.items():
+        value = getattr(args, dest, None)
+        if value is not None and value != "":
+            flag = f"--{dest.replace('_', '-')} {value}"
+            out[f"{key}={value}"] = flag
+            if key == "model.path":  # a local directory is passed resolved
+                out[f"{key}={Path(str(value)).expanduser().resolve()}"] = flag
+    return out
 
 
 if __name__ == "__main__":

@@ -42,3 +42,17 @@ def test_worker_join_needs_an_http_url(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["worker", "--config", TINY, "--role", "decode", "--join", "notaurl"]) == 2
     err = _one_line_error(capsys)
     assert "--join 'notaurl'" in err and "http://" in err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["serve", "--port", "70000"], "--port 70000: gateway.port must be within 1..65535"),
+    (["plan", "--config", TINY, "--kv-cache-dtype", "fp8_e4m3", "--set",
+      "cache.kv_cache_dtype=fp9"], "--set 'cache.kv_cache_dtype=fp9'"),
+])
+def test_a_named_flags_error_names_the_flag_typed(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said --set 'gateway.port=70000', an override the user never typed; a --set typed
+    # is still named as such.
+    assert main(argv) == 2
+    assert named in _one_line_error(capsys)
