@@ -11,7 +11,7 @@ One engine step with speculation (worker/engine.py):
 
 Greedy acceptance emits exactly what plain greedy decoding emits; rejection sampling keeps the
 target's distribution. Requests whose sampling reads more than the logits (penalties,
-logprobs) decode one token a step (worker/spec/eligible.py).
+logprobs, logit_bias, a grammar) decode one token a step (worker/spec/eligible.py).
 """
 
 from __future__ import annotations
