@@ -77,6 +77,11 @@ class Engine:
         layers, label = ((self.draft_head.head.num_layers, self.draft_head.label) if self.draft_head
                          else (0, ""))
         self.kv = KVCache(kv_shape(self.spec, config, layers, label), self.device)
+        pool = self.kv.shape.num_pages * self.kv.shape.page_size  # no request outgrows the pool
+        if pool < self.max_model_len:
+            log.warning("max_model_len %d -> %d: the KV pool holds %d tokens (raise "
+                        "cache.max_total_tokens for more)", self.max_model_len, pool, pool)
+            self.max_model_len = pool
         self.spec_counters = SpecCounters()
         model_drafter = self._model_drafter()
         # One scheduler per attention DP group, each over its group's own KV cache.

@@ -173,3 +173,31 @@ def _sample(engine: Engine, prompt: list[int], params: dict[str, object]) -> lis
     while not any(finished):
         engine.step()
     return tokens
+
+
+def test_context_is_capped_at_what_the_kv_pool_holds(
+    qwen3_dir: tuple[Path, torch.nn.Module],
+) -> None:
+    """A pool of 24 pages of 4 holds 96 tokens: a request can never go past that, so that is the
+    engine's max_model_len (the gateway refuses prompt + max_tokens beyond it up front). It
+    was the checkpoint's 256: a 60-token prompt asking for 100 tokens was accepted, decoded to
+    96 tokens, was preempted and then failed ('request needs 97 tokens of KV cache')."""
+    path, hf = qwen3_dir
+    engine = make_engine(path, num_pages=24)
+    assert engine.max_model_len == 96
+    prompt = [(5 * i + 3) % 90 + 3 for i in range(60)]
+    ended: list[RequestOutput] = []
+    tokens: list[int] = []
+
+    def sink(out: RequestOutput) -> None:
+        tokens.extend(out.token_ids)
+        if out.finished:
+            ended.append(out)
+
+    engine.submit(Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=100,
+                                                        ignore_eos=True)), sink)
+    while not ended:
+        engine.step()
+    assert (ended[0].finish_reason, ended[0].error) == ("length", "")
+    assert tokens == hf_greedy(hf, prompt, 36)
+    engine.scheduler.assert_drained()
