@@ -68,7 +68,9 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="prompt length (characters or token ids)")
     p.add_argument("--output-len", type=int, default=32,
                    help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests per load point")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests per load point (shared-prefix: num_requests // num_turns "
+                        "conversations of num_turns requests, so 63 of 64 with 3 turns)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", metavar="C[,C...]",
                       help="closed loop: requests in flight (default 4); a list sweeps")

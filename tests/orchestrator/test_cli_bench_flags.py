@@ -44,3 +44,13 @@ def test_request_rate_nan_is_refused(capsys: pytest.CaptureFixture[str]) -> None
     # NaN passed `v <= 0`: every arrival after the first was at nan seconds.
     assert main(["bench", "--url", URL, "--request-rate", "2,nan"]) == 2
     assert _one_line_error(capsys) == "error: --request-rate values must be > 0, got '2,nan'"
+
+
+def test_num_requests_help_says_shared_prefix_sends_whole_conversations(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # --dataset shared-prefix --num-turns 3 with the default 64 printed '63 ok, 0 failed' while
+    # the help said 'requests per load point': whole conversations, num_requests // num_turns.
+    assert main(["bench", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "num_requests // num_turns conversations" in help_text
