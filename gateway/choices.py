@@ -21,9 +21,10 @@ After the first tokens every choice has what an n = 1 request has: its own assem
 strings, logprobs, token ids), for chat its own parsers (reasoning, tool calls), and, streamed,
 its own events with its `index`. Usage counts the prompt once (cached tokens: choice 0's, the
 choice that computed it) and sums the completion tokens of all choices. A choice that ends on
-a stop string is aborted on its workers at once; one that fails fails the request (streamed:
-an error event, then `[DONE]`) and every other choice is aborted; so is every choice when the
-client leaves. n = 1 never comes here: its path (gateway/serving.py) is unchanged.
+a stop string is aborted on its workers at once. Not streamed, a choice a worker's fault cuts
+past its first token runs again on a new pair, as an n = 1 answer does (`Answer.read`); one
+that fails for good fails the request (streamed: an error event, then `[DONE]`) and every other
+choice is aborted; so is every choice when the client leaves. n = 1 never comes here: its path (gateway/serving.py) is unchanged.
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 
 from gateway.agents import ChatPlan
-from gateway.chat_output import ChatOutput
 from gateway.chunks import chat_choice, choices_body, completion_choice
 from gateway.dispatch import RequestRun
 from gateway.dispatcher import Dispatcher
 from gateway.errors import ApiError
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_responses import UsageCounts
-from gateway.output import NO_FINISH, OutputAssembler, read_to_end
+from gateway.output import NO_FINISH, Answer, Assemblers, assemblers_for
 from gateway.session import Output
 from gateway.sse import SSEResponse
 from gateway.streaming import StreamEvents
@@ -107,20 +107,18 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-class Choice:
-    """One choice's run and output."""
+class Choice(Answer):
+    """One choice's run and output (`parts`: completions' text, not streamed)."""
 
-    __slots__ = ("index", "run", "first", "out", "chat_out", "parts", "events", "clock")
+    __slots__ = ("index", "run", "first", "events", "clock")
 
-    def __init__(self, index: int, run: RequestRun, first: Output, out: OutputAssembler,
-                 chat_out: ChatOutput | None, clock: TokenClock) -> None:
+    def __init__(self, index: int, run: RequestRun, first: Output, make: Assemblers,
+                 clock: TokenClock) -> None:
+        super().__init__(make)
         self.index = index
         self.run = run
         self.first = first
-        self.out = out
-        self.chat_out = chat_out
         self.clock = clock
-        self.parts: list[str] = []  # completions' text, not streamed
         self.events: StreamEvents | None = None  # streamed
 
 
@@ -137,14 +135,9 @@ class ChoicesResponse:
         self.t0 = t0
         self.chat = plan is not None
         self.created = int(time.time())
-        keep = plan.keep_token_ids if plan is not None else frozenset()
-        self.choices: list[Choice] = []
-        for i, (run, first) in enumerate(started):
-            out = OutputAssembler(tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
-                                  req.num_top_logprobs(), keep)
-            out.return_token_ids = not self.chat and (req.return_token_ids or not tok.has_text)
-            chat_out = ChatOutput(plan) if plan is not None else None
-            self.choices.append(Choice(i, run, first, out, chat_out, TokenClock(metrics.itl)))
+        make = assemblers_for(tok, req, plan, prompt_ids)
+        self.choices = [Choice(i, run, first, make, TokenClock(metrics.itl))
+                        for i, (run, first) in enumerate(started)]
 
     async def respond(self, headers: dict[str, str]) -> Response:
         if not self.req.stream:
@@ -176,7 +169,7 @@ class ChoicesResponse:
         return Response(body, media_type=_JSON, headers=headers)
 
     async def _read_to_end(self, c: Choice) -> None:
-        c.parts = await read_to_end(c.run.next, c.first, c.out, c.chat_out, c.clock)
+        await c.read(c.run, c.first, c.clock)  # run again on a worker's fault (Answer.read)
         await self._choice_ended(c)
 
     def _choice_json(self, c: Choice) -> bytes:

@@ -6,16 +6,21 @@ prefix held back); `add_token_pieces(msg)` returns it one piece per token, with 
 released at the end that is no token's own kept apart, for parsers that count tokens.
 Special tokens that a parser reads (`keep_token_ids`: a `[TOOL_CALLS]` marker, say) keep their
 text even when `skip_special_tokens` drops the others.
+
+`Answer` reads a non-streamed answer to its end; the client sees none of it before then, so a
+worker's fault past the first output runs the request again (`restart`) into fresh assemblers
+(`assemblers_for`, the one place a request's fields become its assemblers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
+from gateway.agents import ChatPlan
 from gateway.chat_output import ChatOutput
 from gateway.detokenize import IncrementalDetokenizer, StopStringMatcher
-from gateway.errors import ApiError
+from gateway.errors import ApiError, WorkerCallError
 from gateway.metrics import TokenClock
 from gateway.openai_responses import (
     ChatLogprobEntry,
@@ -195,3 +200,50 @@ async def read_to_end(next_output: Callable[[], Awaitable[Output | None]], first
     if chat_out is not None:
         chat_out.finish()
     return parts
+
+
+Assemblers = Callable[[], tuple[OutputAssembler, ChatOutput | None]]
+
+
+def assemblers_for(tok: Tokenizer, req: Any, plan: ChatPlan | None, prompt_ids: list[int]
+                   ) -> Assemblers:
+    """A request's (or a choice's) assemblers from its fields, new on each call (a chat
+    request has a plan; a completion may return token ids)."""
+    def make() -> tuple[OutputAssembler, ChatOutput | None]:
+        out = OutputAssembler(tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
+                              req.num_top_logprobs(),
+                              plan.keep_token_ids if plan is not None else frozenset())
+        out.return_token_ids = plan is None and (req.return_token_ids or not tok.has_text)
+        return out, ChatOutput(plan) if plan is not None else None
+    return make
+
+
+class Rerun(Protocol):
+    """What `Answer.read` needs of a run (gateway/dispatch.py `RequestRun`)."""
+
+    async def next(self) -> Output | None: ...
+
+    async def restart(self, err: WorkerCallError) -> Output: ...
+
+
+class Answer:
+    """A non-streamed answer: its assemblers and, for completions, its text pieces."""
+
+    __slots__ = ("_make", "out", "chat_out", "parts")
+
+    def __init__(self, make: Assemblers) -> None:
+        self._make = make
+        self.out, self.chat_out = make()
+        self.parts: list[str] = []
+
+    async def read(self, run: Rerun, first: Output, clock: TokenClock) -> None:
+        """The run's outputs from `first` to the end (`read_to_end`). A worker's fault past the
+        first output runs the request again into fresh assemblers (`run.restart`, which raises
+        the fault when the request's one retry is spent or off)."""
+        while True:
+            try:
+                self.parts = await read_to_end(run.next, first, self.out, self.chat_out, clock)
+                return
+            except WorkerCallError as err:
+                first = await run.restart(err)
+                self.out, self.chat_out = self._make()

@@ -15,7 +15,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -27,7 +27,7 @@ from gateway.choices import ChoicesResponse, start_choices
 from gateway.chunks import chat_body, completion_body
 from gateway.dispatch import RequestRun
 from gateway.dispatcher import Dispatcher
-from gateway.errors import ApiError, BadRequest, NotFound, WorkerCallError, refused_constraint
+from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_types import (
     ChatCompletionRequest,
@@ -35,7 +35,7 @@ from gateway.openai_types import (
     check_sampling,
     logit_bias_ids,
 )
-from gateway.output import NO_FINISH, OutputAssembler, read_to_end
+from gateway.output import NO_FINISH, Answer, Assemblers, OutputAssembler, assemblers_for
 from gateway.request_body import parse_request, raw_header, read_body
 from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
@@ -156,14 +156,7 @@ class GenerationHandler:
             log.debug("request %s failed: %s", request_id, err.message)
             return err.response(headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
-
-        def assemblers() -> tuple[OutputAssembler, ChatOutput | None]:
-            out = OutputAssembler(self.tok, prompt_ids, req.skip_special_tokens,
-                                  req.stop_strings(), req.num_top_logprobs(),
-                                  plan.keep_token_ids if plan is not None else frozenset())
-            out.return_token_ids = not chat and (req.return_token_ids or not self.tok.has_text)
-            return out, ChatOutput(plan) if plan is not None else None
-
+        assemblers = assemblers_for(self.tok, req, plan, prompt_ids)
         if req.stream:
             out, chat_out = assemblers()
             stream = StreamEvents(request_id, self.model_name, out, chat_out,
@@ -278,23 +271,13 @@ class GenerationHandler:
         run.close()
         self._account("aborted", out, run, t0)
 
-    async def _complete(self, run: RequestRun, first: Output,
-                        assemblers: Callable[[], tuple[OutputAssembler, ChatOutput | None]],
+    async def _complete(self, run: RequestRun, first: Output, assemblers: Assemblers,
                         request_id: str, t0: float, headers: dict[str, str]) -> Response:
-        """A JSON answer. The client sees none of it before the end, so a worker's fault past
-        the first token runs the request again (`RequestRun.restart`), into fresh assemblers."""
-        parts: list[str] = []
-        out, chat_out = assemblers()
+        """A JSON answer (`Answer.read`: run again on a worker's fault past its first token)."""
+        answer = Answer(assemblers)
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            try:
-                parts = await read_to_end(run.next, first, out, chat_out,
-                                          TokenClock(self.metrics.itl))
-            except WorkerCallError as err:
-                first = await run.restart(err)
-                out, chat_out = assemblers()
-                parts = await read_to_end(run.next, first, out, chat_out,
-                                          TokenClock(self.metrics.itl))
+            await answer.read(run, first, TokenClock(self.metrics.itl))
             await run.settle()
             outcome = "success"
         except ApiError as err:
@@ -304,10 +287,11 @@ class GenerationHandler:
             outcome = "server_error"
             raise
         finally:
-            if out.stopped_by_string or outcome != "success":
+            if answer.out.stopped_by_string or outcome != "success":
                 run.abort()
             run.close()
-            self._account(outcome, out, run, t0)
+            self._account(outcome, answer.out, run, t0)
+        out, chat_out, parts = answer.out, answer.chat_out, answer.parts
         created = int(time.time())
         if chat_out is None:  # bytes straight from the parts (gateway/chunks.py), as for chat
             logprobs_c = out.completion_logprobs(out.logprobs) if out.want_logprobs else None

@@ -236,3 +236,20 @@ async def test_openai_client_n_choices(tok_dir):
         assert len(best.choices) == 2
         with pytest.raises(openai.BadRequestError, match="best_of"):
             await client.completions.create(model="tiny", prompt="x", n=2, best_of=4)
+
+
+async def test_a_json_choice_cut_by_a_worker_runs_again(tok_dir):
+    """Not streamed, the client has seen none of the choices: a decode worker that fails one
+    past its first token costs that choice a second run on the other decode worker, and the
+    answer carries every choice whole."""
+    p = prefill()
+    bad = decode(fail_code=grpc.StatusCode.UNAVAILABLE, fail_after=2)
+    good = decode()
+    async with workers(p, bad, good), running_app(pd_config(tok_dir, [p], [bad, good])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "n": 2})
+        assert r.status_code == 200, r.text
+        texts = [ch["text"] for ch in r.json()["choices"]]
+        assert len(texts) == 2 and texts[0] == texts[1] != ""
+        assert len(bad.requests) == 1 and len(good.requests) == 2
+        assert "tandem_retries_total 1.0" in (await c.get("/metrics")).text
