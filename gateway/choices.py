@@ -24,7 +24,8 @@ choice that computed it) and sums the completion tokens of all choices. A choice
 a stop string is aborted on its workers at once. Not streamed, a choice a worker's fault cuts
 past its first token runs again on a new pair, as an n = 1 answer does (`Answer.read`); one
 that fails for good fails the request (streamed: an error event, then `[DONE]`) and every other
-choice is aborted; so is every choice when the client leaves. n = 1 never comes here: its path (gateway/serving.py) is unchanged.
+choice is aborted; so is every choice when the client leaves. n = 1 never comes here: its
+path (gateway/serving.py) is unchanged.
 """
 
 from __future__ import annotations
