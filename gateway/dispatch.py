@@ -137,8 +137,7 @@ class RequestRun:
         self._d.metrics.retries.inc()
         self.retried = True
         try:
-            for pool in self._d.pool.pools:
-                self._d._healthy(pool, self._exclude)
+            self._d.check_pairs(self._exclude)
         except NoHealthyWorker:
             raise err from None
 

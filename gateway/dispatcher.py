@@ -51,6 +51,12 @@ class Dispatcher:
                                   code="no_healthy_worker")
         return cands
 
+    def check_pairs(self, exclude: set[str]) -> None:
+        """NoHealthyWorker unless every pool has a healthy worker outside `exclude` (a retry
+        has somewhere to go)."""
+        for pool in self.pool.pools:
+            self._healthy(pool, exclude)
+
     def pick(self, pool: str, prompt_ids: Sequence[int], exclude: set[str],
              prefer: Worker | None = None) -> Worker:
         """The policy's pick, or `prefer` while it is healthy and not excluded (a choice of an
