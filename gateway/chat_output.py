@@ -98,6 +98,10 @@ class ChatOutput:
             self._content(content, out)
         return out
 
+    def add_content(self, text: str) -> None:
+        """Text of a request with no parser (`plain`): content as it is, for the message."""
+        self.content.append(text)
+
     def finish(self) -> ChatPiece:
         """The output ended: release what the parsers hold."""
         out = ChatPiece()

@@ -83,7 +83,7 @@ class StreamEvents:
         assert self._completion is not None
         out = self._out
         text = out.add(msg)
-        lp_entries = self._new_logprobs() if out.want_logprobs else None
+        lp_entries = self._new_logprobs()
         ids = None
         if out.return_token_ids:
             ids, self._ids_sent = out.token_ids[self._ids_sent:], len(out.token_ids)
@@ -106,8 +106,8 @@ class StreamEvents:
             text = out.add(msg)
             if not text:
                 return []  # its logprobs wait for the chunk that carries its text
-            chat_out.content.append(text)
-            entries = self._new_logprobs() if out.want_logprobs else None
+            chat_out.add_content(text)
+            entries = self._new_logprobs()
             lp = out.chat_logprobs(entries) if entries else None
             return [events.delta(content_delta(text), None, lp)]
         piece = chat_out.feed(*out.add_token_pieces(msg, chat_out.per_token))
@@ -129,6 +129,8 @@ class StreamEvents:
 
     def _new_logprobs(self) -> list[tandem_pb2.TokenLogprob]:
         """The output's logprobs not sent yet (none when logprobs are off)."""
+        if not self._out.want_logprobs:
+            return []
         logprobs = self._out.logprobs
         entries, self._lp_sent = logprobs[self._lp_sent:], len(logprobs)
         return entries
