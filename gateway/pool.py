@@ -118,8 +118,7 @@ class WorkerPool:
     def healthy(self, pool: str) -> list[Worker]:
         return [w for w in self.pools[pool] if w.healthy]
 
-    def ready(self) -> bool:
-        """At least one healthy worker in every pool a request needs."""
+    def ready(self) -> bool:  # at least one healthy worker in every pool a request needs
         return all(any(w.healthy for w in ws) for ws in self.pools.values())
 
     def infos(self) -> list[tandem_pb2.WorkerInfo]:
@@ -184,15 +183,17 @@ class WorkerPool:
 
     async def add(self, url: str, role: str) -> tuple[Worker, bool]:
         """Admit a worker at run time once its GetInfo matches (POST /workers): (it, True);
-        (its entry, False) when `url` is in that pool already and passes the identity check
-        (a join's retried POST; a worker restarted on its address, which the entry's health
+        (its entry, False) when `url` is in that pool already: healthy (a join's renewal), or
+        passing the identity check (a worker restarted on its address, which the entry's
         checks take back). Raises ValueError (bad role; `url` in another pool or going; the
-        worker listed under another address), WorkerUnreachable or IdentityRefused."""
+        worker under another address), WorkerUnreachable or IdentityRefused."""
         pool = next((p for p in self.pools if ROLE_OF_POOL[p] == role), None)
         if pool is None:
             roles = ", ".join(ROLE_OF_POOL[p] for p in self.pools)
             raise ValueError(f"role {role!r} is not served here; this gateway's roles: {roles}")
         listed = self._check_listed(url, pool)
+        if listed is not None and listed.healthy:  # its checks read its identity: no dial
+            return listed, False
         w = self._make(url, pool, source="joined")  # a new channel: a listed one may back off
         try:
             info = await self._fetch_info(w)
@@ -355,9 +356,8 @@ class WorkerPool:
             w.refusal = ""
         if w.pool == "prefill" and not info.bootstrap_addr and w.warned_epoch != info.epoch:
             w.warned_epoch = info.epoch  # once per process, not at every check
-            log.error(
-                "prefill worker %s reports no bootstrap_addr; decode workers cannot reach it", w.url
-            )
+            log.error("prefill worker %s reports no bootstrap_addr; decode workers cannot "
+                      "reach it", w.url)
         if w.info is not None and info.epoch != w.info.epoch:
             log.info("worker %s restarted (new epoch)", w.url)
         w.info = info
