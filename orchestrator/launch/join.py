@@ -55,14 +55,18 @@ class Join:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
+    def _post(self) -> httpx.Response:
+        """POST {url, role} to the gateway's /workers (the join, and each renewal)."""
+        return httpx.post(f"{self.gateway_url.rstrip('/')}/workers",
+                          json={"url": self.worker_url, "role": self.role},
+                          headers=self._headers(), timeout=10.0)
+
     def register(self, deadline: float) -> None:
         """POST /workers until the gateway answers; JoinRefused on a refusal or the deadline."""
-        url = f"{self.gateway_url.rstrip('/')}/workers"
-        body = {"url": self.worker_url, "role": self.role}
         last = "no answer"
         while time.monotonic() < deadline:
             try:
-                resp = httpx.post(url, json=body, headers=self._headers(), timeout=10.0)
+                resp = self._post()
             except httpx.HTTPError as exc:
                 if last == "no answer":  # the first miss: say what it waits for, once
                     log.warning("joining %s: no answer yet (%s); retrying for %.0f s more",
@@ -84,15 +88,13 @@ class Join:
     def renew(self) -> None:
         """POST /workers every `renew_s` until `leave`: 200 while the gateway lists this
         worker, 201 when it had forgotten it (it restarted). Logs each change of answer."""
-        url = f"{self.gateway_url.rstrip('/')}/workers"
-        body = {"url": self.worker_url, "role": self.role}
         last = "joined"
         while not self.leaving.wait(self.renew_s):
             with self._posting:
                 if self.leaving.is_set():
                     return
                 try:
-                    resp = httpx.post(url, json=body, headers=self._headers(), timeout=10.0)
+                    resp = self._post()
                     now = {200: "joined", 201: "joined again"}.get(
                         resp.status_code, f"HTTP {resp.status_code}: {_message(resp)}")
                 except httpx.HTTPError as exc:
