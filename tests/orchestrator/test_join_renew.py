@@ -56,13 +56,19 @@ def _wait(cond: Any, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def _joined(url: str, worker: str, role: str) -> tuple[Join, threading.Thread]:
+    """A worker joined at `url` (the admin double), renewing every 50 ms on a thread."""
+    join = Join(url, worker, role, "", timeout_s=5.0, renew_s=0.05)
+    join.register(time.monotonic() + 5.0)
+    renewing = threading.Thread(target=join.renew, daemon=True)
+    renewing.start()
+    return join, renewing
+
+
 def test_a_joined_worker_is_listed_again_after_the_gateway_forgets_it() -> None:
     admin = _Admin()
     with _AdminDouble(admin) as url:
-        join = Join(url, "127.0.0.1:7001", "decode", "", timeout_s=5.0, renew_s=0.05)
-        join.register(time.monotonic() + 5.0)
-        renewing = threading.Thread(target=join.renew, daemon=True)
-        renewing.start()
+        join, renewing = _joined(url, "127.0.0.1:7001", "decode")
         _wait(lambda: sum(m == "POST" for m, _ in admin.calls) >= 3)  # renewals: 200s
         with admin.lock:
             admin.listed.clear()  # the gateway restarted: it lists none of its joined workers
@@ -79,11 +85,8 @@ def test_a_joined_worker_is_listed_again_after_the_gateway_forgets_it() -> None:
 def test_renewals_ride_out_a_gateway_that_does_not_answer() -> None:
     admin = _Admin()
     with _AdminDouble(admin) as url:
-        join = Join(url, "127.0.0.1:7002", "prefill", "", timeout_s=5.0, renew_s=0.05)
-        join.register(time.monotonic() + 5.0)
+        join, renewing = _joined(url, "127.0.0.1:7002", "prefill")
     # The gateway is gone: renewals fail, quietly, and the loop goes on until leave().
-    renewing = threading.Thread(target=join.renew, daemon=True)
-    renewing.start()
     time.sleep(0.3)
     assert renewing.is_alive()
     join.leave()
@@ -106,10 +109,7 @@ def test_renewals_log_nothing_at_a_workers_default_level(
         caplog.set_level(logging.INFO)
         admin = _Admin()
         with _AdminDouble(admin) as url:
-            join = Join(url, "127.0.0.1:7003", "decode", "", timeout_s=5.0, renew_s=0.05)
-            join.register(time.monotonic() + 5.0)
-            renewing = threading.Thread(target=join.renew, daemon=True)
-            renewing.start()
+            join, renewing = _joined(url, "127.0.0.1:7003", "decode")
             _wait(lambda: sum(m == "POST" for m, _ in admin.calls) >= 4)
             join.leave()
             renewing.join(timeout=5.0)
