@@ -13,7 +13,9 @@ intermediate sizes, window rules, MoE layouts, a bfloat16 file), then runs promp
   asked the checkpoint for bias tensors it does not have (the load failed);
 - per-layer-type `rope_parameters` were read as one flat dict (theta silently 10000);
 - weights wider than config.json implies (its head_dim, intermediate_size or vocab_size smaller
-  than the tensors') loaded silently truncated, as each rank reads only its slice.
+  than the tensors') loaded silently truncated, as each rank reads only its slice;
+- a top-level `original_max_position_embeddings` beside a yarn / llama3 `rope_parameters` one:
+  transformers takes the top-level value, ours took the nested one (wrong logits).
 
 What we do not run is refused at load with one line naming the field.
 """
@@ -147,6 +149,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any] | None, torch.dtyp
     "qwen3-mlp-bias-field-unread": ("qwen3", {}, {"mlp_bias": True}, torch.float32),
     "mistral-attention-bias-field-unread": ("mistral", {}, {"attention_bias": True},
                                             torch.float32),
+    # regression: a top-level original_max_position_embeddings (Phi-3 style) outranks the one in
+    # rope_parameters for yarn / llama3 in transformers; ours read the nested one
+    "llama-yarn-top-level-original": (
+        "llama", {"rope_parameters": {**YARN, "rope_theta": 1e4}},
+        {"original_max_position_embeddings": 16}, torch.float32),
+    "qwen2-llama3-top-level-original": (
+        "qwen2", {"rope_parameters": {**LLAMA3, "original_max_position_embeddings": 32}},
+        {"original_max_position_embeddings": 8}, torch.float32),
 }
 
 

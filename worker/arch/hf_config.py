@@ -163,11 +163,7 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         raise ModelLoadError(
             f"{source}: rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling"
         )
-    orig = int(
-        params.get("original_max_position_embeddings")
-        or cfg.get("original_max_position_embeddings")
-        or max_pos
-    )
+    orig = original_max_positions(cfg, params, rope_type, max_pos)
     if rope_type == "yarn" and params.get("factor") is None:
         factor = max_pos / orig  # transformers' fallback: the implied extension ratio
     return RopeConfig(
@@ -185,6 +181,17 @@ def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def original_max_positions(cfg: dict[str, Any], params: dict[str, Any], rope_type: str,
+                           max_pos: int) -> int:
+    """The pre-extension context length, where transformers' `standardize_rope_params` finds it:
+    for yarn / llama3 a top-level `original_max_position_embeddings` (Phi-3 style) outranks the
+    one in rope_parameters; otherwise the nested one, then the top-level one, then max_pos."""
+    top = cfg.get("original_max_position_embeddings")
+    nested = params.get("original_max_position_embeddings")
+    first = (top, nested) if rope_type in ("yarn", "llama3") else (nested, top)
+    return int(first[0] or first[1] or max_pos)
 
 
 def scaled_context(max_pos: int, rope_type: str, factor: float, original: int) -> int:
@@ -207,8 +214,7 @@ def context_limit(cfg: dict[str, Any]) -> int:
     max_pos = int(cfg.get("max_position_embeddings") or 0)
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    original = int(params.get("original_max_position_embeddings")
-                   or cfg.get("original_max_position_embeddings") or max_pos)
+    original = original_max_positions(cfg, params, rope_type, max_pos)
     factor = params.get("factor")
     if factor is None:  # parse_rope's yarn fallback: the ratio the config implies (no extension)
         factor = max_pos / original if rope_type == "yarn" and original else 1.0
