@@ -30,6 +30,7 @@ from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.hub import HubModelError, looks_like_repo_id, resolve_repo_id
 from worker.arch import drafter
 from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig, ModelLoadError
+from worker.arch.hf_defaults import with_absent_defaults
 from worker.arch.load import load_arch_config
 from worker.config import ConfigError
 
@@ -90,6 +91,7 @@ def read_config_json(file: Path, required: tuple[str, ...] = REQUIRED_FIELDS) ->
     cfg = read_json_file(file, "point model.path (or --model) at an HF-format directory")
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{file}: the top level must be a JSON object")
+    cfg = with_absent_defaults(cfg)  # what the worker reads: transformers' absent-field defaults
     for key in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS):
         value = cfg.get(key)
         if value is None:

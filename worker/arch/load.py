@@ -19,6 +19,7 @@ from worker.arch.hf_config import (
     layer_windows,
     parse_arch_config,
 )
+from worker.arch.hf_defaults import with_absent_defaults
 from worker.arch.qwen3_next_config import parse_qwen3_next_config
 
 # Families with fields of their own parse config.json themselves (the rest: parse_arch_config).
@@ -77,6 +78,8 @@ def load_arch_config(path: Path) -> ArchConfig:
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
     cfg = read_json(path / "config.json")
+    if isinstance(cfg, dict):
+        cfg = with_absent_defaults(cfg)  # an absent field means what transformers means by it
     dtype = config_dtype(cfg, path) if isinstance(cfg, dict) else None
     if dtype and not (cfg.get("dtype") or cfg.get("torch_dtype")):
         cfg = {**cfg, "dtype": dtype}  # what the weights hold: the parsers read `dtype`
