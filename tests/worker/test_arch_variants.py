@@ -15,7 +15,9 @@ intermediate sizes, window rules, MoE layouts, a bfloat16 file), then runs promp
 - weights wider than config.json implies (its head_dim, intermediate_size or vocab_size smaller
   than the tensors') loaded silently truncated, as each rank reads only its slice;
 - a top-level `original_max_position_embeddings` beside a yarn / llama3 `rope_parameters` one:
-  transformers takes the top-level value, ours took the nested one (wrong logits).
+  transformers takes the top-level value, ours took the nested one (wrong logits);
+- `tie_word_embeddings` beside a different `lm_head.weight`: served the embedding silently
+  (transformers 5 keeps the separate head); now refused.
 
 What we do not run is refused at load with one line naming the field.
 """
@@ -253,3 +255,24 @@ def test_what_we_do_not_run_is_refused_in_one_line_naming_the_field(field: str) 
         parse_arch_config({**LLAMA_CFG, **REFUSED[field]}, source="ckpt/config.json")
     message = str(exc.value)
     assert message.startswith("ckpt/config.json: ") and field in message and "\n" not in message
+
+
+def test_tied_config_with_a_different_lm_head_in_the_checkpoint_is_refused(
+        tmp_path: Path) -> None:
+    """tie_word_embeddings true beside an lm_head.weight that is not the embedding: transformers
+    4 ties (the embedding wins), transformers 5 keeps the separate head; ours served the
+    embedding silently. Refused now in one line naming the field; an equal copy still loads."""
+    from safetensors.torch import load_file, save_file
+
+    path = build(tmp_path, "llama", {"tie_word_embeddings": True})
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs, _ = engine_vs_transformers(path, lens=(5,), new=2)  # a copy: both tie
+    assert ours == theirs
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.01
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="tie_word_embeddings") as exc:
+        Engine(WorkerConfig(model=ModelConfig(path=str(path), dtype="float32"),
+                            cache=CacheConfig(page_size=4, num_pages=64), num_threads=1))
+    assert "\n" not in str(exc.value)

@@ -42,12 +42,12 @@ from worker.model.backends import get_attention_backend
 from worker.model.base import CausalLM, ModelSpec
 from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from worker.model.gpt_oss import GptOssForCausalLM
-from worker.model.layers import RMSNorm, TPInfo
+from worker.model.layers import Embedding, RMSNorm, TPInfo
 from worker.model.llama import LlamaForCausalLM
 from worker.model.moe import MoEParallel, check_deepep
 from worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from worker.model.qwen3_next import Qwen3NextForCausalLM
-from worker.model.weights import WeightShapeError
+from worker.model.weights import TensorSource, WeightShapeError
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,24 @@ def iter_checkpoint(
                 raise ModelLoadError(str(exc)) from None
 
 
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def check_tied_head(embed: Embedding, head: TensorSource) -> None:
+    """tie_word_embeddings with an lm_head.weight in the checkpoint: an equal copy is fine (torch
+    .bin exports write both); a different one means the config does not describe the weights
+    (transformers 4 ties, 5 keeps the separate head), so it is refused rather than guessed."""
+    mine = embed.weight.data[: embed.stop - embed.start]  # [V_local, hidden]: this rank's rows
+    same_shape = tuple(head.shape) == (embed.vocab_size, mine.shape[1])
+    if same_shape and torch.equal(head.read(0, embed.start, embed.stop).to(mine.dtype), mine):
+        return
+    raise ModelLoadError(
+        "config.json: tie_word_embeddings is true but the checkpoint's lm_head.weight differs "
+        "from model.embed_tokens.weight; set tie_word_embeddings to false to serve that head, "
+        "or remove lm_head.weight to tie"
+    )
+
+
 def load_checkpoint(
     model: CausalLM,
     files: list[Path],
@@ -213,6 +231,7 @@ def load_checkpoint(
     slots = model.weight_slots()
     loaded: set[str] = set()
     ignored: list[str] = []
+    tied_head: TensorSource | None = None
     with ExitStack() as stack:
         for name, source in iter_checkpoint(files, stack, quant):
             if kv_scales is not None and fp8.kv_scale_target(name) is not None:
@@ -224,12 +243,17 @@ def load_checkpoint(
             slot = slots.get(name)
             if slot is None:
                 ignored.append(name)  # e.g. rotary inv_freq buffers, a tied lm_head copy
+                if name == _LM_HEAD:
+                    tied_head = source  # checked against the embedding once that is loaded
                 continue
             try:
                 slot.module.load(slot.param, source, slot.shard_id)  # type: ignore[operator]
             except WeightShapeError as exc:  # the layer names its parameter; say which tensor
                 raise WeightShapeError(f"checkpoint tensor {name}: {exc}") from None
             loaded.add(name)
+        embed = slots[_EMBED].module if _EMBED in loaded else None
+        if tied_head is not None and isinstance(embed, Embedding):
+            check_tied_head(embed, tied_head)
     model.drop_unloaded(loaded)  # optional modules the checkpoint lacks (DeepSeek's MTP layers)
     missing = sorted(set(model.weight_slots()) - loaded)
     if missing:
