@@ -111,6 +111,16 @@ def test_an_absent_field_means_what_transformers_means(
     assert ours in ("refused", via_transformers), f"{family} without {field}"
 
 
+def test_an_absent_eos_is_the_class_default_only_without_a_generation_config(
+        tmp_path: Path) -> None:
+    """transformers reads config.json's eos (or its class default) only when there is no
+    generation_config.json; with one, that file's ids are the stop tokens."""
+    cfg = {k: v for k, v in _full_config("llama").items() if k != "eos_token_id"}
+    assert _read(tmp_path, cfg).eos_token_ids == (2,)  # type: ignore[union-attr]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert _read(tmp_path, cfg).eos_token_ids == (7, 9)  # type: ignore[union-attr]
+
+
 def test_the_plan_reads_the_filled_fields(tmp_path: Path) -> None:
     """`tandem plan` sizes KV pages from config.json: it sees the same defaults the worker does."""
     cfg = {k: v for k, v in _full_config("qwen3").items() if k != "head_dim"}

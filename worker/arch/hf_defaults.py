@@ -22,9 +22,9 @@ from typing import Any
 _QWEN_WINDOW = {"sliding_window": 4096, "max_window_layers": 28}  # read with use_sliding_window
 
 ABSENT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048, "eos_token_id": 2},
-    "MistralForCausalLM": {"max_position_embeddings": 131072, "eos_token_id": 2,
-                           "num_key_value_heads": 8, "sliding_window": 4096},
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8,
+                           "sliding_window": 4096},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
                          **_QWEN_WINDOW},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
@@ -37,15 +37,24 @@ ABSENT_DEFAULTS: dict[str, dict[str, Any]] = {
                              "head_dim": 256, "norm_topk_prob": True, "num_experts": 512,
                              "num_experts_per_tok": 10, "moe_intermediate_size": 512,
                              "shared_expert_intermediate_size": 512},
-    "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "eos_token_id": 1,
-                              "first_k_dense_replace": 3, "n_routed_experts": 256,
-                              "n_shared_experts": 1, "num_nextn_predict_layers": 1,
-                              "q_lora_rank": 1536, "routed_scaling_factor": 2.5},
+    "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "first_k_dense_replace": 3,
+                              "n_routed_experts": 256, "n_shared_experts": 1,
+                              "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+                              "routed_scaling_factor": 2.5},
 }
 
+# The stop token an absent eos_token_id means. transformers reads it only when the checkpoint has
+# no generation_config.json (GenerationConfig.from_model_config); otherwise that file decides.
+ABSENT_EOS = {"LlamaForCausalLM": 2, "MistralForCausalLM": 2, "DeepseekV3ForCausalLM": 1}
 
-def with_absent_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+
+def with_absent_defaults(cfg: dict[str, Any], has_generation_config: bool = True
+                         ) -> dict[str, Any]:
     """`cfg` with the absent fields its architecture's transformers config class fills in."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in ABSENT_DEFAULTS), None)
-    return {**ABSENT_DEFAULTS[arch], **cfg} if arch else cfg
+    if arch is None:
+        return cfg
+    eos = {} if has_generation_config or arch not in ABSENT_EOS else {
+        "eos_token_id": ABSENT_EOS[arch]}
+    return {**ABSENT_DEFAULTS[arch], **eos, **cfg}

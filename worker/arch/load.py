@@ -79,7 +79,8 @@ def load_arch_config(path: Path) -> ArchConfig:
     gen = read_json(gen_path) if gen_path.exists() else None
     cfg = read_json(path / "config.json")
     if isinstance(cfg, dict):
-        cfg = with_absent_defaults(cfg)  # an absent field means what transformers means by it
+        # an absent field means what transformers means by it
+        cfg = with_absent_defaults(cfg, has_generation_config=gen is not None)
     dtype = config_dtype(cfg, path) if isinstance(cfg, dict) else None
     if dtype and not (cfg.get("dtype") or cfg.get("torch_dtype")):
         cfg = {**cfg, "dtype": dtype}  # what the weights hold: the parsers read `dtype`
