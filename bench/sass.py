@@ -66,7 +66,8 @@ def _decode(fp8: bool, v_t: bool | None = None) -> Kernel:
                         LOAD_V=load_v_token_major),
         floats=("scale_log2",),
         unaligned=("stride_qh", "stride_oh", "window", "scale_log2"),
-        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        options={k: cfg[k] for k in ("num_warps", "num_stages", "maxnreg")  # as launched
+                 if k in cfg and (k != "maxnreg" or v_t is not False)},
     )
 
 

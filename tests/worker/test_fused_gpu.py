@@ -197,7 +197,9 @@ def test_qk_norm_rope_matches_reference(
 @pytest.mark.gpu
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,hq,hkv,head_dim", [(1, 32, 8, 128), (7, 6, 2, 32), (3, 5, 5, 16)])
+@pytest.mark.parametrize(  # up to FEW_TOKENS tokens 2 heads a program, past it 8
+    "tokens,hq,hkv,head_dim", [(1, 32, 8, 128), (7, 6, 2, 32), (3, 5, 5, 16), (12, 8, 4, 128)]
+)
 def test_qk_norm_rope_stores_k_and_v_in_their_slots(
     dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int
 ) -> None:

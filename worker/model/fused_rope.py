@@ -23,6 +23,11 @@ import torch
 from worker.model.fused import next_pow2
 
 _ROPE_TILE = 1024  # elements of q/k heads per program (8 heads of 128)
+# Steps of at most FEW_TOKENS tokens give a program FEW_TOKENS_HEADS heads: more programs for
+# little work, so that a decode step's store into token-major FP8 V pages (a byte per
+# feature, each in its own 16-byte run: 1,024 scattered writes a token for 8 heads of 128) is
+# not one program's.
+FEW_TOKENS, FEW_TOKENS_HEADS = 8, 2
 
 
 @functools.cache
@@ -230,6 +235,8 @@ def qk_norm_rope(
     block_half = next_pow2(half)
     store_heads = heads + (num_kv_heads if kv_cache is not None else 0)
     block_h = min(next_pow2(store_heads), max(1, _ROPE_TILE // (2 * block_half)))
+    if t <= FEW_TOKENS:
+        block_h = min(block_h, FEW_TOKENS_HEADS)
     _kernels().qk_norm_rope[(t, -(-store_heads // block_h))](
         qkv,
         cos,

@@ -39,10 +39,14 @@ from worker.model.fused import next_pow2
 # (F16_DOT). bench/decode_kernel.py (H200, 32k context,
 # calls replayed in a CUDA graph): bf16 pages stream fastest in 64-token blocks over 2 stages
 # (4,320 GB/s at batch 8), e4m3 pages with token-major V in 128-token blocks over 2 stages
-# (3,820 GB/s at batch 8 against 3,216 over 3).
+# (3,820 GB/s at batch 8 against 3,216 over 3). Over e4m3 pages (V token-major, as a KVCache
+# keeps them) the kernel takes 130 registers uncapped, 3 programs an SM; capped at 128
+# (`maxnreg`, no spills) 4 fit, and a split batch's 512 programs are one wave: 0.5-1.2% more
+# GB/s (`bench.decode_kernel --check`), with the few-token rope tiles (fused_rope.py) 1.07%
+# more batch-1 tok/s at 32k (bench/fp8.py longctx_ab; H200, 2026-12-05).
 DECODE_CONFIGS: dict[bool, dict[str, int]] = {
     False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False),
-    True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True),
+    True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True, maxnreg=128),
 }
 # How far the decode kernel splits a request's context, whatever the page dtype: (programs
 # aimed at, most splits); see num_decode_splits. Same sweeps (graph-timed, best of three): at
@@ -304,6 +308,9 @@ def triton_paged_decode(
     rule, cfg = decode_launch(b, hkv, scaled, None if q.is_cuda else _INTERPRETER_SPLITS)
     splits = num_splits or rule
     cfg = cfg | config
+    v_t = v_token_major(v_cache)
+    if not v_t:  # feature-major e4m3 V (not a KVCache's) spills at 128 registers: no cap
+        cfg.pop("maxnreg", None)
     out = torch.empty_like(q)
     if b == 0:
         return out
@@ -328,7 +335,7 @@ def triton_paged_decode(
         sliding_window or 0,
         G=g, BLOCK_G=max(16, next_pow2(g)), D=d, PAGE=k_cache.shape[2],
         NUM_SPLITS=splits, HAS_SINKS=sinks is not None, SCALED=scaled,
-        V_T=v_token_major(v_cache), LOAD_V=load_v_token_major, **cfg,
+        V_T=v_t, LOAD_V=load_v_token_major, **cfg,
     )
     if splits > 1:
         kern["merge"][(b, hq)](partial, lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
