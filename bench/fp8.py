@@ -19,8 +19,14 @@ Sections (`--sections`, default all):
   transfer GB/s: bench/gpu_pd.py with `--set cache.kv_cache_dtype=fp8_e4m3`).
 - longctx: decode batch 1 and 8 at 16k and 32k context, bf16 and FP8 KV (bf16 weights), vs
   roofline; a torch.profiler look at batch 1's steps at 32k (kernel time per step, top kernels).
+- longctx_ab (not in the default): batch 1 and 8 at 32k over FP8 KV, the engine as it is
+  against itself before the decode kernel's register cap over e4m3 pages and the few-token
+  q/k/v tiles (`without_decode_maxnreg`, `without_few_token_tiles`); each engine built inside
+  its patches, one at a time, in turns.
 
     python3 bench/fp8.py [--quick] [--sections ceilings,decode]
+
+The baselines' patches (`without_*`, `with_*`) are in bench/fp8_variants.py.
 
 Writes fp8.json to $OUT (or the current directory) and prints a summary last.
 """
@@ -39,13 +45,20 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.fp8_variants import (  # noqa: E402
+    with_split_fp8_batches,
+    without_decode_maxnreg,
+    without_few_token_tiles,
+    without_fused_quant,
+    without_quantized_splitk,
+    without_splitk,
+)
 from bench.gpu import (  # noqa: E402
     MODEL_DIR,
     ceilings,
@@ -65,6 +78,7 @@ from worker.config import (  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 
 SECTIONS = ("ceilings", "gemm", "decode", "prefill", "room", "longctx")
+OPTIONAL = ("longctx_ab",)
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 512, 128, 8192
 
 
@@ -119,42 +133,31 @@ def decode(
     }
 
 
-def without_splitk() -> ContextManager[Any]:
-    """The dispatch before the split-K GEMM (worker/model/fp8_splitk.py), for the baseline rows
-    of the same process: 1-32 tokens through cuBLAS's blockwise _scaled_mm (or the Triton GEMM).
-    Engines built inside capture their graphs this way."""
-    from worker.model import fp8_splitk
+def longctx_ab(bw: float, new: int) -> dict[str, Any]:
+    """The longctx_ab section (module docstring): {variant: {case: best tok/s, pct}}. One
+    engine at a time (each takes the GPU's memory), built in turns: now, before, now, before."""
+    from contextlib import ExitStack
 
-    return mock.patch.object(fp8_splitk, "fits", lambda *a: False)
-
-
-def without_quantized_splitk() -> ContextManager[Any]:
-    """The dispatch before the split-K GEMM took 33-64 tokens over quantized x: those steps go
-    through cuBLAS's blockwise _scaled_mm (fed by the same fused quantization). Engines built
-    inside capture their graphs this way."""
-    from worker.model import fp8_splitk
-
-    fits = fp8_splitk.fits
-    return mock.patch.object(fp8_splitk, "fits", lambda m, dtype, quant: (
-        m <= fp8_splitk.WIDENED_TOKENS and fits(m, dtype, quant)))
-
-
-def with_split_fp8_batches() -> ContextManager[Any]:
-    """The decode kernel's rule before large batches over e4m3 pages ran unsplit: every batch
-    split by DECODE_SPLITS in 128-token blocks. Engines built inside capture their graphs this
-    way."""
-    from worker.model import triton_decode
-
-    return mock.patch.object(triton_decode, "FP8_UNSPLIT_PROGRAMS", 1 << 30)
-
-
-def without_fused_quant() -> ContextManager[Any]:
-    """The dispatch before the fused activation quantization (worker/model/fp8_act.py): every
-    cuBLAS step quantizes its input in its own kernel. Engines built inside capture their
-    graphs this way."""
-    from worker.model import fp8_gemm
-
-    return mock.patch.object(fp8_gemm, "input_rows", lambda *a, **k: None)
+    variants: dict[str, tuple[Callable[[], ContextManager[Any]], ...]] = {
+        "now": (), "before": (without_decode_maxnreg, without_few_token_tiles)}
+    rows: dict[str, dict[str, float]] = {name: {} for name in variants}
+    out: dict[str, Any] = {"fp8_e4m3": rows}
+    for r in range(2):
+        for name, cms in variants.items():
+            with ExitStack() as stack:
+                for cm in cms:
+                    stack.enter_context(cm())
+                e = engine(MODEL_DIR, "fp8_e4m3", 32768 + 256, 8, 8 * (32768 + new))
+            for b in (1, 8):
+                got = decode(e, b, 32768 - new, min(new, 64), bw, 32768 + b + 10 * r)
+                for key, value in ((f"32k_b{b}", got["tok_s"]), (f"32k_b{b}_pct", got["pct"])):
+                    rows[name][key] = max(rows[name].get(key, 0.0), value)
+            print(f"[longctx_ab round {r} {name}] {json.dumps(rows[name])}", flush=True)
+            if r == 1 and name == "now":
+                out["profile_32k_b1"] = profile_decode(e, 1, 10, 32768 - 64)
+            del e
+            torch.cuda.empty_cache()
+    return out
 
 
 def fp8_matmul_rate() -> float:
@@ -276,8 +279,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     chosen = set(args.sections.split(","))
-    if chosen - set(SECTIONS):
-        ap.error(f"--sections: unknown {sorted(chosen - set(SECTIONS))}")
+    if chosen - set(SECTIONS + OPTIONAL):
+        ap.error(f"--sections: unknown {sorted(chosen - set(SECTIONS + OPTIONAL))}")
     new = 32 if args.quick else NEW_TOKENS
     out_dir = Path(os.environ.get("OUT", "."))
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -383,6 +386,8 @@ def main() -> None:
                     lambda el=el: profile_decode(el, 1, 10, 32768 - 64))
             del el
             torch.cuda.empty_cache()
+    if "longctx_ab" in chosen:
+        section("longctx_ab", lambda: longctx_ab(bw, new))
     print("\n== summary (one process) ==")
     if ceil:
         print(
