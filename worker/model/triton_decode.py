@@ -41,9 +41,10 @@ from worker.model.fused import next_pow2
 # (4,320 GB/s at batch 8), e4m3 pages with token-major V in 128-token blocks over 2 stages
 # (3,820 GB/s at batch 8 against 3,216 over 3). Over e4m3 pages (V token-major, as a KVCache
 # keeps them) the kernel takes 130 registers uncapped, 3 programs an SM; capped at 128
-# (`maxnreg`, no spills) 4 fit, and a split batch's 512 programs are one wave: 0.5-1.2% more
-# GB/s (`bench.decode_kernel --check`), with the few-token rope tiles (fused_rope.py) 1.07%
-# more batch-1 tok/s at 32k (bench/fp8.py longctx_ab; H200, 2026-12-05).
+# (`maxnreg`, no spills) 4 fit, and a split batch's 512 programs are one wave: -0.5 to +1.2%
+# GB/s over the shapes of `bench.decode_kernel --check` (two processes), and with the
+# few-token rope tiles (fused_rope.py) +1.07% batch-1 tok/s at 32k in one process
+# (bench/fp8.py longctx_ab; H200, 2026-12-05).
 DECODE_CONFIGS: dict[bool, dict[str, int]] = {
     False: dict(BLOCK_N=64, num_stages=2, num_warps=4, F16_DOT=False),
     True: dict(BLOCK_N=128, num_stages=2, num_warps=4, F16_DOT=True, maxnreg=128),
