@@ -54,6 +54,7 @@ class AdminAuth:
     def __init__(self, config: GatewayConfig) -> None:
         self._admin = config.admin_key.encode()
         self._api_key_set = bool(config.api_key)
+        self._api = config.api_key.encode()
         self._metrics_public = config.metrics_public
 
     def check(self, request: Request, *, change: bool = False, metrics: bool = False) -> None:
@@ -82,9 +83,13 @@ class AdminAuth:
                 "this route needs the admin key: send `Authorization: Bearer <admin key>`",
                 code="missing_admin_key",
             )
-        if not hmac.compare_digest(token.strip().encode(), self._admin):
+        sent = token.strip().encode()
+        if not hmac.compare_digest(sent, self._admin):
+            api = self._api_key_set and hmac.compare_digest(sent, self._api)
             raise Forbidden(
-                "wrong key for an admin route (the API key is not the admin key)",
+                "wrong key for an admin route: "
+                + ("the API key is not the admin key" if api
+                   else "send the gateway's --admin-key (gateway.admin_key)"),
                 code="invalid_admin_key",
             )
 

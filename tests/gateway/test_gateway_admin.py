@@ -30,9 +30,8 @@ class Member(ScriptedWorker):
         cluster_id: str = CLUSTER,
         model_fp: str = MODEL,
         contract: str = "",
-        **kw: object,
     ) -> None:
-        super().__init__(role=role, script=Script(tokens=[70, 71], finish_reason="stop"), **kw)
+        super().__init__(role=role, script=Script(tokens=[70, 71], finish_reason="stop"))
         self.cluster_id, self.model_fp, self.contract = cluster_id, model_fp, contract
         self.draining = False
         self.drains: list[str] = []
@@ -104,6 +103,8 @@ async def test_admin_routes_refuse_without_the_admin_key_and_with_the_api_key(to
                     method, path, json=body, headers={"Authorization": f"Bearer {key}"}
                 )
                 assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+                said = r.json()["error"]["message"]  # an API key is named as one, only then
+                assert ("the API key is not the admin key" in said) == (key == "api"), said
         assert (await c.get("/metrics", headers=ADMIN)).status_code == 200
         assert (await c.get("/health")).status_code == 200  # probes need no key
         assert (await gen(c)).status_code == 200  # the API key still serves requests
