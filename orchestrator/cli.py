@@ -322,7 +322,11 @@ def _reexec_with_bind_shim(config: WorkerConfig) -> None:
         return
     if env is not None:
         sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "orchestrator.cli", *sys.argv[1:]], env)
+        # Run the same script again (`tandem`), so `ps ... | grep tandem` finds this worker;
+        # started as `python -m orchestrator.cli`, argv[0] is this file: run the module again.
+        script = [sys.argv[0]] if Path(sys.argv[0]).name != Path(__file__).name else [
+            "-m", "orchestrator.cli"]
+        os.execve(sys.executable, [sys.executable, *script, *sys.argv[1:]], env)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

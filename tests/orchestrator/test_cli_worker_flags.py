@@ -3,8 +3,11 @@ traceback; none of these tests starts a process."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+import orchestrator.cli as cli_mod
 from orchestrator.cli import main
 
 TINY = "configs/tiny-1p1d.yaml"
@@ -56,3 +59,24 @@ def test_a_named_flags_error_names_the_flag_typed(
     # is still named as such.
     assert main(argv) == 2
     assert named in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv0", "shown"),
+    [("/venv/bin/tandem", ["/venv/bin/tandem"]),  # `ps | grep tandem` still finds it
+     (cli_mod.__file__, ["-m", "orchestrator.cli"])],  # `python -m orchestrator.cli`
+)
+def test_the_bind_shim_reexec_keeps_the_command_name(
+    argv0: str, shown: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mooncake worker runs itself again with the shim: what `ps` shows stays the command the
+    user ran, so a worker started with `tandem worker --join` is found by `grep tandem`."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(cli_mod.os, "execve", lambda exe, argv, env: ran.append(argv))
+    monkeypatch.setattr(sys, "argv", [argv0, "worker", "--role", "decode"])
+    args = cli_mod.build_parser().parse_args(
+        ["worker", "--config", TINY, "--role", "decode", "--port", "20000"])
+    config = cli_mod._worker_process_config(cli_mod._load(args), args)
+    monkeypatch.delenv("TANDEM_BIND_HOST", raising=False)
+    cli_mod._reexec_with_bind_shim(config)
+    assert ran == [[sys.executable, *shown, "worker", "--role", "decode"]]
