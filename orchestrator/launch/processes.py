@@ -240,9 +240,10 @@ class LocalCluster:
                 # Drained and exited on purpose (DELETE /workers, SIGTERM): it left.
                 self._workers.remove(dead)
                 self._left.append(dead)
+                n = len(self._workers)
                 print(
                     f"{dead.spec.name} drained and left the cluster (exit 0); serving on with "
-                    f"{len(self._workers)} launched workers",
+                    f"{n} launched worker{'' if n == 1 else 's'}",
                     file=self.err,
                     flush=True,
                 )

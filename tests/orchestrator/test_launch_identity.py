@@ -134,7 +134,7 @@ def test_a_worker_that_drains_and_exits_0_leaves_the_cluster_serving(tmp_path: P
     assert lc.watch() is None, "a drained worker must not end the cluster"
     assert time.monotonic() - t0 > 3.0
     assert (
-        "decode-1 drained and left the cluster (exit 0); serving on with 1 launched workers"
+        "decode-1 drained and left the cluster (exit 0); serving on with 1 launched worker\n"
         in err.getvalue()
     )
     lc.stop()
