@@ -128,6 +128,17 @@ def with_cluster_id(cluster: ClusterConfig, cluster_id: str = "") -> ClusterConf
     return dataclasses.replace(cluster, launcher=launcher)
 
 
+def crash_text(returncode: int | None, on_worker_exit: str) -> str:
+    """What a child's death says: that it ends the cluster, and what would restart it."""
+    if returncode == 0:  # only the gateway gets here with 0 (a worker's 0 is a drain)
+        return "exited unexpectedly with code 0, which ends the cluster"
+    if on_worker_exit == "restart":  # watch() returns a crash only once restarts are spent
+        why = "no restarts left (launcher.max_restarts)"
+    else:
+        why = "--set launcher.on_worker_exit=restart restarts it instead"
+    return f"exited unexpectedly with code {returncode}, which ends the cluster ({why})"
+
+
 def run_local(
     cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None
 ) -> int:
@@ -168,7 +179,7 @@ def run_local(
         dead = lc.watch()
         code = 0
         if dead is not None:
-            lc.report_failure(dead, f"exited unexpectedly with code {dead.proc.returncode}")
+            lc.report_failure(dead, crash_text(dead.proc.returncode, launcher.on_worker_exit))
             code = 1
         stopped = lc.stop()
     print(stopped_line(stopped, run_dir), file=out, flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import config_from_dict
-from orchestrator.launch.local import cluster_specs
+from orchestrator.launch.local import cluster_specs, crash_text
 from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec
 
 DOUBLE = str(Path(__file__).with_name("proc_double.py"))
@@ -240,3 +240,13 @@ def test_cluster_specs_follow_the_plan(tmp_path: Path) -> None:
         gateway.log_path == run / "lb.log" and gateway.health_url == "http://127.0.0.1:8000/health"
     )
     assert workers[2].identity is not None and workers[2].identity.role == "decode"
+
+
+@pytest.mark.parametrize("policy", ["stop", "restart"])
+def test_a_crash_says_it_ends_the_cluster_and_how_to_restart_instead(policy: str) -> None:
+    """`kill -9` of a launched worker ends the cluster by default: the line says so, and names
+    the setting that restarts it instead (a newcomer took the stop for a launcher bug)."""
+    text = crash_text(-9, policy)
+    assert text.startswith("exited unexpectedly with code -9")
+    assert ("--set launcher.on_worker_exit=restart" in text) == (policy == "stop"), text
+    assert ("launcher.max_restarts" in text) == (policy == "restart"), text
