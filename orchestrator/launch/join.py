@@ -79,9 +79,13 @@ class Join:
                 log.info("joined %s as %s %s", self.gateway_url, self.role, self.worker_url)
                 self.joined.set()
                 return
+            hint = ""
+            if _code(resp) == "identity_mismatch":  # e.g. --config configs/X.yaml, no cluster id
+                hint = ("; a joining worker takes the run's config: --config "
+                        "logs/<gateway port>/cluster.yaml")
             raise JoinRefused(
                 f"{self.gateway_url} refused {self.worker_url}: HTTP "
-                f"{resp.status_code}: {_message(resp)}"
+                f"{resp.status_code}: {_message(resp)}{hint}"
             )
         raise JoinRefused(f"{self.gateway_url} did not answer POST /workers in time ({last})")
 
@@ -161,3 +165,10 @@ def _message(resp: httpx.Response) -> str:
         return str(resp.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return resp.text[:200]
+
+
+def _code(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return ""

@@ -48,8 +48,8 @@ class HttpDouble:
 
     def __enter__(self) -> str:
         self._thread.start()
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        port = self._server.server_address[1]  # bound to 127.0.0.1 (DoubleServer)
+        return f"http://127.0.0.1:{port}"
 
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()

@@ -137,3 +137,27 @@ def test_a_join_that_gets_no_answer_says_so_once_then_gives_up(caplog) -> None:
         join.register(time.monotonic() + 1.2)
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.join"]
     assert len(lines) == 1 and "no answer yet" in lines[0], lines
+
+
+class _MismatchHandler(JsonHandler):
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._json(409, {"error": {"message": "refusing the worker: expected cluster ab12, found "
+                                   "cluster (none)", "code": "identity_mismatch"}})
+
+
+class _MismatchDouble(HttpDouble):
+    handler = _MismatchHandler
+
+
+def test_a_join_of_another_cluster_names_the_run_config_to_use() -> None:
+    """A newcomer's `--join` with configs/tiny-1p1d.yaml (no cluster id): the refusal says
+    which --config joins, not only that the identity differs."""
+    from orchestrator.launch.join import JoinRefused
+
+    with _MismatchDouble(None) as url:
+        join = Join(url, "127.0.0.1:7004", "decode", "", 5.0)
+        with pytest.raises(JoinRefused) as refused:
+            join.register(time.monotonic() + 5.0)
+    said = str(refused.value)
+    assert "HTTP 409" in said and "logs/<gateway port>/cluster.yaml" in said, said
