@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # A worker may re-execute itself (the bind-host shim) only when run as a program.
     args.reexec = argv is None
+    if argv is None:  # a launched worker or gateway ends with its launcher
+        from orchestrator.launch.processes import die_with_launcher
+
+        die_with_launcher()
     try:
         return COMMANDS[args.command](args)
     except (ClusterConfigError, GatewayConfigError, LauncherUnavailableError) as exc:

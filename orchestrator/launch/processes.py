@@ -27,6 +27,29 @@ from orchestrator.launch.readiness import HealthWatch, http_ready, identity_prob
 from protocol.identity import WorkerIdentity
 from protocol.tls import TLSConfig
 
+LAUNCHER_PID_ENV = "TANDEM_LAUNCHER_PID"  # set for a launched child: who must outlive it
+
+
+def launcher_env(env: dict[str, str]) -> dict[str, str]:
+    """A child's environment: `env` over ours, naming this process as its launcher."""
+    return {**os.environ, **env, LAUNCHER_PID_ENV: str(os.getpid())}
+
+
+def die_with_launcher() -> None:
+    """In a launched child: get SIGTERM (a drain) when the launcher dies, `kill -9` included,
+    instead of living on as an orphan holding its port. Linux's PR_SET_PDEATHSIG, which
+    survives the bind shim's exec; the variable is dropped so this child's own children
+    (TP ranks) do not take its launcher for theirs."""
+    pid = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != int(pid):  # it died before the prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 class LaunchError(RuntimeError):
     """The cluster could not start or a process died; the message names the process."""
@@ -102,7 +125,7 @@ class LocalCluster:
     def _spawn(self, spec: ProcessSpec) -> Child:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_path, "ab")  # noqa: SIM115  (closed in stop())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}  # TANDEM_* passes through
+        env = launcher_env({"PYTHONUNBUFFERED": "1", **spec.env})  # TANDEM_* passes through
         paths = (str(REPO_ROOT), env.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         # start_new_session: its own process group, so Ctrl-C in the terminal reaches only us
