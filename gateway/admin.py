@@ -53,8 +53,7 @@ class AdminAuth:
 
     def __init__(self, config: GatewayConfig) -> None:
         self._admin = config.admin_key.encode()
-        self._api_key_set = bool(config.api_key)
-        self._api = config.api_key.encode()
+        self._api = config.api_key.encode()  # b"": no API key
         self._metrics_public = config.metrics_public
 
     def check(self, request: Request, *, change: bool = False, metrics: bool = False) -> None:
@@ -68,7 +67,7 @@ class AdminAuth:
                     "(gateway.admin_key) and send `Authorization: Bearer KEY`",
                     code="admin_disabled",
                 )
-            if self._api_key_set:
+            if self._api:
                 what = "/metrics" if metrics else "/workers"
                 raise Forbidden(
                     f"{what} needs the admin key while an API key is set: start the "
@@ -85,7 +84,7 @@ class AdminAuth:
             )
         sent = token.strip().encode()
         if not hmac.compare_digest(sent, self._admin):
-            api = self._api_key_set and hmac.compare_digest(sent, self._api)
+            api = bool(self._api) and hmac.compare_digest(sent, self._api)
             raise Forbidden(
                 "wrong key for an admin route: "
                 + ("the API key is not the admin key" if api

@@ -80,7 +80,7 @@ class Join:
                 self.joined.set()
                 return
             hint = ""
-            if _code(resp) == "identity_mismatch":  # e.g. --config configs/X.yaml, no cluster id
+            if _error(resp, "code") == "identity_mismatch":  # e.g. --config configs/X.yaml
                 hint = ("; a joining worker takes the run's config: --config "
                         "logs/<gateway port>/cluster.yaml")
             raise JoinRefused(
@@ -160,15 +160,13 @@ class Join:
         return thread
 
 
-def _message(resp: httpx.Response) -> str:
+def _error(resp: httpx.Response, field: str) -> str:
+    """A field of the gateway's OpenAI-shaped error body ("" when the body has none)."""
     try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return resp.text[:200]
-
-
-def _code(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json()["error"]["code"])
+        return str(resp.json()["error"][field])
     except (ValueError, KeyError, TypeError):
         return ""
+
+
+def _message(resp: httpx.Response) -> str:
+    return _error(resp, "message") or resp.text[:200]
