@@ -39,7 +39,9 @@ def die_with_launcher() -> None:
     """In a launched child: get SIGTERM (a drain) when the launcher dies, `kill -9` included,
     instead of living on as an orphan holding its port. Linux's PR_SET_PDEATHSIG, which
     survives the bind shim's exec; the variable is dropped so this child's own children
-    (TP ranks) do not take its launcher for theirs."""
+    (TP ranks) do not take its launcher for theirs. Linux sends the signal when the *thread*
+    that started the child ends, so launchers spawn from their main thread (start() and
+    watch()'s restarts run there in every launcher)."""
     pid = os.environ.pop(LAUNCHER_PID_ENV, "")
     if not pid or not sys.platform.startswith("linux"):
         return
