@@ -120,6 +120,7 @@ async def test_later_choices_go_where_the_prompt_was_computed(tok_dir):
             assert sorted(on) == [0, 4], on  # the request's choices all on one worker
     ps, ds = [prefill(), prefill()], [decode(), decode()]
     async with workers(*ps, *ds), running_app(pd_config(tok_dir, ps, ds)) as c:
+        assert len(await wait_workers(c)) == 4  # a decode worker not yet healthy takes nothing
         r = await c.post("/v1/completions", json={"prompt": "hello", "n": 4, "max_tokens": 5})
         assert r.status_code == 200, r.text
         assert sorted(len(p.requests) for p in ps) == [0, 4]
