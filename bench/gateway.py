@@ -175,13 +175,18 @@ def body(stream: bool, max_tokens: int = 1) -> str:
                        "stream": stream})
 
 
-def measure(url: str, pid: int, stream: bool, n: int, c: int) -> dict[str, float]:
+def measure(url: str, pid: int, stream: bool, n: int, c: int, mocks: tuple[int, ...] = ()
+            ) -> dict[str, float]:
+    """c=1 and c=n figures through the gateway at `pid`, with its CPU a request and that of the
+    mock worker processes `mocks` (the share of the box the workers' side of the protocol took)."""
     http_load(f"{url}/v1/completions", body(stream), 200, 8)  # warm-up
     one = http_load(f"{url}/v1/completions", body(stream), min(500, n), 1)
-    cpu0 = tree_cpu(pid)
+    cpu0, mock0 = tree_cpu(pid), sum(tree_cpu(m) for m in mocks)
     many = http_load(f"{url}/v1/completions", body(stream), n, c)
-    cpu_us = (tree_cpu(pid) - cpu0) / max(many.count, 1) * 1e6
-    return {"p50_1": one.p50_s, "rps": many.rps, "p50_n": many.p50_s, "cpu_us": cpu_us,
+    per = 1e6 / max(many.count, 1)
+    return {"p50_1": one.p50_s, "rps": many.rps, "p50_n": many.p50_s,
+            "cpu_us": (tree_cpu(pid) - cpu0) * per,
+            "mock_us": (sum(tree_cpu(m) for m in mocks) - mock0) * per,
             "failed": one.failed + many.failed}
 
 
@@ -206,13 +211,14 @@ def main() -> None:
         "both", "prefill", "decode", "stream-p", "stream-d")
     ports = {r: (free_port(), free_port()) for r in roles}
     rows: dict[str, dict[str, float]] = {}
+    pids: dict[str, int] = {}  # mock name -> pid
     with contextlib.ExitStack() as stack:
         for name, (gp, hp) in ports.items():
             role = name.replace("stream-p", "prefill").replace("stream-d", "decode")
             extra = ["--tokens", "64", "--step-ms", "2"] if name.startswith("stream") else []
-            stack.enter_context(process([sys.executable, "-m", "bench.mock_worker", "--role", role,
-                                         "--grpc-port", str(gp), "--http-port", str(hp), *extra],
-                                        tmp / f"mock-{name}.log"))
+            argv = [sys.executable, "-m", "bench.mock_worker", "--role", role, "--grpc-port",
+                    str(gp), "--http-port", str(hp), *extra]
+            pids[name] = stack.enter_context(process(argv, tmp / f"mock-{name}.log")).pid
         for _, hp in ports.values():
             wait_mock(hp)
         if args.streamed_at:
@@ -222,6 +228,7 @@ def main() -> None:
         direct = direct_baseline(ports["both"][0], 500)
         setups = {"mono": {"workers": [ports["both"][0]]},
                   "pd": {"prefill": [ports["prefill"][0]], "decode": [ports["decode"][0]]}}
+        mocks = {"mono": (pids["both"],), "pd": (pids["prefill"], pids["decode"])}
         for mode, workers in setups.items():
             gport = free_port()
             log = tmp / f"gateway-{mode}.log"
@@ -229,7 +236,7 @@ def main() -> None:
                 url = f"http://127.0.0.1:{gport}"
                 wait_ready(url, gw, log)
                 for stream in (False, True):
-                    r = measure(url, gw.pid, stream, n, c)
+                    r = measure(url, gw.pid, stream, n, c, mocks[mode])
                     if mode == "pd" and not stream:
                         rows["tandem"] = r
                     legs = "one worker leg" if mode == "mono" else "two worker legs"
@@ -237,11 +244,12 @@ def main() -> None:
                           f"c=1 p50 {r['p50_1'] * 1e3:.3f} ms (added "
                           f"{(r['p50_1'] - direct) * 1e3:.3f} ms); c={c}: {r['rps']:.0f} req/s, "
                           f"p50 {r['p50_n'] * 1e3:.2f} ms; gateway CPU {r['cpu_us']:.0f} "
-                          f"us/request; failed {r['failed']} [{mode}: {legs}]", flush=True)
+                          f"us/request, mocks' {r['mock_us']:.0f}; failed {r['failed']} "
+                          f"[{mode}: {legs}]", flush=True)
         st = streamed(tmp, tok_dir, ports, c)
         rows["tandem"].update(stream_us=st["us_token"], stream_failed=st["failed"])
         if not args.no_routers:
-            routers(tmp, ports, n, c, rows)
+            routers(tmp, ports, n, c, rows, (pids["prefill"], pids["decode"]))
 
 
 def measure_stream(url: str, pid: int, c: int) -> dict[str, float]:
@@ -275,7 +283,7 @@ def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int
 
 
 def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
-            rows: dict[str, dict[str, float]]) -> None:
+            rows: dict[str, dict[str, float]], mocks: tuple[int, int]) -> None:
     """The Rust PD routers on the same mock workers (HTTP), one at a time, each run twice: the
     one-token load on the plain mocks, the streamed load on the stepped ones; then one table."""
     mock_url = f"http://127.0.0.1:{ports['decode'][1]}"
@@ -297,7 +305,7 @@ def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
                     url = f"http://127.0.0.1:{rport}"
                     wait_ready(url, proc, log)
                     if p == "prefill":
-                        rows[name] = measure(url, proc.pid, False, n, c)
+                        rows[name] = measure(url, proc.pid, False, n, c, mocks)
                     else:
                         st = measure_stream(url, proc.pid, c)
                         rows[name].update(stream_us=st["us_token"], stream_failed=st["failed"])
@@ -308,14 +316,14 @@ def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
           f"non-streaming, direct HTTP to the mock p50 {direct * 1e3:.3f} ms (ours: direct "
           f"gRPC); streamed: 64 tokens a request, one per 2 ms step, c={c}\n")
     print(f"| gateway | c=1 p50 ms | c={c} req/s | c={c} p50 ms | CPU us/request | "
-          "CPU us/streamed token | failed |")
-    print("|---|---|---|---|---|---|---|")
+          "mocks' CPU us/request | CPU us/streamed token | failed |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['p50_1'] * 1e3:.3f} | {r['rps']:.0f} | {r['p50_n'] * 1e3:.2f} | "
-              f"{r['cpu_us']:.0f} | {r.get('stream_us', float('nan')):.1f} | "
+              f"{r['cpu_us']:.0f} | {r['mock_us']:.0f} | {r.get('stream_us', float('nan')):.1f} | "
               f"{r['failed'] + r.get('stream_failed', 0):.0f} |")
     for name, note in notes.items():
-        print(f"| {name} | {note} | | | | | |")
+        print(f"| {name} | {note} | | | | | | |")
 
 
 def run_gateway_process(argv: list[str]) -> None:
