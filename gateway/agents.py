@@ -29,7 +29,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from gateway.errors import BadRequest
-from gateway.openai_types import ChatCompletionRequest, ChatMessage
+from gateway.openai_types import CLIENT_ECHOES, ChatCompletionRequest, ChatMessage
 from gateway.parsers import ThinkParser, make_tool_parser, prompt_opens_reasoning
 from gateway.parsers.constraints import auto_calls_format, reasoning_prefix, tool_calls_format
 from gateway.parsers.reasoning import THINK_CLOSE, THINK_OPEN, prompt_closes_reasoning
@@ -103,8 +103,9 @@ def template_message(m: ChatMessage, i: int) -> dict[str, Any]:
     if reasoning is not None:
         d["reasoning_content"] = reasoning
     if m.tool_calls:
-        d["tool_calls"] = [_history_call(tc.model_dump(exclude_none=True), f"{where}.tool_calls"
-                                         f"[{j}]") for j, tc in enumerate(m.tool_calls)]
+        d["tool_calls"] = [_history_call(tc.model_dump(exclude_none=True, exclude=CLIENT_ECHOES),
+                                         f"{where}.tool_calls[{j}]")
+                           for j, tc in enumerate(m.tool_calls)]
     return d
 
 

@@ -133,10 +133,19 @@ class ContentPart(BaseModel):
     text: str | None = None  # required in a text part (checked by `ChatMessage.text`)
 
 
+# Fields the openai client derives from a response message and sends back with it when the
+# message is fed back as history (its parse and stream helpers return them): copies of what
+# the message says, accepted as OpenAI and vLLM accept them, never given to the template.
+CLIENT_ECHOES: dict[str, bool | set[str]] = {"index": True, "function": {"parsed_arguments"}}
+
+
 class HistoryFunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI); a mapping is accepted too
+    # The openai client's parse/stream helpers add `arguments` parsed; sent back, it repeats
+    # `arguments` and is not read (see CLIENT_ECHOES).
+    parsed_arguments: Any = None
 
 
 class HistoryToolCall(BaseModel):
@@ -146,6 +155,7 @@ class HistoryToolCall(BaseModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: HistoryFunctionCall
+    index: int | None = None  # a streamed call's position, kept by the client: not read
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -165,6 +175,7 @@ class ChatMessage(BaseModel):
     annotations: list[Any] | None = None
     audio: Any = None
     function_call: Any = None
+    parsed: Any = None  # the parse/stream helpers' copy of `content` as an object: not read
 
     def text(self, where: str = "message") -> str | None:
         """The content as one string (text parts joined); None when absent. `where` names the

@@ -241,3 +241,24 @@ async def test_refused_with_openai_errors(tok_dir: Path, kw: dict[str, Any], par
         assert isinstance(err, dict) and err["param"] == param, err
         assert err["type"] == "invalid_request_error" and err["message"]
         assert not w.requests  # refused before any worker saw it
+
+
+async def test_stream_helper_message_fed_back_with_the_tool_result(hermes_dir: Path) -> None:
+    """The tool loop of the openai client's stream helper: its final message (a
+    ParsedChatCompletionMessage) goes back as the next turn's history, and the client sends the
+    fields it derived from the answer (`parsed`, each call's `index` and
+    `function.parsed_arguments`). They repeat what the message already says: accepted, as
+    OpenAI and vLLM accept them, and kept out of the prompt."""
+    w = scripted(hermes_dir, CALL_Q)
+    async with workers(w), client_for(fast_config(hermes_dir, workers=(w.url,))) as client:
+        async with client.chat.completions.stream(model="tiny", messages=MESSAGES,
+                                                  tools=[LOOKUP]) as s:
+            msg = (await s.get_final_completion()).choices[0].message
+        (call,) = msg.tool_calls
+        history = [*MESSAGES, msg, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        await client.chat.completions.create(model="tiny", messages=history, tools=[LOOKUP])
+        prompt = Tokenizer.from_dir(hermes_dir).decode(
+            list(w.requests[-1].prompt_token_ids), skip_special_tokens=False)
+        assert '{"name": "lookup", "arguments": {"name": "q"}}' in prompt
+        assert "<tool_response>\n42\n</tool_response>" in prompt
+        assert "parsed" not in prompt and "index" not in prompt
