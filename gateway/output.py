@@ -156,7 +156,11 @@ class OutputAssembler:
             out.text_offset.append(offset)
             offset += len(t)
             assert out.top_logprobs is not None
-            out.top_logprobs.append({self._text(a.token_id): a.logprob for a in e.top})
+            top = {self._text(a.token_id): a.logprob for a in e.top}
+            # OpenAI's legacy logprobs (and vLLM's): the k likeliest and always the sampled
+            # token, so up to k + 1 entries; chat's top_logprobs are the k likeliest only.
+            top.setdefault(t, e.logprob)
+            out.top_logprobs.append(top)
         return out
 
     def chat_logprobs(self, entries: Any) -> ChatLogprobs:

@@ -76,6 +76,9 @@ class Script:
     fail_times: int = 1_000_000  # how many Generate calls fail (then it behaves)
     hang_first: bool = False  # never send the first message (first-token timeout)
     transfer: tandem_pb2.TransferStats | None = None
+    # A token more likely than every scripted one (as when sampling picks below the top): the
+    # top logprobs lead with it. None: each scripted token is its own top.
+    rival: int | None = None
 
 
 class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
@@ -258,10 +261,11 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
             last = i == n - 1
             msg = tandem_pb2.GenerateResponse(token_ids=[s.tokens[i]])
             if request.sampling.logprobs:
+                top = [tandem_pb2.TopLogprob(token_id=s.tokens[i], logprob=-0.5)]
+                if s.rival is not None:
+                    top.insert(0, tandem_pb2.TopLogprob(token_id=s.rival, logprob=-0.25))
                 msg.logprobs.append(tandem_pb2.TokenLogprob(
-                    token_id=s.tokens[i], logprob=-0.5,
-                    top=[tandem_pb2.TopLogprob(token_id=s.tokens[i], logprob=-0.5)]
-                    [:request.sampling.top_logprobs]))
+                    token_id=s.tokens[i], logprob=-0.5, top=top[:request.sampling.top_logprobs]))
             if i == 0:
                 msg.num_prompt_tokens = n_prompt
                 msg.num_cached_tokens = 0 if self.role == "decode" else s.cached_tokens
