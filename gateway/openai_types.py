@@ -88,6 +88,10 @@ class _SamplingFields(BaseModel):
         """The field `requested_max_tokens` came from (errors name what the client sent)."""
         return "max_tokens"
 
+    def default_max_tokens(self) -> int | None:
+        """max_tokens when the request leaves it out; None: what fits in max_model_len."""
+        return None
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -121,6 +125,11 @@ class CompletionRequest(_SamplingFields):
 
     def num_top_logprobs(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
+
+    def default_max_tokens(self) -> int | None:
+        """16, OpenAI's default for /v1/completions (vLLM's and SGLang's too); chat's is what
+        fits, as vLLM's. Capped at what fits after the prompt."""
+        return 16
 
 
 class ContentPart(BaseModel):

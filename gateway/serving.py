@@ -208,24 +208,27 @@ class GenerationHandler:
 
     def _sampling(self, req: Any, num_prompt_tokens: int) -> tandem_pb2.SamplingParams:
         max_tokens = req.requested_max_tokens()
+        default = req.default_max_tokens()
         limit = self.max_model_len
         if limit:
             if num_prompt_tokens >= limit:
                 raise BadRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is "
                                  f"{limit}, which leaves no room for output; shorten the prompt",
                                  param="prompt", code="context_length_exceeded")
-            if max_tokens is None:
-                max_tokens = limit - num_prompt_tokens  # cap to what fits
+            if max_tokens is None:  # the default, capped to what fits
+                fits = limit - num_prompt_tokens
+                max_tokens = fits if default is None else min(default, fits)
             elif num_prompt_tokens + max_tokens > limit:
                 raise BadRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens "
                                  f"({max_tokens}) exceeds max_model_len ({limit}); lower "
                                  "max_tokens or shorten the prompt", param="max_tokens",
                                  code="context_length_exceeded")
         elif max_tokens is None:
-            max_tokens = 16
-        if req.min_tokens > max_tokens:  # max_tokens was left out: what fits, or 16
+            max_tokens = 16 if default is None else default
+        if req.min_tokens > max_tokens:  # max_tokens was left out: the default, or what fits
             why = (f"what fits in max_model_len ({limit}) after the prompt's "
-                   f"{num_prompt_tokens} tokens" if limit else "the default")
+                   f"{num_prompt_tokens} tokens" if limit and max_tokens != default
+                   else "the default")
             raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens, which is "
                              f"{max_tokens} when left out ({why}); lower min_tokens",
                              param="min_tokens")

@@ -94,9 +94,17 @@ async def test_sampling_fields_reach_worker(tok_dir):
         assert s.ignore_eos and list(s.stop_token_ids) == [9]
         assert s.repetition_penalty == pytest.approx(1.1) and s.presence_penalty == 0.5
         assert dict(s.logit_bias) == {5: -100.0, 7: 2.5} and not s.HasField("structured")
-        # max_tokens absent: capped to what fits in max_model_len (64)
-        r = await c.post("/v1/completions", json={"prompt": [5, 6, 7]})
-        assert r.status_code == 200 and w.requests[1].sampling.max_tokens == 61
+        # max_tokens absent (or null): 16 on /v1/completions, as OpenAI, vLLM and SGLang;
+        # what fits in max_model_len (64) on chat, as vLLM
+        for absent in ({}, {"max_tokens": None}):
+            r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], **absent})
+            assert r.status_code == 200 and w.requests[-1].sampling.max_tokens == 16
+        r = await c.post("/v1/completions", json={"prompt": [5] * 55})
+        assert r.status_code == 200 and w.requests[-1].sampling.max_tokens == 9  # 16 fits not
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}]})
+        n_prompt = len(w.requests[-1].prompt_token_ids)
+        assert r.status_code == 200 and w.requests[-1].sampling.max_tokens == 64 - n_prompt
 
 
 async def test_seeds_in_openais_signed_range_reach_the_worker_as_their_64_bits(tok_dir):
@@ -318,9 +326,9 @@ async def test_request_errors(tok_dir):
             ({"json": {"prompt": ["a", "b"]}}, 400, "prompt"),
             ({"json": {"prompt": [1, 99999]}}, 400, "prompt"),
             ({"json": {"prompt": "a" * 3000}}, 413, None),
-            # past the wire's int32 (was a 500) / past what fits (max_tokens absent: 61)
+            # past the wire's int32 (was a 500) / past max_tokens absent (16)
             ({"json": {"prompt": "a", "min_tokens": 2**40}}, 400, "min_tokens"),
-            ({"json": {"prompt": [5, 6, 7], "min_tokens": 62}}, 400, "min_tokens"),
+            ({"json": {"prompt": [5, 6, 7], "min_tokens": 17}}, 400, "min_tokens"),
             # past float32 (the wire's): the worker read inf and its 400 named no field
             ({"json": {"prompt": "a", "temperature": 1e39}}, 400, "temperature"),
             ({"json": {"prompt": "a", "repetition_penalty": 1e300}}, 400, "repetition_penalty"),
