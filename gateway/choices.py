@@ -17,6 +17,12 @@ Fan-out (`start_choices`):
 Each choice's worker request id is "<request id>-<i>" (Abort names it); with a `seed`, choice i
 samples with seed + i (mod 2**64, vLLM's rule): the same request gives the same n choices.
 
+A /v1/completions request with a list of prompts (a batch, as OpenAI and vLLM take it) has n
+choices for each: prompt p's choice j is choice p * n + j, seeded seed + j (vLLM seeds each
+prompt's choices alike). Step 1 dispatches every prompt's first choice at once, step 2 the
+rest of each prompt's choices to the worker that computed that prompt. Usage counts each
+prompt once (and the cached tokens of each prompt's first choice).
+
 After the first tokens every choice has what an n = 1 request has: its own assembler (stop
 strings, logprobs, token ids), for chat its own parsers (reasoning, tool calls), and, streamed,
 its own events with its `index`. Usage counts the prompt once (cached tokens: choice 0's, the
@@ -46,6 +52,7 @@ from gateway.errors import ApiError
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_responses import UsageCounts
 from gateway.output import NO_FINISH, Answer, Assemblers, assemblers_for
+from gateway.pool import Worker
 from gateway.session import Output
 from gateway.sse import SSEResponse
 from gateway.streaming import StreamEvents
@@ -68,25 +75,38 @@ def choice_sampling(sampling: tandem_pb2.SamplingParams, index: int
     return out
 
 
-async def start_choices(d: Dispatcher, request_id: str, prompt_ids: list[int],
-                        sampling: tandem_pb2.SamplingParams, n: int
+Prompt = tuple[list[int], tandem_pb2.SamplingParams]  # a prompt's ids and its sampling
+
+
+async def start_choices(d: Dispatcher, request_id: str, prompts: list[Prompt], n: int
                         ) -> list[tuple[RequestRun, Output]]:
-    """Every choice's run with its first output (steps 1-3 of the module's docstring). Any
-    failure, or the caller's cancellation, aborts and closes every run started."""
-    runs = [RequestRun(d, f"{request_id}-0", prompt_ids, choice_sampling(sampling, 0))]
+    """Every choice's run with its first output, in choice order (steps 1-3 of the module's
+    docstring). Any failure, or the caller's cancellation, aborts and closes every run
+    started."""
+    def run(p: int, j: int, prefer: Worker | None = None) -> RequestRun:
+        ids, sampling = prompts[p]
+        return RequestRun(d, f"{request_id}-{p * n + j}", ids, choice_sampling(sampling, j),
+                          prefer)
+
+    leaders = [run(p, 0) for p in range(len(prompts))]
+    runs = list(leaders)
     try:
-        firsts = [await runs[0].first()]
-        prefer = runs[0].prompt_worker
-        runs += [RequestRun(d, f"{request_id}-{i}", prompt_ids, choice_sampling(sampling, i),
-                            prefer)
-                 for i in range(1, n)]
-        firsts += await _all(r.first() for r in runs[1:])
+        firsts = await _all(r.first() for r in leaders)
+        rest = [run(p, j, leaders[p].prompt_worker)
+                for p in range(len(prompts)) for j in range(1, n)]
+        runs += rest
+        rest_firsts = await _all(r.first() for r in rest)
     except BaseException:
         for r in runs:
             r.abort()
             r.close()
         raise
-    return list(zip(runs, firsts, strict=True))
+    started = []
+    for p in range(len(prompts)):  # in choice order: each prompt's first, then its others
+        k = p * (n - 1)
+        started.append((leaders[p], firsts[p]))
+        started += zip(rest[k:k + n - 1], rest_firsts[k:k + n - 1], strict=True)
+    return started
 
 
 async def _all(aws: Iterable[Awaitable[_T]]) -> list[_T]:
@@ -128,7 +148,7 @@ class ChoicesResponse:
 
     def __init__(self, started: list[tuple[RequestRun, Output]], req: Any, plan: ChatPlan | None,
                  tok: Tokenizer, metrics: Metrics, model_name: str, request_id: str,
-                 prompt_ids: list[int], t0: float) -> None:
+                 prompts: list[list[int]], t0: float) -> None:
         self.req = req
         self.metrics = metrics
         self.model_name = model_name
@@ -136,9 +156,11 @@ class ChoicesResponse:
         self.t0 = t0
         self.chat = plan is not None
         self.created = int(time.time())
-        make = assemblers_for(tok, req, plan, prompt_ids)
-        self.choices = [Choice(i, run, first, make, TokenClock(metrics.itl))
+        n = len(started) // len(prompts)
+        makes = [assemblers_for(tok, req, plan, ids) for ids in prompts]
+        self.choices = [Choice(i, run, first, makes[i // n], TokenClock(metrics.itl))
                         for i, (run, first) in enumerate(started)]
+        self.leaders = self.choices[::n]  # each prompt's first choice
 
     async def respond(self, headers: dict[str, str]) -> Response:
         if not self.req.stream:
@@ -259,10 +281,15 @@ class ChoicesResponse:
     def _usage(self) -> UsageCounts:
         reasoning = [c.chat_out.reasoning_tokens for c in self.choices
                      if c.chat_out is not None and c.chat_out.has_reasoning_parser]
-        return UsageCounts(self.choices[0].out.num_prompt_tokens,
+        return UsageCounts(self._prompt_tokens(),
                            sum(c.out.completion_tokens for c in self.choices),
-                           self.choices[0].run.num_cached_tokens,
-                           sum(reasoning) if reasoning else None)
+                           self._cached_tokens(), sum(reasoning) if reasoning else None)
+
+    def _prompt_tokens(self) -> int:
+        return sum(c.out.num_prompt_tokens for c in self.leaders)
+
+    def _cached_tokens(self) -> int:
+        return sum(c.run.num_cached_tokens for c in self.leaders)
 
     def _end(self, outcome: str) -> None:
         """Every choice's worker requests end (aborted unless it finished by itself); the
@@ -271,6 +298,6 @@ class ChoicesResponse:
             if outcome != "success":
                 c.run.abort()
             c.run.close()
-        self.metrics.request_ended(outcome, self.t0, self.choices[0].out.num_prompt_tokens,
+        self.metrics.request_ended(outcome, self.t0, self._prompt_tokens(),
                                    sum(c.out.completion_tokens for c in self.choices),
-                                   self.choices[0].run.num_cached_tokens)
+                                   self._cached_tokens())

@@ -23,13 +23,14 @@ from starlette.responses import Response
 
 from gateway.agents import ChatPlan, Parsers, plan_chat
 from gateway.chat_output import ChatOutput
-from gateway.choices import ChoicesResponse, start_choices
+from gateway.choices import ChoicesResponse, Prompt, start_choices
 from gateway.chunks import chat_body, completion_body
 from gateway.dispatch import RequestRun
 from gateway.dispatcher import Dispatcher
 from gateway.errors import ApiError, BadRequest, NotFound, refused_constraint
 from gateway.metrics import Metrics, TokenClock
 from gateway.openai_types import (
+    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     check_sampling,
@@ -124,22 +125,25 @@ class GenerationHandler:
                 self._check_token_id_mode(req, chat)
             if chat:
                 plan = plan_chat(req, self.tok, self.parsers)
-                prompt_ids, structured = plan.prompt_ids, plan.structured
+                prompts, structured = [plan.prompt_ids], plan.structured
                 source = plan.constraint_source
             else:
-                prompt_ids = self._prompt_ids(req)
+                prompts = self._prompts(req)
                 constraint = request_constraint(req)
                 structured = None if constraint is None else constraint.to_proto([])
                 source = "" if constraint is None else constraint.source
-            sampling = self._sampling(req, len(prompt_ids))
+            samplings = [self._sampling(req, len(ids)) for ids in prompts]
             if structured is not None:
-                sampling.structured.CopyFrom(structured)
-            if req.n > 1:  # n choices, n worker requests (gateway/choices.py)
-                started = await self._start_choices(request_id, prompt_ids, sampling, req.n)
+                for sampling in samplings:
+                    sampling.structured.CopyFrom(structured)
+            if req.n > 1 or len(prompts) > 1:  # n choices a prompt (gateway/choices.py)
+                started = await self._start_choices(
+                    request_id, list(zip(prompts, samplings, strict=True)), req.n)
                 self.metrics.ttft.observe(time.perf_counter() - t0)
                 return await ChoicesResponse(started, req, plan, self.tok, self.metrics,
-                                             self.model_name, request_id, prompt_ids,
+                                             self.model_name, request_id, prompts,
                                              t0).respond(headers)
+            (prompt_ids,), (sampling,) = prompts, samplings
             run = RequestRun(self.dispatcher, request_id, prompt_ids, sampling)
             try:
                 first = await run.first()
@@ -167,11 +171,10 @@ class GenerationHandler:
                                on_direct=stream.attach)
         return await self._complete(run, first, assemblers, request_id, t0, headers)
 
-    async def _start_choices(self, request_id: str, prompt_ids: list[int],
-                             sampling: tandem_pb2.SamplingParams, n: int
+    async def _start_choices(self, request_id: str, prompts: list[Prompt], n: int
                              ) -> list[tuple[RequestRun, Output]]:
         try:
-            return await start_choices(self.dispatcher, request_id, prompt_ids, sampling, n)
+            return await start_choices(self.dispatcher, request_id, prompts, n)
         except asyncio.CancelledError:
             self.metrics.requests.labels("aborted").inc()
             raise
@@ -187,13 +190,18 @@ class GenerationHandler:
             raise BadRequest("stop: this model has no tokenizer, so stop strings cannot be "
                              "matched; use stop_token_ids", param="stop", code="no_tokenizer")
 
-    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The prompt's ids; a batch (a list of strings or of id lists): each prompt's."""
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise BadRequest("batched prompts are not supported; send one prompt per "
-                                 "request", param="prompt")
-            prompt = prompt[0]
+        if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+            return [self._prompt_ids(prompt)]  # type: ignore[arg-type]
+        if len(prompt) * req.n > MAX_N:
+            raise BadRequest(f"{len(prompt)} prompts of n={req.n} choices are "
+                             f"{len(prompt) * req.n} choices; at most {MAX_N} a request",
+                             param="prompt")
+        return [self._prompt_ids(p) for p in prompt]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tok.encode(prompt)
         else:

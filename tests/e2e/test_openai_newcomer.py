@@ -66,3 +66,26 @@ def test_completions_default_to_16_tokens(client: openai.OpenAI) -> None:
                                   extra_body={"ignore_eos": True})
     assert r.usage is not None and r.usage.completion_tokens == 16
     assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_batched_prompts(client: openai.OpenAI, stream: bool) -> None:
+    """A list of prompts (it was a 400): n choices for each, at index p * n + j, each the
+    answer its own prompt gets alone."""
+    prompts = ["a=12;b=34;\nb?", "k=56;m=78;\nk,m?", "z=90;\nz?"]
+    kw = dict(model=MODEL.name, temperature=0, max_tokens=8, stop=[";"])
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]  # type: ignore[arg-type]
+    texts: dict[int, str] = {}
+    if stream:
+        for chunk in client.completions.create(prompt=prompts, n=2, stream=True,  # type: ignore
+                                               stream_options={"include_usage": True}, **kw):
+            usage = chunk.usage or None
+            for ch in chunk.choices:
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+    else:
+        r = client.completions.create(prompt=prompts, n=2, **kw)  # type: ignore[arg-type]
+        texts, usage = {ch.index: ch.text for ch in r.choices}, r.usage
+    assert texts == {i: alone[i // 2].choices[0].text for i in range(6)}
+    assert usage is not None
+    assert usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore
+    assert usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)  # type: ignore

@@ -323,7 +323,7 @@ async def test_request_errors(tok_dir):
             ({"json": {"prompt": "a", "top_k": -2}}, 400, "top_k"),
             ({"json": {"prompt": "a", "min_p": 1.5}}, 400, "min_p"),
             ({"json": {"prompt": "a", "n": 129}}, 400, "n"),
-            ({"json": {"prompt": ["a", "b"]}}, 400, "prompt"),
+            ({"json": {"prompt": ["a"] * 129}}, 400, "prompt"),  # 129 choices: past n's bound
             ({"json": {"prompt": [1, 99999]}}, 400, "prompt"),
             ({"json": {"prompt": "a" * 3000}}, 413, None),
             # past the wire's int32 (was a 500) / past max_tokens absent (16)
