@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from worker.config import ConfigError, SpeculativeConfig
-from worker.spec.ngram import NgramProposer
+from worker.spec.ngram import TokenHistory, lookup
 from worker.step import SchedulePlan
 
 
@@ -34,16 +34,27 @@ class NgramDrafter:
     """Prompt lookup over each request's own tokens (worker/spec/ngram.py)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.min_n, self.max_n = config.ngram_min, config.ngram_max
+        # The token arrays of the requests drafted for in the last step, by request id: kept
+        # while a request drafts step after step, dropped the first step it does not (it ended,
+        # or waits: a request that comes back is read in again).
+        self.histories: dict[str, TokenHistory] = {}
 
     def draft(self, plan: SchedulePlan) -> None:
+        kept: dict[str, TokenHistory] = {}
         for chunk in plan.chunks:
             if not chunk.max_drafts:
                 continue
-            drafts = self.proposer.propose(chunk.request.all_token_ids(), chunk.max_drafts)
+            req = chunk.request
+            history = self.histories.get(req.request_id)
+            if history is None or history.request is not req:
+                history = TokenHistory(req)
+            kept[req.request_id] = history
+            drafts = lookup(history.tokens(), chunk.max_drafts, self.min_n, self.max_n)
             chunk.drafts = drafts
             chunk.num_tokens += len(drafts)
             plan.num_tokens += len(drafts)
+        self.histories = kept
 
 
 def make_drafter(config: SpeculativeConfig, model: Drafter | None = None) -> Drafter | None:
