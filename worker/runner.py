@@ -28,7 +28,7 @@ from worker.piecewise import PiecewiseGraphs
 from worker.request import Request, TokenLogprob
 from worker.sampler import GrammarDeadEnd, NoAllowedToken, Sampler, TokenMask, min_tokens_bans
 from worker.spec.drafter import ModelDrafter
-from worker.spec.verify import accept, ban_rows
+from worker.spec.verify import accept, verify_rows
 from worker.step import PENDING, RunOutput, ScheduledChunk, SchedulePlan
 from worker.verify_graphs import VerifyGraphs
 
@@ -309,8 +309,8 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             if c.drafts:
                 req = c.request
-                rows = ban_rows(logits[starts[i] : starts[i + 1]], req.sampling,
-                                len(req.output_token_ids), self.eos_token_ids)
+                rows = verify_rows(logits[starts[i] : starts[i + 1]], req.sampling,
+                                   req.output_token_ids, c.drafts, self.eos_token_ids)
                 tokens[i] = accept(rows, c.drafts, req.sampling, req.generator, c.draft_probs)
         return RunOutput(token_ids=[t[0] for t in tokens], logprobs=[None] * len(chunks),
                          more_token_ids=[t[1:] for t in tokens])

@@ -165,6 +165,15 @@ def min_tokens_bans(p: SamplingParams, generated: int, eos_token_ids: Sequence[i
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
 
 
+def processed_logits(logits: torch.Tensor, params: list[SamplingParams],
+                     output_token_ids: list[list[int]], num_generated: list[int],
+                     eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Steps 1-3 of the module doc (logit_bias, penalties, min_tokens bans), row by row, on a
+    copy when any applies: what the sampler tempers and draws from. Speculative verify rows
+    (worker/spec/verify.py) go through it so that a draft is judged as plain decoding would."""
+    return Sampler._masked(logits, params, output_token_ids, num_generated, eos_token_ids)
+
+
 def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask tokens outside top_k / top_p / min_p to -inf, row by row. x: [R, V] (tempered)."""
     r, vocab = x.shape

@@ -23,7 +23,7 @@ from worker.engine import Engine, RequestOutput
 from worker.request import Request
 from worker.sampling import SamplingParams
 from worker.spec.ngram import NgramProposer
-from worker.spec.verify import accept, ban_rows, target_probs
+from worker.spec.verify import accept, target_probs, verify_rows
 from worker.step import RunOutput
 
 VOCAB = 6
@@ -93,7 +93,8 @@ def test_the_bound_catches_a_lossy_rule() -> None:
 
 def test_min_tokens_bans_eos_on_the_rows_before_it() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3)
-    rows = ban_rows(torch.zeros(3, VOCAB), params, num_generated=1, eos_token_ids=(0,))
+    rows = verify_rows(torch.zeros(3, VOCAB), params, generated=[4], drafts=[1, 2],
+                       eos_token_ids=(0,))
     assert rows[0, 0] == float("-inf") and rows[1, 0] == float("-inf") and rows[2, 0] == 0.0
 
 
@@ -205,7 +206,7 @@ def test_greedy_with_ngram_equals_greedy_without_token_for_token(
 
 
 def test_aborts_and_mixed_sampling_with_ngram_leave_nothing(arith_prompts: list[list[int]]) -> None:
-    def params(i: int) -> SamplingParams:  # greedy, seeded sampling, and penalties (no drafts)
+    def params(i: int) -> SamplingParams:  # greedy, seeded sampling, and penalties
         if i % 3 == 1:
             return SamplingParams(temperature=0.7, seed=i, max_tokens=12)
         if i % 3 == 2:

@@ -10,8 +10,9 @@ One engine step with speculation (worker/engine.py):
     scheduler.update(plan, out)   # appends what was accepted, frees rejected drafts' pages
 
 Greedy acceptance emits exactly what plain greedy decoding emits; rejection sampling keeps the
-target's distribution. Requests whose sampling reads more than the logits (penalties,
-logprobs, logit_bias, a grammar) decode one token a step (worker/spec/eligible.py).
+target's distribution; penalties, logit_bias and min_tokens apply to each verify row as to
+that output token (worker/spec/verify.py `verify_rows`). Requests that report logprobs or
+follow a grammar decode one token a step (worker/spec/eligible.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ from worker.request import Request
 
 
 def speculable(req: Request) -> bool:
-    """Drafts are verified for requests whose sampling reads nothing per step but the logits:
-    penalties count the tokens so far, logprobs are reported per token, a grammar's mask and a
-    logit bias shape each row (not applied to verify rows yet)."""
+    """Drafts are verified for requests whose tokens are sampled from the logits, biased and
+    penalized row by row (worker/spec/verify.py `verify_rows`): not for those that report
+    logprobs (one per token, from the plain sampler) or follow a grammar (its mask is computed
+    per token, after the one before is accepted)."""
     params = req.sampling
-    return not (params.has_penalties or params.logprobs or params.top_logprobs
-                or params.logit_bias or req.grammar is not None or params.structured is not None)
+    return not (params.logprobs or params.top_logprobs
+                or req.grammar is not None or params.structured is not None)

@@ -23,23 +23,23 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.sampler import truncate
+from worker.sampler import processed_logits, truncate
 from worker.sampling import SamplingParams
 
 
-def ban_rows(logits: torch.Tensor, params: SamplingParams, num_generated: int,
-             eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """min_tokens for a verify chunk: row i samples output token num_generated + i, so eos and
-    stop ids are banned on the rows that come before min_tokens (a copy when any is)."""
-    banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-    rows = [i for i in range(logits.shape[0]) if num_generated + i < params.min_tokens]
-    ids = [t for t in banned if 0 <= t < logits.shape[1]]
-    if not rows or not ids:
-        return logits
-    logits = logits.clone()
-    for i in rows:
-        logits[i, ids] = float("-inf")
-    return logits
+def verify_rows(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
+                drafts: Sequence[int], eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """One request's verify rows [k + 1, V] as the plain sampler would see them: row i is output
+    token len(generated) + i, after drafts[:i], so its logit_bias, its penalties (over
+    `generated` + drafts[:i]) and its min_tokens bans are those of plain decoding at that token
+    (worker/sampler.py `processed_logits`; a copy when any applies)."""
+    rows = logits.shape[0]
+    if params.has_penalties:  # only penalties read the tokens before each row
+        history = [[*generated, *drafts[:i]] for i in range(rows)]
+    else:
+        history = [[] for _ in range(rows)]
+    return processed_logits(logits, [params] * rows, history,
+                            [len(generated) + i for i in range(rows)], eos_token_ids)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -56,7 +56,7 @@ def accept(logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams,
            draft_probs: torch.Tensor | None = None) -> list[int]:
     """The tokens a verify step emits for one request: accepted drafts, then one more.
 
-    logits [k + 1, V] float32 (rows as in the module doc, bans already applied); drafts: the k
+    logits [k + 1, V] float32 (rows as in the module doc, `verify_rows` applied); drafts: the k
     proposed tokens; draft_probs [k, V]: the drafter's distributions (None: deterministic
     drafts). Returns between 1 and k + 1 tokens.
     """
