@@ -236,8 +236,9 @@ class SpeculativeConfig:
             raise ConfigError(f"{prefix}: need 1 <= ngram_min <= ngram_max, got "
                               f"{self.ngram_min} and {self.ngram_max}")
         if self.model and self.method not in ("draft", "eagle", "mtp"):
-            raise ConfigError(f"{prefix}.model is the drafter checkpoint of method draft, "
-                              f"eagle or mtp; method {self.method} takes none (unset it)")
+            raise ConfigError(f"{prefix}.model is the checkpoint of a model drafter, but "
+                              f"{prefix}.method is {self.method}: set {prefix}.method to the "
+                              f"drafter's (draft | eagle | mtp), or unset {prefix}.model")
 
     def drafter_path(self, model_path: str) -> str:
         """Where the draft | eagle | (side-trained) mtp drafter lives ("" for the others)."""

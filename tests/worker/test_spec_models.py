@@ -214,7 +214,7 @@ def test_methods_a_model_cannot_run_are_refused(tmp_path: Path) -> None:
         Engine(_config("mtp", model=str(tmp_path)))
     with pytest.raises(ConfigError, match="speculative.model.*has no config.json"):
         Engine(_config("eagle", model=str(tmp_path)))
-    with pytest.raises(ConfigError, match="speculative.model is the drafter checkpoint"):
+    with pytest.raises(ConfigError, match="speculative.model is the checkpoint of a model drafter"):
         SpeculativeConfig(method="ngram", model="x").validate()
 
 

@@ -59,12 +59,33 @@ def check_drafter(method: str, target: ArchConfig, target_dir: Path, drafter_dir
                           f"speculative.model at the {method} drafter's directory ({fix}), or "
                           "set speculative.method ngram or none")
     try:
+        _check_method(method, source)
         if method == "draft":
             _check_draft(target, target_dir, drafter_dir, max_len)
         else:
             _check_head(method, target, source)
     except ModelLoadError as exc:
         raise ConfigError(f"speculative.model {str(drafter_dir)!r}: {exc}") from None
+
+
+def _drafter_method(raw: dict[str, object]) -> str:
+    """The method a drafter's config.json is for: eagle and mtp heads say so in model_type
+    (models/train_eagle.py); anything else is a causal LM, a draft model."""
+    kind = raw.get("model_type")
+    return kind if kind in ("eagle", "mtp") else "draft"
+
+
+def _check_method(method: str, source: Path) -> None:
+    """A drafter directory of another method (the embedded model ships all three side by
+    side): say which method it is for, before its fields are read as this method's."""
+    raw = read_json(source)
+    theirs = _drafter_method(raw if isinstance(raw, dict) else {})
+    if theirs != method:
+        wanted = "a draft model" if method == "draft" else f"an {method} head"
+        what = f"an {theirs} head" if theirs != "draft" else "a causal LM, a draft model"
+        raise ConfigError(f"speculative.model: {source} is not {wanted} (model_type "
+                          f"{raw.get('model_type')!r}: {what}); set speculative.method="
+                          f"{theirs}, or point speculative.model at {wanted}'s directory")
 
 
 def _check_head(layout: str, target: ArchConfig, source: Path) -> None:

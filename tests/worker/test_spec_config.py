@@ -1,0 +1,48 @@
+"""A drafter named for the wrong method says which method it is for.
+
+A newcomer who points `speculative.model` at the embedded model's `mtp/` with
+`speculative.method=draft`, or sets `speculative.model` and forgets `speculative.method`, gets
+one line naming the field and the fix (the method that drafter needs), not a list of target
+architectures or "train one". The checks run without torch, before any process starts
+(worker/arch/drafter.py, worker/config.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launch.background import EMBEDDED_MODEL
+from worker.arch.drafter import check_drafter
+from worker.arch.load import load_arch_config
+from worker.config import ConfigError, SpeculativeConfig
+
+TARGET = Path(EMBEDDED_MODEL)
+
+
+@pytest.mark.parametrize(("method", "drafter", "fix"), [
+    ("draft", "eagle", "speculative.method=eagle"),
+    ("draft", "mtp", "speculative.method=mtp"),
+    ("eagle", "mtp", "speculative.method=mtp"),
+    ("mtp", "eagle", "speculative.method=eagle"),
+    ("eagle", "draft", "speculative.method=draft"),
+    ("mtp", "draft", "speculative.method=draft"),
+])
+def test_a_drafter_for_another_method_names_that_method(method: str, drafter: str,
+                                                         fix: str) -> None:
+    with pytest.raises(ConfigError, match=fix) as err:
+        check_drafter(method, load_arch_config(TARGET), TARGET, TARGET / drafter, 512)
+    assert "speculative.model" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_right_drafters_pass() -> None:
+    for method in ("draft", "eagle", "mtp"):
+        check_drafter(method, load_arch_config(TARGET), TARGET, TARGET / method, 512)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_a_drafter_model_without_its_method_names_the_methods(method: str) -> None:
+    with pytest.raises(ConfigError, match="speculative.method") as err:
+        SpeculativeConfig(method=method, model="models/tandem-arith/eagle").validate()
+    assert "draft | eagle | mtp" in str(err.value) and "unset speculative.model" in str(err.value)
