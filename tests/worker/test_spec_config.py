@@ -46,3 +46,18 @@ def test_a_drafter_model_without_its_method_names_the_methods(method: str) -> No
     with pytest.raises(ConfigError, match="speculative.method") as err:
         SpeculativeConfig(method=method, model="models/tandem-arith/eagle").validate()
     assert "draft | eagle | mtp" in str(err.value) and "unset speculative.model" in str(err.value)
+
+
+def test_a_worker_says_in_its_log_that_it_drafts(caplog: pytest.LogCaptureFixture) -> None:
+    # The ready line and /workers do not show it, and /metrics only once a draft is verified.
+    from tests.worker.test_spec import _engine
+
+    with caplog.at_level("INFO"):
+        _engine("eagle", k=3)
+    text = caplog.text
+    assert "speculative decoding: eagle, up to 3 drafts a step" in text
+    assert f"drafter {TARGET / 'eagle'} (eagle:1:" in text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        _engine("ngram", k=5)
+    assert "speculative decoding: ngram (n-grams of 1-4 tokens), up to 5 drafts" in caplog.text

@@ -17,11 +17,14 @@ follow a grammar decode one token a step (worker/spec/eligible.py).
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from worker.config import ConfigError, SpeculativeConfig
 from worker.spec.ngram import TokenHistory, lookup
 from worker.step import SchedulePlan
+
+log = logging.getLogger(__name__)
 
 
 class Drafter(Protocol):
@@ -63,9 +66,16 @@ def make_drafter(config: SpeculativeConfig, model: Drafter | None = None) -> Dra
     engine's model drafter (worker/spec/drafter.py) for draft | eagle | mtp."""
     if not config.enabled:
         return None
-    if config.method == "ngram":
-        return NgramDrafter(config)
-    if model is None:
+    if config.method != "ngram" and model is None:
         raise ConfigError(f"speculative.method={config.method} needs its drafter model loaded "
                           "(worker/spec/load.py); use ngram (or none)")
+    lookup = (f" (n-grams of {config.ngram_min}-{config.ngram_max} tokens)"
+              if config.method == "ngram" else "")
+    # Nothing else on the serving path says speculation is on: /metrics has tandem_spec_* once
+    # a draft is verified, and requests with logprobs or a grammar never draft.
+    log.info("speculative decoding: %s%s, up to %d drafts a step (requests with logprobs or "
+             "a grammar decode without)", config.method, lookup, config.num_speculative_tokens)
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    assert model is not None
     return model

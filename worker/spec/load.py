@@ -87,7 +87,10 @@ def load_head(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> Loaded
             head, files = _draft(path, config, spec)
     except ModelLoadError as exc:
         raise ConfigError(f"speculative.model {str(path)!r}: {exc}") from None
-    return LoadedHead(head, f"{method}:{head.num_layers}:{_digest(path, files, config)}")
+    label = f"{method}:{head.num_layers}:{_digest(path, files, config)}"
+    log.info("speculative.method=%s: drafter %s (%s; its KV in the target's pages)", method,
+             path, label)
+    return LoadedHead(head, label)
 
 
 def _mtp(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> LoadedHead:
