@@ -11,14 +11,16 @@ request's tokens in an array that grows with it and searches it with vectorized 
   recurring tail n-gram, min_n <= n <= max_n, and what followed it), on random histories with
   many repeats and few, step after step as requests grow, when a request is dropped and comes
   back, and for a new request object under an old one's id.
-- A step over a 200k-token history stays far under a millisecond-scale budget.
+- After a request's first step, a step reads only the tokens it emitted (its cost on the host
+  is the search, not a copy of the history). The speed itself is a benchmark's.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
+
+import pytest
 
 from tests.worker.factories import make_request
 from worker.config import SpeculativeConfig
@@ -82,20 +84,35 @@ def test_the_drafter_follows_growing_requests_step_by_step() -> None:
     assert plan.chunks[0].drafts == [8, 9]
 
 
-def test_a_step_over_a_long_history_is_cheap() -> None:
+class _CountingList(list):  # type: ignore[type-arg]
+    """A token list that counts the elements its slices hand out."""
+
+    read = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        out = super().__getitem__(index)
+        if isinstance(index, slice):
+            _CountingList.read += len(out)
+        return out
+
+
+def test_a_step_over_a_long_history_reads_only_its_new_tokens(monkeypatch) -> None:
+    """The step cost that does not grow with the context: after a request's first step, a step
+    copies in only the tokens it emitted (the prompt and the earlier output are not read again,
+    nor the request's all_token_ids()), and the drafts stay the definition's."""
     rng = random.Random(1)
-    # A real vocabulary's long context: the last n-grams rarely recur, so the whole history is
-    # searched every step (the worst case).
-    req = make_request(prompt=[rng.randrange(150_000) for _ in range(200_000)])
+    req = make_request(prompt=[rng.randrange(150_000) for _ in range(20_000)])
+    req.prompt_token_ids = _CountingList(req.prompt_token_ids)
+    req.output_token_ids = _CountingList(req.output_token_ids)
     drafter = NgramDrafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    drafter.draft(_plan([req], 3))  # the first step may read the prompt in
-    best = float("inf")
-    for _ in range(8):
-        req.output_token_ids.append(rng.randrange(150_000))
+    drafter.draft(_plan([req], 3))  # the first step reads the prompt in
+    monkeypatch.setattr(Request, "all_token_ids", lambda self: pytest.fail("read it all"))
+    for step in range(8):
+        new = [rng.randrange(150_000) for _ in range(step % 3 + 1)]
+        list.extend(req.output_token_ids, new)
+        _CountingList.read = 0
         plan = _plan([req], 3)
-        t0 = time.perf_counter()
         drafter.draft(plan)
-        best = min(best, time.perf_counter() - t0)
-    # A Python scan of 200k tokens takes ~15 ms here; the array search well under 1 ms on
-    # a loaded 2-core box.
-    assert best < 0.004, f"{best * 1e3:.2f} ms for one request's drafts at 200k tokens"
+        assert _CountingList.read <= len(new), (step, _CountingList.read)
+        history = list(req.prompt_token_ids) + list(req.output_token_ids)
+        assert plan.chunks[0].drafts == _reference(history, 3, 1, 4)  # the config's n-grams
