@@ -323,10 +323,9 @@ class WorkerPool:
             }
             have = self.contract_hash or next(iter(others), "")
             if have and info.contract_hash != have:
-                line = (
-                    f"refusing the worker at {w.url}: expected KV contract {have[:16]}, found "
-                    f"{info.contract_hash[:16]} (another model, dtype, page size or backend)"
-                )
+                line = (f"refusing the worker at {w.url}: expected KV contract {have[:16]}, found "
+                        f"{info.contract_hash[:16]} (another model, KV dtype, page size, cache "
+                        "groups, speculative section or transfer backend)")
         if line:
             raise IdentityRefused(line)
         if self.config.pd and info.contract_hash and not self.contract_hash:

@@ -292,7 +292,8 @@ async def test_pd_workers_must_share_one_kv_contract(tok_dir):
         assert r.status_code == 409
         assert r.json()["error"]["message"] == (
             f"refusing the worker at {odd.url}: expected KV contract {'a' * 16}, found {'b' * 16} "
-            "(another model, dtype, page size or backend)"
+            "(another model, KV dtype, page size, cache groups, speculative section or transfer "
+            "backend)"
         )
 
 
