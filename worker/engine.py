@@ -82,17 +82,18 @@ class Engine:
             log.warning("max_model_len %d -> %d: the KV pool holds %d tokens (raise "
                         "cache.max_total_tokens for more)", self.max_model_len, pool, pool)
             self.max_model_len = pool
-        self.spec_counters = SpecCounters()
-        model_drafter = self._model_drafter()
-        # One scheduler per attention DP group, each over its group's own KV cache.
         # Decode and mono workers draft (speculative decoding); prefill only ships prompts.
         drafts = config.role != "prefill" and config.speculative.enabled
+        k = config.speculative.num_speculative_tokens if drafts else 0
+        # A bucket for each count of accepted drafts, 0..k, from the start (a fixed histogram).
+        self.spec_counters = SpecCounters(accepted_hist=[0] * (k + 1) if drafts else [])
+        model_drafter = self._model_drafter()
         self.drafter = make_drafter(config.speculative, model_drafter) if drafts else None
+        # One scheduler per attention DP group, each over its group's own KV cache.
         self.schedulers = [
             Scheduler(config.scheduler, self._cache_manager(), max_model_len=self.max_model_len,
                       eos_token_ids=self.spec.eos_token_ids, on_output=self._touch,
-                      num_speculative_tokens=config.speculative.num_speculative_tokens
-                      if drafts else 0, spec_counters=self.spec_counters)
+                      num_speculative_tokens=k, spec_counters=self.spec_counters)
             for _ in range(par.dp_size)
         ]
         self.scheduler = self.schedulers[0]  # the only one unless dp_size > 1

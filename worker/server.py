@@ -197,7 +197,7 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             kv_window_used_pages=sum(st.window_used_pages for st in stats),
         )
         spec = engine.spec_counters
-        if spec.request_steps:
+        if engine.drafter is not None:  # zeros until the first verify: the series exist
             load.spec.CopyFrom(tandem_pb2.SpecLoad(
                 draft_tokens=spec.drafted, accepted_tokens=spec.accepted,
                 request_steps=spec.request_steps, verify_steps=spec.verify_steps,

@@ -48,6 +48,20 @@ def plain(tmp_path_factory: pytest.TempPathFactory, prompts: list[str]) -> list[
         return asyncio.run(complete_all(c.url, prompts, 24))
 
 
+def _lines_within(url: str, prefix: str, timeout_s: float) -> list[str]:
+    """/metrics lines starting with `prefix`, once there are any (the gateway mirrors its
+    workers' loads on its poll), or [] after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [ln for ln in httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+                 if ln.startswith(prefix)]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
 def _metric(url: str, name: str) -> float:
     lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
@@ -57,6 +71,11 @@ def _metric(url: str, name: str) -> float:
 def test_ngram_equals_plain_greedy_and_reports_acceptance(config: str, prompts: list[str],
                                                           plain: list[str], tmp_path: Path) -> None:
     with running_cluster(config, *SPEC, tmp=tmp_path) as c:
+        # The series exist (at zero, with every bucket) before the first draft is verified.
+        lines = _lines_within(c.url, "tandem_spec_accepted_length_bucket{", 10.0)
+        assert sorted(line.split('le="')[1].split('"')[0] for line in lines) == [
+            "+Inf", "1.0", "2.0", "3.0", "4.0", "5.0"]
+        assert all(line.endswith(" 0.0") for line in lines)
         got = asyncio.run(complete_all(c.url, prompts, 24))
         loads = c.wait_drained()
         out = io.StringIO()

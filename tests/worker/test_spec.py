@@ -199,9 +199,12 @@ def test_greedy_with_ngram_equals_greedy_without_token_for_token(
 
     plain = _generate(_engine("none"), arith_prompts, params)
     engine = _engine("ngram")
+    # A bucket for 0..k accepted drafts from the start (Prometheus histograms keep their le set)
+    assert engine.spec_counters.accepted_hist == [0] * 5
     spec = _generate(engine, arith_prompts, params)
     assert spec == plain
     assert engine.spec_counters.accepted > 0  # the drafts really ran
+    assert len(engine.spec_counters.accepted_hist) == 5
     engine.scheduler.assert_drained()
 
 

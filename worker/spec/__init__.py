@@ -71,8 +71,8 @@ def make_drafter(config: SpeculativeConfig, model: Drafter | None = None) -> Dra
                           "(worker/spec/load.py); use ngram (or none)")
     lookup = (f" (n-grams of {config.ngram_min}-{config.ngram_max} tokens)"
               if config.method == "ngram" else "")
-    # Nothing else on the serving path says speculation is on: /metrics has tandem_spec_* once
-    # a draft is verified, and requests with logprobs or a grammar never draft.
+    # Besides /metrics' tandem_spec_* (zero until a draft is verified), only this says that
+    # speculation is on; requests with logprobs or a grammar never draft.
     log.info("speculative decoding: %s%s, up to %d drafts a step (requests with logprobs or "
              "a grammar decode without)", config.method, lookup, config.num_speculative_tokens)
     if config.method == "ngram":

@@ -28,5 +28,5 @@ class SpecCounters:
     def reset(self) -> None:
         """Back to zero in place (the engine's warm-up request is not counted; the schedulers
         and the model drafter keep this same object)."""
-        fresh = SpecCounters()
+        fresh = SpecCounters(accepted_hist=[0] * len(self.accepted_hist))  # the same buckets
         self.__dict__.update(fresh.__dict__)
