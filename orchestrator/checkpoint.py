@@ -8,7 +8,8 @@ down again; found here it is one line that names the file and the field and says
    integers; then the family's own parser, the one the worker runs (worker/arch: activation,
    rope, head layout, experts, quantization_config, ...).
 3. Weights (unless `load_format: dummy`): `model.safetensors`, or the shards
-   `model.safetensors.index.json` lists, each with a readable safetensors header.
+   `model.safetensors.index.json` lists, each with a readable safetensors header whose tensors
+   fill the file (a copy cut short is named); a model drafter's weights too.
 4. Tokenizer: `tokenizer.json` readable by the tokenizers library, `tokenizer_config.json`
    valid JSON. A checkpoint with no tokenizer files at all is served in token-id mode (the
    gateway takes token-id prompts on /v1/completions and answers text prompts with a 400);
@@ -21,7 +22,6 @@ The worker checks the same things again while loading (worker/model/loader.py).
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from worker.arch import drafter
 from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig, ModelLoadError
 from worker.arch.hf_defaults import with_absent_defaults
 from worker.arch.load import load_arch_config
+from worker.arch.safetensors_file import read_header
 from worker.config import ConfigError
 
 # Fields every supported family reads from config.json (as integers).
@@ -41,7 +42,6 @@ REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "v
 OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 # A slow (Python) tokenizer's files: transformers can convert them to tokenizer.json.
 _SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
-_MAX_HEADER = 100 << 20  # safetensors refuses headers above 100 MB
 
 
 class CheckpointError(ClusterConfigError):
@@ -145,21 +145,12 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def check_safetensors_header(file: Path) -> None:
-    """The 8-byte length and the JSON header every safetensors file starts with."""
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        raw = fh.read(8)
-        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < n <= min(size - 8, _MAX_HEADER):
-            raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, header length "
-                                  f"{n}); re-download it")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            header = None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: its safetensors header is not a JSON object; "
-                              "re-download it")
+    """The 8-byte length and the JSON header every safetensors file starts with, and tensors
+    that fit the file (worker/arch/safetensors_file.py: a file cut short is named here)."""
+    try:
+        read_header(file)
+    except ModelLoadError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def check_tokenizer(path: Path) -> bool:
@@ -235,8 +226,14 @@ def check_drafter(cluster: ClusterConfig, path: Path, arch: ArchConfig) -> None:
     line here rather than a worker's exit."""
     spec = cluster.speculative
     dp = max((rc.parallel.dp_size for _, rc in cluster.roles.present()), default=1)
+    head = Path(spec.drafter_path(str(path)))
     try:
-        drafter.check_drafter(spec.method, arch, path, Path(spec.drafter_path(str(path))),
+        drafter.check_drafter(spec.method, arch, path, head,
                               cluster.model.context_len(arch.context_limit), dp)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
+    own_layers = spec.method == "mtp" and drafter.own_mtp_layers(arch)
+    if spec.method in drafter.MODEL_METHODS and not own_layers \
+            and cluster.model.load_format != "dummy":
+        for f in weight_files(head):  # a head cut short: here, not in a worker's traceback
+            check_safetensors_header(f)

@@ -28,6 +28,7 @@ from protocol.identity import WorkerIdentity
 from protocol.tls import TLSConfig
 
 LAUNCHER_PID_ENV = "TANDEM_LAUNCHER_PID"  # set for a launched child: who must outlive it
+EXIT_REFUSED = 2  # a child that refused its input (cli's EXIT_USAGE), its last line says why
 
 
 def launcher_env(env: dict[str, str]) -> dict[str, str]:
@@ -150,6 +151,17 @@ class LocalCluster:
         proc.wait()
         self._wake.set()
 
+    def failed_to_start(self, child: Child) -> LaunchError:
+        """A child that exited before it was ready. One that refused its input (exit 2, its
+        last line `error: ...`: a checkpoint or config it cannot serve) is that line, no log
+        tail around it; any other exit is reported with its log's tail."""
+        code = child.proc.returncode
+        last = tail(child.spec.log_path, 1)
+        if code == EXIT_REFUSED and last.startswith("error: "):
+            return LaunchError(f"{child.spec.name} refused to start: "
+                               f"{last.removeprefix('error: ')} (log: {child.spec.log_path})")
+        return self.report_failure(child, f"exited with code {code} before it was ready")
+
     def report_failure(self, child: Child, what: str) -> LaunchError:
         text = tail(child.spec.log_path, self.log_tail_lines)
         print(
@@ -195,9 +207,7 @@ class LocalCluster:
         if self._stop_requested:
             return
         if gw.proc.poll() is not None:
-            raise self.report_failure(
-                gw, f"exited with code {gw.proc.returncode} before it was ready"
-            )
+            raise self.failed_to_start(gw)
         if not ok:
             raise self.report_failure(
                 gw, f"did not answer 200 on {gw.spec.health_url} within {self.ready_timeout_s:g} s"
@@ -211,9 +221,7 @@ class LocalCluster:
         while not self._stop_requested:
             dead = self.dead_child()
             if dead is not None:
-                raise self.report_failure(
-                    dead, f"exited with code {dead.proc.returncode} before it was ready"
-                )
+                raise self.failed_to_start(dead)
             for i, (c, w) in enumerate(zip(self._workers, watches, strict=True)):
                 if w.ready.is_set() and i not in checked:
                     self._check_identity(c)

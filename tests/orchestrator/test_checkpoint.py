@@ -74,6 +74,11 @@ def _corrupt_weights(p: Path) -> None:
     (p / "model.safetensors").write_bytes(b"\xff" * 64)
 
 
+def _truncated_weights(p: Path) -> None:
+    f = p / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a copy that stopped half-way
+
+
 def _missing_shard(p: Path) -> None:
     (p / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
@@ -96,6 +101,8 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("bin only", _bin_only, "no model.safetensors or model.safetensors.index.json (it has "
                             "pytorch_model.bin)"),
     ("corrupt weights", _corrupt_weights, "model.safetensors: not a safetensors file"),
+    ("truncated weights", _truncated_weights, "model.safetensors: truncated: its header's "
+                                              "tensors need"),
     ("missing shard", _missing_shard, "model.safetensors.index.json lists 1 shards that are "
                                       "absent (e.g. model-00002-of-00002.safetensors)"),
     ("slow tokenizer", _slow_tokenizer_only, "has tokenizer.model but no tokenizer.json"),
@@ -133,6 +140,20 @@ def test_a_missing_drafter_is_one_line_before_anything_starts(
     err = capsys.readouterr().err
     assert err.startswith("error: speculative.model: ") and err.count("\n") == 1, err
     assert f"{model / method} has no config.json" in err
+    assert not logs.exists()  # nothing started
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp", "draft"])
+def test_a_truncated_drafter_is_one_line_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str) -> None:
+    model = copy_model(tmp_path)
+    _truncated_weights(model / method)
+    logs = tmp_path / "logs"
+    assert main(["serve", "--model", str(model), "--set", f"speculative.method={method}",
+                 "--set", f"launcher.log_dir={logs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"error: {model / method / 'model.safetensors'}: truncated"), err
     assert not logs.exists()  # nothing started
 
 

@@ -30,12 +30,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from transfer.contract import heads_of_rank
 from worker.arch.fp8_config import BlockFp8Config, Fp8Error
 from worker.arch.hf_config import ArchConfig, ModelLoadError
 from worker.arch.load import load_arch_config, read_json
+from worker.arch.safetensors_file import read_header
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import fp8, fp8_gemm, fused
 from worker.model.backends import get_attention_backend
@@ -92,7 +93,15 @@ class SafetensorsSource:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, single-file or sharded."""
+    """The safetensors files of a checkpoint, single-file or sharded, each with a header that
+    fits its size (a file cut short is one line naming it, not the library's error mid-load)."""
+    files = _weight_files(path)
+    for f in files:
+        read_header(f)
+    return files
+
+
+def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         names = sorted(set(read_json(index).get("weight_map", {}).values()))
@@ -166,7 +175,11 @@ def iter_checkpoint(
     tensor is not yielded on its own). Shards may hold a weight and its scales apart."""
     handles: dict[str, object] = {}
     for f in files:
-        handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+        try:
+            handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+        except SafetensorError as exc:  # what read_header cannot see; one line, not a traceback
+            raise ModelLoadError(f"{f}: the safetensors library cannot read it ({exc}); "
+                                 "re-download or re-save it") from None
         for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
             handles[name] = handle
     for name, handle in handles.items():
@@ -257,8 +270,10 @@ def load_checkpoint(
     model.drop_unloaded(loaded)  # optional modules the checkpoint lacks (DeepSeek's MTP layers)
     missing = sorted(set(model.weight_slots()) - loaded)
     if missing:
+        where = files[0] if len(files) == 1 else files[0].parent
         raise ModelLoadError(
-            f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}; does "
+            f"{where}: checkpoint lacks {len(missing)} tensors the config needs, e.g. "
+            f"{missing[:4]}; does "
             "config.json (architectures, tie_word_embeddings, attention_bias) match the weights?"
         )
     if ignored:
