@@ -55,13 +55,28 @@ def suggest(key: str, valid: list[str]) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
-def unknown_key_message(key: str, where: str, valid: list[str]) -> str:
+def unknown_key_message(key: str, where: str, valid: list[str],
+                        top_level: tuple[str, ...] = ()) -> str:
+    """The valid keys and the nearest one; a key of the root (`top_level`) met deeper, e.g.
+    `speculative:` under `roles.decode:`, is a section in the wrong place, not a typo."""
+    if where and key in top_level:
+        return misplaced_section(key, where, "move it to the top level of the file")
     place = f"in '{where}'" if where else "at the top level"
     return f"unknown key '{key}' {place}. Valid keys: {', '.join(valid)}.{suggest(key, valid)}"
 
 
-def convert(value: Any, tp: Any, path: str) -> Any:
-    """Check and convert one YAML value to the field type `tp`; `path` names it in errors."""
+def misplaced_section(key: str, where: str, fix: str) -> str:
+    return (f"'{key}' is a top-level section, not a key of '{where}' (one setting for every "
+            f"role): {fix}")
+
+
+def _field_names(cls: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def convert(value: Any, tp: Any, path: str, top_level: tuple[str, ...] = ()) -> Any:
+    """Check and convert one YAML value to the field type `tp`; `path` names it in errors;
+    `top_level`: the root's keys (see unknown_key_message)."""
     inner, optional = _unwrap_optional(tp)
     if value is None:
         if optional:
@@ -72,7 +87,7 @@ def convert(value: Any, tp: Any, path: str) -> Any:
     if dataclasses.is_dataclass(inner):
         if not isinstance(value, dict):
             raise SchemaError(f"{path}: expected a mapping (a section with keys), got {value!r}")
-        return build(inner, value, path)  # type: ignore[arg-type]
+        return build(inner, value, path, top_level)  # type: ignore[arg-type]
     if typing.get_origin(inner) is Literal:
         allowed = typing.get_args(inner)
         if isinstance(value, bool) and ("on" if value else "off") in allowed:
@@ -116,15 +131,17 @@ def convert(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"schema: unsupported field type {tp!r} at {path}")
 
 
-def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
+def build(cls: type, data: dict[str, Any], path: str = "",
+          top_level: tuple[str, ...] = ()) -> Any:
     """Build dataclass `cls` from mapping `data`; missing keys take the dataclass defaults."""
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    names = _field_names(cls)
+    top_level = top_level or tuple(names)  # the root's keys, for errors deeper down
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str) or key not in hints:
-            raise SchemaError(unknown_key_message(str(key), path, names))
-        kwargs[key] = convert(value, hints[key], f"{path}.{key}" if path else key)
+            raise SchemaError(unknown_key_message(str(key), path, names, top_level))
+        kwargs[key] = convert(value, hints[key], f"{path}.{key}" if path else key, top_level)
     return cls(**kwargs)
 
 
@@ -135,16 +152,19 @@ def field_type(cls: type, dotted: str) -> Any:
     """
     tp: Any = cls
     walked: list[str] = []
-    for part in dotted.split("."):
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
         inner, _ = _unwrap_optional(tp)
         if not dataclasses.is_dataclass(inner):
             raise SchemaError(
                 f"'{'.'.join(walked)}' is a value ({_type_name(tp)}), it has no key '{part}'"
             )
         hints = _hints(inner)  # type: ignore[arg-type]
+        if part in _field_names(cls) and walked and part not in hints:
+            raise SchemaError(misplaced_section(part, ".".join(walked),
+                                                f"set {'.'.join(parts[i:])} instead"))
         if part not in hints:
-            names = [f.name for f in dataclasses.fields(inner)]
-            raise SchemaError(unknown_key_message(part, ".".join(walked), names))
+            raise SchemaError(unknown_key_message(part, ".".join(walked), _field_names(inner)))
         tp = hints[part]
         walked.append(part)
     return tp

@@ -34,3 +34,20 @@ def test_serve_reports_a_workers_refusal_as_the_clusters_failure_in_one_line(
     assert "-0 refused to start: " in err, err
     assert f"{model / 'model.safetensors'}: checkpoint lacks 1 tensors" in err, err
     assert "model.layers.0.mlp.gate_proj.weight" in err and "(log: " in err, err
+
+
+@pytest.mark.parametrize("section", ["speculative", "transfer", "model", "gateway"])
+def test_a_top_level_section_under_a_role_says_it_is_top_level(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str) -> None:
+    """`speculative:` under `roles.decode:` is not a typo of `scheduler`: the fix is to move it."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"roles:\n  prefill: {{}}\n  decode:\n    {section}:\n      x: 1\n")
+    assert main(["plan", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"'{section}' is a top-level section" in err and "roles.decode" in err, err
+    assert "Did you mean" not in err, err
+    assert main(["plan", "--set", f"roles.decode.{section}.x=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"'{section}' is a top-level section" in err, err
+    assert f"set {section}.x instead" in err, err
