@@ -1,12 +1,13 @@
 """What the local launcher tells the user when the cluster is up and when it is down.
 
     ready: http://127.0.0.1:8000 (model tandem-arith; prefill-0 [tp 2, cpu], decode-0 [cpu];
-           mooncake tcp; cluster 3f2a...; logs /path/logs/8000)
+           mooncake tcp; speculative eagle k=3; cluster 3f2a...; logs /path/logs/8000)
     stopped: lb (0), prefill-0 (0), decode-0 (0); logs in /path/logs
 
 Model (its served name), every worker with its ranks and devices, the KV transfer backend
-(or "monolithic"), the URL and where the logs are: what a user needs to start using it and to
-find out what went wrong; each stopped process with its exit status.
+(or "monolithic"), speculative decoding when it is on (method, drafts a step), the URL and
+where the logs are: what a user needs to start using it and to find out what went wrong; each
+stopped process with its exit status.
 """
 
 from __future__ import annotations
@@ -49,10 +50,16 @@ def transfer_summary(cluster: ClusterConfig) -> str:
     return f"{t.backend} {t.protocol}" if t.backend == "mooncake" else t.backend
 
 
+def spec_summary(cluster: ClusterConfig) -> str:
+    """`speculative eagle k=3; ` when decode workers draft (k: drafts a step at most), else ''."""
+    spec = cluster.speculative
+    return f"speculative {spec.method} k={spec.num_speculative_tokens}; " if spec.enabled else ""
+
+
 def ready_line(cluster: ClusterConfig, log_dir: Path) -> str:
     gw = cluster.gateway
     return (f"ready: http://{dial_address(gw.host, gw.port)} (model {cluster.served_model_name}; "
-            f"{worker_summary(cluster)}; {transfer_summary(cluster)}; "
+            f"{worker_summary(cluster)}; {transfer_summary(cluster)}; {spec_summary(cluster)}"
             f"cluster {cluster.launcher.cluster_id}; logs {log_dir.resolve()})")
 
 
