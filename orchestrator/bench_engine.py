@@ -30,7 +30,8 @@ from typing import IO, Any
 from orchestrator.bench import BenchSpec, load, make_sessions, summarize
 from orchestrator.bench_stats import latency_ms, percentile, token_latencies
 from orchestrator.config import ClusterConfig, load_config
-from orchestrator.launch.background import running_cluster
+from orchestrator.launch.background import ClusterStartError, free_ports, running_cluster
+from orchestrator.launch.local import prepare_launch
 from orchestrator.worker_config import worker_config
 from worker.config import WorkerConfig
 
@@ -192,6 +193,14 @@ def served_vs_engine(config_path: Path, sets: list[str], specs: list[BenchSpec],
     """Measure every spec (closed loops of B = spec.concurrency) on the engine, then on the
     config's cluster; print the table to `out` and progress to `err`; return the result."""
     cluster = load_config(config_path, sets)
+    # The measured cluster is this command's own: free ports for every listener, so it starts
+    # beside a cluster already serving the same config (whose ports the file may pin); the
+    # gateway's port only where the command line asks for one (--port, --set gateway.port).
+    pinned = any(s.partition("=")[0].strip() == "gateway.port" for s in sets)
+    port = cluster.gateway.port if pinned else free_ports(1)[0]
+    launch_sets = [*sets, *(f"roles.{name}.base_port=0" for name, _ in cluster.roles.present()),
+                   "transfer.bootstrap_port=0", f"gateway.port={port}"]
+    prepare_launch(load_config(config_path, launch_sets))  # checkpoint, ports: before the engine
     serving = engine_config(cluster)
     most_seqs = serving.scheduler.max_num_seqs
     for spec in specs:
@@ -215,19 +224,19 @@ def served_vs_engine(config_path: Path, sets: list[str], specs: list[BenchSpec],
     timeout = cluster.launcher.ready_timeout_s
     warm = dataclasses.replace(specs[0], input_len=16, output_len=4, num_requests=8,
                                concurrency=8, range_ratio=0.0)
-    # The measured cluster is this command's own: free ports for every listener, so it starts
-    # beside a cluster already serving the same config (whose ports the file may pin).
-    own_ports = [f"roles.{name}.base_port=0" for name, _ in cluster.roles.present()]
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp, running_cluster(
-        str(config_path), *sets, *own_ports, "transfer.bootstrap_port=0",
-        f"launcher.ready_timeout_s={timeout}", tmp=Path(tmp),
-        model=Path(model_dir), ready_timeout_s=timeout + 30, admin_key=cluster.gateway.admin_key,
-    ) as up:
-        print(f"[bench] cluster up at {up.url}", file=err, flush=True)
-        load(up.url, warm)
-        for spec, row in zip(specs, result["rows"], strict=True):
-            print(f"[bench] served, concurrency {spec.concurrency}", file=err, flush=True)
-            row["served"] = summarize(*load(up.url, spec), spec)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp, running_cluster(
+            str(config_path), *launch_sets, f"launcher.ready_timeout_s={timeout}", tmp=Path(tmp),
+            model=Path(model_dir), ready_timeout_s=timeout + 30, port=port,
+            admin_key=cluster.gateway.admin_key,
+        ) as up:
+            print(f"[bench] cluster up at {up.url}", file=err, flush=True)
+            load(up.url, warm)
+            for spec, row in zip(specs, result["rows"], strict=True):
+                print(f"[bench] served, concurrency {spec.concurrency}", file=err, flush=True)
+                row["served"] = summarize(*load(up.url, spec), spec)
+    except ClusterStartError as exc:
+        raise BenchEngineError(f"the cluster did not start: {exc.first_error()}") from None
     out.write(table(result, specs[0]))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,9 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                              "dataset); --out DIR writes served_engine.json/.md/.png")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="with --config: override one field of it (repeatable)")
+    p.add_argument("--port", type=int, metavar="N",
+                   help="with --config: the gateway port of the cluster it starts "
+                        "(= --set gateway.port=N; default: a free port)")
     p.add_argument("--input-len", type=int, default=128,
                    help="prompt length (characters or token ids)")
     p.add_argument("--output-len", type=int, default=32,
@@ -187,18 +190,22 @@ def _served_vs_engine(args: argparse.Namespace, specs: list[Any]) -> int:
     """`tandem bench --config`: the engine in-process against the config's cluster."""
     from orchestrator.bench_engine import BenchEngineError, served_vs_engine  # imports torch
     from orchestrator.config_checks import ClusterConfigError
+    from worker.arch.hf_config import ModelLoadError
+    from worker.config import ConfigError
 
     if args.request_rate:
         print("error: --request-rate: served / engine measures closed loops; give "
               "--concurrency B[,B...] (the engine's batch B)", file=sys.stderr)
         return EXIT_USAGE
+    # --port first, as serve's named flags: a --set of the same key wins
+    sets = [*([] if args.port is None else [f"gateway.port={args.port}"]), *args.overrides]
     try:
-        result = served_vs_engine(resolve_config_path(args.config), args.overrides, specs,
+        result = served_vs_engine(resolve_config_path(args.config), sets, specs,
                                   io.StringIO() if args.json else sys.stdout, sys.stderr,
                                   Path(args.out) if args.out else None)
-    except (BenchEngineError, ClusterConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (BenchEngineError, ClusterConfigError, ModelLoadError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # ModelLoadError: weights the engine cannot
+        return EXIT_USAGE  # load in this process (tensors the launcher's checks do not read)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -284,8 +291,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
              [dataclasses.replace(base, concurrency=c) for c in concs or [4]])
     if args.config:
         return _served_vs_engine(args, specs)
-    if args.overrides:
-        print("error: --set needs --config (it overrides the config's fields)", file=sys.stderr)
+    if args.overrides or args.port is not None:
+        flag = "--set" if args.overrides else "--port"
+        print(f"error: {flag} needs --config (it sets the cluster bench starts; --url names a "
+              "running server's port)", file=sys.stderr)
         return EXIT_USAGE
     try:
         return bench_main(args.url, specs, args.json, sys.stdout, sys.stderr,

@@ -30,6 +30,20 @@ REPO = Path(__file__).resolve().parents[2]  # the checkout: configs/ and models/
 EMBEDDED_MODEL = REPO / "models" / "tandem-arith"
 
 
+class ClusterStartError(AssertionError):
+    """The cluster exited or was not ready in time; the message holds `tandem serve`'s output.
+    (An AssertionError: tests that start clusters fail on it as on any assertion.)"""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
+
+    def first_error(self) -> str:
+        """serve's own `error: ...` line (its one-line refusal), else the message's first."""
+        lines = [ln for ln in self.output.splitlines() if ln.startswith("error: ")]
+        return (lines[0] if lines else str(self).splitlines()[0]).removeprefix("error: ")
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct ports free on 127.0.0.1 now (the OS picks them)."""
     socks, ports = [], []
@@ -126,13 +140,16 @@ def running_cluster(
     tls: TLSConfig | None = None,
     admin_key: str = "",
     logs: Path | None = None,
+    port: int = 0,
 ) -> Iterator[Cluster]:
     """`tls`: serve every gRPC link with it (and dial the workers with it). `admin_key`: the
     gateway's (`--admin-key`), also sent by the Cluster's own calls to /workers. `logs`: the
-    launcher's log_dir (default DIR/logs); two clusters may share one."""
+    launcher's log_dir (default DIR/logs); two clusters may share one. `port`: the gateway's
+    (0: a free one); `overrides` must not set another. ClusterStartError when it does not
+    come up."""
     tls = tls or TLSConfig()
     load_config(_config_path(config))  # a bad config fails here, not after a launch
-    (gw,) = free_ports(1)
+    gw = port or free_ports(1)[0]
     logs = logs or tmp / "logs"
     log_dir = logs / str(gw)
     sets = [
@@ -175,16 +192,14 @@ def running_cluster(
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
-                raise AssertionError(
-                    f"cluster exited with {proc.returncode}:\n{(tmp / 'serve.out').read_text()}"
-                )
+                text = (tmp / "serve.out").read_text()
+                raise ClusterStartError(f"cluster exited with {proc.returncode}:\n{text}", text)
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"cluster not ready in {ready_timeout_s}s:\n{(tmp / 'serve.out').read_text()}"
-                )
+                text = (tmp / "serve.out").read_text()
+                raise ClusterStartError(f"cluster not ready in {ready_timeout_s}s:\n{text}", text)
             time.sleep(0.2)
         cluster = Cluster(
             url=url, log_dir=log_dir, workers={}, proc=proc, tls=tls, admin_key=admin_key
