@@ -31,8 +31,7 @@ from gateway.config import GatewayConfig, GatewayConfigError, Policy
 from orchestrator.config_checks import (
     WILDCARD_HOSTS,
     ClusterConfigError,
-    validate_launcher_and_eval,
-    validate_ports,
+    validate_across_sections,
     validate_roles,
 )
 from orchestrator.config_yaml import read_yaml
@@ -275,8 +274,7 @@ class ClusterConfig:
             self.speculative.validate("speculative")
         except (ConfigError, TransferConfigError, GatewayConfigError, TLSConfigError) as exc:
             raise ClusterConfigError(str(exc)) from None
-        validate_launcher_and_eval(self)
-        validate_ports(self)
+        validate_across_sections(self)
 
 
 def _merge_role_sections(data: dict[str, Any]) -> None:

@@ -83,6 +83,35 @@ def validate_roles(cluster: ClusterConfig) -> None:
             )
 
 
+# Cache fields of the layout contract: prefill writes KV into decode's pages as they are.
+_PAIRED_CACHE_FIELDS = ("page_size", "kv_cache_dtype")
+
+
+def validate_page_pairing(cluster: ClusterConfig) -> None:
+    """Prefill and decode agree on what a page is; a role's own cache section may differ in the
+    rest (num_pages, enable_prefix_cache). Else the gateway refuses decode's contract at run
+    time, after the launch."""
+    prefill, decode = cluster.roles.prefill, cluster.roles.decode
+    if prefill is None or decode is None:
+        return
+    p_cache, d_cache = prefill.cache or cluster.cache, decode.cache or cluster.cache
+    for name in _PAIRED_CACHE_FIELDS:
+        pv, dv = getattr(p_cache, name), getattr(d_cache, name)
+        if pv != dv:
+            raise ClusterConfigError(
+                f"roles.decode.cache.{name}={dv} differs from roles.prefill's {pv}: prefill "
+                f"writes the KV into decode's pages as they are, so both roles need one {name}; "
+                "set it once in the top-level cache section (or the same in both roles)"
+            )
+
+
+def validate_across_sections(cluster: ClusterConfig) -> None:
+    """The rules across sections, once every section is valid on its own."""
+    validate_page_pairing(cluster)
+    validate_launcher_and_eval(cluster)
+    validate_ports(cluster)
+
+
 def validate_launcher_and_eval(cluster: ClusterConfig) -> None:
     if cluster.launcher.ready_timeout_s <= 0:
         raise ClusterConfigError(

@@ -51,3 +51,34 @@ def test_a_top_level_section_under_a_role_says_it_is_top_level(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"'{section}' is a top-level section" in err, err
     assert f"set {section}.x instead" in err, err
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["roles.decode.cache.page_size=32"],
+     "roles.decode.cache.page_size=32 differs from roles.prefill's 16"),
+    (["roles.prefill.cache.page_size=8", "roles.decode.cache.page_size=32"],
+     "roles.decode.cache.page_size=32 differs from roles.prefill's 8"),
+    (["roles.prefill.cache.kv_cache_dtype=fp8_e4m3"],
+     "roles.decode.cache.kv_cache_dtype=auto differs from roles.prefill's fp8_e4m3"),
+])
+def test_prefill_and_decode_pages_that_cannot_pair_are_refused_on_load(
+        capsys: pytest.CaptureFixture[str], sets: list[str], says: str) -> None:
+    """Prefill writes KV into decode's pages page for page: a page size or KV dtype that
+    differs between the roles was a gateway refusing the decode worker at run time (serve
+    waited out ready_timeout_s); it is one line before anything starts."""
+    argv = ["plan"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert "set it once in the top-level cache section" in err, err
+
+
+def test_a_page_size_of_one_role_alone_is_fine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--set", "cache.page_size=32"]) == 0
+    assert main(["plan", "--config", "configs/tiny-mono.yaml",
+                 "--set", "roles.both.cache.page_size=32"]) == 0
+    assert main(["plan", "--set", "roles.decode.cache.enable_prefix_cache=false",
+                 "--set", "roles.decode.cache.num_pages=512"]) == 0  # not contract fields
+    capsys.readouterr()
