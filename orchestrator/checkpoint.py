@@ -113,7 +113,10 @@ def check_config(path: Path) -> dict[str, Any]:
 
 def _check_architectures(file: Path, cfg: dict[str, Any]) -> None:
     archs = cfg.get("architectures") or []
-    if not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if not isinstance(archs, list):
+        raise CheckpointError(f"{file}: architectures must be a list of strings, got {archs!r} "
+                              f"(e.g. [\"{SUPPORTED_ARCHITECTURES[0]}\"])")
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise CheckpointError(f"{file}: architectures={archs!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 

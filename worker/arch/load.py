@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.arch.deepseek_config import parse_deepseek_v3
+from worker.arch.field_types import check_field_types, check_generation_config
 from worker.arch.gpt_oss_config import gpt_oss_layer_windows, parse_gpt_oss_config
 from worker.arch.hf_config import (
     SUPPORTED_ARCHITECTURES,
@@ -77,11 +78,15 @@ def load_arch_config(path: Path) -> ArchConfig:
         )
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else None
+    if gen is not None:
+        check_generation_config(gen, str(gen_path))
     cfg = read_json(path / "config.json")
-    if isinstance(cfg, dict):
-        # an absent field means what transformers means by it
-        cfg = with_absent_defaults(cfg, has_generation_config=gen is not None)
-    dtype = config_dtype(cfg, path) if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: the top level must be a JSON object")
+    check_field_types(cfg, str(path / "config.json"))  # before any parser's int() or bool()
+    # an absent field means what transformers means by it
+    cfg = with_absent_defaults(cfg, has_generation_config=gen is not None)
+    dtype = config_dtype(cfg, path)
     if dtype and not (cfg.get("dtype") or cfg.get("torch_dtype")):
         cfg = {**cfg, "dtype": dtype}  # what the weights hold: the parsers read `dtype`
     archs = cfg.get("architectures") or []
