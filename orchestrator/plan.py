@@ -26,6 +26,7 @@ from orchestrator.checkpoint import (
 )
 from orchestrator.config import ClusterConfig, ClusterConfigError, RoleConfig
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
+from orchestrator.host_memory import check_host_memory
 from orchestrator.kv_groups import FULL, MLA, RECURRENT, WINDOW, KVGroup, kv_groups, mla_latent_dim
 from orchestrator.rank_map import (
     plan_processes,
@@ -385,8 +386,10 @@ def preflight(cluster: ClusterConfig) -> list[str]:
     rule (devices included) against its config.json. Returns notes for the user (e.g. token-id
     mode); raises CheckpointError / LayoutError (both ClusterConfigError) with one line."""
     report = check_checkpoint(cluster.model.path, cluster.model.load_format)
-    check_layout(cluster, report.config)
+    cuda = cuda_status()
+    check_layout(cluster, report.config, cuda)
     check_drafter(cluster, report.path, report.arch)
+    check_host_memory(cluster, kv_budget(cluster, report.config, cuda), cuda)
     notes = []
     if not report.has_tokenizer:
         notes.append(f"note: {report.path} has no tokenizer files: the gateway takes token-id "

@@ -9,6 +9,7 @@ from pathlib import Path
 from orchestrator.checkpoint import check_drafter, check_for_plan
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
+from orchestrator.host_memory import check_host_memory
 from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup
 from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
 from orchestrator.rank_map import ProcessRow, num_nodes, plan_processes
@@ -85,6 +86,7 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
         if arch is not None:
             check_drafter(cluster, path, arch)
         budgets = kv_budget(cluster, hf, cuda)
+        check_host_memory(cluster, budgets, cuda)
     except LayoutError:
         raise
     except ClusterConfigError as exc:

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from orchestrator.config import ClusterConfig, dial_address, dump_config
+from orchestrator.config import ClusterConfig, ClusterConfigError, dial_address, dump_config
 from orchestrator.launch.describe import ready_line, stopped_line
 from orchestrator.launch.ports import check_ports, resolve_ports
 from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec, stop_on_signals
@@ -51,12 +51,19 @@ def run_dir_of(cluster: ClusterConfig) -> Path:
 
 
 def fresh_run_dir(run_dir: Path) -> Path:
-    """An empty run directory; the previous run's files move to `<run_dir>.prev`."""
-    if run_dir.exists():
-        prev = run_dir.with_name(run_dir.name + ".prev")
-        shutil.rmtree(prev, ignore_errors=True)
-        run_dir.rename(prev)
-    run_dir.mkdir(parents=True)
+    """An empty run directory; the previous run's files move to `<run_dir>.prev`.
+    ClusterConfigError naming the keys when it cannot be made (a file in the way, no
+    permission)."""
+    try:
+        if run_dir.exists():
+            prev = run_dir.with_name(run_dir.name + ".prev")
+            shutil.rmtree(prev, ignore_errors=True)
+            run_dir.rename(prev)
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise ClusterConfigError(
+            f"launcher.run_dir: cannot create {run_dir} ({exc.strerror or exc}); set "
+            "launcher.log_dir (or launcher.run_dir) to a directory you can write") from None
     return run_dir
 
 

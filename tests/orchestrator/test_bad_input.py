@@ -82,3 +82,28 @@ def test_a_page_size_of_one_role_alone_is_fine(capsys: pytest.CaptureFixture[str
     assert main(["plan", "--set", "roles.decode.cache.enable_prefix_cache=false",
                  "--set", "roles.decode.cache.num_pages=512"]) == 0  # not contract fields
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("command", ["plan", "serve"])
+def test_a_kv_cache_larger_than_this_machine_is_one_line_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """A CPU worker's KV pool is allocated whole at start: one that cannot fit the machine's
+    memory was the worker's allocator traceback in a log tail."""
+    logs = tmp_path / "logs"
+    assert main([command, "--set", "cache.num_pages=100000000000",
+                 "--set", f"launcher.log_dir={logs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "roles.prefill: a prefill worker's KV cache needs " in err, err
+    assert "lower cache.num_pages" in err, err
+    assert not logs.exists()
+
+
+def test_an_unwritable_log_dir_is_one_line(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    assert main(["serve", "--port", "8213", "--set",
+                 f"launcher.log_dir={tmp_path / 'file'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"launcher.run_dir: cannot create {tmp_path / 'file' / '8213'}" in err, err
