@@ -44,7 +44,12 @@ def _check_unique_keys(node: yaml.Node, where: str, path: Path, seen: set[int]) 
 
 def read_yaml(path: Path) -> Any:
     """The file's data; ClusterConfigError in one line for invalid YAML or a duplicate key."""
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ClusterConfigError(f"{path}: is not UTF-8 text (byte {exc.start}: "
+                                 f"{exc.object[exc.start:exc.start + 1]!r}); pass a YAML "
+                                 "cluster config (e.g. configs/tiny-1p1d.yaml)") from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:

@@ -107,3 +107,13 @@ def test_an_unwritable_log_dir_is_one_line(tmp_path: Path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"launcher.run_dir: cannot create {tmp_path / 'file' / '8213'}" in err, err
+
+
+def test_a_config_file_that_is_not_text_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"\xff\xfe\x00\x01roles")  # a binary file passed by mistake
+    assert main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {path}: is not UTF-8 text"), err
