@@ -71,3 +71,23 @@ def test_architectures_as_a_string_says_it_must_be_a_list(
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert "architectures must be a list of strings, got 'Qwen3ForCausalLM'" in err, err
+
+
+@pytest.mark.parametrize("method, text, says", [
+    ("eagle", None, "hidden_size must be a positive integer, got 'x'"),
+    ("mtp", "[1, 2]", "mtp/config.json: the top level must be a JSON object"),
+])
+def test_a_drafter_config_json_of_the_wrong_shape_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str, text: str | None,
+        says: str) -> None:
+    model = _copy(tmp_path, {})
+    head = model / method / "config.json"
+    if text is None:
+        cfg = json.loads(head.read_text())
+        head.write_text(json.dumps({**cfg, "hidden_size": "x"}))
+    else:
+        head.write_text(text)
+    assert main(["plan", "--model", str(model), "--set", f"speculative.method={method}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and says in err, err
+    assert err.startswith("error: speculative.model "), err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.arch.field_types import check_field_types
 from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.arch.load import load_arch_config, read_json
 from worker.config import ConfigError
@@ -79,7 +80,9 @@ def _check_method(method: str, source: Path) -> None:
     """A drafter directory of another method (the embedded model ships all three side by
     side): say which method it is for, before its fields are read as this method's."""
     raw = read_json(source)
-    theirs = _drafter_method(raw if isinstance(raw, dict) else {})
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{source}: the top level must be a JSON object")
+    theirs = _drafter_method(raw)
     if theirs != method:
         wanted = "a draft model" if method == "draft" else f"an {method} head"
         what = f"an {theirs} head" if theirs != "draft" else "a causal LM, a draft model"
@@ -99,6 +102,7 @@ def _check_head(layout: str, target: ArchConfig, source: Path) -> None:
         raise ConfigError(f"speculative.method={layout}: heads are built for "
                           f"{', '.join(EAGLE_TARGETS)}; {target.architecture} is not one; use "
                           "speculative.method ngram")
+    check_field_types(raw, str(source))  # before the parser's int() and float()
     head = parse_arch_config({**raw, "architectures": [target.architecture]}, None, str(source))
     _check_geometry(source, target, hidden_size=head.hidden_size, vocab_size=head.vocab_size,
                     num_key_value_heads=head.num_kv_heads, head_dim=head.head_dim)
