@@ -178,9 +178,26 @@ def check_tokenizer(path: Path) -> bool:
                               "re-download it or re-save the tokenizer with transformers' "
                               "save_pretrained") from None
     cfg = path / "tokenizer_config.json"
-    if cfg.is_file() and not isinstance(read_json_file(cfg, ""), dict):
+    config = read_json_file(cfg, "") if cfg.is_file() else {}
+    if not isinstance(config, dict):
         raise CheckpointError(f"{cfg}: the top level must be a JSON object")
+    check_chat_template(path, cfg if "chat_template" in config else path / "chat_template.jinja")
     return True
+
+
+def check_chat_template(path: Path, source: Path) -> None:
+    """The chat template compiled as the gateway compiles it (sandboxed jinja2 with its
+    extensions): a syntax error is one line here, not the gateway's traceback at its start."""
+    import jinja2  # the gateway's dependency; light
+
+    from gateway.tokenizer import Tokenizer as GatewayTokenizer
+
+    try:
+        GatewayTokenizer.from_dir(path)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"{source}: its chat_template is not a valid Jinja template (line "
+                              f"{exc.lineno}: {exc.message}); fix it, or remove it to serve "
+                              "completions only") from None
 
 
 def check_arch(path: Path) -> ArchConfig:

@@ -93,6 +93,18 @@ def _corrupt_tokenizer(p: Path) -> None:
     (p / "tokenizer.json").write_text('{"version": "1.0", "model": 7}')
 
 
+def _broken_chat_template(p: Path) -> None:
+    cfg = json.loads((p / "tokenizer_config.json").read_text())
+    (p / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{% if %}"}))
+
+
+def _broken_chat_template_file(p: Path) -> None:
+    cfg = json.loads((p / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (p / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (p / "chat_template.jinja").write_text("{{ messages[0] }\n")
+
+
 CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("missing field", _missing_field, "config.json: required field 'hidden_size' is missing"),
     ("bad json", _bad_json, "config.json: not valid JSON"),
@@ -108,6 +120,10 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("slow tokenizer", _slow_tokenizer_only, "has tokenizer.model but no tokenizer.json"),
     ("corrupt tokenizer", _corrupt_tokenizer, "tokenizer.json: the tokenizers library cannot "
                                               "read it"),
+    ("broken chat template", _broken_chat_template, "tokenizer_config.json: its chat_template "
+                                                    "is not a valid Jinja template (line 1: "),
+    ("broken chat_template.jinja", _broken_chat_template_file, "chat_template.jinja: its "
+                                                               "chat_template is not a valid"),
 ]
 
 
