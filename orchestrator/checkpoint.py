@@ -181,6 +181,10 @@ def check_tokenizer(path: Path) -> bool:
     config = read_json_file(cfg, "") if cfg.is_file() else {}
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfg}: the top level must be a JSON object")
+    template = config.get("chat_template")
+    if template is not None and not isinstance(template, (str, list)):
+        raise CheckpointError(f"{cfg}: chat_template must be a string (a Jinja template) or a "
+                              f"list of named templates, got {template!r}")
     check_chat_template(path, cfg if "chat_template" in config else path / "chat_template.jinja")
     return True
 

@@ -98,6 +98,11 @@ def _broken_chat_template(p: Path) -> None:
     (p / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{% if %}"}))
 
 
+def _chat_template_not_text(p: Path) -> None:
+    cfg = json.loads((p / "tokenizer_config.json").read_text())
+    (p / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": 5}))
+
+
 def _broken_chat_template_file(p: Path) -> None:
     cfg = json.loads((p / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
@@ -122,6 +127,8 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
                                               "read it"),
     ("broken chat template", _broken_chat_template, "tokenizer_config.json: its chat_template "
                                                     "is not a valid Jinja template (line 1: "),
+    ("chat template not text", _chat_template_not_text, "tokenizer_config.json: chat_template "
+                                                        "must be a string"),
     ("broken chat_template.jinja", _broken_chat_template_file, "chat_template.jinja: its "
                                                                "chat_template is not a valid"),
 ]
