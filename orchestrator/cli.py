@@ -200,7 +200,13 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append("model.enforce_eager=true")
     extra.extend(_parser_overrides(args))
     extra += _kv_dtype_override(args)
-    # `serve` is the local launcher by definition, whatever the file or --set says.
+    # `serve` is the local launcher by definition, whatever the file says; a --set asking for
+    # another would be ignored, so it is refused.
+    for text in args.overrides:
+        key, _, value = text.partition("=")
+        if key.strip() == "launcher.kind" and value.strip() != "local":
+            raise ClusterConfigError(f"--set {text}: tandem serve runs the local launcher; run "
+                                     "`tandem launch --config FILE` for slurm or ray")
     overrides = [*extra, *args.overrides, "launcher.kind=local"]
     return load_config(resolve_config_path(args.config), overrides)
 

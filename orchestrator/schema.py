@@ -188,8 +188,9 @@ def parse_override(text: str, cls: type) -> tuple[list[str], Any]:
         return key.split("."), raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise SchemaError(f"--set {text!r}: the value is not valid YAML ({exc})") from None
+    except yaml.YAMLError as exc:  # one line: PyYAML's text spans several
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SchemaError(f"--set {text!r}: the value is not valid YAML ({what})") from None
     return key.split("."), value
 
 

@@ -117,3 +117,20 @@ def test_a_config_file_that_is_not_text_is_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"error: {path}: is not UTF-8 text"), err
+
+
+def test_serve_refuses_an_explicit_non_local_launcher(capsys: pytest.CaptureFixture[str]) -> None:
+    """serve runs the local launcher whatever the file says; a --set asking for another one
+    was silently served locally."""
+    assert main(["serve", "--port", "8217", "--set", "launcher.kind=slurm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--set launcher.kind=slurm: tandem serve runs the local launcher" in err, err
+    assert "tandem launch" in err, err
+
+
+def test_an_override_whose_value_is_not_yaml_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--set", "roles.decode.hosts=[a"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the value is not valid YAML" in err, err
