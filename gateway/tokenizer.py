@@ -113,10 +113,26 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise TokenizerLoadError(f"cannot read {tok_file}: {exc}") from exc
         cfg_file = path / "tokenizer_config.json"
-        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        try:
+            config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise TokenizerLoadError(f"cannot read {cfg_file}: {exc}") from None
+        if not isinstance(config, dict):
+            raise TokenizerLoadError(f"{cfg_file}: the top level must be a JSON object")
+        source = cfg_file
         if "chat_template" not in config and (path / "chat_template.jinja").is_file():
-            config["chat_template"] = (path / "chat_template.jinja").read_text()
-        return cls(hf, config)
+            source = path / "chat_template.jinja"
+            config["chat_template"] = source.read_text()
+        template = config.get("chat_template")
+        if template is not None and not isinstance(template, (str, list)):
+            raise TokenizerLoadError(f"{source}: chat_template must be a string (a Jinja "
+                                     f"template) or a list of named templates, got {template!r}")
+        try:
+            return cls(hf, config)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerLoadError(
+                f"{source}: its chat_template is not a valid Jinja template (line {exc.lineno}: "
+                f"{exc.message}); fix it, or remove it to serve completions only") from None
 
     def _compile(self, source: Any) -> jinja2.Template | None:
         if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}]

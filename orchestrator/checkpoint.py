@@ -181,27 +181,20 @@ def check_tokenizer(path: Path) -> bool:
     config = read_json_file(cfg, "") if cfg.is_file() else {}
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfg}: the top level must be a JSON object")
-    template = config.get("chat_template")
-    if template is not None and not isinstance(template, (str, list)):
-        raise CheckpointError(f"{cfg}: chat_template must be a string (a Jinja template) or a "
-                              f"list of named templates, got {template!r}")
-    check_chat_template(path, cfg if "chat_template" in config else path / "chat_template.jinja")
+    check_chat_template(path)
     return True
 
 
-def check_chat_template(path: Path, source: Path) -> None:
-    """The chat template compiled as the gateway compiles it (sandboxed jinja2 with its
-    extensions): a syntax error is one line here, not the gateway's traceback at its start."""
-    import jinja2  # the gateway's dependency; light
-
+def check_chat_template(path: Path) -> None:
+    """The tokenizer and its chat template loaded as the gateway loads them (sandboxed jinja2
+    with its extensions): a syntax error is one line naming the file here, before the launch."""
     from gateway.tokenizer import Tokenizer as GatewayTokenizer
+    from gateway.tokenizer import TokenizerLoadError
 
     try:
         GatewayTokenizer.from_dir(path)
-    except jinja2.TemplateSyntaxError as exc:
-        raise CheckpointError(f"{source}: its chat_template is not a valid Jinja template (line "
-                              f"{exc.lineno}: {exc.message}); fix it, or remove it to serve "
-                              "completions only") from None
+    except TokenizerLoadError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def check_arch(path: Path) -> ArchConfig:

@@ -340,8 +340,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = gateway_config(_load(args, [*extra, *_parser_overrides(args)]))
     config.validate()
     from gateway.server import run_gateway  # lazy: keeps torch-free commands light
+    from gateway.tokenizer import TokenizerLoadError
 
-    run_gateway(config)
+    try:
+        run_gateway(config)
+    except TokenizerLoadError as exc:  # the file it names, in one line
+        raise GatewayConfigError(str(exc)) from None
     return 0
 
 

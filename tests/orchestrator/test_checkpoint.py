@@ -369,6 +369,25 @@ def test_preflight_says_the_models_sampling_defaults_and_refuses_bad_ones(
         preflight(cluster)
 
 
+_TOKENIZER_CASES = [c for c in CASES if "chat template" in c[0] or "chat_template" in c[0]]
+
+
+@pytest.mark.parametrize(("breaks", "message"), [c[1:] for c in _TOKENIZER_CASES],
+                         ids=[c[0] for c in _TOKENIZER_CASES])
+def test_the_gateway_command_refuses_a_broken_chat_template_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], breaks: Callable[[Path], None],
+        message: str) -> None:
+    """`tandem gateway` run by itself (past serve's preflight) loads the template as the
+    preflight does: the same line, not jinja2's traceback."""
+    model = copy_model(tmp_path)
+    breaks(model)
+    assert main(["gateway", "--config", "configs/tiny-mono.yaml", "--set", f"model.path={model}",
+                 "--set", "roles.both.base_port=50999"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
 def test_the_gateway_command_refuses_a_bad_generation_config_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`tandem gateway` (what Slurm, Ray and Kubernetes run) reads generation_config.json when
