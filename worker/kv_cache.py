@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from transfer.contract import V_TOKEN_MAJOR, CacheGroup, CacheKind, KVLayout, ring_pages, v_layout
+from worker.config import ConfigError
 
 STATE_ALIGN = 64  # bytes: every state piece (and the state region) starts on this boundary
 
@@ -174,7 +175,14 @@ class KVCache:
         window = shape.num_window_pages * shape.window_page_bytes
         state = shape.num_state_slots * shape.state_slot_bytes
         # One byte allocation, viewed per region in its dtype (the state mixes dtypes).
-        self._buffer = torch.zeros(shape.state_base + state, dtype=torch.uint8, device=device)
+        size = shape.state_base + state
+        try:
+            self._buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # the CPU allocator's is bare
+            raise ConfigError(
+                f"cache: the KV cache's {size / 2**30:.1f} GiB ({shape.num_pages} pages) do not "
+                f"fit on {device} ({str(exc).splitlines()[0][:120]}); lower cache.num_pages or "
+                "cache.max_total_tokens") from None
         if shape.latent_dim:
             # data: [num_pages, num_layers, page_size, latent_dim]
             self.data = self._buffer[:full].view(shape.dtype).view(
