@@ -32,7 +32,7 @@ from worker.arch import drafter
 from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig, ModelLoadError
 from worker.arch.hf_defaults import with_absent_defaults
 from worker.arch.load import load_arch_config
-from worker.arch.safetensors_file import read_header
+from worker.arch.safetensors_file import weight_files
 from worker.config import ConfigError
 
 # Fields every supported family reads from config.json (as integers).
@@ -121,37 +121,12 @@ def _check_architectures(file: Path, cfg: dict[str, Any]) -> None:
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files the worker will read (single file, index with shards, or any)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        data = read_json_file(index, "")
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: field 'weight_map' is missing or empty; "
-                                  "re-download the checkpoint")
-        files = [path / n for n in sorted(set(map(str, weight_map.values())))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index} lists {len(missing)} shards that are absent "
-                                  f"(e.g. {missing[0]}); re-download the checkpoint")
-        return files
-    found = sorted(path.glob("*.safetensors"))
-    if found:
-        return found
-    other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
-    have = f" (it has {', '.join(other[:3])})" if other else ""
-    raise CheckpointError(
-        f"{path}: no model.safetensors or model.safetensors.index.json{have}; only safetensors "
-        "checkpoints load (re-save with transformers' save_pretrained), or serve random weights "
-        "at the checkpoint's shapes with --set model.load_format=dummy")
-
-
-def check_safetensors_header(file: Path) -> None:
-    """The 8-byte length and the JSON header every safetensors file starts with, and tensors
-    that fit the file (worker/arch/safetensors_file.py: a file cut short is named here)."""
+def check_weights(path: Path) -> list[Path]:
+    """The safetensors files the worker will read (single file, index with shards, or any),
+    each with a header whose tensors fill the file (worker/arch/safetensors_file.py: a file cut
+    short is named here)."""
     try:
-        read_header(file)
+        return weight_files(path)
     except ModelLoadError as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -213,8 +188,7 @@ def check_checkpoint(model_path: str, load_format: str = "auto") -> CheckpointRe
     cfg = check_config(path)
     arch = check_arch(path)
     if load_format != "dummy":
-        for f in weight_files(path):
-            check_safetensors_header(f)
+        check_weights(path)
     return CheckpointReport(path, cfg, arch, check_tokenizer(path))
 
 
@@ -231,8 +205,7 @@ def check_for_plan(path: Path, cfg: dict[str, Any],
     weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
     if load_format != "dummy" and (any(p.suffix in weights for p in path.iterdir())
                                    or (path / "model.safetensors.index.json").is_file()):
-        for f in weight_files(path):
-            check_safetensors_header(f)
+        check_weights(path)
     check_tokenizer(path)
     return arch
 
@@ -252,5 +225,4 @@ def check_drafter(cluster: ClusterConfig, path: Path, arch: ArchConfig) -> None:
     own_layers = spec.method == "mtp" and drafter.own_mtp_layers(arch)
     if spec.method in drafter.MODEL_METHODS and not own_layers \
             and cluster.model.load_format != "dummy":
-        for f in weight_files(head):  # a head cut short: here, not in a worker's traceback
-            check_safetensors_header(f)
+        check_weights(head)  # a head cut short: here, not in a worker's traceback

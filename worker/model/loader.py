@@ -35,8 +35,8 @@ from safetensors import SafetensorError, safe_open
 from transfer.contract import heads_of_rank
 from worker.arch.fp8_config import BlockFp8Config, Fp8Error
 from worker.arch.hf_config import ArchConfig, ModelLoadError
-from worker.arch.load import load_arch_config, read_json
-from worker.arch.safetensors_file import read_header
+from worker.arch.load import load_arch_config
+from worker.arch.safetensors_file import weight_files
 from worker.config import ModelConfig, ParallelConfig
 from worker.model import fp8, fp8_gemm, fused
 from worker.model.backends import get_attention_backend
@@ -90,39 +90,6 @@ class SafetensorsSource:
         stop = self.shape[dim] if stop is None else stop
         index = (slice(None),) * dim + (slice(start, stop),)
         return self._slice[index]
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, single-file or sharded, each with a header that
-    fits its size (a file cut short is one line naming it, not the library's error mid-load)."""
-    files = _weight_files(path)
-    for f in files:
-        read_header(f)
-    return files
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
-        files = [path / n for n in names]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise ModelLoadError(
-                f"{index} lists shards that are absent: {missing[:3]}; re-download the checkpoint"
-            )
-        return files
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(p.name for p in path.glob("*.safetensors"))
-    if found:
-        return [path / n for n in found]
-    raise ModelLoadError(
-        f"{path}: no model.safetensors or model.safetensors.index.json; only safetensors "
-        "checkpoints are supported (convert .bin with transformers' save_pretrained), or use "
-        "load_format: dummy"
-    )
 
 
 def fingerprint(path: Path, files: list[Path]) -> str:
