@@ -24,7 +24,7 @@ import pytest
 
 from tests.worker.factories import make_request
 from worker.config import SpeculativeConfig
-from worker.request import Request
+from worker.request import Request, RequestStatus
 from worker.spec import NgramDrafter
 from worker.spec.ngram import NgramProposer
 from worker.step import ScheduledChunk, SchedulePlan
@@ -116,3 +116,29 @@ def test_a_step_over_a_long_history_reads_only_its_new_tokens(monkeypatch) -> No
         assert _CountingList.read <= len(new), (step, _CountingList.read)
         history = list(req.prompt_token_ids) + list(req.output_token_ids)
         assert plan.chunks[0].drafts == _reference(history, 3, 1, 4)  # the config's n-grams
+
+
+def test_two_plans_a_step_keep_their_histories_and_finished_requests_leave() -> None:
+    """With attention DP every group's plan drafts through the one drafter, each step: neither
+    plan's requests are read in again, and a finished request's array is dropped."""
+    rng = random.Random(4)
+    groups = [[make_request(prompt=[rng.randrange(50) for _ in range(300)]) for _ in range(2)]
+              for _ in range(2)]
+    for req in (r for g in groups for r in g):
+        req.prompt_token_ids = _CountingList(req.prompt_token_ids)
+        req.output_token_ids = _CountingList(req.output_token_ids)
+    drafter = NgramDrafter(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    for g in groups:
+        drafter.draft(_plan(g, 3))  # the first step reads the prompts in
+    for step in range(4):
+        _CountingList.read = 0
+        for g in groups:
+            for req in g:
+                list.append(req.output_token_ids, rng.randrange(50))
+            drafter.draft(_plan(g, 3))
+        assert _CountingList.read <= 4, (step, _CountingList.read)  # one new token each
+    done = groups[1][0]
+    done.status = RequestStatus.FINISHED_LENGTH
+    drafter.draft(_plan(groups[0], 3))
+    assert done.request_id not in drafter.histories
+    assert {r.request_id for r in (*groups[0], groups[1][1])} <= set(drafter.histories)

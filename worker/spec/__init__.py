@@ -39,26 +39,26 @@ class NgramDrafter:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.ngram_min, config.ngram_max
-        # The token arrays of the requests drafted for in the last step, by request id: kept
-        # while a request drafts step after step, dropped the first step it does not (it ended,
-        # or waits: a request that comes back is read in again).
+        # The token arrays of the requests drafted for, by request id, until the request
+        # finishes (a waiting one keeps its own; every plan of a step, one per attention DP
+        # group, drafts through this one drafter).
         self.histories: dict[str, TokenHistory] = {}
 
     def draft(self, plan: SchedulePlan) -> None:
-        kept: dict[str, TokenHistory] = {}
         for chunk in plan.chunks:
             if not chunk.max_drafts:
                 continue
             req = chunk.request
             history = self.histories.get(req.request_id)
             if history is None or history.request is not req:
-                history = TokenHistory(req)
-            kept[req.request_id] = history
+                history = self.histories[req.request_id] = TokenHistory(req)
             drafts = lookup(history.tokens(), chunk.max_drafts, self.min_n, self.max_n)
             chunk.drafts = drafts
             chunk.num_tokens += len(drafts)
             plan.num_tokens += len(drafts)
-        self.histories = kept
+        ended = [rid for rid, h in self.histories.items() if h.request.status.is_finished]
+        for rid in ended:
+            del self.histories[rid]
 
 
 def make_drafter(config: SpeculativeConfig, model: Drafter | None = None) -> Drafter | None:
