@@ -22,19 +22,10 @@ from worker.config import ConfigError, ModelConfig, SpeculativeConfig, WorkerCon
 from worker.engine import Engine, RequestOutput
 from worker.request import Request
 from worker.sampling import SamplingParams
-from worker.spec.ngram import NgramProposer
 from worker.spec.verify import accept, target_probs, verify_rows
 from worker.step import RunOutput
 
 VOCAB = 6
-
-
-def test_ngram_proposes_what_followed_the_last_match() -> None:
-    prop = NgramProposer(1, 3)
-    assert prop.propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # 3-gram [1, 2, 3] recurs
-    assert prop.propose([5, 6, 7], 2) == []  # nothing recurs
-    assert prop.propose([4, 8, 4, 8, 4], 2) == [8, 4]  # the most recent occurrence wins
-    assert NgramProposer(2, 2).propose([7, 1, 7, 2, 7], 4) == []  # [2, 7] never seen before
 
 
 def test_greedy_acceptance_keeps_drafts_while_they_are_the_argmax() -> None:

@@ -14,8 +14,6 @@ a scan in Python took milliseconds a request), and each request's array grows wi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from worker.request import Request
@@ -40,16 +38,6 @@ def lookup(history: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
             e = int(found[-1])  # the most recent occurrence
             return [int(t) for t in history[e + 1 : e + 1 + k]]
     return []
-
-
-class NgramProposer:
-    def __init__(self, min_n: int, max_n: int) -> None:
-        assert 1 <= min_n <= max_n
-        self.min_n, self.max_n = min_n, max_n
-
-    def propose(self, history: Sequence[int] | np.ndarray, k: int) -> list[int]:
-        """Up to k draft tokens continuing `history` ([] when no n-gram recurs)."""
-        return lookup(np.asarray(history, dtype=np.int64), k, self.min_n, self.max_n)
 
 
 class TokenHistory:
