@@ -156,7 +156,7 @@ class ChoicesResponse:
         self.t0 = t0
         self.chat = plan is not None
         self.created = int(time.time())
-        n = len(started) // len(prompts)
+        n = req.n  # choices a prompt
         makes = [assemblers_for(tok, req, plan, ids) for ids in prompts]
         self.choices = [Choice(i, run, first, makes[i // n], TokenClock(metrics.itl))
                         for i, (run, first) in enumerate(started)]
