@@ -51,7 +51,8 @@ class SpecCollector(Collector):
                                      "Tokens a request emits per verify step (accepted drafts + 1)",
                                      labels=_LABELS)
         for (pool, url), spec in self._loads.items():
-            rate.add_metric([pool, url], spec.accepted_tokens / max(spec.draft_tokens, 1))
+            if spec.draft_tokens:  # no rate before the first draft (0 of 0 is not 0%)
+                rate.add_metric([pool, url], spec.accepted_tokens / spec.draft_tokens)
             buckets, total = [], 0
             for accepted, n in enumerate(spec.accepted_hist):
                 total += n
