@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -117,9 +117,10 @@ class Metrics:
             self.stream_stalls.labels(pool)
         self.queue_depth = Gauge("tandem_queue_depth", "Requests the gateway holds until a "
                                  "worker of the pool has a free seat", ["pool"], registry=r)
-        self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time a request waited at "
-                                    "the gateway for a seat", ["pool"], registry=r,
-                                    buckets=_LATENCY_BUCKETS)
+        # Observed once a request (a wait of 0 when a seat was free): a loop-only histogram.
+        self.queue_wait = LoopHistogram("tandem_queue_wait_seconds", "Time a request waited "
+                                        "at the gateway for a seat", _LATENCY_BUCKETS, ["pool"])
+        r.register(self.queue_wait)
         self.queue_rejected = Counter("tandem_queue_rejected", "Requests refused by the "
                                       "gateway's queue (full: 429; timeout: 503)",
                                       ["pool", "reason"], registry=r)
@@ -172,24 +173,45 @@ class LoopHistogram(Collector):
     and two additions, ~0.3 us, where prometheus_client's Histogram takes a lock for the sum
     and for the bucket (~1.5 us here; the inter-token one is observed per streamed token).
     Exported as the same Prometheus histogram: `_bucket` (cumulative, `le`), `_sum`,
-    `_count`."""
+    `_count`. With `labelnames`, `labels(*values)` gives each series (made at its first call,
+    as prometheus_client's are) and the histogram itself is not observed."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
+                 labelnames: Sequence[str] = ()) -> None:
         self._name = name
         self._doc = documentation
         self._bounds = [*buckets, math.inf]
         self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
         self._sum = 0.0
+        self._labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], LoopHistogram] = {}
+
+    def labels(self, *values: str) -> LoopHistogram:
+        series = self._series.get(values)
+        if series is None:
+            assert len(values) == len(self._labelnames), (self._name, values)
+            series = self._series[values] = LoopHistogram(self._name, self._doc,
+                                                          self._bounds[:-1])
+        return series
 
     def observe(self, value: float, count: int = 1) -> None:
         """`count` samples of `value` (one addition each, whatever the count)."""
         self._counts[bisect.bisect_left(self._bounds, value)] += count  # first bound >= value
         self._sum += value * count
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
+    def _buckets(self) -> list[tuple[str, float]]:
         cumulative = itertools.accumulate(self._counts)
-        yield HistogramMetricFamily(self._name, self._doc, sum_value=self._sum, buckets=[
-            (floatToGoString(b), c) for b, c in zip(self._bounds, cumulative, strict=True)])
+        return [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative, strict=True)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        if not self._labelnames:
+            yield HistogramMetricFamily(self._name, self._doc, sum_value=self._sum,
+                                        buckets=self._buckets())
+            return
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, series in self._series.items():
+            family.add_metric(list(values), series._buckets(), series._sum)
+        yield family
 
 
 class LoopCounter(Collector):

@@ -48,6 +48,29 @@ def test_loop_histogram_renders_what_prometheus_clients_histogram_renders() -> N
     assert generate_latest(ours).decode().splitlines() == want
 
 
+def test_labelled_loop_histogram_renders_what_prometheus_clients_histogram_renders() -> None:
+    """A LoopHistogram with labels (the queue wait per pool, observed once a request) renders
+    each series as prometheus_client's labelled Histogram does, series made at zero included."""
+    from prometheus_client import Histogram
+
+    from gateway.metrics import LoopHistogram
+
+    bounds = (0.001, 0.1)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopHistogram("wait_seconds", "a wait", bounds, ("pool",))
+    ours.register(loop)
+    ref = Histogram("wait_seconds", "a wait", ["pool"], buckets=bounds, registry=theirs)
+    for pool in ("decode", "workers"):
+        loop.labels(pool)
+        ref.labels(pool)
+    for pool, v in (("decode", 0.0), ("decode", 0.05), ("decode", 3.0), ("prefill", 0.1)):
+        loop.labels(pool).observe(v)
+        ref.labels(pool).observe(v)
+    want = [line for line in generate_latest(theirs).decode().splitlines()
+            if "_created" not in line]
+    assert generate_latest(ours).decode().splitlines() == want
+
+
 def test_loop_counter_exports_what_prometheus_clients_counter_does():
     """LoopCounter (no lock per change) is exported as prometheus_client's Counter with the
     same changes: the same series, types and values (`_created` stamps apart)."""
