@@ -3,7 +3,8 @@ for our gateway (mono and PD) and, on the same mock workers with the same load g
 Rust PD routers (sglang-router, smg, vllm-router) where they are installed.
 
     .venv/bin/python -m bench.gateway --requests 3000 --concurrency 32
-    .venv/bin/python -m bench.gateway --streamed-at 1,8,32,96   # CPU a streamed token vs c
+    .venv/bin/python -m bench.gateway --streamed-at 1,8,32,96   # CPU a streamed token vs c,
+                                                                # ours and the routers'
 
 Processes: mock workers (bench/mock_worker.py: one token per request, gRPC for our gateway,
 HTTP for the routers), one gateway or router at a time, and the load generator
@@ -202,7 +203,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--no-routers", action="store_true", help="only our gateway")
     ap.add_argument("--streamed-at", metavar="C1,C2,...",
-                    help="only our gateway's streamed run, at each of these concurrencies")
+                    help="only the streamed runs, at each of these concurrencies: ours, then "
+                    "each router's (not with --no-routers)")
     args = ap.parse_args()
     n, c = args.requests, args.concurrency
     tmp = Path(tempfile.mkdtemp())
@@ -222,8 +224,8 @@ def main() -> None:
         for _, hp in ports.values():
             wait_mock(hp)
         if args.streamed_at:
-            for at in args.streamed_at.split(","):
-                streamed(tmp, tok_dir, ports, int(at))
+            streamed_sweep(tmp, tok_dir, ports, [int(at) for at in args.streamed_at.split(",")],
+                           not args.no_routers)
             return
         direct = direct_baseline(ports["both"][0], 500)
         setups = {"mono": {"workers": [ports["both"][0]]},
@@ -282,33 +284,47 @@ def streamed(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]], c: int
     return r
 
 
+def installed_routers() -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The routers' argv (before the PD worker flags) that can run here, and a note for each
+    that cannot."""
+    found, notes = {}, {}
+    for name, argv in ROUTERS.items():
+        if not Path(argv[0]).exists() or (name == "sglang-router"
+                                           and importlib.util.find_spec("sglang_router") is None):
+            notes[name] = "not installed"
+        else:
+            found[name] = argv
+    return found, notes
+
+
+@contextmanager
+def router(tmp: Path, name: str, argv: list[str], ports: dict[str, tuple[int, int]], p: str,
+           d: str) -> Iterator[tuple[str, int]]:
+    """Router `name` on the mocks' HTTP sides of `p` and `d`, ready: its url and pid."""
+    rport = free_port()
+    full = [*argv, "--prefill", f"http://127.0.0.1:{ports[p][1]}", "--decode",
+            f"http://127.0.0.1:{ports[d][1]}", "--host", "127.0.0.1", "--port", str(rport)]
+    log = tmp / f"{name}-{p}.log"
+    with process(full, log) as proc:
+        url = f"http://127.0.0.1:{rport}"
+        wait_ready(url, proc, log)
+        yield url, proc.pid
+
+
 def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
             rows: dict[str, dict[str, float]], mocks: tuple[int, int]) -> None:
     """The Rust PD routers on the same mock workers (HTTP), one at a time, each run twice: the
     one-token load on the plain mocks, the streamed load on the stepped ones; then one table."""
     mock_url = f"http://127.0.0.1:{ports['decode'][1]}"
     direct = http_load(f"{mock_url}/v1/completions", body(False), 500, 1).p50_s
-    notes: dict[str, str] = {}
-    for name, argv in ROUTERS.items():
-        if not Path(argv[0]).exists() or (name == "sglang-router"
-                                           and importlib.util.find_spec("sglang_router") is None):
-            notes[name] = "not installed"
-            continue
+    found, notes = installed_routers()
+    for name, argv in found.items():
         try:
-            for p, d in (("prefill", "decode"), ("stream-p", "stream-d")):
-                rport = free_port()
-                full = [*argv, "--prefill", f"http://127.0.0.1:{ports[p][1]}", "--decode",
-                        f"http://127.0.0.1:{ports[d][1]}", "--host", "127.0.0.1", "--port",
-                        str(rport)]
-                log = tmp / f"{name}-{p}.log"
-                with process(full, log) as proc:
-                    url = f"http://127.0.0.1:{rport}"
-                    wait_ready(url, proc, log)
-                    if p == "prefill":
-                        rows[name] = measure(url, proc.pid, False, n, c, mocks)
-                    else:
-                        st = measure_stream(url, proc.pid, c)
-                        rows[name].update(stream_us=st["us_token"], stream_failed=st["failed"])
+            with router(tmp, name, argv, ports, "prefill", "decode") as (url, pid):
+                rows[name] = measure(url, pid, False, n, c, mocks)
+            with router(tmp, name, argv, ports, "stream-p", "stream-d") as (url, pid):
+                st = measure_stream(url, pid, c)
+                rows[name].update(stream_us=st["us_token"], stream_failed=st["failed"])
         except (RuntimeError, AssertionError, subprocess.SubprocessError) as exc:
             notes[name] = f"failed: {str(exc)[-300:]}"
             rows.pop(name, None)
@@ -324,6 +340,36 @@ def routers(tmp: Path, ports: dict[str, tuple[int, int]], n: int, c: int,
               f"{r['failed'] + r.get('stream_failed', 0):.0f} |")
     for name, note in notes.items():
         print(f"| {name} | {note} | | | | | | |")
+
+
+def streamed_sweep(tmp: Path, tok_dir: Path, ports: dict[str, tuple[int, int]],
+                   concurrencies: list[int], with_routers: bool) -> None:
+    """CPU per streamed token at each concurrency, ours and (unless told not to) each router's
+    on the same stepped mocks; one table."""
+    cells: dict[str, list[str]] = {"tandem": []}
+    for c in concurrencies:
+        r = streamed(tmp, tok_dir, ports, c)
+        cells["tandem"].append(f"{r['us_token']:.1f} ({r['tok_s']:,.0f})")
+    found, notes = installed_routers() if with_routers else ({}, {})
+    for name, argv in found.items():
+        try:
+            with router(tmp, name, argv, ports, "stream-p", "stream-d") as (url, pid):
+                cells[name] = []
+                for c in concurrencies:
+                    st = measure_stream(url, pid, c)
+                    cells[name].append(f"{st['us_token']:.1f} ({st['tok_s']:,.0f})")
+                    print(f"{name}: c={c}: {st['tok_s']:.0f} tok/s, CPU {st['us_token']:.1f} "
+                          f"us/token; failed {st['failed']:.0f}", flush=True)
+        except (RuntimeError, AssertionError, subprocess.SubprocessError) as exc:
+            notes[name] = f"failed: {str(exc)[-300:]}"
+            cells.pop(name, None)
+    print("\nCPU us a streamed token (tok/s), PD, 64 tokens a request, one per 2 ms step\n")
+    print("| gateway | " + " | ".join(f"c={c}" for c in concurrencies) + " |")
+    print("|---|" + "---|" * len(concurrencies))
+    for name, row in cells.items():
+        print(f"| {name} | " + " | ".join(row) + " |")
+    for name, note in notes.items():
+        print(f"| {name} | {note} |" + " |" * (len(concurrencies) - 1))
 
 
 def run_gateway_process(argv: list[str]) -> None:
