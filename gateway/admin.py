@@ -19,7 +19,9 @@ scrapers in every case).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -97,17 +99,39 @@ def _json(body: object, status: int = 200) -> Response:
     return Response(json.dumps(body).encode(), status_code=status, media_type=_JSON)
 
 
+# A DNS name (underscores allowed: container and compose service names carry them).
+_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
 def check_url(url: str) -> str:
-    """`host:port` with a numeric port in range; BadRequest names the fix."""
+    """`host:port` as gRPC dials it: a host name, an IPv4 address or a bracketed IPv6 one,
+    and a port within 1..65535. Anything else is a BadRequest naming the part at fault (gRPC
+    would read a scheme, a query or an unbracketed IPv6 address its own way)."""
     host, sep, port = url.rpartition(":")
-    if "/" in url or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    problem = ""
+    if "/" in url or not sep or not host:
+        problem = "give the worker's gRPC address as host:port"
+    elif not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        problem = "the port must be a number within 1..65535"
+    elif not _host_ok(host):
+        problem = "the host must be a host name, an IPv4 address or an [IPv6] one in brackets"
+    if problem:
         raise BadRequest(
-            f"url: give the worker's gRPC address as host:port (as GET /workers "
-            f"shows it), got {url!r}",
+            f"url {url!r}: {problem} (as GET /workers shows a worker: 127.0.0.1:8101)",
             param="url",
             code="invalid_value",
         )
     return url
+
+
+def _host_ok(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return host.isascii() and _HOSTNAME.fullmatch(host) is not None
 
 
 async def list_workers(auth: AdminAuth, pool: WorkerPool | None, request: Request) -> Response:
