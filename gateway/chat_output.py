@@ -78,6 +78,9 @@ class ChatOutput:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
+        # Whitespace-only content not streamed yet: a turn that turns out to be only calls has
+        # no content (message_content), so the stream must not have sent it either.
+        self._held_space = ""
 
     def feed(self, pieces: list[str], tail: str = "") -> ChatPiece:
         """Text pieces (one per token when `per_token`), then `tail`, text of no token (held
@@ -112,6 +115,9 @@ class ChatOutput:
         if self._tools is not None and not self.stop_now:
             self._take(self._tools.finish(), out)
             self.call_cut = bool(self.calls) and not _is_json(self.calls[-1].function.arguments)
+        if not self.calls:  # no calls after all: the whitespace is the content
+            out.content += self._held_space
+        self._held_space = ""
         return out
 
     def finish_reason(self, worker_reason: str | None) -> str | None:
@@ -146,12 +152,22 @@ class ChatOutput:
     def _take(self, delta: ToolDelta, out: ChatPiece) -> None:
         if delta.content:
             self.content.append(delta.content)
-            out.content += delta.content
+            self._send_content(delta.content, out)
         for c in delta.calls:
             if c.index > 0 and not self._parallel:
                 self.stop_now = True
                 return
             out.calls.append(self._call_delta(c))
+
+    def _send_content(self, text: str, out: ChatPiece) -> None:
+        """Content beside calls: whitespace waits until other text follows it (or the output
+        ends with no call), so the stream assembles to `message_content`."""
+        if self._held_space or len(self.content) == 1:  # nothing but whitespace sent so far
+            if not text.strip():
+                self._held_space += text
+                return
+            text, self._held_space = self._held_space + text, ""
+        out.content += text
 
     def _call_delta(self, c: CallDelta) -> CallPiece:
         if c.name is not None:
