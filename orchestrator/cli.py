@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, metavar="N",
                    help="gRPC port (default: the replica's; with --join a free one)")
     p.add_argument("--join", metavar="URL",
-                   help="add this worker to the running gateway at URL (POST /workers) once it "
+                   help="add this worker to the running gateway at URL (http://HOST:PORT, or the "
+                        "client base URL .../v1) with POST /workers once it "
                         "is SERVING, and leave it when draining; use the run's cluster.yaml "
                         "(logs/<port>/cluster.yaml) so the cluster id matches")
     p.add_argument("--admin-key", metavar="KEY",

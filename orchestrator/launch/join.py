@@ -55,9 +55,15 @@ class Join:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
+    def _root(self) -> str:
+        """The gateway's root URL: an OpenAI client's base URL (http://host:port/v1) names the
+        same gateway, whose admin routes are at the root."""
+        root = self.gateway_url.rstrip("/")
+        return root.removesuffix("/v1").rstrip("/")
+
     def _post(self) -> httpx.Response:
         """POST {url, role} to the gateway's /workers (the join, and each renewal)."""
-        return httpx.post(f"{self.gateway_url.rstrip('/')}/workers",
+        return httpx.post(f"{self._root()}/workers",
                           json={"url": self.worker_url, "role": self.role},
                           headers=self._headers(), timeout=10.0)
 
@@ -121,7 +127,7 @@ class Join:
             pass
         if not self.joined.is_set():
             return
-        url = f"{self.gateway_url.rstrip('/')}/workers/{self.worker_url}"
+        url = f"{self._root()}/workers/{self.worker_url}"
         try:
             resp = httpx.delete(url, headers=self._headers(), timeout=5.0)
         except httpx.HTTPError as exc:

@@ -30,6 +30,9 @@ class _AdminHandler(JsonHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's names)
         state: _Admin = self.server.state
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/workers":  # as the gateway: its admin routes are at the root
+            self._json(404, {"error": {"message": f"Invalid URL (POST {self.path})"}})
+            return
         with state.lock:
             state.calls.append(("POST", body["url"]))
             known = body["url"] in state.listed
@@ -38,6 +41,9 @@ class _AdminHandler(JsonHandler):
 
     def do_DELETE(self) -> None:  # noqa: N802
         state: _Admin = self.server.state
+        if not self.path.startswith("/workers/"):
+            self._json(404, {"error": {"message": f"Invalid URL (DELETE {self.path})"}})
+            return
         url = self.path.rsplit("/", 1)[-1]
         with state.lock:
             state.calls.append(("DELETE", url))
@@ -80,6 +86,20 @@ def test_a_joined_worker_is_listed_again_after_the_gateway_forgets_it() -> None:
         time.sleep(0.2)  # four renewal periods: none comes after the DELETE
         assert admin.calls[-1] == ("DELETE", "127.0.0.1:7001") and len(admin.calls) == n
         assert "127.0.0.1:7001" not in admin.listed
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+def test_join_takes_the_openai_base_url_of_the_gateway(suffix: str) -> None:
+    """`--join http://host:port/v1` (the URL an OpenAI client is given, which `tandem eval`
+    and `tandem bench` take) names the same gateway: the join POSTs to its /workers, not
+    /v1/workers (a 404 that stopped the worker), and its DELETE lands there too."""
+    admin = _Admin()
+    with _AdminDouble(admin) as url:
+        join, renewing = _joined(url + suffix, "127.0.0.1:7005", "decode")
+        join.leave()
+        renewing.join(timeout=5.0)
+    assert admin.calls[0] == ("POST", "127.0.0.1:7005")
+    assert admin.calls[-1] == ("DELETE", "127.0.0.1:7005")
 
 
 def test_renewals_ride_out_a_gateway_that_does_not_answer() -> None:
