@@ -34,7 +34,7 @@ from worker.cache_manager import CacheHold, Holdings, KVCacheManager
 from worker.config import SchedulerConfig
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.spec.counters import SpecCounters
-from worker.spec.eligible import speculable
+from worker.spec.eligible import num_drafts
 from worker.step import PENDING, RunOutput, ScheduledChunk, SchedulePlan
 
 
@@ -114,6 +114,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
         self.num_speculative_tokens = num_speculative_tokens  # drafts per decode step at most
+        # A seeded request's drafts a step (fixed, eligible.num_drafts): what fits the step beside
+        # every other running request's decode at the same share.
+        cap = scheduler.mixed_step_tokens or scheduler.chunked_prefill_size
+        self._seeded_drafts = max(0, cap // scheduler.max_num_seqs - 1)
         self.spec_counters = spec_counters or SpecCounters()  # shared by a worker's schedulers
         scheduler.check_window(cache.window_tokens(), self.page_size)
 
@@ -148,7 +152,10 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop to make room
                 continue
             n = self._chunk_len(req, budget)
-            k = self._num_drafts(req, n, budget - n)
+            k = num_drafts(req, self.num_speculative_tokens, n, budget - n, self.max_model_len,
+                           self._seeded_drafts)
+            if k < 0:  # seeded sampling: its drafts wait for a step with room for all of them
+                continue
             while not self.cache.grow(req, req.num_computed_tokens + n + k):
                 victim = self._pick_victim(exclude=req, scheduled=plan)
                 if victim is None:  # nothing left to preempt but the request itself
@@ -173,19 +180,6 @@ class Scheduler:
         if cap and any(r.output_token_ids for r in self.running):
             return cap
         return self.config.chunked_prefill_size
-
-    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
-        """Room for draft tokens after a decode chunk (speculative decoding): at most
-        `num_speculative_tokens`, within the budget, the request's max_tokens and the context;
-        0 for prompt chunks and for requests whose sampling speculation cannot serve."""
-        k = self.num_speculative_tokens
-        if not k or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
-            return 0
-        if not req.output_token_ids or not speculable(req):
-            return 0
-        left = req.sampling.max_tokens - len(req.output_token_ids) - 1
-        room = self.max_model_len - req.num_tokens - 1
-        return max(0, min(k, budget, left, room))
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """Tokens the request computes this step: what is left, within the budget, ending where
