@@ -240,15 +240,17 @@ def _forced_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
 
 def _strict_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
                   params: dict[str, dict[str, Any]]) -> StrictCalls | None:
-    """Under tool_choice "auto" with a `strict` tool: the grammars that hold calls to schemas."""
-    strict = {t.function.name for t in req.tools or [] if t.function.strict}
-    if req.tool_choice not in (None, "auto") or not params or not strict:
+    """Under tool_choice "auto": the grammars that hold calls to schemas (a non-strict tool's
+    to a JSON object), used alone when a tool is `strict`, else only beside a constraint."""
+    if req.tool_choice not in (None, "auto") or not params:
         return None
+    strict = {t.function.name for t in req.tools or [] if t.function.strict}
     fmt = _call_format(parsers, tok)
     tools = [(name, schema if name in strict else _ANY_OBJECT) for name, schema in params.items()]
     special = tok.special_token_texts
     return StrictCalls(auto_calls_format(fmt, tools, req.parallel_tool_calls, special),
-                       tool_calls_format(fmt, tools, req.parallel_tool_calls, special))
+                       tool_calls_format(fmt, tools, req.parallel_tool_calls, special),
+                       alone=bool(strict))
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> ChatPlan:

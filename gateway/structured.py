@@ -5,9 +5,10 @@ plus vLLM / SGLang's structural_tag), vLLM's `guided_json` / `guided_regex` / `g
 `guided_grammar` (EBNF, xgrammar's dialect with rule `root`), vLLM's newer
 `structured_outputs` object, and a forced tool call (tool_choice "required" or named, built by
 gateway/agents.py). Two at once is a 400: which one would win is not the client's guess.
-`strict` tools under tool_choice "auto" are not a second constraint: alone they allow free text
-with calls held to their schemas; beside one, the output is either calls or the constrained
-answer (`StrictCalls`).
+Tools under tool_choice "auto" are not a second constraint: `strict` ones alone allow free text
+with calls held to their schemas; beside one, any tools make the output either calls or the
+constrained answer (`StrictCalls`), as OpenAI lets a model call tools before its formatted
+answer.
 
 With a reasoning parser on, the constraint starts after the `<think>` block: the request is
 sent as a structural tag whose first element lets the block through unconstrained (none when
@@ -78,12 +79,15 @@ class Constraint:
 
 @dataclass(frozen=True)
 class StrictCalls:
-    """`strict` tools under tool_choice "auto", as structural-tag formats
+    """Tools under tool_choice "auto", as structural-tag formats
     (gateway/parsers/constraints.py): `anywhere`, free text with calls held to their schemas;
-    `block`, calls alone (the alternative to another constraint's answer)."""
+    `block`, calls alone (the alternative to another constraint's answer). `alone`: a tool is
+    `strict`, so the calls are held even with no other constraint; without one, only beside
+    another constraint (which would otherwise leave the tools no way to be called)."""
 
     anywhere: dict[str, Any]
     block: dict[str, Any]
+    alone: bool = True
 
 
 def _schema(value: Any, field: str) -> Any:
@@ -215,7 +219,7 @@ def request_constraint(req: Any, forced_tools: Constraint | None = None,
         names = ", ".join(sorted({c.source for c in found}))
         raise BadRequest(f"only one output constraint per request; got {names}",
                          param=found[1].source)
-    if strict_calls is None:
+    if strict_calls is None or not (found or strict_calls.alone):
         return found[0] if found else None
     if not found:
         return Constraint("tools", "structural_tag", format=strict_calls.anywhere)

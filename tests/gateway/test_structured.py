@@ -275,6 +275,26 @@ def test_strict_tools_beside_a_response_format_give_calls_or_the_answer(
     assert not worker.accepts(plan.structured, hermes_call("lookup", {"name": 3}))
 
 
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}}},
+])
+def test_tools_beside_a_response_format_stay_callable(worker: Worker, hermes_dir: Path,
+                                                      response_format: dict[str, Any]) -> None:
+    """Under "auto" the answer is formatted and the tools may still be called (OpenAI's, and
+    what an agent framework sends with an output type): the grammar held a non-strict tool's
+    call out, so the model could only write the JSON answer (it was the answer alone)."""
+    plan = plan_chat(chat(tools=[LOOKUP], response_format=response_format),
+                     Tokenizer.from_dir(hermes_dir), Parsers(tool_call="hermes"))
+    assert plan.structured is not None and plan.constraint_source == "response_format"
+    assert worker.accepts(plan.structured, hermes_call("lookup", {"name": "q"}))
+    assert worker.accepts(plan.structured, hermes_call("lookup", {"name": 3}))  # not strict
+    assert worker.accepts(plan.structured, '{"answer": 3}')
+    assert not worker.accepts(plan.structured, "The answer is 3.")
+    assert not worker.accepts(plan.structured, hermes_call("other", {}))
+
+
 def test_strict_tools_under_auto_trigger_before_the_name_in_llama3_json(
         worker: Worker, hermes_dir: Path) -> None:
     plan = plan_chat(chat(tools=[STRICT, NOTE], parallel_tool_calls=False),
