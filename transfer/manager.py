@@ -127,12 +127,18 @@ class KVTransferManager:
         thread, which must never be the worker's event loop.
         """
         pool = ThreadPoolExecutor(max_workers=MAX_LIVE_ROOMS, thread_name_prefix="bootstrap")
-        server = grpc.server(pool)
+        # gRPC sets SO_REUSEPORT by default: a second prefill pinned to this port would bind
+        # it too, and the kernel would split decode's registrations between the two.
+        server = grpc.server(pool, options=[("grpc.so_reuseport", 0)])
         self.add_to_server(server)
-        bound = add_port(server, f"{host}:{port}", self.tls)
+        try:
+            bound = add_port(server, f"{host}:{port}", self.tls)
+        except RuntimeError:  # grpc raises on a failed bind; older versions returned 0
+            bound = 0
         if bound == 0:
-            raise TransferConfigError(f"cannot bind the bootstrap service on {host}:{port}; "
-                                      "set transfer.bootstrap_port to a free port")
+            raise TransferConfigError(f"cannot bind the bootstrap service on {host}:{port}: the "
+                                      "port is in use (another prefill worker?); set "
+                                      "transfer.bootstrap_port to a free port (0: any)")
         server.start()
         return server, bound
 
