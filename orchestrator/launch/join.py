@@ -175,4 +175,9 @@ def _error(resp: httpx.Response, field: str) -> str:
 
 
 def _message(resp: httpx.Response) -> str:
-    return _error(resp, "message") or resp.text[:200]
+    """The gateway's one-line reason; a body without one (an HTML error page) is not the
+    gateway's answer: said so, on one line."""
+    if said := _error(resp, "message"):
+        return said
+    kind = resp.headers.get("content-type", "no content type")
+    return f"not a Tandem gateway's answer ({kind}): {' '.join(resp.text.split())[:200]}"

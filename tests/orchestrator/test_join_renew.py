@@ -181,3 +181,34 @@ def test_a_join_of_another_cluster_names_the_run_config_to_use() -> None:
             join.register(time.monotonic() + 5.0)
     said = str(refused.value)
     assert "HTTP 409" in said and "logs/<gateway port>/cluster.yaml" in said, said
+
+
+class _HtmlHandler(JsonHandler):
+    """Not a gateway: a web server answering HTML (a --join URL with the wrong port)."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        page = b"<!DOCTYPE HTML>\n<html>\n  <body>\n    <h1>Error response</h1>\n  </body>\n"
+        self.send_response(501)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+
+class _HtmlDouble(HttpDouble):
+    handler = _HtmlHandler
+
+
+def test_a_join_refused_by_something_else_than_a_gateway_is_one_line() -> None:
+    """`tandem worker --join` prints the refusal as its one `error:` line: an HTML page (the
+    URL of another web server) came through with its newlines."""
+    from orchestrator.launch.join import JoinRefused
+
+    with _HtmlDouble(None) as url:
+        join = Join(url, "127.0.0.1:7006", "decode", "", 5.0)
+        with pytest.raises(JoinRefused) as refused:
+            join.register(time.monotonic() + 5.0)
+    said = str(refused.value)
+    assert "\n" not in said and "HTTP 501" in said, said
+    assert "not a Tandem gateway" in said and "text/html" in said, said
