@@ -26,10 +26,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from gateway.config import GatewayConfig
-from gateway.session import WorkerSession
 from gateway.workers import (
     ROLE_OF_POOL,
     IdentityRefused,
@@ -38,10 +37,9 @@ from gateway.workers import (
     WorkerState,
     WorkerUnreachable,
     listed_elsewhere,
+    open_worker,
 )
-from protocol import tandem_pb2, tandem_pb2_grpc
-from protocol.identity import WorkerIdentity
-from protocol.tls import aio_channel
+from protocol import tandem_pb2
 
 log = logging.getLogger(__name__)
 # The pool's vocabulary (defined in gateway/workers.py; dispatch and the routes import it here).
@@ -59,17 +57,6 @@ POOLS_MONO = ("workers",)
 POOLS_PD = ("prefill", "decode")
 _REMOVE_GRACE_S = 5.0  # past the drain timeout: time for the worker to exit
 _REMOVE_POLL_S = 0.05  # in-flight counts and exits have no event to wait on
-
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    # Reconnect quickly after a worker restarts; the health checks notice it within one interval.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-    # Its own connection: POST /workers dials a listed url anew, past that entry's backoff.
-    ("grpc.use_local_subchannel_pool", 1),
-]
-
 
 class WorkerPool:
     """All workers of all pools; owns their channels and background tasks."""
@@ -90,24 +77,7 @@ class WorkerPool:
         self._started = False
 
     def _make(self, url: str, pool: str, source: str = "config") -> Worker:
-        ch = aio_channel(url, self.config.tls, options=_CHANNEL_OPTIONS)
-        stub = tandem_pb2_grpc.WorkerStub(ch)
-        # Replicas are not checked here: a Kubernetes pool's pods all run one command line.
-        expected = WorkerIdentity(
-            cluster_id=self.config.cluster_id,
-            role=ROLE_OF_POOL[pool],
-            model_fingerprint=self.config.model_fingerprint,
-        )
-        return Worker(
-            url=url,
-            pool=pool,
-            channel=ch,
-            stub=stub,
-            health_stub=health_pb2_grpc.HealthStub(ch),
-            session=WorkerSession(stub, url),
-            expected=expected,
-            source=source,
-        )
+        return open_worker(url, pool, self.config, source)
 
     def all(self) -> list[Worker]:
         return [w for ws in self.pools.values() for w in ws]

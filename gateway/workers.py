@@ -15,11 +15,23 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from gateway.config import GatewayConfig
 from gateway.session import WorkerSession
 from protocol import tandem_pb2, tandem_pb2_grpc
 from protocol.identity import WorkerIdentity
+from protocol.tls import aio_channel
 
 ROLE_OF_POOL = {"workers": "both", "prefill": "prefill", "decode": "decode"}
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    # Reconnect quickly after a worker restarts; the health checks notice it within one interval.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # Its own connection: POST /workers dials a listed url anew, past that entry's backoff.
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 
 class Membership(enum.Enum):
@@ -139,6 +151,28 @@ class Worker:
             "epoch": f"{info.epoch:016x}" if info else "",
             "error": self.refusal,
         }
+
+
+def open_worker(url: str, pool: str, config: GatewayConfig, source: str = "config") -> Worker:
+    """A worker entry with its own channel (nothing dialed yet) and the identity it must show."""
+    ch = aio_channel(url, config.tls, options=CHANNEL_OPTIONS)
+    stub = tandem_pb2_grpc.WorkerStub(ch)
+    # Replicas are not checked here: a Kubernetes pool's pods all run one command line.
+    expected = WorkerIdentity(
+        cluster_id=config.cluster_id,
+        role=ROLE_OF_POOL[pool],
+        model_fingerprint=config.model_fingerprint,
+    )
+    return Worker(
+        url=url,
+        pool=pool,
+        channel=ch,
+        stub=stub,
+        health_stub=health_pb2_grpc.HealthStub(ch),
+        session=WorkerSession(stub, url),
+        expected=expected,
+        source=source,
+    )
 
 
 def listed_elsewhere(
