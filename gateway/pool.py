@@ -6,7 +6,10 @@ checked against the identity the gateway expects (cluster id, role, model finger
 one KV contract hash across the PD pools; the launcher checks replicas), so a worker of
 another cluster or model answering on an expected address, at start or after a reconnect, is
 refused with one line and never routed to. A health Watch stream takes a worker out the moment
-it says NOT_SERVING (a drain starting). Health has hysteresis for failed checks:
+it says NOT_SERVING (a drain starting), or its connection drops: then a check runs at once, and
+whatever answers at the address next is routed to only once it has passed the identity check
+(between two periodic checks, another cluster's worker on the port got requests).
+Health has hysteresis for failed checks:
 `health_fail_threshold` consecutive failures take a worker out, `health_ok_threshold`
 consecutive good checks bring it back; an explicit NOT_SERVING (a draining worker) takes it out
 at once. A request that fails with UNAVAILABLE takes the worker out at once too; a client's
@@ -21,6 +24,7 @@ waits until the gateway has no request on it and the worker has exited (bounded 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -388,18 +392,22 @@ class WorkerPool:
 
     async def _watch(self, w: Worker) -> None:
         while w.member is not Membership.REMOVED:
+            w.recheck.clear()  # a drop seen while this check runs asks for one more
             ok = await self._check(w)
             if ok is None:
                 w.oks = 0
                 self._set_health(w, False)
             else:
                 self._record_check(w, ok)
-            await asyncio.sleep(self.config.health_interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(w.recheck.wait(), self.config.health_interval_s)
 
     async def _follow_health(self, w: Worker) -> None:
         """A health Watch stream: a worker that turns NOT_SERVING (it starts to drain) is
         taken out the moment it says so, not at the next check. Coming back is the checks'
-        business (they re-check its identity first)."""
+        business (they re-check its identity first). The stream ends with its connection:
+        whatever answers at the address next (a restarted worker, another cluster's) is
+        routed to only once a check, run at once, has read who it is."""
         req = health_pb2.HealthCheckRequest(service="")
         while w.member is not Membership.REMOVED:
             try:
@@ -411,6 +419,11 @@ class WorkerPool:
                         self._set_health(w, False, quiet=True)
             except grpc.aio.AioRpcError as exc:  # unreachable or restarting: watch again soon
                 log.debug("health watch on %s ended: %s", w.url, exc.code().name)
+            if w.healthy:  # its checks keep their count: one good answer brings it back
+                log.info("worker %s (%s): connection lost; out until a check reads who "
+                         "answers there", w.url, w.pool)
+                self._set_health(w, False, quiet=True)
+            w.recheck.set()
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _refresh_load(self, w: Worker) -> None:

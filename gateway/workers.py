@@ -90,6 +90,8 @@ class Worker:
     load: tandem_pb2.Load = field(default_factory=tandem_pb2.Load)
     inflight: int = 0  # requests this gateway has on the worker right now
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)  # its watch and load tasks
+    # Set when its connection dropped: check who answers now, not at the next interval.
+    recheck: asyncio.Event = field(default_factory=asyncio.Event)
 
     def load_score(self) -> float:
         """Load for routing: the worker's queue, plus our own in-flight requests (GetLoad lags

@@ -1,0 +1,74 @@
+"""A worker's connection drops: it is out until a check has read who answers at its address.
+
+Between two health checks the gateway routed on the identity it had read last. A worker
+whose process ended, and whose port another cluster's worker took before the next check
+(`health_interval_s`, 1 s by default), stayed `serving`: the next request went to the
+stranger, which answered it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.gateway.gw_doubles import running_app, workers
+from tests.gateway.test_gateway_admin import Member, config, gen, listed, until
+
+pytestmark = pytest.mark.anyio
+
+CHECKS_S = 60.0  # no check runs during the test unless the pool asks for one
+
+
+async def until_left(c, url: str, state: str, timeout: float) -> dict:
+    """`url`'s entry once it has left `state`; fails after `timeout` (well under CHECKS_S:
+    only the dropped connection, not a periodic check, can have moved it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (ws := await listed(c))[url]["state"] == state:
+        assert loop.time() < deadline, f"{url} still {state}: {ws[url]}"
+        await asyncio.sleep(0.02)
+    return ws[url]
+
+
+async def test_a_stranger_taking_the_address_before_the_next_check_gets_nothing(tok_dir):
+    good = Member()
+    async with workers(good), running_app(
+        config(tok_dir, workers=(good.url,), health_interval_s=CHECKS_S)
+    ) as c:
+        await until(c, good.url, "serving")
+        assert (await gen(c)).status_code == 200
+        port = good.port
+        await good.stop()
+        stranger = await Member(cluster_id="c-other").start(port=port)
+        try:
+            await until_left(c, good.url, "serving", timeout=10.0)
+            r = await gen(c)
+            assert r.status_code == 503 and stranger.requests == [], r.text
+            ws = await until(c, good.url, "refused", timeout=10.0)  # checked at once
+            assert "found cluster c-other" in ws["error"]
+        finally:
+            await stranger.stop()
+
+
+async def test_the_same_worker_back_on_its_address_serves_again_at_once(tok_dir):
+    # The worker restarted (a new process of this cluster): the check the dropped connection
+    # asks for accepts it, without waiting for the next periodic one.
+    good = Member()
+    async with workers(good), running_app(
+        config(tok_dir, workers=(good.url,), health_interval_s=CHECKS_S)
+    ) as c:
+        await until(c, good.url, "serving")
+        port = good.port
+        await good.stop()
+        back = await Member().start(port=port)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10.0  # well under CHECKS_S
+            while (ws := (await listed(c))[good.url])["epoch"] != f"{back.epoch:016x}":
+                assert loop.time() < deadline, f"the new process is not checked: {ws}"
+                await asyncio.sleep(0.02)
+            await until(c, good.url, "serving", timeout=10.0)
+            assert (await gen(c)).status_code == 200 and len(back.requests) == 1
+        finally:
+            await back.stop()
