@@ -29,10 +29,11 @@ _WHITESPACE: dict[str, Any] = {"type": "regex", "pattern": "[ \\n\\t]{0,8}"}  # 
 def json_element(schema: Any, style: str = "json") -> dict[str, Any]:
     """A structural tag's JSON-schema element. JSON in a tag allows free whitespace unless told
     (xgrammar's `max_whitespace_cnt`; 0 is refused): at most one character at a time keeps it
-    near the plain path's compact layout, and a weak model cannot loop on spaces there."""
-    if style != "json":
-        return {"type": "json_schema", "json_schema": schema, "style": style}
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    near the plain path's compact layout, and a weak model cannot loop on spaces there. The
+    same holds for the XML style (qwen3_coder) between and around its parameters; a string
+    value's own text stays free there."""
+    element = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    return element if style == "json" else {**element, "style": style}
 
 
 @dataclass(frozen=True)

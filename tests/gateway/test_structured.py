@@ -353,3 +353,23 @@ def test_json_under_a_reasoning_parser_allows_no_run_of_whitespace(
         good = '{"text": "a    b"}'  # spaces inside a string stay free
     assert worker.accepts(plan.structured, good)
     assert not worker.accepts(plan.structured, loose)
+
+
+@pytest.mark.parametrize("choice", ["required", None], ids=["forced", "strict_auto"])
+def test_qwen3_coder_calls_allow_no_run_of_whitespace(worker: Worker, hermes_dir: Path,
+                                                       choice: str | None) -> None:
+    """The XML style as well: a random-weights model under a forced qwen3_coder call wrote runs
+    of whitespace between and around the parameters until max_tokens, every time, and the
+    parsed enum value kept them (`"cet\n\n\t\r..."`). A string value's own text stays free."""
+    plan = plan_chat(chat(tools=[STRICT, NOTE], tool_choice=choice),
+                     Tokenizer.from_dir(hermes_dir), Parsers(tool_call="qwen3_coder"))
+    assert plan.structured is not None
+
+    def call(name: str, key: str, value: str, between: str = "\n") -> str:
+        return (f"<tool_call>\n<function={name}>\n<parameter={key}>{value}</parameter>"
+                f"{between}</function>\n</tool_call>")
+
+    assert worker.accepts(plan.structured, call("lookup", "name", "\nq\n"))
+    assert not worker.accepts(plan.structured, call("lookup", "name", "\nq\n\n\t \n"))
+    assert not worker.accepts(plan.structured, call("lookup", "name", "\nq\n", "\n\n\t  \n"))
+    assert worker.accepts(plan.structured, call("note", "text", "\na    b\n\n\nc\n"))
