@@ -35,7 +35,7 @@ def typed_value(raw: str, schema: Any) -> Any:
     if isinstance(kind, list):  # ["integer", "null"]: the first non-null type decides
         kind = next((k for k in kind if k != "null"), None)
     if kind in (None, "string"):
-        return raw
+        return _member(raw, schema)
     if raw.strip() == "null":
         return None
     try:
@@ -50,6 +50,16 @@ def typed_value(raw: str, schema: Any) -> Any:
         return json.loads(raw)
     except ValueError:
         return raw
+
+
+def _member(raw: str, schema: Any) -> str:
+    """A string value of an `enum` / `const` as its member: the XML format lets whitespace
+    around a value (the gateway's grammar one character a side), which a member does not hold."""
+    if not isinstance(schema, dict) or ("enum" not in schema and "const" not in schema):
+        return raw
+    members = schema["enum"] if "enum" in schema else [schema["const"]]
+    stripped = raw.strip()
+    return stripped if raw not in members and stripped in members else raw
 
 
 class Qwen3CoderParser(BufferedToolParser):

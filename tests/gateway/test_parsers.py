@@ -129,6 +129,17 @@ def test_typed_value_falls_back_to_text() -> None:
     assert typed_value(" x ", None) == " x "
 
 
+def test_an_enum_value_is_the_member_without_the_formats_whitespace() -> None:
+    """qwen3_coder's grammar lets one whitespace character around a value (forced calls wrote
+    `<parameter=tz>utc\t</parameter>`): the member is the value, the rest is the format's."""
+    zone = {"type": "string", "enum": ["utc", "cet"]}
+    assert typed_value("utc\t", zone) == "utc" and typed_value("\rcet ", zone) == "cet"
+    assert typed_value(" x", {"const": "x"}) == "x"
+    assert typed_value(" x", {"enum": [" x", "x"]}) == " x"  # a member as written stays
+    assert typed_value(" y ", zone) == " y "  # not a member either way: the text as it came
+    assert typed_value(" utc ", {"type": "string"}) == " utc "  # free text is the value
+
+
 def test_truncated_call_keeps_what_arrived() -> None:
     # max_tokens cut the call short: the name and the arguments so far are still a call.
     content, calls = run_tools(functools.partial(make_tool_parser, "hermes", {}),
