@@ -99,8 +99,9 @@ def _json(body: object, status: int = 200) -> Response:
     return Response(json.dumps(body).encode(), status_code=status, media_type=_JSON)
 
 
-# A DNS name (underscores allowed: container and compose service names carry them).
-_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+# A DNS name (underscores allowed: container and compose service names carry them; a final
+# dot: a fully qualified name).
+_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
 
 
 def check_url(url: str) -> str:

@@ -47,7 +47,7 @@ async def test_a_malformed_address_is_a_400_naming_it(tok_dir, url: str, part: s
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "[::1]", "decode-0.tandem.svc",
-                                  "worker_1"])
+                                  "decode-0.tandem.svc.cluster.local.", "worker_1"])
 async def test_well_formed_addresses_are_dialed(tok_dir, host: str) -> None:
     a = Member()
     async with workers(a), running_app(config(tok_dir, workers=(a.url,))) as c:
