@@ -305,6 +305,11 @@ class WorkerPool:
         if self.config.pd and info.contract_hash and not self.contract_hash:
             self.contract_hash = info.contract_hash
 
+    def _forget_held(self, w: Worker) -> None:
+        if w.forget_held():
+            for cb in self._on_load:
+                cb(w)
+
     async def _get_info(self, w: Worker) -> bool:
         """GetInfo and the identity check; False while unreachable or refused."""
         try:
@@ -313,9 +318,8 @@ class WorkerPool:
         except WorkerUnreachable as exc:
             log.debug("%s", exc)
             w.draining = False  # a drained worker that exited is gone, not draining
-            if exc.code is grpc.StatusCode.UNAVAILABLE and w.forget_held():  # nothing there
-                for cb in self._on_load:
-                    cb(w)
+            if exc.code is grpc.StatusCode.UNAVAILABLE:  # nothing there
+                self._forget_held(w)
             return False
         except IdentityRefused as exc:
             if w.refusal != str(exc):
@@ -323,6 +327,7 @@ class WorkerPool:
             w.refusal = str(exc)
             w.info = None
             self._set_health(w, False)
+            self._forget_held(w)  # a stranger answers: what the entry showed held is gone
             return False
         if w.refusal:
             log.info("worker %s: the expected worker answers again", w.url)

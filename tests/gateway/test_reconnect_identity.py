@@ -12,8 +12,9 @@ import asyncio
 
 import pytest
 
+from protocol import tandem_pb2
 from tests.gateway.gw_doubles import running_app, workers
-from tests.gateway.test_gateway_admin import Member, config, gen, listed, until
+from tests.gateway.test_gateway_admin import ADMIN, Member, config, gen, listed, until
 
 pytestmark = pytest.mark.anyio
 
@@ -72,3 +73,24 @@ async def test_the_same_worker_back_on_its_address_serves_again_at_once(tok_dir)
             assert (await gen(c)).status_code == 200 and len(back.requests) == 1
         finally:
             await back.stop()
+
+
+async def test_a_refused_entry_shows_nothing_held(tok_dir):
+    # What answers at the address is not the worker whose load the entry showed (here the
+    # double changes its identity in place, standing for another process on the port): the
+    # running requests and pages of the last GetLoad were that worker's, and it is gone.
+    # They stayed in GET /workers and in /metrics (and in the pool's sums) as long as the
+    # stranger answered.
+    good = Member()
+    good.load = tandem_pb2.Load(running=3, waiting=1, kv_used_pages=40, kv_total_pages=100)
+    async with workers(good), running_app(config(tok_dir, workers=(good.url,))) as c:
+        ws = await until(c, good.url, "serving")
+        while ws["kv_used_pages"] != 40:  # the first GetLoad lands
+            await asyncio.sleep(0.02)
+            ws = (await listed(c))[good.url]
+        good.cluster_id = "c-other"
+        ws = await until(c, good.url, "refused")
+        assert (ws["running"], ws["waiting"], ws["kv_used_pages"]) == (0, 0, 0), ws
+        metrics = (await c.get("/metrics", headers=ADMIN)).text
+        assert f'tandem_worker_kv_used_pages{{pool="workers",worker="{good.url}"}} 0.0' in metrics
+        assert 'tandem_pool_running{pool="workers"} 0.0' in metrics
