@@ -105,6 +105,13 @@ class WindowSpec:
         return ring_pages(self.window, self.page_size)
 
     @property
+    def max_drafts(self) -> int:
+        """Drafts a verify step may write into the ring: the ring's R slots keep position p in
+        slot p % R, so the draft at n + k overwrites n + k - R, which the next query (n + 1)
+        still reads unless n + k - R < n + 2 - W. A rejected draft there would erase history."""
+        return self.ring_pages * self.page_size - self.window + 1
+
+    @property
     def replay_tokens(self) -> int:
         """Tokens before a prefix hit's end to re-feed so every ring row is rebuilt exactly.
 

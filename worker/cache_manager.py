@@ -20,10 +20,13 @@ in `free` (finish, abort, failure, preemption); a hold adds a second holder name
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from worker.cache_groups import FullPages, StateSlots, WindowRings, WindowSpec
 from worker.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,17 @@ class KVCacheManager:
     def window_tokens(self) -> int:
         """The window group's window in tokens; 0 without one."""
         return self.window.spec.window if self.window is not None else 0
+
+    def max_drafts(self, k: int) -> int:
+        """Drafts a verify step may write, at most `k`: a window group's rings spare fewer
+        (WindowSpec.max_drafts); the scheduler keeps room for no more."""
+        if self.window is None or k <= self.window.spec.max_drafts:
+            return k
+        log.info("speculative.num_speculative_tokens %d -> %d drafts a step: a window ring of "
+                 "%d tokens (window %d) spares no more (raise cache.page_size for more)", k,
+                 self.window.spec.max_drafts, self.window.spec.ring_pages * self.page_size,
+                 self.window.spec.window)
+        return self.window.spec.max_drafts
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a request of `num_tokens` tokens could ever be held by this cache."""

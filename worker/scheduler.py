@@ -113,7 +113,8 @@ class Scheduler:
         self._on_output = on_output  # a request has news outside a step's tokens (landed, finished)
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # tokens this worker ran that were prompt tokens
-        self.num_speculative_tokens = num_speculative_tokens  # drafts per decode step at most
+        # Drafts per decode step at most (fewer where a window ring spares fewer).
+        self.num_speculative_tokens = cache.max_drafts(num_speculative_tokens)
         # A seeded request's drafts a step (fixed, eligible.num_drafts): what fits the step beside
         # every other running request's decode at the same share.
         cap = scheduler.mixed_step_tokens or scheduler.chunked_prefill_size
