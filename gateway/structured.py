@@ -4,7 +4,9 @@ Sources, at most one per request: OpenAI's `response_format` (json_object, json_
 plus vLLM / SGLang's structural_tag), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar` (EBNF, xgrammar's dialect with rule `root`), vLLM's newer
 `structured_outputs` object, and a forced tool call (tool_choice "required" or named, built by
-gateway/agents.py). Two at once is a 400: which one would win is not the client's guess.
+gateway/agents.py). Two at once is a 400: which one would win is not the client's guess. A
+JSON `response_format` beside a forced call is not a second one: it shapes a text answer, and
+the forced turn is calls (OpenAI's reading; vLLM's too).
 Tools under tool_choice "auto" are not a second constraint: `strict` ones alone allow free text
 with calls held to their schemas; beside one, any tools make the output either calls or the
 constrained answer (`StrictCalls`), as OpenAI lets a model call tools before its formatted
@@ -200,7 +202,13 @@ def request_constraint(req: Any, forced_tools: Constraint | None = None,
                        strict_calls: StrictCalls | None = None) -> Constraint | None:
     """The one constraint a request asks for (None: unconstrained); 400 when it asks for two.
     `strict_calls` join it: alone, or as the alternative to the one constraint's answer."""
-    found = [c for c in (_from_response_format(req), forced_tools) if c is not None]
+    text_format = _from_response_format(req)
+    if forced_tools and text_format and text_format.kind in ("json_object", "json_schema"):
+        # A forced turn is calls, and a JSON response_format shapes a text answer, which that
+        # turn has none of (OpenAI's reading; an agent framework sends both). Parsed (a
+        # malformed one is still a 400), then unused.
+        text_format = None
+    found = [c for c in (text_format, forced_tools) if c is not None]
     if req.guided_json is not None:
         found.append(Constraint("guided_json", "json_schema",
                                 schema=_schema(req.guided_json, "guided_json")))

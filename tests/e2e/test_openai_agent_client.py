@@ -142,7 +142,7 @@ def test_forced_calls_streamed_assemble_to_the_message(pd: Cluster, choice: Any,
         assert msg["finish"] == "tool_calls" or (parallel and msg["finish"] == "length")
         allowed = ("get_weather", "get_time") if choice == "required" else ("get_time",)
         complete = msg["calls"] if msg["finish"] == "tool_calls" else msg["calls"][:-1]
-        for call_id, name, args in msg["calls"]:
+        for call_id, name, _ in msg["calls"]:
             assert call_id.startswith("call_") and name in allowed
         for _, name, args in complete:
             jsonschema.validate(json.loads(args), SCHEMAS[name])
@@ -209,5 +209,18 @@ def test_tools_beside_a_response_format_stay_callable(pd: Cluster, model: Path) 
               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     msg = message_of(ask(pd, **kw).choices[0])
     assert [c[1] for c in msg["calls"]] == ["get_weather"] and not msg["content"], msg
+    stream, _ = streamed(pd, **kw)
+    assert same_but_ids(stream[0], msg)
+
+
+def test_a_forced_call_beside_a_response_format(pd: Cluster) -> None:
+    """An agent framework's output type and tool_choice "required" together (it was a 400):
+    the forced turn is calls; the format waits for a turn that answers in text."""
+    kw = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_completion_tokens=80,
+              response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                      "schema": ANSWER}})
+    msg = message_of(ask(pd, **kw).choices[0])
+    assert msg["finish"] == "tool_calls" and len(msg["calls"]) == 1, msg
     stream, _ = streamed(pd, **kw)
     assert same_but_ids(stream[0], msg)

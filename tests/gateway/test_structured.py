@@ -209,10 +209,25 @@ def test_bad_constraints_are_400s(kw: dict[str, Any], param: str) -> None:
     assert info.value.param == param, info.value.message
 
 
-def test_forced_call_and_response_format_conflict(hermes_dir: Path) -> None:
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                  "function": {"name": "lookup"}}])
+def test_forced_calls_beside_a_response_format_are_the_output(worker: Worker, hermes_dir: Path,
+                                                              choice: Any) -> None:
+    """OpenAI's reading (and vLLM's since its #32006): a forced turn is calls, and
+    response_format shapes a text answer, which that turn has none of; an agent framework
+    sends both (an output type, and tool_choice "required" until it resets it). It was a 400."""
+    plan = plan_chat(chat(tools=[LOOKUP], tool_choice=choice,
+                          response_format={"type": "json_object"}),
+                     Tokenizer.from_dir(hermes_dir), Parsers(tool_call="hermes"))
+    assert plan.structured is not None and plan.constraint_source == "tool_choice"
+    assert worker.accepts(plan.structured, hermes_call("lookup", {"name": "q"}))
+    assert not worker.accepts(plan.structured, '{"answer": 3}')
+
+
+def test_forced_calls_and_a_whole_output_constraint_conflict(hermes_dir: Path) -> None:
+    """guided_json (vLLM's) holds the whole output, which a forced call cannot be."""
     with pytest.raises(BadRequest) as info:
-        plan_chat(chat(tools=[LOOKUP], tool_choice="required",
-                       response_format={"type": "json_object"}),
+        plan_chat(chat(tools=[LOOKUP], tool_choice="required", guided_json={"type": "object"}),
                   Tokenizer.from_dir(hermes_dir), Parsers(tool_call="hermes"))
     assert "only one output constraint" in info.value.message
 
