@@ -114,7 +114,8 @@ class ChatOutput:
             self._content(content, out)
         if self._tools is not None and not self.stop_now:
             self._take(self._tools.finish(), out)
-            self.call_cut = bool(self.calls) and not _is_json(self.calls[-1].function.arguments)
+            self.call_cut = self._tools.cut_before_name or (
+                bool(self.calls) and not _is_json(self.calls[-1].function.arguments))
         if not self.calls:  # no calls after all: the whitespace is the content
             out.content += self._held_space
         self._held_space = ""

@@ -57,6 +57,9 @@ class ToolParser(ABC):
         # Tool name -> its JSON schema `parameters` (formats that write values untyped need it).
         self.parameters = parameters or {}
         self.num_calls = 0  # calls started so far
+        # The text ended inside a call before its name (max_tokens, a stop string): the call's
+        # markup is dropped, neither content nor a call (set by `finish`).
+        self.cut_before_name = False
 
     @abstractmethod
     def feed(self, text: str) -> ToolDelta:

@@ -112,8 +112,9 @@ class HermesParser(_JsonCallsParser):
             out.content += self._content(self._buf)
         elif self.mode is Mode.CALL:
             sc = self._scanner
-            if sc is not None and sc.name is None:  # never became a call
-                out.content += self._content(self.OPEN + self._call_raw + self._buf)
+            # Cut before the name: so far a JSON call (a text that is not one became content
+            # in `feed`), whose markup is not content.
+            self.cut_before_name = sc is not None and sc.name is None
             self._finish_call(out)
         self._buf = ""
         return out

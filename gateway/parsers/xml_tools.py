@@ -150,8 +150,12 @@ class Qwen3CoderParser(BufferedToolParser):
         if self.state is XmlState.TEXT:
             out.content += self._trailing.feed(self._buf) if self.num_calls else self._buf
         elif self.state is XmlState.FUNCTION:
-            out.content += self._trailing.feed(self.OPEN + self._buf) if self.num_calls \
-                else self.OPEN + self._buf
+            head = self._buf.lstrip()
+            if self.FUNC.startswith(head) or head.startswith(self.FUNC):
+                self.cut_before_name = True  # cut before the name: its markup is not content
+            else:  # not the format after all: the text as it came
+                out.content += self._trailing.feed(self.OPEN + self._buf) if self.num_calls \
+                    else self.OPEN + self._buf
         elif self.state is XmlState.VALUE:  # cut short inside a value: keep what arrived
             self._value_step_final(out)
         self._buf = ""

@@ -51,3 +51,29 @@ def test_whitespace_after_reasoning_before_calls() -> None:
     pieces = ["<think>\nhm", "\n</think>", "\n\n", CALL]
     stream, message = both_ways(pieces, tool_parser="hermes", reasoning_parser="qwen3")
     assert stream == message and message["content"] is None and message["calls"]
+
+
+@pytest.mark.parametrize("parser,cut", [
+    ("hermes", '\n<tool_call>\n{"name": "l'),
+    ("hermes", "\n<tool_call>"),
+    ("hermes", '\n<tool_call>\n{"arguments": {"a": 1}, "na'),
+    ("qwen3_coder", "\n<tool_call>\n<funct"),
+])
+def test_a_call_cut_before_its_name_is_no_content(parser: str, cut: str) -> None:
+    """max_tokens or a stop string ended the output inside a second call, before its name: the
+    call's markup is not content (it was, after the first call's deltas: `<tool_call>\\n{"name":
+    "l`), and the turn did not end in calls (finish_reason stays the worker's)."""
+    first = (CALL if parser == "hermes" else
+             "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>")
+    stream, message = both_ways(["Hi\n", first, cut], tool_parser=parser)
+    assert stream == message and message["content"] == "Hi\n" and len(message["calls"]) == 1
+    out = ChatOutput(ChatPlan(prompt_ids=[1], tool_parser=parser))
+    out.feed(["Hi\n" + first + cut])
+    out.finish()
+    assert out.finish_reason("stop") == "stop" and out.finish_reason("length") == "length"
+
+
+def test_a_tool_call_marker_with_prose_after_it_is_content() -> None:
+    """Not a call after all (the text after the marker is no JSON call): content, as before."""
+    stream, message = both_ways(["See <tool_call> here"], tool_parser="hermes")
+    assert stream == message and message["content"] == "See <tool_call> here"
