@@ -61,3 +61,17 @@ def test_a_worker_says_in_its_log_that_it_drafts(caplog: pytest.LogCaptureFixtur
     with caplog.at_level("INFO"):
         _engine("ngram", k=5)
     assert "speculative decoding: ngram (n-grams of 1-4 tokens), up to 5 drafts" in caplog.text
+
+
+def test_a_drafter_beside_a_checkpoint_with_its_own_mtp_layer_is_refused(tmp_path: Path) -> None:
+    # mtp runs the checkpoint's own layer: a speculative.model set beside it would be ignored
+    # silently (the user's module never drafts), so it is refused naming the field.
+    from tests.worker.deepseek_model import build_deepseek_checkpoint
+
+    target = tmp_path / "deepseek"
+    build_deepseek_checkpoint(target, mtp=True, num_nextn_predict_layers=1)
+    arch = load_arch_config(target)
+    check_drafter("mtp", arch, target, target / "mtp", 512)  # the default: the own layer
+    with pytest.raises(ConfigError, match="unset speculative.model") as err:
+        check_drafter("mtp", arch, target, TARGET / "mtp", 512)
+    assert "speculative.model" in str(err.value) and "\n" not in str(err.value)

@@ -44,7 +44,15 @@ def check_drafter(method: str, target: ArchConfig, target_dir: Path, drafter_dir
                           f"{dp_size} (attention DP steps no drafter); set parallel.dp_size: 1 "
                           "or speculative.method: ngram")
     if method == "mtp" and own_mtp_layers(target):
-        return  # the checkpoint's own MTP layer (the worker checks its tensors are there)
+        # The checkpoint's own MTP layer drafts (the worker checks its tensors are there): a
+        # module named beside it would be ignored, so it is refused rather than never run.
+        if drafter_dir != target_dir / "mtp":
+            raise ConfigError(
+                f"speculative.model: {drafter_dir} is set, but {target_dir} "
+                f"({target.architecture}) has MTP layers of its own, which speculative.method=mtp "
+                "runs; unset speculative.model, or set speculative.method to that drafter's "
+                "(eagle | draft)")
+        return
     source = drafter_dir / "config.json"
     if not source.is_file():
         if method == "mtp":
