@@ -109,7 +109,7 @@ class JsonCallScanner:
             if c == '"':
                 self.phase, self._raw = Phase.IN_KEY, []
             elif c == "}":
-                self.phase = Phase.DONE
+                self._close()
             elif c != ",":
                 self.phase = Phase.FAILED
         elif p is Phase.COLON:
@@ -120,9 +120,14 @@ class JsonCallScanner:
             if c == ",":
                 self.phase = Phase.KEY
             elif c == "}":
-                self.phase = Phase.DONE
+                self._close()
             else:
                 self.phase = Phase.FAILED
+
+    def _close(self) -> None:
+        """The object's `}`: a call only with a name (an object without one is a JSON answer,
+        not a call)."""
+        self.phase = Phase.DONE if self.name is not None else Phase.FAILED
 
     def _string_char(self, c: str, next_phase: Phase) -> None:
         if self._esc:

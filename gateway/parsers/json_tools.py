@@ -33,13 +33,20 @@ class _JsonCallsParser(BufferedToolParser):
         super().__init__(parameters)
         self.mode = Mode.TEXT
         self._scanner: JsonCallScanner | None = None
+        self._call_raw = ""  # the text of a call whose name is not known yet (for a fallback)
+
+    def _new_call(self) -> None:
+        self._scanner, self._call_raw, self.mode = JsonCallScanner(), "", Mode.CALL
 
     def _scan(self, out: ToolDelta) -> bool:
-        """Feed the buffer to the current call's scanner; True once the object closed."""
+        """Feed the buffer to the current call's scanner; True once the object closed, or
+        failed (`_failed`: not a call after all, its text in `_call_raw`)."""
         sc = self._scanner
         assert sc is not None
         had_name = sc.name is not None
         args, used = sc.feed(self._buf)
+        if not had_name and sc.name is None:
+            self._call_raw += self._buf[:used]
         self._buf = self._buf[used:]
         if sc.failed:
             return True
@@ -53,11 +60,17 @@ class _JsonCallsParser(BufferedToolParser):
             return True
         return False
 
+    @property
+    def _failed(self) -> bool:
+        return self._scanner is not None and self._scanner.failed
+
     def _finish_call(self, out: ToolDelta) -> None:
-        """The text ended inside a call: release held argument text (a truncated call)."""
+        """The text ended inside a call: release held argument text (a truncated call); one
+        cut before its name is dropped (`cut_before_name`)."""
         sc = self._scanner
         if sc is not None and sc.name is not None:
             out.calls.extend(self._args(sc.finish()))
+        self.cut_before_name = sc is not None and sc.name is None
         self._scanner = None
 
 
@@ -66,10 +79,6 @@ class HermesParser(_JsonCallsParser):
     CLOSE = "</tool_call>"
     markers = (OPEN, CLOSE)
 
-    def __init__(self, parameters: dict[str, dict[str, object]] | None = None) -> None:
-        super().__init__(parameters)
-        self._call_raw = ""  # the text of a call whose name is not known yet (for a fallback)
-
     def feed(self, text: str) -> ToolDelta:
         self._buf += text
         out = ToolDelta()
@@ -77,10 +86,9 @@ class HermesParser(_JsonCallsParser):
             if self.mode is Mode.TEXT:
                 if not self._text_until(self.OPEN, out):
                     break
-                self.mode, self._scanner, self._call_raw = Mode.CALL, JsonCallScanner(), ""
+                self._new_call()
             elif self.mode is Mode.CALL:
-                before = self._buf
-                if not self._step_call(out, before):
+                if not self._step_call(out):
                     break
             else:  # BETWEEN: skip to `</tool_call>`
                 i = self._buf.find(self.CLOSE)
@@ -91,14 +99,9 @@ class HermesParser(_JsonCallsParser):
                 self.mode = Mode.TEXT
         return out
 
-    def _step_call(self, out: ToolDelta, before: str) -> bool:
-        sc = self._scanner
-        assert sc is not None
-        named = sc.name is not None
+    def _step_call(self, out: ToolDelta) -> bool:
         closed = self._scan(out)
-        if not named and sc.name is None:
-            self._call_raw += before[:len(before) - len(self._buf)]
-        if sc.failed:  # not a JSON call after all: the tag and its text are plain content
+        if self._failed:  # not a JSON call after all: the tag and its text are plain content
             out.content += self._content(self.OPEN + self._call_raw)
             self._scanner, self.mode = None, Mode.TEXT
             return True
@@ -110,12 +113,8 @@ class HermesParser(_JsonCallsParser):
         out = ToolDelta()
         if self.mode is Mode.TEXT:
             out.content += self._content(self._buf)
-        elif self.mode is Mode.CALL:
-            sc = self._scanner
-            # Cut before the name: so far a JSON call (a text that is not one became content
-            # in `feed`), whose markup is not content.
-            self.cut_before_name = sc is not None and sc.name is None
-            self._finish_call(out)
+        elif self.mode is Mode.CALL:  # cut inside a call (one cut before its name: dropped;
+            self._finish_call(out)  # a text that is not a JSON call became content in `feed`)
         self._buf = ""
         return out
 
@@ -142,6 +141,11 @@ class Llama3JsonParser(_JsonCallsParser):
                 if not self._scan(out):
                     break
                 self.mode = Mode.BETWEEN
+                if self._failed:  # not a call: its text is content (and, first, all the rest)
+                    self._scanner, self._calls_mode = None, self.num_calls > 0
+                    out.content += self._content(self._call_raw)
+                    if not self._calls_mode:
+                        out.content, self._buf = out.content + self._buf, ""
                 continue
             stripped = self._buf.lstrip(" \t\r\n;")
             if not stripped:
@@ -151,7 +155,8 @@ class Llama3JsonParser(_JsonCallsParser):
                 out.content += self._content(stripped)
                 self._buf = ""
                 break
-            self._buf, self.mode, self._scanner = stripped, Mode.CALL, JsonCallScanner()
+            self._buf = stripped
+            self._new_call()
         return out
 
     def _decide(self) -> bool:
@@ -213,12 +218,15 @@ class MistralParser(_JsonCallsParser):
             if stripped[0] == "]":
                 self._buf, self.mode = stripped[1:], Mode.TEXT
             else:
-                self.mode, self._scanner = Mode.CALL, JsonCallScanner()
+                self._new_call()
             return True
         if self.mode is Mode.NAME:
             return self._name_step(out)
         if not self._scan(out):  # Mode.CALL
             return False
+        if self._failed:  # not a call: its text is content
+            self._scanner = None
+            out.content += self._content(self._call_raw)
         self.mode = Mode.LIST if self._in_list else Mode.TEXT
         return True
 
@@ -230,7 +238,7 @@ class MistralParser(_JsonCallsParser):
         name = self._buf[:i].split(self.CALL_ID)[0].strip()
         self._buf = self._buf[i + len(self.ARGS):]
         out.calls.append(self._start_call(name))
-        self._scanner = JsonCallScanner.arguments_only()
+        self._scanner, self._call_raw = JsonCallScanner.arguments_only(), ""
         self.mode = Mode.CALL
         return True
 

@@ -77,3 +77,15 @@ def test_a_tool_call_marker_with_prose_after_it_is_content() -> None:
     """Not a call after all (the text after the marker is no JSON call): content, as before."""
     stream, message = both_ways(["See <tool_call> here"], tool_parser="hermes")
     assert stream == message and message["content"] == "See <tool_call> here"
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{"answer": 3}'),
+    ("hermes", '<tool_call>\n{"foo": 1}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"answer": 3}]'),
+])
+def test_a_json_object_with_no_name_is_content(parser: str, text: str) -> None:
+    """A model's JSON answer (with tools on: a response_format's, or a Llama writing JSON) is
+    not a call: it raised IndexError in the gateway (a call delta for call -1)."""
+    stream, message = both_ways([text[:5], text[5:]], tool_parser=parser)
+    assert stream == message and not message["calls"] and '{"' in message["content"]

@@ -82,6 +82,20 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"s": "a;b"}}', "",
      [("f", {"s": "a;b"})]),
     ("llama3_json", "The answer is {x}.", "The answer is {x}.", []),
+    # A JSON object with no name is not a call (an answer in JSON, a response_format's): its
+    # text is content. It crashed the gateway (a call delta for call -1), or after a call
+    # appended "{}" to that call's arguments.
+    ("llama3_json", '{"answer": 3, "why": "x"}', '{"answer": 3, "why": "x"}', []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"answer": 3}', '{"answer": 3}',
+     [("f", {"a": 1})]),
+    ("hermes", '<tool_call>\n{"foo": 1}\n</tool_call>', '<tool_call>\n{"foo": 1}\n</tool_call>',
+     []),
+    ("hermes", '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>',
+     '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>', []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{}\n'
+     '</tool_call>', '\n<tool_call>\n{}\n</tool_call>', [("f", {})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"answer": 3}]', '{"answer": 3}',
+     [("f", {})]),
     ("mistral", 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", '
      '"arguments": {}}]', "Sure. ", [("f", {"x": 1}), ("g", {})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"x": [1, 2]}[TOOL_CALLS]g[CALL_ID]a1b2c3d4e[ARGS]{}', "",
