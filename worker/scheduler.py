@@ -34,7 +34,7 @@ from worker.cache_manager import CacheHold, Holdings, KVCacheManager
 from worker.config import SchedulerConfig
 from worker.request import Request, RequestStatus, TokenLogprob
 from worker.spec.counters import SpecCounters
-from worker.spec.eligible import num_drafts
+from worker.spec.eligible import num_drafts, recompute_len
 from worker.step import PENDING, RunOutput, ScheduledChunk, SchedulePlan
 
 
@@ -185,7 +185,8 @@ class Scheduler:
     def _chunk_len(self, req: Request, budget: int) -> int:
         """Tokens the request computes this step: what is left, within the budget, ending where
         the cache manager needs a chunk to end (a state group's snapshot point)."""
-        return self.cache.chunk_limit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+        left = recompute_len(req, self.num_speculative_tokens)
+        return self.cache.chunk_limit(req, min(left, budget))
 
     def _admit(self, plan: SchedulePlan, budget: int) -> None:
         while (self.waiting and budget > 0
@@ -201,15 +202,18 @@ class Scheduler:
             if not req.page_table:
                 self._match_prefix(req)
             n = self._chunk_len(req, budget)
-            if not self.cache.admit(req, req.num_computed_tokens + n):
+            # A recompute's prefix hit may leave only its last token: it decodes, drafts too.
+            k = max(0, num_drafts(req, self.num_speculative_tokens, n, budget - n,
+                                  self.max_model_len, self._seeded_drafts))
+            if not self.cache.admit(req, req.num_computed_tokens + n + k):
                 self.cache.free(req)  # give back prefix hits; retry next step
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._add_chunk(plan, req, n)
-            budget -= n
+            self._add_chunk(plan, req, n, k)
+            budget -= n + k
 
     def _match_prefix(self, req: Request) -> None:
         req.num_computed_tokens = self.cache.match_prefix(req)

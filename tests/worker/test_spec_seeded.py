@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest import build_tiny_checkpoint
-from worker.config import ModelConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig
+from worker.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    WorkerConfig,
+)
 from worker.engine import Engine, RequestOutput
 from worker.request import Request
 from worker.sampling import SamplingParams
@@ -73,3 +79,30 @@ def test_a_seeded_request_samples_the_same_alone_and_under_load(
     together = _run(engine, prompts, params)  # the four share each step's budget
     assert engine.spec_counters.accepted > 0  # drafts really ran
     assert together == alone
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_seeded_request_samples_the_same_when_preempted(checkpoint: Path, method: str) -> None:
+    # Preempted, a request recomputes its prompt and output; its last token then decodes with
+    # its drafts as it would have, so its generator's draws line up with a run without
+    # preemption (a recompute that sampled that token itself would draw once, not per draft).
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in (20, 25, 30, 22)]
+
+    def run(num_pages: int) -> tuple[list[list[int]], int]:
+        engine = Engine(WorkerConfig(
+            model=ModelConfig(path=str(checkpoint)),
+            cache=CacheConfig(page_size=4, num_pages=num_pages),
+            scheduler=SchedulerConfig(max_num_seqs=4, chunked_prefill_size=64),
+            speculative=SpeculativeConfig(method=method,  # type: ignore[arg-type]
+                                          num_speculative_tokens=4,
+                                          model=str(checkpoint) if method == "draft" else ""),
+        ))
+        outs = _run(engine, prompts, lambda i: SamplingParams(
+            temperature=1.0, seed=5 + i, max_tokens=60, ignore_eos=True))
+        return outs, engine.scheduler.num_preemptions
+
+    roomy, none = run(400)
+    tight, preemptions = run(50)
+    assert none == 0 and preemptions > 0
+    assert tight == roomy

@@ -33,7 +33,23 @@ def num_drafts(req: Request, k: int, n: int, budget: int, max_model_len: int,
     left = req.sampling.max_tokens - len(req.output_token_ids) - 1
     room = max_model_len - req.num_tokens - 1
     own = max(0, min(k, left, room))
-    if req.sampling.seed is not None and not req.sampling.greedy:
+    if fixed_drafts(req):
         own = min(own, seeded_cap)
         return own if own <= budget else -1
     return min(own, budget)
+
+
+def fixed_drafts(req: Request) -> bool:
+    """Seeded sampling: its draws follow its drafts, so their number is the request's own."""
+    return req.sampling.seed is not None and not req.sampling.greedy and speculable(req)
+
+
+def recompute_len(req: Request, k: int) -> int:
+    """Tokens a chunk may compute towards the request's end: a seeded request recomputing its
+    output after a preemption stops before its last token, which then decodes with its drafts
+    as it would have without the preemption (a recompute that sampled it would draw once where
+    the verify draws per draft)."""
+    left = req.num_tokens - req.num_computed_tokens
+    if k and left > 1 and req.output_token_ids and fixed_drafts(req):
+        return left - 1
+    return left
