@@ -127,6 +127,7 @@ class Llama3JsonParser(_JsonCallsParser):
         super().__init__(parameters)
         self._decided = False
         self._calls_mode = False
+        self._tagged = False  # the output opened with `<|python_tag|>`: calls, not an answer
 
     def feed(self, text: str) -> ToolDelta:
         self._buf += text
@@ -163,6 +164,7 @@ class Llama3JsonParser(_JsonCallsParser):
         stripped = self._buf.lstrip()
         if stripped.startswith(self.PYTHON_TAG):
             stripped = stripped[len(self.PYTHON_TAG):].lstrip()
+            self._tagged = True
         elif self.PYTHON_TAG.startswith(stripped):
             return False  # nothing yet, or a split `<|python_tag|>`
         if not stripped:
@@ -178,7 +180,12 @@ class Llama3JsonParser(_JsonCallsParser):
         if not self._decided or not self._calls_mode:
             out.content, self._buf = self._buf, ""
             return out
-        if self.mode is Mode.CALL:
+        sc = self._scanner
+        if self.mode is Mode.CALL and sc is not None and sc.name is None and not (
+                self.num_calls or self._tagged):  # no name and no marker: an answer cut short
+            out.content += self._call_raw + self._buf
+            self._scanner = None
+        elif self.mode is Mode.CALL:
             self._finish_call(out)
         self._buf = ""
         return out

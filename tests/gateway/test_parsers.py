@@ -88,6 +88,12 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
     ("llama3_json", '{"answer": 3, "why": "x"}', '{"answer": 3, "why": "x"}', []),
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"answer": 3}', '{"answer": 3}',
      [("f", {"a": 1})]),
+    # Cut short before any name: with no marker, the JSON answer as far as it came (it was
+    # dropped: a response_format's JSON cut by max_tokens came back as no content at all); a
+    # cut after `<|python_tag|>` or after a call is a call cut before its name.
+    ("llama3_json", '{"answer": "cut sh', '{"answer": "cut sh', []),
+    ("llama3_json", '<|python_tag|>{"na', "", []),
+    ("llama3_json", '{"name": "f", "parameters": {}}; {"na', "", [("f", {})]),
     ("hermes", '<tool_call>\n{"foo": 1}\n</tool_call>', '<tool_call>\n{"foo": 1}\n</tool_call>',
      []),
     ("hermes", '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>',
