@@ -118,8 +118,11 @@ class Qwen3CoderParser(BufferedToolParser):
             return True
         if self.PARAM.startswith(stripped) or self.FUNC_END.startswith(stripped):
             return False  # a marker split across deltas
-        self._buf = ""  # stray text between parameters is not part of the format: dropped
-        return False
+        # Stray text between parameters is not part of the format: dropped up to the next
+        # possible marker (never past it: how the text was split must not matter).
+        k = stripped.find("<", 1)
+        self._buf = stripped[k:] if k != -1 else ""
+        return k != -1
 
     def _value_step(self, out: ToolDelta) -> bool:
         ends = [k for k in (self._buf.find(m) for m in (self.PARAM_END, self.PARAM, self.FUNC_END))

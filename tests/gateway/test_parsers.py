@@ -139,6 +139,16 @@ def test_qwen3_coder_xml_typed_values_every_split() -> None:
                        "I will call it.\n", want)
 
 
+def test_qwen3_coder_stray_text_between_parameters_every_split() -> None:
+    """Stray text between parameters is dropped, up to the next marker: it took the rest of
+    its piece with it, so the whole text (the non-streaming path) lost `s` where a stream fed
+    token by token kept it."""
+    text = ("<tool_call>\n<function=f>\n<parameter=n>\n1\n</parameter>\nstray <parameter=s>\nx\n"
+            "</parameter> more</function>\n</tool_call>")
+    assert_every_split(functools.partial(make_tool_parser, "qwen3_coder", QWEN_CODER_TOOLS), text,
+                       "", [("f", {"n": 1, "s": "x"})])
+
+
 def test_typed_value_falls_back_to_text() -> None:
     assert typed_value("12", {"type": "integer"}) == 12
     assert typed_value("twelve", {"type": "integer"}) == "twelve"
