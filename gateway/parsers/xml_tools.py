@@ -203,10 +203,14 @@ class DeepSeekV3Parser(BufferedToolParser):
                 if stripped.startswith(marker):
                     self._buf, self.state = stripped[len(marker):], nxt
                     return True
-            if stripped and not any(m.startswith(stripped) for m in (self.CALL_BEGIN,
-                                                                     self.CALLS_END)):
-                self._buf = ""  # stray text inside the calls block: not part of the format
-            return False
+            if not stripped or any(m.startswith(stripped) for m in (self.CALL_BEGIN,
+                                                                    self.CALLS_END)):
+                return False  # nothing yet, or a marker split across deltas
+            # Stray text inside the calls block is not part of the format: dropped up to the
+            # next possible marker (never past it: how the text was split must not matter).
+            k = stripped.find("<", 1)
+            self._buf = stripped[k:] if k != -1 else ""
+            return k != -1
         if st is DSState.HEAD:
             return self._head_step(out)
         if st is DSState.ARGS:

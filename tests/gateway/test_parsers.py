@@ -149,6 +149,18 @@ def test_qwen3_coder_stray_text_between_parameters_every_split() -> None:
                        "", [("f", {"n": 1, "s": "x"})])
 
 
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_stray_text_inside_the_calls_block_every_split(parser: str) -> None:
+    """As in qwen3_coder: stray text is dropped up to the next marker, not with the rest of
+    its piece (the whole text lost the call after it, a stream kept it)."""
+    call = ('<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}\n```'
+            '<｜tool▁call▁end｜>' if parser == "deepseek_v3" else
+            '<｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 1}<｜tool▁call▁end｜>')
+    text = f"<｜tool▁calls▁begin｜> junk {call}<｜tool▁calls▁end｜> after"
+    assert_every_split(functools.partial(make_tool_parser, parser, {}), text, " after",
+                       [("f", {"a": 1})])
+
+
 def test_typed_value_falls_back_to_text() -> None:
     assert typed_value("12", {"type": "integer"}) == 12
     assert typed_value("twelve", {"type": "integer"}) == "twelve"
