@@ -81,20 +81,26 @@ class ToolParser(ABC):
 
 class TrailingText:
     """Text outside calls once a call has begun: whitespace between calls is dropped, other
-    text is content. Whitespace is held until non-space text (or the end) decides."""
+    text is content. Whitespace is held until non-space text (or the end) decides; once text
+    came after a call, what follows it is that text's own, until the next call (`call`)."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_in_text")
 
     def __init__(self) -> None:
         self._held = ""
+        self._in_text = False
 
     def feed(self, text: str) -> str:
         buf = self._held + text
-        if buf.strip():
-            self._held = ""
+        if self._in_text or buf.strip():
+            self._held, self._in_text = "", True
             return buf
         self._held = buf
         return ""
+
+    def call(self) -> None:
+        """A call began: whitespace after it is held again."""
+        self._held, self._in_text = "", False
 
     def finish(self) -> str:
         self._held = ""
@@ -116,6 +122,10 @@ class BufferedToolParser(ToolParser):
         while self._buf and self._step(out):
             pass
         return out
+
+    def _start_call(self, name: str) -> CallDelta:
+        self._trailing.call()
+        return super()._start_call(name)
 
     def _step(self, out: ToolDelta) -> bool:
         """One move of the state machine; False when it needs more text."""

@@ -102,6 +102,10 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
      '</tool_call>', '\n<tool_call>\n{}\n</tool_call>', [("f", {})]),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"answer": 3}]', '{"answer": 3}',
      [("f", {})]),
+    # Whitespace after the calls is dropped only while nothing else came since the last one:
+    # text's own trailing newline stayed or went with how the text was split.
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\nDone.\n',
+     "\n\nDone.\n", [("f", {})]),
     ("mistral", 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", '
      '"arguments": {}}]', "Sure. ", [("f", {"x": 1}), ("g", {})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"x": [1, 2]}[TOOL_CALLS]g[CALL_ID]a1b2c3d4e[ARGS]{}', "",
