@@ -3,6 +3,7 @@ make the message the non-streaming path returns (the parsers are real; no worker
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -89,3 +90,26 @@ def test_a_json_object_with_no_name_is_content(parser: str, text: str) -> None:
     not a call: it raised IndexError in the gateway (a call delta for call -1)."""
     stream, message = both_ways([text[:5], text[5:]], tool_parser=parser)
     assert stream == message and not message["calls"] and '{"' in message["content"]
+
+
+MARKER_SOUP = [
+    '<tool_call>', '</tool_call>', '\n', ' ', '{', '}', '[', ']', '"', ':', ',', '"name"',
+    '"arguments"', '"parameters"', '"f"', '1', 'x', ';', '\\', 'null', '<think>', '</think>',
+    '<|python_tag|>', '[TOOL_CALLS]', '[ARGS]', '[CALL_ID]', '<function=f>', '</function>',
+    '<parameter=a>', '</parameter>', '<｜tool▁calls▁begin｜>', '<｜tool▁call▁begin｜>',
+    '<｜tool▁sep｜>', '<｜tool▁call▁end｜>', '<｜tool▁calls▁end｜>', 'function', '```json', '```']
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json", "mistral",
+                                    "deepseek_v3", "deepseek_v31"])
+def test_random_marker_soup_streams_what_the_message_says(parser: str) -> None:
+    """Any text, split anywhere, assembles to the message, and nothing raises: found a crash
+    (a nameless JSON object) and three ways the split decided what was kept."""
+    rng = random.Random(parser)
+    for _ in range(2000):
+        text = "".join(rng.choice(MARKER_SOUP) for _ in range(rng.randint(1, 25)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text), rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        reasoning = rng.choice(["", "qwen3"])
+        stream, message = both_ways(pieces, tool_parser=parser, reasoning_parser=reasoning)
+        assert stream == message, (text, pieces)
