@@ -4,10 +4,14 @@
   one block per call, free text before them.
 - `llama3_json` (Llama 3.1+ JSON tool calling): the whole output is the call(s),
   `{"name": "f", "parameters": {...}}`, several separated by `;`, optionally after
-  `<|python_tag|>`; output that does not begin with `{` is plain content.
+  `<|python_tag|>`; output that does not begin with `{`, or whose first object has no name (a
+  JSON answer), is plain content.
 - `mistral`: `[TOOL_CALLS]` then either a JSON array of `{"name", "arguments"}` objects
   (tokenizers up to v3) or `name[ARGS]{...}` per call (v11+ tokenizers, each call after its own
   `[TOOL_CALLS]`).
+
+In every format a JSON object with no `name` is not a call (its text is content), and a call
+cut short before its name (max_tokens, a stop string) is dropped: neither content nor a call.
 """
 
 from __future__ import annotations

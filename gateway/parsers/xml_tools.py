@@ -2,8 +2,9 @@
 
 - `qwen3_coder` (Qwen3-Coder's XML):
   `<tool_call>\\n<function=f>\\n<parameter=k>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>`.
-  Values are written raw; each is typed by the tool's JSON schema (a `string` stays text,
-  `integer` / `number` / `boolean` / `object` / `array` are parsed, falling back to text), and
+  Values are written raw; each is typed by the tool's JSON schema (a `string` stays text, an
+  `enum` / `const` member without the whitespace the format lets around it; `integer` /
+  `number` / `boolean` / `object` / `array` are parsed, falling back to text), and
   the call's arguments are streamed as a JSON object, one parameter at a time.
 - `deepseek_v3`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
   \\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
