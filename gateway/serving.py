@@ -227,9 +227,10 @@ class GenerationHandler:
                 fits = limit - num_prompt_tokens
                 max_tokens = fits if default is None else min(default, fits)
             elif num_prompt_tokens + max_tokens > limit:
-                raise BadRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens "
+                field = req.max_tokens_field()  # the one the client sent
+                raise BadRequest(f"prompt ({num_prompt_tokens} tokens) + {field} "
                                  f"({max_tokens}) exceeds max_model_len ({limit}); lower "
-                                 "max_tokens or shorten the prompt", param="max_tokens",
+                                 f"{field} or shorten the prompt", param=field,
                                  code="context_length_exceeded")
         elif max_tokens is None:
             max_tokens = 16 if default is None else default

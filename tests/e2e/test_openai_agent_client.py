@@ -224,3 +224,13 @@ def test_a_forced_call_beside_a_response_format(pd: Cluster) -> None:
     assert msg["finish"] == "tool_calls" and len(msg["calls"]) == 1, msg
     stream, _ = streamed(pd, **kw)
     assert same_but_ids(stream[0], msg)
+
+
+def test_a_budget_past_the_context_names_the_field_sent(pd: Cluster) -> None:
+    """An agent framework sends max_completion_tokens: the 400 names it, not max_tokens."""
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(pd, max_completion_tokens=5000)
+    error = info.value.body
+    assert isinstance(error, dict) and error["code"] == "context_length_exceeded"
+    assert error["param"] == "max_completion_tokens" and "max_completion_tokens (5000)" in (
+        error["message"])
