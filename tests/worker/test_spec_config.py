@@ -75,3 +75,23 @@ def test_a_drafter_beside_a_checkpoint_with_its_own_mtp_layer_is_refused(tmp_pat
     with pytest.raises(ConfigError, match="unset speculative.model") as err:
         check_drafter("mtp", arch, target, TARGET / "mtp", 512)
     assert "speculative.model" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_refusals_offer_only_methods_the_target_runs(tmp_path: Path) -> None:
+    # mtp on a checkpoint without MTP layers suggests the other methods; eagle is only for the
+    # dense families (a gpt-oss target refuses it), a draft model not for MLA targets.
+    from tests.worker.deepseek_model import build_deepseek_checkpoint
+    from tests.worker.gpt_oss_model import build_gpt_oss_checkpoint
+
+    gpt_oss, deepseek = tmp_path / "gpt-oss", tmp_path / "deepseek"
+    build_gpt_oss_checkpoint(gpt_oss)
+    build_deepseek_checkpoint(deepseek)
+    with pytest.raises(ConfigError, match="speculative.method draft or ngram$"):
+        check_drafter("mtp", load_arch_config(gpt_oss), gpt_oss, gpt_oss / "mtp", 512)
+    with pytest.raises(ConfigError, match="speculative.method eagle, draft or ngram$"):
+        check_drafter("mtp", load_arch_config(TARGET), TARGET, tmp_path / "none", 512)
+    # A DeepSeek-V3 directory as a Llama target's draft model: it names what it is instead.
+    with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM is not a dense Llama / Qwen"):
+        check_drafter("draft", load_arch_config(TARGET), TARGET, deepseek, 512)
+    with pytest.raises(ConfigError, match="GptOssForCausalLM is not a dense Llama / Qwen"):
+        check_drafter("draft", load_arch_config(TARGET), TARGET, gpt_oss, 512)

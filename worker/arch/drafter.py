@@ -56,12 +56,13 @@ def check_drafter(method: str, target: ArchConfig, target_dir: Path, drafter_dir
     source = drafter_dir / "config.json"
     if not source.is_file():
         if method == "mtp":
+            module = ("point speculative.model at an MTP module (models/train_eagle.py --layout "
+                      "mtp writes one), or " if target.architecture in EAGLE_TARGETS else "")
             raise ConfigError(
                 f"speculative.model: {drafter_dir} has no config.json and {target_dir} "
                 f"({target.architecture}) declares no MTP layer of its own (DeepSeek-V3 "
-                "num_nextn_predict_layers, Qwen3-Next mtp_num_hidden_layers); point "
-                "speculative.model at an MTP module (models/train_eagle.py --layout mtp writes "
-                "one), or use speculative.method eagle, draft or ngram")
+                f"num_nextn_predict_layers, Qwen3-Next mtp_num_hidden_layers); {module}use "
+                f"speculative.method {_other_methods(target)}")
         fix = ("models/train_eagle.py writes one" if method == "eagle"
                else "an HF checkpoint with the target's token ids")
         raise ConfigError(f"speculative.model: {drafter_dir} has no config.json; point "
@@ -123,10 +124,14 @@ def _check_draft(target: ArchConfig, target_dir: Path, drafter_dir: Path, max_le
                           "pages, which a draft model's K/V cannot share; use speculative."
                           "method mtp")
     draft = load_arch_config(drafter_dir)
-    if draft.architecture not in EAGLE_TARGETS or any(w is not None for w in draft.layer_windows):
-        raise ConfigError(f"speculative.model {str(drafter_dir)!r}: {draft.architecture} with "
-                          "window or recurrent layers cannot draft; use a dense Llama / Qwen "
-                          "model")
+    if draft.architecture not in EAGLE_TARGETS:
+        raise ConfigError(f"speculative.model {str(drafter_dir)!r}: {draft.architecture} is not "
+                          f"a dense Llama / Qwen model ({', '.join(EAGLE_TARGETS)}), so it "
+                          "cannot draft; use one of those")
+    if any(w is not None for w in draft.layer_windows):
+        raise ConfigError(f"speculative.model {str(drafter_dir)!r}: its sliding-window layers "
+                          "cannot draft (a draft model's KV is every token's); use a dense "
+                          "Llama / Qwen model without a window")
     _check_geometry(source, target, vocab_size=draft.vocab_size,
                     num_key_value_heads=draft.num_kv_heads, head_dim=draft.head_dim)
     if draft.context_limit and draft.context_limit < max_len:
@@ -137,6 +142,13 @@ def _check_draft(target: ArchConfig, target_dir: Path, drafter_dir: Path, max_le
                           f"{max_len}; "
                           "lower model.max_model_len or train the draft longer")
     _check_tokenizer(drafter_dir, target_dir)
+
+
+def _other_methods(target: ArchConfig) -> str:
+    """The methods other than mtp that `target` can run, for a refusal's fix."""
+    methods = [m for m, ok in (("eagle", target.architecture in EAGLE_TARGETS),
+                               ("draft", not target.kv_latent_dim)) if ok]
+    return f"{', '.join(methods)} or ngram" if methods else "ngram"
 
 
 def _check_geometry(source: Path, target: ArchConfig, **theirs: int) -> None:
