@@ -223,6 +223,11 @@ def check_drafter(cluster: ClusterConfig, path: Path, arch: ArchConfig) -> None:
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     own_layers = spec.method == "mtp" and drafter.own_mtp_layers(arch)
+    if own_layers and cluster.model.load_format != "dummy":
+        try:  # declared in config.json, but are they in the weights?
+            drafter.check_mtp_weights(arch, path)
+        except (ConfigError, ModelLoadError) as exc:
+            raise CheckpointError(str(exc)) from None
     if spec.method in drafter.MODEL_METHODS and not own_layers \
             and cluster.model.load_format != "dummy":
         check_weights(head)  # a head cut short: here, not in a worker's traceback

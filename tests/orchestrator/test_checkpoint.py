@@ -424,3 +424,24 @@ def test_a_worker_refusing_weights_wider_than_config_json_exits_with_one_line(
     assert last.startswith("error: checkpoint tensor model.layers.0.mlp.down_proj.weight: ")
     assert "does config.json match the weights?" in last, last
     assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_mtp_on_a_checkpoint_that_declares_mtp_layers_without_their_weights_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """transformers' save_pretrained of a DeepSeek-V3 keeps num_nextn_predict_layers in
+    config.json and writes no MTP tensors: speculative.method=mtp has nothing to draft with,
+    which plan and serve say before a worker starts (and with only the methods it can run)."""
+    from tests.worker.deepseek_model import build_deepseek_checkpoint
+
+    model = tmp_path / "deepseek"
+    build_deepseek_checkpoint(model, num_nextn_predict_layers=1)
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["plan", "--model", str(model), "--dtype", "float32",
+                 "--set", "speculative.method=mtp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: speculative.method=mtp: ") and err.count("\n") == 1, err
+    assert "model.layers.3.*" in err and err.rstrip().endswith("speculative.method ngram"), err
+    build_deepseek_checkpoint(model, num_nextn_predict_layers=1, mtp=True)  # with them: fine
+    assert main(["plan", "--model", str(model), "--dtype", "float32",
+                 "--set", "speculative.method=mtp"]) == 0

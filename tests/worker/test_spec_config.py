@@ -95,3 +95,18 @@ def test_refusals_offer_only_methods_the_target_runs(tmp_path: Path) -> None:
         check_drafter("draft", load_arch_config(TARGET), TARGET, deepseek, 512)
     with pytest.raises(ConfigError, match="GptOssForCausalLM is not a dense Llama / Qwen"):
         check_drafter("draft", load_arch_config(TARGET), TARGET, gpt_oss, 512)
+
+
+def test_a_worker_given_mtp_without_the_mtp_weights_names_what_it_can_run(tmp_path: Path) -> None:
+    # A worker started by hand (no launcher preflight) refuses in the same line.
+    from tests.worker.deepseek_model import build_deepseek_checkpoint
+    from worker.config import ModelConfig, WorkerConfig
+    from worker.engine import Engine
+
+    model = tmp_path / "deepseek"
+    build_deepseek_checkpoint(model, num_nextn_predict_layers=1)
+    config = WorkerConfig(model=ModelConfig(path=str(model), dtype="float32"),
+                          speculative=SpeculativeConfig(method="mtp"))
+    says = r"model\.layers\.3\.\* tensors .*speculative\.method ngram$"
+    with pytest.raises(ConfigError, match=says):
+        Engine(config)

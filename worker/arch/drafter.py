@@ -18,6 +18,7 @@ from pathlib import Path
 from worker.arch.field_types import check_field_types
 from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config
 from worker.arch.load import load_arch_config, read_json
+from worker.arch.safetensors_file import read_header, weight_files
 from worker.config import ConfigError
 
 MODEL_METHODS = ("draft", "eagle", "mtp")
@@ -142,6 +143,32 @@ def _check_draft(target: ArchConfig, target_dir: Path, drafter_dir: Path, max_le
                           f"{max_len}; "
                           "lower model.max_model_len or train the draft longer")
     _check_tokenizer(drafter_dir, target_dir)
+
+
+def check_mtp_weights(target: ArchConfig, target_dir: Path) -> None:
+    """ConfigError when config.json declares MTP layers (own_mtp_layers) that the weights lack:
+    transformers' save_pretrained of DeepSeek-V3 or Qwen3-Next keeps the count and writes none."""
+    prefix = _mtp_prefix(target)
+    if not any(name.startswith(prefix) for file in weight_files(target_dir)
+               for name in read_header(file)):
+        raise ConfigError(mtp_weights_missing(target, target_dir))
+
+
+def mtp_weights_missing(target: ArchConfig, target_dir: Path | str) -> str:
+    """The refusal of speculative.method=mtp on a checkpoint whose MTP layers are declared only."""
+    field = ("mtp_num_hidden_layers" if target.architecture == "Qwen3NextForCausalLM"
+             else "num_nextn_predict_layers")
+    return (f"speculative.method=mtp: {target_dir} ({target.architecture}) declares "
+            f"{field}={own_mtp_layers(target)} in config.json but its weights hold no "
+            f"{_mtp_prefix(target)}* tensors (transformers' save_pretrained writes none); use a "
+            f"checkpoint with its MTP weights, or speculative.method {_other_methods(target)}")
+
+
+def _mtp_prefix(target: ArchConfig) -> str:
+    """Where the target's own MTP layers' tensors are named (DeepSeek-V3: after the decoder)."""
+    if target.architecture == "Qwen3NextForCausalLM":
+        return "mtp."
+    return f"model.layers.{target.num_layers}."
 
 
 def _other_methods(target: ArchConfig) -> str:

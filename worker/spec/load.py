@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.arch.drafter import MODEL_METHODS, check_drafter
+from worker.arch.drafter import (
+    MODEL_METHODS,
+    check_drafter,
+    mtp_weights_missing,
+    own_mtp_layers,
+)
 from worker.arch.hf_config import ModelLoadError, parse_arch_config
 from worker.arch.load import load_arch_config, read_json
 from worker.cache_layout import max_model_len
@@ -103,12 +108,9 @@ def _mtp(config: WorkerConfig, target: CausalLM, spec: ModelSpec) -> LoadedHead:
         head = Qwen3NextMTPHead(target)
     else:  # no MTP layer of its own (config.json declares one the weights lack, or none)
         path = Path(config.speculative.drafter_path(config.model.path))
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"speculative.method=mtp: {config.model.path} ({spec.architecture}) declares an "
-                "MTP layer its weights lack (DeepSeek-V3 model.layers.{num_hidden_layers}.*, "
-                f"Qwen3-Next mtp.*) and {path} holds no MTP module; set speculative.model or "
-                "use speculative.method eagle, draft or ngram")
+        arch = load_arch_config(Path(config.model.path))
+        if own_mtp_layers(arch):  # check_drafter passed it on as the checkpoint's own
+            raise ConfigError(mtp_weights_missing(arch, config.model.path))
         try:
             head, files = _dense_head(path, config, target, spec, "mtp")
         except ModelLoadError as exc:
