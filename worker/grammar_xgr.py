@@ -92,6 +92,17 @@ def json_schema_ebnf(schema: str) -> str:
     return grammar.replace(_BOUNDED_CHAR, _JSON_CHAR)
 
 
+def _mended(compiler: xgr.GrammarCompiler, compiled: xgr.CompiledGrammar
+            ) -> xgr.CompiledGrammar:
+    """A structural tag's grammar with its bounded strings mended as `json_schema_ebnf`'s (its
+    schemas are lowered by the same code); compiled again only when it has one (the text keeps
+    token elements as `Token(id)`, which the compiler reads back)."""
+    text = str(compiled.grammar)
+    if _BOUNDED_CHAR not in text:
+        return compiled
+    return compiler.compile_grammar(text.replace(_BOUNDED_CHAR, _JSON_CHAR))
+
+
 def _clean(exc: Exception) -> str:
     """xgrammar's message without its C++ location prefix, cut to a readable length."""
     text = " ".join(_XGR_PREFIX.sub("", str(exc).strip()).split())
@@ -166,7 +177,7 @@ class GrammarBackend:
                 return c.compile_grammar(choice_ebnf(s.choices))
             if kind is StructuredKind.EBNF:
                 return c.compile_grammar(s.text, root_rule_name="root")
-            return c.compile_structural_tag(s.text)
+            return _mended(c, c.compile_structural_tag(s.text))
         except json.JSONDecodeError as exc:
             raise GrammarError(s.field, f"is not valid JSON: {exc}") from exc
         except SchemaUnsupported as exc:

@@ -262,3 +262,26 @@ def test_length_bounded_json_strings_refuse_raw_control_characters() -> None:
         out.append(tok.token_to_id(c))
     assert allowed(grammar, out) == [eos]
     assert json.loads(tok.decode(out)) == {"s": "ab "}
+
+
+def test_length_bounded_strings_inside_a_structural_tag_refuse_raw_control_characters() -> None:
+    """The same mend for a schema inside a structural tag (a forced or strict tool call's
+    arguments, a response_format behind an open think block): the tag was compiled as
+    xgrammar lowered it, so a tab passed into a bounded string there (invalid JSON)."""
+    backend, tok, eos = backend_for("embedded")
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}},
+              "required": ["s"]}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token", "token": "<|assistant|>"},  # read back from the mended text too
+        {"type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": schema},
+         "end": "</a>"}]}}
+    grammar = backend.matcher("t", StructuredOutput(StructuredKind.STRUCTURAL_TAG,
+                                                    json.dumps(tag)), [eos])
+    assistant = tok.token_to_id("<|assistant|>")
+    assert allowed(grammar) == [assistant]
+    out = [assistant, *tok.encode('<a>{"s": "a', add_special_tokens=False).ids]
+    for t in out:
+        grammar.accept(t)
+    ok = set(allowed(grammar, out))
+    assert not {tok.token_to_id(c) for c in "\t\n\r"} & ok
+    assert {tok.token_to_id(c) for c in "b ~"} <= ok
