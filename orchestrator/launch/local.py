@@ -179,15 +179,13 @@ def run_local(
         except LaunchError as exc:
             print(f"error: cluster did not start: {exc}", file=err)
             return 1
-        if lc.stop_requested:
-            lc.stop()
-            return 0
-        print(ready_line(cluster, run_dir), file=out, flush=True)
-        dead = lc.watch()
         code = 0
-        if dead is not None:
-            lc.report_failure(dead, crash_text(dead.proc.returncode, launcher.on_worker_exit))
-            code = 1
+        if not lc.stop_requested:  # Ctrl-C during the start: straight to the stop
+            print(ready_line(cluster, run_dir), file=out, flush=True)
+            dead = lc.watch()
+            if dead is not None:
+                lc.report_failure(dead, crash_text(dead.proc.returncode, launcher.on_worker_exit))
+                code = 1
         stopped = lc.stop()
     print(stopped_line(stopped, run_dir), file=out, flush=True)
     return code

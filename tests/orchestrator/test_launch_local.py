@@ -250,3 +250,22 @@ def test_a_crash_says_it_ends_the_cluster_and_how_to_restart_instead(policy: str
     assert text.startswith("exited unexpectedly with code -9")
     assert ("--set launcher.on_worker_exit=restart" in text) == (policy == "stop"), text
     assert ("launcher.max_restarts" in text) == (policy == "restart"), text
+
+
+def test_a_stop_during_start_up_says_what_it_stopped(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C before the ready line: the launcher stops what it started and says so in the
+    same `stopped:` line as after it (it exited 0 in silence, the run dir unnamed)."""
+    from orchestrator.config import REPO_ROOT, load_config
+    from orchestrator.launch.local import run_local
+
+    def start_then_interrupted(self: LocalCluster) -> None:
+        self.request_stop()  # the signal handler's call, while the workers start
+
+    monkeypatch.setattr(LocalCluster, "start", start_then_interrupted)
+    cluster = load_config(REPO_ROOT / "configs" / "tiny-mono.yaml",
+                          [f"launcher.log_dir={tmp_path}"])
+    out, err = io.StringIO(), io.StringIO()
+    assert run_local(cluster, out, err) == 0
+    assert "ready: " not in out.getvalue()
+    assert "stopped: nothing was running; logs in " in out.getvalue(), out.getvalue()
