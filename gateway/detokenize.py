@@ -67,12 +67,26 @@ class IncrementalDetokenizer:
     def _restart(self, token_id: int) -> str | None:
         """DecodeStream refuses a token when its window's text no longer starts with the text
         it already gave (a decoder that rewrites earlier text; vLLM meets this too): start a
-        new stream after the last token that gave text, replay the held ones and this one."""
+        new stream after the last token that gave text, replay the held ones and this one.
+        When that window is refused too, the last token's own text changed: byte-fallback
+        pieces (`<0x7B>` gave "{") that an invalid UTF-8 run after them turns into one U+FFFD
+        per byte. Text that went out stays out; the stream goes on from no context (as vLLM's
+        reset does), where a SentencePiece decoder may drop the next word's leading space."""
+        for context in (self._last, []):
+            try:
+                return self._replay(context, token_id)
+            except Exception:  # tokenizers' bare Exception: the window's prefix changed
+                if not context:
+                    raise  # refused with no context at all: a broken tokenizer
+        raise AssertionError("unreachable")
+
+    def _replay(self, context: list[int], token_id: int) -> str | None:
+        """A new stream after `context`; the held ids and `token_id` stepped through it."""
         hf = self._tok.hf
-        self._stream = DecodeStream(ids=self._last or None, skip_special_tokens=self._skip)
+        self._stream = DecodeStream(ids=context or None, skip_special_tokens=self._skip)
         text: str | None = None
         for i in [*self._held, token_id]:
-            piece = self._stream.step(hf, i)  # a second refusal is a broken tokenizer: raise
+            piece = self._stream.step(hf, i)
             if piece is not None:
                 text = (text or "") + piece
         return text

@@ -178,3 +178,21 @@ def test_a_stop_string_ends_usage_token_ids_and_logprobs_at_its_token(per_token:
         assert out.finish_reason == "stop"
         assert out.completion_tokens == stop_at and out.token_ids == ids[:stop_at]
         assert [e.token_id for e in out.logprobs] == ids[:stop_at]
+
+
+def test_byte_pieces_that_regroup_into_invalid_utf8_never_raise() -> None:
+    """A byte-fallback tokenizer (Llama-2 / Mistral) decodes a run of `<0xNN>` pieces that is not
+    valid UTF-8 as one U+FFFD per byte, the valid ones before it included: an ASCII byte piece
+    that already went out as "{" becomes "�" once an orphan lead byte follows, so the restart's
+    own window (after that piece) is refused too. A random-weight model sampled this and the
+    gateway answered 500; now the stream goes on from a fresh window and loses no later text."""
+    from tests.worker.grammar_tokenizers import byte_fallback_bpe
+
+    tok = _Wrapped(byte_fallback_bpe())
+    piece = tok.hf.token_to_id
+    word = tok.hf.encode("hello", add_special_tokens=False).ids
+    ids = [piece("<0x7B>"), piece("<0xE6>"), piece("<0x97>"), *word]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, skip, tok.hf.encode("prompt").ids)
+        got = "".join(detok.step([i]) for i in ids) + detok.flush()
+        assert got.startswith("{") and got.endswith("hello"), got
