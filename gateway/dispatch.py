@@ -173,8 +173,9 @@ class RequestRun:
             return
         self._d.metrics.unasked_aborts.labels(leg).inc()
         code = grpc.StatusCode.ABORTED if leg == "prefill" else grpc.StatusCode.UNAVAILABLE
+        why = f": {msg.reason}" if msg.reason else " (its room or the worker gave up)"
         raise WorkerCallError(code, "the worker ended the request with finish_reason 'abort' "
-                              "although nobody asked (its room or the worker gave up)", w.url, leg)
+                              f"although nobody asked{why}", w.url, leg)
 
     def _fail(self, exc: grpc.aio.AioRpcError, w: Worker, leg: str) -> WorkerCallError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -56,12 +56,13 @@ class Output:
     """One request's share of one worker message (the fields of GenerateResponse it uses)."""
 
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens",
-                 "num_cached_tokens", "transfer")
+                 "num_cached_tokens", "transfer", "reason")
 
     def __init__(self, token_ids: list[int], logprobs: list[Any]) -> None:
         self.token_ids = token_ids
         self.logprobs = logprobs  # TokenLogprob messages, one per token when asked
         self.finish_reason = ""
+        self.reason = ""  # why the worker ended it "abort" on its own (RequestEnd.error)
         self.num_prompt_tokens = 0  # set on a request's first output
         self.num_cached_tokens = 0
         self.transfer: tandem_pb2.TransferStats | None = None  # PD decode: on the last output
@@ -173,7 +174,7 @@ class Leg:
             out.token_ids += more.token_ids
             if more.logprobs:
                 out.logprobs += more.logprobs
-            out.finish_reason = more.finish_reason
+            out.finish_reason, out.reason = more.finish_reason, more.reason
             if more.transfer is not None:
                 out.transfer = more.transfer
         return out
@@ -215,12 +216,12 @@ class Leg:
         transfer = end.transfer if end.HasField("transfer") else None
         last = self._queue[-1] if self._queue else None  # not read yet: it can carry the end
         if last is not None and self._start is None:
-            last.finish_reason = end.finish_reason
+            last.finish_reason, last.reason = end.finish_reason, end.error
             if transfer is not None:
                 last.transfer = transfer
         elif self._start is not None or end.finish_reason or transfer is not None:
             final = Output([], [])  # whole before it is pushed: a sink sees it once
-            final.finish_reason = end.finish_reason
+            final.finish_reason, final.reason = end.finish_reason, end.error
             final.transfer = transfer
             self._push(final)
         self._ended = True

@@ -138,6 +138,8 @@ def fill_response(msg: tandem_pb2.SessionResponse, out: StepOutputs) -> list[int
             code = STATUS_BY_ERROR.get(end.error_code, grpc.StatusCode.INTERNAL)
             e.finish_reason, e.status_code, e.error = "", _CODE_NUMBER[code], end.error
             e.error_code = end.error_code  # the class, for the gateway's blame ("peer_timeout")
+        elif end.finish_reason == "abort":
+            e.error = end.error  # why the worker ended it (a drain's deadline, a room's)
         if end.transfer:
             e.transfer.pages = int(end.transfer.get("pages", 0))
             e.transfer.bytes = int(end.transfer.get("bytes", 0))

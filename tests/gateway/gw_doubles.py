@@ -116,12 +116,8 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         return self
 
     async def set_serving(self, serving: bool) -> None:
-        st = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        await self.health.set("", st)
+        status = health_pb2.HealthCheckResponse
+        await self.health.set("", status.SERVING if serving else status.NOT_SERVING)
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -173,7 +169,7 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
     async def Session(self, request_iterator, context):  # noqa: N802
         """The gateway's stream: each submit runs the script in a task of its own; whatever
         the tasks produced by the time the writer runs goes out as one message (a "step")."""
-        pending: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]] = []
+        pending: list[tuple[int, Scripted]] = []
         wake = asyncio.Event()
         tasks: dict[int, asyncio.Task[None]] = {}
         ids: dict[int, tandem_pb2.GenerateRequest] = {}  # slot -> its request
@@ -288,6 +284,15 @@ def _aborts(ab: tandem_pb2.SessionAbort, req: tandem_pb2.GenerateRequest) -> boo
     return bool(ab.request_id) and ab.request_id == req.request_id
 
 
+class ScriptedAbort:
+    """The script ends the request "abort" on the worker's own account, saying why."""
+
+    finish_reason = "abort"
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 class ScriptedFailure(Exception):
     """The script fails the request with this status code (and the worker's error class)."""
 
@@ -298,11 +303,17 @@ class ScriptedFailure(Exception):
         self.error_code = error_code
 
 
-def session_message(batch: list[tuple[int, tandem_pb2.GenerateResponse | ScriptedFailure | None]],
+Scripted = tandem_pb2.GenerateResponse | ScriptedAbort | ScriptedFailure | None  # one message
+
+
+def session_message(batch: list[tuple[int, Scripted]],
                     started: set[int]) -> tandem_pb2.SessionResponse:
     """Per-request messages (None: the script ended) as one Session message."""
     out = tandem_pb2.SessionResponse()
     for slot, msg in batch:
+        if isinstance(msg, ScriptedAbort):
+            out.ended.add(slot=slot, finish_reason="abort", error=msg.reason)
+            continue
         if isinstance(msg, ScriptedFailure):
             out.ended.add(slot=slot, status_code=msg.code.value[0], error=msg.details,
                           error_code=msg.error_code)

@@ -14,6 +14,7 @@ from protocol import tandem_pb2
 from protocol.errors import PEER_TIMEOUT
 from tests.gateway.gw_doubles import (
     Script,
+    ScriptedAbort,
     ScriptedFailure,
     ScriptedWorker,
     fast_config,
@@ -32,11 +33,12 @@ class SeatedDecode(ScriptedWorker):
     messages (never sending the rest)."""
 
     def __init__(self, seats: int = 0, abort_times: int = 0, stall_after: int = 0,
-                 **script: object) -> None:
+                 abort_reason: str = "", **script: object) -> None:
         script.setdefault("transfer", tandem_pb2.TransferStats(pages=1, bytes=4, duration_ms=1))
         super().__init__(role="decode", script=Script(tokens=TOKENS, finish_reason="stop",
                                                       **script))  # type: ignore[arg-type]
         self.seats, self.abort_times, self.stall_after = seats, abort_times, stall_after
+        self.abort_reason = abort_reason  # said beside the abort, as a drained worker does
         self.live = self.peak = 0
 
     async def GetInfo(self, request, context):  # noqa: N802
@@ -50,7 +52,8 @@ class SeatedDecode(ScriptedWorker):
         try:
             if self.abort_times > 0:
                 self.abort_times -= 1
-                yield tandem_pb2.GenerateResponse(finish_reason="abort")
+                yield (ScriptedAbort(self.abort_reason) if self.abort_reason  # type: ignore[misc]
+                       else tandem_pb2.GenerateResponse(finish_reason="abort"))
                 return
             n = 0
             async for msg in super().respond(request):
@@ -113,6 +116,20 @@ async def test_unasked_abort_twice_is_a_5xx_with_a_message(tok_dir):
         m = (await c.get("/metrics")).text
         assert _metric(m, "tandem_requests_total", 'outcome="server_error"') == 1
         assert _metric(m, "tandem_requests_total", 'outcome="success"') == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_workers_reason_for_an_abort_reaches_the_client(tok_dir, stream):
+    """A worker that ends a request "abort" on its own says why (a drain's deadline): the
+    client's error carries it, not only that nobody asked."""
+    p = prefill()
+    d = SeatedDecode(abort_times=2, abort_reason="worker drain timed out after 1 s")
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d])) as c:
+        await wait_workers(c)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                  "stream": stream})
+        assert r.status_code >= 500, r.text
+        assert "worker drain timed out after 1 s" in r.json()["error"]["message"], r.text
 
 
 async def test_a_room_failed_by_decode_blames_decode_not_prefill(tok_dir):

@@ -165,3 +165,22 @@ def test_a_worker_that_cannot_bind_fails_before_loading_anything(tmp_path: Path)
         with pytest.raises(BindError, match=rf"cannot bind 127.0.0.1:{port}: the port is in use"):
             asyncio.run(serve(config, asyncio.Event()))
         assert time.monotonic() - t0 < 5
+
+
+def test_a_drain_deadline_says_so_on_the_session_stream(make_worker) -> None:
+    """The gateway's stream: the request the deadline ends comes back "abort" with the
+    worker's reason beside it, so the client reads that the worker was drained, not that its
+    request was aborted by nobody."""
+    from tests.worker.test_session import Stream
+
+    w = make_worker(drain_timeout_s=0.05)
+    s = Stream(w.stub)
+    s.submit((1, long_request("too-long", 500)))
+    while 1 not in next(s.call).slots:  # its first tokens: it runs
+        pass
+    w.stub.Drain(tandem_pb2.DrainRequest())
+    s.read_until({1})
+    end = s.ended[1]
+    assert end.finish_reason == "abort" and end.status_code == 0
+    assert "drain timed out after 0.05 s" in end.error, end
+    s.close()
