@@ -30,6 +30,7 @@ from gateway.openai_responses import (
     UsageCounts,
 )
 from gateway.session import Output
+from gateway.token_bytes import TextOffsets, token_text
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
 
@@ -141,22 +142,23 @@ class OutputAssembler:
 
     # ---- logprobs in the two OpenAI shapes ----
 
-    def _text(self, token_id: int) -> str:
-        if not self._tok.has_text:
-            return self._tok.id_to_token(token_id)  # token_id:N
-        return self._tok.decode([token_id], skip_special_tokens=False)
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """A logprob's token and bytes (gateway/token_bytes.py; token_id:N in token-id mode)."""
+        data = self._tok.token_bytes(token_id)
+        return (token_text(data) if self._tok.has_text else self._tok.id_to_token(token_id)), data
 
-    def completion_logprobs(self, entries: Any, text_start: int = 0) -> CompletionLogprobs:
+    def completion_logprobs(self, entries: Any,
+                            offsets: TextOffsets | None = None) -> CompletionLogprobs:
+        """`offsets`: the stream's count of text so far (a fresh one for a whole answer)."""
         out = CompletionLogprobs(top_logprobs=[])
-        offset = text_start
+        offsets = TextOffsets() if offsets is None else offsets
         for e in entries:
-            t = self._text(e.token_id)
+            t, data = self._token(e.token_id)
             out.tokens.append(t)
             out.token_logprobs.append(e.logprob)
-            out.text_offset.append(offset)
-            offset += len(t)
+            out.text_offset.append(offsets.advance(data))
             assert out.top_logprobs is not None
-            top = {self._text(a.token_id): a.logprob for a in e.top}
+            top = {self._token(a.token_id)[0]: a.logprob for a in e.top}
             # OpenAI's legacy logprobs (and vLLM's): the k likeliest and always the sampled
             # token, so up to k + 1 entries; chat's top_logprobs are the k likeliest only.
             top.setdefault(t, e.logprob)
@@ -166,12 +168,12 @@ class OutputAssembler:
     def chat_logprobs(self, entries: Any) -> ChatLogprobs:
         content = []
         for e in entries:
-            t = self._text(e.token_id)
+            t, data = self._token(e.token_id)
             top = []
             for a in e.top:
-                a_t = self._text(a.token_id)
-                top.append(TopLogprobEntry(token=a_t, logprob=a.logprob, bytes=list(a_t.encode())))
-            content.append(ChatLogprobEntry(token=t, logprob=e.logprob, bytes=list(t.encode()),
+                a_t, a_data = self._token(a.token_id)
+                top.append(TopLogprobEntry(token=a_t, logprob=a.logprob, bytes=list(a_data)))
+            content.append(ChatLogprobEntry(token=t, logprob=e.logprob, bytes=list(data),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 

@@ -30,13 +30,14 @@ from gateway.metrics import TokenClock
 from gateway.openai_responses import UsageCounts
 from gateway.output import OutputAssembler
 from gateway.session import Output, Push
+from gateway.token_bytes import TextOffsets
 from protocol import tandem_pb2
 
 
 class StreamEvents:
     """The events of one streamed /v1/completions or /v1/chat/completions response."""
 
-    __slots__ = ("_out", "_chat_out", "_chat", "_completion", "_clock", "_text_pos",
+    __slots__ = ("_out", "_chat_out", "_chat", "_completion", "_clock", "_offsets",
                  "_first_chunk", "_lp_sent", "_ids_sent", "direct")
 
     def __init__(self, request_id: str, model: str, out: OutputAssembler,
@@ -54,7 +55,7 @@ class StreamEvents:
         self._clock = clock
         # Completions' logprobs text_offset: the text of every token whose logprob went out, as
         # the non-streamed answer counts it (not the text sent, which a stop string holds).
-        self._text_pos = 0
+        self._offsets = TextOffsets()
         self._first_chunk = True  # the first completion chunk carries prompt_token_ids
         # How many of the output's logprobs / token ids are out: the assembler's lists, not
         # each message's, so a held-back token's logprob rides on a later chunk and a token
@@ -89,9 +90,7 @@ class StreamEvents:
             ids, self._ids_sent = out.token_ids[self._ids_sent:], len(out.token_ids)
         events = []
         if text or out.finished or lp_entries or ids:
-            lp = out.completion_logprobs(lp_entries, self._text_pos) if lp_entries else None
-            if lp is not None:
-                self._text_pos = lp.text_offset[-1] + len(lp.tokens[-1])
+            lp = out.completion_logprobs(lp_entries, self._offsets) if lp_entries else None
             prompt_ids = out.prompt_ids if ids is not None and self._first_chunk else None
             events.append(self._completion.text(text, out.finish_reason, lp, ids, prompt_ids))
             self._first_chunk = False

@@ -27,6 +27,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from gateway.errors import BadRequest
+from gateway.token_bytes import TokenBytes
 
 
 class TokenizerLoadError(ValueError):
@@ -95,6 +96,7 @@ class Tokenizer:
         self.template_source = ""
         self.template_vars: frozenset[str] = frozenset()  # variables the template reads
         self._template = self._compile(config.get("chat_template"))
+        self._token_bytes: TokenBytes | None = None  # built on the first logprobs asked for
 
     # True: prompts may be text and outputs are detokenized. IdsOnlyTokenizer: token ids only.
     has_text = True
@@ -205,6 +207,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.hf.id_to_token(token_id) or ""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (logprobs' `bytes`; gateway/token_bytes.py)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.hf)
+        return self._token_bytes(token_id)
+
 
 # Files a tokenizer may come as; a directory with none of them is served in token-id mode.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
@@ -266,3 +274,6 @@ class IdsOnlyTokenizer(Tokenizer):
 
     def id_to_token(self, token_id: int) -> str:
         return f"token_id:{token_id}"  # vLLM's spelling of a token it cannot name
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.id_to_token(token_id).encode()
