@@ -152,13 +152,14 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], res: Reque
     res.ok = True
 
 
-def load(url: str, spec: BenchSpec, progress_to: IO[str] | None = None
-         ) -> tuple[list[RequestResult], float]:
-    """Run one load point from this process, or from spec.clients processes."""
+def load(url: str, spec: BenchSpec, progress_to: IO[str] | None = None,
+         results: list[RequestResult] | None = None) -> tuple[list[RequestResult], float]:
+    """Run one load point from this process, or from spec.clients processes. `results`, when
+    given, fills as requests finish in this process (what a Ctrl-C reports as done)."""
     width = spec.concurrency if spec.concurrency > 0 else spec.num_requests
     n = max(1, min(spec.clients, width, spec.num_requests))
     if n == 1:
-        return asyncio.run(run_bench(url, spec, progress_to))
+        return asyncio.run(run_bench(url, spec, progress_to, results=results))
     return run_processes(_run_share, (url, spec), n)
 
 
@@ -169,11 +170,13 @@ def _run_share(url: str, spec: BenchSpec, k: int, n: int, ready: Callable[[], No
 
 
 async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = None,
-                    share: tuple[int, int] = (0, 1), ready: Callable[[], None] | None = None
+                    share: tuple[int, int] = (0, 1), ready: Callable[[], None] | None = None,
+                    results: list[RequestResult] | None = None
                     ) -> tuple[list[RequestResult], float]:
     """Run one load point; (per-request results, wall duration in seconds). `share` (k, n):
     only sessions k, k+n, ... with 1/n of the concurrency; `ready` is called once the client is
-    set up, before the clock starts (bench_procs starts its processes together there)."""
+    set up, before the clock starts (bench_procs starts its processes together there);
+    `results` is filled in place when given."""
     k, n = share
     everyone = make_sessions(spec)
     offsets = arrival_times(len(everyone), spec.request_rate, spec.seed)[k::n]
@@ -183,7 +186,7 @@ async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = Non
     sem = asyncio.Semaphore(width)
     total = sum(len(s.turns) for s in sessions)
     bar = Progress(total, spec.mode, progress_to)
-    results: list[RequestResult] = []
+    results = [] if results is None else results
     async with make_client(url, spec.api_key, spec.timeout_s, min(width, 256)) as client:
         model = spec.model or await first_model(client)
         if ready is not None:
@@ -252,10 +255,12 @@ def spec_totals(url: str, api_key: str = "") -> tuple[float, float]:
     return accepted, steps
 
 
-def run_point(url: str, spec: BenchSpec, err: IO[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One load point: (summary, raw samples for plots)."""
+def run_point(url: str, spec: BenchSpec, err: IO[str],
+              partial: list[RequestResult] | None = None
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One load point: (summary, raw samples for plots); `partial` fills as requests finish."""
     before = spec_totals(url, spec.api_key)
-    results, duration = load(url, spec, progress_to=err)
+    results, duration = load(url, spec, progress_to=err, results=partial)
     summary = summarize(results, duration, spec)
     time.sleep(0.6)  # the gateway's GetLoad refresh (gateway.load_interval_s) catches up
     accepted, steps = (a - b for a, b in zip(spec_totals(url, spec.api_key), before, strict=True))
@@ -273,9 +278,12 @@ def bench_main(url: str, spec: BenchSpec | list[BenchSpec], as_json: bool, out: 
     all-failed point prints its errors, not a table of zeros), 2 if the server is unreachable."""
     specs = spec if isinstance(spec, list) else [spec]
     points: list[dict[str, Any]] = []
-    for s in specs:
+    for i, s in enumerate(specs):
+        partial: list[RequestResult] = []
         try:
-            summary, samples = run_point(url, s, err)
+            summary, samples = run_point(url, s, err, partial)
+        except KeyboardInterrupt:
+            return _interrupted(points, specs, i, partial, as_json, out, err, out_dir)
         except ServerError as exc:
             print(f"error: {exc}", file=err)
             return 2
@@ -302,3 +310,25 @@ def bench_main(url: str, spec: BenchSpec | list[BenchSpec], as_json: bool, out: 
         paths = [write_json(out_dir, points, meta), *plot_runs({url: points}, out_dir)]
         print(f"wrote {', '.join(str(p) for p in paths)}", file=err)
     return 0 if all(p["failed"] == 0 for p in points) else 1
+
+
+EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+
+
+def _interrupted(points: list[dict[str, Any]], specs: list[BenchSpec], i: int,
+                 partial: list[RequestResult], as_json: bool, out: IO[str], err: IO[str],
+                 out_dir: Path | None) -> int:
+    """Ctrl-C during load point i: the finished points' table, then one line of what was done."""
+    public = [{k: v for k, v in p.items() if k != "samples"} for p in points]
+    if public:
+        print(json.dumps(public) if as_json else format_sweep(public), file=out)
+    s = specs[i]
+    total = sum(len(session.turns) for session in make_sessions(s))
+    ended = [r for r in partial if r.ok or r.error]  # the rest were cut off in flight
+    done = (f"{len(ended)} of {total} requests finished ({sum(not r.ok for r in ended)} "
+            f"failed, {len(partial) - len(ended)} cut off)" if s.clients == 1 else
+            f"{total} requests over {s.clients} load-generator processes (finished: not counted)")
+    kept = "; nothing written to --out" if out_dir is not None else ""
+    print(f"interrupted: load point {i + 1} of {len(specs)} ({s.mode}), {done}; "
+          f"{len(points)} point(s) finished{' above' if points else ''}{kept}", file=err)
+    return EXIT_INTERRUPTED

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from orchestrator.config import EvalGate, load_config, resolve_config_path
 
 EXIT_USAGE = 2  # bad flags or config, unreachable server
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
 
 
 def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -142,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     args.url = _server_root(args.url)
     from orchestrator.client import ServerError
-    from orchestrator.eval import report, run_eval
+    from orchestrator.eval import EvalResult, report, run_eval
     from orchestrator.tasks import TaskMode, UnknownTaskError, get_task
 
     gate = _load_eval_gate(args.config)
@@ -168,21 +169,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"error: --enable-thinking needs a chat task (lookup); {task_name} sends raw "
               "completions", file=sys.stderr)
         return EXIT_USAGE
+    result = EvalResult(total=samples)  # filled as problems finish
     try:
         if tool_loop:
             from orchestrator.eval_tools import run_tool_eval  # lazy: imports the openai client
 
-            result = asyncio.run(run_tool_eval(
+            asyncio.run(run_tool_eval(
                 args.url, task, samples, concurrency, seed, args.model, args.api_key,
-                enable_thinking=args.enable_thinking,
+                enable_thinking=args.enable_thinking, result=result,
             ))
         else:
-            result = asyncio.run(run_eval(
+            asyncio.run(run_eval(
                 args.url, task, samples, concurrency, seed, args.model, args.api_key,  # type: ignore[arg-type]
+                result=result,
             ))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"interrupted: {result.done} of {result.total} problems answered ({result.correct} "
+              f"right, {result.failed} failed); no verdict on a part of them", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return report(result, bar, sys.stdout, sys.stderr)
 
 

@@ -42,6 +42,7 @@ class EvalResult:
     total: int
     correct: int = 0
     failed: int = 0  # requests that got no completion (counted as wrong)
+    done: int = 0  # problems finished, right, wrong or failed (what a Ctrl-C reports)
     errors: list[str] = field(default_factory=list)  # the first few failure messages
     # Multi-step tasks: how many problems passed each step (printed under the accuracy line).
     stages: dict[str, int] = field(default_factory=dict)
@@ -75,10 +76,13 @@ async def run_eval(
     api_key: str = "",
     progress_stream: IO[str] | None = None,
     timeout_s: float = 600.0,
+    result: EvalResult | None = None,
 ) -> EvalResult:
-    """Send `samples` problems of `task` to `url`, `concurrency` at a time; score them."""
+    """Send `samples` problems of `task` to `url`, `concurrency` at a time; score them, into
+    `result` when given (filled as problems finish: a Ctrl-C reports it)."""
     problems = task.make_problems(samples, seed)
-    result = EvalResult(total=len(problems))
+    result = result if result is not None else EvalResult(total=0)
+    result.total = len(problems)
     task_name = getattr(task, "__name__", "task").rsplit(".", 1)[-1]  # a task is a module
     progress = Progress(len(problems), f"eval {task_name}", progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
@@ -101,6 +105,7 @@ async def run_eval(
                 else:
                     result.correct += bool(task.score(problem, text))
                     progress.advance()
+                result.done += 1
 
         try:
             await asyncio.gather(*(one(p) for p in problems))

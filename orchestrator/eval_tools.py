@@ -117,10 +117,13 @@ async def run_tool_eval(
     enable_thinking: bool = False,
     progress_stream: IO[str] | None = None,
     timeout_s: float = 600.0,
+    result: EvalResult | None = None,
 ) -> EvalResult:
-    """Run the tool loop on `samples` problems of `task`, `concurrency` at a time; score them."""
+    """Run the tool loop on `samples` problems of `task`, `concurrency` at a time; score them,
+    into `result` when given (filled as problems finish: a Ctrl-C reports it)."""
     problems = task.make_problems(samples, seed)
-    result = EvalResult(total=len(problems), stages={STAGE_CALLS: 0, STAGE_ANSWER: 0})
+    result = result if result is not None else EvalResult(total=0)
+    result.total, result.stages = len(problems), {STAGE_CALLS: 0, STAGE_ANSWER: 0}
     label = "eval " + getattr(task, "__name__", "tools").rsplit(".", 1)[-1]
     progress = Progress(len(problems), label, progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
@@ -143,6 +146,7 @@ async def run_tool_eval(
                     if len(result.errors) < 5:
                         result.errors.append(_error_text(exc))
                     progress.advance(ok=False)
+                result.done += 1
 
         try:
             await asyncio.gather(*(one(p) for p in problems))
