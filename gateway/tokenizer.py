@@ -80,6 +80,19 @@ class _GenerationBlock(jinja2.ext.Extension):
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
 
 
+def _template_files(path: Path) -> dict[str, str]:
+    """Chat templates kept as files, by name: `chat_template.jinja` ("default") and
+    `additional_chat_templates/NAME.jinja` (transformers' save_pretrained writes both)."""
+    files = {}
+    if (path / "chat_template.jinja").is_file():
+        files["default"] = (path / "chat_template.jinja").read_text()
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        files.update({f.name.removesuffix(".jinja"): f.read_text()
+                      for f in sorted(extra.glob("*.jinja"))})
+    return files
+
+
 class Tokenizer:
     """Encode prompts, render chat messages, and expose the ids the detokenizer needs."""
 
@@ -95,6 +108,7 @@ class Tokenizer:
         )
         self.template_source = ""
         self.template_vars: frozenset[str] = frozenset()  # variables the template reads
+        self._tool_template: jinja2.Template | None = None  # named "tool_use": with tools
         self._template = self._compile(config.get("chat_template"))
         self._token_bytes: TokenBytes | None = None  # built on the first logprobs asked for
 
@@ -122,9 +136,11 @@ class Tokenizer:
         if not isinstance(config, dict):
             raise TokenizerLoadError(f"{cfg_file}: the top level must be a JSON object")
         source = cfg_file
-        if "chat_template" not in config and (path / "chat_template.jinja").is_file():
-            source = path / "chat_template.jinja"
-            config["chat_template"] = source.read_text()
+        files = _template_files(path)
+        if files:  # as transformers: template files replace the config's chat_template
+            source = path / "chat_template.jinja" if "default" in files else path
+            config["chat_template"] = (files["default"] if list(files) == ["default"] else
+                                       [{"name": k, "template": v} for k, v in files.items()])
         template = config.get("chat_template")
         if template is not None and not isinstance(template, (str, list)):
             raise TokenizerLoadError(f"{source}: chat_template must be a string (a Jinja "
@@ -132,15 +148,25 @@ class Tokenizer:
         try:
             return cls(hf, config)
         except jinja2.TemplateSyntaxError as exc:
+            which = f"its chat_template {exc.name!r}" if exc.name else "its chat_template"
+            if files and exc.name:  # the file that holds the broken one
+                source = (path / "chat_template.jinja" if exc.name == "default" else
+                          path / "additional_chat_templates" / f"{exc.name}.jinja")
+                which = "its chat_template"
             raise TokenizerLoadError(
-                f"{source}: its chat_template is not a valid Jinja template (line {exc.lineno}: "
+                f"{source}: {which} is not a valid Jinja template (line {exc.lineno}: "
                 f"{exc.message}); fix it, or remove it to serve completions only") from None
 
     def _compile(self, source: Any) -> jinja2.Template | None:
-        if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
-        if not source:
+        """The default template compiled (and a "tool_use" one, for requests with tools);
+        `source` is a Jinja string or named templates: [{"name": "default", "template": ...}]."""
+        named: dict[str, str] = {}
+        if isinstance(source, list):
+            named = {str(t.get("name")): str(t["template"]) for t in source
+                     if isinstance(t, dict) and t.get("template")}
+        elif source:
+            named = {"default": source}
+        if not named:
             return None
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True,
@@ -148,9 +174,23 @@ class Tokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        self.template_source = source
-        self.template_vars = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
-        return env.from_string(source)
+        # transformers' choice: "tool_use" where tools are sent and it exists, else "default"
+        # (else, where it raises, the first); the checks and parser detection read both.
+        default = "default" if "default" in named else next(iter(named))
+        chosen = {default: named[default]}
+        if "tool_use" in named:
+            chosen["tool_use"] = named["tool_use"]
+        compiled = {}
+        for name, text in chosen.items():
+            try:
+                compiled[name] = env.from_string(text)
+            except jinja2.TemplateSyntaxError as exc:
+                exc.name = name if len(named) > 1 else None  # named in from_dir's message
+                raise
+            self.template_vars |= jinja2.meta.find_undeclared_variables(env.parse(text))
+        self.template_source = "\n".join(chosen.values())
+        self._tool_template = compiled.get("tool_use")
+        return compiled[default]
 
     @property
     def has_chat_template(self) -> bool:
@@ -173,8 +213,9 @@ class Tokenizer:
             raise BadRequest("this model has no chat template; use /v1/completions",
                              param="messages")
         variables = {**self._special_vars, **(kwargs or {})}
+        template = self._tool_template if tools and self._tool_template else self._template
         try:
-            return self._template.render(
+            return template.render(
                 variables, messages=messages, tools=tools or None,
                 add_generation_prompt=add_generation_prompt)
         except TemplateError:
@@ -244,7 +285,7 @@ class IdsOnlyTokenizer(Tokenizer):
         self.special_ids = frozenset()
         self.template_source = ""
         self.template_vars = frozenset()
-        self._template = None
+        self._template = self._tool_template = None
         self.path = path
 
     @property
