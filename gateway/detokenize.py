@@ -35,16 +35,28 @@ class IncrementalDetokenizer:
 
     # Tokens of the prompt's end the first output token is decoded after.
     CONTEXT = 5
+    # Pieces a character may span at most (UTF-8's four bytes): a prompt ending inside one.
+    MAX_PIECES = 4
 
     def __init__(self, tokenizer: _Decoder, skip_special_tokens: bool = True,
                  prompt_tail: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        tail = list(prompt_tail[-self.CONTEXT:])
+        # A token-id prompt may end inside a character: DecodeStream primed with such ids
+        # gives their whole text with the first output. Its last pieces are held instead, as
+        # the output's own, so the output starts with the character it completes.
+        tail = list(prompt_tail[-(self.CONTEXT + self.MAX_PIECES):])
+        held: list[int] = []
+        while tail and len(held) < self.MAX_PIECES and \
+                tokenizer.decode(tail, skip_special_tokens).endswith("\ufffd"):
+            held.insert(0, tail.pop())
+        tail = tail[-self.CONTEXT:]
         self._stream = DecodeStream(ids=tail or None, skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []  # ids whose text is held back (an incomplete character)
         # The ids whose text went out last (whole characters): context for a restart or flush.
         self._last: list[int] = tail
+        if held:
+            self.step(held)  # "" while the character is incomplete, as it ends the prompt
 
     def step(self, new_ids: Sequence[int]) -> str:
         """Append `new_ids` and return the text they complete ("" while bytes are pending)."""

@@ -196,3 +196,23 @@ def test_byte_pieces_that_regroup_into_invalid_utf8_never_raise() -> None:
         detok = IncrementalDetokenizer(tok, skip, tok.hf.encode("prompt").ids)
         got = "".join(detok.step([i]) for i in ids) + detok.flush()
         assert got.startswith("{") and got.endswith("hello"), got
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_a_prompt_that_ends_inside_a_character_never_leaks_into_the_output(kind: str) -> None:
+    """A token-id prompt may end inside a character (its first bytes); DecodeStream primed with
+    such ids gave the whole context's text with the first output ('ab 🙂' for a prompt 'ab 🙂'
+    cut after 🙂's first byte): the prompt's text in the completion. The output now starts with
+    the character it completes, and after that is what the whole decodes to."""
+    from tests.worker.grammar_tokenizers import byte_fallback_bpe, byte_level_bpe
+
+    hf = {"byte_level": byte_level_bpe, "byte_fallback": byte_fallback_bpe}[kind]()
+    tok = _Wrapped(hf)
+    ids = hf.encode("ab 🙂 cd", add_special_tokens=False).ids
+    for cut in range(1, len(ids)):
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok, skip, ids[:cut])
+            got = "".join(detok.step([i]) for i in ids[cut:]) + detok.flush()
+            assert "ab" not in got, (cut, got)
+            whole = tok.decode(ids, skip)
+            assert got.endswith("d") and whole.endswith(got), (cut, got)
