@@ -188,7 +188,7 @@ async def run_bench(url: str, spec: BenchSpec, progress_to: IO[str] | None = Non
     bar = Progress(total, spec.mode, progress_to)
     results = [] if results is None else results
     async with make_client(url, spec.api_key, spec.timeout_s, min(width, 256)) as client:
-        model = spec.model or await first_model(client)
+        model = await first_model(client, spec.model)
         if ready is not None:
             ready()
         t0 = time.perf_counter()

@@ -39,19 +39,39 @@ def error_text(resp: httpx.Response) -> str:
     return f"HTTP {resp.status_code}: {message}"
 
 
-async def first_model(client: httpx.AsyncClient) -> str:
-    """The id of the first model `GET /v1/models` lists (the default `--model`)."""
+async def first_model(client: httpx.AsyncClient, model: str = "") -> str:
+    """The model to ask for: the first `GET /v1/models` lists, or `model` (`--model`) once the
+    server lists it. Asked before any load even with `model` given, so that an unreachable server
+    or a wrong key is one error, not one per request; a server without that route (404) is
+    taken at its word for `model`."""
     try:
         resp = await client.get("/v1/models", timeout=10.0)
     except httpx.HTTPError as exc:
         raise ServerError(
             f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}. Is the server running?"
         ) from None
+    if model and resp.status_code == 404:
+        return model
     if resp.status_code != 200:
         raise ServerError(f"GET {client.base_url}/v1/models failed: {error_text(resp)}")
     try:
-        return str(resp.json()["data"][0]["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise ServerError(
-            f"GET {client.base_url}/v1/models returned no model; pass --model NAME"
-        ) from None
+        ids = [str(m["id"]) for m in resp.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        ids = []
+    return pick_model(ids, model, str(client.base_url).rstrip("/"))
+
+
+def pick_model(ids: list[str], model: str, url: str) -> str:
+    """`model` if the server at `url` lists it, else the first it lists when none was asked for;
+    ServerError naming the served ones otherwise."""
+    if model and model in ids:
+        return model
+    if model and ids:
+        served = ", ".join(repr(i) for i in ids[:10])
+        raise ServerError(f"--model {model!r} is not served at {url}: it serves {served}; pass "
+                          "one of them (or leave --model out for the first)")
+    if ids:
+        return ids[0]
+    if model:  # an empty list: nothing to check against
+        return model
+    raise ServerError(f"GET {url}/v1/models returned no model; pass --model NAME")

@@ -87,7 +87,7 @@ async def run_eval(
     progress = Progress(len(problems), f"eval {task_name}", progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
     async with make_client(url, api_key, timeout_s, concurrency) as client:
-        name = model or await first_model(client)  # ServerError if unreachable: nothing to score
+        name = await first_model(client, model)  # ServerError if unreachable: nothing to score
 
         async def one(problem: Any) -> None:
             body: dict[str, Any] = {"model": name, "prompt": problem.prompt,

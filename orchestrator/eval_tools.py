@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import openai
 
-from orchestrator.client import ServerError
+from orchestrator.client import ServerError, pick_model
 from orchestrator.eval import EvalResult
 from orchestrator.progress import Progress
 
@@ -39,8 +39,9 @@ def _thought(message: Any, enable_thinking: bool) -> bool:
     return bool(_reasoning(message).strip()) and "<think>" not in (message.content or "")
 
 
-async def first_model_id(client: openai.AsyncOpenAI) -> str:
-    """The id of the first model the server lists (the default `--model`)."""
+async def first_model_id(client: openai.AsyncOpenAI, model: str = "") -> str:
+    """What orchestrator.client.first_model says, through the openai client: asked before any
+    problem even with `model` given."""
     try:
         page = await client.models.list()
     except openai.APIConnectionError as exc:
@@ -48,10 +49,11 @@ async def first_model_id(client: openai.AsyncOpenAI) -> str:
             f"cannot reach {client.base_url}: {exc}. Is the server running?"
         ) from None
     except openai.APIStatusError as exc:
+        if model and exc.status_code == 404:
+            return model
         raise ServerError(f"GET {client.base_url}models failed: {_error_text(exc)}") from None
-    if not page.data:
-        raise ServerError(f"GET {client.base_url}models returned no model; pass --model NAME")
-    return page.data[0].id
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    return pick_model([m.id for m in page.data], model, url)
 
 
 class ToolLoop:
@@ -131,7 +133,7 @@ async def run_tool_eval(
     client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused",
                                 max_retries=0, timeout=timeout_s)
     async with client:
-        loop = ToolLoop(client, model or await first_model_id(client), task, enable_thinking)
+        loop = ToolLoop(client, await first_model_id(client, model), task, enable_thinking)
 
         async def one(problem: Any) -> None:
             async with sem:

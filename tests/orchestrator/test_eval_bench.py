@@ -80,6 +80,9 @@ def test_eval_api_key_and_explicit_model(capsys: pytest.CaptureFixture[str]) -> 
     with OpenAIDouble(state) as url:
         assert main(eval_argv(url, n=5)) == 2  # /v1/models refuses without the key
         assert "HTTP 401" in capsys.readouterr().err
+        assert main([*eval_argv(url, n=5), "--api-key", "k1", "--model", "m"]) == 2  # not listed
+        assert "--model 'm' is not served at" in capsys.readouterr().err
+        state.model = "m"  # now the server lists it
         assert main([*eval_argv(url, n=5), "--api-key", "k1", "--model", "m"]) == 0
     assert state.requests[-1]["model"] == "m"
 

@@ -1,0 +1,55 @@
+"""`tandem eval` and `tandem bench` ask the server its models before any load: an unreachable
+server is exit 2 even with `--model` given, and a `--model` the server does not list is one line
+naming the ones it does, not a request failed per problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+from tests.orchestrator.chat_double import ChatDouble, ChatDoubleState
+from tests.orchestrator.openai_double import DoubleState, OpenAIDouble
+
+UNREACHABLE = "http://127.0.0.1:9"
+LOAD = {"eval": ["--task", "arith", "--samples", "3"],
+        "lookup": ["--task", "lookup", "--samples", "3"],
+        "bench": ["--num-requests", "3", "--output-len", "2", "--input-len", "4"]}
+
+
+def _argv(kind: str, url: str, *extra: str) -> list[str]:
+    return ["bench" if kind == "bench" else "eval", "--url", url, *LOAD[kind], *extra]
+
+
+@pytest.mark.parametrize("kind", ["eval", "lookup", "bench"])
+def test_an_unreachable_server_is_exit_2_with_a_model_named(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_argv(kind, UNREACHABLE, "--model", "tandem-arith")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot reach http://127.0.0.1:9") and "\n" not in err
+
+
+@pytest.mark.parametrize("kind", ["eval", "bench"])
+def test_a_model_the_server_does_not_list_is_one_line(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = DoubleState()
+    with OpenAIDouble(state) as url:
+        assert main(_argv(kind, url, "--model", "nope")) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and state.requests == []  # nothing sent, nothing scored
+    assert out.err.strip() == (f"error: --model 'nope' is not served at {url}: it serves "
+                               "'double-model'; pass one of them (or leave --model out for "
+                               "the first)")
+
+
+def test_a_model_the_chat_server_does_not_list_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    state = ChatDoubleState()
+    with ChatDouble(state) as url:
+        assert main(_argv("lookup", url, "--model", "nope")) == 2
+    err = capsys.readouterr().err.strip()
+    assert state.requests == []
+    assert err.startswith("error: --model 'nope' is not served at ") and "\n" not in err
+    assert "it serves 'double-model'" in err
