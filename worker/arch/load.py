@@ -5,6 +5,7 @@ plan` run it before any worker starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +92,37 @@ def load_arch_config(path: Path) -> ArchConfig:
         cfg = {**cfg, "dtype": dtype}  # what the weights hold: the parsers read `dtype`
     archs = cfg.get("architectures") or []
     parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
-    return parse(cfg, gen, source=str(path / "config.json"))
+    arch = parse(cfg, gen, source=str(path / "config.json"))
+    eos = tokenizer_eos_id(path)
+    if eos is None or eos in arch.eos_token_ids:
+        return arch
+    return dataclasses.replace(arch, eos_token_ids=(*arch.eos_token_ids, eos))
+
+
+def tokenizer_eos_id(path: Path) -> int | None:
+    """The id of tokenizer_config.json's eos_token in tokenizer.json: a stop token beside
+    generation_config.json's, as vLLM and SGLang stop on it (a ChatML fine-tune of a Llama base
+    says `<|im_end|>` there and keeps config.json's `</s>`). None where either file or the
+    token is missing."""
+    cfg_path, tok_path = path / "tokenizer_config.json", path / "tokenizer.json"
+    if not (cfg_path.is_file() and tok_path.is_file()):
+        return None
+    cfg = read_json(cfg_path)
+    eos = cfg.get("eos_token") if isinstance(cfg, dict) else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    spec = read_json(tok_path) if isinstance(eos, str) else None
+    if not isinstance(spec, dict):
+        return None
+    for tok in spec.get("added_tokens") or []:
+        if isinstance(tok, dict) and tok.get("content") == eos and isinstance(tok.get("id"), int):
+            return int(tok["id"])
+    vocab = spec.get("model", {}).get("vocab") if isinstance(spec.get("model"), dict) else None
+    if isinstance(vocab, dict) and isinstance(vocab.get(eos), int):
+        return int(vocab[eos])
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        return next((i for i, v in enumerate(vocab) if isinstance(v, list) and v[:1] == [eos]),
+                    None)
+    return None
 
 
 def config_layer_windows(cfg: dict[str, Any],
