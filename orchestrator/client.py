@@ -39,6 +39,14 @@ def error_text(resp: httpx.Response) -> str:
     return f"HTTP {resp.status_code}: {message}"
 
 
+def key_hint(status: int, key_given: bool) -> str:
+    """What to fix for a 401 (the flag), "" for any other status."""
+    if status != 401:
+        return ""
+    return ("; the server wants an API key: pass --api-key KEY "
+            f"(given: {'wrong' if key_given else 'none'})")
+
+
 async def first_model(client: httpx.AsyncClient, model: str = "") -> str:
     """The model to ask for: the first `GET /v1/models` lists, or `model` (`--model`) once the
     server lists it. Asked before any load even with `model` given, so that an unreachable server
@@ -53,7 +61,8 @@ async def first_model(client: httpx.AsyncClient, model: str = "") -> str:
     if model and resp.status_code == 404:
         return model
     if resp.status_code != 200:
-        raise ServerError(f"GET {client.base_url}/v1/models failed: {error_text(resp)}")
+        raise ServerError(f"GET {client.base_url}/v1/models failed: {error_text(resp)}"
+                          + key_hint(resp.status_code, "authorization" in client.headers))
     try:
         ids = [str(m["id"]) for m in resp.json()["data"]]
     except (ValueError, KeyError, TypeError):

@@ -19,10 +19,11 @@ from typing import IO, Any
 
 import openai
 
-from orchestrator.client import ServerError, pick_model
+from orchestrator.client import ServerError, key_hint, pick_model
 from orchestrator.eval import EvalResult
 from orchestrator.progress import Progress
 
+NO_KEY = "unused"  # the openai client needs some key; this one stands for none given
 STAGE_CALLS = "tool calls right"
 STAGE_ANSWER = "answers right after the tool results"
 
@@ -51,7 +52,9 @@ async def first_model_id(client: openai.AsyncOpenAI, model: str = "") -> str:
     except openai.APIStatusError as exc:
         if model and exc.status_code == 404:
             return model
-        raise ServerError(f"GET {client.base_url}models failed: {_error_text(exc)}") from None
+        given = client.api_key != NO_KEY
+        raise ServerError(f"GET {client.base_url}models failed: {_error_text(exc)}"
+                          + key_hint(exc.status_code, given)) from None
     url = str(client.base_url).rstrip("/").removesuffix("/v1")
     return pick_model([m.id for m in page.data], model, url)
 
@@ -130,7 +133,7 @@ async def run_tool_eval(
     progress = Progress(len(problems), label, progress_stream or sys.stderr)
     sem = asyncio.Semaphore(concurrency)
     # No retries: a request the server failed must count, not be hidden by a second try.
-    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused",
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or NO_KEY,
                                 max_retries=0, timeout=timeout_s)
     async with client:
         loop = ToolLoop(client, await first_model_id(client, model), task, enable_thinking)

@@ -53,3 +53,16 @@ def test_a_model_the_chat_server_does_not_list_is_one_line(
     assert state.requests == []
     assert err.startswith("error: --model 'nope' is not served at ") and "\n" not in err
     assert "it serves 'double-model'" in err
+
+
+@pytest.mark.parametrize("kind", ["eval", "bench"])
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_a_missing_or_wrong_key_names_the_flag(
+    kind: str, key: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with OpenAIDouble(DoubleState(api_key="k1")) as url:
+        assert main(_argv(kind, url, *([] if key is None else ["--api-key", key]))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "HTTP 401" in err and "\n" not in err
+    given = "wrong" if key else "none"
+    assert err.endswith(f"; the server wants an API key: pass --api-key KEY (given: {given})")
