@@ -213,6 +213,11 @@ def _served_vs_engine(args: argparse.Namespace, specs: list[Any]) -> int:
     except (BenchEngineError, ClusterConfigError, ModelLoadError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)  # ModelLoadError: weights the engine cannot
         return EXIT_USAGE  # load in this process (tensors the launcher's checks do not read)
+    except KeyboardInterrupt:  # the cluster, if it was up, stopped on the way out
+        print("interrupted: served / engine cut during the step the last [bench] line names; "
+              "any cluster it started is stopped; no table"
+              + (", nothing written to --out" if args.out else ""), file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.json:
         print(json.dumps(result))
     return 0

@@ -93,3 +93,26 @@ def test_ctrl_c_in_eval_is_one_line_with_the_score_so_far() -> None:
     last = err.strip().splitlines()[-1]
     assert last.startswith("interrupted: "), err
     assert "of 300 problems answered" in last and "no verdict" in last
+
+
+def test_ctrl_c_in_bench_config_is_one_line() -> None:
+    """`bench --config` (the engine in this process, then a cluster it starts): SIGINT during
+    the engine's run ends it in one line, with no table and nothing left running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "bench", "--config", "configs/tiny-mono.yaml",
+         "--concurrency", "4", "--num-requests", "100000", "--input-len", "16",
+         "--output-len", "8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # printed as the engine starts
+        assert first.startswith("[bench] engine in-process, B=4"), first
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err, err
+    assert proc.returncode == 130 and out == ""
+    assert err.strip().splitlines()[-1].startswith("interrupted: served / engine"), err
