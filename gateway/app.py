@@ -157,6 +157,7 @@ class Gateway:
             body_timeout_s=self.config.body_timeout_s,
             parsers=self.parsers,
             sampling_defaults=self.sampling_defaults,
+            eos_token_ids=frozenset(e for i in infos for e in i.eos_token_ids),
         )
 
     def model_name(self) -> str:

@@ -148,7 +148,8 @@ class ChoicesResponse:
 
     def __init__(self, started: list[tuple[RequestRun, Output]], req: Any, plan: ChatPlan | None,
                  tok: Tokenizer, metrics: Metrics, model_name: str, request_id: str,
-                 prompts: list[list[int]], t0: float) -> None:
+                 prompts: list[list[int]], t0: float,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.req = req
         self.metrics = metrics
         self.model_name = model_name
@@ -157,7 +158,7 @@ class ChoicesResponse:
         self.chat = plan is not None
         self.created = int(time.time())
         n = req.n  # choices a prompt
-        makes = [assemblers_for(tok, req, plan, ids) for ids in prompts]
+        makes = [assemblers_for(tok, req, plan, ids, eos_token_ids) for ids in prompts]
         self.choices = [Choice(i, run, first, makes[i // n], TokenClock(metrics.itl))
                         for i, (run, first) in enumerate(started)]
         self.leaders = self.choices[::n]  # each prompt's first choice

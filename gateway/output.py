@@ -40,8 +40,12 @@ class OutputAssembler:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
                  stops: list[str], num_top_logprobs: int,
-                 keep_token_ids: frozenset[int] = frozenset()) -> None:
+                 keep_token_ids: frozenset[int] = frozenset(),
+                 stop_token_ids: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
+        # Ids whose token ends the output without its text (eos, stop_token_ids), as vLLM's
+        # and SGLang's: counted in usage, token_ids and logprobs. A parser's marker keeps it.
+        self._stop_ids = stop_token_ids - keep_token_ids
         self.prompt_ids = prompt_ids
         self.num_prompt_tokens = len(prompt_ids)  # usage: every prompt token the worker read
         # Completions with return_token_ids, or token-id mode: choices carry token_ids.
@@ -96,10 +100,13 @@ class OutputAssembler:
         # ids: the tokens detokenized; at[i]: where ids[i] stands in the message
         at = [j for j, t in enumerate(msg.token_ids) if t not in self._drop] if self._drop else None
         ids = [msg.token_ids[j] for j in at] if at is not None else msg.token_ids
+        # the stop token that ended the output: a piece with no text
+        end = int(msg.finish_reason == "stop" and bool(ids) and ids[-1] in self._stop_ids
+                  and ids[-1] == msg.token_ids[-1])
         if per_token or self._stop is not None:  # a stop string ends the output at its token
-            pieces = [self._detok.step((t,)) for t in ids]
+            pieces = [self._detok.step((t,)) for t in ids[:len(ids) - end]] + [""] * end
         else:
-            pieces = [self._detok.step(ids)] if ids else []
+            pieces = [self._detok.step(ids[:len(ids) - end])] if len(ids) > end else []
         n_tok = len(pieces)  # pieces past these are the tail
         if msg.finish_reason:
             pieces.append(self._detok.flush())
@@ -211,14 +218,17 @@ async def read_to_end(next_output: Callable[[], Awaitable[Output | None]], first
 Assemblers = Callable[[], tuple[OutputAssembler, ChatOutput | None]]
 
 
-def assemblers_for(tok: Tokenizer, req: Any, plan: ChatPlan | None, prompt_ids: list[int]
-                   ) -> Assemblers:
+def assemblers_for(tok: Tokenizer, req: Any, plan: ChatPlan | None, prompt_ids: list[int],
+                   eos_token_ids: frozenset[int] = frozenset()) -> Assemblers:
     """A request's (or a choice's) assemblers from its fields, new on each call (a chat
-    request has a plan; a completion may return token ids)."""
+    request has a plan; a completion may return token ids). `eos_token_ids`: the workers'."""
+    stop_ids = (frozenset() if req.ignore_eos else eos_token_ids) | frozenset(
+        req.stop_token_ids or ())
+
     def make() -> tuple[OutputAssembler, ChatOutput | None]:
         out = OutputAssembler(tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
                               req.num_top_logprobs(),
-                              plan.keep_token_ids if plan is not None else frozenset())
+                              plan.keep_token_ids if plan is not None else frozenset(), stop_ids)
         out.return_token_ids = plan is None and (req.return_token_ids or not tok.has_text)
         return out, ChatOutput(plan) if plan is not None else None
     return make

@@ -57,8 +57,10 @@ class GenerationHandler:
     def __init__(self, tokenizer: Tokenizer, dispatcher: Dispatcher, metrics: Metrics,
                  model_name: str, max_model_len: int, vocab_size: int, max_request_bytes: int,
                  body_timeout_s: float = 30.0, parsers: Parsers | None = None,
-                 sampling_defaults: dict[str, float] | None = None) -> None:
+                 sampling_defaults: dict[str, float] | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tok = tokenizer
+        self.eos_token_ids = eos_token_ids  # the workers' (GetInfo): an output's end, not text
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.model_name = model_name
@@ -141,8 +143,8 @@ class GenerationHandler:
                     request_id, list(zip(prompts, samplings, strict=True)), req.n)
                 self.metrics.ttft.observe(time.perf_counter() - t0)
                 return await ChoicesResponse(started, req, plan, self.tok, self.metrics,
-                                             self.model_name, request_id, prompts,
-                                             t0).respond(headers)
+                                             self.model_name, request_id, prompts, t0,
+                                             self.eos_token_ids).respond(headers)
             (prompt_ids,), (sampling,) = prompts, samplings
             run = RequestRun(self.dispatcher, request_id, prompt_ids, sampling)
             try:
@@ -160,7 +162,7 @@ class GenerationHandler:
             log.debug("request %s failed: %s", request_id, err.message)
             return err.response(headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
-        assemblers = assemblers_for(self.tok, req, plan, prompt_ids)
+        assemblers = assemblers_for(self.tok, req, plan, prompt_ids, self.eos_token_ids)
         if req.stream:
             out, chat_out = assemblers()
             stream = StreamEvents(request_id, self.model_name, out, chat_out,
