@@ -150,6 +150,9 @@ def format_summary(s: dict[str, Any]) -> str:
         _lat("E2E ms", s["e2e_ms"]),
     ]
     for kind, g in s.get("groups", {}).items():
+        if not g["completed"]:  # percentiles of nothing would print as 0.00 ms
+            lines.append(f"[{kind}] 0 ok, {g['failed']} failed: no latencies")
+            continue
         lines.append(f"[{kind}] {g['completed']} ok, {g['failed']} failed")
         lines += [f"  {_lat(n, g[k])}" for n, k in (("TTFT ms", "ttft_ms"), ("ITL ms", "itl_ms"),
                                                    ("E2E ms", "e2e_ms"))]
