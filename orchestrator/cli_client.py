@@ -74,7 +74,8 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="output tokens per request (ignore_eos)")
     p.add_argument("--num-requests", type=int, default=64,
                    help="requests per load point (shared-prefix: num_requests // num_turns "
-                        "conversations of num_turns requests, so 63 of 64 with 3 turns)")
+                        "conversations of num_turns requests, so 63 of 64 with 3 turns; jsonl: "
+                        "the file's lines cycled or cut to this many sessions)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", metavar="C[,C...]",
                       help="closed loop: requests in flight (default 4); a list sweeps")
