@@ -110,6 +110,9 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--api-key", default="")
 
 
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
 def url_problem(url: str | None, flag: str = "--url") -> str:
     """One line when `url` cannot be a server's base URL ("" when it can); `flag` names it."""
     if url is None:
@@ -126,6 +129,12 @@ def url_problem(url: str | None, flag: str = "--url") -> str:
         return f"error: {flag} {url!r} names no host; {fix}"
     if port == 0:
         return f"error: {flag} {url!r}: the port must be within 1..65535; {fix}"
+    path = parts.path.rstrip("/")
+    for endpoint in ENDPOINTS:  # pasted from a curl line: the paths asked for go after the base
+        if path.endswith(endpoint):
+            base = url[: url.index(parts.netloc) + len(parts.netloc)] + path[: -len(endpoint)]
+            return (f"error: {flag} {url!r} names an endpoint, not the server; give its base URL, "
+                    f"{base} (or {base}/v1)")
     return ""
 
 

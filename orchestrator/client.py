@@ -60,14 +60,15 @@ async def first_model(client: httpx.AsyncClient, model: str = "") -> str:
         ) from None
     if model and resp.status_code == 404:
         return model
+    base = str(client.base_url).rstrip("/")
     if resp.status_code != 200:
-        raise ServerError(f"GET {client.base_url}/v1/models failed: {error_text(resp)}"
+        raise ServerError(f"GET {base}/v1/models failed: {error_text(resp)}"
                           + key_hint(resp.status_code, "authorization" in client.headers))
     try:
         ids = [str(m["id"]) for m in resp.json()["data"]]
     except (ValueError, KeyError, TypeError):
         ids = []
-    return pick_model(ids, model, str(client.base_url).rstrip("/"))
+    return pick_model(ids, model, base)
 
 
 def pick_model(ids: list[str], model: str, url: str) -> str:
