@@ -43,9 +43,16 @@ class EvalResult:
     correct: int = 0
     failed: int = 0  # requests that got no completion (counted as wrong)
     done: int = 0  # problems finished, right, wrong or failed (what a Ctrl-C reports)
-    errors: list[str] = field(default_factory=list)  # the first few failure messages
+    # The first few distinct failure messages, each with how many requests it failed.
+    errors: dict[str, int] = field(default_factory=dict)
     # Multi-step tasks: how many problems passed each step (printed under the accuracy line).
     stages: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, message: str) -> None:
+        """Count one failed request (a wrong answer) and keep its message."""
+        self.failed += 1
+        if message in self.errors or len(self.errors) < 5:
+            self.errors[message] = self.errors.get(message, 0) + 1
 
     @property
     def accuracy(self) -> float:
@@ -98,9 +105,7 @@ async def run_eval(
                 try:
                     text = await _complete(client, body)
                 except ServerError as exc:
-                    result.failed += 1
-                    if len(result.errors) < 5:
-                        result.errors.append(str(exc))
+                    result.fail(str(exc))
                     progress.advance(ok=False)
                 else:
                     result.correct += bool(task.score(problem, text))
@@ -120,10 +125,10 @@ def report(result: EvalResult, min_accuracy: float, out: IO[str], err: IO[str]) 
     for stage, passed in result.stages.items():
         print(f"  {stage}: {passed}/{result.total}", file=err)
     if result.failed:
-        print(f"failed requests: {result.failed}/{result.total} (counted as wrong); first errors:",
+        print(f"failed requests: {result.failed}/{result.total} (counted as wrong); the errors:",
               file=err)
-        for e in result.errors:
-            print(f"  {e}", file=err)
+        for e, n in result.errors.items():
+            print(f"  {e} ({n} request{'s' if n > 1 else ''})", file=err)
     if result.accuracy < min_accuracy:
         print(f"FAIL: accuracy {result.accuracy:.3f} is below --min-accuracy {min_accuracy:.3f}",
               file=err)

@@ -147,9 +147,7 @@ async def run_tool_eval(
                     result.correct += right
                     progress.advance()
                 except (openai.APIError, ServerError) as exc:
-                    result.failed += 1
-                    if len(result.errors) < 5:
-                        result.errors.append(_error_text(exc))
+                    result.fail(_error_text(exc))
                     progress.advance(ok=False)
                 result.done += 1
 
