@@ -304,10 +304,15 @@ def bench_main(url: str, spec: BenchSpec | list[BenchSpec], as_json: bool, out: 
     else:
         print(format_summary(public[0]) if len(public) == 1 else format_sweep(public), file=out)
     if out_dir is not None:
-        from orchestrator.bench_plot import plot_runs, write_json
+        try:
+            from orchestrator.bench_plot import plot_runs, write_json
 
-        meta = {"url": url, "spec": dataclasses.asdict(specs[0]) | {"api_key": ""}}
-        paths = [write_json(out_dir, points, meta), *plot_runs({url: points}, out_dir)]
+            meta = {"url": url, "spec": dataclasses.asdict(specs[0]) | {"api_key": ""}}
+            paths = [write_json(out_dir, points, meta), *plot_runs({url: points}, out_dir)]
+        except KeyboardInterrupt:
+            print(f"interrupted: every load point finished (above); {out_dir} may lack "
+                  "bench.json or a plot", file=err)
+            return EXIT_INTERRUPTED
         print(f"wrote {', '.join(str(p) for p in paths)}", file=err)
     return 0 if all(p["failed"] == 0 for p in points) else 1
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_mod
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -69,8 +70,15 @@ def run_processes(share: Share, args: tuple[Any, ...], n: int
     out, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_child, args=(share, args, k, n, out, go), daemon=True)
              for k in range(n)]
-    for p in procs:
-        p.start()
+    # Started with SIGINT ignored (inherited through spawn's exec: Python then installs no
+    # KeyboardInterrupt): a terminal's Ctrl-C reaches the whole group, and the parent, which
+    # alone reports what was done, stops its processes itself (the `finally` below).
+    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, sigint)
     ready: set[int] = set()
     done: dict[int, tuple[list[RequestResult], float]] = {}
     try:

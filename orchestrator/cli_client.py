@@ -148,6 +148,24 @@ def _server_root(url: str | None) -> str | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    return _interruptible("eval", _eval, args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return _interruptible("bench", _bench, args)
+
+
+def _interruptible(name: str, command: Any, args: argparse.Namespace) -> int:
+    """Ctrl-C before the command's own handling of it (its modules loading, the server asked
+    its model) is one line too."""
+    try:
+        return int(command(args))
+    except KeyboardInterrupt:
+        print(f"interrupted: tandem {name} stopped before any request", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _eval(args: argparse.Namespace) -> int:
     if problem := url_problem(args.url):
         print(problem, file=sys.stderr)
         return EXIT_USAGE
@@ -263,7 +281,7 @@ def _out_problem(out: str | None) -> str:
     return ""
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace) -> int:
     if problem := url_problem(args.url):
         print(problem, file=sys.stderr)
         return EXIT_USAGE

@@ -116,3 +116,54 @@ def test_ctrl_c_in_bench_config_is_one_line() -> None:
     assert "Traceback" not in err, err
     assert proc.returncode == 130 and out == ""
     assert err.strip().splitlines()[-1].startswith("interrupted: served / engine"), err
+
+
+_SIGINT_AT_IMPORT = """
+import builtins, os, signal, sys
+from orchestrator.cli import main
+real = builtins.__import__
+def hooked(name, *args, **kwargs):  # a real SIGINT, delivered as the command loads its module
+    if name == sys.argv[1]:
+        builtins.__import__ = real
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(name, *args, **kwargs)
+builtins.__import__ = hooked
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(("module", "command"), [("orchestrator.bench", "bench"),
+                                                 ("orchestrator.eval", "eval")])
+def test_ctrl_c_while_the_command_loads_is_one_line(module: str, command: str) -> None:
+    out = subprocess.run([sys.executable, "-c", _SIGINT_AT_IMPORT, module, command, "--url",
+                          "http://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 130
+    assert out.stderr.strip() == f"interrupted: tandem {command} stopped before any request"
+
+
+def test_load_generator_processes_leave_ctrl_c_to_the_parent() -> None:
+    """SIGINT reaching a load-generator process alone (the terminal signals the whole group;
+    the parent stops them itself) neither ends it nor fails the point."""
+    state = DoubleState(token_delay_s=0.05)  # 20 tokens: 1 s a request
+    with OpenAIDouble(state) as url:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "bench", "--url", url, "--concurrency",
+             "2", "--num-requests", "4", "--output-len", "20", "--input-len", "8", "--clients",
+             "2", "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while len(state.requests) < 2:
+                assert time.monotonic() < deadline and proc.poll() is None, "no requests"
+                time.sleep(0.02)
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            for pid in children:
+                os.kill(int(pid), signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert children and proc.returncode == 0, err
+    assert '"completed": 4' in out
