@@ -43,19 +43,18 @@ def _thought(message: Any, enable_thinking: bool) -> bool:
 async def first_model_id(client: openai.AsyncOpenAI, model: str = "") -> str:
     """What orchestrator.client.first_model says, through the openai client: asked before any
     problem even with `model` given."""
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
     try:
-        page = await client.models.list()
-    except openai.APIConnectionError as exc:
-        raise ServerError(
-            f"cannot reach {client.base_url}: {exc}. Is the server running?"
-        ) from None
+        page = await client.models.list(timeout=10.0)  # a frozen server: not the 600 s of a turn
+    except openai.APIConnectionError as exc:  # APITimeoutError among them
+        raise ServerError(f"cannot reach {url}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
+                          "Is the server running?") from None
     except openai.APIStatusError as exc:
         if model and exc.status_code == 404:
             return model
         given = client.api_key != NO_KEY
         raise ServerError(f"GET {client.base_url}models failed: {_error_text(exc)}"
                           + key_hint(exc.status_code, given)) from None
-    url = str(client.base_url).rstrip("/").removesuffix("/v1")
     return pick_model([m.id for m in page.data], model, url)
 
 

@@ -4,6 +4,8 @@ naming the ones it does, not a request failed per problem."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from orchestrator.cli import main
@@ -66,3 +68,26 @@ def test_a_missing_or_wrong_key_names_the_flag(
     assert "HTTP 401" in err and "\n" not in err
     given = "wrong" if key else "none"
     assert err.endswith(f"; the server wants an API key: pass --api-key KEY (given: {given})")
+
+
+def test_the_tool_loops_unreachable_line_reads_as_the_completion_gates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(_argv("lookup", UNREACHABLE)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: cannot reach http://127.0.0.1:9: APIConnectionError: Connection "
+                   "error. Is the server running?")
+
+
+def test_a_server_that_never_answers_is_exit_2_not_a_wait_of_the_request_timeout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A listening socket that nobody accepts (a frozen gateway): the model question gives up
+    after its own 10 s, as the completion gate's does, not after the 600 s of a request."""
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(8)
+        url = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+        assert main(_argv("lookup", url)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot reach {url}: APITimeoutError")
