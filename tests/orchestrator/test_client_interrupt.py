@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,19 +29,29 @@ def _interrupt(argv: list[str], state: DoubleState, seen: int) -> tuple[int, str
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *argv], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    try:
+
+    def seen_enough() -> None:
         deadline = time.monotonic() + 60
         while len(state.requests) < seen and proc.poll() is None:
             assert time.monotonic() < deadline, "the command sent no requests"
             time.sleep(0.02)
         assert proc.poll() is None, proc.communicate()
+
+    out, err = _ctrl_c(proc, seen_enough)
+    return proc.returncode, out, err
+
+
+def _ctrl_c(proc: subprocess.Popen[str], ready: Callable[[], None]) -> tuple[str, str]:
+    """Once `ready()` returns, SIGINT `proc`'s process group (as a terminal's Ctrl-C reaches
+    it); its (stdout, stderr). Killed if it is still running after."""
+    try:
+        ready()
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        return proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return proc.returncode, out, err
 
 
 @pytest.mark.parametrize("clients", ["1", "2"])
@@ -103,16 +114,13 @@ def test_ctrl_c_in_bench_config_is_one_line() -> None:
          "--concurrency", "4", "--num-requests", "100000", "--input-len", "16",
          "--output-len", "8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
-    try:
+
+    def engine_started() -> None:
         assert proc.stderr is not None
         first = proc.stderr.readline()  # printed as the engine starts
         assert first.startswith("[bench] engine in-process, B=4"), first
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    out, err = _ctrl_c(proc, engine_started)
     assert "Traceback" not in err, err
     assert proc.returncode == 130 and out == ""
     assert err.strip().splitlines()[-1].startswith("interrupted: served / engine"), err
