@@ -41,7 +41,15 @@ from orchestrator.hub import (
     resolve_repo_id,
     split_revision,
 )
-from orchestrator.schema import SchemaError, apply_override, build, parse_override, to_plain
+from orchestrator.schema import (
+    SchemaError,
+    apply_override,
+    build,
+    merge_role_sections,
+    parse_override,
+    partial_role_sections,
+    to_plain,
+)
 from protocol.tls import TLSConfig, TLSConfigError
 from transfer.config import TransferConfig, TransferConfigError
 from worker.config import (
@@ -277,20 +285,6 @@ class ClusterConfig:
         validate_across_sections(self)
 
 
-def _merge_role_sections(data: dict[str, Any]) -> None:
-    """Per-role cache/scheduler sections are partial: complete them from the cluster's section."""
-    roles = data.get("roles")
-    if not isinstance(roles, dict):
-        return
-    for role in roles.values():
-        if not isinstance(role, dict):
-            continue
-        for section in ("cache", "scheduler"):
-            base = data.get(section) or {}
-            if isinstance(role.get(section), dict) and isinstance(base, dict):
-                role[section] = {**base, **role[section]}
-
-
 def _resolve_model_path(model: ModelConfig) -> ModelConfig:
     """A relative model path means the current directory, else the repository (embedded
     model), else a Hugging Face name (ORG/NAME) in the local cache, served under that name.
@@ -317,7 +311,7 @@ def _build(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> Clus
     for text in overrides:
         keys, value = parse_override(text, ClusterConfig)
         apply_override(data, keys, value)
-    _merge_role_sections(data)
+    merge_role_sections(data)
     cluster: ClusterConfig = build(ClusterConfig, data)
     cluster = dataclasses.replace(cluster, model=_resolve_model_path(cluster.model))
     cluster.validate()
@@ -407,8 +401,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def dump_config(cluster: ClusterConfig) -> str:
-    """The resolved tree as YAML that `load_config` reads back to an equal ClusterConfig."""
-    return yaml.safe_dump(to_plain(cluster), sort_keys=False)
+    """The resolved tree as YAML that `load_config` reads back to an equal ClusterConfig (a
+    role's own sections keep only what differs: overrides reach the rest, as from the file)."""
+    return yaml.safe_dump(partial_role_sections(to_plain(cluster)), sort_keys=False)
 
 
 def dial_address(host: str, port: int) -> str:

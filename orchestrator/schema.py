@@ -222,3 +222,31 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return [to_plain(v) for v in obj]
     return obj
+
+
+_ROLE_SECTIONS = ("cache", "scheduler")  # a role's own, partial over the cluster's
+
+
+def merge_role_sections(data: dict[str, Any]) -> None:
+    """Per-role cache/scheduler sections are partial: complete them from the cluster's section."""
+    roles = data.get("roles")
+    if not isinstance(roles, dict):
+        return
+    for role in roles.values():
+        if not isinstance(role, dict):
+            continue
+        for section in _ROLE_SECTIONS:
+            base = data.get(section) or {}
+            if isinstance(role.get(section), dict) and isinstance(base, dict):
+                role[section] = {**base, **role[section]}
+
+
+def partial_role_sections(plain: dict[str, Any]) -> dict[str, Any]:
+    """`merge_role_sections` undone on a plain tree: each role's sections keep only the fields
+    that differ from the cluster's (merging them again gives the same tree back)."""
+    for role in (plain.get("roles") or {}).values():
+        for section in _ROLE_SECTIONS:
+            own, base = role.get(section), plain.get(section) or {}
+            if isinstance(own, dict):
+                role[section] = {k: v for k, v in own.items() if base.get(k) != v}
+    return plain

@@ -332,3 +332,21 @@ def test_cluster_config_is_frozen() -> None:
     c = ClusterConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.model = c.model  # type: ignore[misc]
+
+
+def test_a_run_file_takes_top_level_overrides_as_its_config_did(tmp_path: Path) -> None:
+    """The run's cluster.yaml (what `tandem worker --join` is given) keeps a role's own cache
+    and scheduler sections partial: a top-level `--kv-cache-dtype` or `--set cache.X` reaches
+    that role as it did from configs/tiny-1p1d.yaml (the dump spelled every field of decode's
+    section out, so the flag changed prefill alone and the pairing check refused it)."""
+    run_file = tmp_path / "cluster.yaml"
+    run_file.write_text(dump_config(load_config(REPO_ROOT / "configs" / "tiny-1p1d.yaml")))
+    for path in (REPO_ROOT / "configs" / "tiny-1p1d.yaml", run_file):
+        cluster = load_config(path, ["cache.kv_cache_dtype=fp8_e4m3", "scheduler.max_num_seqs=8"])
+        decode = cluster.roles.decode
+        assert decode is not None and decode.cache is not None
+        assert (decode.scheduler or cluster.scheduler).max_num_seqs == 8, path
+        assert decode.cache.kv_cache_dtype == "fp8_e4m3", path
+        assert decode.cache.enable_prefix_cache is False, path  # the role's own field stays
+    doc = yaml.safe_load(run_file.read_text())
+    assert doc["roles"]["decode"]["cache"] == {"enable_prefix_cache": False}
