@@ -249,7 +249,9 @@ def _run_node(
             flush=True,
         )
         if env.node_id != 0:
-            return _serve_until_done(workers, run_dir, err)
+            code = _serve_until_done(workers, run_dir, err)
+            publish(run_dir / "stopped" / f"node{env.node_id}.json", {"status": code})
+            return code
         try:
             all_workers = [
                 s.name
@@ -285,6 +287,7 @@ def _run_node(
             print(f"error: cluster did not start: {exc}", file=err, flush=True)
             publish(run_dir / "done.json", {"status": 1})
             workers.stop()
+            _wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
             return 1
         url = gateway_url(cluster.gateway.host, cluster.gateway.port, env.nodes[0])
         publish(run_dir / "ready" / "lb.json", {"node": 0, "url": url.split()[0]})
@@ -301,7 +304,19 @@ def _run_node(
             publish(run_dir / "done.json", {"status": code})
             gateway.stop()
             workers.stop()
+            # The other nodes stop on done.json; node 0 exits after them, so that srun's
+            # --kill-on-bad-exit never cuts them off (the job's code is then this one, not a
+            # 143 of a node terminated mid-stop).
+            _wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
     return code
+
+
+def _wait_stopped(run_dir: Path, nodes: int, timeout_s: float) -> None:
+    """Until every node > 0 has published stopped/node<i>.json, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    marks = [run_dir / "stopped" / f"node{n}.json" for n in range(1, nodes)]
+    while not all(m.is_file() for m in marks) and time.monotonic() < deadline:
+        time.sleep(FILE_POLL_S)
 
 
 def gateway_url(host: str, port: int, node: str) -> str:

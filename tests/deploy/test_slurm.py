@@ -232,6 +232,9 @@ def test_a_failed_gate_is_the_jobs_result_and_done_json_says_so(
     assert "ready: http://n1:8000\n" in out, out  # not 127.0.0.1: that is node 0's own loopback
     (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
     assert json.loads((run_dir / "done.json").read_text()) == {"status": 1}
+    # node 0 left after node 1 had stopped: srun's --kill-on-bad-exit cut nothing off (a node
+    # terminated mid-stop made the job's code 143 under load)
+    assert json.loads((run_dir / "stopped" / "node1.json").read_text()) == {"status": 0}
 
 
 @pytest.mark.slurm
