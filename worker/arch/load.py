@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import tokenizers
+
 from worker.arch.deepseek_config import parse_deepseek_v3
 from worker.arch.field_types import check_field_types, check_generation_config
 from worker.arch.gpt_oss_config import gpt_oss_layer_windows, parse_gpt_oss_config
@@ -110,19 +112,13 @@ def tokenizer_eos_id(path: Path) -> int | None:
     cfg = read_json(cfg_path)
     eos = cfg.get("eos_token") if isinstance(cfg, dict) else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
-    spec = read_json(tok_path) if isinstance(eos, str) else None
-    if not isinstance(spec, dict):
+    if not isinstance(eos, str):
         return None
-    for tok in spec.get("added_tokens") or []:
-        if isinstance(tok, dict) and tok.get("content") == eos and isinstance(tok.get("id"), int):
-            return int(tok["id"])
-    vocab = spec.get("model", {}).get("vocab") if isinstance(spec.get("model"), dict) else None
-    if isinstance(vocab, dict) and isinstance(vocab.get(eos), int):
-        return int(vocab[eos])
-    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-        return next((i for i, v in enumerate(vocab) if isinstance(v, list) and v[:1] == [eos]),
-                    None)
-    return None
+    try:  # the tokenizers library's own lookup: added tokens and every model type's vocab
+        tid = tokenizers.Tokenizer.from_file(str(tok_path)).token_to_id(eos)
+    except Exception:  # noqa: BLE001 (an unreadable tokenizer.json: the gateway names it)
+        return None
+    return None if tid is None else int(tid)
 
 
 def config_layer_windows(cfg: dict[str, Any],
