@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.gw_doubles import (
+from tests.gateway.gw_tokenizers import (
     HERMES_TEMPLATE,
     OPEN_THINK_TEMPLATE,
     build_agent_tokenizer,

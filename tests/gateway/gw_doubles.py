@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,45 +20,11 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from protocol import tandem_pb2, tandem_pb2_grpc
 from protocol.errors import ERROR_CODE_KEY
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "hello world, hello gateway",
-    "héllo wörld ünïcode",
-    "日本語のテキスト",
-    "emoji 🙂 and 🚀 rockets",
-    "a+b=c; k3=41; answer: 42",
-    "STOP here and END there",
-    "one two three four five six seven eight nine ten",
-]
-
-
-def build_tokenizer(path: Path, with_template: bool = True) -> Path:
-    """A byte-level BPE tokenizer (multi-byte characters span tokens) saved HF-style."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    cfg: dict[str, object] = {"eos_token": "<|im_end|>", "bos_token": None}
-    if with_template:
-        cfg["chat_template"] = CHATML
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return path
 
 
 @dataclass
@@ -111,8 +76,9 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         tandem_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
-        await self.server.start()
-        await self.set_serving(serving)
+        async with bounded(f"a scripted worker's start on port {self.port}"):
+            await self.server.start()
+            await self.set_serving(serving)
         return self
 
     async def set_serving(self, serving: bool) -> None:
@@ -121,7 +87,8 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
 
     async def stop(self) -> None:
         if self.server is not None:
-            await self.server.stop(grace=None)
+            async with bounded(f"a scripted worker's stop on port {self.port}"):
+                await self.server.stop(grace=None)
 
     async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
         return tandem_pb2.WorkerInfo(
@@ -349,12 +316,37 @@ def fast_config(tok_dir: Path, **kw: object) -> GatewayConfig:
 async def running_app(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]:
     """The app with its lifespan running, and a client bound to it in-process."""
     app = create_app(config)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
+    lifespan = app.router.lifespan_context(app)
+    async with bounded("the gateway's start"):
+        await lifespan.__aenter__()
+    try:
         async with httpx.AsyncClient(
-            transport=transport, base_url="http://gw", timeout=20
+            transport=_BoundedASGI(app=app), base_url="http://gw", timeout=20
         ) as client:
             yield client
+    finally:
+        async with bounded("the gateway's stop"):
+            await lifespan.__aexit__(None, None, None)
+
+
+class _BoundedASGI(httpx.ASGITransport):
+    """httpx applies no timeout to an in-process app: a request the gateway never answered
+    held its test until pytest's 300 s timeout, and the shared event loop's runner failed every
+    gateway test after it (anyio WouldBlock). Bounded, it fails in a minute, named."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async with bounded(f"{request.method} {request.url.path}", seconds=60.0):
+            return await super().handle_async_request(request)
+
+
+@contextlib.asynccontextmanager
+async def bounded(step: str, seconds: float = 15.0) -> AsyncIterator[None]:
+    """A test double's step that must end: one that hangs fails its test, naming the step."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise AssertionError(f"{step} did not end within {seconds:g} s") from None
 
 
 @contextlib.asynccontextmanager
@@ -379,83 +371,3 @@ async def wait_workers(
         if all(w["healthy"] is healthy for w in ws) or loop.time() > deadline:
             return ws
         await asyncio.sleep(0.02)
-
-
-# A Qwen3-style (hermes) chat template, written for these tests: tools listed in the system
-# turn inside <tools></tools>, calls as <tool_call> JSON, tool results as <tool_response> in a
-# user turn, and an `enable_thinking` kwarg (false: an empty think block in the prompt).
-HERMES_TEMPLATE = """\
-{%- set sys = messages[0].content if messages[0].role == 'system' else '' -%}
-{%- if tools -%}
-<|im_start|>system
-{% if sys %}{{ sys }}
-
-{% endif %}Functions you may call are inside <tools></tools>:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-Call one by writing <tool_call>
-{"name": <name>, "arguments": <arguments object>}
-</tool_call><|im_end|>
-{% elif sys -%}
-<|im_start|>system
-{{ sys }}<|im_end|>
-{% endif -%}
-{%- for m in messages -%}
-{%- if m.role == 'system' %}{% continue %}{% endif -%}
-{%- if m.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user
-{% endif %}<tool_response>
-{{ m.content }}
-</tool_response>
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif -%}
-{%- elif m.role == 'assistant' -%}
-<|im_start|>assistant
-{% generation %}{{ m.content }}
-{%- for tc in m.tool_calls or [] %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {% if tc.function.arguments is string -%}
-{{ tc.function.arguments }}{% else %}{{ tc.function.arguments | tojson }}{% endif %}}
-</tool_call>
-{%- endfor %}{% endgeneration %}<|im_end|>
-{% else -%}
-<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% endif -%}
-{%- endif -%}
-"""
-
-# A DeepSeek-R1-style template: the generation prompt opens the think block itself.
-OPEN_THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-)
-# Marker tokens as Qwen3 and Mistral vocabularies hold them: Qwen's are added, not special;
-# Mistral's are special (their text is dropped by skip_special_tokens).
-AGENT_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-AGENT_SPECIALS = ["[TOOL_CALLS]", "[ARGS]"]
-
-
-def build_agent_tokenizer(path: Path, template: str) -> Path:
-    """The test tokenizer plus agent marker tokens, with `template` as its chat template."""
-    from tokenizers import AddedToken
-
-    build_tokenizer(path)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_ADDED])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in AGENT_SPECIALS])
-    tok.save(str(path / "tokenizer.json"))
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = template
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return path

@@ -173,7 +173,7 @@ def test_a_message_name_the_template_drops_is_a_400(hermes_dir: Path) -> None:
 
 
 def test_a_message_name_the_template_reads_reaches_the_prompt(tmp_path: Path) -> None:
-    from tests.gateway.gw_doubles import build_agent_tokenizer
+    from tests.gateway.gw_tokenizers import build_agent_tokenizer
 
     tok = Tokenizer.from_dir(build_agent_tokenizer(tmp_path, NAMED_TEMPLATE))
     users = [{"role": "user", "content": "q?", "name": "ann"},

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from orchestrator.launch.background import free_ports
-from tests.gateway.gw_doubles import build_tokenizer
+from tests.gateway.gw_tokenizers import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER_S, KEEPALIVE_S, MAX_CONNS = 1.0, 1.0, 600

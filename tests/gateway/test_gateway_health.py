@@ -11,6 +11,7 @@ from protocol import tandem_pb2
 from tests.gateway.gw_doubles import (
     Script,
     ScriptedWorker,
+    bounded,
     fast_config,
     running_app,
     wait_workers,
@@ -171,3 +172,11 @@ async def test_a_prefill_worker_without_bootstrap_addr_is_logged_once(tok_dir, c
             await asyncio.sleep(0.5)  # ten checks
     lines = [r.getMessage() for r in caplog.records if "bootstrap_addr" in r.getMessage()]
     assert len(lines) == 1, lines
+
+
+async def test_a_hung_double_fails_its_test_named():
+    """The doubles' steps are bounded: a hang fails in seconds, naming the step, instead of
+    holding the shared event loop until pytest's timeout (then every later test failed)."""
+    with pytest.raises(AssertionError, match="a step that hangs did not end within 0.1 s"):
+        async with bounded("a step that hangs", seconds=0.1):
+            await asyncio.Event().wait()
