@@ -72,7 +72,9 @@ class ScriptedWorker(tandem_pb2_grpc.WorkerServicer):
         return f"127.0.0.1:{self.port}"
 
     async def start(self, serving: bool = True, port: int = 0) -> ScriptedWorker:
-        self.server = grpc.aio.server()
+        # as the real worker: a port something else holds fails the bind (grpc's default,
+        # SO_REUSEPORT, would share it with another test process's double)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         tandem_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")

@@ -180,3 +180,15 @@ async def test_a_hung_double_fails_its_test_named():
     with pytest.raises(AssertionError, match="a step that hangs did not end within 0.1 s"):
         async with bounded("a step that hangs", seconds=0.1):
             await asyncio.Event().wait()
+
+
+async def test_a_double_cannot_share_a_port_held_by_another():
+    """A scripted worker restarted on its old port must fail when something else holds it, not
+    share it through SO_REUSEPORT (grpc's default): the other holder (another test process's
+    double) would answer half of the gateway's connections."""
+    a = await ScriptedWorker(script=Script(tokens=[70])).start()
+    try:
+        with pytest.raises(RuntimeError):
+            await ScriptedWorker(script=Script(tokens=[70])).start(port=a.port)
+    finally:
+        await a.stop()
