@@ -21,12 +21,13 @@ The worker checks the same things again while loading (worker/model/loader.py).
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ClusterConfig, ClusterConfigError
+from orchestrator.config import REPO_ROOT, ClusterConfig, ClusterConfigError
 from orchestrator.hub import HubModelError, looks_like_repo_id, resolve_repo_id
 from worker.arch import drafter
 from worker.arch.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig, ModelLoadError
@@ -63,15 +64,32 @@ def model_dir(path: str) -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
         return p
-    if not p.is_absolute() and looks_like_repo_id(path):
+    local = _local_parent(p)  # `models/tandem-arth`: a directory meant, not an ORG/NAME
+    if not p.is_absolute() and looks_like_repo_id(path) and local is None:
         try:
             return resolve_repo_id(path)
         except HubModelError as exc:
             raise CheckpointError(f"model.path: {exc}") from None
+    close = ""
+    if local is not None:
+        have = [d.name for d in local.iterdir() if (d / "config.json").is_file()]
+        near = difflib.get_close_matches(p.name, have, n=1)
+        close = f"did you mean {p.parent / near[0]}? " if near else ""
     raise CheckpointError(f"model.path: {p / 'config.json'} not found ({p} is not a "
-                          "directory); point model.path (or --model) at an HF-format checkpoint "
-                          "directory (config.json, *.safetensors, tokenizer.json) or name one in "
-                          "the Hugging Face cache as ORG/NAME")
+                          f"directory); {close}point model.path (or --model) at an HF-format "
+                          "checkpoint directory (config.json, *.safetensors, tokenizer.json) or "
+                          "name one in the Hugging Face cache as ORG/NAME")
+
+
+def _local_parent(p: Path) -> Path | None:
+    """The directory that holds `p` where a relative model.path is looked up (the current
+    directory, else the repository), when it is there; None for an absolute path."""
+    if p.is_absolute():
+        return p.parent if p.parent.is_dir() else None
+    for root in (Path.cwd(), REPO_ROOT):
+        if (root / p.parent).is_dir() and p.parent != Path("."):
+            return root / p.parent
+    return None
 
 
 def read_json_file(path: Path, what: str) -> Any:

@@ -20,153 +20,28 @@ import threading
 from pathlib import Path
 
 from gateway.config import GatewayConfigError
+from orchestrator.cli_args import build_parser, kv_dtype_override, parser_overrides
 from orchestrator.cli_client import (
     EXIT_USAGE,
-    add_client_commands,
     cmd_bench,
     cmd_eval,
     url_problem,
 )
 from orchestrator.config import (
-    DEFAULT_CONFIG,
     ClusterConfig,
     ClusterConfigError,
     gateway_config,
     load_config,
     resolve_config_path,
 )
+from orchestrator.output import silence
 from orchestrator.worker_config import worker_config
 from worker.config import WorkerConfig
-
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # worker/config.py KV_CACHE_DTYPES (no worker import here)
-
-
-def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--config", required=required, metavar="PATH",
-                   help="cluster YAML"
-                        + ("" if required else f" (default: configs/{DEFAULT_CONFIG.name})"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one field, e.g. --set roles.decode.count=2 "
-                        "--set transfer.backend=nixl (repeatable)")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR|ORG/NAME",
-                   help="HF-format model directory, or a Hugging Face name in the local cache "
-                        "(HF_HOME; offline); served as the directory's name or ORG/NAME")
-    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients use")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype")
-
-
-def _add_parser_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reasoning-parser", metavar="NAME",
-                   help="split <think> reasoning into reasoning_content: auto (from the chat "
-                        "template) | none | qwen3 | deepseek_r1 (gateway.reasoning_parser)")
-    p.add_argument("--tool-call-parser", metavar="NAME",
-                   help="parse tool calls into tool_calls: auto | none | hermes | qwen3 | "
-                        "qwen3_coder | llama3_json | mistral | deepseek_v3 | deepseek_v31 "
-                        "(gateway.tool_call_parser)")
-    p.add_argument("--generation-config", choices=["auto", "none"],
-                   help="auto: a request's unset sampling fields take the model's "
-                        "generation_config.json values; none: the API's defaults "
-                        "(gateway.generation_config)")
-
-
-def _parser_overrides(args: argparse.Namespace) -> list[str]:
-    """--reasoning-parser / --tool-call-parser / --generation-config as `gateway.*` overrides."""
-    extra = []
-    if args.reasoning_parser:
-        extra.append(f"gateway.reasoning_parser={args.reasoning_parser}")
-    if args.tool_call_parser:
-        extra.append(f"gateway.tool_call_parser={args.tool_call_parser}")
-    if args.generation_config:
-        extra.append(f"gateway.generation_config={args.generation_config}")
-    return extra
-
-
-def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="|".join(KV_CACHE_DTYPES),
-                   help="KV cache storage (= --set cache.kv_cache_dtype=...): auto = the model "
-                        "dtype, fp8_e4m3 = one byte per element with the checkpoint's K/V "
-                        "scales (else 1.0)")
-
-
-def _kv_dtype_override(args: argparse.Namespace) -> list[str]:
-    value = getattr(args, "kv_cache_dtype", None)
-    return [f"cache.kv_cache_dtype={value}"] if value else []
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tandem",
-        description="Tandem: disaggregated prefill/decode LLM serving. "
-                    "One YAML describes the cluster.",
-        epilog="Example: tandem serve   "
-               "(the embedded model, 1 prefill + 1 decode, http://127.0.0.1:8000)",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("serve", help="run a whole cluster here in the foreground (local launcher)",
-                       description="Start every worker and the gateway on this machine; "
-                                   "Ctrl-C stops them in order.")
-    _add_config_args(p, required=False)
-    _add_model_args(p)
-    p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port")
-    p.add_argument("--api-key", metavar="KEY",
-                   help="clients must send `Authorization: Bearer KEY` (default: no auth)")
-    p.add_argument("--admin-key", metavar="KEY",
-                   help="key of the admin routes (/workers, /metrics); separate from --api-key")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly (no CUDA graphs)")
-    _add_parser_args(p)
-    _add_kv_dtype_arg(p)
-
-    p = sub.add_parser("worker", help="run one worker process (what launchers start)")
-    _add_config_args(p, required=True)
-    p.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
-    p.add_argument("--replica", type=int, default=0, metavar="I",
-                   help="replica index within the role (default 0)")
-    p.add_argument("--node-rank", type=int, default=0, metavar="K",
-                   help="which of the replica's parallel.nnodes nodes this is "
-                        "(0 serves gRPC; default 0)")
-    _add_kv_dtype_arg(p)
-    p.add_argument("--host", metavar="H", help="bind and be dialed here (default: the role's host)")
-    p.add_argument("--port", type=int, metavar="N",
-                   help="gRPC port (default: the replica's; with --join a free one)")
-    p.add_argument("--join", metavar="URL",
-                   help="add this worker to the running gateway at URL (http://HOST:PORT, or the "
-                        "client base URL .../v1) with POST /workers once it "
-                        "is SERVING, and leave it when draining; use the run's cluster.yaml "
-                        "(logs/<port>/cluster.yaml) so the cluster id matches")
-    p.add_argument("--admin-key", metavar="KEY",
-                   help="the gateway's admin key for --join (default: gateway.admin_key)")
-
-    p = sub.add_parser("gateway", help="run the HTTP gateway process (what launchers start)")
-    _add_config_args(p, required=True)
-    p.add_argument("--admin-key", metavar="KEY",
-                   help="key of the admin routes (/workers, /metrics)")
-    _add_parser_args(p)
-
-    p = sub.add_parser("launch", help="run the launcher the config names (launcher.kind)")
-    _add_config_args(p, required=True)
-    _add_kv_dtype_arg(p)
-
-    p = sub.add_parser("plan",
-        help="print the process table, KV budget and weight bytes of what serve would run")
-    _add_config_args(p, required=False)
-    _add_model_args(p)
-    _add_kv_dtype_arg(p)
-    p.add_argument("--gpus", type=int, metavar="N",
-                   help="plan for a machine with N CUDA GPUs (default: probe this one)")
-
-    add_client_commands(sub)
-    return parser
 
 
 def _load(args: argparse.Namespace, extra: list[str] | None = None) -> ClusterConfig:
     """The config of args.config with the named flags' overrides (`extra`), then --set ones."""
-    named = [*(extra or []), *_kv_dtype_override(args)]
+    named = [*(extra or []), *kv_dtype_override(args)]
     return load_config(resolve_config_path(args.config), [*named, *args.overrides])
 
 
@@ -199,8 +74,8 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         extra.append(f"gateway.admin_key={args.admin_key}")
     if args.enforce_eager:
         extra.append("model.enforce_eager=true")
-    extra.extend(_parser_overrides(args))
-    extra += _kv_dtype_override(args)
+    extra.extend(parser_overrides(args))
+    extra += kv_dtype_override(args)
     # `serve` is the local launcher by definition, whatever the file says; a --set asking for
     # another would be ignored, so it is refused.
     for text in args.overrides:
@@ -320,12 +195,17 @@ def _reexec_with_bind_shim(config: WorkerConfig) -> None:
     """Run this worker again with Mooncake's listeners held to its host (transfer/bind_host.py).
 
     Only from the real command line (a test calling main() must not be replaced)."""
-    from transfer.bind_host import ShimUnavailable, worker_env
+    from transfer.bind_host import ShimUnavailable, cache_dir, worker_env
 
     try:
         env = worker_env(config.transfer.backend, config.role, config.host, os.environ)
     except ShimUnavailable as exc:
         print(f"warning: mooncake's listeners will bind every interface: {exc}", file=sys.stderr)
+        return
+    except OSError as exc:  # its cache directory cannot be written (a read-only home)
+        print("warning: mooncake's listeners will bind every interface: cannot build the bind "
+              f"shim in {cache_dir(os.environ)} ({exc.strerror or exc}); set TANDEM_CACHE_DIR "
+              "(else XDG_CACHE_HOME) to a directory you can write", file=sys.stderr)
         return
     if env is not None:
         sys.stdout.flush()
@@ -338,8 +218,18 @@ def _reexec_with_bind_shim(config: WorkerConfig) -> None:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     extra = [f"gateway.admin_key={args.admin_key}"] if args.admin_key else []
-    config = gateway_config(_load(args, [*extra, *_parser_overrides(args)]))
+    config = gateway_config(_load(args, [*extra, *parser_overrides(args)]))
     config.validate()
+    from orchestrator.launch.ports import is_free
+
+    try:
+        free = is_free(config.host, config.port)
+    except ClusterConfigError as exc:  # a host that does not resolve, or is not this machine's
+        raise ClusterConfigError(f"gateway.host: {exc}") from None
+    if not free:  # one line, before it dials any worker
+        raise ClusterConfigError(
+            f"port {config.port} (gateway, gateway.port) is in use on {config.host}: another "
+            "gateway or cluster? stop it, or --set gateway.port=N")
     from gateway.server import run_gateway  # lazy: keeps torch-free commands light
     from gateway.tokenizer import TokenizerLoadError
 
@@ -402,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         die_with_launcher()
     try:
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (imports, checks):
+        print("interrupted", file=sys.stderr)  # nothing was started yet
+        return 130
+    except BrokenPipeError:  # `tandem plan | head`: the reader has gone; no traceback
+        silence(sys.stdout)
+        return 141  # what a shell reports for a command SIGPIPE ended
     except (ClusterConfigError, GatewayConfigError, LauncherUnavailableError) as exc:
         message = str(exc)  # the gateway's own start reads files too
         for override, flag in _flags_typed(args).items():  # name the flag the user typed

@@ -57,7 +57,8 @@ def resolve_repo_id(repo_id: str, env: Mapping[str, str] | None = None) -> Path:
     name, rev = split_revision(repo_id)
     cache = hub_cache_dir(env)
     repo_dir = cache / ("models--" + name.replace("/", "--"))
-    fetch = f"`huggingface-cli download {name}` (or pass a model directory)"
+    revision = "" if rev == "main" else f" --revision {rev}"
+    fetch = f"`huggingface-cli download {name}{revision}` (or pass a model directory)"
     if not repo_dir.is_dir():
         raise HubModelError(f"model {repo_id!r}: no such directory, and not in the Hugging Face "
                             f"cache (looked for {repo_dir}; HF_HOME / HF_HUB_CACHE set the "

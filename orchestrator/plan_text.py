@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.checkpoint import check_drafter, check_for_plan
+from orchestrator.checkpoint import CheckpointError, check_drafter, check_for_plan, model_dir
 from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.host_memory import check_host_memory
+from orchestrator.hub import looks_like_repo_id
 from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup
 from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
 from orchestrator.rank_map import ProcessRow, num_nodes, plan_processes
@@ -92,7 +93,7 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     except ClusterConfigError as exc:
         if "not found" not in str(exc):
             raise
-        parts.append(f"KV budget: unknown ({exc})")
+        parts.append(f"KV budget: unknown ({_model_not_here(cluster.model.path, exc)})")
         return "\n".join(parts)
     parts.append(_table(
         ["role", "pages/worker", "page_size", "KV bytes/page", "KV/worker", "KV dtype",
@@ -111,6 +112,17 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
               _table(["role", "group", "layers", "bytes/token", "per rank", "bytes/request",
                       "kept per request"], group_rows)]
     return "\n".join(parts)
+
+
+def _model_not_here(model_path: str, exc: ClusterConfigError) -> str:
+    """Why the KV budget is unknown: a Hugging Face name says where it looked in the local
+    cache and how to fetch it (as `tandem serve` does), not `ORG/NAME/config.json not found`."""
+    if not Path(model_path).expanduser().is_dir() and looks_like_repo_id(model_path):
+        try:
+            model_dir(model_path)
+        except CheckpointError as hub:
+            return str(hub)
+    return str(exc)
 
 
 def _layers_cell(group: KVGroup, method: str) -> str:

@@ -7,9 +7,11 @@ each worker with a placement group on a Ray cluster (orchestrator.launch.ray).
 
 from __future__ import annotations
 
+import sys
 from typing import IO
 
 from orchestrator.config import ClusterConfig
+from orchestrator.output import reader_may_leave
 
 
 class LauncherUnavailableError(RuntimeError):
@@ -19,6 +21,8 @@ class LauncherUnavailableError(RuntimeError):
 def launch(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Run the launcher the config names, in the foreground; returns the exit status."""
     kind = cluster.launcher.kind
+    # `tandem serve | head`, or a `tee` Ctrl-C ended first: the launcher still stops in order
+    out, err = reader_may_leave(out or sys.stdout), reader_may_leave(err or sys.stderr)
     # Imported per kind: grpc/httpx/ray are only needed once something is launched.
     if kind == "local":
         from orchestrator.launch.local import run_local

@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import shutil
 import sys
 from pathlib import Path
 from typing import IO
 
-from orchestrator.config import ClusterConfig, ClusterConfigError, dial_address, dump_config
+from orchestrator.config import ClusterConfig, dial_address, dump_config
 from orchestrator.launch.describe import ready_line, stopped_line
 from orchestrator.launch.ports import check_ports, resolve_ports
 from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec, stop_on_signals
+from orchestrator.launch.run_dir import RunDir
 from orchestrator.plan import preflight
 from orchestrator.rank_map import plan_processes
 from protocol.identity import WorkerIdentity, model_fingerprint
@@ -48,23 +48,6 @@ def run_dir_of(cluster: ClusterConfig) -> Path:
     """The cluster's own directory: launcher.run_dir, else <log_dir>/<gateway port>."""
     launcher = cluster.launcher
     return Path(launcher.run_dir or Path(launcher.log_dir) / str(cluster.gateway.port))
-
-
-def fresh_run_dir(run_dir: Path) -> Path:
-    """An empty run directory; the previous run's files move to `<run_dir>.prev`.
-    ClusterConfigError naming the keys when it cannot be made (a file in the way, no
-    permission)."""
-    try:
-        if run_dir.exists():
-            prev = run_dir.with_name(run_dir.name + ".prev")
-            shutil.rmtree(prev, ignore_errors=True)
-            run_dir.rename(prev)
-        run_dir.mkdir(parents=True)
-    except OSError as exc:
-        raise ClusterConfigError(
-            f"launcher.run_dir: cannot create {run_dir} ({exc.strerror or exc}); set "
-            "launcher.log_dir (or launcher.run_dir) to a directory you can write") from None
-    return run_dir
 
 
 def expected_identity(cluster: ClusterConfig, role: str, replica: int) -> WorkerIdentity:
@@ -156,7 +139,12 @@ def run_local(
     for note in preflight(cluster):
         print(note, file=out, flush=True)
     cluster = prepare_launch(cluster)  # checks again (cheap: config.json and file headers)
-    run_dir = fresh_run_dir(run_dir_of(cluster))
+    with RunDir(run_dir_of(cluster)) as run_dir:
+        return _run(cluster, run_dir, out, err)
+
+
+def _run(cluster: ClusterConfig, run_dir: Path, out: IO[str], err: IO[str]) -> int:
+    """run_local once its run directory is made and held."""
     print(f"run dir: {run_dir} (cluster {cluster.launcher.cluster_id})", file=out, flush=True)
     config_file = (run_dir / "cluster.yaml").resolve()
     config_file.write_text(dump_config(cluster))

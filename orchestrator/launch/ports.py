@@ -74,7 +74,7 @@ def listeners(cluster: ClusterConfig) -> list[Listener]:
         for i in range(rc.count):
             out.append(
                 Listener(rc.host_of(i), rc.port(i), f"{name}-{i}", f"roles.{name}.base_port",
-                         f"roles.{name}.host")
+                         _host_key(name, rc))
             )
     boot = cluster.transfer.bootstrap_port
     if boot and cluster.roles.prefill is not None:
@@ -87,7 +87,7 @@ def listeners(cluster: ClusterConfig) -> list[Listener]:
                         boot + r,
                         f"prefill-{i} bootstrap (rank {r})",
                         "transfer.bootstrap_port",
-                        "roles.prefill.host",
+                        _host_key("prefill", rc),
                     )
                 )
     return out
@@ -132,6 +132,11 @@ def _choose_base(rc: RoleConfig, taken: set[int], rng: random.Random) -> int:
     )
 
 
+def _host_key(name: str, rc: RoleConfig) -> str:
+    """The key that sets a role's hosts: `hosts` (one per replica) overrides `host`."""
+    return f"roles.{name}.hosts" if rc.hosts else f"roles.{name}.host"
+
+
 def resolve_ports(cluster: ClusterConfig, rng: random.Random | None = None) -> ClusterConfig:
     """`cluster` with a free base_port for every role that leaves it unset."""
     rng = rng or random.Random()
@@ -144,7 +149,7 @@ def resolve_ports(cluster: ClusterConfig, rng: random.Random | None = None) -> C
             except PortInUseError:
                 raise
             except ClusterConfigError as exc:  # its host does not resolve or is not ours
-                raise ClusterConfigError(f"roles.{name}.host: {exc}") from None
+                raise ClusterConfigError(f"{_host_key(name, rc)}: {exc}") from None
             chosen = dataclasses.replace(rc, base_port=base)
             roles = dataclasses.replace(roles, **{name: chosen})
     return dataclasses.replace(cluster, roles=roles)

@@ -40,13 +40,13 @@ from orchestrator.launch.describe import stopped_line
 from orchestrator.launch.local import (
     cluster_specs,
     expected_identity,
-    fresh_run_dir,
     run_dir_of,
     with_cluster_id,
 )
 from orchestrator.launch.ports import require_pinned
 from orchestrator.launch.processes import LaunchError, LocalCluster, stop_on_signals
 from orchestrator.launch.readiness import HealthWatch, identity_problem
+from orchestrator.launch.run_dir import RunDir
 from orchestrator.launch.slurm import run_gate
 from orchestrator.plan import preflight
 from orchestrator.rank_map import procs_per_node
@@ -268,7 +268,8 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
     for note in preflight(cluster):  # the checkpoint and the layout: one line, before Ray
         print(note, file=err, flush=True)
     cluster = with_cluster_id(cluster)
-    run_dir = fresh_run_dir(run_dir_of(cluster))
+    held = RunDir(run_dir_of(cluster))
+    run_dir = held.path
     launcher, t0 = cluster.launcher, time.monotonic()
     deadline = t0 + launcher.ready_timeout_s
     local = _connect(cluster)
@@ -322,6 +323,7 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
             ray.shutdown()
         if ready:  # as the local launcher: what it stopped, with exit codes
             print(stopped_line(stopped, run_dir), file=out, flush=True)
+        held.close()
 
 
 def _serve(gateway: LocalCluster, replicas: list[_Replica], err: IO[str], tail_lines: int) -> int:

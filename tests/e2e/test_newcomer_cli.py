@@ -4,11 +4,19 @@ client is given (http://host:port/v1), which names the same server as its root U
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from orchestrator.cli import main
+from orchestrator.launch.background import REPO, free_ports, running_cluster
 from orchestrator.tasks import arith
+from tests.listeners import descendants
 from tests.orchestrator.openai_double import DoubleState, OpenAIDouble
 
 
@@ -47,3 +55,39 @@ def test_bench_prints_the_percentiles_the_readme_names(
     assert set(rows) == {"TTFT", "TPOT", "ITL", "E2E"}, out.out
     for row in rows.values():
         assert [w for w in row.split() if w.startswith("p")] == ["p50", "p90", "p95", "p99"], row
+
+
+@pytest.mark.slow
+def test_a_second_cluster_pointed_at_a_running_clusters_run_dir_leaves_it_alone(
+    tmp_path: Path,
+) -> None:
+    """docs/config.md, `launcher.run_dir`: a newcomer who gives the second cluster the first's
+    run directory (or its log_dir and port on another host) used to move the running cluster's
+    logs and cluster.yaml to `.prev` under it (a `--join` with logs/<port>/cluster.yaml then
+    named the wrong cluster). Now the second launch is refused in one line before it starts
+    anything; the first serves on, its files where they were; Ctrl-C on the first then stops
+    every process it started."""
+    with running_cluster("configs/tiny-mono.yaml", tmp=tmp_path) as first:
+        config = first.log_dir / "cluster.yaml"
+        before = config.read_text()
+        second = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--config",
+             "configs/tiny-mono.yaml", "--port", str(free_ports(1)[0]),
+             "--set", f"launcher.run_dir={first.log_dir}"],
+            cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr == (f"error: launcher.run_dir: {first.log_dir} is the run directory "
+                                 "of a cluster that is still running; give this cluster its own "
+                                 "(another --port, or launcher.run_dir)\n")
+        assert second.stdout == ""  # no `run dir:` line: nothing was started
+        assert config.read_text() == before and not first.log_dir.with_name(
+            first.log_dir.name + ".prev").exists()
+        assert httpx.get(f"{first.url}/health", timeout=5).status_code == 200
+        tree = descendants(first.proc.pid)
+        assert len(tree) >= 3  # the launcher, its worker and its gateway
+        first.proc.send_signal(signal.SIGINT)  # Ctrl-C reaches the launcher alone (own sessions)
+        assert first.proc.wait(timeout=60) == 0
+        time.sleep(0.5)
+        assert [p for p in tree if Path(f"/proc/{p}").exists()] == [], "orphans after Ctrl-C"
+        out = (tmp_path / "serve.out").read_text()
+        assert out.splitlines()[-1] == f"stopped: lb (0), both-0 (0); logs in {first.log_dir}"

@@ -20,9 +20,10 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import config_from_dict
-from orchestrator.launch.local import fresh_run_dir, run_dir_of
+from orchestrator.launch.local import run_dir_of
 from orchestrator.launch.ports import PortInUseError, check_ports, is_free, resolve_ports
 from orchestrator.launch.processes import LaunchError, LocalCluster, ProcessSpec
+from orchestrator.launch.run_dir import RunDir
 from protocol.identity import WorkerIdentity
 from tests.orchestrator.test_launch_local import DOUBLE, free_port, grpc_worker, http_gateway
 
@@ -203,10 +204,10 @@ def test_each_cluster_has_its_own_run_directory_not_appended_across_runs(tmp_pat
     a = config_from_dict(pd_config(tmp_path))
     b = config_from_dict({**pd_config(tmp_path), "gateway": {"port": 8005}})
     assert run_dir_of(a) == tmp_path / "8000" and run_dir_of(b) == tmp_path / "8005"
-    run = fresh_run_dir(run_dir_of(a))
-    (run / "lb.log").write_text("first run\n")
-    again = fresh_run_dir(run_dir_of(a))
-    assert list(again.iterdir()) == [], "a new run starts with empty logs"
+    with RunDir(run_dir_of(a)) as run:
+        (run / "lb.log").write_text("first run\n")
+    with RunDir(run_dir_of(a)) as again:
+        assert list(again.iterdir()) == [], "a new run starts with empty logs"
     assert (tmp_path / "8000.prev" / "lb.log").read_text() == "first run\n"  # one run kept
     pinned = config_from_dict({**pd_config(tmp_path, run_dir=str(tmp_path / "r"))})
     assert run_dir_of(pinned) == tmp_path / "r"
