@@ -31,6 +31,7 @@ from worker.arch.hf_config import (
 
 ARCHITECTURE = "GptOssForCausalLM"
 # transformers' GptOssConfig defaults, used only when config.json leaves a field out.
+DEFAULT_THETA = 150000.0  # GptOssConfig.default_theta: where no RoPE dict names a rope_theta
 DEFAULT_ROPE = {
     "rope_type": "yarn",
     "factor": 32.0,
@@ -38,7 +39,7 @@ DEFAULT_ROPE = {
     "beta_slow": 1.0,
     "truncate": False,
     "original_max_position_embeddings": 4096,
-    "rope_theta": 150000.0,
+    "rope_theta": DEFAULT_THETA,
 }
 DEFAULT_SWIGLU_ALPHA = 1.702
 DEFAULT_SWIGLU_LIMIT = 7.0
@@ -101,8 +102,11 @@ def refine_gpt_oss(arch: ArchConfig, cfg: dict[str, Any], source: str) -> ArchCo
     limit = float(cfg.get("swiglu_limit", DEFAULT_SWIGLU_LIMIT))
     if limit <= 0:
         raise ModelLoadError(f"{source}: swiglu_limit must be > 0 (GPT-OSS uses 7.0); got {limit}")
+    # GptOssConfig's defaults: its YaRN when config.json names no RoPE at all, and its rope_theta
+    # (150000, not the 10000 of the other families) where the RoPE dict and the top level name none
     has_rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-    rope = arch.rope if has_rope else parse_rope({**cfg, "rope_parameters": DEFAULT_ROPE}, source)
+    rope = (parse_rope(cfg, source, default_theta=DEFAULT_THETA) if has_rope
+            else parse_rope({**cfg, "rope_parameters": DEFAULT_ROPE}, source))
     bias = bool(cfg.get("attention_bias", True))
     return dataclasses.replace(
         arch,

@@ -134,16 +134,48 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def parse_rope(cfg: dict[str, Any], source: str) -> RopeConfig:
-    """Both spellings: `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+def _rope_meaning(params: dict[str, Any], cfg: dict[str, Any],
+                  default_theta: float) -> dict[str, Any]:
+    """One RoPE dict as transformers completes it: `type` read as `rope_type`, rope_theta from
+    the top level (else the class default) when the dict has none, numbers as numbers."""
+    out = {k: float(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+           for k, v in params.items() if k != "type"}
+    out["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    out["rope_theta"] = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
+    return out
+
+
+def rope_params(cfg: dict[str, Any], source: str | None = "config.json",
+                default_theta: float = 10000.0) -> dict[str, Any]:
+    """The RoPE dict transformers (>= 5) reads: `rope_scaling` when config.json has a non-empty
+    one (the older spelling, and what model cards tell users to add for long context), else
+    `rope_parameters`. Both given and meaning different things (a transformers-5 config with
+    `rope_scaling` added by hand, say) is refused naming both: transformers would take
+    rope_scaling and drop rope_parameters' rope_theta, which is rarely what was meant. `source`
+    None skips that check (callers after the worker's parser, which already ran it)."""
+    scaling, params = cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}
+    if (source is not None and isinstance(scaling, dict) and isinstance(params, dict) and scaling
+            and params and _rope_meaning(scaling, cfg, default_theta)
+            != _rope_meaning(params, cfg, default_theta)):
+        raise ModelLoadError(
+            f"{source}: rope_scaling {scaling} and rope_parameters {params} disagree; "
+            "transformers reads rope_scaling alone (and loses rope_parameters' rope_theta): "
+            "keep one, e.g. move the scaling into rope_parameters and delete rope_scaling"
+        )
+    return dict(scaling or params)
+
+
+def parse_rope(cfg: dict[str, Any], source: str, default_theta: float = 10000.0) -> RopeConfig:
+    """Both spellings: `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`;
+    `default_theta` where neither names a rope_theta (the config class's default)."""
+    params = rope_params(cfg, source, default_theta)
     per_layer_type = sorted(k for k, v in params.items() if isinstance(v, dict))
     if per_layer_type:  # read as one flat dict, it would silently fall back to the defaults
         raise ModelLoadError(
             f"{source}: rope_parameters per layer type ({', '.join(per_layer_type)}) are not "
             "supported; these families take one rope_parameters dict for every layer"
         )
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     # Old configs say "type", newer "rope_type"; "su"/"longrope" and others are not ours.
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type not in ROPE_TYPES:
@@ -212,7 +244,7 @@ def context_limit(cfg: dict[str, Any]) -> int:
     """`ArchConfig.context_limit` of a raw config.json (`tandem plan` reads shapes without a
     family parser): the same rule over the same fields, both RoPE spellings."""
     max_pos = int(cfg.get("max_position_embeddings") or 0)
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = rope_params(cfg, None)
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     original = original_max_positions(cfg, params, rope_type, max_pos)
     factor = params.get("factor")

@@ -37,7 +37,10 @@ ABSENT_DEFAULTS: dict[str, dict[str, Any]] = {
                              "head_dim": 256, "norm_topk_prob": True, "num_experts": 512,
                              "num_experts_per_tok": 10, "moe_intermediate_size": 512,
                              "shared_expert_intermediate_size": 512},
+    # n_group / topk_group: grouped routing (8 groups, the best 4 kept); ours read an absent
+    # n_group as 1 and an absent topk_group as n_group, i.e. no group restriction at all
     "DeepseekV3ForCausalLM": {"max_position_embeddings": 4096, "first_k_dense_replace": 3,
+                              "n_group": 8, "topk_group": 4,
                               "n_routed_experts": 256, "n_shared_experts": 1,
                               "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
                               "routed_scaling_factor": 2.5},

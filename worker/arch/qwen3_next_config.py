@@ -16,7 +16,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from worker.arch.hf_config import ArchConfig, ModelLoadError, parse_arch_config, parse_moe
+from worker.arch.hf_config import (
+    ArchConfig,
+    ModelLoadError,
+    parse_arch_config,
+    parse_moe,
+    rope_params,
+)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -70,12 +76,13 @@ def parse_qwen3_next_config(
     cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None, source: str = "config.json"
 ) -> ArchConfig:
     """Validate a Qwen3NextForCausalLM config.json into an ArchConfig with `family` set."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = rope_params(cfg, source)
     factor = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     # The shared parser refuses partial rotary (the Llama family has none); this family
     # handles it, so the shared fields are parsed from a copy without it.
-    shared = {k: v for k, v in cfg.items() if k != "partial_rotary_factor"}
-    shared["rope_parameters" if "rope_parameters" in cfg else "rope_scaling"] = params
+    shared = {k: v for k, v in cfg.items()
+              if k not in ("partial_rotary_factor", "rope_scaling", "rope_parameters")}
+    shared["rope_parameters"] = params
     arch = parse_arch_config(shared, generation_cfg, source)
     head_dim = arch.head_dim
     rotary_dim = int(head_dim * factor)
