@@ -92,6 +92,12 @@ def template_message(m: ChatMessage, i: int) -> dict[str, Any]:
                          "answers)", param="messages")
     if m.tool_calls and m.role != "assistant":
         raise BadRequest(f"{where}: only assistant messages carry tool_calls", param="messages")
+    # Templates read these on their own roles only: elsewhere they would change nothing.
+    if m.tool_call_id is not None and m.role != "tool":
+        raise BadRequest(f"{where}: only tool messages carry tool_call_id", param="messages")
+    if (m.reasoning_content is not None or m.reasoning is not None) and m.role != "assistant":
+        raise BadRequest(f"{where}: only assistant messages carry reasoning_content (an "
+                         "earlier answer's reasoning)", param="messages")
     # HF templates predate the developer role; OpenAI defines it as the system role.
     d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                          "content": m.text(where) or ""}

@@ -286,7 +286,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if exc.status_code == 404:  # OpenAI's words, and what is served (no /v1/responses)
             message = (f"Invalid URL ({request.method} {request.url.path}): this gateway "
                        "serves POST /v1/chat/completions and /v1/completions, GET /v1/models")
-        return _error_response(ApiError(message, status=exc.status_code, type=etype))
+        allow = (exc.headers or {}).get("Allow")
+        if exc.status_code == 405 and allow:  # the methods the route takes, in the header too
+            message = f"{request.method} {request.url.path} is not allowed; use {allow}"
+        response = _error_response(ApiError(message, status=exc.status_code, type=etype))
+        response.headers.update(exc.headers or {})
+        return response
 
     def model_card() -> ModelCard:
         lens = [

@@ -117,24 +117,29 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Cut streamed text before the first stop string, across delta boundaries."""
 
-    __slots__ = ("_stops", "_hold", "_buf", "stopped")
+    __slots__ = ("_stops", "_hold", "_buf", "_frozen", "stopped")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._buf = ""
+        self._frozen = 0  # leading chars of _buf fed unarmed: a match must end past them
         self.stopped = False
 
-    def feed(self, delta: str) -> str:
-        """Return the text safe to emit now; sets `stopped` when a stop string appeared."""
+    def feed(self, delta: str, armed: bool = True) -> str:
+        """Return the text safe to emit now; sets `stopped` when a stop string appeared.
+        `armed` false (a token within min_tokens): no stop string may end in `delta`, as
+        vLLM and SGLang check none before min_tokens; one that starts in it and ends in a
+        later, armed delta still stops the text."""
         if self.stopped:
             return ""
         if not self._stops:
             return delta
         buf = self._buf + delta
+        frozen = self._frozen if armed else len(buf)
         cut = -1
         for s in self._stops:
-            i = buf.find(s)
+            i = buf.find(s, max(0, frozen - len(s) + 1))  # ends past `frozen`
             if i != -1 and (cut == -1 or i < cut):
                 cut = i
         if cut != -1:
@@ -150,6 +155,7 @@ class StopStringMatcher:
                 keep = k
                 break
         self._buf = buf[len(buf) - keep:] if keep else ""
+        self._frozen = max(0, frozen - (len(buf) - keep))
         return buf[:len(buf) - keep]
 
     def flush(self) -> str:

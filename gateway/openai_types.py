@@ -244,6 +244,10 @@ class ChatCompletionRequest(_SamplingFields):
 INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids)
 FLOAT32_MAX = 3.4028234663852886e38  # the wire's float fields: past it a value reads as inf
 MAX_N = 128  # choices per request: OpenAI's bound (each choice is a worker request)
+# A repetition penalty divides the positive logits of repeated tokens: past 1e-30 or so (1e-39,
+# a float32 denormal) they overflow to inf and the worker's softmax gives NaN (a 502, a null
+# logprob). No penalty anyone means is near the bound.
+MIN_REPETITION_PENALTY = 1e-6
 
 # Chat fields OpenAI defines that Tandem does not implement: name -> the way forward.
 _UNSUPPORTED_CHAT = {
@@ -351,13 +355,17 @@ def check_sampling(req: _SamplingFields) -> None:
     if mt is not None and req.min_tokens > mt:
         raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({mt})",
                          param="min_tokens")
-    if req.repetition_penalty <= 0:
-        raise BadRequest(f"repetition_penalty must be > 0, got {req.repetition_penalty}",
-                         param="repetition_penalty")
+    if req.repetition_penalty < MIN_REPETITION_PENALTY:
+        raise BadRequest(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY:g} (1 = off), "
+                         f"got {req.repetition_penalty}", param="repetition_penalty")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if not -2 <= v <= 2:
             raise BadRequest(f"{name} must be in [-2, 2], got {v}", param=name)
+    if isinstance(req, CompletionRequest) and req.logprobs is not None and req.logprobs < 0:
+        # -1 read as "off" would drop the field (vLLM reads it as the whole vocabulary)
+        raise BadRequest(f"logprobs must be in [0, 20] (or null for none), got {req.logprobs}",
+                         param="logprobs")
     top = req.num_top_logprobs()
     chat_top = req.top_logprobs if isinstance(req, ChatCompletionRequest) else None
     if top > 20:

@@ -41,7 +41,7 @@ class OutputAssembler:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
                  stops: list[str], num_top_logprobs: int,
                  keep_token_ids: frozenset[int] = frozenset(),
-                 stop_token_ids: frozenset[int] = frozenset()) -> None:
+                 stop_token_ids: frozenset[int] = frozenset(), min_tokens: int = 0) -> None:
         self._tok = tokenizer
         # Ids whose token ends the output without its text (eos, stop_token_ids), as vLLM's
         # and SGLang's: counted in usage, token_ids and logprobs. A parser's marker keeps it.
@@ -58,6 +58,9 @@ class OutputAssembler:
             prompt_ids = [t for t in prompt_ids if t not in self._drop]
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self._stop = StopStringMatcher(stops) if stops else None
+        # Stop strings are not checked within the first min_tokens tokens (vLLM's and SGLang's
+        # rule, as for the stop ids the worker bans that long): none may end in those tokens.
+        self._min_tokens = min_tokens
         # Text with no stop string to watch and no id to drop: a message's text is the
         # detokenizer's delta for its ids, as it is (`add`'s common case, every streamed token).
         self.plain = self._stop is None and not self._drop and tokenizer.has_text
@@ -112,8 +115,12 @@ class OutputAssembler:
             pieces.append(self._detok.flush())
         if self._stop is not None:
             cut: list[str] = []
+            # pieces[i] is the text of the output's token number before + (its index) + 1
+            before = self.completion_tokens - len(msg.token_ids)
             for i, p in enumerate(pieces):
-                cut.append(self._stop.feed(p))
+                pos = self.completion_tokens if i >= len(ids) else \
+                    before + 1 + (at[i] if at is not None else i)
+                cut.append(self._stop.feed(p, pos > self._min_tokens))
                 if self._stop.stopped:
                     if i < len(ids):  # tokens after it in the message are not output
                         self._trim(len(msg.token_ids) - 1 - (at[i] if at is not None else i))
@@ -228,7 +235,8 @@ def assemblers_for(tok: Tokenizer, req: Any, plan: ChatPlan | None, prompt_ids: 
     def make() -> tuple[OutputAssembler, ChatOutput | None]:
         out = OutputAssembler(tok, prompt_ids, req.skip_special_tokens, req.stop_strings(),
                               req.num_top_logprobs(),
-                              plan.keep_token_ids if plan is not None else frozenset(), stop_ids)
+                              plan.keep_token_ids if plan is not None else frozenset(), stop_ids,
+                              req.min_tokens)
         out.return_token_ids = plan is None and (req.return_token_ids or not tok.has_text)
         return out, ChatOutput(plan) if plan is not None else None
     return make

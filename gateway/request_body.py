@@ -1,6 +1,7 @@
 """The body of a generation request: read, parse, validate; each failure a clear 4xx.
 
-`read_body` caps the size while reading (413) and bounds the wait for the whole body (408);
+`read_body` caps the size while reading (413), bounds the wait for the whole body (408) and
+refuses a Content-Encoding (415: bodies are read as they come, uncompressed JSON);
 `parse_request` turns the JSON into the endpoint's pydantic model, with malformed JSON, lone
 surrogates and wrong types as 400s that name the field (OpenAI's words for an unknown one).
 """
@@ -16,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
 from gateway.http_protocol import body_arrived
 from gateway.stalls import _timeout
 
@@ -28,6 +29,13 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot).
     A body the server already holds whole (the usual case: it came with the headers) is taken
     without arming the deadline, which costs ~9 us a request on the dev box."""
+    encoding = raw_header(request, b"content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        # read as it came, a compressed body was a 400 "not valid JSON: 'utf-8' codec can't
+        # decode byte 0x8b"; a body in any other encoding would be misread the same way
+        raise ApiError(f"Content-Encoding {encoding!r} is not supported; send the body "
+                       "uncompressed", status=415, type="invalid_request_error",
+                       code="unsupported_content_encoding")
     declared = raw_header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} "

@@ -48,6 +48,10 @@ from protocol import tandem_pb2
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
+# A temperature below this samples greedily, as vLLM's (_SAMPLING_EPS) and SGLang's do: the
+# logits over a float32 denormal such as 1e-45 overflow to inf, and the worker's softmax gave
+# NaN (a 502 after a retry, each worker charged with a fault for a client's value).
+GREEDY_BELOW = 1e-5
 _JSON = "application/json"
 
 
@@ -83,7 +87,13 @@ class GenerationHandler:
 
     async def handle(self, request: Request, chat: bool) -> Response:
         t0 = time.perf_counter()
-        request_id = raw_header(request, b"x-request-id") or self._new_id()
+        # A client's X-Request-Id names the response (its id, the header echoed, as vLLM's)
+        # and leads the id the workers see, which stays unique: two requests sent with the
+        # same header shared their attempt ids, so the workers' abort of one (its client
+        # left, a stop string) ended the other too.
+        client_id = raw_header(request, b"x-request-id")
+        run_id = f"{client_id}-{self._new_id()}" if client_id else self._new_id()
+        request_id = client_id or run_id
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
@@ -96,7 +106,7 @@ class GenerationHandler:
             return Response(status_code=499)
         watcher = DisconnectWatcher(request.receive)
         try:
-            response = await self._handle(body, chat, t0, request_id, headers)
+            response = await self._handle(body, chat, t0, request_id, run_id, headers)
         except asyncio.CancelledError:
             watcher.stop()
             if not watcher.fired:
@@ -113,8 +123,9 @@ class GenerationHandler:
             watcher.stop()
         return response
 
-    async def _handle(self, body: bytes, chat: bool, t0: float, request_id: str,
+    async def _handle(self, body: bytes, chat: bool, t0: float, request_id: str, run_id: str,
                       headers: dict[str, str]) -> Response:
+        """`request_id` names the response; `run_id` (unique) the workers' requests."""
         plan: ChatPlan | None = None
         source = ""  # the request field of its output constraint, if any
         try:
@@ -140,13 +151,13 @@ class GenerationHandler:
                     sampling.structured.CopyFrom(structured)
             if req.n > 1 or len(prompts) > 1:  # n choices a prompt (gateway/choices.py)
                 started = await self._start_choices(
-                    request_id, list(zip(prompts, samplings, strict=True)), req.n)
+                    run_id, list(zip(prompts, samplings, strict=True)), req.n)
                 self.metrics.ttft.observe(time.perf_counter() - t0)
                 return await ChoicesResponse(started, req, plan, self.tok, self.metrics,
                                              self.model_name, request_id, prompts, t0,
                                              self.eos_token_ids).respond(headers)
             (prompt_ids,), (sampling,) = prompts, samplings
-            run = RequestRun(self.dispatcher, request_id, prompt_ids, sampling)
+            run = RequestRun(self.dispatcher, run_id, prompt_ids, sampling)
             try:
                 first = await run.first()
             except BaseException as exc:
@@ -222,9 +233,12 @@ class GenerationHandler:
         limit = self.max_model_len
         if limit:
             if num_prompt_tokens >= limit:
+                chat = isinstance(req, ChatCompletionRequest)  # the field the prompt came from
                 raise BadRequest(f"prompt has {num_prompt_tokens} tokens; max_model_len is "
-                                 f"{limit}, which leaves no room for output; shorten the prompt",
-                                 param="prompt", code="context_length_exceeded")
+                                 f"{limit}, which leaves no room for output; shorten the "
+                                 f"{'messages' if chat else 'prompt'}",
+                                 param="messages" if chat else "prompt",
+                                 code="context_length_exceeded")
             if max_tokens is None:  # the default, capped to what fits
                 fits = limit - num_prompt_tokens
                 max_tokens = fits if default is None else min(default, fits)
@@ -268,6 +282,8 @@ class GenerationHandler:
             for name, value in self.sampling_defaults.items():
                 if name not in sent or getattr(req, name) is None:
                     setattr(params, name, max(int(value), 0) if name == "top_k" else value)
+        if 0 < params.temperature < GREEDY_BELOW:
+            params.temperature = 0.0
         if bias:  # an empty map through the constructor costs 1 µs a request (upb)
             params.logit_bias.update(bias)
         return params

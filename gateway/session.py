@@ -352,11 +352,20 @@ class WorkerSession:
         if msg.slots:
             tokens = list(msg.token_ids)
             lps = msg.logprobs
+            # Requests whose last tokens are in this message: those tokens go out marked as the
+            # end, so a push sink refuses them and the request's task reads tokens and end as
+            # one output. Pushed alone, a stop token was written as text before its end was
+            # known (the eos's or a stop_token_ids entry's text ended every streamed answer).
+            ending = {e.slot: e.finish_reason for e in msg.ended
+                      if not e.status_code} if msg.ended else None
             pos = lpos = 0
             for slot, n, nl in zip(msg.slots, msg.num_tokens, msg.num_logprobs, strict=True):
                 leg = legs.get(slot)
                 if leg is not None:
-                    leg._push(Output(tokens[pos:pos + n], list(lps[lpos:lpos + nl]) if nl else []))
+                    out = Output(tokens[pos:pos + n], list(lps[lpos:lpos + nl]) if nl else [])
+                    if ending:
+                        out.finish_reason = ending.get(slot, "")
+                    leg._push(out)
                 pos += n
                 lpos += nl
         for end in msg.ended:

@@ -99,6 +99,7 @@ BAD_FIELDS: list[tuple[str, dict[str, object]]] = [
     ("seed-huge", {"seed": 2**80}),
     ("seed-below-int64", {"seed": -(2**63) - 1}),  # OpenAI's seed is int64: -3 is a seed
     ("logprobs-absurd", {"logprobs": 1000}),
+    ("logprobs-negative", {"logprobs": -1}),
     ("presence-penalty-absurd", {"presence_penalty": 1e9}),
     ("repetition-penalty-negative", {"repetition_penalty": -1}),
     ("repetition-penalty-huge", {"repetition_penalty": 1e300}),

@@ -59,7 +59,7 @@ async def test_completion_json_shape(tok_dir):
             "prompt_tokens_details": {"cached_tokens": 3},
         }
         sent = w.requests[0]
-        assert sent.request_id == "req-1" and sent.sampling.max_tokens == 10
+        assert sent.request_id.startswith("req-1-") and sent.sampling.max_tokens == 10
         assert not sent.HasField("disagg")
 
 
@@ -324,6 +324,8 @@ async def test_request_errors(tok_dir):
             # past float32 (the wire's): the worker read inf and its 400 named no field
             ({"json": {"prompt": "a", "temperature": 1e39}}, 400, "temperature"),
             ({"json": {"prompt": "a", "repetition_penalty": 1e300}}, 400, "repetition_penalty"),
+            # -1 was read as "no logprobs" (a 200 without them); vLLM reads it as all of them
+            ({"json": {"prompt": "a", "logprobs": -1}}, 400, "logprobs"),
         ]
         for kwargs, status, param in cases:
             got, err = await _post(c, "/v1/completions", **kwargs)

@@ -53,7 +53,7 @@ async def test_pd_both_legs_share_room(tok_dir):
         (rp,), (rd,) = p.requests, d.requests
         assert rp.disagg.room == rd.disagg.room != 0
         assert rp.disagg.bootstrap_addr == rd.disagg.bootstrap_addr == f"127.0.0.1:{p.port + 1}"
-        assert rp.request_id == rd.request_id == "pd-1"
+        assert rp.request_id == rd.request_id and rp.request_id.startswith("pd-1-")
         assert list(rp.prompt_token_ids) == list(rd.prompt_token_ids)
         assert p.aborts == [] and d.aborts == []  # a finished request is not aborted
         m = (await c.get("/metrics")).text
@@ -138,10 +138,12 @@ async def test_a_non_streamed_answer_runs_again_when_decode_fails_past_its_first
         body = r.json()
         assert body["choices"][0]["finish_reason"] == "stop"
         assert body["usage"]["completion_tokens"] == len(TOKENS)
-        assert [q.attempt_id for q in (*bad.requests, *good.requests)] == ["rq/0", "rq/1"]
+        rid = p.requests[0].request_id  # the client's X-Request-Id leads it, unique
+        assert rid.startswith("rq-")
+        assert [q.attempt_id for q in (*bad.requests, *good.requests)] == [f"{rid}/0", f"{rid}/1"]
         assert len(p.requests) == 2 and p.requests[0].disagg.room != p.requests[1].disagg.room
         await bad.abort_event.wait()
-        assert [a.attempt_id for a in bad.aborts] == ["rq/0"]
+        assert [a.attempt_id for a in bad.aborts] == [f"{rid}/0"]
         m = (await c.get("/metrics")).text
         assert "tandem_retries_total 1.0" in m and "tandem_generation_tokens_total 5.0" in m
         # The same answer as a clean run's (the good pair alone).

@@ -94,8 +94,8 @@ async def test_each_choice_is_a_worker_request_seeded_seed_plus_index(tok_dir):
         n_prompt = len(w.requests[0].prompt_token_ids)
         assert u["prompt_tokens"] == n_prompt  # the prompt once, whatever n
         assert u["completion_tokens"] == 3 * len(w.script.tokens)  # summed over the choices
-        assert sorted(q.request_id for q in w.requests) == ["nn-0", "nn-1", "nn-2"]
-        seeds = {q.request_id: q.sampling.seed for q in w.requests}
+        # the client's X-Request-Id leads each choice's id (the gateway's part made it unique)
+        seeds = {_choice(q.request_id): q.sampling.seed for q in w.requests}
         assert seeds == {"nn-0": 2**64 - 2, "nn-1": 2**64 - 1, "nn-2": 0}  # mod 2**64
         assert w.aborts == []  # every choice finished by itself
         # Without a seed no choice gets one (each samples from the worker's own RNG).
@@ -206,8 +206,14 @@ async def test_more_choices_than_decode_seats(tok_dir, stream):
         assert all(w["inflight"] == 0 for w in await wait_workers(c))
 
 
+def _choice(request_id: str) -> str:
+    """A choice's worker request id as `<X-Request-Id>-<index>` (the gateway's part left out)."""
+    head, _, index = request_id.rpartition("-")
+    return f"{head.rpartition('-')[0]}-{index}"
+
+
 async def _aborted(w: ScriptedWorker, ids: set[str]) -> None:
-    while not ids <= {a.request_id for a in w.aborts}:
+    while not ids <= {_choice(a.request_id) for a in w.aborts}:
         await asyncio.sleep(0.01)
 
 

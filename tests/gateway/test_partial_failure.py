@@ -82,11 +82,13 @@ async def test_each_attempt_has_its_own_id_and_abort_names_it(tok_dir):
                          headers={"X-Request-Id": "rq"})
         assert r.status_code == 200, r.text
         first, second = p.requests
-        assert first.request_id == second.request_id == "rq"  # the request id stays, for logs
-        assert (first.attempt_id, second.attempt_id) == ("rq/0", "rq/1")
-        assert bad.requests[0].attempt_id == "rq/0" and good.requests[0].attempt_id == "rq/1"
+        rid = first.request_id  # the client's X-Request-Id leads it, unique all the same
+        assert rid.startswith("rq-") and second.request_id == rid  # the request id stays
+        assert (first.attempt_id, second.attempt_id) == (f"{rid}/0", f"{rid}/1")
+        assert bad.requests[0].attempt_id == f"{rid}/0"
+        assert good.requests[0].attempt_id == f"{rid}/1"
         await p.abort_event.wait()
-        assert [a.attempt_id for a in p.aborts] == ["rq/0"]  # the retry is never aborted
+        assert [a.attempt_id for a in p.aborts] == [f"{rid}/0"]  # the retry is never aborted
 
 
 @pytest.mark.parametrize("stream", [False, True])
