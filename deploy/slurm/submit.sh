@@ -20,6 +20,12 @@ TANDEM_NODES=$("$TANDEM_PY" -m orchestrator.launch.slurm nodes --config "$JOB" "
 ART=$("$TANDEM_PY" -m orchestrator.launch.slurm artifact-dir --config "$JOB" "$@")
 PART=$("$TANDEM_PY" -m orchestrator.launch.slurm partition --config "$JOB" "$@")
 TIME=$("$TANDEM_PY" -m orchestrator.launch.slurm time --config "$JOB" "$@")
+if [[ -n $PART ]] && ! scontrol show partition "$PART" >/dev/null 2>&1; then
+  echo "error: launcher.slurm_partition: no partition '$PART' on this cluster (it has:" \
+    "$(sinfo -h -o %R 2>/dev/null | sort -u | paste -sd' ')); fix the job YAML or" \
+    "--set launcher.slurm_partition=NAME ('' = the cluster's default)" >&2
+  exit 2
+fi
 mkdir -p "$ART"
 OUT="$ART/slurm-$TANDEM_RUN_ID.out"
 args=(--parsable -N "$TANDEM_NODES" --ntasks-per-node=1 -J "tandem-$(basename "$JOB" .yaml)"
@@ -28,7 +34,19 @@ args=(--parsable -N "$TANDEM_NODES" --ntasks-per-node=1 -J "tandem-$(basename "$
 echo "submit: $(basename "$JOB") on $TANDEM_NODES node(s), run $TANDEM_RUN_ID, output $OUT"
 JOBID=$(sbatch "${args[@]}" "$ROOT/deploy/slurm/job.sbatch") || exit 2
 echo "submit: job $JOBID"
-trap 'scancel "$JOBID" 2>/dev/null' INT TERM   # Ctrl-C here cancels the job too
+# Ctrl-C here cancels the job too, then waits for it to stop and shows its last lines (the
+# `stopped:` line, where the artifacts are); a second Ctrl-C leaves at once. Under `set -e`
+# every command the loop runs must survive its own interruption (`|| ...`), else the script
+# dies with the sleep it was in.
+cancelled=0
+cancel() {
+  if ((cancelled)); then echo "submit: not waiting for job $JOBID to stop" >&2; exit "$1"; fi
+  cancelled=$1
+  echo "submit: cancelling job $JOBID; waiting for it to stop (Ctrl-C again: leave now)" >&2
+  scancel "$JOBID" 2>/dev/null || echo "submit: scancel $JOBID failed" >&2
+}
+trap 'cancel 130' INT
+trap 'cancel 143' TERM
 # Wait ourselves (sbatch --wait backs off to polls seconds apart): the job's record holds its
 # state and exit code until MinJobAge; no accounting database is needed.
 field() { scontrol show job -o "$JOBID" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p"; }
@@ -41,16 +59,18 @@ show() {
   if ((n > shown)); then sed -n "$((shown + 1)),${n}p" "$OUT"; shown=$n; fi
 }
 while :; do
-  show
-  state=$(field JobState)
+  show || true
+  state=$(field JobState) || state=""
   case $state in
-    PENDING|CONFIGURING|RUNNING|COMPLETING|SUSPENDED|"") sleep 0.5 ;;
+    PENDING|CONFIGURING|RUNNING|COMPLETING|SUSPENDED|"") sleep 0.5 || true ;;
     *) break ;;
   esac
 done
 code=$(field ExitCode); rc=${code%%:*}
 [[ $state == COMPLETED || $rc != 0 ]] || rc=1   # CANCELLED / TIMEOUT / NODE_FAIL with exit 0
+[[ $state == COMPLETED || $cancelled == 0 ]] || rc=$cancelled   # we cancelled it: 130 / 143
 if [[ -f $OUT ]]; then tail -n "+$((shown + 1))" "$OUT"; else echo "(no job output at $OUT)"; fi
+run_dir=$(compgen -G "$ART/job$JOBID.*-$TANDEM_RUN_ID" | head -n 1) || run_dir=""
 echo "submit: job $JOBID $state"
-echo "submit: job finished with exit $rc; artifacts in $ART"
+echo "submit: job finished with exit $rc; artifacts in ${run_dir:-$ART} (job output: $OUT)"
 exit "$rc"

@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,16 +59,22 @@ from orchestrator.launch.slurm_env import (
     FILE_POLL_S,
     SlurmEnv,
     SlurmEnvError,
+    SubmitClock,
     clear_topology_env,
     log_name,
     publish,
     read_slurm_env,
     wait_files,
+    wait_stopped,
     with_node_hosts,
 )
 from orchestrator.plan import preflight
 from orchestrator.rank_map import num_nodes, plan_processes
 from protocol.tls import TLSConfig
+
+# scancel (or Ctrl-C on submit.sh) while a node started: what the node says, and node 0's
+# done.json status then (the job's state is CANCELLED either way).
+STOPPED_WHILE_STARTING = "stopped by a signal (scancel) while the cluster started"
 
 
 def node_specs(
@@ -103,7 +109,9 @@ def node_specs(
     return specs
 
 
-def _check_health(specs: list[ProcessSpec], deadline: float, tls: TLSConfig) -> None:
+def _check_health(
+    specs: list[ProcessSpec], deadline: float, tls: TLSConfig, stopped: Callable[[], bool]
+) -> None:
     """Every worker answers gRPC health SERVING from this node (cross-node reachability), and
     is the worker this job started (a worker of an earlier job may still listen there)."""
     wake = threading.Event()
@@ -112,7 +120,11 @@ def _check_health(specs: list[ProcessSpec], deadline: float, tls: TLSConfig) -> 
         for w in watches:
             w.start(max(0.1, deadline - time.monotonic()))
         for w, spec in zip(watches, specs, strict=True):
-            if not w.ready.wait(max(0.0, deadline - time.monotonic())):
+            while not w.ready.is_set() and time.monotonic() < deadline and not stopped():
+                w.ready.wait(FILE_POLL_S)
+            if stopped():
+                raise LaunchError(STOPPED_WHILE_STARTING)
+            if not w.ready.is_set():
                 raise LaunchError(
                     f"worker {w.address} is not SERVING from node 0 (last health: "
                     f"{w.last_status}); check the nodes' network and the role's "
@@ -150,17 +162,6 @@ def run_gate(cluster: ClusterConfig, out: IO[str], err: IO[str]) -> int:
     return report(result, ev.min_accuracy, out, err)
 
 
-class _Timer:
-    """Seconds since submit.sh ran (TANDEM_SUBMIT_T0, epoch seconds; all nodes share the
-    clock here) or else since this launcher started: the figures in docs/deploy.md."""
-
-    def __init__(self, submit_t0: str = "") -> None:
-        self.t0 = float(submit_t0) if submit_t0 else time.time()
-
-    def __call__(self) -> str:
-        return f"[{time.time() - self.t0:6.1f}s]"
-
-
 def run_slurm(
     cluster: ClusterConfig,
     out: IO[str] | None = None,
@@ -195,9 +196,8 @@ def run_slurm(
         f"node {env.node_id}/{len(env.nodes)} ({env.nodes[env.node_id]}): run dir {run_dir}",
         *notes, sep="\n", file=out, flush=True,
     )
-    return _run_node(
-        resolved, env, run_dir, config_file, out, err, _Timer(environ.get("TANDEM_SUBMIT_T0", ""))
-    )
+    clock = SubmitClock(environ.get("TANDEM_SUBMIT_T0", ""))
+    return _run_node(resolved, env, run_dir, config_file, out, err, clock)
 
 
 def _run_node(
@@ -207,7 +207,7 @@ def _run_node(
     config_file: Path,
     out: IO[str],
     err: IO[str],
-    clock: _Timer,
+    clock: SubmitClock,
 ) -> int:
     launcher = cluster.launcher
     deadline = time.monotonic() + launcher.ready_timeout_s
@@ -237,6 +237,15 @@ def _run_node(
                 )
             print(f"error: node {env.node_id}: {exc}", file=err, flush=True)
             return 1
+        if workers.stop_requested:  # start() returned early: nothing of ours is ready
+            workers.stop()
+            print(f"{clock()} node {env.node_id}: {STOPPED_WHILE_STARTING}", file=out, flush=True)
+            if env.node_id == 0:
+                publish(run_dir / "done.json", {"status": 1})
+                wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
+            else:
+                publish(run_dir / "stopped" / f"node{env.node_id}.json", {"status": 1})
+            return 1
         for s in specs:
             publish(
                 run_dir / "ready" / f"{s.name}.json",
@@ -258,7 +267,10 @@ def _run_node(
                 for n in range(num_nodes(cluster))
                 for s in node_specs(cluster, n, config_file, run_dir)
             ]
-            wait_files(run_dir, all_workers, deadline, err, launcher.log_tail_lines)
+            wait_files(
+                run_dir, all_workers, deadline, err, launcher.log_tail_lines,
+                stopped=lambda: workers.stop_requested,
+            )
             _check_health(
                 [
                     s
@@ -267,6 +279,7 @@ def _run_node(
                 ],
                 deadline,
                 cluster.tls,
+                lambda: workers.stop_requested,
             )
             print(
                 f"{clock()} node 0: every worker SERVING across nodes; starting the gateway",
@@ -282,12 +295,18 @@ def _run_node(
                 launcher.log_tail_lines,
                 err=err,
             )
-            gateway.start()
+            with stop_on_signals(gateway):  # a signal now must cut the gateway's wait short too
+                gateway.start()
+            if gateway.stop_requested:
+                workers.request_stop()
+                raise LaunchError(STOPPED_WHILE_STARTING)
         except LaunchError as exc:
             print(f"error: cluster did not start: {exc}", file=err, flush=True)
             publish(run_dir / "done.json", {"status": 1})
+            if gateway is not None:
+                gateway.stop()
             workers.stop()
-            _wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
+            wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
             return 1
         url = gateway_url(cluster.gateway.host, cluster.gateway.port, env.nodes[0])
         publish(run_dir / "ready" / "lb.json", {"node": 0, "url": url.split()[0]})
@@ -307,16 +326,8 @@ def _run_node(
             # The other nodes stop on done.json; node 0 exits after them, so that srun's
             # --kill-on-bad-exit never cuts them off (the job's code is then this one, not a
             # 143 of a node terminated mid-stop).
-            _wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
+            wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
     return code
-
-
-def _wait_stopped(run_dir: Path, nodes: int, timeout_s: float) -> None:
-    """Until every node > 0 has published stopped/node<i>.json, or `timeout_s` passed."""
-    deadline = time.monotonic() + timeout_s
-    marks = [run_dir / "stopped" / f"node{n}.json" for n in range(1, nodes)]
-    while not all(m.is_file() for m in marks) and time.monotonic() < deadline:
-        time.sleep(FILE_POLL_S)
 
 
 def gateway_url(host: str, port: int, node: str) -> str:

@@ -14,7 +14,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -112,11 +112,19 @@ def publish(path: Path, data: dict[str, object]) -> None:
 
 
 def wait_files(
-    run_dir: Path, names: list[str], deadline: float, err: IO[str], tail_lines: int
+    run_dir: Path,
+    names: list[str],
+    deadline: float,
+    err: IO[str],
+    tail_lines: int,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Until ready/<name>.json exists for every name; LaunchError on a failed/ file or timeout."""
+    """Until ready/<name>.json exists for every name; LaunchError on a failed/ file, a timeout
+    or `stopped()` (a signal: the job was cancelled while it waited)."""
     ready, failed = run_dir / "ready", run_dir / "failed"
     while True:
+        if stopped():
+            raise LaunchError("stopped by a signal while waiting for the other nodes")
         for f in sorted(failed.glob("*.json")) if failed.is_dir() else []:
             info = json.loads(f.read_text())
             print(
@@ -133,3 +141,22 @@ def wait_files(
                 f"no readiness file from {', '.join(missing)} in {ready} before the deadline"
             )
         time.sleep(FILE_POLL_S)
+
+
+def wait_stopped(run_dir: Path, nodes: int, timeout_s: float) -> None:
+    """Until every node > 0 has published stopped/node<i>.json, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    marks = [run_dir / "stopped" / f"node{n}.json" for n in range(1, nodes)]
+    while not all(m.is_file() for m in marks) and time.monotonic() < deadline:
+        time.sleep(FILE_POLL_S)
+
+
+class SubmitClock:
+    """Seconds since submit.sh ran (TANDEM_SUBMIT_T0, epoch seconds; all nodes share the
+    clock here) or else since this launcher started: the figures in docs/deploy.md."""
+
+    def __init__(self, submit_t0: str = "") -> None:
+        self.t0 = float(submit_t0) if submit_t0 else time.time()
+
+    def __call__(self) -> str:
+        return f"[{time.time() - self.t0:6.1f}s]"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -243,13 +244,14 @@ def test_a_serving_job_answers_from_outside_and_stops_clean_when_cancelled(
     slurm_cluster: None, model_dir: Path, tmp_path: Path
 ) -> None:
     """No gate: submit.sh shows where the job serves while it serves, a client on the submit
-    host is answered, and Ctrl-C (here SIGTERM: a background process ignores SIGINT) cancels
-    the job, which stops every process it started."""
+    host is answered, and Ctrl-C (SIGINT to submit.sh's process group, as a terminal sends it)
+    cancels the job, which stops every process it started; submit.sh waits for that and shows
+    it (it used to exit 130 at once: `set -e` and the interrupted `sleep`)."""
     sets = ["--set", f"launcher.artifact_dir={tmp_path}", "--set", f"model.path={model_dir}",
             "--set", "launcher.eval_on_ready=false", "--set", "gateway.host=0.0.0.0"]
     proc = subprocess.Popen(["bash", str(SUBMIT), str(GATE_JOB), *sets], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
-                            env={**os.environ, "PD_SLURM": "1"})
+                            env={**os.environ, "PD_SLURM": "1"}, start_new_session=True)
     seen: list[str] = []
     ready = threading.Event()
 
@@ -271,17 +273,56 @@ def test_a_serving_job_answers_from_outside_and_stops_clean_when_cancelled(
         with urllib.request.urlopen(req, timeout=30) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] >= 1
     finally:
-        proc.terminate()  # submit.sh's trap cancels the job
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: submit.sh's trap cancels the job
         proc.wait(timeout=60)
         reader.join(10)
     out = "".join(seen)
     print(out)
     assert "stopped: exit 0" in out and "gate done" not in out, out  # no gate ran
-    assert proc.returncode == 1 and "CANCELLED" in out, out
+    assert proc.returncode == 130 and "CANCELLED" in out, out
     (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
     assert json.loads((run_dir / "done.json").read_text()) == {"status": 0}
     left = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in left, left  # no worker or gateway of the job survives it
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_job_cancelled_while_its_workers_start_stops_at_once_and_says_so(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path
+) -> None:
+    """scancel (here Ctrl-C on submit.sh) while the workers load: each node said its workers
+    were `ready` (they had been stopped) and node 0 went on waiting for their health until
+    Slurm killed it, so done.json never came. Now each node says it stopped before it was
+    ready, node 0's done.json says 1, and nothing is announced as serving."""
+    sets = ["--set", f"launcher.artifact_dir={tmp_path}", "--set", f"model.path={model_dir}",
+            "--set", "launcher.eval_on_ready=false"]
+    proc = subprocess.Popen(["bash", str(SUBMIT), str(GATE_JOB), *sets], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, "PD_SLURM": "1"}, start_new_session=True)
+    assert proc.stdout is not None
+    seen: list[str] = []
+    for line in proc.stdout:  # node 0's first line: it is about to start its worker
+        seen.append(line)
+        if line.startswith("node 0/2"):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    seen += proc.stdout.readlines()
+    proc.wait(timeout=60)
+    out = "".join(seen)
+    print(out)
+    job = next(ln.split()[-1] for ln in seen if ln.startswith("submit: job "))
+    for _ in range(300):  # the job's end (submit.sh used to leave before it)
+        if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                              text=True).stdout.strip():
+            break
+        time.sleep(0.1)
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
+    assert json.loads((run_dir / "done.json").read_text()) == {"status": 1}, out
+    job_out = next(tmp_path.glob("slurm-*.out")).read_text()
+    assert "ready" not in job_out, job_out  # neither a node's workers nor the gateway
+    assert "node 0: stopped by a signal" in job_out, job_out
+    assert proc.returncode == 130, out
 
 
 def test_submit_waits_for_the_jobs_output_without_an_error_line(tmp_path: Path) -> None:
