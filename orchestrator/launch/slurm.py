@@ -60,6 +60,7 @@ from orchestrator.launch.slurm_env import (
     SlurmEnv,
     SlurmEnvError,
     SubmitClock,
+    check_time_limit,
     clear_topology_env,
     log_name,
     publish,
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_config(resolve_config_path(args.config), args.overrides)
         if args.what == "nodes":  # submit.sh asks this first: refuse before sbatch
+            check_time_limit(cluster.launcher.slurm_time_limit)
             if os.environ.get("PD_SLURM", "") == "1":  # workers dialed across nodes
                 require_pinned(cluster, "slurm")
             for note in preflight(cluster):

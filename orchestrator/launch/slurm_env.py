@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from orchestrator.config import ClusterConfig
+from orchestrator.config import ClusterConfig, ClusterConfigError
 from orchestrator.launch.processes import LaunchError
 from orchestrator.rank_map import ProcessRow, plan_processes
 
@@ -160,3 +161,16 @@ class SubmitClock:
 
     def __call__(self) -> str:
         return f"[{time.time() - self.t0:6.1f}s]"
+
+
+# sbatch --time's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and no limit.
+_TIME_LIMIT = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|INFINITE|UNLIMITED")
+
+
+def check_time_limit(limit: str) -> None:
+    """launcher.slurm_time_limit in a form sbatch takes, or one line naming the field."""
+    if not _TIME_LIMIT.fullmatch(limit):
+        raise ClusterConfigError(
+            f"launcher.slurm_time_limit: {limit!r} is not a Slurm time limit; use MINUTES, "
+            "HH:MM:SS or DAYS-HH[:MM[:SS]] (e.g. 00:30:00), or INFINITE"
+        )

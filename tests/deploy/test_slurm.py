@@ -115,6 +115,33 @@ def test_submit_refuses_unpinned_worker_ports_before_sbatch(
     assert slurm_main(["nodes", "--config", str(GATE_JOB), *sets]) == 0
 
 
+@pytest.mark.parametrize("limit", ["abc", "30m", "1:2:3:4", ""])
+def test_a_bad_time_limit_is_one_line_naming_the_field_before_sbatch(
+    limit: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sbatch said `Invalid --time specification` (which field of the job YAML?) after the
+    job had been announced; now `nodes`, submit.sh's first question, refuses it."""
+    sets = ["--set", f"launcher.slurm_time_limit={limit}"]
+    assert slurm_main(["nodes", "--config", str(GATE_JOB), *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: launcher.slurm_time_limit"), err
+    assert len(err.strip().splitlines()) == 1
+    for ok in ["15", "00:15:00", "1-0", "2-12:30", "INFINITE"]:
+        assert slurm_main(["nodes", "--config", str(GATE_JOB), "--set",
+                           f"launcher.slurm_time_limit={ok}"]) == 0, ok
+
+
+@pytest.mark.slurm
+def test_an_unknown_partition_is_one_line_naming_the_field(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    """sbatch's two lines (`invalid partition specified: nope`) named no field of the job."""
+    rc, out, _ = submit(GATE_JOB, tmp_path, "--set", "launcher.slurm_partition=nope", timeout=60)
+    assert rc == 2, out
+    assert out.startswith("error: launcher.slurm_partition: no partition 'nope'"), out
+    assert "(it has: debug)" in out and len(out.strip().splitlines()) == 1, out
+
+
 def submit(
     job: Path, tmp_path: Path, *sets: str, timeout: float = 240, pd: str = "1"
 ) -> tuple[int, str, float]:
