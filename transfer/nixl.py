@@ -21,6 +21,8 @@ from transfer.backend import BackendError, Span, TransferBackend, WriteStatus
 log = logging.getLogger(__name__)
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _WILDCARD = ("", "0.0.0.0", "::")
+# The UCX progress thread's wait between rounds when idle (NIXL's pthrDelay, microseconds).
+PROGRESS_DELAY_US = 100
 
 
 def _ipv4_of(device: str) -> str:
@@ -30,6 +32,35 @@ def _ipv4_of(device: str) -> str:
         except OSError:  # no IPv4 address on it
             return ""
     return socket.inet_ntoa(reply[20:24])
+
+
+def new_agent(label: str, progress_delay_us: int = PROGRESS_DELAY_US) -> Any:
+    """A NIXL agent with the UCX backend whose progress thread waits `progress_delay_us` when
+    idle.
+
+    nixl's `nixl_agent` sets the agent config's `pthrDelay` to 0 and takes no argument for it;
+    with NIXL 1.5 the progress thread then polls with a zero timeout, a core per agent spent
+    doing nothing. The config class is swapped, for this one construction, for a subclass
+    whose `pthrDelay` keeps our delay; a wrapper without that class gets the default agent and
+    a warning.
+    """
+    import nixl._api as api
+
+    bind: Any = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None:
+        log.warning("nixl: no nixlBind.nixlAgentConfig; the progress thread may busy-poll")
+        return api.nixl_agent(label, api.nixl_agent_config(backends=["UCX"]))
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: object) -> None:
+            super().__setattr__(key, progress_delay_us if key == "pthrDelay" else value)
+
+    bind.nixlAgentConfig = _Config
+    try:
+        return api.nixl_agent(label, api.nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgentConfig = base
 
 
 def ucx_net_devices(host: str, ib_devices: str = "") -> str:
@@ -59,14 +90,12 @@ class NixlBackend(TransferBackend):
     max_range_bytes = 4 << 20
 
     def __init__(self, agent_label: str, bind_host: str = "", ib_devices: str = "") -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         devices = ucx_net_devices(bind_host, ib_devices)
         if devices and "UCX_NET_DEVICES" not in os.environ:
             # Read by UCX when the agent starts below; set once, before any UCX thread exists.
             os.environ["UCX_NET_DEVICES"] = devices
         self._name = agent_label
-        self._agent = nixl_agent(agent_label, nixl_agent_config(backends=["UCX"]))
+        self._agent = new_agent(agent_label)
         self._regs: list[Any] = []
         self._peers: set[str] = set()
 
