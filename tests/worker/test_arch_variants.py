@@ -238,6 +238,9 @@ REFUSED = {
     "rope type 'longrope'": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
     "rope type 'su'": {"rope_scaling": {"type": "su", "short_factor": [1.0]}},
     "needs a 'factor'": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+    # transformers refuses it too; ours took Llama 3.1's 1.0 / 4.0 silently
+    "needs 'low_freq_factor' and 'high_freq_factor'": {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
     "rope_parameters per layer type (full_attention, sliding_attention)": {"rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},

@@ -34,6 +34,7 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     "yarn-extension-already-counted": ({"rope_parameters": {**YARN, "factor": 2.0,
                                         "original_max_position_embeddings": 8}}, 32),
     "llama3": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 4}}, 32),
     # transformers: a top-level original_max_position_embeddings outranks the nested one
     "yarn-original-top-level": ({"rope_parameters": YARN, "original_max_position_embeddings": 16},

@@ -195,6 +195,12 @@ def parse_rope(cfg: dict[str, Any], source: str, default_theta: float = 10000.0)
         raise ModelLoadError(
             f"{source}: rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling"
         )
+    missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
+    if rope_type == "llama3" and missing:  # transformers refuses it too (no default is theirs)
+        raise ModelLoadError(
+            f"{source}: rope type 'llama3' needs {' and '.join(repr(k) for k in missing)} in "
+            "rope_parameters/rope_scaling (Llama 3.1: low_freq_factor 1.0, high_freq_factor 4.0)"
+        )
     orig = original_max_positions(cfg, params, rope_type, max_pos)
     if rope_type == "yarn" and params.get("factor") is None:
         factor = max_pos / orig  # transformers' fallback: the implied extension ratio
