@@ -12,7 +12,12 @@ Regressions found by that pass:
   rope_parameters alone (logits off by ~9); both given and meaning different things is now
   refused in one line naming both (transformers also drops rope_parameters' rope_theta then);
 - a GPT-OSS RoPE dict without rope_theta (and none at the top level): transformers' class
-  default is 150000, ours read 10000 (logits off by ~6).
+  default is 150000, ours read 10000 (logits off by ~6);
+- a head_dim that is not a power of two of at least 16 (80, 96, 100: some Llama / Mistral
+  checkpoints; 8 or 4: tiny test models) loads on the CPU, where it serves like transformers,
+  but CUDA's Triton attention kernels cannot compile it (`arange's range must be a power of 2`,
+  `K >= 16` for a 16-bit dot, checked by compiling them for sm_90): a traceback at the first
+  step, now a one-line refusal at load naming head_dim.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.worker.deepseek_model import build_deepseek_checkpoint
 from tests.worker.gpt_oss_model import build_gpt_oss_checkpoint
@@ -28,6 +34,7 @@ from tests.worker.test_arch_variants import LLAMA_CFG, build, engine_vs_transfor
 from worker.arch.hf_config import ModelLoadError, parse_arch_config
 from worker.arch.load import load_arch_config
 from worker.arch.qwen3_next_config import parse_qwen3_next_config
+from worker.model import loader
 
 
 def _edit_config(path: Path, drop: tuple[str, ...] = (), **fields: object) -> None:
@@ -94,3 +101,32 @@ def test_gpt_oss_rope_without_a_theta_takes_its_class_default(tmp_path: Path) ->
     assert load_arch_config(tmp_path).rope.theta == 150000.0
     ours, theirs, worst = engine_vs_transformers(tmp_path, lens=(5, 41), new=6)
     assert worst < 1e-4 and ours == theirs
+
+
+@pytest.mark.parametrize(("fields", "refused"), [
+    ({"head_dim": 80}, True), ({"head_dim": 96}, True), ({"head_dim": 8}, True),
+    ({"hidden_size": 400}, True),  # no head_dim field: 400 / 4 heads = 100
+    ({"head_dim": 16}, False), ({"head_dim": 128}, False), ({}, False),  # 64 / 4 = 16
+])
+def test_cuda_refuses_a_head_dim_its_attention_kernels_cannot_tile(
+        monkeypatch: pytest.MonkeyPatch, fields: dict[str, int], refused: bool) -> None:
+    arch = parse_arch_config({**LLAMA_CFG, **fields})
+    loader.check_head_dim(arch, torch.device("cpu"), "ckpt/config.json")  # the CPU serves any
+    monkeypatch.setattr(loader.fused, "available", lambda device: True)  # as on a CUDA GPU
+    if not refused:
+        loader.check_head_dim(arch, torch.device("cuda"), "ckpt/config.json")
+        return
+    with pytest.raises(ModelLoadError) as exc:
+        loader.check_head_dim(arch, torch.device("cuda"), "ckpt/config.json")
+    message = str(exc.value)
+    assert message.startswith(f"ckpt/config.json: head_dim {arch.head_dim} ")
+    assert "\n" not in message
+
+
+def test_mla_latent_width_is_not_a_head_dim_for_that_rule(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    build_deepseek_checkpoint(tmp_path, tokenizer=False)  # latent 32 + 8 = 40 elements
+    arch = load_arch_config(tmp_path)
+    assert arch.head_dim == 40 and arch.kv_latent_dim == 40
+    monkeypatch.setattr(loader.fused, "available", lambda device: True)
+    loader.check_head_dim(arch, torch.device("cuda"), "ckpt/config.json")

@@ -362,11 +362,28 @@ def set_kv_scales(model: CausalLM, scales: fp8.KVScales, tp: TPInfo) -> None:
                 buf.copy_(scales.local(side, layer, heads).to(buf.device))
 
 
+def check_head_dim(arch: ArchConfig, device: torch.device, source: str) -> None:
+    """CUDA's Triton paged attention (decode and prefill) holds a K/V head in one tile: a power
+    of two of at least 16 elements (`tl.arange` and the 16-bit `tl.dot`). Any other head_dim
+    (head_dim 80 or 100, as some Llama / Mistral checkpoints have, or a tiny test model's 8)
+    failed to compile at the first step, a traceback after start-up; refused here in one line.
+    MLA models attend through their own kernels (worker/model/triton_mla.py)."""
+    d = arch.head_dim
+    if arch.kv_latent_dim or not fused.available(device) or (d >= 16 and d & (d - 1) == 0):
+        return
+    raise ModelLoadError(
+        f"{source}: head_dim {d} (config.json's head_dim, else hidden_size / "
+        "num_attention_heads) is not supported on CUDA: its attention kernels take a power of "
+        "two of at least 16 (e.g. 64, 128); serve this checkpoint on the CPU (parallel.device: cpu)"
+    )
+
+
 def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, ModelSpec]:
     """Build and fill the model described by `model.path` for this rank."""
     path = Path(model.path)
     device = torch.device(parallel.device)
     checkpoint_arch = load_arch_config(path)
+    check_head_dim(checkpoint_arch, device, str(path / "config.json"))
     arch = fp8_linears_here(checkpoint_arch, device)
     dtype = resolve_dtype(model, arch, device)
     tp = tp_info(parallel)
