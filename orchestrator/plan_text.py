@@ -12,6 +12,7 @@ from orchestrator.devices import CudaStatus, cuda_status, resolve_device
 from orchestrator.host_memory import check_host_memory
 from orchestrator.hub import looks_like_repo_id
 from orchestrator.kv_groups import RECURRENT, WINDOW, KVGroup
+from orchestrator.launch.describe import spec_summary
 from orchestrator.plan import LayoutError, check_layout, kv_budget, read_model_config
 from orchestrator.rank_map import ProcessRow, num_nodes, plan_processes
 from orchestrator.weights import WeightBytes
@@ -70,7 +71,7 @@ def format_plan(cluster: ClusterConfig, cuda: CudaStatus | None = None) -> str:
     mode = "disaggregated (prefill/decode)" if cluster.roles.is_pd else "monolithic (both)"
     parts = [
         f"model: {cluster.model.path} (served as {cluster.served_model_name}); {mode}; "
-        f"launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}",
+        f"{spec_summary(cluster)}launcher: {cluster.launcher.kind}; nodes: {num_nodes(cluster)}",
         "",
         format_rank_map(rows),
         "",
