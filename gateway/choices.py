@@ -159,7 +159,8 @@ class ChoicesResponse:
         self.created = int(time.time())
         n = req.n  # choices a prompt
         makes = [assemblers_for(tok, req, plan, ids, eos_token_ids) for ids in prompts]
-        self.choices = [Choice(i, run, first, makes[i // n], TokenClock(metrics.itl))
+        self.choices = [Choice(i, run, first, makes[i // n],
+                               TokenClock(metrics.itl, len(first.token_ids)))
                         for i, (run, first) in enumerate(started)]
         self.leaders = self.choices[::n]  # each prompt's first choice
 

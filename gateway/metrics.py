@@ -262,14 +262,19 @@ class LoopCount:
 
 
 class TokenClock:
-    """Inter-token latency of one request's output: every output after the first gives one
-    sample per token, the gap since the previous output divided over its tokens."""
+    """Inter-token latency of one request's output, one sample per token after the first:
+    every later output gives the gap since the previous one divided over its tokens, and the
+    tokens that came with the first (`first_tokens` - 1: under PD, decode's first message holds
+    the first token and its first step's) reached the client with it, a gap of 0. So the count
+    is the output's tokens - 1 and the sum its time after the first token (vLLM's TPOT)."""
 
     __slots__ = ("_itl", "_last")
 
-    def __init__(self, itl: LoopHistogram) -> None:
+    def __init__(self, itl: LoopHistogram, first_tokens: int) -> None:
         self._itl = itl
         self._last = time.perf_counter()  # when the previous output arrived
+        if first_tokens > 1:
+            itl.observe(0.0, first_tokens - 1)
 
     def arrived(self, num_tokens: int) -> None:
         now = time.perf_counter()

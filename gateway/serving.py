@@ -177,7 +177,7 @@ class GenerationHandler:
         if req.stream:
             out, chat_out = assemblers()
             stream = StreamEvents(request_id, self.model_name, out, chat_out,
-                                  TokenClock(self.metrics.itl))
+                                  TokenClock(self.metrics.itl, len(first.token_ids)))
             gen = self._stream(run, first, out, chat_out, stream, req.include_usage(), request_id,
                                t0)
             return SSEResponse(gen, headers, on_abandon=lambda: self._abandon(run, out, t0),
@@ -307,7 +307,7 @@ class GenerationHandler:
         answer = Answer(assemblers)
         outcome = "aborted"  # stays so if the request is cancelled (server shutdown)
         try:
-            await answer.read(run, first, TokenClock(self.metrics.itl))
+            await answer.read(run, first, TokenClock(self.metrics.itl, len(first.token_ids)))
             await run.settle()
             outcome = "success"
         except ApiError as err:

@@ -41,6 +41,28 @@ def served(url: str) -> dict[str, tuple[str, int]]:
             if f.name.startswith("tandem_") and not f.name.endswith("_created")}
 
 
+def itl_samples_of_a_request(url: str, stream: bool) -> tuple[float, int]:
+    """(tandem_inter_token_latency_seconds' new samples, completion tokens - 1) of one request
+    of 12 tokens."""
+    def count() -> float:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return next(s.value for f in text_string_to_metric_families(text)
+                    if f.name == "tandem_inter_token_latency_seconds"
+                    for s in f.samples if s.name.endswith("_count"))
+
+    body = {"model": EMBEDDED_MODEL.name, "prompt": arith.make_problems(1, seed=8)[0].prompt,
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
+    before = count()
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            usage = [json.loads(line[6:])["usage"] for line in r.iter_lines()
+                     if line.startswith("data: {")][-1]
+    else:
+        usage = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]
+    return count() - before, usage["completion_tokens"] - 1
+
+
 def test_every_documented_metric_after_a_pd_request_that_ends_on_a_stop_string(
         tmp_path: Path) -> None:
     problem = arith.make_problems(1, seed=7)[0]
@@ -63,7 +85,11 @@ def test_every_documented_metric_after_a_pd_request_that_ends_on_a_stop_string(
                     time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        itl_samples = [itl_samples_of_a_request(c.url, stream) for stream in (False, True)]
         c.wait_drained()
+    # one sample per output token after the first, the tokens that came with the first one
+    # included (under PD decode's first message carries the first token and its first step's)
+    assert itl_samples == [(11.0, 11), (11.0, 11)], itl_samples
     missing = sorted(set(want) - set(have))
     undocumented = sorted(set(have) - set(want))
     assert not missing and not undocumented, (missing, undocumented)

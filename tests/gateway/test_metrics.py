@@ -108,12 +108,26 @@ def test_inter_token_latency_has_one_sample_per_token() -> None:
     histogram's count fell short of the tokens streamed and its quantiles leaned on the
     messages of one token)."""
     m = Metrics()
-    clock = TokenClock(m.itl)
+    clock = TokenClock(m.itl, 1)
     clock.arrived(4)
     clock.arrived(1)
     clock.arrived(0)  # a message without tokens (the end): no sample
     text = m.render().decode()
     assert "tandem_inter_token_latency_seconds_count 5.0" in text
+
+
+def test_tokens_that_came_with_the_first_one_are_samples_of_zero() -> None:
+    """A first output of 3 tokens (PD: decode's first message holds the first token and its
+    first step's, speculation more) gives 2 samples of 0: the count is the tokens after the
+    first, as docs/metrics.md's one sample per token says (they gave none, so a 12-token PD
+    answer counted 10 and sum / count overstated the time per output token)."""
+    m = Metrics()
+    TokenClock(m.itl, 3)
+    text = m.render().decode()
+    assert "tandem_inter_token_latency_seconds_count 2.0" in text
+    assert "tandem_inter_token_latency_seconds_sum 0.0" in text
+    TokenClock(m.itl, 1).arrived(2)
+    assert "tandem_inter_token_latency_seconds_count 4.0" in m.render().decode()
 
 
 @pytest.mark.anyio

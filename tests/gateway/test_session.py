@@ -206,7 +206,7 @@ def test_stream_events_sink_writes_takes_and_refuses_as_the_task_would(tok_dir):
     def events(stops: list[str]) -> tuple[StreamEvents, _Direct, _Itl]:
         out = OutputAssembler(tok, [1, 2], True, stops, -1)
         itl = _Itl()
-        stream = StreamEvents("r1", "tiny", out, None, TokenClock(itl))  # type: ignore[arg-type]
+        stream = StreamEvents("r1", "tiny", out, None, TokenClock(itl, 1))  # type: ignore[arg-type]
         stream.attach(_Direct())  # type: ignore[arg-type]
         assert stream.direct is not None
         return stream, stream.direct, itl  # type: ignore[return-value]

@@ -29,7 +29,7 @@ def _events(tok: Tokenizer, chat: bool, logprobs: bool, plain: bool
     out.plain = plain
     if chat_out is not None:
         chat_out.plain = plain
-    clock = TokenClock(LoopHistogram("i", "", [1.0]))
+    clock = TokenClock(LoopHistogram("i", "", [1.0]), 1)
     return StreamEvents("r", "tiny", out, chat_out, clock, created=0), out
 
 
@@ -70,7 +70,7 @@ def test_streamed_text_offsets_are_the_non_streamed_ones_when_a_stop_string_hold
     tok = Tokenizer.from_dir(tok_dir)
     ids = tok.encode(" a=b c=d e", add_special_tokens=False)
     out = OutputAssembler(tok, [1, 2, 3], True, ["=x"], 0)
-    stream = StreamEvents("r", "tiny", out, None, TokenClock(LoopHistogram("i", "", [1.0])),
+    stream = StreamEvents("r", "tiny", out, None, TokenClock(LoopHistogram("i", "", [1.0]), 1),
                           created=0)
     offsets = []
     for o in _outputs(ids, True, 1):
