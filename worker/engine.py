@@ -184,6 +184,7 @@ class Engine:
         self._drain_inbox(block_s=0.0)
         if self.hooks is not None:
             self.hooks.poll()  # rooms that ended, pages reserved, requests seated
+            self._flush()  # a landed first token leaves now, not after a step (its TTFT)
         plans = [s.schedule() for s in self.schedulers]
         if self.drafter is not None:
             t0 = time.perf_counter()

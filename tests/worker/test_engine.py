@@ -201,3 +201,55 @@ def test_context_is_capped_at_what_the_kv_pool_holds(
     assert (ended[0].finish_reason, ended[0].error) == ("length", "")
     assert tokens == hf_greedy(hf, prompt, 36)
     engine.scheduler.assert_drained()
+
+
+class _LandingHooks:
+    """A decode role's hooks without a transfer (a double of worker/decode.py's state machine):
+    a request's memory is reserved when it arrives, and the next poll lands its first token (a
+    room that succeeded) and seats it in the running batch."""
+
+    def __init__(self, first_token: int) -> None:
+        self.first_token = first_token
+        self.arrived: list[tuple[Request, object]] = []
+
+    def add_request(self, request: Request, scheduler) -> None:  # type: ignore[no-untyped-def]
+        assert scheduler.reserve(request, request.num_prompt_tokens + 1)
+        self.arrived.append((request, scheduler))
+
+    def on_prompt_done(self, request: Request) -> bool:
+        return False
+
+    def poll(self) -> None:
+        for req, sched in self.arrived:
+            if sched.land(req, self.first_token, None):  # type: ignore[attr-defined]
+                sched.seat(req)  # type: ignore[attr-defined]
+        self.arrived.clear()
+
+    def abort(self, request_id: str, reason: str) -> None:
+        pass
+
+    def has_work(self) -> bool:
+        return bool(self.arrived)
+
+
+def test_a_landed_first_token_leaves_before_the_decode_step_after_it(
+    qwen3_dir: tuple[Path, torch.nn.Module],
+) -> None:
+    """PD decode: the first token (prefill's, landed with the KV) goes out as soon as the room
+    lands, not with the first decode step's token (a step of TTFT; the client's first event
+    held two tokens)."""
+    path, _ = qwen3_dir
+    engine = make_engine(path)
+    engine.set_hooks(_LandingHooks(first_token=7))  # type: ignore[arg-type]
+    batches: list[list[int]] = []
+
+    def sink(out: RequestOutput) -> None:
+        batches.append(list(out.token_ids))
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.submit(Request("pd-0", [3, 4, 5, 6, 8], params), sink)
+    engine.step()  # the room lands and the first decode step runs
+    assert batches[:1] == [[7]], batches  # the landed token alone, before the step's
+    for _ in range(10):
+        engine.step()
+    assert sum(batches, [])[:1] == [7] and len(sum(batches, [])) == 4
