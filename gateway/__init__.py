@@ -12,6 +12,7 @@ Modules, in the order a request meets them:
   tokenizer.py     tokenizer.json + chat template (sandboxed jinja2, as transformers renders)
   dispatch.py      mono or PD dispatch of one request, retry before the first token, Abort
   stalls.py        StallWatch (streams gone quiet after the first token), `_timeout`
+  waits.py         wait_event: a bounded Event wait that a cancellation always ends
   routing.py       round_robin, least_load, cache_aware (page-hash chain)
   pool.py          channels, GetInfo, health (thresholds), GetLoad refresh
   output.py        token stream → text deltas, finish reason, usage, logprobs

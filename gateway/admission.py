@@ -17,7 +17,6 @@ no seats (0) is never full.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from gateway.errors import QueueFull, QueueTimeout
 from gateway.metrics import Metrics
 from gateway.pool import Worker
+from gateway.waits import wait_event
 
 RECHECK_S = 0.25  # the head of the queue looks again this often (health may have changed)
 EWMA = 0.2  # weight of the newest wait in the Retry-After estimate
@@ -89,8 +89,7 @@ class AdmissionQueue:
                         retry_after_s=self._retry_after())
                 me.clear()
                 # On a timeout, look again anyway: a worker may have turned healthy.
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(me.wait(), min(left, RECHECK_S))
+                await wait_event(me, min(left, RECHECK_S))
         finally:
             self._waiters.remove(me)
             self._depth.set(len(self._waiters))

@@ -24,7 +24,6 @@ waits until the gateway has no request on it and the worker has exited (bounded 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -33,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from gateway.config import GatewayConfig
+from gateway.waits import wait_event
 from gateway.workers import (
     ROLE_OF_POOL,
     IdentityRefused,
@@ -127,9 +127,7 @@ class WorkerPool:
             if left <= 0:
                 return False
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
+            if not await wait_event(self._changed, left):
                 return self.ready()
         return True
 
@@ -404,8 +402,7 @@ class WorkerPool:
                 self._set_health(w, False)
             else:
                 self._record_check(w, ok)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(w.recheck.wait(), self.config.health_interval_s)
+            await wait_event(w.recheck, self.config.health_interval_s)
 
     async def _follow_health(self, w: Worker) -> None:
         """A health Watch stream: a worker that turns NOT_SERVING (it starts to drain) is

@@ -192,3 +192,18 @@ async def test_a_double_cannot_share_a_port_held_by_another():
             await ScriptedWorker(script=Script(tokens=[70])).start(port=a.port)
     finally:
         await a.stop()
+
+
+async def test_the_pools_close_ends_a_watch_whose_recheck_fires_with_the_cancel(tok_dir):
+    """Gateway shutdown while a worker's connection drops: the drop sets the worker's recheck
+    event in the turn the close cancels its health watch. Python 3.11's asyncio.wait_for then
+    returned the event's result and swallowed the cancel, the watch looped on and the close
+    waited for it forever (tests/gateway hung in `the gateway's stop`, make test and CI)."""
+    pool = WorkerPool(fast_config(tok_dir, workers=("127.0.0.1:1",), health_interval_s=30.0,
+                                  startup_wait_s=0))
+    await pool.start()
+    await asyncio.sleep(0.3)  # the first check failed: the watch waits for the next
+    (w,) = pool.all()
+    w.recheck.set()
+    async with bounded("the pool's close", seconds=5.0):
+        await pool.close()
