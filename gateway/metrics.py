@@ -264,9 +264,10 @@ class LoopCount:
 class TokenClock:
     """Inter-token latency of one request's output, one sample per token after the first:
     every later output gives the gap since the previous one divided over its tokens, and the
-    tokens that came with the first (`first_tokens` - 1: under PD, decode's first message holds
-    the first token and its first step's) reached the client with it, a gap of 0. So the count
-    is the output's tokens - 1 and the sum its time after the first token (vLLM's TPOT)."""
+    tokens that came with the first (`first_tokens` - 1: messages the gateway read together,
+    or a worker's first message holding more than one token) reached the client with it, a gap
+    of 0. So the count is the output's tokens - 1 and the sum its time after the first token
+    (vLLM's TPOT)."""
 
     __slots__ = ("_itl", "_last")
 

@@ -49,14 +49,8 @@ def _add_parser_args(p: argparse.ArgumentParser) -> None:
 
 def parser_overrides(args: argparse.Namespace) -> list[str]:
     """--reasoning-parser / --tool-call-parser / --generation-config as `gateway.*` overrides."""
-    extra = []
-    if args.reasoning_parser:
-        extra.append(f"gateway.reasoning_parser={args.reasoning_parser}")
-    if args.tool_call_parser:
-        extra.append(f"gateway.tool_call_parser={args.tool_call_parser}")
-    if args.generation_config:
-        extra.append(f"gateway.generation_config={args.generation_config}")
-    return extra
+    names = ("reasoning_parser", "tool_call_parser", "generation_config")
+    return [f"gateway.{name}={value}" for name in names if (value := getattr(args, name))]
 
 
 def _add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
