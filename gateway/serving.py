@@ -44,14 +44,11 @@ from gateway.streaming import StreamEvents
 from gateway.structured import request_constraint
 from gateway.tokenizer import Tokenizer
 from protocol import tandem_pb2
+from protocol.sampling import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
-# A temperature below this samples greedily, as vLLM's (_SAMPLING_EPS) and SGLang's do: the
-# logits over a float32 denormal such as 1e-45 overflow to inf, and the worker's softmax gave
-# NaN (a 502 after a retry, each worker charged with a fault for a client's value).
-GREEDY_BELOW = 1e-5
 _JSON = "application/json"
 
 

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.sampling import GREEDY_BELOW
+
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound
 MAX_LOGIT_BIAS = 100.0  # the OpenAI API's bound on |logit_bias|
 
@@ -83,7 +85,7 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax, exactly)
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy (argmax, exactly)
     top_k: int = 0  # 0 = off; keep the k most likely tokens
     top_p: float = 1.0  # 1 = off; keep the smallest set whose probability reaches top_p
     min_p: float = 0.0  # 0 = off; drop tokens below min_p * the top token's probability
@@ -102,7 +104,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

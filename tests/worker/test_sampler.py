@@ -35,6 +35,15 @@ def test_greedy_is_argmax_exactly() -> None:
     assert mixed.token_ids == logits.argmax(-1).tolist()
 
 
+
+def test_a_temperature_below_the_greedy_bound_is_argmax_not_nan() -> None:
+    """1e-45 (a float32 denormal) from any client, not only the gateway's (which sends 0):
+    logits over it overflowed and the softmax gave NaN. Below 1e-5 the worker is greedy."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2))
+    tiny = [SamplingParams(temperature=t) for t in (1e-45, 1e-38, 9.9e-6, 0.0)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=2e-5).greedy
+    assert run(logits, tiny).token_ids == logits.argmax(-1).tolist()
+
 def _support(logits: torch.Tensor, p: SamplingParams, draws: int = 300) -> set[int]:
     gen = torch.Generator().manual_seed(1)
     sampler = Sampler()
