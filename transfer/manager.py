@@ -39,6 +39,11 @@ RELEASE_THREADS = 4
 MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
 
+class RoomExistsError(ValueError):
+    """A new room's id is one this rank still holds (live, or ended and not yet taken). The
+    request that repeats it is refused; the room's first owner goes on."""
+
+
 class KVTransferManager:
     """Moves KV pages of one rank to (prefill) or from (decode) peer ranks, room by room."""
 
@@ -370,7 +375,7 @@ class KVTransferManager:
                 f"this manager's role is {self.role}; rooms of role {role} need a {role} manager"
             )
         if room in self._rooms:
-            raise ValueError(
+            raise RoomExistsError(
                 f"room {room:#x} already exists on this rank (room ids must be unique per request)"
             )
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.manager import KVReceiver, KVTransferManager
+from transfer.manager import KVReceiver, KVTransferManager, RoomExistsError
 from transfer.room import RoomState, Side
 from worker.cache_manager import CacheHold
 from worker.request import DraftState, Request, RequestStatus, TokenLogprob, room_error_code
@@ -115,9 +115,13 @@ class DecodeRole:
                 extra["window_pages"] = held.window_ring
             if held.state_slot >= 0:
                 extra["state_slot"] = held.state_slot
-            receiver = self.manager.create_receiver(
-                req.room, req.bootstrap_addr, dst_pages=held.page_table,
-                num_tokens=req.num_prompt_tokens, **extra)  # type: ignore[arg-type]
+            try:
+                receiver = self.manager.create_receiver(
+                    req.room, req.bootstrap_addr, dst_pages=held.page_table,
+                    num_tokens=req.num_prompt_tokens, **extra)  # type: ignore[arg-type]
+            except RoomExistsError as exc:  # a client's repeated room: its request alone fails
+                sched.finish(req, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
+                continue
             room = self._rooms[req.request_id] = _Room(req, receiver, sched)
             self._by_room[req.room] = room
 

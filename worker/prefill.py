@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from transfer.manager import KVSender, KVTransferManager
+from transfer.manager import KVSender, KVTransferManager, RoomExistsError
 from transfer.room import RoomState, Side
 from worker.request import Request, RequestStatus, room_error_code
 from worker.scheduler import Scheduler
@@ -63,7 +63,11 @@ class PrefillRole:
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def add_request(self, request: Request, scheduler: Scheduler) -> None:
-        sender = self.manager.create_sender(request.room)
+        try:
+            sender = self.manager.create_sender(request.room)
+        except RoomExistsError as exc:  # a client's repeated room: its request alone fails
+            scheduler.finish(request, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
+            return
         room = self._rooms[request.request_id] = _Room(request, sender, scheduler)
         self._by_room[request.room] = room
         scheduler.add(request)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from transfer.manager import KVTransferManager
+from transfer.manager import KVTransferManager, RoomExistsError
 from transfer.room import Room, RoomState, RoomStats, Side, TransferTotals
 from worker.config import WorkerConfig
 from worker.distributed import (
@@ -208,6 +208,9 @@ class TPTransferManager:
         self._cmds.extend([len(body), *body])
 
     def _open(self, room: int, make_local: Callable[[], Room]) -> TPRoom:
+        if room in self._live:  # ranks of other groups would not see it: check here
+            raise RoomExistsError(f"room {room:#x} already exists on this worker "
+                                  "(room ids must be unique per request)")
         group = self.group_of_room(room)
         ranks = range(group * self.tp_size, (group + 1) * self.tp_size)
         tp_room = self._live[room] = TPRoom(room, ranks, make_local() if group == 0 else None, self)
