@@ -39,9 +39,18 @@ RELEASE_THREADS = 4
 MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
 
 
-class RoomExistsError(ValueError):
+class RoomRequestError(ValueError):
+    """A new room's fields from the request are unusable: that request is refused, the worker
+    and its other rooms go on."""
+
+
+class RoomExistsError(RoomRequestError):
     """A new room's id is one this rank still holds (live, or ended and not yet taken). The
     request that repeats it is refused; the room's first owner goes on."""
+
+
+class NoBootstrapAddrError(RoomRequestError, TransferConfigError):
+    """A decode room names no prefill bootstrap address to register with."""
 
 
 class KVTransferManager:
@@ -315,7 +324,7 @@ class KVTransferManager:
         groups = bootstrap_addr.split(";")
         addrs = [a.strip() for a in groups[room % len(groups)].split(",") if a.strip()]
         if not addrs:
-            raise TransferConfigError(
+            raise NoBootstrapAddrError(
                 f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port"
             )
         bad = [p for p in dst_pages if not 0 <= p < self.layout.num_pages]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.manager import KVReceiver, KVTransferManager, RoomExistsError
+from transfer.manager import KVReceiver, KVTransferManager, RoomRequestError
 from transfer.room import RoomState, Side
 from worker.cache_manager import CacheHold
 from worker.request import DraftState, Request, RequestStatus, TokenLogprob, room_error_code
@@ -119,7 +119,9 @@ class DecodeRole:
                 receiver = self.manager.create_receiver(
                     req.room, req.bootstrap_addr, dst_pages=held.page_table,
                     num_tokens=req.num_prompt_tokens, **extra)  # type: ignore[arg-type]
-            except RoomExistsError as exc:  # a client's repeated room: its request alone fails
+            except RoomRequestError as exc:
+                # a client's bad room (a repeated id, no bootstrap address): its request alone
+                # fails, not the engine loop
                 sched.finish(req, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
                 continue
             room = self._rooms[req.request_id] = _Room(req, receiver, sched)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from transfer.manager import KVSender, KVTransferManager, RoomExistsError
+from transfer.manager import KVSender, KVTransferManager, RoomRequestError
 from transfer.room import RoomState, Side
 from worker.request import Request, RequestStatus, room_error_code
 from worker.scheduler import Scheduler
@@ -65,7 +65,9 @@ class PrefillRole:
     def add_request(self, request: Request, scheduler: Scheduler) -> None:
         try:
             sender = self.manager.create_sender(request.room)
-        except RoomExistsError as exc:  # a client's repeated room: its request alone fails
+        except RoomRequestError as exc:
+            # a client's bad room (a repeated id, no bootstrap address): its request alone
+            # fails, not the engine loop
             scheduler.finish(request, RequestStatus.FINISHED_ERROR, str(exc), "invalid")
             return
         room = self._rooms[request.request_id] = _Room(request, sender, scheduler)

@@ -92,3 +92,13 @@ def test_decode_refuses_a_room_it_holds_without_dying(
         decode.poll()
         time.sleep(0.005)
     sched.assert_drained()
+
+
+def test_decode_refuses_a_room_without_a_bootstrap_address(decode: DecodeRole) -> None:
+    sched, finished = make_scheduler()
+    req = _with_room(11, "")
+    decode.add_request(req, sched)  # raised TransferConfigError into the engine loop before
+    assert req.status is RequestStatus.FINISHED_ERROR and req.error_code == "invalid"
+    assert "bootstrap_addr" in req.error and finished == [req]
+    assert not decode.has_work()
+    sched.assert_drained()
