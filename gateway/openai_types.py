@@ -353,7 +353,7 @@ def check_sampling(req: _SamplingFields) -> None:
         raise BadRequest(f"min_tokens must be in [0, {INT32_MAX}], got {req.min_tokens}",
                          param="min_tokens")
     if mt is not None and req.min_tokens > mt:
-        raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({mt})",
+        raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= {mt_name} ({mt})",
                          param="min_tokens")
     if req.repetition_penalty < MIN_REPETITION_PENALTY:
         raise BadRequest(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY:g} (1 = off), "

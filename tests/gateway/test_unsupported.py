@@ -75,3 +75,14 @@ def test_a_bad_value_names_the_field_the_client_sent(kw: dict[str, Any], param: 
         check_sampling(parse_request(json.dumps({**CHAT, **kw}).encode(), ChatCompletionRequest))
     assert info.value.param == param and info.value.message.startswith(
         param if param != "top_logprobs" else "at most 20"), info.value.message
+
+
+@pytest.mark.parametrize("limit", ["max_completion_tokens", "max_tokens"])
+def test_min_tokens_error_names_the_limit_the_client_sent(limit: str) -> None:
+    """min_tokens over the limit: the message named max_tokens when the client had sent
+    max_completion_tokens (a field its request does not hold)."""
+    with pytest.raises(BadRequest) as info:
+        check_sampling(parse_request(json.dumps({**CHAT, limit: 2, "min_tokens": 5}).encode(),
+                                     ChatCompletionRequest))
+    assert info.value.param == "min_tokens"
+    assert f"<= {limit} (2)" in info.value.message, info.value.message
