@@ -133,9 +133,12 @@ def _template_kwargs(req: ChatCompletionRequest, tok: Tokenizer) -> dict[str, An
     """Extra template variables; each must be one the template reads (else nothing changes)."""
     kwargs = dict(req.chat_template_kwargs or {})
     for key in kwargs:
-        if key in RESERVED_TEMPLATE_VARS:
+        if key in ("messages", "tools"):
             raise BadRequest(f"chat_template_kwargs may not set {key!r}; send it as the "
                              "request field", param="chat_template_kwargs")
+        if key in RESERVED_TEMPLATE_VARS:  # no request field sets these either
+            raise BadRequest(f"chat_template_kwargs: {key!r} is not supported (the gateway "
+                             "sets it); omit it", param="chat_template_kwargs")
         if key not in tok.template_vars:
             raise BadRequest(f"chat_template_kwargs: this model's chat template does not read "
                              f"{key!r}, so it would change nothing; omit it",
@@ -160,9 +163,11 @@ def _check_names(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
     text = tok.render_chat(marked, tools=tools, kwargs=kwargs)
     for i in named:
         if f"@@tandem-name-{i}@@" not in text:
-            raise BadRequest(f"messages[{i}].name: this model's chat template does not use a "
-                             f"{messages[i]['role']} message's name, so it would change "
-                             "nothing; omit it", param="messages")
+            role = messages[i]["role"]
+            article = "an" if role[0] in "aeiou" else "a"
+            raise BadRequest(f"messages[{i}].name: this model's chat template does not use "
+                             f"{article} {role} message's name, so it would change nothing; "
+                             "omit it", param="messages")
 
 
 def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
