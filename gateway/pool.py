@@ -214,19 +214,20 @@ class WorkerPool:
     async def _drain_and_drop(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s + _REMOVE_GRACE_S
-        ours = await self._still_ours(w)
-        if ours:
+        ours = await self._still_ours(w, deadline)
+        while ours:
             try:
                 await w.stub.Drain(
                     tandem_pb2.DrainRequest(reason="DELETE /workers on the gateway"),
                     timeout=self.config.health_timeout_s,
                 )
-            except grpc.aio.AioRpcError as exc:  # already gone: nothing left to drain there
-                log.info(
-                    "worker %s: Drain failed (%s); dropping it once idle here",
-                    w.url,
-                    exc.code().name,
-                )
+                break
+            except grpc.aio.AioRpcError as exc:  # gone: nothing left to drain there
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() < deadline:
+                    continue  # stopped again: it is there, ask until it answers
+                log.info("worker %s: Drain failed (%s); dropping it once idle here",
+                         w.url, exc.code().name)
+                break
         # A stranger (or nothing) at the address is never told to drain; wait only for our
         # own requests there.
         while loop.time() < deadline and (w.inflight or (ours and await self._answers(w))):
@@ -239,15 +240,24 @@ class WorkerPool:
             )
         self._drop(w)
 
-    async def _still_ours(self, w: Worker) -> bool:
+    async def _still_ours(self, w: Worker, deadline: float) -> bool:
         """Whether the process at w.url right now is the worker we accepted (a DELETE must
-        never drain another cluster's worker that took the address)."""
-        try:
-            info = await self._fetch_info(w)
-            self._accept(w, info)
-        except (WorkerUnreachable, IdentityRefused):
-            return False
-        return True
+        never drain another cluster's worker that took the address). One that answers too
+        late is still there (SIGSTOPped, a stuck loop): asked again until `deadline`, else a
+        DELETE dropped it undrained and, woken, it served on outside every pool."""
+        while True:
+            try:
+                self._accept(w, await self._fetch_info(w))
+                return True
+            except IdentityRefused:
+                return False
+            except WorkerUnreachable as exc:
+                if exc.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return False  # nothing listens there: nothing to drain
+                if asyncio.get_running_loop().time() >= deadline:
+                    log.warning("worker %s did not answer within the drain timeout; dropped "
+                                "without draining it (it may still run)", w.url)
+                    return False
 
     async def _answers(self, w: Worker) -> bool:
         """Whether the worker process still answers (a drained worker exits)."""

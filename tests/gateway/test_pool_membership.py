@@ -1,0 +1,61 @@
+"""The pools changing while they serve, as an operator drives them: DELETE of a worker that
+does not answer for a while (SIGSTOP, a stuck loop), and what the admin routes say.
+
+Scripted gRPC workers (tests/gateway/gw_doubles.py, via test_gateway_admin's `Member`); the
+gateway app runs in-process with its real pool and health tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.gateway.gw_doubles import running_app, workers
+from tests.gateway.test_gateway_admin import ADMIN, Member, config, gen, listed, until
+
+pytestmark = pytest.mark.anyio
+
+
+class Hanging(Member):
+    """A Member whose Worker service can stop answering (a SIGSTOPped process: calls are
+    taken in and answered only once it runs again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = asyncio.Event()
+        self.running.set()
+
+    async def GetInfo(self, request, context):  # noqa: N802 (gRPC method names)
+        await self.running.wait()
+        return await super().GetInfo(request, context)
+
+    async def Drain(self, request, context):  # noqa: N802
+        await self.running.wait()
+        return await super().Drain(request, context)
+
+
+async def test_delete_of_a_hung_worker_drains_it_once_it_answers(tok_dir):
+    # DELETE of a worker stopped for longer than one health timeout dropped it without ever
+    # sending Drain (its GetInfo timed out: read as "not ours"); woken, it went on running,
+    # out of every pool, never drained, its port and pages held.
+    a, b = Member(), Hanging()
+    async with (
+        workers(a, b),
+        running_app(config(tok_dir, workers=(a.url, b.url), health_timeout_s=0.2)) as c,
+    ):
+        await until(c, b.url, "serving")
+        b.running.clear()  # SIGSTOP
+        assert (await c.delete(f"/workers/{b.url}", headers=ADMIN)).status_code == 202
+        await asyncio.sleep(1.0)  # stopped for five health timeouts
+        assert (await gen(c)).status_code == 200  # routed around it
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        b.running.set()  # SIGCONT
+        while not b.drains:
+            assert loop.time() < deadline, (await listed(c)).get(b.url)
+            await asyncio.sleep(0.02)
+        assert b.drains == ["DELETE /workers on the gateway"]
+        await until(c, b.url, "draining")
+        await b.stop()  # the drained worker exits
+        await until(c, b.url, "gone")
