@@ -170,6 +170,29 @@ def _check_names(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
                              "omit it", param="messages")
 
 
+def _render(req: ChatCompletionRequest, tok: Tokenizer, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
+    """The prompt text. `continue_final_message` cuts it right after the last message's text,
+    as transformers' apply_chat_template does (the template's end of turn after it goes; a
+    template that trims the text's trailing whitespace is cut after what it kept)."""
+    f = "continue_final_message"
+    if req.continue_final_message and req.add_generation_prompt:
+        raise BadRequest(f"{f} and add_generation_prompt cannot both be true (the message "
+                         "would be closed and a new turn opened); send add_generation_prompt: "
+                         "false", param=f)
+    text = tok.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                           tools=tools, kwargs=kwargs)
+    if not req.continue_final_message:
+        return text
+    final = messages[-1]["content"]
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at == -1:
+        raise BadRequest(f"{f}: the last message has no text to continue (or the chat "
+                         "template does not write it); send its text", param=f)
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(final.strip()))]
+
+
 def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
                  tok: Tokenizer) -> dict[str, dict[str, Any]]:
     """Tool name -> parameters schema; raises for what the request gets wrong."""
@@ -274,7 +297,7 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
     tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []] \
         if parse_tools else None
     kwargs = _template_kwargs(req, tok)
-    text = tok.render_chat(messages, tools=tools, kwargs=kwargs)
+    text = _render(req, tok, messages, tools, kwargs)
     _check_names(messages, tools, kwargs, tok)
     starts = bool(parsers.reasoning) and prompt_opens_reasoning(text)
     constraint = request_constraint(req, _forced_calls(req, parsers, tok, params),

@@ -217,6 +217,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM / SGLang: false renders no opening of the assistant's turn; continue_final_message
+    # (with it false) leaves the last message open for the model to go on (assistant prefill).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss reads it)
     # Declared so the error can say what they are; refused when set (check_unsupported).
     functions: Any = None

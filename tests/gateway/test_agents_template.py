@@ -188,3 +188,32 @@ def test_a_message_name_the_template_reads_reaches_the_prompt(tmp_path: Path) ->
     err = refused(tok, messages=[*users, {"role": "assistant", "content": "b", "name": "bot"}])
     assert err.message.startswith("messages[3].name: ") and "an assistant message's name" in \
         err.message, err.message  # not "a assistant"
+
+
+PREFILL = [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "q=4 "}]
+
+
+def test_continue_final_message_renders_as_transformers(hermes_dir: Path) -> None:
+    """vLLM's / SGLang's assistant prefill: `add_generation_prompt: false` with
+    `continue_final_message: true` leaves the last message open for the model to go on (the
+    text transformers' apply_chat_template renders); each alone as transformers has it."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(hermes_dir))
+    tok = Tokenizer.from_dir(hermes_dir)
+    for kw in ({"add_generation_prompt": False, "continue_final_message": True},
+               {"add_generation_prompt": False}, {"add_generation_prompt": True}):
+        want = hf.apply_chat_template(PREFILL, tokenize=False, **kw)
+        assert prompt(tok, request(messages=PREFILL, **kw)) == want, kw
+    assert prompt(tok, request(messages=PREFILL, continue_final_message=True,
+                               add_generation_prompt=False)).endswith("assistant\nq=4 ")
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"continue_final_message": True}, "both"),  # add_generation_prompt is true by default
+    ({"continue_final_message": True, "add_generation_prompt": False,
+      "messages": [{"role": "user", "content": "   "}]}, "no text to continue"),
+])
+def test_continue_final_message_refusals(hermes_dir: Path, kw: dict[str, Any],
+                                         words: str) -> None:
+    err = refused(Tokenizer.from_dir(hermes_dir), **{"messages": PREFILL, **kw})
+    assert err.param == "continue_final_message" and words in err.message, err.message
