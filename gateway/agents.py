@@ -133,10 +133,10 @@ def _template_kwargs(req: ChatCompletionRequest, tok: Tokenizer) -> dict[str, An
     """Extra template variables; each must be one the template reads (else nothing changes)."""
     kwargs = dict(req.chat_template_kwargs or {})
     for key in kwargs:
-        if key in ("messages", "tools"):
+        if key in ("messages", "tools", "add_generation_prompt"):
             raise BadRequest(f"chat_template_kwargs may not set {key!r}; send it as the "
                              "request field", param="chat_template_kwargs")
-        if key in RESERVED_TEMPLATE_VARS:  # no request field sets these either
+        if key in RESERVED_TEMPLATE_VARS:  # no request field sets it either (documents)
             raise BadRequest(f"chat_template_kwargs: {key!r} is not supported (the gateway "
                              "sets it); omit it", param="chat_template_kwargs")
         if key not in tok.template_vars:

@@ -116,10 +116,10 @@ def test_auto_tools_parse_without_constraint(hermes_dir: Path) -> None:
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "must match"),
     ({"chat_template_kwargs": {"not_read": 1}}, "chat_template_kwargs", "does not read"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set"),
-    # add_generation_prompt / documents are no request fields here: the 400 sent the client
-    # to one ("send it as the request field"), which was then "Unrecognized request argument"
+    # documents is no request field here: the 400 sent the client to one ("send it as the
+    # request field"), which was then "Unrecognized request argument"
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
-     "'add_generation_prompt' is not supported"),
+     "send it as the request field"),
     ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs",
      "'documents' is not supported"),
     ({"reasoning_effort": "high"}, "reasoning_effort", "does not read"),
