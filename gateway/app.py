@@ -329,10 +329,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     auth = admin.AdminAuth(config)
 
     async def workers(request: Request) -> Response:
+        # One route for both methods: as two, a 405 named only the first one's (GET, HEAD).
+        if request.method == "POST":
+            return await admin.add_worker(auth, gw.pool, request)
         return await admin.list_workers(auth, gw.pool, request)
-
-    async def add_worker(request: Request) -> Response:
-        return await admin.add_worker(auth, gw.pool, request)
 
     async def remove_worker(request: Request) -> Response:
         return await admin.remove_worker(auth, gw.pool, request)
@@ -354,8 +354,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_route("/v1/models/{model:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/livez", livez, methods=["GET"])
-    app.add_route("/workers", workers, methods=["GET"])
-    app.add_route("/workers", add_worker, methods=["POST"])
+    app.add_route("/workers", workers, methods=["GET", "POST"])
     app.add_route("/workers/{url:path}", remove_worker, methods=["DELETE"])
     app.add_route("/metrics", metrics, methods=["GET"])
     return app

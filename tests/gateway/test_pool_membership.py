@@ -59,3 +59,21 @@ async def test_delete_of_a_hung_worker_drains_it_once_it_answers(tok_dir):
         await until(c, b.url, "draining")
         await b.stop()  # the drained worker exits
         await until(c, b.url, "gone")
+
+
+async def test_a_wrong_method_on_workers_names_every_method_it_takes(tok_dir):
+    # PUT /workers answered 405 "use GET, HEAD" (Allow: GET, HEAD): POST, the route that adds
+    # a worker, was left out, since GET and POST were two routes of one path.
+    a = Member()
+    async with workers(a), running_app(config(tok_dir, workers=(a.url,))) as c:
+        for method in ("PUT", "PATCH", "DELETE"):
+            r = await c.request(method, "/workers", headers=ADMIN)
+            assert r.status_code == 405, r.text
+            allow = {m.strip() for m in r.headers["allow"].split(",")}
+            assert allow == {"GET", "HEAD", "POST"}, r.headers["allow"]
+            assert "POST" in r.json()["error"]["message"]
+        r = await c.request("PUT", f"/workers/{a.url}", headers=ADMIN)
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE"
+        assert (await c.get("/workers", headers=ADMIN)).status_code == 200
+        r = await c.post("/workers", json={"url": a.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 200, r.text  # listed already: no change
