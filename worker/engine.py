@@ -138,7 +138,8 @@ class Engine:
         # is recomputed (target and head), as vLLM does for EAGLE.
         drop_last = self.draft_head is not None and self.draft_head.head.needs_hidden
         return KVCacheManager(shape.num_pages, shape.page_size,
-                              prefix_cache=self.config.cache.enable_prefix_cache, window=window,
+                              prefix_cache=(self.config.cache.enable_prefix_cache
+                                            and self.spec.prefix_cache_exact), window=window,
                               num_window_pages=shape.num_window_pages,
                               num_state_slots=requests, num_state_snapshots=snapshots,
                               hit_drops_last_page=drop_last)

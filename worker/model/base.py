@@ -44,6 +44,10 @@ class ModelSpec:
     # The checkpoint's K/V cache scales for FP8 pages (worker/model/fp8.py KVScales.label): "1.0"
     # when it has none, else "checkpoint per-tensor|per-head sha256:…".
     kv_scales: str = "1.0"
+    # Whether a page of keys computed for one request is valid for another that shares its
+    # tokens. False for dynamic NTK RoPE, whose rotation depends on the whole request's length
+    # (worker/model/rope.py): such a model runs without the prefix cache.
+    prefix_cache_exact: bool = True
 
 
 @dataclass(frozen=True)

@@ -426,5 +426,9 @@ def load_model(model: ModelConfig, parallel: ParallelConfig) -> tuple[CausalLM, 
         state_shape=lm.state_shape(),
         kv_latent_dim=arch.kv_latent_dim,
         kv_scales=kv_scales.label(),
+        prefix_cache_exact=arch.rope.rope_type != "dynamic",
     )
+    if not spec.prefix_cache_exact:
+        log.info("dynamic NTK RoPE: a cached page's keys hold another request's rotation; "
+                 "prefix-cache hits are off for this model")
     return lm, spec
