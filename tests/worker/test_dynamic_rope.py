@@ -4,6 +4,10 @@ Its base grows with the sequence's length past max_position_embeddings, so a tok
 depends on how long its request is (worker/model/rope.py). Regressions found by the sweep of
 transformers-written checkpoints:
 
+- Qwen3-Next with dynamic RoPE loaded, then failed every request at its first step with an
+  internal error ("dynamic NTK RoPE needs each token's request length"): its forward did not
+  pass the lengths, as Llama's and DeepSeek's do (all three now take cos/sin from the batch;
+  the prompt must also run in one pass, as it does without the prefix cache: see below);
 - a prefix-cache hit reused keys rotated with the base of the request that computed them: a
   prompt past max_position_embeddings that shared pages with an earlier, shorter one got other
   logits than the same prompt served cold (|diff| 0.75 on a tiny Llama). Dynamic RoPE models
@@ -17,13 +21,23 @@ from pathlib import Path
 
 import torch
 
-from tests.worker.test_arch_variants import build
+from tests.worker.qwen3_next_model import build_qwen3_next_checkpoint
+from tests.worker.test_arch_variants import build, engine_vs_transformers
 from tests.worker.test_engine import generate
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 
-# factor 4 over max_position_embeddings 24: a 30-token prompt scales the base
+# max_position_embeddings 24, so prompts of 23 and 41 tokens (and their decodes) scale the base;
+# factor 4 makes the served context 96, room for the longest prompt and its tokens
 DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+
+
+def test_qwen3_next_with_dynamic_rope_serves_like_transformers(tmp_path: Path) -> None:
+    build_qwen3_next_checkpoint(tmp_path, max_position_embeddings=24,
+                                rope_parameters={**DYNAMIC, "partial_rotary_factor": 0.25})
+    ours, theirs, worst = engine_vs_transformers(tmp_path)
+    assert worst < 1e-4, f"max |logit diff| {worst}"
+    assert ours == theirs
 
 
 def _last_prompt_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:

@@ -256,11 +256,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         return False  # MoE routing picks experts on the host every step (as Qwen3-MoE)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        token_seq_lens = None
-        if self.cfg.rope.rope_type == "dynamic":
-            counts = batch.query_start[1:] - batch.query_start[:-1]  # [B]
-            token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
-        cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)  # [T, rope] each
+        cos, sin = self.rope.batch_cos_sin(batch)  # [T, rope] each
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):

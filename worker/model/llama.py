@@ -224,12 +224,7 @@ class LlamaForCausalLM(CausalLM):
         return self.cfg.rope.rope_type != "dynamic"  # its frequencies depend on each step's lengths
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        token_seq_lens = None
-        if self.cfg.rope.rope_type == "dynamic":
-            counts = batch.query_start[1:] - batch.query_start[:-1]  # [B]
-            token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
-        # cos, sin: [T, D] each, shared by layers
-        cos, sin = self.rope.cos_sin(batch.positions, token_seq_lens)
+        cos, sin = self.rope.batch_cos_sin(batch)  # [T, D] each, shared by layers
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if self.single_token_gemv and x.shape[0] == 1:  # x is the residual stream, updated in place
             for layer in self.model.layers:

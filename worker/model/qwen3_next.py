@@ -245,7 +245,7 @@ class Qwen3NextForCausalLM(CausalLM):
         return first.state_shape(self.dtype)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        cos, sin = self.rope.cos_sin(batch.positions)  # [T, rotary_dim] each
+        cos, sin = self.rope.batch_cos_sin(batch)  # [T, rotary_dim] each
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, kv)

@@ -10,7 +10,8 @@ request length (`token_seq_lens`); other variants ignore it. Per request, not pe
 request's numerics do not depend on what it is batched with. A request prefilled in chunks
 past `max_position_embeddings` sees a base that grows chunk by chunk (transformers, which
 prefills in one pass, uses the final length for the whole prompt); below that length every
-variant is exact.
+variant is exact. For the same reason a page of keys is only valid for the request that computed
+it: dynamic models run without the prefix cache (`ModelSpec.prefix_cache_exact`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import torch
 
 from worker.arch.hf_config import RopeConfig
+from worker.batch import ForwardBatch
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int, device: torch.device) -> torch.Tensor:
@@ -120,6 +122,15 @@ class RotaryEmbedding:
             freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def batch_cos_sin(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for a forward batch's tokens; dynamic NTK reads each token's request
+        length from the batch (every family goes through here, so none can forget it)."""
+        token_seq_lens = None
+        if self.cfg.rope_type == "dynamic":
+            counts = batch.query_start[1:] - batch.query_start[:-1]  # [B]
+            token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
+        return self.cos_sin(batch.positions, token_seq_lens)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
