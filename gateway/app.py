@@ -92,6 +92,7 @@ class Gateway:
         self.metrics = Metrics()
         self.pool: WorkerPool | None = None
         self._handler: GenerationHandler | None = None
+        self._handler_version = -1  # the pool.version it was built at
         self._dispatcher: Dispatcher | None = None
         self.created = int(time.time())
         self._key = config.api_key.encode()
@@ -126,11 +127,14 @@ class Gateway:
 
     def handler(self) -> GenerationHandler:
         """The generation handler; built once the workers' info (name, limits) is known."""
-        if self._handler is not None:
+        # Rebuilt when a worker joins, leaves or restarts (pool.version): the limits are the
+        # current workers' (read once, a joined worker with a smaller pool got longer prompts).
+        if self._handler is not None and self.pool is not None and (
+                self._handler_version == self.pool.version):
             return self._handler
         if self.pool is None or self._dispatcher is None:
             raise NoHealthyWorker("the gateway is starting; retry shortly")
-        infos = self.pool.infos()
+        version, infos = self.pool.version, self.pool.infos()
         if len(infos) < len(self.pool.all()):
             # Limits are the minimum over all workers; until each answered GetInfo use what is
             # known, but do not cache it.
@@ -139,7 +143,7 @@ class Gateway:
                     "no worker has answered yet; retry shortly", code="no_healthy_worker"
                 )
             return self._build_handler(infos)
-        self._handler = self._build_handler(infos)
+        self._handler, self._handler_version = self._build_handler(infos), version
         return self._handler
 
     def _build_handler(self, infos: list[Any]) -> GenerationHandler:

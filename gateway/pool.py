@@ -79,6 +79,7 @@ class WorkerPool:
         # The KV layout contract every PD worker must share (the first accepted one's).
         self.contract_hash = ""
         self._started = False
+        self.version = 0  # moves when a worker joins, leaves or restarts: limits read again
 
     def _make(self, url: str, pool: str, source: str = "config") -> Worker:
         return open_worker(url, pool, self.config, source)
@@ -187,6 +188,7 @@ class WorkerPool:
             return listed, False
         w.info, w.accepted, w.draining = info, True, info.draining
         self.pools[pool].append(w)
+        self.version += 1
         log.info("worker %s (%s) added: %s", url, pool, w.expected.found_in(info).describe())
         if self._started:
             self._watch_worker(w)
@@ -274,6 +276,7 @@ class WorkerPool:
             t.cancel()
         if w in self.pools[w.pool]:
             self.pools[w.pool].remove(w)
+            self.version += 1
         self.spawn(w.close())
         for cb in self._on_remove:
             cb(w)
@@ -346,6 +349,8 @@ class WorkerPool:
                       "reach it", w.url)
         if w.info is not None and info.epoch != w.info.epoch:
             log.info("worker %s restarted (new epoch)", w.url)
+        if w.info is None or info.epoch != w.info.epoch:
+            self.version += 1
         w.info = info
         w.accepted = True
         w.draining = info.draining

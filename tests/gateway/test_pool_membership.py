@@ -77,3 +77,27 @@ async def test_a_wrong_method_on_workers_names_every_method_it_takes(tok_dir):
         assert (await c.get("/workers", headers=ADMIN)).status_code == 200
         r = await c.post("/workers", json={"url": a.url, "role": "both"}, headers=ADMIN)
         assert r.status_code == 200, r.text  # listed already: no change
+
+
+async def test_limits_follow_the_workers_that_join_and_leave(tok_dir):
+    # The limits (max_model_len: the minimum over the workers) were read once, when every
+    # configured worker had answered, and never again: a worker that joined with a smaller
+    # KV pool got prompts past its length (/v1/models said 32, the gateway let 40 tokens in).
+    a, small = Member(), Member()
+    small.max_model_len = 32
+    body = {"prompt": "x", "max_tokens": 40}
+    auth = {"Authorization": "Bearer api"}
+    async with workers(a, small), running_app(config(tok_dir, workers=(a.url,))) as c:
+        await until(c, a.url, "serving")
+        assert (await c.post("/v1/completions", json=body, headers=auth)).status_code == 200
+        r = await c.post("/workers", json={"url": small.url, "role": "both"}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        await until(c, small.url, "serving")
+        card = (await c.get("/v1/models", headers=auth)).json()["data"][0]
+        assert card["max_model_len"] == 32
+        r = await c.post("/v1/completions", json=body, headers=auth)
+        assert r.status_code == 400 and "max_model_len (32)" in r.json()["error"]["message"]
+        assert (await c.delete(f"/workers/{small.url}", headers=ADMIN)).status_code == 202
+        await small.stop()
+        await until(c, small.url, "gone")
+        assert (await c.post("/v1/completions", json=body, headers=auth)).status_code == 200
