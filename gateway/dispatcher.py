@@ -81,5 +81,8 @@ class Dispatcher:
             self.admission.wake()
 
     def blame(self, err: WorkerCallError) -> None:
-        """Charge a failed attempt to the worker it blames (/metrics)."""
+        """Charge a failed attempt to the worker it blames (/metrics); not to one dropped
+        from the pools (its stream's close failed the attempt): its series left with it."""
+        if self.pool.find(err.blamed_url) is None:
+            return
         self.metrics.worker_faults.labels(err.blamed_pool, err.blamed_url).inc()

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from tests.gateway.gw_doubles import running_app, workers
+from tests.gateway.gw_doubles import Script, running_app, workers
 from tests.gateway.test_gateway_admin import ADMIN, Member, config, gen, listed, until
 
 pytestmark = pytest.mark.anyio
@@ -101,3 +101,30 @@ async def test_limits_follow_the_workers_that_join_and_leave(tok_dir):
         await small.stop()
         await until(c, small.url, "gone")
         assert (await c.post("/v1/completions", json=body, headers=auth)).status_code == 200
+
+
+@pytest.mark.slow  # the drop waits out drain_timeout_s + the pool's 5 s grace
+async def test_a_worker_dropped_with_requests_on_it_leaves_metrics_for_good(tok_dir):
+    # Dropped past its drain deadline with a request still on it, a worker's stream closes
+    # and fails that request, whose fault was charged to the worker after its series had
+    # left: tandem_worker_faults_total came back for a worker no longer listed, for good.
+    a, b = Member(), Member()
+    b.script = Script(hang_first=True)
+    async with (
+        workers(a, b),
+        running_app(config(tok_dir, workers=(a.url, b.url), drain_timeout_s=0.1,
+                           first_token_timeout_s=30.0)) as c,
+    ):
+        await until(c, a.url, "serving")
+        await until(c, b.url, "serving")
+        sent = [asyncio.ensure_future(gen(c)) for _ in range(2)]  # round robin: one on b
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while not b.requests:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.02)
+        assert (await c.delete(f"/workers/{b.url}", headers=ADMIN)).status_code == 202
+        assert [r.status_code for r in await asyncio.gather(*sent)] == [200, 200]  # retried
+        await until(c, b.url, "gone")
+        metrics = (await c.get("/metrics", headers=ADMIN)).text
+        assert b.url not in metrics and a.url in metrics
