@@ -73,6 +73,10 @@ class ForwardBatch:
     # Set: a captured mixed step (worker/mixed_graphs.py); the CUDA backend reads only these
     # and slot_mapping, and the request fields above are placeholders.
     mixed_rows: MixedRows | None = None
+    # [B] each request's num_prompt_tokens (host): dynamic NTK RoPE rotates every prompt token
+    # with the whole prompt's length, as transformers' one-pass prefill does, whatever the
+    # chunking (worker/model/rope.py). None (steps not built by the runner): the step's lengths.
+    prompt_lens_list: list[int] | None = None
 
     @property
     def num_requests(self) -> int:

@@ -161,12 +161,14 @@ def unpack_str(values: list[int], at: int) -> tuple[str, int]:
 
 
 def pack_batch(batch: ForwardBatch) -> torch.Tensor:
-    """ForwardBatch → one int64 tensor: [T, B, P, N] then the seven tensors, flattened."""
+    """ForwardBatch → one int64 tensor: [T, B, P, N] then the seven tensors, flattened, then
+    the prompt lengths (-1 each where the batch has none)."""
     b, p = batch.page_table.shape
     head = torch.tensor([batch.num_tokens, b, p, int(batch.logits_indices.shape[0])],
                         dtype=torch.int64)
+    prompt_lens = torch.tensor(batch.prompt_lens_list or [-1] * b, dtype=torch.int64)
     parts = [head, batch.input_ids, batch.positions, batch.query_start, batch.seq_lens,
-             batch.page_table.reshape(-1), batch.slot_mapping, batch.logits_indices]
+             batch.page_table.reshape(-1), batch.slot_mapping, batch.logits_indices, prompt_lens]
     return torch.cat([t.to("cpu", torch.int64) for t in parts])
 
 
@@ -198,13 +200,15 @@ def unpack_group_batch(flat: torch.Tensor, group: int, device: torch.device) -> 
 
 def unpack_batch(flat: torch.Tensor, device: torch.device) -> ForwardBatch:
     t, b, p, n = (int(v) for v in flat[:4])
-    sizes = [t, t, b + 1, b, b * p, t, n]
-    ids, pos, qs, seq, table, slots, li = flat[4:].split(sizes)
+    sizes = [t, t, b + 1, b, b * p, t, n, b]
+    ids, pos, qs, seq, table, slots, li, prompt = flat[4:].split(sizes)
+    prompt_lens = prompt.tolist()
     return ForwardBatch(
         input_ids=ids.to(device), positions=pos.to(device), query_start=qs.to(device),
         seq_lens=seq.to(device), page_table=table.reshape(b, p).to(device),
         slot_mapping=slots.to(device), logits_indices=li.to(device),
         query_start_list=qs.tolist(), seq_lens_list=seq.tolist(),
+        prompt_lens_list=None if -1 in prompt_lens else prompt_lens,
     )
 
 

@@ -165,6 +165,7 @@ class ModelRunner:
             logits_indices=dev(logits_indices),
             query_start_list=query_start,
             seq_lens_list=seq_lens,
+            prompt_lens_list=[c.request.num_prompt_tokens for c in plan.chunks],
             **window,
         )
 
