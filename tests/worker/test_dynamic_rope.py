@@ -11,7 +11,10 @@ transformers-written checkpoints:
 - a prefix-cache hit reused keys rotated with the base of the request that computed them: a
   prompt past max_position_embeddings that shared pages with an earlier, shorter one got other
   logits than the same prompt served cold (|diff| 0.75 on a tiny Llama). Dynamic RoPE models
-  now run without the prefix cache.
+  now run without the prefix cache;
+- a prompt past max_position_embeddings prefilled in chunks: each chunk took the length reached
+  so far, transformers the whole prompt's (logits off by ~9 with chunks of 8). The runner now
+  gives the model each request's prompt length (ForwardBatch.prompt_lens_list).
 """
 
 from __future__ import annotations
@@ -75,3 +78,13 @@ def test_a_prompt_past_max_positions_is_served_alike_after_a_shorter_one_shared_
     warm = _last_prompt_logits(warm_engine, long)
     warm_engine.scheduler.assert_drained()
     assert float((warm - cold).abs().max()) < 1e-5
+
+
+def test_a_prompt_past_max_positions_prefilled_in_chunks_is_served_like_transformers(
+        tmp_path: Path) -> None:
+    """Chunks of 8: each chunk's tokens take the whole prompt's length (transformers' one-pass
+    prefill), decodes their own; before, each chunk took the length it had reached."""
+    path = build(tmp_path, "llama", {"max_position_embeddings": 24, "rope_parameters": DYNAMIC})
+    ours, theirs, worst = engine_vs_transformers(path, lens=(23, 41), chunk=8)
+    assert worst < 1e-4, f"max |logit diff| {worst}"
+    assert ours == theirs

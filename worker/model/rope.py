@@ -7,11 +7,11 @@ large positions lose precision.
 
 Dynamic NTK scales the base from the request's context length, so it needs each token's
 request length (`token_seq_lens`); other variants ignore it. Per request, not per batch, so a
-request's numerics do not depend on what it is batched with. A request prefilled in chunks
-past `max_position_embeddings` sees a base that grows chunk by chunk (transformers, which
-prefills in one pass, uses the final length for the whole prompt); below that length every
-variant is exact. For the same reason a page of keys is only valid for the request that computed
-it: dynamic models run without the prefix cache (`ModelSpec.prefix_cache_exact`).
+request's numerics do not depend on what it is batched with. As transformers' one-pass prefill
+and token-by-token decode do, a prompt token takes the whole prompt's length and a later token
+its own (`batch_cos_sin`), so chunked prefill is exact too. A page of keys is only valid for the
+request that computed it: dynamic models run without the prefix cache
+(`ModelSpec.prefix_cache_exact`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,12 @@ class RotaryEmbedding:
         token_seq_lens = None
         if self.cfg.rope_type == "dynamic":
             counts = batch.query_start[1:] - batch.query_start[:-1]  # [B]
-            token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
+            if batch.prompt_lens_list is None:
+                token_seq_lens = torch.repeat_interleave(batch.seq_lens, counts)  # [T]
+            else:  # transformers: a prompt token sees the prompt's length, a later one its own
+                prompt_lens = torch.tensor(batch.prompt_lens_list, device=counts.device)  # [B]
+                token_seq_lens = torch.maximum(batch.positions + 1,
+                                               torch.repeat_interleave(prompt_lens, counts))
         return self.cos_sin(batch.positions, token_seq_lens)
 
 
