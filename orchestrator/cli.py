@@ -290,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.launch.processes import die_with_launcher
 
         die_with_launcher()
+        # Started with SIGINT ignored (a script's `tandem serve &`), Python installs no
+        # KeyboardInterrupt: `kill -INT` was lost until the launcher's own handler, and a serve
+        # stopped during its checks went on to start the cluster. SIGINT stops us throughout.
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:  # Ctrl-C before a command's own handling (imports, checks):
