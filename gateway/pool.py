@@ -277,6 +277,8 @@ class WorkerPool:
         if w in self.pools[w.pool]:
             self.pools[w.pool].remove(w)
             self.version += 1
+        if not any(o.info is not None for o in self.all()):  # its last holder left: a new
+            self.contract_hash = ""  # fleet (another KV dtype, say) brings its own contract
         self.spawn(w.close())
         for cb in self._on_remove:
             cb(w)

@@ -128,3 +128,25 @@ async def test_a_worker_dropped_with_requests_on_it_leaves_metrics_for_good(tok_
         await until(c, b.url, "gone")
         metrics = (await c.get("/metrics", headers=ADMIN)).text
         assert b.url not in metrics and a.url in metrics
+
+
+async def test_a_new_fleet_may_bring_its_own_kv_contract_once_the_old_one_left(tok_dir):
+    # The KV contract of the first worker accepted stayed the pools' for good: with every
+    # worker of it deleted, a fleet with another KV dtype was refused ("expected KV contract
+    # aaaa...", held by no worker) until the gateway restarted.
+    p, d = Member(role="prefill", contract="a" * 64), Member(role="decode", contract="a" * 64)
+    p8, d8 = Member(role="prefill", contract="b" * 64), Member(role="decode", contract="b" * 64)
+    async with (
+        workers(p, d, p8, d8),
+        running_app(config(tok_dir, prefill=(p.url,), decode=(d.url,))) as c,
+    ):
+        await until(c, d.url, "serving")
+        r = await c.post("/workers", json={"url": d8.url, "role": "decode"}, headers=ADMIN)
+        assert r.status_code == 409  # never beside the other contract
+        for old in (p, d):
+            assert (await c.delete(f"/workers/{old.url}", headers=ADMIN)).status_code == 202
+            await old.stop()
+            await until(c, old.url, "gone")
+        for new in (p8, d8):
+            r = await c.post("/workers", json={"url": new.url, "role": new.role}, headers=ADMIN)
+            assert r.status_code == 201, r.text
