@@ -269,6 +269,11 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, arg: str) -> st
     flags = [f for action in sub.choices[command]._actions for f in action.option_strings]
     close = difflib.get_close_matches(arg.split("=")[0], flags, n=1)
     hint = f"did you mean {close[0]}?" if close else f"see tandem {command} --help"
+    # A path typed without its flag, as other serving CLIs take a positional model or config.
+    if arg.endswith((".yaml", ".yml")) and "--config" in flags:
+        hint = f"did you mean --config {arg}?"
+    elif (Path(arg) / "config.json").is_file() and "--model" in flags:
+        hint = f"did you mean --model {arg}?"
     return f"tandem {command}: unrecognized argument {arg!r}; {hint}"
 
 
