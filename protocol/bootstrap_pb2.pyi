@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RoomHold(_message.Message):
+    __slots__ = ("room", "peer_id", "epoch")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    peer_id: str
+    epoch: int
+    def __init__(self, room: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RoomHeld(_message.Message):
+    __slots__ = ("held", "rank_addrs")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    RANK_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    rank_addrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, held: _Optional[bool] = ..., rank_addrs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class RoomRelease(_message.Message):
     __slots__ = ("room", "peer_id", "reason")
     ROOM_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class BootstrapStub:
                 request_serializer=protocol_dot_bootstrap__pb2.RoomRelease.SerializeToString,
                 response_deserializer=protocol_dot_bootstrap__pb2.RoomReleased.FromString,
                 _registered_method=True)
+        self.HoldRoom = channel.unary_unary(
+                '/tandem.bootstrap.v1.Bootstrap/HoldRoom',
+                request_serializer=protocol_dot_bootstrap__pb2.RoomHold.SerializeToString,
+                response_deserializer=protocol_dot_bootstrap__pb2.RoomHeld.FromString,
+                _registered_method=True)
 
 
 class BootstrapServicer:
@@ -73,6 +78,17 @@ class BootstrapServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HoldRoom(self, request, context):
+        """Decode has the room's request but no memory for it yet (its pages wait for running
+        requests to finish): prefill restarts the room's bootstrapping deadline, so a live but
+        full decode worker queues the room instead of failing it. Decode repeats it every third of
+        bootstrap_timeout_s while the request waits; a decode that stops (dead, frozen) lets the
+        deadline pass as before. Refusal: FAILED_PRECONDITION (stale epoch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BootstrapServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +101,11 @@ def add_BootstrapServicer_to_server(servicer, server):
                     servicer.ReleaseRoom,
                     request_deserializer=protocol_dot_bootstrap__pb2.RoomRelease.FromString,
                     response_serializer=protocol_dot_bootstrap__pb2.RoomReleased.SerializeToString,
+            ),
+            'HoldRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldRoom,
+                    request_deserializer=protocol_dot_bootstrap__pb2.RoomHold.FromString,
+                    response_serializer=protocol_dot_bootstrap__pb2.RoomHeld.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -141,6 +162,33 @@ class Bootstrap:
             '/tandem.bootstrap.v1.Bootstrap/ReleaseRoom',
             protocol_dot_bootstrap__pb2.RoomRelease.SerializeToString,
             protocol_dot_bootstrap__pb2.RoomReleased.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.bootstrap.v1.Bootstrap/HoldRoom',
+            protocol_dot_bootstrap__pb2.RoomHold.SerializeToString,
+            protocol_dot_bootstrap__pb2.RoomHeld.FromString,
             options,
             channel_credentials,
             insecure,

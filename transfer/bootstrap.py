@@ -13,6 +13,10 @@ the worker's gRPC address. One server-streaming call per (room, decode rank):
    went unconfirmed is fenced (transfer/lanes.py): its registration gets a FAILED event naming
    decode as the side at fault, and the room fails here too.
 
+`HoldRoom` (unary) is how a decode worker that has a room's request but no memory for it yet
+keeps the room: it restarts the room's bootstrapping deadline, and decode repeats it while the
+request waits (a full decode worker queues rooms; a dead or frozen one still lets them fail).
+
 `ReleaseRoom` (unary) is how decode takes its pages back from a room that ended before DONE:
 prefill aborts the room, refuses any later registration for it, and answers only once no write
 of the room is in flight (at most transfer_timeout_s), so decode never reuses a page a late
@@ -78,6 +82,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         peer_restarted: Callable[[str, int], None],
         rank_addrs: Callable[[], list[str]],
         release_room: Callable[[int, str, float], tuple[bool, float]],
+        hold_room: Callable[[int], bool],
         peer_refusal: Callable[[str], str | None] = lambda agent: None,
     ) -> None:
         self._config = config
@@ -88,6 +93,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         self._peer_restarted = peer_restarted
         self._rank_addrs = rank_addrs
         self._release_room = release_room
+        self._hold_room = hold_room  # HoldRoom: restart a bootstrapping room's deadline
         self._peer_refusal = peer_refusal  # a fenced decode agent takes no new rooms
         self._epochs = EpochRegistry()
 
@@ -98,13 +104,7 @@ class BootstrapService(pb_grpc.BootstrapServicer):
             self._contract.check_compatible(theirs)
         except ContractError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"room {request.room:#x}: {e}")
-        with self._lock:
-            try:
-                replaced = self._epochs.admit(request.peer_id, request.epoch)
-            except StaleEpochError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            if replaced is not None:
-                self._peer_restarted(request.peer_id, replaced)
+        self._admit(request.peer_id, request.epoch, context)
         sender = self._wait_sender(request.room, self._config.bootstrap_timeout_s)
         if sender is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"room {request.room:#x} unknown on this "
@@ -134,6 +134,20 @@ class BootstrapService(pb_grpc.BootstrapServicer):
         yield pb.RoomEvent(kind=pb.RoomEvent.ACCEPTED, contract=contract_to_pb(self._contract),
                            rank_addrs=self._rank_addrs())
         yield from self._stream(sender, peer, context)
+
+    def HoldRoom(self, request: pb.RoomHold, context: grpc.ServicerContext) -> pb.RoomHeld:
+        self._admit(request.peer_id, request.epoch, context)
+        return pb.RoomHeld(held=self._hold_room(request.room), rank_addrs=self._rank_addrs())
+
+    def _admit(self, peer_id: str, epoch: int, context: grpc.ServicerContext) -> None:
+        """Refuse a stale epoch; a new one from a known peer fails that peer's old rooms."""
+        with self._lock:
+            try:
+                replaced = self._epochs.admit(peer_id, epoch)
+            except StaleEpochError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            if replaced is not None:
+                self._peer_restarted(peer_id, replaced)
 
     def ReleaseRoom(self, request: pb.RoomRelease,
                     context: grpc.ServicerContext) -> pb.RoomReleased:

@@ -28,6 +28,7 @@ from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
 from transfer.factory import make_backend
+from transfer.holds import RoomHolds, prefill_addrs
 from transfer.lanes import CORRUPT_BYTES, PeerState, Writer, WriterContext, scratch_buffer
 from transfer.receiver import KVReceiver
 from transfer.room import Room, RoomState, TransferTotals
@@ -107,10 +108,13 @@ class KVTransferManager:
         self._jobs_of: dict[int, int] = {}
         self._job_done = threading.Condition(self._lock)
         self._released: dict[int, float] = {}
-        # decode: ReleaseRoom calls run here, never on the engine's thread.
+        # decode: ReleaseRoom and HoldRoom calls run here, never on the engine's thread.
         self._release_pool = ThreadPoolExecutor(
             max_workers=RELEASE_THREADS, thread_name_prefix=f"kv-release-{role}"
         )
+        self._holds = RoomHolds(peer_id=self.peer_id, epoch=self.epoch,
+                                timeout_s=config.bootstrap_timeout_s / 3, channel_of=self._channel,
+                                submit=self._release_pool.submit)
         self._writer = Writer(WriterContext(
             backend=self.backend, kv_ptr=kv_ptr, page_bytes=layout.page_bytes,
             scratch=ctypes.addressof(self._scratch), checksum=config.checksum,
@@ -130,7 +134,7 @@ class KVTransferManager:
             self.config, self.contract, self._lock, wait_sender=self._wait_sender,
             connect_peer=self._connect_peer, peer_restarted=self._peer_restarted,
             rank_addrs=lambda: list(self._tp_addrs), release_room=self.release_room,
-            peer_refusal=self._writer.refusal)
+            hold_room=self._hold_room, peer_refusal=self._writer.refusal)
         pb_grpc.add_BootstrapServicer_to_server(service, server)
 
     def serve_bootstrap(self, host: str, port: int) -> tuple[grpc.Server, int]:
@@ -228,6 +232,10 @@ class KVTransferManager:
         c = self.config
         return 2 * (c.bootstrap_timeout_s + c.waiting_timeout_s)
 
+    def _hold_room(self, room: int) -> bool:
+        r = self.get(room)
+        return isinstance(r, KVSender) and r.hold()
+
     def _wait_sender(self, room: int, timeout_s: float) -> KVSender | None:
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -316,13 +324,10 @@ class KVTransferManager:
         `state_slot`: the room's recurrent-state slot (models with a recurrent group); prefill
         writes the state after the prompt into it.
 
-        `bootstrap_addr` is the prefill worker's gRPC address. With prefill TP > 1 either that
-        one address (its ranks' addresses arrive in ACCEPTED, see set_tp_bootstrap_addrs) or
-        every rank's address, comma-separated in rank order. A prefill worker with attention DP
-        lists its groups separated by ';' and keeps room r in group r % (number of groups).
+        `bootstrap_addr`: the prefill worker's gRPC address(es), see holds.prefill_addrs; with
+        prefill TP > 1 one address will do (the ranks' arrive in ACCEPTED).
         """
-        groups = bootstrap_addr.split(";")
-        addrs = [a.strip() for a in groups[room % len(groups)].split(",") if a.strip()]
+        addrs = prefill_addrs(bootstrap_addr, room)
         if not addrs:
             raise NoBootstrapAddrError(
                 f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port"
@@ -367,6 +372,11 @@ class KVTransferManager:
                                   release=self._release_pool.submit)
             self._rooms[room] = receiver
             return receiver
+
+    def hold_rooms(self, rooms: list[tuple[int, str]]) -> None:
+        """(room, bootstrap_addr) of requests waiting for memory: prefill keeps their rooms
+        (transfer/holds.py); returns at once."""
+        self._holds.hold(rooms)
 
     def _channel(self, addr: str) -> grpc.Channel:
         with self._lock:

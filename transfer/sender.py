@@ -184,6 +184,15 @@ class KVSender(Room):
             else:
                 self._enter(RoomState.WAITING_FOR_INPUT)
 
+    def hold(self) -> bool:
+        """Decode has this room's request but no memory for it yet: restart the bootstrapping
+        deadline (HoldRoom). False once the room has left BOOTSTRAPPING."""
+        with self._lock:
+            if self._state is not RoomState.BOOTSTRAPPING:
+                return False
+            self._deadline = time.monotonic() + self._config.bootstrap_timeout_s
+            return True
+
     def peer_gone(self, peer: Peer, why: str) -> None:
         """The decode rank's stream ended before the room did: abort (decode cancelled or died)."""
         with self._lock:

@@ -5,7 +5,10 @@ Lifecycle of one request on a decode worker:
    prompt (+ the first token) are reserved together in every cache group (pages; for a hybrid
    model also a window ring, where prefill lands its ring's tail); when seats or the cache are
    short the request waits here, holding nothing and before its first token, until they free
-   up. (The gateway holds requests while every decode worker is full, so this queue is short.)
+   up. (The gateway holds requests while every decode worker's seats are taken, so this queue
+   is short; memory can still run out first.) While it waits, decode tells the prefill worker
+   every third of transfer.bootstrap_timeout_s that the room is still wanted (HoldRoom), so
+   prefill's room waits too instead of failing its bootstrapping deadline.
 2. A receiver registers the room with the prefill worker's bootstrap service: destination
    pages, this worker's transfer agent, the layout contract and this incarnation's epoch.
    The request is WAITING_FOR_REMOTE_KV.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -63,9 +67,12 @@ class _Quarantine:
 
 
 class DecodeRole:
-    def __init__(self, manager: KVTransferManager, *, page_size: int) -> None:
+    def __init__(self, manager: KVTransferManager, *, page_size: int,
+                 hold_every_s: float = 10.0 / 3) -> None:
         self.manager = manager
         self.page_size = page_size
+        self.hold_every_s = hold_every_s  # HoldRoom for waiting rooms: a third of their deadline
+        self._next_hold = 0.0  # monotonic time of the next HoldRoom round
         self._pending: deque[_Pending] = deque()  # no memory yet
         self._rooms: dict[str, _Room] = {}  # memory reserved, KV in flight (by request id)
         self._by_room: dict[int, _Room] = {}
@@ -85,6 +92,7 @@ class DecodeRole:
     def poll(self) -> None:
         self._free_quiesced()
         self._reserve()
+        self._hold_waiting()
         for ended in self.manager.take_finished():  # each room exactly once
             room = self._by_room.pop(ended.room, None)
             if room is not None:
@@ -126,6 +134,15 @@ class DecodeRole:
                 continue
             room = self._rooms[req.request_id] = _Room(req, receiver, sched)
             self._by_room[req.room] = room
+
+    def _hold_waiting(self) -> None:
+        """Requests still waiting for memory: their rooms stay wanted on prefill (HoldRoom)."""
+        now = time.monotonic()
+        if not self._pending or now < self._next_hold:
+            return
+        self._next_hold = now + self.hold_every_s
+        self.manager.hold_rooms([(p.request.room, p.request.bootstrap_addr)
+                                 for p in self._pending])
 
     def _land(self, room: _Room, state: RoomState) -> None:
         req, rx, sched = room.request, room.receiver, room.sched

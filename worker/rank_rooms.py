@@ -230,6 +230,9 @@ class TPTransferManager:
                              len(dst_pages), *dst_pages])
         return tp_room
 
+    def hold_rooms(self, rooms: list[tuple[int, str]]) -> None:
+        self.local.hold_rooms(rooms)  # one decode rank's hold keeps a room on every prefill rank
+
     def take_finished(self) -> list[TPRoom]:
         """Send queued commands, gather every rank's ended rooms; rooms ended on all their
         ranks, once."""

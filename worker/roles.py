@@ -49,7 +49,8 @@ def attach(engine: Engine, config: WorkerConfig, info: dict[str, str]) -> RoleHo
         info["bootstrap_addr"] = f"{config.transfer.advertise_host or config.host}:{port}"
         return PrefillRole(_on_every_rank(engine, manager, info), server, page_size=page_size,
                            layerwise_interval=config.transfer.layerwise_interval)
-    return DecodeRole(_on_every_rank(engine, manager, info), page_size=page_size)
+    return DecodeRole(_on_every_rank(engine, manager, info), page_size=page_size,
+                      hold_every_s=config.transfer.bootstrap_timeout_s / 3)
 
 
 def _on_every_rank(engine: Engine, manager: KVTransferManager,

@@ -4,6 +4,7 @@ state, aborts from either side, decode restarts (epochs), contract mismatch, cor
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -256,6 +257,39 @@ def test_deadline_bootstrapping(short: Cluster) -> None:
     )
     assert [r.room for r in short.prefill[0].manager.take_finished()] == [1]
     assert [r.room for r in short.decode[0].manager.take_finished()] == [2]
+
+
+def test_hold_keeps_a_bootstrapping_room(short: Cluster) -> None:
+    """A decode worker with the room's request but no memory for it yet holds the room
+    (HoldRoom) past bootstrap_timeout_s (0.5 s here); once it registers the room succeeds.
+    A room nobody holds still fails its deadline."""
+    held = short.prefill[0].manager.create_sender(40)
+    unheld = short.prefill[0].manager.create_sender(41)
+    held.send([2], start_page=0, last=True, first_token=5)
+    until = time.monotonic() + 1.5
+    while time.monotonic() < until:
+        short.decode[0].manager.hold_rooms([(40, short.bootstrap_addr)])  # returns at once
+        time.sleep(0.15)
+        assert held.poll() is RoomState.BOOTSTRAPPING, held.error
+    assert unheld.poll() is RoomState.FAILED and "bootstrap_timeout_s" in (unheld.error or "")
+    recv = short.decode[0].manager.create_receiver(40, short.bootstrap_addr, [3], num_tokens=4)
+    wait_finished([recv, held])
+    assert recv.state is RoomState.SUCCESS and recv.first_token == 5, recv.error
+    assert page_bytes_of(short.decode[0], 3) == page_bytes_of(short.prefill[0], 2)
+
+
+def test_hold_room_answers(short: Cluster) -> None:
+    """HoldRoom says whether it held a room, and refuses a decode incarnation since replaced."""
+    sender = short.prefill[0].manager.create_sender(42)
+    with grpc.insecure_channel(short.bootstrap_addr) as ch:
+        stub = pb_grpc.BootstrapStub(ch)
+        assert stub.HoldRoom(pb.RoomHold(room=42, peer_id="p", epoch=1), timeout=5).held
+        assert not stub.HoldRoom(pb.RoomHold(room=43, peer_id="p", epoch=1), timeout=5).held
+        stub.HoldRoom(pb.RoomHold(room=43, peer_id="p", epoch=2), timeout=5)  # "p" restarted
+        with pytest.raises(grpc.RpcError) as e:
+            stub.HoldRoom(pb.RoomHold(room=42, peer_id="p", epoch=1), timeout=5)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION, e.value
+    sender.abort("test over")
 
 
 def test_deadline_waiting_for_input(short: Cluster) -> None:
