@@ -62,9 +62,11 @@ from orchestrator.launch.slurm_env import (
     SubmitClock,
     check_time_limit,
     clear_topology_env,
+    end_failed_start,
     log_name,
     publish,
     read_slurm_env,
+    stop_when_done,
     wait_files,
     wait_stopped,
     with_node_hosts,
@@ -222,7 +224,9 @@ def _run_node(
         err=err,
     )
     gateway: LocalCluster | None = None
+    grace = launcher.stop_grace_s + 10
     with stop_on_signals(workers):
+        ended = stop_when_done(workers, run_dir) if env.node_id != 0 else threading.Event()
         try:
             workers.start()
         except LaunchError as exc:
@@ -237,16 +241,17 @@ def _run_node(
                     },
                 )
             print(f"error: node {env.node_id}: {exc}", file=err, flush=True)
-            return 1
+            return end_failed_start(env.node_id, num_nodes(cluster), run_dir, deadline, grace)
         if workers.stop_requested:  # start() returned early: nothing of ours is ready
             workers.stop()
-            print(f"{clock()} node {env.node_id}: {STOPPED_WHILE_STARTING}", file=out, flush=True)
+            why = "node 0 ended the run" if ended.is_set() else STOPPED_WHILE_STARTING
+            print(f"{clock()} node {env.node_id}: {why}", file=out, flush=True)
             if env.node_id == 0:
                 publish(run_dir / "done.json", {"status": 1})
-                wait_stopped(run_dir, num_nodes(cluster), launcher.stop_grace_s + 10)
+                wait_stopped(run_dir, num_nodes(cluster), grace)
             else:
                 publish(run_dir / "stopped" / f"node{env.node_id}.json", {"status": 1})
-            return 1
+            return 0 if ended.is_set() else 1  # node 0's code is the job's
         for s in specs:
             publish(
                 run_dir / "ready" / f"{s.name}.json",
@@ -259,7 +264,7 @@ def _run_node(
             flush=True,
         )
         if env.node_id != 0:
-            code = _serve_until_done(workers, run_dir, err)
+            code = _serve_until_done(workers)
             publish(run_dir / "stopped" / f"node{env.node_id}.json", {"status": code})
             return code
         try:
@@ -353,16 +358,9 @@ def _serve_forever(workers: LocalCluster, gateway: LocalCluster) -> int:
     return 0 if dead is None else 1
 
 
-def _serve_until_done(workers: LocalCluster, run_dir: Path, err: IO[str]) -> int:
-    """Nodes > 0: keep the workers up until node 0 publishes done.json or a worker dies."""
-    done = run_dir / "done.json"
-
-    def watch_done() -> None:
-        while not done.is_file() and not workers.stop_requested:
-            time.sleep(FILE_POLL_S)
-        workers.request_stop()
-
-    threading.Thread(target=watch_done, daemon=True).start()
+def _serve_until_done(workers: LocalCluster) -> int:
+    """Nodes > 0: keep the workers up until node 0 publishes done.json (stop_when_done) or a
+    worker dies."""
     dead = workers.watch()
     code = 0
     if dead is not None:

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from orchestrator.config import ClusterConfig, ClusterConfigError
-from orchestrator.launch.processes import LaunchError
+from orchestrator.launch.processes import LaunchError, LocalCluster
 from orchestrator.rank_map import ProcessRow, plan_processes
 
 # Variables that describe Slurm's task layout; a worker's own ranks must not see them
@@ -150,6 +151,47 @@ def wait_stopped(run_dir: Path, nodes: int, timeout_s: float) -> None:
     marks = [run_dir / "stopped" / f"node{n}.json" for n in range(1, nodes)]
     while not all(m.is_file() for m in marks) and time.monotonic() < deadline:
         time.sleep(FILE_POLL_S)
+
+
+def wait_done(run_dir: Path, deadline: float) -> bool:
+    """Until node 0 has published done.json (True) or `deadline` (monotonic) passed (False)."""
+    done = run_dir / "done.json"
+    while not done.is_file():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(FILE_POLL_S)
+    return True
+
+
+def stop_when_done(workers: LocalCluster, run_dir: Path) -> threading.Event:
+    """Nodes > 0: stop this node's workers once node 0 publishes done.json (the run ended,
+    well or not), while they start too. The event is set when the stop came from there."""
+    ended = threading.Event()
+
+    def watch() -> None:
+        done = run_dir / "done.json"
+        while not done.is_file() and not workers.stop_requested:
+            time.sleep(FILE_POLL_S)
+        if not workers.stop_requested:
+            ended.set()
+        workers.request_stop()
+
+    threading.Thread(target=watch, name="watch-done", daemon=True).start()
+    return ended
+
+
+def end_failed_start(node: int, nodes: int, run_dir: Path, deadline: float, grace: float) -> int:
+    """This node's worker failed to start (failed/<name>.json is published): end the run so
+    that the job's code is node 0's 1. No node exits non-zero while another still runs:
+    srun's --kill-on-bad-exit would signal it mid-start, and the job would end 143 or 137
+    (Slurm's SIGKILL after KillWait), which reads as a cancel or an OOM kill."""
+    if node == 0:  # the other nodes stop on done.json; exit after them
+        publish(run_dir / "done.json", {"status": 1})
+        wait_stopped(run_dir, nodes, grace)
+        return 1
+    publish(run_dir / "stopped" / f"node{node}.json", {"status": 1})
+    # Node 0 reads failed/ and ends the job with 1; without it by then, end it from here.
+    return 0 if wait_done(run_dir, deadline + grace) else 1
 
 
 class SubmitClock:

@@ -208,6 +208,34 @@ def test_decode_node_failing_to_start_fails_fast(
     )  # the decode log's tail
     assert "accuracy:" not in out
     assert elapsed < 60  # fails fast, not after launcher.ready_timeout_s (180 s)
+    # The job's result is a failure (1), not a signal: node 1 exited 1 at once, srun's
+    # --kill-on-bad-exit SIGTERMed node 0 while it started, node 0 said it was "stopped by a
+    # signal (scancel)" and Slurm SIGKILLed it: submit.sh exited 137 (143 when node 0 was
+    # still importing), which reads as an OOM kill or a cancel.
+    assert rc == 1, out
+    assert "stopped by a signal" not in out, out
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_failing_to_start_ends_the_job_with_1_on_every_node(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path, role: str
+) -> None:
+    """Whichever node's worker fails (node 0's prefill or node 1's decode), every node stops
+    in order and the job ends FAILED with exit 1; done.json says 1."""
+    rc, out, _ = submit(
+        GATE_JOB, tmp_path, "--set", f"model.path={model_dir}",
+        "--set", f"roles.{role}.parallel.device=cuda:0", "--set", "gateway.port=26900",
+        "--set", "roles.prefill.base_port=26910", "--set", "roles.decode.base_port=26920",
+    )
+    print(out)
+    assert f"{role} exited with code 1 before it was ready" in out, out
+    assert "stopped by a signal" not in out and "Killed" not in out, out
+    assert "submit: job finished with exit 1;" in out, out
+    assert rc == 1, out
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
+    assert json.loads((run_dir / "done.json").read_text()) == {"status": 1}, out
 
 
 @pytest.mark.slurm
