@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import random
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.config import ClusterConfig, ClusterConfigError, RoleConfig
@@ -93,10 +94,11 @@ def listeners(cluster: ClusterConfig) -> list[Listener]:
     return out
 
 
-def check_ports(cluster: ClusterConfig) -> None:
-    """PortInUseError for the first port that is taken or claimed twice."""
+def check_ports(cluster: ClusterConfig, only: Callable[[Listener], bool] | None = None) -> None:
+    """PortInUseError for the first port that is taken or claimed twice (of those `only`
+    keeps: a Slurm node checks the ones it listens on itself)."""
     seen: dict[tuple[str, int], Listener] = {}
-    for ln in listeners(cluster):
+    for ln in filter(only, listeners(cluster)):
         if not ln.port:
             continue
         other = seen.get((ln.host, ln.port))

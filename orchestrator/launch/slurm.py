@@ -46,7 +46,7 @@ from orchestrator.launch.local import (
     prepare_launch,
     with_cluster_id,
 )
-from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.ports import PortInUseError, require_pinned
 from orchestrator.launch.processes import (
     LaunchError,
     LocalCluster,
@@ -60,6 +60,7 @@ from orchestrator.launch.slurm_env import (
     SlurmEnv,
     SlurmEnvError,
     SubmitClock,
+    check_node_ports,
     check_time_limit,
     clear_topology_env,
     end_failed_start,
@@ -228,8 +229,9 @@ def _run_node(
     with stop_on_signals(workers):
         ended = stop_when_done(workers, run_dir) if env.node_id != 0 else threading.Event()
         try:
+            check_node_ports(cluster, env.node_id, socket.gethostbyname(env.nodes[env.node_id]))
             workers.start()
-        except LaunchError as exc:
+        except (LaunchError, PortInUseError) as exc:
             for s in specs:
                 publish(
                     run_dir / "failed" / f"{s.name}.json",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from orchestrator.config import ClusterConfig, ClusterConfigError
+from orchestrator.launch.ports import check_ports
 from orchestrator.launch.processes import LaunchError, LocalCluster
 from orchestrator.rank_map import ProcessRow, plan_processes
 
@@ -97,6 +98,15 @@ def with_node_hosts(cluster: ClusterConfig, addresses: tuple[str, ...]) -> Clust
         hosts = tuple(addresses[first[(name, i)]] for i in range(rc.count))
         roles = dataclasses.replace(roles, **{name: dataclasses.replace(rc, hosts=hosts)})
     return dataclasses.replace(cluster, roles=roles)
+
+
+def check_node_ports(cluster: ClusterConfig, node: int, address: str) -> None:
+    """PortInUseError, naming the port and its key, for a port this node will listen on that
+    is taken (another job on the node with the same ports), before any worker starts: else
+    that job's worker answers there and node 0 only refuses a foreign worker."""
+    check_ports(
+        cluster, lambda ln: node == 0 if ln.who == "gateway" else ln.host == address
+    )
 
 
 def log_name(row: ProcessRow, count: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import REPO_ROOT, config_from_dict
+from orchestrator.launch.ports import PortInUseError
 from orchestrator.launch.slurm import main as slurm_main
 from orchestrator.launch.slurm import node_specs
 from orchestrator.launch.slurm_env import (
     SlurmEnvError,
+    check_node_ports,
     clear_topology_env,
     log_name,
     publish,
@@ -71,6 +74,39 @@ def test_multi_node_replica_starts_one_process_per_node(tmp_path: Path) -> None:
     # Node 1 of prefill-0 runs ranks 2..3; it is ready when node 0's server is SERVING.
     assert [s.name for s in follower] == ["prefill.node1"] and follower[0].argv[-1] == "1"
     assert follower[0].grpc_address == "10.0.0.1:40000"
+
+
+def test_a_taken_port_on_a_node_is_one_line_naming_it_and_the_key(tmp_path: Path) -> None:
+    """A second job with the same ports on the same nodes: node 0 used to start its worker,
+    find the first job's worker answering there and say only 'refusing the worker at
+    10.213.0.11:26110: expected cluster slurm-job4..., found cluster slurm-job3...'. Each
+    node now checks the ports it will listen on first, as the local launcher does."""
+    c = with_node_hosts(
+        config_from_dict({
+            "gateway": {"port": 26930},
+            "roles": {"prefill": {"base_port": 26940}, "decode": {"base_port": 26950}},
+            "launcher": {"kind": "slurm", "artifact_dir": str(tmp_path)},
+        }),
+        ("127.0.0.1", "127.0.0.2"),
+    )
+    check_node_ports(c, 0, "127.0.0.1")
+    check_node_ports(c, 1, "127.0.0.2")
+    with socket.socket() as taken:  # another job's decode worker on node 1
+        taken.bind(("127.0.0.2", 26950))
+        taken.listen()
+        check_node_ports(c, 0, "127.0.0.1")  # node 0 listens elsewhere
+        with pytest.raises(PortInUseError) as e:
+            check_node_ports(c, 1, "127.0.0.2")
+    assert str(e.value) == (
+        "port 26950 (decode-0, roles.decode.base_port) is in use on 127.0.0.2: "
+        "another cluster? change roles.decode.base_port"
+    )
+    with socket.socket() as taken:  # another job's gateway on node 0
+        taken.bind(("127.0.0.1", 26930))
+        taken.listen()
+        check_node_ports(c, 1, "127.0.0.2")
+        with pytest.raises(PortInUseError, match=r"^port 26930 \(gateway, gateway.port"):
+            check_node_ports(c, 0, "127.0.0.1")
 
 
 def test_topology_variables_are_cleared() -> None:
