@@ -191,7 +191,9 @@ def _place(cluster: ClusterConfig, timeout_s: float) -> list[_Replica]:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=0
                 ),
-            ).remote(name, str(run_dir_of(cluster)))
+            # Resolved here: a relative log_dir is the launcher's, not the directory that
+            # `ray start` ran in (the actors' working directory).
+            ).remote(name, str(run_dir_of(cluster).resolve()))
             out.append(_Replica(role, i, name, pg, actor))
     for r in out:
         ready, _ = ray.wait([r.pg.ready()], timeout=timeout_s)

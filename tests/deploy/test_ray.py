@@ -211,3 +211,25 @@ def test_ray_ctrl_c_says_what_it_stopped(ray_head: str, model_dir: Path, tmp_pat
     assert proc.returncode == 0, out
     (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert f"stopped: lb (0), prefill-0 (0), decode-0 (0); logs in {run_dir.resolve()}" in out, out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_worker_logs_go_to_the_run_dir_it_prints(
+    ray_head: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """A relative launcher.log_dir (the default, `logs`) is the launcher's: the workers' logs
+    went to `logs/<port>/` under the directory `ray start --head` was run from, while the
+    launcher said `logs in <its cwd>/logs/<port>` (holding only lb.log and cluster.yaml)."""
+    argv = launch_argv(tmp_path, model_dir, ray_head, "--set", "launcher.log_dir=logs",
+                       "--set", "eval.samples=4")
+    argv[argv.index("configs/tiny-1p1d.yaml")] = str(REPO_ROOT / "configs" / "tiny-1p1d.yaml")
+    here = tmp_path / "cwd"  # not the head's working directory
+    here.mkdir()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280, cwd=here,
+                          env={**os.environ, **RAY_ENV})
+    out = proc.stdout + proc.stderr
+    (run_dir,) = (here / "logs").iterdir()
+    assert f"logs in {run_dir.resolve()}" in out, out
+    assert {"prefill-0.log", "decode-0.log", "lb.log"} <= {p.name for p in run_dir.iterdir()}
+    assert (run_dir / "prefill-0.log").stat().st_size > 0  # this run's worker wrote it
