@@ -9,6 +9,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$(readlink -f "$0")")/../.." && pwd)
 [[ $# -ge 1 ]] || { echo "usage: $0 JOB.yaml [--set key=value ...]" >&2; exit 2; }
 JOB=$(readlink -f "$1"); shift
+# A job runs the Slurm launcher whatever the file's launcher.kind: a local config (the README's
+# configs/tiny-1p1d.yaml) otherwise ran the local launcher on one node, gate skipped, until
+# cancelled. First, so that a later --set can still say otherwise.
+set -- --set launcher.kind=slurm "$@"
 [[ -f $JOB ]] || { echo "error: job file $JOB not found" >&2; exit 2; }
 cd "$ROOT"
 export TANDEM_PY=${TANDEM_PY:-$ROOT/.venv/bin/python}

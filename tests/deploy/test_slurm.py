@@ -442,3 +442,35 @@ def test_submit_waits_for_the_jobs_output_without_an_error_line(tmp_path: Path) 
     assert p.returncode == 0, p.stdout + p.stderr
     assert "job output" in p.stdout and "submit: job 7 COMPLETED" in p.stdout
     assert p.stderr == "", p.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_local_config_submitted_runs_as_a_slurm_job(
+    slurm_cluster: None, model_dir: Path, tmp_path: Path
+) -> None:
+    """`submit.sh configs/tiny-1p1d.yaml` (launcher.kind: local, ports pinned): the job took
+    one node and ran the local launcher there (logs in logs/<port>/, not the artifact dir),
+    skipped the gate and served until cancelled, so submit.sh never returned."""
+    config = REPO_ROOT / "configs" / "tiny-1p1d.yaml"
+    sets = [f"launcher.artifact_dir={tmp_path}", f"model.path={model_dir}",
+            "gateway.port=26930", "roles.prefill.base_port=26940",
+            "roles.decode.base_port=26950", "launcher.eval_on_ready=true", "eval.samples=8",
+            "eval.min_accuracy=0"]
+    proc = subprocess.Popen(
+        ["bash", str(SUBMIT), str(config), *[a for s in sets for a in ("--set", s)]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "PD_SLURM": "1"}, start_new_session=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    if "on 2 node(s)" not in first:  # it would serve until cancelled: cancel it
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=60)
+        pytest.fail(first)
+    rest, _ = proc.communicate(timeout=200)
+    out = first + rest
+    print(out)
+    assert "node 0/2 (n1)" in out and "node 1/2 (n2)" in out, out
+    assert "accuracy:" in out and proc.returncode == 0, out
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("job")]
+    assert {"prefill.log", "decode.log", "lb.log"} <= {p.name for p in run_dir.iterdir()}
