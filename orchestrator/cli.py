@@ -253,7 +253,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus is not None and args.gpus < 1:
         print(f"error: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
         return EXIT_USAGE
-    print(format_plan(_load(args, _model_overrides(args)), cuda_status(args.gpus)))
+    port = [] if args.port is None else [f"gateway.port={args.port}"]  # serve's --port
+    print(format_plan(_load(args, [*_model_overrides(args), *port]), cuda_status(args.gpus)))
     return 0
 
 

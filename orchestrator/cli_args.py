@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     _add_model_args(p)
     _add_kv_dtype_arg(p)
+    p.add_argument("--port", type=int, metavar="N", help="the gateway's HTTP port (as serve)")
     p.add_argument("--gpus", type=int, metavar="N",
                    help="plan for a machine with N CUDA GPUs (default: probe this one)")
 
