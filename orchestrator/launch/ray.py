@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,9 +68,14 @@ class WorkerHost:
 
     def start(self, config_yaml: str, role: str, replica: int) -> int:
         """Write the config on this node, start the worker; returns its pid."""
-        config_file = Path(tempfile.mkdtemp(prefix="tandem-ray-")) / "cluster.yaml"
-        config_file.write_text(config_yaml)
+        # Beside its log, owner-only (it holds the api and admin keys): the temporary directory
+        # it went to before was never removed.
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        config_file = self.log_path.with_name(f"{self.name}.cluster.yaml")
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(config_yaml)
+        config_file.chmod(0o600)  # one left by an earlier run with other bits
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p

@@ -233,3 +233,19 @@ def test_worker_logs_go_to_the_run_dir_it_prints(
     assert f"logs in {run_dir.resolve()}" in out, out
     assert {"prefill-0.log", "decode-0.log", "lb.log"} <= {p.name for p in run_dir.iterdir()}
     assert (run_dir / "prefill-0.log").stat().st_size > 0  # this run's worker wrote it
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_workers_config_lives_in_the_run_dir_not_in_tmp(
+    ray_head: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """Each worker's resolved config (it holds the api and admin keys) went to a fresh
+    /tmp/tandem-ray-XXXX/ that nothing removed: one directory per worker per launch, forever
+    (338 on the dev box). It is now <run dir>/<worker>.cluster.yaml, readable by its owner."""
+    rc, out, _ = launch(tmp_path, model_dir, ray_head, "--set", "eval.samples=4")
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    for name in ("prefill-0", "decode-0"):
+        f = run_dir / f"{name}.cluster.yaml"
+        assert f.is_file(), out
+        assert f.stat().st_mode & 0o777 == 0o600
