@@ -42,7 +42,7 @@ from orchestrator.launch.local import (
     run_dir_of,
     with_cluster_id,
 )
-from orchestrator.launch.ports import require_pinned
+from orchestrator.launch.ports import check_ports, require_pinned
 from orchestrator.launch.processes import LaunchError, LocalCluster, stop_on_signals
 from orchestrator.launch.readiness import HealthWatch, identity_problem
 from orchestrator.launch.run_dir import RunDir
@@ -273,6 +273,8 @@ def run_ray(cluster: ClusterConfig, out: IO[str] | None = None, err: IO[str] | N
     require_pinned(cluster, "ray")
     for note in preflight(cluster):  # the checkpoint and the layout: one line, before Ray
         print(note, file=err, flush=True)
+    # The gateway runs here: a taken port is one line now, not after the workers have loaded.
+    check_ports(cluster, lambda ln: ln.who == "gateway")
     cluster = with_cluster_id(cluster)
     held = RunDir(run_dir_of(cluster))
     run_dir = held.path

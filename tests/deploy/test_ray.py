@@ -249,3 +249,20 @@ def test_a_workers_config_lives_in_the_run_dir_not_in_tmp(
         f = run_dir / f"{name}.cluster.yaml"
         assert f.is_file(), out
         assert f.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.ray
+def test_a_taken_gateway_port_is_refused_before_any_worker_starts(
+    ray_head: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """The gateway's port is on this machine: check it first, as the local launcher does.
+    It was found taken only once Ray had placed and started both workers (the gateway's own
+    refusal, seconds later, with the workers' logs written for nothing)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, out, _ = launch(tmp_path, model_dir, ray_head, "--set", f"gateway.port={port}")
+    assert rc != 0 and f"port {port} (gateway, gateway.port" in out, out
+    assert "Connected to Ray cluster" not in out, out
+    assert not list(tmp_path.glob("*/prefill-0.log")), out
