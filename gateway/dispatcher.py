@@ -48,7 +48,7 @@ class Dispatcher:
         if not cands:
             which = "" if pool == "workers" else f"{pool} "
             raise NoHealthyWorker(f"no healthy {which}worker is available; retry later",
-                                  code="no_healthy_worker")
+                                  code="no_healthy_worker", retry_after_s=1)
         return cands
 
     def check_pairs(self, exclude: set[str]) -> None:

@@ -391,8 +391,9 @@ async def test_no_healthy_worker_503(tok_dir):
             # Not ready, yet alive: what a liveness probe reads (no restart while workers load).
             live = await c.get("/livez")
             assert live.status_code == 200 and live.json() == {"status": "alive"}
-            got, err = await _post(c, "/v1/completions", json={"prompt": "a"})
-            assert got == 503 and err["type"] == "service_unavailable"
+            r = await c.post("/v1/completions", json={"prompt": "a"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            assert r.headers["retry-after"] == "1"  # it says "retry later": when
 
 
 async def test_a_json_answer_cut_by_a_worker_runs_again_on_another(tok_dir):
