@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.loadgen import http_load  # noqa: E402
 from protocol import tandem_pb2, tandem_pb2_grpc  # noqa: E402
 from protocol.grpc_env import apply_grpc_env  # noqa: E402
-from tests.gateway.gw_doubles import build_tokenizer  # noqa: E402
+from tests.gateway.gw_tokenizers import build_tokenizer  # noqa: E402
 
 ROUTERS = {  # name -> argv before the PD worker flags
     "sglang-router": [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"],

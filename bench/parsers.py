@@ -29,7 +29,7 @@ from gateway.output import OutputAssembler  # noqa: E402
 from gateway.session import Output  # noqa: E402
 from gateway.streaming import StreamEvents  # noqa: E402
 from gateway.tokenizer import Tokenizer  # noqa: E402
-from tests.gateway.gw_doubles import HERMES_TEMPLATE, build_agent_tokenizer  # noqa: E402
+from tests.gateway.gw_tokenizers import HERMES_TEMPLATE, build_agent_tokenizer  # noqa: E402
 
 THINK = ("<think>\nThe question asks for q. The prompt assigns a, b and c but not q, so the "
          "value has to come from the lookup tool; then add one to it.\n</think>\n\n")
@@ -64,7 +64,7 @@ def replay(tok: Tokenizer, ids: list[int], reasoning: str, tool: str) -> tuple[f
     msgs[-1].finish_reason = "stop"
     t0 = time.process_time()
     out = OutputAssembler(tok, plan.prompt_ids, True, [], -1, plan.keep_token_ids)
-    clock = TokenClock(LoopHistogram("itl", "", [1.0]))  # not read: no output arrives timed
+    clock = TokenClock(LoopHistogram("itl", "", [1.0]), 1)  # not read: no output arrives timed
     stream = StreamEvents("x", "m", out, ChatOutput(plan), clock, created=0)
     events = sum(len(stream.of(msg)) for msg in msgs)
     return time.process_time() - t0, events
