@@ -1,7 +1,7 @@
 """Every name a bench script imports from the project exists: benches run on the GPU machine or
 by hand, not in the suite, so a name moved in the tree (tests.gateway.gw_doubles'
-build_tokenizer went to gw_tokenizers) broke `python -m bench.gateway` unseen. Read with ast,
-so no bench's own imports (CUDA, matplotlib) run here."""
+build_tokenizer went to gw_tokenizers) broke `python -m bench.gateway` unseen. The scripts are
+read with ast, not run; the project modules they name are imported."""
 
 from __future__ import annotations
 
