@@ -31,27 +31,19 @@ from transfer.factory import make_backend
 from transfer.holds import RoomHolds, prefill_addrs
 from transfer.lanes import CORRUPT_BYTES, PeerState, Writer, WriterContext, scratch_buffer
 from transfer.receiver import KVReceiver
-from transfer.room import Room, RoomState, TransferTotals
+from transfer.room import (
+    NoBootstrapAddrError,
+    Room,
+    RoomExistsError,
+    RoomState,
+    TransferTotals,
+)
 from transfer.sender import KVSender, Peer, WriteFailure, WriteJob
 from transfer.wire import contract_from_pb, contract_to_pb
 
 # decode: ReleaseRoom calls at once (each is short; an unreachable prefill fails fast)
 RELEASE_THREADS = 4
 MAX_LIVE_ROOMS = 1024  # prefill: bootstrap registrations served at once (one thread each)
-
-
-class RoomRequestError(ValueError):
-    """A new room's fields from the request are unusable: that request is refused, the worker
-    and its other rooms go on."""
-
-
-class RoomExistsError(RoomRequestError):
-    """A new room's id is one this rank still holds (live, or ended and not yet taken). The
-    request that repeats it is refused; the room's first owner goes on."""
-
-
-class NoBootstrapAddrError(RoomRequestError, TransferConfigError):
-    """A decode room names no prefill bootstrap address to register with."""
 
 
 class KVTransferManager:

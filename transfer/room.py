@@ -22,8 +22,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transfer.config import TransferConfig
+from transfer.config import TransferConfig, TransferConfigError
 
+
+class RoomRequestError(ValueError):
+    """A new room's fields from the request are unusable: that request is refused, the worker
+    and its other rooms go on."""
+
+
+class RoomExistsError(RoomRequestError):
+    """A new room's id is one this rank still holds (live, or ended and not yet taken). The
+    request that repeats it is refused; the room's first owner goes on."""
+
+
+class NoBootstrapAddrError(RoomRequestError, TransferConfigError):
+    """A decode room names no prefill bootstrap address to register with."""
 
 class RoomState(enum.Enum):
     # sender: waiting for decode's registration(s); receiver: registering

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.manager import KVReceiver, KVTransferManager, RoomRequestError
-from transfer.room import RoomState, Side
+from transfer.manager import KVReceiver, KVTransferManager
+from transfer.room import RoomRequestError, RoomState, Side
 from worker.cache_manager import CacheHold
 from worker.request import DraftState, Request, RequestStatus, TokenLogprob, room_error_code
 from worker.scheduler import Scheduler

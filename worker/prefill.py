@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from transfer.manager import KVSender, KVTransferManager, RoomRequestError
-from transfer.room import RoomState, Side
+from transfer.manager import KVSender, KVTransferManager
+from transfer.room import RoomRequestError, RoomState, Side
 from worker.request import Request, RequestStatus, room_error_code
 from worker.scheduler import Scheduler
 

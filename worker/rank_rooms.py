@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from transfer.manager import KVTransferManager, RoomExistsError
-from transfer.room import Room, RoomState, RoomStats, Side, TransferTotals
+from transfer.manager import KVTransferManager
+from transfer.room import Room, RoomExistsError, RoomState, RoomStats, Side, TransferTotals
 from worker.config import WorkerConfig
 from worker.distributed import (
     MessageKind,
