@@ -187,7 +187,7 @@ class Engine:
             self.hooks.poll()  # rooms that ended, pages reserved, requests seated
             self._flush()  # a landed first token leaves now, not after a step (its TTFT)
         plans = [s.schedule() for s in self.schedulers]
-        if self.drafter is not None:
+        if self.drafter is not None and not all(p.empty for p in plans):  # idle: no drafting
             t0 = time.perf_counter()
             for plan in plans:
                 self.drafter.draft(plan)
