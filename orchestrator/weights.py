@@ -93,7 +93,10 @@ def weight_bytes(
     """The weights one replica holds with compute dtype `dtype` on `device` (cpu | cuda...);
     None when there are no safetensors and config.json lacks a shape field to estimate from."""
     item = DTYPE_BYTES.get(dtype, 4)
-    fp8_kept = device.startswith("cuda") and bool(hf.get("quantization_config"))
+    # Only block-scaled FP8 (quant_method fp8) has FP8 linears; llm-compressor's KV-cache-only
+    # config (compressed-tensors) leaves the weights unquantized.
+    quant = hf.get("quantization_config") or {}
+    fp8_kept = device.startswith("cuda") and quant.get("quant_method") == "fp8"
     held = f"float8_e4m3fn + {dtype}" if fp8_kept else dtype
     headers = _headers(Path(model_path))
     if not headers:

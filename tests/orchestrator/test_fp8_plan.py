@@ -86,3 +86,25 @@ def test_plan_shows_kv_page_and_weight_bytes_for_the_dtypes(
         "MiB",
     ]  # linears 1 byte (+ scales) on CUDA
     assert cpu[7:9] == ["3.8", "MiB"] and cpu[-1] == "float32"  # dequantized at load on the CPU
+
+
+def test_plan_of_a_kv_cache_only_checkpoint_holds_the_weights_unquantized(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llm-compressor's KV-cache-only config (compressed-tensors, no weight groups): on CUDA the
+    plan said 'float8_e4m3fn + float32' for weights that hold no FP8 tensor."""
+    import json
+    import shutil
+
+    from tests.worker.test_fp8_kv import LLM_COMPRESSOR_KV
+
+    path = tmp_path / "ct"
+    shutil.copytree(EMBEDDED, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = LLM_COMPRESSOR_KV
+    (path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--config", "configs/tiny-mono.yaml", "--model", str(path),
+            "--set", "roles.both.parallel.device=cuda", "--gpus", "1"]
+    assert main(argv) == 0
+    both = _row(capsys.readouterr().out, "both")
+    assert both[7:] == ["3.8", "MiB", "float32"]

@@ -258,3 +258,41 @@ def test_fp8_pages_keep_v_token_major_and_never_nan() -> None:
     block = kv.data[2, 1, 1, 0].reshape(-1).view(fp8.FP8).reshape(dim, page)
     assert torch.equal(block[:, 1].float(), fp8.quantize_kv(v[:1], torch.ones(heads))[0, 0].float())
     assert block[3, 2].item() == 0 and not bool(v_cache.float().isnan().any())
+
+
+# What llm-compressor writes for a KV-cache-only recipe: the weights stay unquantized (no
+# config_groups), `kv_cache_scheme` says FP8, and each layer has self_attn.k_scale / v_scale.
+LLM_COMPRESSOR_KV = {
+    "quant_method": "compressed-tensors",
+    "format": "dense",
+    "quantization_status": "compressed",
+    "config_groups": {},
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True
+    },
+}
+
+
+def test_kv_scales_of_an_llm_compressor_kv_cache_checkpoint(tmp_path: Path) -> None:
+    """Served with its K/V scales; before, the checkpoint was refused ('quant_method
+    'compressed-tensors' is not supported ... serve the unquantized checkpoint', which it is) and
+    models/make_fp8.py refused it too. Weight groups or an int8 KV cache are still refused,
+    naming the field."""
+    path = _with_kv_scales(tmp_path / "ct", torch.tensor([0.02]), torch.tensor([0.01]))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = LLM_COMPRESSOR_KV
+    (path / "config.json").write_text(json.dumps(cfg))
+    model, spec = load_model(ModelConfig(path=str(path)), ParallelConfig())
+    assert spec.kv_scales.startswith("checkpoint per-tensor sha256:")
+    attn = model.model.layers[2].self_attn  # type: ignore[union-attr, index]
+    assert torch.equal(attn.k_scale, torch.full((2,), 0.02))
+    assert torch.equal(attn.v_scale, torch.full((2,), 0.01))
+
+    parse = fp8_config.parse_quantization_config
+    weights = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}
+    with pytest.raises(fp8_config.Fp8Error, match=r"quantization_config.config_groups .*weight"):
+        parse({**LLM_COMPRESSOR_KV, "config_groups": weights}, "config.json")
+    int8 = {**LLM_COMPRESSOR_KV["kv_cache_scheme"], "type": "int"}  # type: ignore[dict-item]
+    with pytest.raises(fp8_config.Fp8Error, match=r"quantization_config.kv_cache_scheme .*int"):
+        parse({**LLM_COMPRESSOR_KV, "kv_cache_scheme": int8}, "config.json")

@@ -27,11 +27,15 @@ class BlockFp8Config:
 
 def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockFp8Config | None:
     """config.json's `quantization_config` → BlockFp8Config; None without one. Anything but
-    block-scaled e4m3 FP8 with dynamic activations is refused naming the field."""
+    block-scaled e4m3 FP8 with dynamic activations is refused naming the field, but for
+    llm-compressor's KV-cache-only config (unquantized weights: None, as without one)."""
     if not cfg:
         return None
     where = f"{source}: quantization_config"
     method = cfg.get("quant_method")
+    if method == "compressed-tensors":
+        _check_kv_cache_only(cfg, where)
+        return None
     if method != "fp8":
         raise Fp8Error(
             f"{where}.quant_method {method!r} is not supported; Tandem loads block-scaled FP8 "
@@ -65,3 +69,23 @@ def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockF
     return BlockFp8Config(
         block_n=int(block[0]), block_k=int(block[1]), modules_to_not_convert=tuple(skip)
     )
+
+
+def _check_kv_cache_only(cfg: dict[str, Any], where: str) -> None:
+    """llm-compressor's KV-cache-only recipe (compressed-tensors, no `config_groups`, an FP8
+    `kv_cache_scheme`): the weights are unquantized and the K/V scales are
+    `self_attn.k_scale` / `v_scale` tensors, which the loader reads (worker/model/fp8.py
+    `KVScales`); vLLM serves it the same way. Anything that quantizes weights is refused."""
+    if cfg.get("config_groups"):
+        raise Fp8Error(
+            f"{where}.config_groups (compressed-tensors weight quantization) is not supported; "
+            "Tandem loads block-scaled FP8 checkpoints (quant_method fp8, weight_block_size "
+            "[128, 128]); convert the unquantized checkpoint with models/make_fp8.py"
+        )
+    kv = cfg.get("kv_cache_scheme") or {}
+    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8):
+        raise Fp8Error(
+            f"{where}.kv_cache_scheme ({kv.get('type')!r}, {kv.get('num_bits')} bits) is not "
+            "supported; only FP8 K/V scales (type float, num_bits 8) are, with "
+            "--kv-cache-dtype fp8_e4m3"
+        )
