@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import ClusterConfigError
+from worker.arch.fp8_config import GPU_BLOCK_K
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 _SCALE_INV = "_scale_inv"
@@ -93,10 +94,16 @@ def weight_bytes(
     """The weights one replica holds with compute dtype `dtype` on `device` (cpu | cuda...);
     None when there are no safetensors and config.json lacks a shape field to estimate from."""
     item = DTYPE_BYTES.get(dtype, 4)
-    # Only block-scaled FP8 (quant_method fp8) has FP8 linears; llm-compressor's KV-cache-only
-    # config (compressed-tensors) leaves the weights unquantized.
+    # Only block-scaled FP8 (quant_method fp8) has FP8 linears, and only with a block_k the FP8
+    # kernels take (else dequantized at load: loader.fp8_linears_here); llm-compressor's
+    # KV-cache-only config (compressed-tensors) leaves the weights unquantized.
     quant = hf.get("quantization_config") or {}
-    fp8_kept = device.startswith("cuda") and quant.get("quant_method") == "fp8"
+    block = quant.get("weight_block_size") or [0, 0]
+    fp8_kept = (
+        device.startswith("cuda")
+        and quant.get("quant_method") == "fp8"
+        and block[-1] in GPU_BLOCK_K
+    )
     held = f"float8_e4m3fn + {dtype}" if fp8_kept else dtype
     headers = _headers(Path(model_path))
     if not headers:

@@ -108,3 +108,18 @@ def test_plan_of_a_kv_cache_only_checkpoint_holds_the_weights_unquantized(
     assert main(argv) == 0
     both = _row(capsys.readouterr().out, "both")
     assert both[7:] == ["3.8", "MiB", "float32"]
+
+
+def test_plan_on_cuda_of_blocks_the_fp8_kernels_do_not_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 96x96-block copy: the Triton GEMM steps K one scale block at a time (tl.arange needs a
+    power of two), so a CUDA worker dequantizes it at load; the plan said float8_e4m3fn."""
+    from worker.arch.fp8_config import BlockFp8Config
+
+    assert not BlockFp8Config(96, 96).gpu_kernels_take and BlockFp8Config(128, 64).gpu_kernels_take
+    convert(EMBEDDED, tmp_path / "b96", (96, 96))
+    argv = ["plan", "--config", "configs/tiny-mono.yaml", "--model", str(tmp_path / "b96"),
+            "--set", "roles.both.parallel.device=cuda", "--gpus", "1"]
+    assert main(argv) == 0
+    assert _row(capsys.readouterr().out, "both")[7:] == ["3.8", "MiB", "float32"]

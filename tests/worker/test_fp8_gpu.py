@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.worker.test_fused_gpu import DEVICE, HAS_GPU, INTERPRET, _rel, gpu, kernels
-from worker.arch.fp8_config import BlockFp8Config
+from worker.arch.fp8_config import GPU_BLOCK_K, BlockFp8Config
 from worker.model import fp8
 from worker.model.attention import store_kv
 
@@ -386,3 +386,22 @@ def test_cpu_has_no_fp8_kernels() -> None:
     if DEVICE == "cpu" and not INTERPRET:
         x = torch.randn(3, 256)
         assert torch.allclose(fp8_linear(x, w, ws, None, BLOCK), F.linear(x, w_ref))
+
+
+@pytest.mark.gpu
+@kernels
+@pytest.mark.parametrize("block_k", GPU_BLOCK_K)
+@pytest.mark.parametrize("m", [3, 130])
+def test_fp8_linear_runs_every_block_k_the_loader_keeps_in_fp8(block_k: int, m: int) -> None:
+    """The blocks `BlockFp8Config.gpu_kernels_take` admits run the Triton GEMM (and its
+    activation quantizer, grouped by block_k); a 96-wide block fails to build (tl.arange), which
+    is why the loader dequantizes such a checkpoint instead (worker/model/loader.py)."""
+    from worker.model.fp8_gemm import fp8_linear
+
+    quant = BlockFp8Config(64, block_k)
+    w = torch.randn(192, 320, generator=torch.Generator().manual_seed(block_k)) * 320**-0.5
+    q, s = fp8.quantize_blockwise(w, 64, block_k)
+    x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m)).to(DTYPES[0])
+    out = fp8_linear(_dev(x), _dev(q), _dev(s), None, quant)
+    ref = F.linear(x.float(), fp8.dequantize_weight(q, s, (64, block_k)))
+    assert _rel(out.cpu(), ref) < 0.05

@@ -11,6 +11,9 @@ class Fp8Error(ValueError):
     """An FP8 checkpoint or setting cannot be used; the message names the tensor or field."""
 
 
+GPU_BLOCK_K = (16, 32, 64, 128)  # weight_block_size[1] values the CUDA FP8 kernels take
+
+
 @dataclass(frozen=True)
 class BlockFp8Config:
     """config.json `quantization_config` of a block-scaled FP8 checkpoint (quant_method fp8)."""
@@ -18,6 +21,15 @@ class BlockFp8Config:
     block_n: int = 128  # output features per scale row
     block_k: int = 128  # input features per scale column
     modules_to_not_convert: tuple[str, ...] = ()  # kept in the checkpoint dtype (e.g. lm_head)
+
+    @property
+    def gpu_kernels_take(self) -> bool:
+        """Whether the CUDA FP8 kernels run these blocks: the Triton GEMM's K step and the
+        activation quantizer's group are one scale block wide, so block_k must be a power of two
+        (tl.arange), at least 16 (tl.dot) and at most 128 (the widest run on a GPU; three stages
+        of 128 x 256 e4m3 tiles per operand would near the H100's shared memory). Other blocks
+        are dequantized at load (worker/model/loader.py `fp8_linears_here`)."""
+        return self.block_k in GPU_BLOCK_K
 
     def for_module(self, *names: str) -> BlockFp8Config | None:
         """Self for a module whose checkpoint names are all quantized; None if any is skipped."""

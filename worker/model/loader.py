@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from transfer.contract import heads_of_rank
-from worker.arch.fp8_config import BlockFp8Config, Fp8Error
+from worker.arch.fp8_config import GPU_BLOCK_K, BlockFp8Config, Fp8Error
 from worker.arch.hf_config import ArchConfig, ModelLoadError
 from worker.arch.load import load_arch_config
 from worker.arch.safetensors_file import weight_files
@@ -331,6 +331,16 @@ def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
     (the CPU) they are built in the model dtype and their weights dequantized at load."""
     if arch.quant is None:
         return arch
+    if fused.available(device) and not arch.quant.gpu_kernels_take:
+        log.warning(
+            "FP8 checkpoint's quantization_config.weight_block_size [%d, %d]: the FP8 kernels "
+            "take block_k %s; weights dequantized at load to the model dtype (twice or more "
+            "the FP8 bytes)",
+            arch.quant.block_n,
+            arch.quant.block_k,
+            "|".join(map(str, GPU_BLOCK_K)),
+        )
+        return dataclasses.replace(arch, quant=None)
     if fused.available(device):
         log.info(
             "FP8 block-scaled checkpoint (blocks %dx%d): linears keep FP8 weights "
