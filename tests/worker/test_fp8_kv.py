@@ -219,6 +219,12 @@ def test_config_json_quantization_errors_name_the_field() -> None:
         fp8_config.parse_quantization_config({"quant_method": "awq"}, "config.json")
     with pytest.raises(fp8_config.Fp8Error, match="weight_block_size must be two positive ints"):
         fp8_config.parse_quantization_config({"quant_method": "fp8"}, "config.json")
+    # vLLM's per-tensor FP8 (scalar weight_scale, static input_scale): said to be per-tensor,
+    # not 'activation_scheme static is not supported', which sent users after the wrong field
+    with pytest.raises(fp8_config.Fp8Error, match=r"weight_block_size .*got None; per-tensor"):
+        fp8_config.parse_quantization_config(
+            {"quant_method": "fp8", "activation_scheme": "static"}, "config.json"
+        )
     with pytest.raises(fp8_config.Fp8Error, match="activation_scheme 'static'"):
         fp8_config.parse_quantization_config(
             {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},

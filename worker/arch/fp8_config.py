@@ -54,6 +54,20 @@ def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockF
             "checkpoints (quant_method fp8, weight_block_size [128, 128]); convert others with "
             "models/make_fp8.py or serve the unquantized checkpoint"
         )
+    # No block size means per-tensor scales: said first, before the fields that follow from it
+    # (a per-tensor checkpoint's static activation_scheme).
+    block = cfg.get("weight_block_size")
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise Fp8Error(
+            f"{where}.weight_block_size must be two positive ints (e.g. [128, 128]), got "
+            f"{block!r}; per-tensor FP8 checkpoints (one weight_scale per linear) are not "
+            "supported: serve the unquantized checkpoint, or a block-scaled copy "
+            "models/make_fp8.py makes of it"
+        )
     if str(cfg.get("fmt", "e4m3")) != "e4m3":
         raise Fp8Error(f"{where}.fmt {cfg.get('fmt')!r} is not supported; only e4m3 weights are")
     if str(cfg.get("activation_scheme", "dynamic")) != "dynamic":
@@ -65,17 +79,6 @@ def parse_quantization_config(cfg: dict[str, Any] | None, source: str) -> BlockF
         raise Fp8Error(
             f"{where}.expert_dtype {cfg.get('expert_dtype')!r} is not supported; only FP8 "
             "experts are: serve an FP8 or unquantized copy of the checkpoint"
-        )
-    block = cfg.get("weight_block_size")
-    if not (
-        isinstance(block, list | tuple)
-        and len(block) == 2
-        and all(isinstance(b, int) and b > 0 for b in block)
-    ):
-        raise Fp8Error(
-            f"{where}.weight_block_size must be two positive ints (e.g. [128, 128]), got "
-            f"{block!r}; "
-            "per-tensor FP8 checkpoints are not supported"
         )
     skip = cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []
     return BlockFp8Config(
