@@ -302,3 +302,19 @@ def test_kv_scales_of_an_llm_compressor_kv_cache_checkpoint(tmp_path: Path) -> N
     int8 = {**LLM_COMPRESSOR_KV["kv_cache_scheme"], "type": "int"}  # type: ignore[dict-item]
     with pytest.raises(fp8_config.Fp8Error, match=r"quantization_config.kv_cache_scheme .*int"):
         parse({**LLM_COMPRESSOR_KV, "kv_cache_scheme": int8}, "config.json")
+
+
+def test_kv_scales_no_layer_uses_are_not_claimed(tmp_path: Path) -> None:
+    """DeepSeek-V3's MLA latent pages store at scale 1.0 (no K/V split to scale): a checkpoint's
+    self_attn.k_scale / v_scale went into the ready line and the contract as 'checkpoint
+    per-tensor sha256:…' though no layer used them. Now dropped with a warning: '1.0'."""
+    from tests.worker.deepseek_model import build_deepseek_checkpoint
+
+    path = tmp_path / "v3"
+    build_deepseek_checkpoint(path, seed=5)
+    tensors = load_file(str(path / "model.safetensors"))
+    for layer in range(3):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.05)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.05)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert load_model(ModelConfig(path=str(path)), ParallelConfig())[1].kv_scales == "1.0"

@@ -137,6 +137,16 @@ class KVScales:
                 h.update(side.get(layer, torch.ones(self.num_kv_heads)).numpy().tobytes())
         return f"checkpoint {'per-head' if per_head else 'per-tensor'} sha256:{h.hexdigest()[:16]}"
 
+    def keep(self, layers: set[int]) -> list[int]:
+        """Drop the scales of layers outside `layers` (the ones whose attention takes scales:
+        MLA latent pages, Qwen3-Next's and linear-attention layers do not), so `label` claims
+        only scales in use; returns the dropped layers."""
+        dropped = sorted((set(self.k) | set(self.v)) - layers)
+        for layer in dropped:
+            self.k.pop(layer, None)
+            self.v.pop(layer, None)
+        return dropped
+
     def local(self, side: str, layer: int, heads: list[int]) -> torch.Tensor:
         """This rank's scales [len(heads)] for one layer's K ("k") or V ("v"); 1.0 if absent."""
         full = getattr(self, side).get(layer)

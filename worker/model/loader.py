@@ -360,8 +360,22 @@ def fp8_linears_here(arch: ArchConfig, device: torch.device) -> ArchConfig:
 
 def set_kv_scales(model: CausalLM, scales: fp8.KVScales, tp: TPInfo) -> None:
     """Give every attention layer its rank's K/V cache scales (1.0 where the checkpoint has
-    none)."""
+    none). Checkpoint scales of layers with no such attention are dropped, with a warning."""
     heads = heads_of_rank(scales.num_kv_heads, tp.size, tp.rank)
+    takers = {
+        m.layer
+        for m in model.modules()
+        if isinstance(getattr(m, "k_scale", None), torch.Tensor)
+        and isinstance(getattr(m, "layer", None), int)
+    }
+    dropped = scales.keep(takers)  # type: ignore[arg-type]
+    if dropped:
+        log.warning(
+            "the checkpoint's K/V cache scales of layers %s are not used: this model's "
+            "attention there (MLA latent pages, Qwen3-Next, linear attention) stores FP8 KV at "
+            "scale 1.0",
+            dropped,
+        )
     for module in model.modules():
         if isinstance(getattr(module, "k_scale", None), torch.Tensor) and isinstance(
             getattr(module, "layer", None), int
