@@ -49,6 +49,8 @@ def convert(
     src: Path, dst: Path, block: tuple[int, int] = (128, 128), skip: tuple[str, ...] = ()
 ) -> int:
     """Write the FP8 copy of `src` into `dst`; returns how many tensors were quantized."""
+    if dst.resolve() == src.resolve():  # in place would overwrite the source's weights
+        raise SystemExit(f"{dst} is the source checkpoint; write the FP8 copy to another directory")
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise SystemExit(

@@ -245,3 +245,18 @@ def test_broken_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path: Path) ->
     with pytest.raises(ModelLoadError, match="quant_method 'gptq' is not supported"):
         load_model(ModelConfig(path=str(ckpt)), ParallelConfig())
     shutil.rmtree(ckpt)
+
+
+def test_make_fp8_refuses_to_convert_a_checkpoint_into_itself(tmp_path: Path) -> None:
+    """`python -m models.make_fp8 DIR DIR` replaced the original weights with FP8 ones, wrote
+    the quantization_config over its config.json and then died with a SameFileError traceback
+    copying the tokenizer: the user's source checkpoint was gone. Now one line, nothing touched."""
+    from models.make_fp8 import main
+
+    src = tmp_path / "src"
+    shutil.copytree(EMBEDDED, src, ignore=shutil.ignore_patterns("draft", "eagle", "mtp"))
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for dst in (src, tmp_path / "." / "src"):
+        with pytest.raises(SystemExit, match="is the source checkpoint"):
+            main([str(src), str(dst)])
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
