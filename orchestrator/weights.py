@@ -36,8 +36,17 @@ class WeightBytes:
 _DEQUANTIZED = (".mlp.experts.", ".self_attn.kv_b_proj.", ".eh_proj.")
 
 
-def dequantized_on_gpu(name: str) -> bool:
-    """Whether an FP8 checkpoint weight `name` is held in the model dtype even on CUDA."""
+# Qwen3-Next builds FP8 linears only for its shared experts (llama.MLP); its gated attention,
+# linear attention and shared-expert gate take the model dtype (worker/model/qwen3_next.py).
+_FP8_ONLY = {"Qwen3NextForCausalLM": (".shared_expert.",)}
+
+
+def dequantized_on_gpu(name: str, architecture: str = "") -> bool:
+    """Whether an FP8 checkpoint weight `name` of `architecture` is held in the model dtype even
+    on CUDA."""
+    only = _FP8_ONLY.get(architecture)
+    if only is not None and not any(part in name for part in only):
+        return True
     return any(part in name for part in _DEQUANTIZED)
 
 
@@ -115,9 +124,10 @@ def weight_bytes(
         linear_bytes = int(linear * (1 + 4 * per_block)) if fp8_kept else linear * item
         return WeightBytes(linear_bytes + other * item, held, exact=False)
     total = 0
+    arch = (hf.get("architectures") or [""])[0]
     for name, entry in headers.items():
         n = _numel(entry["shape"])
-        kept = fp8_kept and not dequantized_on_gpu(name.removesuffix(_SCALE_INV))
+        kept = fp8_kept and not dequantized_on_gpu(name.removesuffix(_SCALE_INV), arch)
         if name.endswith(_SCALE_INV):
             total += 4 * n if kept else 0  # block scales: kept with FP8 weights, else folded in
         elif str(entry["dtype"]).startswith("F8") and kept:

@@ -123,3 +123,38 @@ def test_plan_on_cuda_of_blocks_the_fp8_kernels_do_not_take(
             "--set", "roles.both.parallel.device=cuda", "--gpus", "1"]
     assert main(argv) == 0
     assert _row(capsys.readouterr().out, "both")[7:] == ["3.8", "MiB", "float32"]
+
+
+def test_plan_on_cuda_of_a_qwen3_next_fp8_copy_counts_what_it_dequantizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-Next builds only its shared experts' MLPs as FP8 linears (llama.MLP); its gated
+    attention, linear attention and routed experts take the model dtype, so a CUDA worker
+    dequantizes those at load. The plan counted every e4m3 tensor at one byte."""
+    import json
+    import struct
+
+    from tests.worker.qwen3_next_model import build_qwen3_next_checkpoint
+
+    src, dst = tmp_path / "src", tmp_path / "fp8"
+    build_qwen3_next_checkpoint(src, seed=3)
+    convert(src, dst, (16, 16))
+    raw = (dst / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    want = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        n = 1
+        for d in entry["shape"]:
+            n *= d
+        fp8_linear = ".shared_expert." in name
+        if name.endswith("_scale_inv"):
+            want += 4 * n if fp8_linear else 0
+        else:
+            want += n if fp8_linear and entry["dtype"] == "F8_E4M3" else 2 * n
+    argv = ["plan", "--config", "configs/tiny-mono.yaml", "--model", str(dst), "--dtype",
+            "bfloat16", "--set", "roles.both.parallel.device=cuda", "--gpus", "1"]
+    assert main(argv) == 0
+    size = _row(capsys.readouterr().out, "both")[7:9]
+    assert f"{float(size[0]):.1f}" == f"{want / 1024:.1f}" and size[1] == "KiB", (size, want)
