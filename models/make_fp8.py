@@ -64,7 +64,7 @@ def convert(
         )
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
-    count = 0
+    count = total_size = 0
     for f in files:
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(f), framework="pt", device="cpu") as handle:
@@ -78,9 +78,11 @@ def convert(
                     out[name] = tensor.contiguous()
         save_file(out, str(dst / f.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, f.name))
+        total_size += sum(t.numel() * t.element_size() for t in out.values())
     index = src / "model.safetensors.index.json"
     if index.exists():
-        meta = json.loads(index.read_text()).get("metadata", {})
+        # total_size is the copy's own (tools size downloads and memory by it)
+        meta = {**json.loads(index.read_text()).get("metadata", {}), "total_size": total_size}
         (dst / index.name).write_text(
             json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2)
         )

@@ -260,3 +260,18 @@ def test_make_fp8_refuses_to_convert_a_checkpoint_into_itself(tmp_path: Path) ->
         with pytest.raises(SystemExit, match="is the source checkpoint"):
             main([str(src), str(dst)])
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_make_fp8_of_a_sharded_checkpoint_writes_a_true_index(tmp_path: Path) -> None:
+    """Every tensor (scales too) is mapped to its shard, and the index's total_size is the
+    copy's bytes: it kept the source's (the float32 size, about 3.5x the FP8 copy's)."""
+    src, dst = tmp_path / "src", tmp_path / "fp8"
+    build_tiny_checkpoint(src, "qwen3", max_shard_size="100KB", hidden_size=256,
+                          intermediate_size=384, head_dim=64, vocab_size=101)
+    assert len(list(src.glob("*.safetensors"))) > 2
+    convert(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    tensors = {n: t for f in dst.glob("*.safetensors") for n, t in load_file(str(f)).items()}
+    assert set(index["weight_map"]) == set(tensors)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_size"] == size
