@@ -318,3 +318,17 @@ def test_kv_scales_no_layer_uses_are_not_claimed(tmp_path: Path) -> None:
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.05)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     assert load_model(ModelConfig(path=str(path)), ParallelConfig())[1].kv_scales == "1.0"
+
+
+def test_gpt_oss_reads_an_llm_compressor_kv_cache_config(tmp_path: Path) -> None:
+    """GPT-OSS refused every quant_method but fp8 as 'MXFP4 expert weights cannot be loaded',
+    a KV-cache-only config (unquantized weights) too."""
+    from tests.worker.gpt_oss_model import build_gpt_oss_checkpoint
+    from worker.arch.load import load_arch_config
+
+    path = tmp_path / "gpt-oss"
+    build_gpt_oss_checkpoint(path, seed=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = LLM_COMPRESSOR_KV
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_arch_config(path).quant is None

@@ -81,7 +81,7 @@ def parse_gpt_oss_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | N
     the fix), then the shared fields, then its family's."""
     quant = cfg.get("quantization_config")
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-    if quant and method != "fp8":
+    if quant and method not in ("fp8", "compressed-tensors"):  # those: fp8_config.py
         raise ModelLoadError(
             f"{source}: quantization_config (quant_method {method!r}) is not supported: MXFP4 "
             "expert weights cannot be loaded yet; use a dequantized bfloat16/float32 "
