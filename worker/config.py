@@ -235,10 +235,25 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"{prefix}: need 1 <= ngram_min <= ngram_max, got "
                               f"{self.ngram_min} and {self.ngram_max}")
+        self._check_unread(prefix)
         if self.model and self.method not in ("draft", "eagle", "mtp"):
             raise ConfigError(f"{prefix}.model is the checkpoint of a model drafter, but "
                               f"{prefix}.method is {self.method}: set {prefix}.method to the "
                               f"drafter's (draft | eagle | mtp), or unset {prefix}.model")
+
+    def _check_unread(self, prefix: str) -> None:
+        """A knob set away from its default that the method never reads is refused: it would
+        be dropped silently (num_speculative_tokens with method none serves no drafts at all;
+        vLLM refuses it too). A default value cannot be told from an unset one, so it passes."""
+        readers = {"num_speculative_tokens": SPEC_METHODS[1:], "ngram_min": ("ngram",),
+                   "ngram_max": ("ngram",)}
+        for f in dataclasses.fields(self):
+            if (f.name in readers and self.method not in readers[f.name]
+                    and getattr(self, f.name) != f.default):
+                raise ConfigError(f"{prefix}.{f.name}={getattr(self, f.name)} does nothing with "
+                                  f"{prefix}.method={self.method}: set {prefix}.method to "
+                                  f"{' | '.join(readers[f.name])}, or leave {prefix}.{f.name} "
+                                  f"at its default ({f.default})")
 
     def drafter_path(self, model_path: str) -> str:
         """Where the draft | eagle | (side-trained) mtp drafter lives ("" for the others)."""

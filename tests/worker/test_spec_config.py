@@ -110,3 +110,17 @@ def test_a_worker_given_mtp_without_the_mtp_weights_names_what_it_can_run(tmp_pa
     says = r"model\.layers\.3\.\* tensors .*speculative\.method ngram$"
     with pytest.raises(ConfigError, match=says):
         Engine(config)
+
+
+@pytest.mark.parametrize(("sets", "field"), [
+    ({"num_speculative_tokens": 5}, "speculative.num_speculative_tokens"),
+    ({"method": "eagle", "ngram_max": 6}, "speculative.ngram_max"),
+    ({"method": "draft", "ngram_min": 2}, "speculative.ngram_min"),
+])
+def test_a_knob_the_method_does_not_read_is_refused(sets: dict[str, object], field: str) -> None:
+    # vLLM refuses num_speculative_tokens without a drafter; here it was dropped silently and the
+    # worker served with no speculation (the ready line just did not mention it).
+    with pytest.raises(ConfigError, match=field) as err:
+        SpeculativeConfig(**sets).validate()  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+    SpeculativeConfig(method="ngram", num_speculative_tokens=5, ngram_max=6).validate()
