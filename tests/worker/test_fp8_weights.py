@@ -275,3 +275,22 @@ def test_make_fp8_of_a_sharded_checkpoint_writes_a_true_index(tmp_path: Path) ->
     assert set(index["weight_map"]) == set(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     assert index["metadata"]["total_size"] == size
+
+
+def test_an_fp8_checkpoint_whose_config_dtype_is_float8_loads_in_bfloat16(tmp_path: Path) -> None:
+    """config.json's dtype float8_e4m3fn (the stored linears' dtype, as some FP8 checkpoints
+    write it) was refused 'dtype 'float8_e4m3fn' is not supported; use float32, bfloat16 or
+    float16', even with --dtype bfloat16. FP8 checkpoints keep their other tensors in bfloat16
+    and compute in it: that is what auto means for them."""
+    from worker.arch.load import load_arch_config
+
+    ckpt = tmp_path / "fp8"
+    convert(EMBEDDED, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "float8_e4m3fn"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert load_arch_config(ckpt).dtype == "bfloat16"
+    del config["quantization_config"]  # not an FP8 checkpoint: still one line naming the field
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="dtype 'float8_e4m3fn' is not supported"):
+        load_arch_config(ckpt)

@@ -55,6 +55,12 @@ def config_dtype(cfg: dict[str, Any], path: Path) -> str | None:
     safetensors hold (transformers and vLLM fall back to the weights too). None when there is
     nothing to read (a shape-only directory)."""
     named = cfg.get("dtype") or cfg.get("torch_dtype")
+    if named and str(named).replace("torch.", "").startswith("float8") and cfg.get(
+        "quantization_config"
+    ):
+        # an FP8 checkpoint naming its linears' storage dtype: its other tensors, and the
+        # compute, are bfloat16 (the FP8 linears are scaled into it)
+        return "bfloat16"
     if named:
         return str(named)
     counts: dict[str, int] = {}
@@ -90,7 +96,7 @@ def load_arch_config(path: Path) -> ArchConfig:
     # an absent field means what transformers means by it
     cfg = with_absent_defaults(cfg, has_generation_config=gen is not None)
     dtype = config_dtype(cfg, path)
-    if dtype and not (cfg.get("dtype") or cfg.get("torch_dtype")):
+    if dtype and dtype != (cfg.get("dtype") or cfg.get("torch_dtype")):
         cfg = {**cfg, "dtype": dtype}  # what the weights hold: the parsers read `dtype`
     archs = cfg.get("architectures") or []
     parse = next((_CONFIG_PARSERS[a] for a in archs if a in _CONFIG_PARSERS), parse_arch_config)
