@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         help="more tensor-name substrings to keep unquantized (listed in modules_to_not_convert)",
     )
     args = ap.parse_args(argv)
+    if min(args.block) <= 0:
+        ap.error(f"--block takes two positive ints (rows, columns per scale), got {args.block}")
     n = convert(args.src, args.dst, (args.block[0], args.block[1]), tuple(args.skip))
     print(
         f"wrote {args.dst}: {n} linear weights in FP8 with {args.block[0]}x{args.block[1]} block "

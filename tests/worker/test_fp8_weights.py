@@ -294,3 +294,17 @@ def test_an_fp8_checkpoint_whose_config_dtype_is_float8_loads_in_bfloat16(tmp_pa
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="dtype 'float8_e4m3fn' is not supported"):
         load_arch_config(ckpt)
+
+
+def test_make_fp8_refuses_a_block_that_is_not_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--block 0 128 died in a ZeroDivisionError traceback (and -4 in a RuntimeError), after
+    creating DST; now argparse's one line, nothing written."""
+    from models.make_fp8 import main
+
+    for block in (["0", "128"], ["-4", "128"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(EMBEDDED), str(tmp_path / "out"), "--block", *block])
+        assert exit_.value.code == 2 and "--block" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
