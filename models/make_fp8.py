@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.hub import HubModelError, looks_like_repo_id, resolve_repo_id  # noqa: E402
 from worker.model.fp8 import quantize_blockwise  # noqa: E402
 
 # Tensors that stay in the source dtype (substrings of their names): as DeepSeek-V3's release
@@ -51,6 +52,8 @@ def convert(
     """Write the FP8 copy of `src` into `dst`; returns how many tensors were quantized."""
     if dst.resolve() == src.resolve():  # in place would overwrite the source's weights
         raise SystemExit(f"{dst} is the source checkpoint; write the FP8 copy to another directory")
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"{src}: no config.json; point SRC at an HF checkpoint directory")
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise SystemExit(
@@ -107,7 +110,10 @@ def convert(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "src", type=Path, help="HF checkpoint directory (bf16 / fp16 / fp32 safetensors)"
+        "src",
+        type=Path,
+        help="HF checkpoint directory (bf16 / fp16 / fp32 safetensors), or ORG/NAME in the local "
+        "Hugging Face cache",
     )
     ap.add_argument("dst", type=Path, help="output directory (created)")
     ap.add_argument(
@@ -128,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if min(args.block) <= 0:
         ap.error(f"--block takes two positive ints (rows, columns per scale), got {args.block}")
-    n = convert(args.src, args.dst, (args.block[0], args.block[1]), tuple(args.skip))
+    src = args.src
+    if not src.exists() and looks_like_repo_id(str(src)):  # as `tandem serve --model ORG/NAME`
+        try:
+            src = resolve_repo_id(str(src))
+        except HubModelError as exc:
+            raise SystemExit(str(exc)) from None
+    n = convert(src, args.dst, (args.block[0], args.block[1]), tuple(args.skip))
     print(
         f"wrote {args.dst}: {n} linear weights in FP8 with {args.block[0]}x{args.block[1]} block "
         "scales"

@@ -308,3 +308,25 @@ def test_make_fp8_refuses_a_block_that_is_not_positive(
             main([str(EMBEDDED), str(tmp_path / "out"), "--block", *block])
         assert exit_.value.code == 2 and "--block" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_make_fp8_takes_a_cached_model_name_and_says_when_src_is_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SRC as `tandem serve --model` takes it: a directory, or ORG/NAME from the local Hugging
+    Face cache. A missing directory was a FileNotFoundError traceback, a name as well."""
+    from models.make_fp8 import main
+
+    with pytest.raises(SystemExit, match=r"no config.json; point SRC at an HF checkpoint"):
+        main([str(tmp_path / "nowhere"), str(tmp_path / "a")])
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--arith" / "snapshots" / ("c" * 40)
+    shutil.copytree(EMBEDDED, snapshot, ignore=shutil.ignore_patterns("draft", "eagle", "mtp"))
+    (cache / "models--acme--arith" / "refs").mkdir()
+    (cache / "models--acme--arith" / "refs" / "main").write_text("c" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"model 'acme/other': .*not in the Hugging Face cache"):
+        main(["acme/other", str(tmp_path / "b")])
+    assert main(["acme/arith", str(tmp_path / "c")]) == 0
+    assert "quantization_config" in json.loads((tmp_path / "c" / "config.json").read_text())
