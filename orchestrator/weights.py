@@ -77,9 +77,10 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _estimated_params(hf: dict[str, Any]) -> tuple[int, int]:
-    """(linear weight elements of the decoder layers, all other elements) from config.json: the
-    dense Llama/Qwen shape, MoE experts where config.json names them."""
+def _estimated_params(hf: dict[str, Any]) -> tuple[int, int, int]:
+    """(linear weight elements of the decoder layers but the routed experts, the routed experts'
+    elements, all other elements) from config.json: the dense Llama/Qwen shape, MoE experts
+    where config.json names them."""
     hidden, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -88,13 +89,13 @@ def _estimated_params(hf: dict[str, Any]) -> tuple[int, int]:
     attn = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     if experts:
-        mlp = 3 * hidden * int(hf["moe_intermediate_size"]) * experts
+        mlp, routed = 0, 3 * hidden * int(hf["moe_intermediate_size"]) * experts
         router = hidden * experts
     else:
-        mlp, router = 3 * hidden * int(hf["intermediate_size"]), 0
+        mlp, routed, router = 3 * hidden * int(hf["intermediate_size"]), 0, 0
     embeddings = vocab * hidden * (1 if hf.get("tie_word_embeddings") else 2)
     norms = layers * (2 * hidden + 2 * head_dim) + hidden
-    return layers * (attn + mlp), embeddings + norms + layers * router
+    return layers * (attn + mlp), layers * routed, embeddings + norms + layers * router
 
 
 def weight_bytes(
@@ -117,12 +118,13 @@ def weight_bytes(
     headers = _headers(Path(model_path))
     if not headers:
         try:
-            linear, other = _estimated_params(hf)
+            linear, routed, other = _estimated_params(hf)
         except (KeyError, TypeError, ValueError):
             return None
-        per_block = 1 / (128 * 128)  # one float32 scale per 128x128 block
+        per_block = 1 / max(1, block[0] * block[1]) if fp8_kept else 0  # a float32 scale a block
         linear_bytes = int(linear * (1 + 4 * per_block)) if fp8_kept else linear * item
-        return WeightBytes(linear_bytes + other * item, held, exact=False)
+        # routed experts: the model dtype on every device (dequantized_on_gpu)
+        return WeightBytes(linear_bytes + (routed + other) * item, held, exact=False)
     total = 0
     arch = (hf.get("architectures") or [""])[0]
     for name, entry in headers.items():

@@ -158,3 +158,37 @@ def test_plan_on_cuda_of_a_qwen3_next_fp8_copy_counts_what_it_dequantizes(
     assert main(argv) == 0
     size = _row(capsys.readouterr().out, "both")[7:9]
     assert f"{float(size[0]):.1f}" == f"{want / 1024:.1f}" and size[1] == "KiB", (size, want)
+
+
+def test_plan_estimate_of_an_fp8_moe_shape_directory_holds_the_experts_unquantized(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config.json-only directory of an FP8 Qwen3-MoE (planning a GPU deployment): a CUDA
+    worker dequantizes the routed experts at load (no FP8 MoE kernels), but the estimate counted
+    them at one byte: 1.3 MiB against the 2.0 MiB the checkpoint's own headers give."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    src = tmp_path / "moe"
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=128, max_position_embeddings=512,
+        tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(src)
+    convert(src, tmp_path / "fp8")
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    shutil.copy(tmp_path / "fp8" / "config.json", shape / "config.json")
+    rows = []
+    for path in (tmp_path / "fp8", shape):
+        argv = ["plan", "--config", "configs/tiny-mono.yaml", "--model", str(path),
+                "--set", "model.load_format=dummy", "--set", "roles.both.parallel.device=cuda",
+                "--gpus", "1"]
+        assert main(argv) == 0
+        rows.append(_row(capsys.readouterr().out, "both"))
+    assert rows[0][7:9] == ["2.0", "MiB"] and rows[1][7:9] == ["2.0", "MiB"], rows
+    assert json.loads((shape / "config.json").read_text())["quantization_config"]
