@@ -275,6 +275,9 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, arg: str) -> st
         hint = f"did you mean --config {arg}?"
     elif (Path(arg) / "config.json").is_file() and "--model" in flags:
         hint = f"did you mean --model {arg}?"
+    elif arg.split("=")[0] in ("--quantization", "-q") and "--model" in flags:  # vLLM's flag
+        hint = ("Tandem does not quantize at load; serve a block-scaled FP8 checkpoint, or make "
+                "one with python -m models.make_fp8 SRC DST")
     return f"tandem {command}: unrecognized argument {arg!r}; {hint}"
 
 

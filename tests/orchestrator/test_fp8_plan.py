@@ -192,3 +192,15 @@ def test_plan_estimate_of_an_fp8_moe_shape_directory_holds_the_experts_unquantiz
         rows.append(_row(capsys.readouterr().out, "both"))
     assert rows[0][7:9] == ["2.0", "MiB"] and rows[1][7:9] == ["2.0", "MiB"], rows
     assert json.loads((shape / "config.json").read_text())["quantization_config"]
+
+
+def test_vllm_quantization_flag_names_the_fp8_copy_script(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """vLLM's --quantization fp8 (quantize a bf16 model at load) said only 'unrecognized
+    argument; see tandem serve --help'; Tandem serves FP8 checkpoints, so the line names the
+    script that makes one."""
+    for argv in (["--quantization", "fp8"], ["--quantization=fp8"], ["-q", "fp8"]):
+        assert main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "python -m models.make_fp8 SRC DST" in err and err.count("\n") == 1, err
