@@ -141,6 +141,11 @@ class KVCacheManager:
         self._replays[req.request_id] = _Replay(replay_from, hit, state_from)
         return replay_from
 
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` the prefix cache holds (full pages; a read only)."""
+        cache = self.full.prefix_cache
+        return cache.peek(token_ids) * self.page_size if cache is not None else 0
+
     def admit(self, req: Request, num_tokens: int) -> bool:
         """Everything a request needs to start: pages for `num_tokens` tokens and its fixed
         holdings (ring). Only when the whole remaining prompt could fit, so chunked prefill does

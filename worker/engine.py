@@ -22,6 +22,7 @@ from worker.cache_groups import WindowSpec
 from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
 from worker.config import WorkerConfig
+from worker.dp_groups import pick_group
 from worker.dp_runner import DPRunner
 from worker.fast_paths import mixed_graphs_supported, overlap_enabled, piecewise_supported
 from worker.grammar import Grammars
@@ -335,9 +336,9 @@ class Engine:
         """The scheduler of the DP group a request lives in, chosen at its first call and kept.
 
         Prefill puts room r in group r % dp_size, the rule decode uses to pick which of the
-        prefill's groups to register with (transfer/manager.py); elsewhere the least busy group,
-        then the one with the most free pages (SGLang's shortest-queue dispatch). Without DP it
-        is the one scheduler.
+        prefill's groups to register with (transfer/manager.py); elsewhere the group holding
+        the request's prefix, within a load bound (worker/dp_groups.py). Without DP it is the
+        one scheduler.
         """
         if self.dp is None:
             return self.scheduler
@@ -346,9 +347,7 @@ class Engine:
             if self.config.role == "prefill":
                 group = request.room % len(self.schedulers)
             else:
-                stats = [s.stats() for s in self.schedulers]
-                loads = [(st.running + st.waiting, -st.free_pages) for st in stats]
-                group = loads.index(min(loads))
+                group = pick_group(self.schedulers, request.all_token_ids())
             self._group[request.request_id] = group
             if request.room:
                 self._room_group[request.room] = group

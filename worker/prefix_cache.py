@@ -62,6 +62,18 @@ class PrefixCache:
             self._push(node)
         return pages
 
+    def peek(self, token_ids: Sequence[int]) -> int:
+        """How many leading full pages of `token_ids` the tree holds. A read only (no LRU
+        touch, nothing shared): for choosing where a request goes, before it is admitted."""
+        node, num = self._root, 0
+        for start in range(0, len(token_ids) - self.page_size + 1, self.page_size):
+            child = node.children.get(tuple(token_ids[start : start + self.page_size]))
+            if child is None:
+                break
+            num += 1
+            node = child
+        return num
+
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> None:
         """Record that `pages` hold the KV of `token_ids` (its full pages are cached).
 
