@@ -8,8 +8,9 @@ MoE experts) becomes float8_e4m3fn with one float32 scale per 128×128 block in
 Embeddings, the LM head, norms and MoE routers keep the source dtype, as in the published
 FP8 checkpoints. config.json gains `quantization_config` {quant_method: fp8, fmt: e4m3,
 activation_scheme: dynamic, weight_block_size}; the other files (tokenizer, generation
-config) are copied. Tandem serves the copy like any checkpoint: FP8 linears on CUDA, weights
-dequantized at load on the CPU (worker/model/fp8.py). Shards keep their file names; the
+config) and the models beside it (subdirectories with a config.json: drafters) are copied.
+Tandem serves the copy like any checkpoint: FP8 linears on CUDA, weights dequantized at load
+on the CPU (worker/model/fp8.py). Shards keep their file names; the
 index (if any) is rewritten with the new tensor names.
 """
 
@@ -104,6 +105,10 @@ def convert(
             and other.name not in ("config.json", index.name)
         ):
             shutil.copy(other, dst / other.name)
+        elif other.is_dir() and (other / "config.json").is_file():
+            # a model beside the checkpoint (a drafter: speculative.model "" is
+            # <model.path>/<method>), as it is; other folders (Llama's original/) stay behind
+            shutil.copytree(other, dst / other.name, dirs_exist_ok=True)
     return count
 
 

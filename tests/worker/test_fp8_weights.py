@@ -330,3 +330,20 @@ def test_make_fp8_takes_a_cached_model_name_and_says_when_src_is_no_checkpoint(
         main(["acme/other", str(tmp_path / "b")])
     assert main(["acme/arith", str(tmp_path / "c")]) == 0
     assert "quantization_config" in json.loads((tmp_path / "c" / "config.json").read_text())
+
+
+def test_make_fp8_keeps_the_drafters_beside_the_checkpoint(tmp_path: Path) -> None:
+    """speculative.model "" means <model.path>/<method> (docs/config.md): the embedded model's
+    FP8 copy lacked eagle/, mtp/ and draft/, so `--model COPY --set speculative.method=eagle`
+    was refused ('COPY/eagle has no config.json'). Subdirectories holding a config.json (models
+    beside the checkpoint) are copied as they are; others (e.g. Llama's original/) are not."""
+    src = tmp_path / "src"
+    shutil.copytree(EMBEDDED, src)
+    (src / "original").mkdir()
+    (src / "original" / "params.json").write_text("{}")
+    convert(src, tmp_path / "fp8")
+    for sub in ("eagle", "mtp", "draft"):
+        assert (tmp_path / "fp8" / sub / "model.safetensors").read_bytes() == (
+            EMBEDDED / sub / "model.safetensors"
+        ).read_bytes()
+    assert not (tmp_path / "fp8" / "original").exists()
