@@ -210,7 +210,7 @@ class RequestRun:
         # no await since the seat: it holds
         p = self.prompt_worker = self._d.pick("prefill", self.prompt_ids, exclude, self.prefer)
         assert p.info is not None  # healthy implies GetInfo answered
-        self.room = self._d.new_room()
+        self.room = self._d.new_room(p, self.prompt_ids)
         req = self._request(tandem_pb2.DisaggParams(room=self.room,
                                                     bootstrap_addr=p.info.bootstrap_addr))
         call_p = self._open(p, req)

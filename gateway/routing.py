@@ -7,6 +7,9 @@
   unless it is busier than the least-loaded worker by more than a threshold. Prefixes are
   remembered as a chain of page hashes (hash of the previous page's hash and this page's
   tokens), so a lookup walks the prompt once and memory is bounded by an LRU of page hashes.
+  A prefill worker with attention DP keeps a room in group `room % groups`, each group with its
+  own prefix cache: `group` names the group that last ran the prompt's longest prefix there,
+  and the gateway draws the room in it (a session's turns stay where their pages are).
 
 Policies see only candidate lists; they hold no reference to the pool.
 """
@@ -78,9 +81,8 @@ class CacheAware:
         self.page_size = page_size
         self.max_pages = max_pages
         self.load_threshold = load_threshold
-        self._owner: OrderedDict[int, str] = (
-            OrderedDict()
-        )  # page hash -> url of the last worker sent it
+        # page hash -> (url of the last worker sent it, its DP group there; -1: none or unknown)
+        self._owner: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._least = LeastLoad()
 
     def pick(self, candidates: Sequence[W], prompt_ids: Sequence[int]) -> W:
@@ -88,10 +90,10 @@ class CacheAware:
         by_url = {w.url: w for w in candidates}
         best: W | None = None
         for h in hashes:  # walk down the chain; the deepest page owned by a candidate wins
-            url = self._owner.get(h)
-            if url is None:
+            owner = self._owner.get(h)
+            if owner is None:
                 break
-            w = by_url.get(url)
+            w = by_url.get(owner[0])
             if w is not None:
                 best = w
         least = self._least.pick(candidates, prompt_ids)
@@ -100,10 +102,27 @@ class CacheAware:
         self._remember(hashes, best.url)
         return best
 
-    def _remember(self, hashes: list[int], url: str) -> None:
+    def group(self, url: str, prompt_ids: Sequence[int], groups: int, fresh: int) -> int:
+        """The DP group of worker `url` (of `groups`) that last ran the prompt's longest
+        remembered prefix there, else `fresh`; remembered for the prompt's pages."""
+        hashes = page_hashes(prompt_ids, self.page_size)
+        chosen = fresh
+        for h in hashes:
+            owner = self._owner.get(h)
+            if owner is None:
+                break
+            if owner[0] == url and 0 <= owner[1] < groups:
+                chosen = owner[1]
+        self._remember(hashes, url, chosen)
+        return chosen
+
+    def _remember(self, hashes: list[int], url: str, group: int = -1) -> None:
+        """`url` ran these pages, in `group` (-1: a page keeps the group it had at `url`)."""
         owner = self._owner
         for h in hashes:
-            owner[h] = url
+            old = owner.get(h)
+            keep = old[1] if old is not None and old[0] == url else -1
+            owner[h] = (url, group if group >= 0 else keep)
             owner.move_to_end(h)
         while len(owner) > self.max_pages:
             owner.popitem(last=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -255,4 +256,33 @@ def test_rooms_count_up_from_a_random_start_and_skip_zero() -> None:
 
     d = Dispatcher.__new__(Dispatcher)  # only the room counter
     d._rooms = itertools.count((1 << 64) - 2)
-    assert [d.new_room() for _ in range(3)] == [(1 << 64) - 2, (1 << 64) - 1, 1]
+    p = SimpleNamespace(url="p", info=SimpleNamespace(bootstrap_addr="h:1"))
+    assert [d.new_room(p, []) for _ in range(3)] == [(1 << 64) - 2, (1 << 64) - 1, 1]
+
+
+def test_a_session_stays_in_its_prefill_dp_group() -> None:
+    """A prefill worker with attention DP runs room r in group r % groups ('g0;g1' bootstrap
+    addresses), each with its own prefix cache. Drawn from the counter alone, a session's turns
+    alternated groups and missed the cache every other turn; now each turn's room is drawn in
+    the group that ran its prefix, and new sessions still take the groups in turn."""
+    import itertools
+
+    from gateway.dispatcher import Dispatcher
+    from gateway.routing import CacheAware
+
+    d = Dispatcher.__new__(Dispatcher)  # the room counter and the prefill policy
+    d._rooms = itertools.count(10)
+    d.policies = {"prefill": CacheAware(page_size=2)}
+    p = SimpleNamespace(url="p", info=SimpleNamespace(bootstrap_addr="h:1;h:2"),
+                        load_score=lambda: 0.0)
+    session = [7, 7, 7, 7]
+    groups = []
+    for turn in range(4):
+        d.policies["prefill"].pick([p], session)  # type: ignore[list-item]
+        groups.append(d.new_room(p, session) % 2)
+        session = session + [turn, turn]
+    assert len(set(groups)) == 1, groups
+    fresh = [d.new_room(p, [i, i]) % 2 for i in range(4)]  # four new prefixes
+    assert sorted(fresh) == [0, 0, 1, 1], fresh
+    rooms = [d.new_room(p, [3, 3]) for _ in range(50)]
+    assert len(set(rooms)) == 50 and 0 not in rooms

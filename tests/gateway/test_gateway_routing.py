@@ -82,3 +82,20 @@ def test_cache_aware_ignores_unhealthy_owner():
     prompt = list(range(16))
     ca.pick([a], prompt)
     assert ca.pick([b], prompt).url == "b"  # a is not a candidate (unhealthy or excluded)
+
+
+def test_cache_aware_keeps_a_prefix_in_its_dp_group():
+    """A prefill worker with attention DP: a session's next turn runs in the group that ran its
+    prefix there (each group has its own cache); a new prefix takes the group given; a prefix
+    last run on another worker, or in a group past this worker's count, does not carry."""
+    ca = CacheAware(page_size=2)
+    turn1, turn2 = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    assert ca.group("p0", turn1, 2, fresh=1) == 1
+    assert ca.group("p0", turn2, 2, fresh=0) == 1  # its first two pages ran in group 1
+    assert ca.group("p0", [9, 9, 9, 9], 2, fresh=0) == 0  # a new prefix
+    ws = [W("p0"), W("p1")]
+    assert ca.pick(ws, turn2).url == "p0"  # pick keeps the pages' group at the same worker
+    assert ca.group("p0", turn2 + [7, 8], 2, fresh=0) == 1
+    assert ca.group("p1", turn2, 2, fresh=0) == 0  # p1 never ran it: fresh, and now p1's
+    assert ca.group("p0", turn2, 2, fresh=0) == 0  # p0's claim was replaced by p1's
+    assert ca.group("p0", [5, 5], 4, fresh=3) == 3 and ca.group("p0", [5, 5], 2, fresh=1) == 1
