@@ -48,6 +48,13 @@ from protocol.sampling import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
 
+
+def _log_failure(err: ApiError, fmt: str, request_id: str) -> None:
+    """A failed request: the gateway's or a worker's failure (5xx) at WARNING, for operators;
+    the client's own mistake (4xx) at DEBUG, not to flood the log with other people's typos."""
+    log.log(logging.WARNING if err.status >= 500 else logging.DEBUG, fmt, request_id, err.message)
+
+
 _DONE = b"data: [DONE]\n\n"
 _JSON = "application/json"
 
@@ -167,7 +174,7 @@ class GenerationHandler:
             err = refused_constraint(err, source)
             outcome = err.outcome
             self.metrics.requests.labels(outcome).inc()
-            log.debug("request %s failed: %s", request_id, err.message)
+            _log_failure(err, "request %s failed: %s", request_id)
             return err.response(headers)
         self.metrics.ttft.observe(time.perf_counter() - t0)
         assemblers = assemblers_for(self.tok, req, plan, prompt_ids, self.eos_token_ids)
@@ -365,7 +372,7 @@ class GenerationHandler:
             yield _DONE
         except ApiError as err:
             outcome = err.outcome
-            log.debug("request %s failed mid-stream: %s", request_id, err.message)
+            _log_failure(err, "request %s failed mid-stream: %s", request_id)
             yield b"data: " + err.json_bytes() + b"\n\n"
             yield _DONE
         except Exception:

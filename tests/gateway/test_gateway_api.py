@@ -382,7 +382,7 @@ async def test_worker_error_codes(tok_dir, code, status):
         assert health is (code != grpc.StatusCode.UNAVAILABLE)
 
 
-async def test_no_healthy_worker_503(tok_dir):
+async def test_no_healthy_worker_503(tok_dir, caplog):
     w = ScriptedWorker()
     async with workers(w):
         await w.set_serving(False)
@@ -394,6 +394,9 @@ async def test_no_healthy_worker_503(tok_dir):
             r = await c.post("/v1/completions", json={"prompt": "a"})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
             assert r.headers["retry-after"] == "1"  # it says "retry later": when
+            # the gateway's own failures reach its log at WARNING (a client's 4xx stay at DEBUG)
+            assert any(rec.levelname == "WARNING" and "no healthy worker" in rec.getMessage()
+                       for rec in caplog.records), caplog.text
 
 
 async def test_a_json_answer_cut_by_a_worker_runs_again_on_another(tok_dir):
