@@ -181,6 +181,7 @@ class ChoicesResponse:
             outcome = "success"
         except ApiError as err:
             outcome = err.outcome
+            log.log(err.log_level, "request %s failed: %s", self.request_id, err.message)
             return err.response(headers)
         except Exception:
             outcome = "server_error"
@@ -247,6 +248,8 @@ class ChoicesResponse:
             yield _DONE
         except ApiError as err:
             outcome = err.outcome
+            log.log(err.log_level, "request %s failed mid-stream: %s", self.request_id,
+                    err.message)
             yield b"data: " + err.json_bytes() + b"\n\n"
             yield _DONE
         except Exception:

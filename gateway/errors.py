@@ -10,6 +10,7 @@ together with whom a failure blames (`WorkerCallError.blamed_url`).
 from __future__ import annotations
 
 import json
+import logging
 
 import grpc
 from starlette.responses import Response
@@ -52,6 +53,12 @@ class ApiError(Exception):
     def outcome(self) -> str:
         """The request's outcome label in the metrics (the client's fault, or ours)."""
         return "client_error" if self.status < 500 else "server_error"
+
+    @property
+    def log_level(self) -> int:
+        """The gateway's or a worker's failure (5xx) at WARNING, for operators; the client's
+        own mistake (4xx) at DEBUG, not to flood the log with other people's typos."""
+        return logging.WARNING if self.status >= 500 else logging.DEBUG
 
     def response(self, headers: dict[str, str]) -> Response:
         """The error as the request's whole HTTP answer, with the request's `headers`."""

@@ -50,9 +50,8 @@ log = logging.getLogger(__name__)
 
 
 def _log_failure(err: ApiError, fmt: str, request_id: str) -> None:
-    """A failed request: the gateway's or a worker's failure (5xx) at WARNING, for operators;
-    the client's own mistake (4xx) at DEBUG, not to flood the log with other people's typos."""
-    log.log(logging.WARNING if err.status >= 500 else logging.DEBUG, fmt, request_id, err.message)
+    """A failed request, once, at its error's level (5xx WARNING, 4xx DEBUG)."""
+    log.log(err.log_level, fmt, request_id, err.message)
 
 
 _DONE = b"data: [DONE]\n\n"
@@ -316,6 +315,7 @@ class GenerationHandler:
             outcome = "success"
         except ApiError as err:
             outcome = err.outcome
+            _log_failure(err, "request %s failed: %s", request_id)
             return err.response(headers)
         except Exception:
             outcome = "server_error"
