@@ -66,6 +66,9 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     keepalive_timeout_s: float = 5.0
     max_connections: int = 4096
+    # A request's headers past this many bytes get 431 and a close (httptools buffers them
+    # without limit). nginx allows 4 x 8 KiB, Node 16 KiB; 64 KiB leaves room for long tokens.
+    max_header_bytes: int = 64 * 1024
     tls: TLSConfig = field(default_factory=TLSConfig)  # verify workers over TLS (ca_file)
     # GetLoad refresh period: feeds least_load / cache_aware and GET /workers.
     load_interval_s: float = 0.5
@@ -124,6 +127,7 @@ class GatewayConfig:
             "cache_aware_max_pages",
             "max_queued_requests",
             "max_connections",
+            "max_header_bytes",
         ):
             if getattr(self, name) < 1:
                 raise GatewayConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")

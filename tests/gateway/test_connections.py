@@ -139,3 +139,30 @@ def test_connections_past_the_bound_get_503(gateway_url: str) -> None:
     while _complete(gateway_url) != 200:  # served again once the sockets are gone
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def _answer(url: str, raw: bytes) -> bytes:
+    """What the gateway answers to `raw` (sent whole) before closing the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(raw)
+        got = _closed_by_peer(s, 5.0)
+    assert got is not None, "the gateway kept the connection open"
+    return got
+
+
+def test_oversized_headers_get_431_and_close(gateway_url: str) -> None:
+    # httptools buffers a header without bound: 146 MB sent in 8 s grew the gateway by 83 MB
+    # before the header deadline struck, and max_connections such sockets would exhaust memory
+    got = _answer(gateway_url, b"GET /health HTTP/1.1\r\nHost: gw\r\nX-A: "
+                  + b"a" * (256 * 1024) + b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 431 "), got[:80]
+    assert b'"type": "invalid_request_error"' in got and b"max_header_bytes" in got
+    assert _complete(gateway_url) == 200
+
+
+def test_unparseable_request_gets_an_openai_shaped_400(gateway_url: str) -> None:
+    got = _answer(gateway_url, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, head
+    assert b'"type": "invalid_request_error"' in body and b'"code": "invalid_http"' in body
