@@ -248,6 +248,9 @@ class ChatCompletionRequest(_SamplingFields):
 INT32_MAX = 2**31 - 1  # the wire's int32 fields (max_tokens, top_k, token ids)
 FLOAT32_MAX = 3.4028234663852886e38  # the wire's float fields: past it a value reads as inf
 MAX_N = 128  # choices per request: OpenAI's bound (each choice is a worker request)
+# Stop strings per request. Every one is searched at every token of every choice on the
+# gateway's event loop, so the count bounds that work; OpenAI and TGI allow 4, vLLM no bound.
+MAX_STOP = 64
 # A repetition penalty divides the positive logits of repeated tokens: past 1e-30 or so (1e-39,
 # a float32 denormal) they overflow to inf and the worker's softmax gives NaN (a 502, a null
 # logprob). No penalty anyone means is near the bound.
@@ -329,6 +332,9 @@ def check_sampling(req: _SamplingFields) -> None:
         raise BadRequest(f"n must be >= 1, got {req.n}", param="n")
     if req.n > MAX_N:
         raise BadRequest(f"n must be <= {MAX_N}, got {req.n}", param="n")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        raise BadRequest(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}",
+                         param="stop")
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
         v = getattr(req, name)

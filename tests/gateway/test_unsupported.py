@@ -34,6 +34,10 @@ REFUSED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     (CHAT, {"n": 129}, "n"),
     (COMPLETION, {"n": 2, "best_of": 1}, "best_of"),
     (CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    # 350000 stop strings in a 4 MB body, n=8, 20 tokens: 14 s of the gateway's event loop
+    # (every stop is searched at every token of every choice), other clients stalled 2 s
+    (COMPLETION, {"stop": [f"s{i}" for i in range(65)]}, "stop"),
+    (CHAT, {"stop": [f"s{i}" for i in range(65)]}, "stop"),
 ]
 
 ACCEPTED: list[tuple[dict[str, Any], dict[str, Any]]] = [
@@ -44,6 +48,7 @@ ACCEPTED: list[tuple[dict[str, Any], dict[str, Any]]] = [
     (CHAT, {"stream": True, "stream_options": {"include_usage": True}}),
     (CHAT, {"logprobs": True, "top_logprobs": 2}),
     (CHAT, {"top_logprobs": 0}),
+    (COMPLETION, {"stop": [f"s{i}" for i in range(64)]}),
 ]
 
 
