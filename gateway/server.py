@@ -67,6 +67,9 @@ def run_gateway(config: GatewayConfig) -> None:
         app, host=config.host, port=config.port, loop=loop, access_log=False,
         proxy_headers=False,
         log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+        # uvicorn's loggers go through the root handler above: one line format in lb.log
+        # (its own config printed `INFO:     Started server process` with no time).
+        log_config=None,
         http=guarded_protocol(config.header_timeout_s, config.max_connections,
                               config.max_header_bytes),
         timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]  # float works
