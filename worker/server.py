@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol import tandem_pb2, tandem_pb2_grpc, tls
 from protocol.errors import ERROR_CODE_KEY
@@ -33,6 +33,7 @@ from protocol.identity import model_fingerprint
 from worker.config import WorkerConfig
 from worker.drain import Drainer, Holdings
 from worker.engine import Engine, RequestOutput
+from worker.health import WorkerHealth
 from worker.request import Request
 from worker.roles import attach
 from worker.sampling import SamplingParams, SamplingParamsError
@@ -332,11 +333,10 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
     service = WorkerService(config, drainer)
     drainer = service.drainer
     tandem_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = WorkerHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = _bind(server, config)
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     loop = asyncio.get_running_loop()
     engine: Engine | None = None
     roles: RoleHooks | None = None
@@ -364,7 +364,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
         thread.start()
         service.engine = engine
         if not drainer.draining:
-            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            health_servicer.set(health_pb2.HealthCheckResponse.SERVING)
             shape = engine.kv.shape
             log.info("ready: %s worker on %s (cluster %s, replica %d; %d KV pages of %d tokens "
                      "per DP group, %d groups; KV %s%s)", config.role, address,
@@ -374,7 +374,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
                      f", K/V scales {shape.kv_scales}" if shape.kv_scales else "")
         await _first_of(stop, drainer.requested)
         if not stop.is_set():
-            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            health_servicer.set(health_pb2.HealthCheckResponse.NOT_SERVING)
             drain = asyncio.ensure_future(drainer.run(service.holdings, service.abort_all))
             await _first_of(stop, _done_event(drain))
             if not drain.done():  # a second signal: stop now
@@ -383,7 +383,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
                             service.holdings().describe())
     finally:
         t0 = time.monotonic()
-        await health_servicer.enter_graceful_shutdown()
+        health_servicer.stopping()  # NOT_SERVING, and the gateway's health watches end
         await server.stop(grace=2.0)
         t1 = time.monotonic()
         loop_stop.set()

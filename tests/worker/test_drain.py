@@ -184,3 +184,21 @@ def test_a_drain_deadline_says_so_on_the_session_stream(make_worker) -> None:
     assert end.finish_reason == "abort" and end.status_code == 0
     assert "drain timed out after 0.05 s" in end.error, end
     s.close()
+
+
+def test_a_health_watch_ends_when_the_worker_stops(make_worker, caplog) -> None:
+    """A gateway watches each worker's health for as long as it lives. When the worker drains
+    and exits, the Watch stream tells NOT_SERVING and then ends with OK: before, the server's
+    stop cancelled it (grpc logged an ERROR traceback, 'Exception not handled ...
+    CancelledError') and waited out its 2 s grace for it."""
+    w = make_worker()
+    watch = w.health.Watch(health_pb2.HealthCheckRequest())
+    seen = [health_pb2.HealthCheckResponse.ServingStatus.Name(next(watch).status)]
+    t0 = time.monotonic()
+    w.stub.Drain(tandem_pb2.DrainRequest(reason="test"))
+    seen += [health_pb2.HealthCheckResponse.ServingStatus.Name(m.status) for m in watch]
+    assert seen == ["SERVING", "NOT_SERVING"]  # and the stream ended without an error
+    w.thread.join(timeout=20)
+    assert not w.thread.is_alive() and not w.errors
+    assert time.monotonic() - t0 < 1.9, "the stop waited for a call still open"
+    assert "Exception not handled" not in caplog.text
