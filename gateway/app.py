@@ -41,7 +41,7 @@ from gateway.parsers import (
     detect_tool_call_parser,
 )
 from gateway.pool import Worker, WorkerPool
-from gateway.request_body import validation_error
+from gateway.request_body import BodyBudget, validation_error
 from gateway.routing import CacheAware, LeastLoad, Policy, RoundRobin
 from gateway.sampling_defaults import describe, load_sampling_defaults
 from gateway.serving import GenerationHandler
@@ -96,6 +96,7 @@ class Gateway:
         self._dispatcher: Dispatcher | None = None
         self.created = int(time.time())
         self._key = config.api_key.encode()
+        self.body_budget = BodyBudget(config.max_body_buffer_bytes)
 
     async def start(self) -> None:
         cfg = self.config
@@ -162,6 +163,7 @@ class Gateway:
             parsers=self.parsers,
             sampling_defaults=self.sampling_defaults,
             eos_token_ids=frozenset(e for i in infos for e in i.eos_token_ids),
+            body_budget=self.body_budget,
         )
 
     def model_name(self) -> str:

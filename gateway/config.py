@@ -50,6 +50,10 @@ class GatewayConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     # A request body must arrive within this (a slow-loris client gets 408, not a held slot).
     body_timeout_s: float = 30.0
+    # Bytes of request bodies being read at once, over all connections: past it a body gets 503
+    # + Retry-After (else the bound was max_connections x max_request_bytes, 16 GiB by default,
+    # for clients that send most of a body and stall). 64 full-size bodies in flight.
+    max_body_buffer_bytes: int = 256 * 1024 * 1024
     retry_before_first_token: bool = True
     # Partial failure (docs/reliability.md). After the first token, a stream with no token for
     # this long ends with an error event and an Abort to both legs, and the worker is marked
@@ -143,6 +147,12 @@ class GatewayConfig:
         if self.generation_config not in (AUTO, NONE):
             raise GatewayConfigError(f"{prefix}.generation_config must be auto | none, got "
                                      f"{self.generation_config!r}")
+        if self.max_body_buffer_bytes < self.max_request_bytes:
+            raise GatewayConfigError(
+                f"{prefix}.max_body_buffer_bytes ({self.max_body_buffer_bytes}) must be >= "
+                f"{prefix}.max_request_bytes ({self.max_request_bytes}): else no full-size body "
+                "could ever be read"
+            )
         if self.admin_key and self.admin_key == self.api_key:
             raise GatewayConfigError(
                 f"{prefix}.admin_key must differ from {prefix}.api_key: "

@@ -96,6 +96,18 @@ class NoHealthyWorker(ApiError):
     type = "service_unavailable"
 
 
+class BodyBufferFull(ApiError):
+    """The bodies being read at once would pass `gateway.max_body_buffer_bytes` (503). The
+    connection closes: the rest of a refused body is not worth reading."""
+
+    status = 503
+    type = "service_unavailable"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {**super().headers, "connection": "close"}
+
+
 class QueueFull(ApiError):
     """The gateway's queue of requests waiting for a decode seat is full (429)."""
 

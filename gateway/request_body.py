@@ -1,7 +1,8 @@
 """The body of a generation request: read, parse, validate; each failure a clear 4xx.
 
-`read_body` caps the size while reading (413), bounds the wait for the whole body (408) and
-refuses a Content-Encoding (415: bodies are read as they come, uncompressed JSON);
+`read_body` caps the size while reading (413), bounds the wait for the whole body (408),
+bounds the bytes of all bodies being read at once (`BodyBudget`, 503) and refuses a
+Content-Encoding (415: bodies are read as they come, uncompressed JSON);
 `parse_request` turns the JSON into the endpoint's pydantic model, with malformed JSON, lone
 surrogates and wrong types as 400s that name the field (OpenAI's words for an unknown one).
 """
@@ -17,16 +18,46 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.errors import (
+    ApiError,
+    BadRequest,
+    BodyBufferFull,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from gateway.http_protocol import body_arrived
 from gateway.stalls import _timeout
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # cheap pre-check before the exact one
 
 
-async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
-    """The request body, refused with 413 past `limit` bytes (checked while reading) and with
-    408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot).
+class BodyBudget:
+    """Bytes of the request bodies being read at once, over all connections (one a gateway).
+    Without it, clients that send most of a body and stall held max_connections x
+    max_request_bytes until their body deadline."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise BodyBufferFull(f"the gateway is reading {self.limit} bytes of request "
+                                 "bodies (gateway.max_body_buffer_bytes); retry shortly",
+                                 code="body_buffer_full", retry_after_s=1)
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0,
+                    budget: BodyBudget | None = None) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (checked while reading), with
+    408 when it has not fully arrived after `timeout_s` (slow-loris clients hold no slot) and
+    with 503 when the bodies being read would pass `budget`.
     A body the server already holds whole (the usual case: it came with the headers) is taken
     without arming the deadline, which costs ~9 us a request on the dev box."""
     encoding = raw_header(request, b"content-encoding")
@@ -50,7 +81,7 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
                                   "(gateway.max_request_bytes)")
         return body
     parts: list[bytes] = []
-    size = 0
+    size = held = 0
     try:
         async with _timeout(timeout_s):
             async for chunk in request.stream():
@@ -58,11 +89,17 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
                 if size > limit:
                     raise PayloadTooLarge(f"request body exceeds {limit} bytes "
                                           "(gateway.max_request_bytes)")
+                if budget is not None:
+                    budget.take(len(chunk))
+                    held += len(chunk)
                 parts.append(chunk)
     except (TimeoutError, asyncio.TimeoutError):  # the same class from 3.11 on
         raise RequestTimeout(f"request body incomplete after {timeout_s}s ({size} bytes arrived; "
                              "gateway.body_timeout_s); send the whole body at once",
                              code="body_timeout") from None
+    finally:
+        if budget is not None:  # read (or refused): parsing is quick, the wait is what counts
+            budget.give(held)
     return b"".join(parts)
 
 

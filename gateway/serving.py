@@ -37,7 +37,7 @@ from gateway.openai_types import (
     logit_bias_ids,
 )
 from gateway.output import NO_FINISH, Answer, Assemblers, OutputAssembler, assemblers_for
-from gateway.request_body import parse_request, raw_header, read_body
+from gateway.request_body import BodyBudget, parse_request, raw_header, read_body
 from gateway.session import Output
 from gateway.sse import DisconnectWatcher, SSEResponse
 from gateway.streaming import StreamEvents
@@ -65,7 +65,8 @@ class GenerationHandler:
                  model_name: str, max_model_len: int, vocab_size: int, max_request_bytes: int,
                  body_timeout_s: float = 30.0, parsers: Parsers | None = None,
                  sampling_defaults: dict[str, float] | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 body_budget: BodyBudget | None = None) -> None:
         self.tok = tokenizer
         self.eos_token_ids = eos_token_ids  # the workers' (GetInfo): an output's end, not text
         self.dispatcher = dispatcher
@@ -76,6 +77,7 @@ class GenerationHandler:
         self.vocab_size = vocab_size
         self.max_request_bytes = max_request_bytes
         self.body_timeout_s = body_timeout_s
+        self.body_budget = body_budget  # the gateway's, shared by the handlers it builds
         self.parsers = parsers or Parsers()
         # generation_config.json's values for the sampling fields a request leaves out
         # (gateway/sampling_defaults.py); empty: the API's defaults
@@ -99,7 +101,8 @@ class GenerationHandler:
         request_id = client_id or run_id
         headers = {"x-request-id": request_id}
         try:
-            body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
+            body = await read_body(request, self.max_request_bytes, self.body_timeout_s,
+                                   self.body_budget)
         except ApiError as err:
             self.metrics.requests.labels("client_error").inc()
             return err.response(headers)

@@ -21,6 +21,7 @@ from tests.gateway.gw_tokenizers import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER_S, KEEPALIVE_S, MAX_CONNS = 1.0, 1.0, 600
+BODY_BUFFER = 8 * 1024 * 1024  # two 4 MiB bodies (max_request_bytes) being read at once
 
 GATEWAY = """
 import sys
@@ -30,7 +31,8 @@ port, worker, tok = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 run_gateway(GatewayConfig(port=port, workers=(worker,), model_path=tok, log_level="warning",
                           header_timeout_s=float(sys.argv[4]),
                           keepalive_timeout_s=float(sys.argv[5]),
-                          max_connections=int(sys.argv[6])))
+                          max_connections=int(sys.argv[6]),
+                          max_body_buffer_bytes=int(sys.argv[7])))
 """
 
 
@@ -41,7 +43,8 @@ def gateway_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     worker = subprocess.Popen([sys.executable, "-m", "bench.mock_worker", "--grpc-port",
                                str(wport)], cwd=ROOT)
     gw = subprocess.Popen([sys.executable, "-c", GATEWAY, str(gport), f"127.0.0.1:{wport}",
-                           str(tok), str(HEADER_S), str(KEEPALIVE_S), str(MAX_CONNS)], cwd=ROOT)
+                           str(tok), str(HEADER_S), str(KEEPALIVE_S), str(MAX_CONNS),
+                           str(BODY_BUFFER)], cwd=ROOT)
     url = f"http://127.0.0.1:{gport}"
     try:
         deadline = time.monotonic() + 60
@@ -166,3 +169,26 @@ def test_unparseable_request_gets_an_openai_shaped_400(gateway_url: str) -> None
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, head
     assert b'"type": "invalid_request_error"' in body and b'"code": "invalid_http"' in body
+
+
+def test_bodies_held_unfinished_are_bounded_in_all(gateway_url: str) -> None:
+    # Each unfinished body was buffered up to max_request_bytes until body_timeout_s: 400
+    # sockets with 4 MB of a body each grew the gateway by 1.3 GB (max_connections x 4 MiB,
+    # 16 GiB by default, was the bound). Past max_body_buffer_bytes in all: 503 and Retry-After.
+    host, port = gateway_url.removeprefix("http://").split(":")
+    part = b'{"prompt": "' + b"a" * (3 * 1024 * 1024)
+    held = []
+    for _ in range(3):  # 9 MiB of bodies being read, past the 8 MiB bound
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (4 * 1024 * 1024, part))
+        held.append(s)
+    try:
+        answers = [_closed_by_peer(s, 1.5) for s in held]
+        busy = [a for a in answers if a is not None and a.startswith(b"HTTP/1.1 503 ")]
+        assert len(busy) >= 1, [a[:60] if a else a for a in answers]
+        assert b"max_body_buffer_bytes" in busy[0] and b"retry-after: 1" in busy[0].lower()
+    finally:
+        for s in held:
+            s.close()
+    assert _complete(gateway_url) == 200
