@@ -99,12 +99,15 @@ class GatewaySettings:
     request_timeout_s: float = 600.0
     first_token_timeout_s: float = 60.0
     max_request_bytes: int = 4 * 1024 * 1024
+    # bodies being read at once, over all connections (past it: 503 + Retry-After)
+    max_body_buffer_bytes: int = 256 * 1024 * 1024
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
     retry_before_first_token: bool = True
     stream_stall_timeout_s: float = 10.0  # after the first token: no token this long = error
     max_queued_requests: int = 1024  # held at the gateway while decode is full (then 429)
     queue_timeout_s: float = 300.0  # the longest such wait (then 503)
     header_timeout_s: float = 10.0  # request headers must arrive within this (else 408, close)
+    max_header_bytes: int = 64 * 1024  # a request's headers past this: 431 and a close
     keepalive_timeout_s: float = 5.0  # an idle kept-alive connection closes after this
     max_connections: int = 4096  # open at once; past it a new connection gets 503
     load_interval_s: float = 0.5  # GetLoad refresh period (routing and GET /workers)
