@@ -10,6 +10,7 @@ health and load tasks). Every error leaves as `{"error": {...}}` with a real sta
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -96,15 +97,26 @@ class Gateway:
         self._dispatcher: Dispatcher | None = None
         self.created = int(time.time())
         self._key = config.api_key.encode()
+        self._stop = asyncio.Event()  # a stop signal came: the start-up wait ends at once
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.body_budget = BodyBudget(config.max_body_buffer_bytes)
+
+    def stop_asked(self) -> None:
+        """A stop signal (gateway/server.py): a start-up wait for workers ends now. Called
+        from the signal handler, so the event is set on the loop's own turn."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
 
     async def start(self) -> None:
         cfg = self.config
         pool = self.pool = WorkerPool(cfg)
         pool.on_load(self._on_load)
         pool.on_remove(self._on_remove)
+        self._loop = asyncio.get_running_loop()
         await pool.start()
-        if cfg.startup_wait_s > 0 and not await pool.wait_ready(cfg.startup_wait_s):
+        if cfg.startup_wait_s > 0 and not await self._wait_ready(pool, cfg.startup_wait_s):
+            if self._stop.is_set():
+                return  # the server stops next: no warning, no dispatcher
             log.warning(
                 "gateway: not every pool has a healthy worker after %.0f s; serving anyway "
                 "(/health answers 503 until one is)",
@@ -117,6 +129,18 @@ class Gateway:
                 policy_name = cfg.prefill_policy
             policies[name] = make_policy(policy_name, cfg, self._page_size())
         self._dispatcher = Dispatcher(cfg, pool, policies, self.metrics)
+
+    async def _wait_ready(self, pool: WorkerPool, timeout_s: float) -> bool:
+        """The pool's readiness, or False at once when a stop signal comes first."""
+        ready = asyncio.ensure_future(pool.wait_ready(timeout_s))
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((ready, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # either way (a cancelled start too), nothing is left waiting
+            stop.cancel()
+            if not ready.done():
+                ready.cancel()  # the stop came first
+        return ready.done() and not ready.cancelled() and ready.result()
 
     async def stop(self) -> None:
         if self.pool is not None:

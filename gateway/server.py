@@ -13,7 +13,8 @@ import resource
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 import uvicorn
 
@@ -26,13 +27,23 @@ log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a stop signal ends `run()` normally, and the startup heap
-    is frozen once the app has started (protocol/gc_heap.py).
+    """uvicorn's server, except that a stop signal ends `run()` normally (and the app's wait
+    for its workers at start-up, which uvicorn would sit out), and the startup heap is frozen
+    once the app has started (protocol/gc_heap.py).
 
     uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die
     with status 143/130; a gateway asked to stop has done nothing wrong, and launchers read a
     non-zero status as a crash.
     """
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] = lambda: None
+                 ) -> None:
+        super().__init__(config)
+        self._on_stop = on_stop  # the app's start-up wait for workers ends on a stop signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._on_stop()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)  # the app's lifespan started: pools, tokenizer, routes
@@ -74,7 +85,7 @@ def run_gateway(config: GatewayConfig) -> None:
                               config.max_header_bytes),
         timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]  # float works
     )
-    _Server(server_config).run()
+    _Server(server_config, on_stop=app.state.gateway.stop_asked).run()
 
 
 def _raise_fd_limit(want: int) -> None:

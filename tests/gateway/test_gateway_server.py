@@ -426,3 +426,31 @@ def test_the_gateway_freezes_its_heap_once_its_app_has_started(
 
     asyncio.run(asyncio.wait_for(run(), 20))
     assert seen == ["lifespan started", "frozen"]
+
+
+def test_sigterm_during_the_startup_wait_stops_the_gateway(tok_dir, tmp_path) -> None:
+    """A gateway waiting for its workers at start-up (gateway.startup_wait_s) stops on SIGTERM
+    at once, as a pod being deleted must: it went on waiting out the 30 s first (a Kubernetes
+    grace period is 30 s by default, then SIGKILL)."""
+    port, nobody = free_port(), free_port()  # no worker answers there
+    code = (
+        "from gateway.config import GatewayConfig; from gateway.server import run_gateway; "
+        f"run_gateway(GatewayConfig(port={port}, workers=('127.0.0.1:{nobody}',), "
+        f"model_path={str(tok_dir)!r}, startup_wait_s=30, log_level='info'))"
+    )
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while "Waiting for application startup" not in log.read_text():  # in the wait
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
