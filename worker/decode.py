@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from transfer.config import TransferConfig
 from transfer.manager import KVReceiver, KVTransferManager
 from transfer.room import RoomRequestError, RoomState, Side
 from worker.cache_manager import CacheHold
@@ -68,7 +69,7 @@ class _Quarantine:
 
 class DecodeRole:
     def __init__(self, manager: KVTransferManager, *, page_size: int,
-                 hold_every_s: float = 10.0 / 3) -> None:
+                 hold_every_s: float = TransferConfig.bootstrap_timeout_s / 3) -> None:
         self.manager = manager
         self.page_size = page_size
         self.hold_every_s = hold_every_s  # HoldRoom for waiting rooms: a third of their deadline
