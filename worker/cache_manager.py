@@ -11,7 +11,8 @@ cache (through `FullPages`) and one manager per other cache-group kind the model
   `cache_computed`, `free`;
 - role side (through the scheduler): `reserve` (decode: every holding a room lands in, all or
   nothing), `holdings` (prefill: what a room ships), `hold` / `release_hold` (decode's
-  quarantine of an ended room's memory while a late write may still land);
+  quarantine of an ended room's memory while a late write may still land), `hold_pages`
+  (prefill: pages a room's queued writes will read);
 - `stats` and `assert_drained` for load reports and tests.
 
 Every holding is taken under the request's id in the group's ledger and given back exactly once
@@ -245,6 +246,12 @@ class KVCacheManager:
         if self.state is not None and held.state_slot >= 0:
             self.state.pool.share([held.state_slot], holder)
         return CacheHold(holder, held.page_table, held.window_ring, held.state_slot)
+
+    def hold_pages(self, pages: list[int], holder: str) -> CacheHold:
+        """Keep some of a request's full pages under `holder` (prefill: pages a room's sender
+        reads later, which a preemption must not hand to another request meanwhile)."""
+        self.full.pool.share(pages, holder)
+        return CacheHold(holder, list(pages), [], -1)
 
     def release_hold(self, hold: CacheHold) -> None:
         self.full.pool.release(hold.pages, hold.holder)

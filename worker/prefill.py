@@ -6,7 +6,9 @@ Lifecycle of one request on a prefill worker:
    joins the waiting queue like any other.
 2. The scheduler computes the prompt in chunks; the prefix cache may skip cached pages.
    With `transfer.layerwise_interval = N > 0`, every N chunks the pages the prompt has filled
-   so far are shipped while the next chunks compute.
+   so far are shipped while the next chunks compute. Those pages are held for the room
+   (`send:<request id>`) until it ends: the writes read them later, and a preemption meanwhile
+   must not let another request overwrite them.
 3. The last chunk samples the first token. The request leaves the running batch (the
    scheduler marks it TRANSFERRING) and its remaining pages, the first token and its logprobs
    are shipped — for a hybrid model
@@ -16,7 +18,7 @@ Lifecycle of one request on a prefill worker:
    (the scheduler's bounded replay), so the ring it ships is exact.
 4. `poll` (every step) sees the room end: success → the request finishes and its pages go back
    to the pool through the prefix cache; failure or abort → the request fails with the room's
-   reason. Pages are freed exactly once, here or by an abort.
+   reason. Pages are freed exactly once, here or by an abort, and the room's holds with them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import grpc
 
 from transfer.manager import KVSender, KVTransferManager
 from transfer.room import RoomRequestError, RoomState, Side
+from worker.cache_manager import CacheHold
 from worker.request import Request, RequestStatus, room_error_code
 from worker.scheduler import Scheduler
 
@@ -42,6 +45,12 @@ class _Room:
     sched: Scheduler  # of the DP group computing the prompt
     pages_sent: int = 0  # leading pages of page_table already handed to the sender
     chunks_since_send: int = 0
+    holds: list[CacheHold] = dataclasses.field(default_factory=list)  # layer-wise pages sent
+
+    def release(self) -> None:
+        for hold in self.holds:
+            self.sched.release_hold(hold)
+        self.holds.clear()
 
 
 def _feature(request: Request) -> list[float] | None:
@@ -107,8 +116,9 @@ class PrefillRole:
             room.chunks_since_send += 1
             full = req.num_computed_tokens // self.page_size
             if room.chunks_since_send >= self.layerwise_interval and full > room.pages_sent:
-                room.sender.send(req.page_table[room.pages_sent : full],
-                                 start_page=room.pages_sent, last=False)
+                pages = req.page_table[room.pages_sent : full]
+                room.holds.append(room.sched.hold_pages(pages, f"send:{req.request_id}"))
+                room.sender.send(pages, start_page=room.pages_sent, last=False)
                 room.pages_sent = full
                 room.chunks_since_send = 0
 
@@ -120,6 +130,7 @@ class PrefillRole:
                 continue
             req = room.request
             del self._rooms[req.request_id]
+            room.release()
             req.transfer_stats = dataclasses.asdict(room.sender.stats)
             error = room.sender.error or ""
             if req.status is RequestStatus.TRANSFERRING:
@@ -150,6 +161,7 @@ class PrefillRole:
             return
         del self._by_room[room.request.room]
         room.sender.abort(reason)
+        room.release()
         if room.request.status is RequestStatus.TRANSFERRING:  # out of the scheduler's queues
             room.sched.finish(room.request, RequestStatus.FINISHED_ABORTED, reason, "unavailable")
 

@@ -435,6 +435,10 @@ class Scheduler:
         """Keep an ended request's memory held under `holder` (decode's quarantine)."""
         return self.cache.hold(req, holder)
 
+    def hold_pages(self, pages: list[int], holder: str) -> CacheHold:
+        """Keep pages a room's writes will read under `holder` (prefill, layer-wise)."""
+        return self.cache.hold_pages(pages, holder)
+
     def release_hold(self, hold: CacheHold) -> None:
         self.cache.release_hold(hold)
 
