@@ -19,6 +19,7 @@ from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
 from gateway.routing import CacheAware, Policy
 from gateway.stalls import StallWatch
+from protocol import bootstrap_addr
 
 
 class Dispatcher:
@@ -42,18 +43,19 @@ class Dispatcher:
     def new_room(self, prefill: Worker, prompt_ids: Sequence[int]) -> int:
         """A room id for a PD attempt on `prefill`; never 0, which means "no room" on the wire.
 
-        A prefill worker with attention DP lists its groups' bootstrap addresses separated by
-        ';' and runs room r in group r % groups (decode registers there too), each group with
-        its own prefix cache: the room is drawn in the group the cache-aware policy remembers
-        for the prompt's prefix on that worker (a new prefix: the groups in turn)."""
-        base = next(self._rooms)
-        groups = prefill.info.bootstrap_addr.count(";") + 1 if prefill.info is not None else 1
+        A prefill worker with attention DP lists its groups' bootstrap addresses
+        (protocol/bootstrap_addr.py) and runs room r in group r % groups (decode registers
+        there too), each group with its own prefix cache: the room is drawn in the group the
+        cache-aware policy remembers for the prompt's prefix on that worker (a new prefix: the
+        groups in turn)."""
+        draw = next(self._rooms)
+        groups = bootstrap_addr.num_groups(prefill.info.bootstrap_addr) if prefill.info else 1
         if groups == 1:
-            return base % (1 << 64) or 1
+            return bootstrap_addr.room_in_group(draw, 0, 1)
         policy = self.policies["prefill"]
-        group = policy.group(prefill.url, prompt_ids, groups, base % groups) \
-            if isinstance(policy, CacheAware) else base % groups
-        return (base * groups + group) % (1 << 64) or groups
+        group = policy.group(prefill.url, prompt_ids, groups, draw % groups) \
+            if isinstance(policy, CacheAware) else draw % groups
+        return bootstrap_addr.room_in_group(draw, group, groups)
 
     def _healthy(self, pool: str, exclude: set[str]) -> list[Worker]:
         cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]

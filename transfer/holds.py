@@ -20,16 +20,9 @@ import grpc
 
 from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
+from protocol.bootstrap_addr import room_ranks
 
 log = logging.getLogger(__name__)
-
-
-def prefill_addrs(bootstrap_addr: str, room: int) -> list[str]:
-    """The bootstrap addresses of `room`'s prefill ranks, from a Generate's bootstrap_addr:
-    one address, or every TP rank's comma-separated in rank order; a prefill worker with
-    attention DP lists its groups separated by ';' and keeps room r in group r % (groups)."""
-    groups = bootstrap_addr.split(";")
-    return [a.strip() for a in groups[room % len(groups)].split(",") if a.strip()]
 
 
 class RoomHolds:
@@ -52,7 +45,7 @@ class RoomHolds:
 
     def _hold_all(self, rooms: list[tuple[int, str]]) -> None:
         for room, bootstrap_addr in rooms:
-            addrs = prefill_addrs(bootstrap_addr, room)
+            addrs = room_ranks(bootstrap_addr, room)
             if addrs:
                 self._hold_one(room, addrs)
 

@@ -21,6 +21,7 @@ import grpc
 
 from protocol import bootstrap_pb2 as pb
 from protocol import bootstrap_pb2_grpc as pb_grpc
+from protocol.bootstrap_addr import room_ranks
 from protocol.tls import TLSConfig, add_port
 from protocol.tls import channel as tls_channel
 from transfer.backend import TransferBackend, TransferFaults
@@ -28,7 +29,7 @@ from transfer.bootstrap import BootstrapService
 from transfer.config import TransferConfig, TransferConfigError
 from transfer.contract import ContractError, KVLayout, LayoutContract
 from transfer.factory import make_backend
-from transfer.holds import RoomHolds, prefill_addrs
+from transfer.holds import RoomHolds
 from transfer.lanes import CORRUPT_BYTES, PeerState, Writer, WriterContext, scratch_buffer
 from transfer.receiver import KVReceiver
 from transfer.room import (
@@ -316,10 +317,10 @@ class KVTransferManager:
         `state_slot`: the room's recurrent-state slot (models with a recurrent group); prefill
         writes the state after the prompt into it.
 
-        `bootstrap_addr`: the prefill worker's gRPC address(es), see holds.prefill_addrs; with
-        prefill TP > 1 one address will do (the ranks' arrive in ACCEPTED).
+        `bootstrap_addr`: the prefill worker's gRPC address(es) (protocol/bootstrap_addr.py);
+        with prefill TP > 1 one address will do (the ranks' arrive in ACCEPTED).
         """
-        addrs = prefill_addrs(bootstrap_addr, room)
+        addrs = room_ranks(bootstrap_addr, room)
         if not addrs:
             raise NoBootstrapAddrError(
                 f"room {room:#x}: bootstrap_addr is empty; pass the prefill worker's host:port"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.bootstrap_addr import group_of
 from worker.cache_groups import WindowSpec
 from worker.cache_layout import kv_shape, max_model_len, state_slots
 from worker.cache_manager import KVCacheManager
@@ -335,8 +336,8 @@ class Engine:
     def scheduler_for(self, request: Request) -> Scheduler:
         """The scheduler of the DP group a request lives in, chosen at its first call and kept.
 
-        Prefill puts room r in group r % dp_size, the rule decode uses to pick which of the
-        prefill's groups to register with (transfer/manager.py); elsewhere the group holding
+        Prefill puts room r in group r % dp_size (protocol/bootstrap_addr.py), the rule decode
+        uses to pick which of the prefill's groups to register with; elsewhere the group holding
         the request's prefix, within a load bound (worker/dp_groups.py). Without DP it is the
         one scheduler.
         """
@@ -345,7 +346,7 @@ class Engine:
         group = self._group.get(request.request_id)
         if group is None:
             if self.config.role == "prefill":
-                group = request.room % len(self.schedulers)
+                group = group_of(request.room, len(self.schedulers))
             else:
                 group = pick_group(self.schedulers, request.all_token_ids())
             self._group[request.request_id] = group

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from protocol.bootstrap_addr import join
 from transfer.manager import KVTransferManager
 from transfer.room import Room, RoomExistsError, RoomState, RoomStats, Side, TransferTotals
 from worker.config import WorkerConfig
@@ -52,7 +53,7 @@ def exchange_bootstrap_addrs(channel: StepChannel, mine: str, tp_size: int) -> s
     addrs = [bytes(v[1:]).decode() for v in channel.all_gather_lists(pack_str(mine))]
     if not all(addrs):
         return ""
-    return ";".join(",".join(addrs[g : g + tp_size]) for g in range(0, len(addrs), tp_size))
+    return join([addrs[g : g + tp_size] for g in range(0, len(addrs), tp_size)])
 
 
 @dataclass
