@@ -51,7 +51,10 @@ class ApiError(Exception):
 
     @property
     def outcome(self) -> str:
-        """The request's outcome label in the metrics (the client's fault, or ours)."""
+        """The request's outcome label in the metrics: refused for load (429, a full queue or
+        a worker out of room: retry later), the client's mistake (4xx), or ours (5xx)."""
+        if self.status == 429:
+            return "rejected"
         return "client_error" if self.status < 500 else "server_error"
 
     @property

@@ -48,7 +48,7 @@ class Metrics:
         # Changed once or more per request: loop-only collectors, no lock per change.
         self.requests = LoopCounter("tandem_requests", "Finished requests by outcome",
                                     ("outcome",))
-        for outcome in ("success", "client_error", "server_error", "aborted"):
+        for outcome in ("success", "client_error", "rejected", "server_error", "aborted"):
             self.requests.labels(outcome)
         self.prompt_tokens = LoopCounter("tandem_prompt_tokens",
                                          "Prompt tokens of served requests")

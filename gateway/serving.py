@@ -116,7 +116,7 @@ class GenerationHandler:
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s,
                                    self.body_budget)
         except ApiError as err:
-            self.metrics.requests.labels("client_error").inc()
+            self.metrics.requests.labels(err.outcome).inc()
             return err.response(headers)
         except ClientDisconnect:  # nothing started on the workers; not an error of ours
             self.metrics.requests.labels("aborted").inc()

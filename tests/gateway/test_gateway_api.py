@@ -380,6 +380,9 @@ async def test_worker_error_codes(tok_dir, code, status):
         health = (await c.get("/workers")).json()[0]["healthy"]
         # a client error never counts against the worker; UNAVAILABLE takes it out at once
         assert health is (code != grpc.StatusCode.UNAVAILABLE)
+        # overload (429) is neither the client's mistake nor our failure: its own outcome
+        outcome = {400: "client_error", 429: "rejected"}.get(status, "server_error")
+        assert f'tandem_requests_total{{outcome="{outcome}"}} 2.0' in (await c.get("/metrics")).text
 
 
 async def test_no_healthy_worker_503(tok_dir, caplog):

@@ -254,7 +254,7 @@ class Faults:
     empty_200: int
     hung: int
     metrics_success: float  # the gateway's tandem_requests_total{outcome="success"} delta
-    metrics_errors: float  # client_error + server_error delta
+    metrics_errors: float  # client_error + rejected + server_error delta
     statuses: dict[int, int]
 
 
@@ -262,14 +262,14 @@ async def faults_probe(url: str, model: str, n: int = 300, concurrency: int = 16
     """`n` requests (half streamed) through a cluster whose KV writes fail at random."""
     m0 = metric(url, "tandem_requests_total", 'outcome="success"')
     e0 = sum(metric(url, "tandem_requests_total", f'outcome="{o}"')
-             for o in ("client_error", "server_error"))
+             for o in ("client_error", "rejected", "server_error"))
     bodies = [payload(_arith(i, i) + "b?", 6, i % 2 == 0, model) for i in range(n)]
     calls = await burst(url, bodies, concurrency, 60.0)
     statuses: dict[int, int] = {}
     for x in calls:
         statuses[x.status] = statuses.get(x.status, 0) + 1
     e1 = sum(metric(url, "tandem_requests_total", f'outcome="{o}"')
-             for o in ("client_error", "server_error"))
+             for o in ("client_error", "rejected", "server_error"))
     return Faults(ok=sum(x.ok for x in calls), errors=sum(x.failed for x in calls),
                   empty_200=sum(x.empty_abort for x in calls), hung=sum(x.hung for x in calls),
                   metrics_success=metric(url, "tandem_requests_total", 'outcome="success"') - m0,
