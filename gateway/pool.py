@@ -439,8 +439,8 @@ class WorkerPool:
             except grpc.aio.AioRpcError as exc:  # unreachable or restarting: watch again soon
                 log.debug("health watch on %s ended: %s", w.url, exc.code().name)
             if w.healthy:  # its checks keep their count: one good answer brings it back
-                log.info("worker %s (%s): connection lost; out until a check reads who "
-                         "answers there", w.url, w.pool)
+                log.warning("worker %s (%s): connection lost; out until a check reads who "
+                            "answers there", w.url, w.pool)
                 self._set_health(w, False, quiet=True)
             w.recheck.set()
             await asyncio.sleep(self.config.health_interval_s)

@@ -70,7 +70,10 @@ async def test_the_same_worker_back_on_its_address_is_checked_before_it_serves(t
                 assert loop.time() < deadline, f"the new process is not checked: {ws}"
                 await asyncio.sleep(0.02)
             await until(c, good.url, "serving", timeout=10.0)
-            assert f"worker {good.url} (workers): connection lost" in caplog.text
+            # a worker that vanishes without saying NOT_SERVING first (killed, crashed) is an
+            # operator's concern: WARNING (a drained one says so, and its loss is quiet)
+            assert any(r.levelname == "WARNING" and f"worker {good.url} (workers): connection "
+                       "lost" in r.getMessage() for r in caplog.records), caplog.text
             assert (await gen(c)).status_code == 200 and len(back.requests) == 1
         finally:
             await back.stop()
