@@ -41,12 +41,19 @@ def window_layers(spec: ModelSpec, max_len: int) -> tuple[tuple[int, ...], int]:
     return layers, window
 
 
+def prefix_cache_enabled(spec: ModelSpec, config: WorkerConfig) -> bool:
+    """The config asks for the prefix cache and the model's cached pages are exact for another
+    request (not with dynamic NTK RoPE)."""
+    return config.cache.enable_prefix_cache and spec.prefix_cache_exact
+
+
 def state_slots(spec: ModelSpec, config: WorkerConfig) -> tuple[int, int]:
     """(request slots, snapshot slots) of a model with recurrent layers; (0, 0) without."""
     if not spec.state_layers:
         return 0, 0
     seats = config.scheduler.max_num_seqs
-    snapshots = seats if config.cache.enable_prefix_cache else 0  # one per recent prompt
+    # one snapshot per recent prompt, for prefix-cache hits only
+    snapshots = seats if prefix_cache_enabled(spec, config) else 0
     return STATE_SLOTS_PER_SEQ * seats, snapshots
 
 

@@ -20,7 +20,7 @@ import torch
 
 from protocol.bootstrap_addr import group_of
 from worker.cache_groups import WindowSpec
-from worker.cache_layout import kv_shape, max_model_len, state_slots
+from worker.cache_layout import kv_shape, max_model_len, prefix_cache_enabled, state_slots
 from worker.cache_manager import KVCacheManager
 from worker.config import WorkerConfig
 from worker.dp_groups import pick_group
@@ -140,8 +140,8 @@ class Engine:
         # is recomputed (target and head), as vLLM does for EAGLE.
         drop_last = self.draft_head is not None and self.draft_head.head.needs_hidden
         return KVCacheManager(shape.num_pages, shape.page_size,
-                              prefix_cache=(self.config.cache.enable_prefix_cache
-                                            and self.spec.prefix_cache_exact), window=window,
+                              prefix_cache=prefix_cache_enabled(self.spec, self.config),
+                              window=window,
                               num_window_pages=shape.num_window_pages,
                               num_state_slots=requests, num_state_snapshots=snapshots,
                               hit_drops_last_page=drop_last)
