@@ -59,6 +59,9 @@ class ChatPlan:
     reasoning_parser: str = ""
     starts_in_reasoning: bool = False  # the prompt opened the think block
     parallel_tool_calls: bool = True
+    # tool_choice named one function: OpenAI ends such a turn with finish_reason "stop", not
+    # "tool_calls" (the client asked for that call; vLLM matches it).
+    named_tool_choice: bool = False
     structured: tandem_pb2.StructuredOutput | None = None
     constraint_source: str = ""  # the request field the constraint came from
     # Special tokens the parsers look for: kept when the output is detokenized.
@@ -287,6 +290,11 @@ def _strict_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
                        alone=bool(strict))
 
 
+def _names_a_function(req: ChatCompletionRequest) -> bool:
+    """tool_choice is `{"type": "function", "function": {"name": ...}}`, not a mode string."""
+    return req.tool_choice is not None and not isinstance(req.tool_choice, str)
+
+
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> ChatPlan:
     """Validate the agent fields, render the prompt, and say how to read the output."""
     if not req.messages:
@@ -315,6 +323,8 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
     return ChatPlan(prompt_ids=tok.encode(text, add_special_tokens=False),
                     tool_parser=tool_parser, tool_parameters=params if parse_tools else {},
                     reasoning_parser=parsers.reasoning, starts_in_reasoning=starts,
-                    parallel_tool_calls=req.parallel_tool_calls, structured=structured,
+                    parallel_tool_calls=req.parallel_tool_calls,
+                    named_tool_choice=parse_tools and _names_a_function(req),
+                    structured=structured,
                     constraint_source=constraint.source if constraint is not None else "",
                     keep_token_ids=keep)

@@ -69,6 +69,7 @@ class ChatOutput:
         self._think, self._tools = plan.new_parsers()
         self._tool_parser = plan.tool_parser
         self._parallel = plan.parallel_tool_calls
+        self._named = plan.named_tool_choice
         self.per_token = self._think is not None  # reasoning tokens are counted per token
         self.plain = self._think is None and self._tools is None  # no parser: text is content
         self.has_reasoning_parser = self._think is not None
@@ -123,9 +124,10 @@ class ChatOutput:
 
     def finish_reason(self, worker_reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the turn ended in calls (not when it was cut short:
-        by max_tokens, or by a stop string inside the last call)."""
+        by max_tokens, or by a stop string inside the last call); "stop" when tool_choice
+        named the function (OpenAI answers a forced named call so)."""
         if self.calls and not self.call_cut and (self.stop_now or worker_reason == "stop"):
-            return "tool_calls"
+            return "stop" if self._named else "tool_calls"
         return worker_reason
 
     def message_content(self) -> str | None:
