@@ -167,7 +167,7 @@ def _check_names(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
     for i in named:
         if f"@@tandem-name-{i}@@" not in text:
             role = messages[i]["role"]
-            article = "an" if role[0] in "aeiou" else "a"
+            article = "an" if role == "assistant" else "a"  # "a user", "a tool", "an assistant"
             raise BadRequest(f"messages[{i}].name: this model's chat template does not use "
                              f"{article} {role} message's name, so it would change nothing; "
                              "omit it", param="messages")
