@@ -98,8 +98,7 @@ class _SamplingFields(BaseModel):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def num_top_logprobs(self) -> int:
         """How many alternatives per token to return; -1 when logprobs are off."""
@@ -335,6 +334,9 @@ def check_sampling(req: _SamplingFields) -> None:
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
         raise BadRequest(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}",
                          param="stop")
+    if req.stop == "" or (isinstance(req.stop, list) and "" in req.stop):
+        raise BadRequest("stop cannot contain an empty string (it would match at once); leave "
+                         "it out or send [] for no stop strings", param="stop")
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
         v = getattr(req, name)

@@ -108,6 +108,8 @@ BAD_FIELDS: list[tuple[str, dict[str, object]]] = [
     ("stop-token-ids-huge", {"stop_token_ids": [2**40]}),
     ("stop-token-ids-oov", {"stop_token_ids": [10**8]}),
     ("stop-int", {"stop": 7}),
+    ("stop-empty-string", {"stop": ""}),  # it matches everywhere: vLLM refuses it too
+    ("stop-list-with-an-empty-string", {"stop": [";", ""]}),
     ("stream-string", {"stream": "yes please"}),
     ("stream-options-wrong", {"stream_options": "all"}),
     ("token-ids-negative", {"prompt": [1, -2, 3]}),
