@@ -13,6 +13,7 @@ the field; wrong types are pydantic's errors, mapped to 400 by the app.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from typing import Any, Literal
 
@@ -273,7 +274,8 @@ def check_unsupported(req: _SamplingFields) -> None:
             if getattr(req, name) is not None:
                 raise BadRequest(why, param=name, code="unsupported_parameter")
         if req.modalities is not None and req.modalities != ["text"]:
-            raise BadRequest(f"modalities {req.modalities} is not supported; send [\"text\"]",
+            raise BadRequest(f"modalities {json.dumps(req.modalities)} is not supported; "
+                             'send ["text"]',
                              param="modalities", code="unsupported_parameter")
     if isinstance(req, CompletionRequest):
         if req.suffix:

@@ -91,3 +91,10 @@ def test_min_tokens_error_names_the_limit_the_client_sent(limit: str) -> None:
                                      ChatCompletionRequest))
     assert info.value.param == "min_tokens"
     assert f"<= {limit} (2)" in info.value.message, info.value.message
+
+
+def test_the_refusal_quotes_the_value_as_json() -> None:
+    """The client sent JSON: its value comes back as JSON, not as a Python repr."""
+    with pytest.raises(BadRequest) as info:
+        _check(CHAT, {"modalities": ["text", "audio"]})
+    assert info.value.message.startswith('modalities ["text", "audio"] is not'), info.value.message
