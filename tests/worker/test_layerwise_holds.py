@@ -9,18 +9,11 @@ succeeds. Real transfer manager (fake backend, real gRPC bootstrap), real schedu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 
-import grpc
 import pytest
-import torch
 
-from tests.transfer.fake_backend import FakeBackend
-from tests.transfer.helpers import layout
-from tests.worker.factories import fake_run, make_request, make_scheduler
-from transfer.backend import TransferFaults
-from transfer.config import TransferConfig
-from transfer.manager import KVTransferManager
+from tests.worker.factories import fake_run, make_scheduler
+from tests.worker.roles import prefill_role, with_room
 from worker.prefill import PrefillRole
 from worker.request import Request, RequestStatus
 from worker.scheduler import Scheduler
@@ -29,25 +22,8 @@ from worker.step import SchedulePlan
 
 @pytest.fixture
 def role() -> Iterator[tuple[PrefillRole, str]]:
-    lay = layout(num_pages=64)
-    pool = torch.zeros(lay.pool_bytes, dtype=torch.uint8)
-    mgr = KVTransferManager(TransferConfig(), lay, role="prefill", kv_ptr=pool.data_ptr(),
-                            kv_nbytes=pool.numel(), host="127.0.0.1", model_fingerprint="fp",
-                            model_name="tiny", faults=TransferFaults(), backend=FakeBackend())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    mgr.add_to_server(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    prefill = PrefillRole(mgr, server, page_size=4, layerwise_interval=1)
-    yield prefill, f"127.0.0.1:{port}"
-    prefill.close()
-    del pool
-
-
-def _with_room(n: int, room: int, addr: str) -> Request:
-    req = make_request(max_tokens=3, prompt=[room * 100 + i for i in range(n)])
-    req.room, req.bootstrap_addr = room, addr
-    return req
+    with prefill_role(layerwise_interval=1) as prefill:
+        yield prefill
 
 
 def _preempted_after_two_pages(prefill: PrefillRole, addr: str
@@ -57,7 +33,7 @@ def _preempted_after_two_pages(prefill: PrefillRole, addr: str
     prompt start beside it). Decode never registers, so every write is still queued."""
     sched, _ = make_scheduler(num_pages=8, page_size=4, chunked_prefill_size=8)
     sched.hooks = prefill
-    b = _with_room(20, 2, addr)
+    b = with_room(2, addr, num_prompt_tokens=20)
     prefill.add_request(b, sched)
     plan = sched.schedule()
     sched.update(plan, fake_run(plan))

@@ -6,58 +6,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent import futures
 
-import grpc
 import pytest
-import torch
 
-from tests.transfer.fake_backend import FakeBackend
-from tests.transfer.helpers import layout
-from tests.worker.factories import make_request, make_scheduler
-from transfer.backend import TransferFaults
-from transfer.config import TransferConfig
-from transfer.manager import KVTransferManager
+from tests.worker.factories import make_scheduler
+from tests.worker.roles import decode_role, prefill_role
+from tests.worker.roles import with_room as _with_room
 from worker.decode import DecodeRole
 from worker.prefill import PrefillRole
-from worker.request import Request, RequestStatus
-
-
-def _manager(role: str) -> tuple[KVTransferManager, torch.Tensor]:
-    lay = layout(num_pages=64)
-    pool = torch.zeros(lay.pool_bytes, dtype=torch.uint8)
-    mgr = KVTransferManager(TransferConfig(), lay, role=role, kv_ptr=pool.data_ptr(),
-                            kv_nbytes=pool.numel(), host="127.0.0.1", model_fingerprint="fp",
-                            model_name="tiny", faults=TransferFaults(), backend=FakeBackend())
-    return mgr, pool
+from worker.request import RequestStatus
 
 
 @pytest.fixture
 def prefill() -> Iterator[tuple[PrefillRole, str]]:
-    mgr, pool = _manager("prefill")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    mgr.add_to_server(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    role = PrefillRole(mgr, server, page_size=4, layerwise_interval=0)
-    yield role, f"127.0.0.1:{port}"
-    role.close()
-    del pool
+    with prefill_role() as role:
+        yield role
 
 
 @pytest.fixture
 def decode() -> Iterator[DecodeRole]:
-    mgr, pool = _manager("decode")
-    role = DecodeRole(mgr, page_size=4)
-    yield role
-    role.close()
-    del pool
-
-
-def _with_room(room: int, bootstrap_addr: str) -> Request:
-    req = make_request(10, max_tokens=3)
-    req.room, req.bootstrap_addr = room, bootstrap_addr
-    return req
+    with decode_role() as role:
+        yield role
 
 
 def test_prefill_refuses_a_room_it_holds_without_dying(
