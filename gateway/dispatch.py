@@ -58,6 +58,7 @@ from gateway.pool import Worker
 from gateway.session import Output, Push
 from gateway.stalls import DeadlinePassed, FirstTokenDeadline, _timeout, wait_done
 from protocol import tandem_pb2
+from protocol.bootstrap_addr import group_of
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +148,13 @@ class RequestRun:
             request_id=self.request_id, attempt_id=self.attempt_id,
             prompt_token_ids=self.prompt_ids, sampling=self.sampling, disagg=disagg)
 
-    def _open(self, w: Worker, req: tandem_pb2.GenerateRequest) -> Any:
+    def _open(self, w: Worker, req: tandem_pb2.GenerateRequest, group: int = -1) -> Any:
+        """A leg on `w` (a prefill leg: in its DP group `group`, counted there until it left)."""
         call = w.session.open(req, self._d.config.request_timeout_s,
-                              on_left=lambda: self._d.left(w))
+                              on_left=lambda: self._d.left(w, group))
         w.inflight += 1
+        if group >= 0:
+            w.group_inflight[group] = w.group_inflight.get(group, 0) + 1
         self._legs.append((w, call))
         return call
 
@@ -213,7 +217,8 @@ class RequestRun:
         self.room = self._d.new_room(p, self.prompt_ids)
         req = self._request(tandem_pb2.DisaggParams(room=self.room,
                                                     bootstrap_addr=p.info.bootstrap_addr))
-        call_p = self._open(p, req)
+        groups = self._d.dp_groups(p)
+        call_p = self._open(p, req, group_of(self.room, groups) if groups > 1 else -1)
         call_d = self._open(d, req)
         try:
             return await self._first_pd(call_p, p, call_d, d)

@@ -17,7 +17,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import NoHealthyWorker, WorkerCallError
 from gateway.metrics import Metrics
 from gateway.pool import Worker, WorkerPool
-from gateway.routing import CacheAware, Policy
+from gateway.routing import CacheAware, LeastLoad, Policy, least_loaded
 from gateway.stalls import StallWatch
 from protocol import bootstrap_addr
 
@@ -49,13 +49,22 @@ class Dispatcher:
         cache-aware policy remembers for the prompt's prefix on that worker (a new prefix: the
         groups in turn)."""
         draw = next(self._rooms)
-        groups = bootstrap_addr.num_groups(prefill.info.bootstrap_addr) if prefill.info else 1
+        groups = self.dp_groups(prefill)
         if groups == 1:
             return bootstrap_addr.room_in_group(draw, 0, 1)
-        policy = self.policies["prefill"]
-        group = policy.group(prefill.url, prompt_ids, groups, draw % groups) \
-            if isinstance(policy, CacheAware) else draw % groups
+        policy, fresh = self.policies["prefill"], draw % groups
+        if isinstance(policy, CacheAware):
+            group = policy.group(prefill.url, prompt_ids, prefill.group_loads(groups), fresh)
+        elif isinstance(policy, LeastLoad):
+            group = least_loaded(prefill.group_loads(groups), fresh)
+        else:
+            group = fresh
         return bootstrap_addr.room_in_group(draw, group, groups)
+
+    @staticmethod
+    def dp_groups(prefill: Worker) -> int:
+        """The attention-DP groups of a prefill worker (1 without DP)."""
+        return bootstrap_addr.num_groups(prefill.info.bootstrap_addr) if prefill.info else 1
 
     def _healthy(self, pool: str, exclude: set[str]) -> list[Worker]:
         cands = [w for w in self.pool.pools[pool] if w.healthy and w.url not in exclude]
@@ -87,10 +96,13 @@ class Dispatcher:
             return self.policies["decode"].pick(free, prompt_ids) if free else None
         return await self.admission.acquire(pick)
 
-    def left(self, w: Worker) -> None:
-        """A leg left `w` (ended there, or cancelled): its seat is free even while its outputs
-        wait unread (n > 1: finished choices wait for the others' first tokens)."""
+    def left(self, w: Worker, group: int = -1) -> None:
+        """A leg left `w` (ended there, or cancelled; in DP group `group` of a prefill worker):
+        its seat is free even while its outputs wait unread (n > 1: finished choices wait for
+        the others' first tokens)."""
         w.inflight -= 1
+        if group >= 0:
+            w.group_inflight[group] -= 1
         if w.pool == "decode":
             self.admission.wake()
 

@@ -9,7 +9,9 @@
   tokens), so a lookup walks the prompt once and memory is bounded by an LRU of page hashes.
   A prefill worker with attention DP keeps a room in group `room % groups`, each group with its
   own prefix cache: `group` names the group that last ran the prompt's longest prefix there,
-  and the gateway draws the room in it (a session's turns stay where their pages are).
+  by the same load bound against the worker's groups (each group's reported queue and KV plus
+  this gateway's requests in flight there), and the gateway draws the room in it (a session's
+  turns stay where their pages are; a prefix every request shares spills over).
 
 Policies see only candidate lists; they hold no reference to the pool.
 """
@@ -62,6 +64,17 @@ class LeastLoad:
         return best
 
 
+def least_loaded(loads: Sequence[float], start: int) -> int:
+    """The index of the lowest load; ties go to the first from `start` on (a rotation)."""
+    n = len(loads)
+    best = start % n
+    for i in range(1, n):
+        j = (start + i) % n
+        if loads[j] < loads[best]:
+            best = j
+    return best
+
+
 def page_hashes(prompt_ids: Sequence[int], page_size: int) -> list[int]:
     """Chained hashes of the prompt's full pages: equal hash at i = equal prefix up to page i."""
     out: list[int] = []
@@ -102,17 +115,23 @@ class CacheAware:
         self._remember(hashes, best.url)
         return best
 
-    def group(self, url: str, prompt_ids: Sequence[int], groups: int, fresh: int) -> int:
-        """The DP group of worker `url` (of `groups`) that last ran the prompt's longest
-        remembered prefix there, else `fresh`; remembered for the prompt's pages."""
+    def group(self, url: str, prompt_ids: Sequence[int], loads: Sequence[float],
+              fresh: int) -> int:
+        """The DP group of worker `url` (`loads`: one per group) that last ran the prompt's
+        longest remembered prefix there, unless it is busier than the least-loaded group by more
+        than the threshold; else the least-loaded group (ties: `fresh` first). Remembered for
+        the prompt's pages."""
         hashes = page_hashes(prompt_ids, self.page_size)
-        chosen = fresh
+        owned = -1
         for h in hashes:
             owner = self._owner.get(h)
             if owner is None:
                 break
-            if owner[0] == url and 0 <= owner[1] < groups:
-                chosen = owner[1]
+            if owner[0] == url and 0 <= owner[1] < len(loads):
+                owned = owner[1]
+        least = least_loaded(loads, fresh)
+        within = owned >= 0 and loads[owned] - loads[least] <= self.load_threshold
+        chosen = owned if within else least
         self._remember(hashes, url, chosen)
         return chosen
 

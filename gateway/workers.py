@@ -89,6 +89,7 @@ class Worker:
     oks: int = 0  # consecutive SERVING answers
     load: tandem_pb2.Load = field(default_factory=tandem_pb2.Load)
     inflight: int = 0  # requests this gateway has on the worker right now
+    group_inflight: dict[int, int] = field(default_factory=dict)  # of those, per DP group
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)  # its watch and load tasks
     # Set when its connection dropped: check who answers now, not at the next interval.
     recheck: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,6 +100,17 @@ class Worker:
         ld = self.load
         kv = ld.kv_used_pages / ld.kv_total_pages if ld.kv_total_pages else 0.0
         return ld.running + ld.waiting + self.inflight + kv
+
+    def group_loads(self, groups: int) -> list[float]:
+        """Load per attention-DP group (a prefill worker runs room r in group r % groups):
+        each group's reported queue and KV use, when the worker reports one per group, plus this
+        gateway's requests in flight there."""
+        out = [float(self.group_inflight.get(g, 0)) for g in range(groups)]
+        if len(self.load.dp_groups) == groups:
+            for g, gl in enumerate(self.load.dp_groups):
+                kv = gl.kv_used_pages / gl.kv_total_pages if gl.kv_total_pages else 0.0
+                out[g] += gl.running + gl.waiting + kv
+        return out
 
     async def close(self) -> None:
         """End its stream (the worker aborts what it still carried), then its channel."""
@@ -114,6 +126,7 @@ class Worker:
         for f in held:
             setattr(ld, f, 0)
         ld.rooms.clear()
+        del ld.dp_groups[:]
         return changed
 
     @property

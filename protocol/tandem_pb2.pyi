@@ -158,7 +158,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "kv_cached_pages", "rooms", "transfer_bytes", "transfer_pages", "prompt_tokens_computed", "kv_window_used_pages", "spec")
+    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "kv_cached_pages", "rooms", "transfer_bytes", "transfer_pages", "prompt_tokens_computed", "kv_window_used_pages", "dp_groups", "spec")
     class RoomsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class Load(_message.Message):
     TRANSFER_PAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DP_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
@@ -187,8 +188,21 @@ class Load(_message.Message):
     transfer_pages: int
     prompt_tokens_computed: int
     kv_window_used_pages: int
+    dp_groups: _containers.RepeatedCompositeFieldContainer[GroupLoad]
     spec: SpecLoad
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_window_used_pages: _Optional[int] = ..., spec: _Optional[_Union[SpecLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_window_used_pages: _Optional[int] = ..., dp_groups: _Optional[_Iterable[_Union[GroupLoad, _Mapping]]] = ..., spec: _Optional[_Union[SpecLoad, _Mapping]] = ...) -> None: ...
+
+class GroupLoad(_message.Message):
+    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_used_pages: int
+    kv_total_pages: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ...) -> None: ...
 
 class SpecLoad(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "request_steps", "verify_steps", "draft_seconds", "verify_seconds", "accepted_hist")

@@ -197,6 +197,11 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
             prompt_tokens_computed=sum(st.prompt_tokens_computed for st in stats),
             kv_window_used_pages=sum(st.window_used_pages for st in stats),
         )
+        if len(stats) > 1:  # per group too: the gateway balances a prefill worker's groups
+            load.dp_groups.extend(
+                tandem_pb2.GroupLoad(running=st.running, waiting=st.waiting,
+                                     kv_used_pages=st.used_pages, kv_total_pages=st.total_pages)
+                for st in stats)
         spec = engine.spec_counters
         if engine.drafter is not None:  # zeros until the first verify: the series exist
             load.spec.CopyFrom(tandem_pb2.SpecLoad(

@@ -274,7 +274,7 @@ def test_a_session_stays_in_its_prefill_dp_group() -> None:
     d._rooms = itertools.count(10)
     d.policies = {"prefill": CacheAware(page_size=2)}
     p = SimpleNamespace(url="p", info=SimpleNamespace(bootstrap_addr="h:1;h:2"),
-                        load_score=lambda: 0.0)
+                        load_score=lambda: 0.0, group_loads=lambda n: [0.0] * n)
     session = [7, 7, 7, 7]
     groups = []
     for turn in range(4):
@@ -286,3 +286,38 @@ def test_a_session_stays_in_its_prefill_dp_group() -> None:
     assert sorted(fresh) == [0, 0, 1, 1], fresh
     rooms = [d.new_room(p, [3, 3]) for _ in range(50)]
     assert len(set(rooms)) == 50 and 0 not in rooms
+
+
+def test_prefill_dp_groups_are_balanced_by_their_load() -> None:
+    """The worker reports each DP group's queue and KV (GetLoad's dp_groups) and the gateway
+    counts its own requests in flight per group: a prompt every request shares (a system prompt)
+    stays in its group only within the load bound, and a new one goes to the least-loaded
+    group. With a least-load prefill policy each room goes to the least-loaded group."""
+    import itertools
+
+    from gateway.dispatcher import Dispatcher
+    from gateway.routing import CacheAware, LeastLoad
+    from gateway.workers import Worker
+    from protocol import tandem_pb2
+
+    d = Dispatcher.__new__(Dispatcher)
+    d._rooms = itertools.count(10)
+    d.policies = {"prefill": CacheAware(page_size=2, load_threshold=2.0)}
+    p = Worker.__new__(Worker)
+    p.url, p.group_inflight = "p", {}
+    p.info = tandem_pb2.WorkerInfo(bootstrap_addr="h:1;h:2;h:3")
+    p.load = tandem_pb2.Load(dp_groups=[
+        tandem_pb2.GroupLoad(running=1, kv_used_pages=5, kv_total_pages=10),
+        tandem_pb2.GroupLoad(running=0), tandem_pb2.GroupLoad(running=3)])
+    assert p.group_loads(3) == [1.5, 0.0, 3.0]
+    system = [1, 2, 3, 4]
+    first = d.new_room(p, system) % 3
+    assert first == 1  # a new prefix: the least-loaded group
+    p.group_inflight = {1: 2}  # two requests of ours in flight there: 2.0 <= 0.0 + 1.5 + 2
+    assert d.new_room(p, system + [5, 6]) % 3 == 1
+    p.group_inflight = {1: 4}  # 4.0 against group 0's 1.5: past the bound, spill
+    assert d.new_room(p, system + [7, 8]) % 3 == 0
+    p.load = tandem_pb2.Load()  # a report without groups (an older worker): ours alone count
+    assert p.group_loads(3) == [0.0, 4.0, 0.0]
+    d.policies = {"prefill": LeastLoad()}
+    assert {d.new_room(p, system) % 3 for _ in range(6)} == {0, 2}

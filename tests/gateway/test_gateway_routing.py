@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.routing import CacheAware, LeastLoad, RoundRobin, page_hashes
+from gateway.routing import CacheAware, LeastLoad, RoundRobin, least_loaded, page_hashes
 
 
 @dataclass(eq=False)
@@ -89,13 +89,31 @@ def test_cache_aware_keeps_a_prefix_in_its_dp_group():
     prefix there (each group has its own cache); a new prefix takes the group given; a prefix
     last run on another worker, or in a group past this worker's count, does not carry."""
     ca = CacheAware(page_size=2)
+    idle = [0.0, 0.0]
     turn1, turn2 = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
-    assert ca.group("p0", turn1, 2, fresh=1) == 1
-    assert ca.group("p0", turn2, 2, fresh=0) == 1  # its first two pages ran in group 1
-    assert ca.group("p0", [9, 9, 9, 9], 2, fresh=0) == 0  # a new prefix
+    assert ca.group("p0", turn1, idle, fresh=1) == 1
+    assert ca.group("p0", turn2, idle, fresh=0) == 1  # its first two pages ran in group 1
+    assert ca.group("p0", [9, 9, 9, 9], idle, fresh=0) == 0  # a new prefix
     ws = [W("p0"), W("p1")]
     assert ca.pick(ws, turn2).url == "p0"  # pick keeps the pages' group at the same worker
-    assert ca.group("p0", turn2 + [7, 8], 2, fresh=0) == 1
-    assert ca.group("p1", turn2, 2, fresh=0) == 0  # p1 never ran it: fresh, and now p1's
-    assert ca.group("p0", turn2, 2, fresh=0) == 0  # p0's claim was replaced by p1's
-    assert ca.group("p0", [5, 5], 4, fresh=3) == 3 and ca.group("p0", [5, 5], 2, fresh=1) == 1
+    assert ca.group("p0", turn2 + [7, 8], idle, fresh=0) == 1
+    assert ca.group("p1", turn2, idle, fresh=0) == 0  # p1 never ran it: fresh, and now p1's
+    assert ca.group("p0", turn2, idle, fresh=0) == 0  # p0's claim was replaced by p1's
+    assert ca.group("p0", [5, 5], [0.0] * 4, fresh=3) == 3
+    assert ca.group("p0", [5, 5], idle, fresh=1) == 1
+
+
+def test_a_shared_prefix_spills_to_the_least_loaded_dp_group():
+    """Every request of an agent shares its system prompt: without a load bound they all ran
+    in the one group that first ran it, the other groups idle. The prefix's group keeps them
+    while it is at most `load_threshold` busier than the least-loaded group; past that the
+    least-loaded group takes the request (and the prefix's pages there are remembered too). A
+    new prefix goes to the least-loaded group; equal loads take `fresh` (the groups in turn)."""
+    ca = CacheAware(page_size=2, load_threshold=4.0)
+    system = [1, 2, 3, 4]
+    assert ca.group("p0", system + [5, 6], [0.0, 0.0, 0.0], fresh=2) == 2
+    assert ca.group("p0", system + [7, 8], [4.0, 0.0, 4.0], fresh=0) == 2  # within the bound
+    assert ca.group("p0", system + [9, 9], [0.0, 0.5, 4.6], fresh=0) == 0  # past it: spill
+    assert ca.group("p0", system + [8, 8], [9.0, 0.5, 4.0], fresh=2) == 1  # 0 owns it now
+    assert ca.group("p0", [6, 6, 6, 6], [3.0, 1.0, 1.0], fresh=2) == 2  # new: least, then fresh
+    assert least_loaded([2.0, 1.0, 1.0, 3.0], start=3) == 1 and least_loaded([1.0], 5) == 0

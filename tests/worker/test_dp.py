@@ -100,3 +100,23 @@ def test_dp_batches_pack_per_group(tiny_checkpoint) -> None:
         assert torch.equal(pack_batch(got), pack_batch(want))
     assert unpack_group_batch(flat, 1, torch.device("cpu")).seq_lens_list == [3]
     assert unpack_group_batch(flat, 0, torch.device("cpu")).num_tokens == 0
+
+
+def test_a_dp_worker_reports_each_groups_load() -> None:
+    """GetLoad's dp_groups: one entry per scheduler, in group order (the gateway balances a
+    prefill worker's groups with them); a worker without DP sends none."""
+    from types import SimpleNamespace
+
+    from tests.worker.factories import make_request, make_scheduler
+    from worker.server import WorkerService
+
+    scheds = [make_scheduler(num_pages=16)[0], make_scheduler(num_pages=32)[0]]
+    scheds[1].add(make_request(5))
+    service = WorkerService(WorkerConfig())
+    service.engine = SimpleNamespace(schedulers=scheds, drafter=None, hooks=None,  # type: ignore[assignment]
+                                     spec_counters=None)
+    load = service.load()
+    assert [(g.waiting, g.kv_total_pages) for g in load.dp_groups] == [(0, 16), (1, 32)]
+    assert load.waiting == 1 and load.kv_total_pages == 48
+    service.engine.schedulers = scheds[:1]  # type: ignore[union-attr]
+    assert not service.load().dp_groups
