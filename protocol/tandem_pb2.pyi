@@ -193,16 +193,18 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., kv_cached_pages: _Optional[int] = ..., rooms: _Optional[_Mapping[str, int]] = ..., transfer_bytes: _Optional[int] = ..., transfer_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_window_used_pages: _Optional[int] = ..., dp_groups: _Optional[_Iterable[_Union[GroupLoad, _Mapping]]] = ..., spec: _Optional[_Union[SpecLoad, _Mapping]] = ...) -> None: ...
 
 class GroupLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages")
+    __slots__ = ("running", "waiting", "kv_used_pages", "kv_total_pages", "prompt_tokens_computed")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     KV_TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_used_pages: int
     kv_total_pages: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ...) -> None: ...
+    prompt_tokens_computed: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_pages: _Optional[int] = ..., kv_total_pages: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ...) -> None: ...
 
 class SpecLoad(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "request_steps", "verify_steps", "draft_seconds", "verify_seconds", "accepted_hist")

@@ -200,7 +200,8 @@ class WorkerService(tandem_pb2_grpc.WorkerServicer):
         if len(stats) > 1:  # per group too: the gateway balances a prefill worker's groups
             load.dp_groups.extend(
                 tandem_pb2.GroupLoad(running=st.running, waiting=st.waiting,
-                                     kv_used_pages=st.used_pages, kv_total_pages=st.total_pages)
+                                     kv_used_pages=st.used_pages, kv_total_pages=st.total_pages,
+                                     prompt_tokens_computed=st.prompt_tokens_computed)
                 for st in stats)
         spec = engine.spec_counters
         if engine.drafter is not None:  # zeros until the first verify: the series exist

@@ -117,6 +117,7 @@ def test_a_dp_worker_reports_each_groups_load() -> None:
                                      spec_counters=None)
     load = service.load()
     assert [(g.waiting, g.kv_total_pages) for g in load.dp_groups] == [(0, 16), (1, 32)]
+    assert [g.prompt_tokens_computed for g in load.dp_groups] == [0, 0]
     assert load.waiting == 1 and load.kv_total_pages == 48
     service.engine.schedulers = scheds[:1]  # type: ignore[union-attr]
     assert not service.load().dp_groups
