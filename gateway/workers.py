@@ -146,6 +146,10 @@ class Worker:
 
     def as_json(self) -> dict[str, Any]:
         ld, info = self.load, self.info
+        groups = [{"running": g.running, "waiting": g.waiting, "kv_used_pages": g.kv_used_pages,
+                   "kv_total_pages": g.kv_total_pages, "inflight": self.group_inflight.get(i, 0),
+                   "prompt_tokens_computed": g.prompt_tokens_computed}
+                  for i, g in enumerate(ld.dp_groups)]
         return {
             "url": self.url,
             "role": info.role if info else ROLE_OF_POOL[self.pool],
@@ -165,6 +169,7 @@ class Worker:
             "contract_hash": info.contract_hash if info else "",
             "epoch": f"{info.epoch:016x}" if info else "",
             "error": self.refusal,
+            **({"dp_groups": groups} if groups else {}),  # attention DP: each group's share
         }
 
 

@@ -317,6 +317,10 @@ def test_prefill_dp_groups_are_balanced_by_their_load() -> None:
     assert d.new_room(p, system + [5, 6]) % 3 == 1
     p.group_inflight = {1: 4}  # 4.0 against group 0's 1.5: past the bound, spill
     assert d.new_room(p, system + [7, 8]) % 3 == 0
+    p.info = tandem_pb2.WorkerInfo(bootstrap_addr="h:1;h:2;h:3", role="prefill")
+    p.pool, p.member, p.draining, p.refusal, p.healthy = "prefill", None, False, "", True
+    listed = p.as_json()["dp_groups"]  # GET /workers shows each group's share
+    assert [(g["running"], g["inflight"]) for g in listed] == [(1, 0), (0, 4), (3, 0)]
     p.load = tandem_pb2.Load()  # a report without groups (an older worker): ours alone count
     assert p.group_loads(3) == [0.0, 4.0, 0.0]
     d.policies = {"prefill": LeastLoad()}
