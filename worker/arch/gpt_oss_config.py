@@ -27,6 +27,7 @@ from worker.arch.hf_config import (
     MoEArch,
     parse_arch_config,
     parse_rope,
+    window_tokens,
 )
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -72,7 +73,8 @@ def gpt_oss_layer_windows(cfg: dict[str, Any], num_layers: int,
         )
     if window is None:
         return (None,) * num_layers
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    size = window_tokens(window, source)
+    return tuple(size if t == "sliding_attention" else None for t in types)
 
 
 def parse_gpt_oss_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None,

@@ -191,6 +191,9 @@ def parse_rope(cfg: dict[str, Any], source: str, default_theta: float = 10000.0)
     ):
         raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
     factor = float(params.get("factor") or 1.0)
+    for name, value in (("rope_theta", theta), ("factor", params.get("factor"))):
+        if value is not None and float(value) <= 0:  # NaN frequencies, or `factor or 1.0` above
+            raise ModelLoadError(f"{source}: RoPE {name} must be positive, got {value!r}")
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
         raise ModelLoadError(
             f"{source}: rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling"
@@ -264,7 +267,18 @@ def context_limit(cfg: dict[str, Any]) -> int:
 _NO_WINDOW_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3NextForCausalLM")
 
 
-def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+def window_tokens(window: Any, source: str) -> int:
+    """A sliding_window that is read: at least one token (a window of none attends to nothing)."""
+    if int(window) < 1:
+        raise ModelLoadError(
+            f"{source}: sliding_window must be at least 1 token, got {window!r}; set it to the "
+            "window the model was trained with, or null for full attention"
+        )
+    return int(window)
+
+
+def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int,
+                  source: str = "config.json") -> tuple[int | None, ...]:
     """Which layers attend through a sliding window, following transformers' rules per family."""
     window = None if arch in _NO_WINDOW_ARCHITECTURES else cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
@@ -274,12 +288,13 @@ def layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int 
         window = None  # Qwen configs carry a window value that is off unless use_sliding_window
     if window is None:
         return (None,) * num_layers
+    window = window_tokens(window, source)
     if layer_types:
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = int(cfg.get("max_window_layers", num_layers))
-        return tuple(int(window) if i >= first else None for i in range(num_layers))
-    return (int(window),) * num_layers
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def parse_arch_config(
@@ -341,7 +356,7 @@ def parse_arch_config(
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope=parse_rope(cfg, source),
-        layer_windows=layer_windows(cfg, arch, num_layers),
+        layer_windows=layer_windows(cfg, arch, num_layers, source),
         dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(dict.fromkeys(eos)),  # union, order kept, no duplicates
         moe=parse_moe(cfg, num_layers, source) if arch == "Qwen3MoeForCausalLM" else None,

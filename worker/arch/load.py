@@ -135,4 +135,5 @@ def config_layer_windows(cfg: dict[str, Any],
     archs = cfg.get("architectures") or []
     if "GptOssForCausalLM" in archs:
         return gpt_oss_layer_windows(cfg, n, source)
-    return layer_windows(cfg, next((a for a in archs if a in SUPPORTED_ARCHITECTURES), ""), n)
+    return layer_windows(cfg, next((a for a in archs if a in SUPPORTED_ARCHITECTURES), ""), n,
+                         source)
