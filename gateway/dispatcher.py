@@ -46,8 +46,9 @@ class Dispatcher:
         A prefill worker with attention DP lists its groups' bootstrap addresses
         (protocol/bootstrap_addr.py) and runs room r in group r % groups (decode registers
         there too), each group with its own prefix cache: the room is drawn in the group the
-        cache-aware policy remembers for the prompt's prefix on that worker (a new prefix: the
-        groups in turn)."""
+        cache-aware policy remembers for the prompt's prefix on that worker while that group is
+        within the load bound, else in the least-loaded group (equal loads: the groups in
+        turn); least_load takes the least-loaded group, round_robin the groups in turn."""
         draw = next(self._rooms)
         groups = self.dp_groups(prefill)
         if groups == 1:
