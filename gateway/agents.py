@@ -226,8 +226,9 @@ def _check_tools(req: ChatCompletionRequest, parsers: Parsers,
         raise BadRequest("tools need a tool-call parser and this gateway has none; start it "
                          "with --tool-call-parser (gateway.tool_call_parser), or send "
                          "tool_choice \"none\"", param="tools")
-    if not isinstance(choice, str) and choice is not None and choice.function.name not in params:
-        raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
+    named = req.named_tool()
+    if named is not None and named not in params:
+        raise BadRequest(f"tool_choice names {named!r}, which is not in tools",
                          param="tool_choice")
     return params
 
@@ -262,14 +263,14 @@ def _call_format(parsers: Parsers, tok: Tokenizer) -> str:
 
 def _forced_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
                   params: dict[str, dict[str, Any]]) -> Constraint | None:
-    choice = req.tool_choice
-    if choice in (None, "none", "auto") or not params:
+    if req.tool_choice in (None, "none", "auto") or not params:
         return None
-    if isinstance(choice, str):  # "required": any of the tools
+    named = req.named_tool()
+    if named is None:  # "required": any of the tools
         tools = list(params.items())
         parallel = req.parallel_tool_calls
     else:
-        tools = [(choice.function.name, params[choice.function.name])]
+        tools = [(named, params[named])]
         parallel = False  # a named function is called once
     return Constraint("tool_choice", "structural_tag", format=tool_calls_format(
         _call_format(parsers, tok), tools, parallel, tok.special_token_texts))
@@ -288,11 +289,6 @@ def _strict_calls(req: ChatCompletionRequest, parsers: Parsers, tok: Tokenizer,
     return StrictCalls(auto_calls_format(fmt, tools, req.parallel_tool_calls, special),
                        tool_calls_format(fmt, tools, req.parallel_tool_calls, special),
                        alone=bool(strict))
-
-
-def _names_a_function(req: ChatCompletionRequest) -> bool:
-    """tool_choice is `{"type": "function", "function": {"name": ...}}`, not a mode string."""
-    return req.tool_choice is not None and not isinstance(req.tool_choice, str)
 
 
 def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> ChatPlan:
@@ -324,7 +320,7 @@ def plan_chat(req: ChatCompletionRequest, tok: Tokenizer, parsers: Parsers) -> C
                     tool_parser=tool_parser, tool_parameters=params if parse_tools else {},
                     reasoning_parser=parsers.reasoning, starts_in_reasoning=starts,
                     parallel_tool_calls=req.parallel_tool_calls,
-                    named_tool_choice=parse_tools and _names_a_function(req),
+                    named_tool_choice=parse_tools and req.named_tool() is not None,
                     structured=structured,
                     constraint_source=constraint.source if constraint is not None else "",
                     keep_token_ids=keep)

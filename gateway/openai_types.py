@@ -239,6 +239,11 @@ class ChatCompletionRequest(_SamplingFields):
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    def named_tool(self) -> str | None:
+        """The function `tool_choice` names (`{"type": "function", ...}`); None for a mode."""
+        choice = self.tool_choice
+        return None if choice is None or isinstance(choice, str) else choice.function.name
+
     def num_top_logprobs(self) -> int:
         if not self.logprobs:
             return -1
