@@ -97,20 +97,16 @@ class Worker:
     def load_score(self) -> float:
         """Load for routing: the worker's queue, plus our own in-flight requests (GetLoad lags
         by up to one refresh, so a burst would otherwise all go to one worker), plus KV use."""
-        ld = self.load
-        kv = ld.kv_used_pages / ld.kv_total_pages if ld.kv_total_pages else 0.0
-        return ld.running + ld.waiting + self.inflight + kv
+        return _score(self.load, self.inflight)
 
     def group_loads(self, groups: int) -> list[float]:
         """Load per attention-DP group (a prefill worker runs room r in group r % groups):
         each group's reported queue and KV use, when the worker reports one per group, plus this
         gateway's requests in flight there."""
-        out = [float(self.group_inflight.get(g, 0)) for g in range(groups)]
-        if len(self.load.dp_groups) == groups:
-            for g, gl in enumerate(self.load.dp_groups):
-                kv = gl.kv_used_pages / gl.kv_total_pages if gl.kv_total_pages else 0.0
-                out[g] += gl.running + gl.waiting + kv
-        return out
+        reported = self.load.dp_groups
+        if len(reported) != groups:  # no report per group (yet): ours alone
+            return [float(self.group_inflight.get(g, 0)) for g in range(groups)]
+        return [_score(gl, self.group_inflight.get(g, 0)) for g, gl in enumerate(reported)]
 
     async def close(self) -> None:
         """End its stream (the worker aborts what it still carried), then its channel."""
@@ -171,6 +167,13 @@ class Worker:
             "error": self.refusal,
             **({"dp_groups": groups} if groups else {}),  # attention DP: each group's share
         }
+
+
+def _score(ld: tandem_pb2.Load | tandem_pb2.GroupLoad, inflight: int) -> float:
+    """A worker's (or a DP group's) load for routing: running + waiting + our in flight + KV
+    fraction."""
+    kv = ld.kv_used_pages / ld.kv_total_pages if ld.kv_total_pages else 0.0
+    return ld.running + ld.waiting + inflight + kv
 
 
 def open_worker(url: str, pool: str, config: GatewayConfig, source: str = "config") -> Worker:
