@@ -325,3 +325,26 @@ def test_prefill_dp_groups_are_balanced_by_their_load() -> None:
     assert p.group_loads(3) == [0.0, 4.0, 0.0]
     d.policies = {"prefill": LeastLoad()}
     assert {d.new_room(p, system) % 3 for _ in range(6)} == {0, 2}
+
+
+async def test_a_dp_prefill_workers_busy_group_is_passed_over_end_to_end(tok_dir):
+    """Through the gateway: a prefill worker with two DP groups ("a;b" bootstrap addresses)
+    reports group 0 busy in GetLoad; every request gets a room in group 1, and GET /workers
+    lists both groups."""
+    p, d = prefill(), decode()
+    p.bootstrap_addr = "127.0.0.1:1;127.0.0.1:2"
+    p.load = tandem_pb2.Load(kv_total_pages=100, running=20, dp_groups=[
+        tandem_pb2.GroupLoad(running=20, kv_total_pages=50),
+        tandem_pb2.GroupLoad(running=0, kv_total_pages=50)])
+    async with workers(p, d), running_app(pd_config(tok_dir, [p], [d],
+                                                    prefill_policy="cache_aware")) as c:
+        await wait_workers(c)
+        while not any(w.get("dp_groups") for w in (await c.get("/workers")).json()):
+            await asyncio.sleep(0.02)  # the first GetLoad lands
+        for i in range(4):  # new prompts: drawn in turn they alternated groups
+            r = await c.post("/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 5})
+            assert r.status_code == 200, r.text
+        assert [req.disagg.room % 2 for req in p.requests] == [1, 1, 1, 1]
+        ws = (await c.get("/workers")).json()
+        groups = next(w for w in ws if w["role"] == "prefill")["dp_groups"]
+        assert [(g["running"], g["inflight"]) for g in groups] == [(20, 0), (0, 0)]
