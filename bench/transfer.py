@@ -5,6 +5,7 @@ a prefill and a decode manager in this process over loopback, and compares its G
 same backend writing one large buffer (64 MiB pieces) between the same two pools.
 
     .venv/bin/python bench/transfer.py [--backends mooncake,nixl] [--rooms 3] [--tokens 4096]
+    .venv/bin/python bench/transfer.py --layouts 8b,8b-fp8  # FP8 KV's rooms beside bf16's
 
 Decode pages are a shuffled set (the worst case: no two pages coalesce into one range).
 """
@@ -38,6 +39,9 @@ LAYOUTS = {
     # an 8B-class GQA model (Llama-3-8B / Qwen3-8B shapes):
     # 36 layers, 8 kv heads, head_dim 128, bf16
     "8b": dict(num_layers=36, num_kv_heads_total=8, head_dim=128, dtype="bfloat16", page_size=16),
+    # the same with FP8 KV (`cache.kv_cache_dtype: fp8_e4m3`): one byte an element
+    "8b-fp8": dict(num_layers=36, num_kv_heads_total=8, head_dim=128, dtype="float8_e4m3fn",
+                   page_size=16),
     # the embedded tiny model
     "tiny": dict(num_layers=4, num_kv_heads_total=2, head_dim=32, dtype="float32", page_size=16),
 }
