@@ -372,10 +372,12 @@ async def serve(config: WorkerConfig, stop: asyncio.Event, drainer: Drainer | No
         if not drainer.draining:
             health_servicer.set(health_pb2.HealthCheckResponse.SERVING)
             shape = engine.kv.shape
-            log.info("ready: %s worker on %s (cluster %s, replica %d; %d KV pages of %d tokens "
-                     "per DP group, %d groups; KV %s%s)", config.role, address,
+            groups = len(engine.schedulers)
+            log.info("ready: %s worker on %s (cluster %s, replica %d; %d KV pages of %d tokens%s; "
+                     "KV %s%s)", config.role, address,
                      config.cluster_id or "-", config.replica, shape.num_pages,
-                     config.cache.page_size, len(engine.schedulers),
+                     config.cache.page_size,
+                     f" per DP group, {groups} groups" if groups > 1 else "",
                      str(shape.dtype).removeprefix("torch."),
                      f", K/V scales {shape.kv_scales}" if shape.kv_scales else "")
         await _first_of(stop, drainer.requested)
