@@ -355,4 +355,5 @@ def stop_on_signals(cluster: LocalCluster) -> Iterator[None]:
         yield
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            if signal.getsignal(s) is handler:  # unless set inside (slurm_env.publish_stopped)
+                signal.signal(s, h)

@@ -66,6 +66,7 @@ from orchestrator.launch.slurm_env import (
     end_failed_start,
     log_name,
     publish,
+    publish_stopped,
     read_slurm_env,
     stop_when_done,
     wait_files,
@@ -252,7 +253,7 @@ def _run_node(
                 publish(run_dir / "done.json", {"status": 1})
                 wait_stopped(run_dir, num_nodes(cluster), grace)
             else:
-                publish(run_dir / "stopped" / f"node{env.node_id}.json", {"status": 1})
+                publish_stopped(run_dir, env.node_id, 1)
             return 0 if ended.is_set() else 1  # node 0's code is the job's
         for s in specs:
             publish(
@@ -267,7 +268,7 @@ def _run_node(
         )
         if env.node_id != 0:
             code = _serve_until_done(workers)
-            publish(run_dir / "stopped" / f"node{env.node_id}.json", {"status": code})
+            publish_stopped(run_dir, env.node_id, code)
             return code
         try:
             all_workers = [

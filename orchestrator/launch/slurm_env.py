@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -155,6 +156,17 @@ def wait_files(
         time.sleep(FILE_POLL_S)
 
 
+def publish_stopped(run_dir: Path, node: int, status: int) -> None:
+    """Node > 0's last word: stopped/node<i>.json. Node 0 exits once every node's mark is there
+    and srun's --kill-on-bad-exit then signals the tasks still on their way out, so from here on
+    this process ignores SIGTERM and SIGINT (it has nothing left to stop): it exits with its own
+    code, not the 143 of a node terminated mid-exit, which would become the job's code."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+    publish(run_dir / "stopped" / f"node{node}.json", {"status": status})
+
+
 def wait_stopped(run_dir: Path, nodes: int, timeout_s: float) -> None:
     """Until every node > 0 has published stopped/node<i>.json, or `timeout_s` passed."""
     deadline = time.monotonic() + timeout_s
@@ -199,7 +211,7 @@ def end_failed_start(node: int, nodes: int, run_dir: Path, deadline: float, grac
         publish(run_dir / "done.json", {"status": 1})
         wait_stopped(run_dir, nodes, grace)
         return 1
-    publish(run_dir / "stopped" / f"node{node}.json", {"status": 1})
+    publish_stopped(run_dir, node, 1)
     # Node 0 reads failed/ and ends the job with 1; without it by then, end it from here.
     return 0 if wait_done(run_dir, deadline + grace) else 1
 
