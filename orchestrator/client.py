@@ -47,13 +47,18 @@ def key_hint(status: int, key_given: bool) -> str:
             f"(given: {'wrong' if key_given else 'none'})")
 
 
+# GET /v1/models gives up after this (the completion gate's and the tool loop's first question):
+# a frozen server is an error in seconds, not after the 600 s a request may take
+MODELS_TIMEOUT_S = 10.0
+
+
 async def first_model(client: httpx.AsyncClient, model: str = "") -> str:
     """The model to ask for: the first `GET /v1/models` lists, or `model` (`--model`) once the
     server lists it. Asked before any load even with `model` given, so that an unreachable server
     or a wrong key is one error, not one per request; a server without that route (404) is
     taken at its word for `model`."""
     try:
-        resp = await client.get("/v1/models", timeout=10.0)
+        resp = await client.get("/v1/models", timeout=MODELS_TIMEOUT_S)
     except httpx.HTTPError as exc:
         raise ServerError(
             f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}. Is the server running?"

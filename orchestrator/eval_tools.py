@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import openai
 
+import orchestrator.client
 from orchestrator.client import ServerError, key_hint, pick_model
 from orchestrator.eval import EvalResult
 from orchestrator.progress import Progress
@@ -40,17 +41,12 @@ def _thought(message: Any, enable_thinking: bool) -> bool:
     return bool(_reasoning(message).strip()) and "<think>" not in (message.content or "")
 
 
-# GET /v1/models gives up after this: a frozen server is an error in seconds, not after the
-# 600 s a turn may take
-MODELS_TIMEOUT_S = 10.0
-
-
 async def first_model_id(client: openai.AsyncOpenAI, model: str = "") -> str:
     """What orchestrator.client.first_model says, through the openai client: asked before any
     problem even with `model` given."""
     url = str(client.base_url).rstrip("/").removesuffix("/v1")
     try:
-        page = await client.models.list(timeout=MODELS_TIMEOUT_S)
+        page = await client.models.list(timeout=orchestrator.client.MODELS_TIMEOUT_S)
     except openai.APIConnectionError as exc:  # APITimeoutError among them
         raise ServerError(f"cannot reach {url}: {type(exc).__name__}: {str(exc).rstrip('.')}. "
                           "Is the server running?") from None

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from orchestrator import eval_tools
+import orchestrator.client
 from orchestrator.cli import main
 from tests.orchestrator.chat_double import ChatDouble, ChatDoubleState
 from tests.orchestrator.openai_double import DoubleState, OpenAIDouble
@@ -86,7 +86,7 @@ def test_a_server_that_never_answers_is_exit_2_not_a_wait_of_the_request_timeout
     """A listening socket that nobody accepts (a frozen gateway): the model question gives up
     after its own timeout (10 s; 1 s here), as the completion gate's does, not after the 600 s
     of a request."""
-    monkeypatch.setattr(eval_tools, "MODELS_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(orchestrator.client, "MODELS_TIMEOUT_S", 1.0)
     with socket.socket() as frozen:
         frozen.bind(("127.0.0.1", 0))
         frozen.listen(8)
