@@ -35,13 +35,12 @@ from transfer.manager import KVTransferManager  # noqa: E402
 from transfer.plan import plan_pages, split_ranges  # noqa: E402
 from transfer.room import RoomState  # noqa: E402
 
+# an 8B-class GQA model (Llama-3-8B / Qwen3-8B shapes): 36 layers, 8 kv heads, head_dim 128, bf16
+_8B = dict(num_layers=36, num_kv_heads_total=8, head_dim=128, dtype="bfloat16", page_size=16)
 LAYOUTS = {
-    # an 8B-class GQA model (Llama-3-8B / Qwen3-8B shapes):
-    # 36 layers, 8 kv heads, head_dim 128, bf16
-    "8b": dict(num_layers=36, num_kv_heads_total=8, head_dim=128, dtype="bfloat16", page_size=16),
+    "8b": _8B,
     # the same with FP8 KV (`cache.kv_cache_dtype: fp8_e4m3`): one byte an element
-    "8b-fp8": dict(num_layers=36, num_kv_heads_total=8, head_dim=128, dtype="float8_e4m3fn",
-                   page_size=16),
+    "8b-fp8": _8B | dict(dtype="float8_e4m3fn"),
     # the embedded tiny model
     "tiny": dict(num_layers=4, num_kv_heads_total=2, head_dim=32, dtype="float32", page_size=16),
 }
